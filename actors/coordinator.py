@@ -1,0 +1,722 @@
+"""The coordinator: membership, plans, the job's state machine, reports and the run directory.
+
+One per job run, named `<job name>` in the namespace `orchestrator` so that any process can
+attach. It hosts the TCPStore that groups rendezvous on (bound to the node's address), starts
+the detached worker actors, publishes plans, and supervises: it `await`s each worker's
+`watch()` (which returns when `run()` ends, and raises when the process dies), so a death is
+seen within tens of milliseconds and the membership epoch is aborted on every other member.
+It is not on the per-step data path: workers report progress in batches.
+
+States: STARTING -> RUNNING -> (RESHAPING -> RUNNING)* -> STOPPING -> STOPPED / FINISHED /
+FAILED. Every transition is an `Event` with its reason, appended to `events.jsonl`; history
+records go to `history.jsonl`, each committed step exactly once.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import ray
+from ray.exceptions import ActorDiedError, RayActorError
+
+from actors.comm import serve_store
+from actors.plan import ParentWatch, Plan, Progress, WorkerSpec
+from actors.worker import WorkerActor
+from algorithms.membership import MemberView, batch_for, choose_leavers, free_slots, slot_index
+from orchestrator import checkpoints, runfiles
+from orchestrator.schema import TERMINAL_STATES, Event, JobConfig, JobStatus, MemberStatus, parse
+
+PROBE_S = 1.0
+"""How long a member may take to answer a probe after a collective failed."""
+OWNER_CHECK_S = 1.0
+LINGER_S = 600.0
+"""A finished coordinator stays this long for `status`, unless released earlier."""
+
+
+@dataclass
+class Member:
+    slot: str
+    handle: Any
+    pid: int = 0
+    node: str = ""
+    node_id: str = ""
+    state: str = "starting"
+    step: int = 0
+    last_report: float = 0.0
+    compute_s: float = 0.0
+    cause: str = ""
+    """Why the member is hung, retired or failed."""
+    evicted: Optional[tuple[str, str]] = None
+    """(detector, cause) when the coordinator killed it for hanging."""
+    join_reason: tuple[str, str, float] = ("", "", 0.0)
+    """(reason, detector, decided at) of the decision that started it."""
+    watch_task: Optional[asyncio.Task] = field(default=None, repr=False)
+    beat_task: Optional[asyncio.Task] = field(default=None, repr=False)
+
+
+class Coordinator:
+    def __init__(self, config: dict, run_id: str, run_dir: str, incarnation: int = 0, search_path: tuple[str, ...] = (),
+                 resume_from: Optional[str] = None, owner_job: Optional[str] = None) -> None:
+        self.search_path = tuple(search_path)
+        self._parent = ParentWatch()
+        self.resume_from = resume_from
+        self.cfg: JobConfig = parse(JobConfig, config)
+        self.config_dict = config
+        self.name = self.cfg.name
+        self.run_id = run_id
+        self.run_dir = Path(run_dir)
+        self.incarnation = incarnation
+        self.node_ip = ray.util.get_node_ip_address()
+        self.store, self.store_port, self._store_socket = serve_store(self.node_ip, self.cfg.comm.timeout_s)
+        self.state = "STARTING"
+        self.cause: Optional[str] = None
+        self.members: dict[str, Member] = {}
+        self.plans: dict[int, Plan] = {}
+        self.plan: Optional[Plan] = None
+        self.epoch = 0
+        self.step = 0
+        self.loss: Optional[float] = None
+        self.metrics: dict = {}
+        self.recent: list[tuple[float, int]] = []
+        self.events: list[Event] = []
+        self.fired_faults: set[int] = set(runfiles.read_json(self.run_dir / "faults_fired.json", []))
+        self.started = time.time()
+        self.running_since: Optional[float] = None
+        self.stop_kind: Optional[str] = None
+        self.target_count = self.cfg.workers.count
+        self.failures: dict[str, int] = {}
+        self._last_reform = 0.0
+        self._probing = False
+        self.owner_job: Optional[str] = owner_job
+        self._owner_checked = 0.0
+        self.departed: list[MemberStatus] = []
+        self.retired: dict[str, str] = {}
+        self.pending: list[dict] = []
+        """Reshapes decided but not yet followed by a committed step in their membership epoch."""
+        self._reshape_lock: Optional[asyncio.Lock] = None
+        self.outcomes: asyncio.Queue = None  # type: ignore[assignment]  # made on the event loop
+        self._main_task: Optional[asyncio.Task] = None
+        self._released: Optional[asyncio.Event] = None
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._history = open(self.run_dir / "history.jsonl", "a", encoding="utf-8")
+        self._events = open(self.run_dir / "events.jsonl", "a", encoding="utf-8")
+
+    # ------------------------------------------------------------------ public methods
+    async def start(self) -> dict:
+        if self._main_task is None:
+            self.outcomes = asyncio.Queue()
+            self._released = asyncio.Event()
+            self._reshape_lock = asyncio.Lock()
+            self._main_task = asyncio.get_running_loop().create_task(self._main())
+        return {"store_port": self.store_port, "node": self.node_ip, "pid": os.getpid()}
+
+    async def status(self) -> dict:
+        return self._status().to_dict()
+
+    async def history(self, since_step: int = 0) -> list[dict]:
+        return [r for r in runfiles.read_jsonl(self.run_dir / "history.jsonl") if r.get("step", 0) > since_step]
+
+    async def list_events(self) -> list[dict]:
+        return [e.to_dict() for e in self.events]
+
+    async def get_plan(self, version: int) -> Plan:
+        return self.plans[version]
+
+    async def report(self, progress: Progress) -> None:
+        member = self.members.get(progress.slot)
+        if member is not None:
+            member.step, member.last_report, member.compute_s = progress.step, time.time(), progress.compute_s
+        for record in progress.records:
+            try:
+                self._accept_record(record)
+            except Exception as err:  # noqa: BLE001 - one bad record must not drop the rest
+                self._event("info", f"could not record step {record.get('step')}: {type(err).__name__}: {err}")
+
+    async def fault_fired(self, index: int, slot: str, step: int, phase: str) -> None:
+        self.fired_faults.add(index)
+        runfiles.write_json_atomic(self.run_dir / "faults_fired.json", sorted(self.fired_faults))
+        self._event("fault", f"injected fault #{index} fires in {slot} at step {step} during {phase}",
+                    slot=slot, step=step, phase=phase, fired_at=time.time())
+
+    async def request_stop(self, reason: str = "stop requested") -> dict:
+        """Graceful stop: every member stops at the same committed step; state STOPPED."""
+        if self.state not in TERMINAL_STATES and self.stop_kind is None:
+            self.stop_kind = "STOPPED"
+            self.cause = reason
+            await self._stop_at_next_step(reason)
+        return self._status().to_dict()
+
+    async def scale(self, count: int) -> dict:
+        """Grow or shrink to `count` workers without restarting anyone; returns once decided."""
+        w = self.cfg.workers
+        if not w.min <= count <= w.max:
+            raise ValueError(f"scale: {count} workers is outside [workers.min, workers.max] = [{w.min}, {w.max}]")
+        if self.state not in ("RUNNING", "RESHAPING", "PAUSED"):
+            raise ValueError(f"scale: the job is {self.state}; only a running or paused job can be scaled")
+        self.target_count = count
+        await self._converge(f"scale to {count} requested", "scale request")
+        return self._status().to_dict()
+
+    async def state_received(self, slot: str, epoch: int, source: str, step: int) -> None:
+        """A member that was behind loaded the state broadcast by `source` at epoch start."""
+        for reshape in self.pending:
+            if reshape["membership_epoch"] == epoch:
+                reshape["state_sources"][slot] = {"source": source, "step": step}
+
+    async def release(self) -> None:
+        """Let a terminal coordinator exit now (the driver has read the result)."""
+        if self._released is not None:
+            self._released.set()
+
+    async def final_model(self) -> Optional[bytes]:
+        path = self.run_dir / "model.pt"
+        return path.read_bytes() if path.exists() else None
+
+    # ------------------------------------------------------------------ main task
+    async def _main(self) -> None:
+        try:
+            self._spawn([f"w{i}" for i in range(self.cfg.workers.count)], "initial membership", "start")
+            members = await self._first_members()
+            if self.resume_from:
+                await self._resume(members[0])
+            self._publish(members, "initial membership")
+            for slot in members:
+                self._start_run(self.members[slot])
+            self.running_since = time.time()
+            self.cause = None
+            self._transition("RUNNING", f"{len(members)} workers started and received the first plan")
+            asyncio.get_running_loop().create_task(self._heartbeats())
+            await self._supervise()
+        except Exception as err:  # noqa: BLE001 - the job fails with the cause, never hangs
+            if self.state not in TERMINAL_STATES:
+                await self._fail(f"coordinator error: {type(err).__name__}: {err}", detail={"traceback": traceback.format_exc()})
+        finally:
+            await self._linger()
+
+    async def _first_members(self) -> tuple[str, ...]:
+        """All `count` workers ready, or at least `min` after `start_grace_s`; PAUSED while fewer than `min` fit."""
+        w = self.cfg.workers
+        started = time.monotonic()
+        while True:
+            ready = sorted(self._slots_in("ready"), key=slot_index)
+            waited = time.monotonic() - started
+            if len(ready) >= w.count or (len(ready) >= w.min and waited >= w.start_grace_s):
+                return tuple(ready)
+            if not self._slots_in("starting", "ready") and not free_slots(w.max, set(), set(self.retired), 1):
+                raise RuntimeError(f"no slot left to start: {'; '.join(self.retired.values())}")
+            if len(ready) < w.min and waited >= w.pause_after_s and self.state == "STARTING":
+                self.cause = (f"waiting for resources: {len(ready)} of workers.min = {w.min} workers started within "
+                              f"{w.pause_after_s:g}s; the others wait for room ({w.cpus:g} CPUs, {w.gpus:g} GPUs each)")
+                self._transition("PAUSED", self.cause)
+            await asyncio.sleep(0.1)
+
+    def _slots_in(self, *states: str) -> list[str]:
+        return [slot for slot, m in self.members.items() if m.state in states]
+
+    async def _resume(self, slot: str) -> None:
+        path = Path(self.resume_from)
+        problem = await asyncio.to_thread(checkpoints.verify, path.with_suffix(".json"))
+        if problem:
+            raise RuntimeError(f"cannot resume from {path}: {problem}")
+        data = await asyncio.to_thread(path.read_bytes)
+        step = await asyncio.wrap_future(self.members[slot].handle.load_checkpoint.remote(data).future())
+        self.step = step
+        self._event("info", f"resumed from checkpoint at step {step} ({path})", checkpoint=str(path), step=step)
+
+    async def save_checkpoint(self, step: int, blob: bytes) -> None:
+        self._parent.exit_if_orphaned()
+        path = await asyncio.to_thread(checkpoints.save, self.run_dir, step, blob, self.cfg.checkpoint.keep)
+        self._event("checkpoint", f"checkpoint at step {step}", step=step, path=str(path), bytes=len(blob))
+
+    def _spawn(self, slots: list[str], reason: str, detector: str) -> None:
+        """Start worker actors; each is admitted by a plan once ready (imports done, data built)."""
+        decided = time.time()
+        for slot in slots:
+            member = Member(slot, None, state="starting", join_reason=(reason, detector, decided))
+            self.members[slot] = member
+            asyncio.get_running_loop().create_task(self._bring_up(member))
+
+    async def _bring_up(self, member: Member) -> None:
+        cfg = self.cfg.workers
+        name = f"{self.name}/{self.run_id}/{member.slot}"
+        for _ in range(200):  # a replacement waits for its slot's previous actor name to be released
+            try:
+                ray.get_actor(name, namespace=self.cfg.ray.namespace)
+            except ValueError:
+                break
+            await asyncio.sleep(0.05)
+        if self.state in TERMINAL_STATES or self.members.get(member.slot) is not member or member.state != "starting":
+            return
+        spec = WorkerSpec(self.name, self.run_id, member.slot, str(self.run_dir), self.name, self.cfg.ray.namespace,
+                          self.config_dict, self.search_path)
+        member.handle = WorkerActor.options(
+            name=name, namespace=self.cfg.ray.namespace, lifetime="detached",
+            num_cpus=cfg.cpus, num_gpus=cfg.gpus, max_restarts=0,
+            scheduling_strategy="SPREAD" if cfg.placement == "spread" else "DEFAULT",
+        ).remote(spec)
+        try:  # no timeout: Ray places the actor when there is room (the job may be PAUSED until then)
+            info = await asyncio.wrap_future(member.handle.ready.remote(tuple(sorted(self.fired_faults))).future())
+        except Exception as err:  # noqa: BLE001 - the worker could not start (user code in the factory, ...)
+            if self.members.get(member.slot) is member and member.state == "starting":
+                await self._slot_failed(member, "start", f"worker {member.slot} failed to start: {_first_line(err)}")
+            return
+        if self.members.get(member.slot) is not member or member.state != "starting":
+            return  # stopped or replaced meanwhile
+        member.pid, member.node, member.node_id, member.state = info["pid"], info["node"], info["node_id"], "ready"
+        await self._admit()
+
+    async def _admit(self) -> None:
+        """Admit ready workers with one plan, once there are at least `workers.min` members."""
+        if self.plan is None or self.state not in ("RUNNING", "RESHAPING", "PAUSED") or self.stop_kind is not None:
+            return
+        ready = sorted(self._slots_in("ready"), key=slot_index)
+        live = [s for s in self.plan.members if self.members[s].state == "training"]
+        if not ready or len(live) + len(ready) < self.cfg.workers.min:
+            return
+        decisions = {self.members[s].join_reason for s in ready}
+        if self.state != "PAUSED" and any(self.members[s].join_reason in decisions for s in self._slots_in("starting")):
+            return  # joiners of one decision are admitted together: one pause for the others, not several
+        reason, detector, decided = self.members[ready[0]].join_reason
+        self._reshape(tuple(live) + tuple(ready), reason, detector, decided, joiners=tuple(ready))
+        for slot in ready:
+            self._start_run(self.members[slot])
+
+    async def _slot_failed(self, member: Member, phase: str, cause: str) -> bool:
+        """Count a failure against the slot; retire it past its budget, else start it again. True if retired."""
+        slot = member.slot
+        self.failures[slot] = self.failures.get(slot, 0) + 1
+        budget = self.cfg.workers.failure_budget
+        if self.failures[slot] >= budget:
+            self.retired[slot] = f"retired after {self.failures[slot]} failures (workers.failure_budget = {budget}); last: {cause}"
+            member.state, member.cause = "retired", self.retired[slot]
+            if phase == "start":
+                self._depart(member)
+            self._event("retired", f"slot {slot} {self.retired[slot]}", slot=slot, failures=self.failures[slot])
+            return True
+        if phase == "start":
+            member.state, member.cause = "failed", cause
+            self._depart(member)
+            self._event("failure", cause, slot=slot, detector="start", failures=self.failures[slot])
+            await asyncio.sleep(1.0)
+            if self.state not in TERMINAL_STATES and self.stop_kind is None:
+                self._spawn([slot], f"restart {slot} after: {cause}", "replacement")
+        return False
+
+    def _start_run(self, member: Member) -> None:
+        member.handle.run.remote()
+        member.state = "training"
+        member.watch_task = asyncio.get_running_loop().create_task(self._watch(member, member.handle.watch.remote()))
+
+    async def _watch(self, member: Member, ref) -> None:
+        slot = member.slot
+        try:
+            outcome = await ref
+            kind = "finished" if outcome.get("ok") else "error"
+        except (ActorDiedError, RayActorError) as err:
+            outcome, kind = {"error": _first_line(err), "slot": slot}, "died"
+        except Exception as err:  # noqa: BLE001
+            outcome, kind = {"error": _first_line(err), "traceback": traceback.format_exc(), "slot": slot}, "error"
+        await self.outcomes.put((member, kind, outcome, time.time()))
+
+    async def _supervise(self) -> None:
+        while self.state not in TERMINAL_STATES:
+            try:
+                member, kind, outcome, seen = await asyncio.wait_for(self.outcomes.get(), 0.2)
+            except asyncio.TimeoutError:
+                self._parent.exit_if_orphaned()
+                await self._check_limits()
+                continue
+            await self._on_outcome(member, kind, outcome, seen)
+
+    async def _on_outcome(self, member: Member, kind: str, outcome: dict, seen: float) -> None:
+        slot = member.slot
+        if self.members.get(slot) is not member or member.state in DEPARTED:
+            return  # an earlier incarnation of a slot started again, or a member already handled
+        if kind == "finished":
+            if member.state == "leaving":
+                member.state = "left"
+                _kill(member.handle)
+                return
+            member.state = "finished"
+            if self.plan and all(self.members[s].state == "finished" for s in self.plan.members):
+                await self._finish()
+            return
+        if member.state in ("left", "stopped", "leaving"):
+            member.state = "left"  # it was on its way out: nothing to re-form
+            return
+        what = "died" if kind == "died" else "raised an exception"
+        detector, cause = member.evicted or ("actor death" if kind == "died" else "task error",
+                                             f"worker {slot} {what}: {outcome.get('error', '')}".strip())
+        hung = member.evicted is not None and member.evicted[0] in ("heartbeat", "step progress")
+        member.state = "hung" if hung else ("dead" if kind == "died" else "failed")
+        member.cause = cause
+        self._abort_epoch(cause)
+        detail = {"slot": slot, "detector": detector, "cause": outcome.get("error", ""), "seen_at": seen,
+                  "step": self.step, "membership_epoch": self.epoch}
+        if outcome.get("traceback"):
+            detail["traceback"] = outcome["traceback"]
+        survivors = tuple(s for s in self.plan.members if s != slot and self.members[s].state == "training")
+        if self.cfg.workers.on_failure == "fail" or not survivors:
+            if not survivors and self.cfg.workers.on_failure != "fail":
+                cause += "; no live worker holds the committed state any more (resume with --resume)"
+            detail["survivors"] = await self._survivor_states()
+            await self._fail(cause, detail=detail)
+            return
+        _kill(member.handle)
+        self._event("failure", cause, **detail)
+        retired = await self._slot_failed(member, "run", cause)
+        if retired:
+            member.state = "retired"
+        self._depart(member)
+        if len(survivors) >= self.cfg.workers.min:
+            self._reshape(survivors, cause, detector, detected_at=seen)
+        else:
+            self.cause = f"{len(survivors)} live workers, below workers.min = {self.cfg.workers.min}: waiting for replacements"
+            self._transition("PAUSED", self.cause)
+        if self.stop_kind is None:
+            asyncio.get_running_loop().create_task(self._converge(f"replace {slot}", "replacement"))
+
+    def _reshape(self, members: tuple[str, ...], reason: str, detector: str, detected_at: float,
+                 joiners: tuple[str, ...] = (), leavers: tuple[str, ...] = (), new_epoch: bool = False) -> Plan:
+        old = self.plan.members
+        if self.state in ("RUNNING", "PAUSED"):
+            self._transition("RESHAPING", reason)
+        plan = self._publish(members, reason, new_epoch=new_epoch)
+        self.pending.append({"membership_epoch": plan.membership_epoch, "old_members": list(old),
+                             "new_members": list(members), "joiners": list(joiners), "leavers": list(leavers),
+                             "reason": reason, "detector": detector, "decided_at": detected_at,
+                             "global_batch": plan.global_batch, "lr_scale": plan.lr_scale,
+                             "batch_mode": self.cfg.workers.batch_mode, "state_sources": {}})
+        return plan
+
+    async def _converge(self, reason: str, detector: str) -> None:
+        """Start or retire workers until the membership matches `target_count` (slots permitting)."""
+        async with self._reshape_lock:
+            if self.state not in ("RUNNING", "RESHAPING", "PAUSED") or self.stop_kind is not None:
+                return
+            live = [s for s in self.plan.members if self.members[s].state == "training"]
+            coming = self._slots_in("starting", "ready")
+            if len(live) + len(coming) < self.target_count:
+                taken = set(self._slots_in("training", "starting", "ready", "leaving"))
+                joiners = free_slots(self.cfg.workers.max, taken, set(self.retired), self.target_count - len(live) - len(coming))
+                if not joiners:
+                    self._event("info", f"{reason}: no free slot (retired: {', '.join(sorted(self.retired)) or 'none'})")
+                self._spawn(joiners, reason, detector)
+            elif len(live) > self.target_count and not coming:
+                views = [MemberView(s, self.members[s].compute_s) for s in live]
+                leavers = choose_leavers(views, len(live) - self.target_count, self.cfg.workers.scale_down)
+                for slot in leavers:
+                    self.members[slot].state = "leaving"
+                members = tuple(s for s in live if s not in leavers)
+                self._reshape(members, reason, detector, time.time(), leavers=tuple(leavers))
+
+    async def _heartbeats(self) -> None:
+        """Evict a worker that stops answering (SIGSTOP, frozen) or whose step never ends."""
+        period = min(1.0, self.cfg.workers.heartbeat_s / 4)
+        while self.state not in TERMINAL_STATES:
+            await asyncio.sleep(period)
+            for member in list(self.members.values()):
+                if member.state == "training" and member.evicted is None and (member.beat_task is None or member.beat_task.done()):
+                    member.beat_task = asyncio.get_running_loop().create_task(self._beat(member))
+
+    async def _beat(self, member: Member) -> None:
+        w = self.cfg.workers
+        try:
+            info = await asyncio.wait_for(asyncio.wrap_future(member.handle.heartbeat.remote().future()), w.heartbeat_s)
+        except asyncio.TimeoutError:
+            await self._evict(member, "heartbeat", f"worker {member.slot} did not answer the heartbeat for "
+                                                   f"{w.heartbeat_s:g}s (stopped or frozen)")
+            return
+        except Exception:  # noqa: BLE001 - a dead actor: its watch() reports it
+            return
+        stuck_after = self.cfg.comm.timeout_s + 2.0
+        if info["phase"] == "waiting" and info["phase_age_s"] > stuck_after and self.state in ("RUNNING", "RESHAPING"):
+            self._reform(f"worker {member.slot} has waited {info['phase_age_s']:.1f}s for a plan (its group did not form)")
+        if info["phase"] == "compute" and info["phase_age_s"] > w.hang_timeout_s:
+            await self._evict(member, "step progress", f"worker {member.slot}'s step {info['step']} has been computing "
+                                                       f"for {info['phase_age_s']:.1f}s (workers.hang_timeout_s = {w.hang_timeout_s:g})")
+
+    def _reform(self, reason: str) -> None:
+        """Publish the live membership again as a new epoch: members stuck after a failed formation re-form."""
+        if time.monotonic() - self._last_reform < self.cfg.comm.timeout_s:
+            return
+        self._last_reform = time.monotonic()
+        live = tuple(s for s in self.plan.members if self.members[s].state == "training")
+        if live:
+            self._reshape(live, reason, "collective failure", time.time(), new_epoch=True)
+
+    async def _evict(self, member: Member, detector: str, cause: str) -> None:
+        if member.state != "training" or member.evicted is not None:
+            return
+        member.evicted = (detector, cause)
+        self._event("info", f"evicting: {cause}", slot=member.slot, detector=detector)
+        if member.node == self.node_ip and member.pid:
+            try:  # a stopped process cannot answer Ray's kill request: signal it directly when local
+                os.kill(member.pid, signal.SIGKILL)
+            except OSError:
+                pass
+        _kill(member.handle)
+        # Handle it now: Ray may take many seconds to report an actor on a lost node as dead.
+        await self.outcomes.put((member, "died", {"error": cause}, time.time()))
+
+    async def collective_failed(self, slot: str, epoch: int, error: str) -> None:
+        """A member's collective failed: probe that epoch's members and evict any that do not answer."""
+        if epoch != self.epoch or self.state not in ("RUNNING", "RESHAPING") or self._probing:
+            return
+        self._probing = True
+        try:
+            members = [self.members[s] for s in self.plan.members if self.members[s].state == "training"]
+            answers = await asyncio.gather(*(self._probe(m) for m in members))
+            for member, alive in zip(members, answers):
+                if not alive:
+                    await self._evict(member, "collective failure",
+                                      f"worker {member.slot} did not answer after {slot}'s collective failed: {error[:160]}")
+        finally:
+            self._probing = False
+
+    async def _probe(self, member: Member) -> bool:
+        try:
+            await asyncio.wait_for(asyncio.wrap_future(member.handle.heartbeat.remote().future()), PROBE_S)
+            return True
+        except Exception:  # noqa: BLE001 - no answer, a dead actor or a lost node
+            return False
+
+    def _complete_reshapes(self, record: dict) -> None:
+        """A committed step in a reshape's epoch closes it: one `reshape` event with its duration."""
+        epoch = record.get("membership_epoch", 0)
+        for reshape in [r for r in self.pending if r["membership_epoch"] <= epoch]:
+            self.pending.remove(reshape)
+            reshape.update(first_committed_step=record["step"], first_step_at=record["time"],
+                           duration_s=record["time"] - reshape["decided_at"])
+            detail = dict(reshape, cause=reshape.pop("reason"))
+            self._event("reshape", f"{detail['cause']}: {detail['old_members']} -> {detail['new_members']} "
+                        f"({detail['detector']}, {detail['duration_s']:.2f}s)", **detail)
+        if not self.pending and self.state == "RESHAPING":
+            self.cause = None  # a pause, if there was one, is over
+            self._transition("RUNNING", f"membership epoch {epoch} committed step {record['step']}")
+
+    async def _survivor_states(self, settle_s: float = 1.0) -> dict:
+        """Each live member's (step, parameter checksum) once the abort has settled."""
+        await asyncio.sleep(settle_s)
+        live = {slot: m for slot, m in self.members.items() if m.state == "training"}
+        out = {}
+        for slot, member in live.items():
+            try:
+                info = await asyncio.wait_for(asyncio.wrap_future(member.handle.status.remote().future()), 3.0)
+                out[slot] = {"step": info["step"], "checksum": info["checksum"]}
+            except Exception as err:  # noqa: BLE001
+                out[slot] = {"error": _first_line(err)}
+        return out
+
+    async def _check_limits(self) -> None:
+        if self.state not in ("RUNNING", "RESHAPING", "PAUSED") or self.stop_kind is not None:
+            return
+        if self.owner_job and time.monotonic() - self._owner_checked >= OWNER_CHECK_S:
+            self._owner_checked = time.monotonic()
+            if await asyncio.to_thread(_job_is_dead, self.owner_job):
+                self.stop_kind = "STOPPED"
+                self.cause = "the process that owned this job (python -m orchestrator run) is gone"
+                await self._stop_at_next_step(self.cause)
+                return
+        if self.state == "PAUSED":
+            return
+        stop = self.cfg.stop
+        if stop.time_s is not None and self.running_since and time.time() - self.running_since >= stop.time_s:
+            self.stop_kind = "FINISHED"
+            await self._stop_at_next_step(f"time limit of {stop.time_s:g}s reached")
+
+    def _accept_record(self, record: dict) -> None:
+        step = int(record.get("step", 0))
+        if record.get("final"):  # evaluation after the last step: status only, not a history line
+            self.metrics.update(record.get("metrics", {}))
+            self._check_target()
+            return
+        if step <= self.step:
+            return  # every committed step appears exactly once
+        self.step = max(self.step, step)
+        if self.pending:
+            self._complete_reshapes(record)
+        if record.get("loss") is not None:
+            self.loss = record["loss"]
+        if record.get("metrics"):
+            self.metrics = dict(record["metrics"])
+        self.recent = [(t, s) for t, s in self.recent if t > record["time"] - 5.0] + [(record["time"], step)]
+        self._history.write(json.dumps(record) + "\n")
+        self._history.flush()
+        self._check_target()
+
+    def _check_target(self) -> None:
+        target = self.cfg.stop.target
+        if target is None or self.stop_kind is not None or target.metric not in self.metrics:
+            return
+        value = self.metrics[target.metric]
+        if (value >= target.value) if target.mode == "max" else (value <= target.value):
+            self.stop_kind = "FINISHED"
+            asyncio.get_running_loop().create_task(
+                self._stop_at_next_step(f"target reached: {target.metric} = {value:.4f} ({target.mode} {target.value})"))
+
+    async def _stop_at_next_step(self, reason: str) -> None:
+        self._event("info", reason)
+        if self.plan is None:
+            return
+        if self.state in ("RUNNING", "RESHAPING"):
+            self._transition("STOPPING", reason)
+        self._publish(self.plan.members, reason, stop_step=self.step + 1)
+        loop = asyncio.get_running_loop()
+        loop.create_task(self._force_stop_after(self.cfg.comm.timeout_s + 10.0))
+
+    async def _force_stop_after(self, delay: float) -> None:
+        await asyncio.sleep(delay)
+        if self.state not in TERMINAL_STATES:
+            await self._teardown()
+            kind = self.stop_kind or "STOPPED"
+            self._transition(kind, f"members did not stop within {delay:.0f}s; their actors were killed")
+            self._write_final()
+
+    # ------------------------------------------------------------------ plans
+    def _publish(self, members: tuple[str, ...], reason: str, stop_step: Optional[int] = None, new_epoch: bool = False) -> Plan:
+        version = len(self.plans) + 1
+        global_batch, lr_scale = batch_for(len(members), self.cfg.workload.batch_size, self.cfg.workers.count,
+                                           self.cfg.workers.batch_mode)
+        if self.plan is None or self.plan.members != members or new_epoch:
+            self.epoch += 1
+        plan = Plan(
+            version=version, membership_epoch=self.epoch, members=members,
+            group_name=f"{self.name}/{self.run_id}/c{self.incarnation}/e{self.epoch}",
+            store_host=self.node_ip, store_port=self.store_port, timeout_s=self.cfg.comm.timeout_s,
+            global_batch=global_batch, lr_scale=lr_scale,
+            backend="nccl" if self.cfg.workers.gpus > 0 and self.cfg.comm.backend != "gloo" else "gloo",
+            stop_step=stop_step, reason=reason)
+        self.plans[version] = plan
+        self.plan = plan
+        for member in self.members.values():  # leavers too: the plan is how they learn to leave
+            if member.state in LIVE + ("leaving",):
+                member.handle.set_plan.remote(plan)
+        return plan
+
+    def _abort_epoch(self, reason: str) -> None:
+        for member in self.members.values():
+            if member.state in LIVE + ("leaving",):
+                member.handle.abort_epoch.remote(self.epoch, reason)
+
+    # ------------------------------------------------------------------ endings
+    async def _finish(self) -> None:
+        rank0 = self.members.get(self.plan.members[0]) if self.plan else None
+        if rank0 is not None:
+            try:
+                blob = await asyncio.wait_for(asyncio.wrap_future(rank0.handle.final_state.remote().future()), 60)
+                runfiles.write_bytes_atomic(self.run_dir / "model.pt", blob)
+                if self.stop_kind == "STOPPED":  # a stopped job can be continued with --resume
+                    await asyncio.to_thread(checkpoints.save, self.run_dir, self.step, blob, self.cfg.checkpoint.keep)
+                    self._event("checkpoint", f"checkpoint at step {self.step} on stop", step=self.step)
+            except Exception as err:  # noqa: BLE001
+                self._event("info", f"could not fetch the final model from {rank0.slot}: {_first_line(err)}")
+        await self._teardown()
+        kind = self.stop_kind or "FINISHED"
+        if kind == "FINISHED":
+            self.cause = None
+        reason = self.cause or f"all members reached the stop step {self.step}"
+        self._transition(kind, reason)
+        self._write_final()
+
+    async def _fail(self, cause: str, detail: Optional[dict] = None) -> None:
+        self.cause = cause
+        self._event("failure", cause, **(detail or {}))
+        await self._teardown()
+        self._transition("FAILED", cause)
+        self._write_final()
+
+    async def _teardown(self) -> None:
+        for member in self.members.values():
+            _kill(member.handle)
+            if member.state not in DEPARTED:
+                member.state = "finished" if member.state == "finished" else "stopped"
+
+    def _write_final(self) -> None:
+        status = self._status()
+        runfiles.write_json_atomic(self.run_dir / "status.json", status.to_dict())
+        runfiles.publish_record(self.name, {"run_id": self.run_id, "run_dir": str(self.run_dir), "state": self.state})
+
+    async def _linger(self) -> None:
+        if self.owner_job and await asyncio.to_thread(_job_is_dead, self.owner_job):
+            self._released.set()  # its owner is gone: nobody will read the result from this actor
+        try:
+            await asyncio.wait_for(self._released.wait(), LINGER_S)
+        except asyncio.TimeoutError:
+            pass
+        self._history.close()
+        self._events.close()
+        ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
+
+    # ------------------------------------------------------------------ bookkeeping
+    def _transition(self, to: str, reason: str) -> None:
+        self._event("transition", reason, state_from=self.state, state_to=to)
+        self.state = to
+        if to in TERMINAL_STATES:
+            runfiles.publish_record(self.name, {"run_id": self.run_id, "run_dir": str(self.run_dir), "state": to})
+
+    def _event(self, kind: str, reason: str, state_from: Optional[str] = None, state_to: Optional[str] = None, **detail: Any) -> None:
+        event = Event(time=time.time(), kind=kind, reason=reason, state_from=state_from, state_to=state_to, detail=detail)
+        self.events.append(event)
+        self._events.write(json.dumps(event.to_dict()) + "\n")
+        self._events.flush()
+
+    def _member_status(self, m: Member) -> MemberStatus:
+        rank = self.plan.rank_of(m.slot) if self.plan else None
+        return MemberStatus(slot=m.slot, rank=-1 if rank is None or m.state in DEPARTED else rank, node=m.node,
+                            pid=m.pid, state=m.state, cause=m.cause, node_id=m.node_id,
+                            actor_id=m.handle._actor_id.hex() if m.handle is not None else "")
+
+    def _depart(self, member: Member) -> None:
+        self.departed = (self.departed + [self._member_status(member)])[-20:]
+
+    def _status(self) -> JobStatus:
+        plan = self.plan
+        members = tuple(self._member_status(m) for m in self.members.values())
+        throughput = None
+        if len(self.recent) >= 2 and self.recent[-1][0] > self.recent[0][0]:
+            throughput = (self.recent[-1][1] - self.recent[0][1]) / (self.recent[-1][0] - self.recent[0][0])
+        return JobStatus(name=self.name, run_id=self.run_id, state=self.state, step=self.step,
+                         membership_epoch=self.epoch, world_size=len(plan.members) if plan else 0, members=members,
+                         loss=self.loss, throughput=throughput, cause=self.cause, run_dir=str(self.run_dir),
+                         metrics=dict(self.metrics), reshapes=tuple(e for e in self.events if e.kind == "reshape"),
+                         departed=tuple(self.departed))
+
+
+DEPARTED = ("dead", "failed", "hung", "retired", "left")
+LIVE = ("training", "ready")
+"""Member states that take part in plans (a `leaving` member still gets the plan that drops it)."""
+
+
+def _job_is_dead(job_id: str) -> bool:
+    """Whether the Ray job (a driver) has ended; unknown counts as alive."""
+    try:
+        from ray._private.state import jobs
+
+        return any(j["JobID"] == job_id and j["IsDead"] for j in jobs())
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def _kill(handle) -> None:
+    if handle is None:
+        return
+    try:
+        ray.kill(handle, no_restart=True)
+    except Exception:  # noqa: BLE001 - already gone
+        pass
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return text[0][:500] if text else type(err).__name__
+
+
+CoordinatorActor = ray.remote(num_cpus=0)(Coordinator)

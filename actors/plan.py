@@ -1,0 +1,74 @@
+"""Small frozen dataclasses that cross actor boundaries: plans, worker specs, reports.
+
+Also `exit_if_orphaned`: Ray's actor processes live in process groups of their own, so when
+the raylet that started them is killed they can run on for seconds; an actor that finds its
+parent gone exits at once rather than keep training or writing checkpoints for a dead job.
+"""
+from __future__ import annotations
+
+import os
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What every member runs from the step at which the commit vote adopts it."""
+
+    version: int
+    """Increases with every publication (membership change, stop request, ...)."""
+    membership_epoch: int
+    members: tuple[str, ...]
+    """Slots in rank order."""
+    group_name: str
+    store_host: str
+    store_port: int
+    timeout_s: float
+    global_batch: int
+    backend: str = "gloo"
+    lr_scale: float = 1.0
+    """Multiplies the learning rate (linear scaling in `keep_worker` batch mode)."""
+    stop_step: Optional[int] = None
+    """Members stop once this committed step is reached (target metric, time limit, stop)."""
+    reason: str = ""
+
+    def rank_of(self, slot: str) -> Optional[int]:
+        return self.members.index(slot) if slot in self.members else None
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    job: str
+    run_id: str
+    slot: str
+    run_dir: str
+    coordinator: str
+    namespace: str
+    config: dict = field(default_factory=dict)
+    search_path: tuple[str, ...] = ()
+    """The driver's working directory: user workload modules are imported from there."""
+
+
+@dataclass(frozen=True)
+class Progress:
+    """A worker's batched report: its step now, and (rank 0) the history records since last time."""
+
+    slot: str
+    step: int
+    membership_epoch: int
+    time: float
+    records: tuple[dict, ...] = ()
+    compute_s: float = 0.0
+    """EWMA of this worker's compute time per step (forward + backward), for `scale_down: slowest`."""
+
+
+class ParentWatch:
+    """Remembers the parent (the raylet) at start; `exit_if_orphaned` leaves once it is gone."""
+
+    def __init__(self) -> None:
+        self.parent = os.getppid()
+
+    def exit_if_orphaned(self) -> None:
+        if os.getppid() != self.parent:
+            os._exit(1)

@@ -1,0 +1,156 @@
+"""Synchronous gradient all-reduce (BSP) over flat buckets launched from gradient hooks.
+
+Parameters are grouped into flat buckets of about `sync.bucket_mb`, by dtype, in reverse
+registration order (the order backward usually produces gradients). Each parameter's `.grad`
+is a view into its bucket, so autograd accumulates straight into the buffer. A bucket's
+all-reduce is launched from the post-accumulate-grad hook of its last gradient, strictly in
+bucket order (every rank must issue collectives in the same order), so communication overlaps
+the rest of the backward pass.
+
+The last bucket carries the step's *tail*: loss sum, sample count, failure flag and the plan
+vote. Reducing it with the gradients makes the commit vote free on the common path (no extra
+round trip per step); see actors/worker.py for how the vote is read. Gradients arrive already
+weighted by each rank's share of the global batch, so the SUM is the global-batch mean.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from algorithms.base import Algorithm, AlgorithmImpl, register
+
+
+@dataclass(frozen=True)
+class BucketPlan:
+    """Parameter indices per bucket, in launch order."""
+
+    buckets: tuple[tuple[int, ...], ...]
+
+
+def plan_buckets(sizes: list[tuple[int, torch.dtype]], bucket_bytes: int) -> BucketPlan:
+    """Group parameters (numel, dtype) into buckets in reverse order, one dtype per bucket."""
+    buckets: list[list[int]] = []
+    current: list[int] = []
+    current_bytes = 0
+    current_dtype: Optional[torch.dtype] = None
+    for index in reversed(range(len(sizes))):
+        numel, dtype = sizes[index]
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        if current and (dtype != current_dtype or current_bytes + nbytes > bucket_bytes):
+            buckets.append(current)
+            current, current_bytes = [], 0
+        current.append(index)
+        current_bytes += nbytes
+        current_dtype = dtype
+    if current:
+        buckets.append(current)
+    return BucketPlan(tuple(tuple(b) for b in buckets))
+
+
+class AllReduceImpl(AlgorithmImpl):
+    """Per-worker bucket state; buffers are rebuilt for every membership epoch."""
+
+    trace: Optional[list[tuple[str, int]]] = None
+    """When a list, hooks and launches append ("hook", param) / ("launch", bucket): for tests."""
+
+    def __init__(self, algorithm: Algorithm, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        super().__init__(algorithm, model, optimizer)
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.plan = plan_buckets([(p.numel(), p.dtype) for p in self.params], algorithm.bucket_bytes)
+        self.bucket_of = {}
+        for b, members in enumerate(self.plan.buckets):
+            for i in members:
+                self.bucket_of[i] = b
+        self.buffers: list[torch.Tensor] = []
+        self.tail_size = 0
+        self.sync_now = True
+        """False on the first micro-steps of gradient accumulation: hooks only accumulate."""
+        for index, param in enumerate(self.params):
+            param.register_post_accumulate_grad_hook(self._make_hook(index))
+        self._allocate(tail_size=0)
+
+    def _allocate(self, tail_size: int) -> None:
+        """Fresh buffers (old ones may still be written by a stuck collective)."""
+        self.tail_size = tail_size
+        self.buffers = []
+        self._ptrs: dict[int, int] = {}
+        for b, members in enumerate(self.plan.buckets):
+            extra = tail_size if b == len(self.plan.buckets) - 1 else 0
+            numel = sum(self.params[i].numel() for i in members) + extra
+            buf = torch.zeros(numel, dtype=self.params[members[0]].dtype)
+            offset = 0
+            for i in members:
+                p = self.params[i]
+                view = buf[offset:offset + p.numel()].view_as(p)
+                if p.grad is not None:
+                    view.copy_(p.grad)
+                p.grad = view
+                self._ptrs[i] = view.data_ptr()
+                offset += p.numel()
+            self.buffers.append(buf)
+        self.handles: list = [None] * len(self.buffers)
+        self.pending = [len(m) for m in self.plan.buckets]
+        self.next_launch = 0
+
+    def on_membership(self, comm) -> None:
+        super().on_membership(comm)
+        self._allocate(self.tail_size)
+
+    def begin_step(self, step: int, tail: torch.Tensor) -> None:
+        if tail.numel() != self.tail_size:
+            self._allocate(tail.numel())
+        for buf in self.buffers:
+            buf.zero_()
+        for i, p in enumerate(self.params):  # an optimizer may have replaced .grad
+            if p.grad is None or p.grad.data_ptr() != self._ptrs[i]:
+                self._allocate(self.tail_size)
+                break
+        self._tail_src = tail
+        self.pending = [len(m) for m in self.plan.buckets]
+        self.handles = [None] * len(self.buffers)
+        self.next_launch = 0
+
+    def _make_hook(self, index: int):
+        def hook(_param: torch.Tensor) -> None:
+            if self.trace is not None:
+                self.trace.append(("hook", index))
+            if not self.sync_now or self.comm is None:
+                return
+            b = self.bucket_of[index]
+            self.pending[b] -= 1
+            self._launch_ready()
+
+        return hook
+
+    def _launch_ready(self, force: bool = False) -> None:
+        while self.next_launch < len(self.buffers) and (force or self.pending[self.next_launch] <= 0):
+            b = self.next_launch
+            buf = self.buffers[b]
+            if b == len(self.buffers) - 1 and self.tail_size:
+                buf[-self.tail_size:] = self._tail_src
+            if self.trace is not None:
+                self.trace.append(("launch", b))
+            self.handles[b] = self.comm.all_reduce(buf)
+            self.next_launch += 1
+
+    def end_backward(self, step: int) -> None:
+        if self.comm is not None and self.sync_now:
+            self._launch_ready(force=True)
+
+    def finish_step(self, step: int) -> torch.Tensor:
+        if self.comm is None:
+            return self._tail_src
+        for handle in self.handles:
+            handle.wait()
+        return self.buffers[-1][-self.tail_size:].clone() if self.tail_size else self._tail_src
+
+
+@register
+class AllReduce(Algorithm):
+    """BSP: average gradients over all workers every step (ALGORITHMS.md section 1)."""
+
+    name = "bsp"
+    kind = "synchronous"
+    impl = AllReduceImpl

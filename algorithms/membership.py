@@ -1,0 +1,50 @@
+"""Membership decisions, pure: who leaves on scale-down, new slot ids, batch and LR per world size.
+
+The coordinator calls these with plain values and acts on the answer; they never touch Ray,
+so every rule is unit-tested in milliseconds.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class MemberView:
+    slot: str
+    compute_s: float
+    """EWMA of forward + backward time per step (0 when not yet measured)."""
+
+
+def slot_index(slot: str) -> int:
+    return int(slot[1:])
+
+
+def choose_leavers(members: list[MemberView], count: int, policy: str) -> list[str]:
+    """`newest`: the highest slot ids; `slowest`: the largest compute time (ties: newest)."""
+    if count <= 0:
+        return []
+    if policy == "slowest":
+        ranked = sorted(members, key=lambda m: (m.compute_s, slot_index(m.slot)), reverse=True)
+    else:
+        ranked = sorted(members, key=lambda m: slot_index(m.slot), reverse=True)
+    return [m.slot for m in ranked[:count]]
+
+
+def free_slots(max_workers: int, taken: set[str], retired: set[str], count: int) -> list[str]:
+    """Slots are positions w0..w{max-1}: the lowest ones neither taken nor retired.
+
+    A replacement takes the dead worker's slot back, so a slot's failures add up to its budget.
+    """
+    free = [f"w{i}" for i in range(max_workers) if f"w{i}" not in taken and f"w{i}" not in retired]
+    return free[:max(count, 0)]
+
+
+def batch_for(world: int, per_worker: int, initial_world: int, mode: str) -> tuple[int, float]:
+    """(global batch, LR scale) at this world size.
+
+    keep_global: the global batch of the initial world; each worker's share adjusts, LR unchanged.
+    keep_worker: each worker keeps its batch; the LR scales linearly with the world size.
+    """
+    if mode == "keep_worker":
+        return per_worker * world, world / initial_world
+    return per_worker * initial_world, 1.0

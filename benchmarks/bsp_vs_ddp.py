@@ -1,0 +1,248 @@
+"""BSP through the orchestrator vs plain torch DDP (gloo), and start-up vs Ray Train, side by side.
+
+Same workload on both sides: the digits MLP (hidden 128), 2 workers, per-worker batch 32, SGD
+(lr 0.05, momentum 0.9), 25 MiB buckets, one torch thread per worker, the same imports and the
+same global-batch sampler. Throughput is timed on rank 0 with the same timer (`time.time()`
+after each optimizer step) over steps 50..550, in alternating pairs (orchestrator, DDP, ...);
+the ratio is taken pair by pair and its median reported. Peak RSS: the largest worker process
+of each side (orchestrator workers polled with psutil while they run; DDP ranks report their
+own `ru_maxrss`). Start-up: from `ElasticJob.start()` to the first committed step, next to Ray
+Train's `TorchTrainer.fit()` to its first completed step, on the same workload and Ray.
+
+    python benchmarks/bsp_vs_ddp.py [--pairs 5] [--steps 550] [--startup-runs 3]
+
+Prints a table, then one JSON line. Figures are measurements, not gates.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+# The same imports on both sides.
+import numpy as np  # noqa: E402
+import psutil  # noqa: E402
+import torch  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+from actors.sampler import GlobalSampler, split_for_rank  # noqa: E402
+from orchestrator.workloads.digits import mlp  # noqa: E402
+
+WORKERS, PER_WORKER, HIDDEN, LR, MOMENTUM, BUCKET_MB, SEED = 2, 32, 128, 0.05, 0.9, 25.0, 0
+WINDOW = (50, 550)
+
+
+def log(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def steps_per_s(times: dict[int, float], first: int, last: int) -> float:
+    return (last - first) / (times[last] - times[first])
+
+
+# --------------------------------------------------------------------------- torch DDP
+def _ddp_rank(rank: int, port: int, steps: int, out_dir: str) -> None:
+    import resource
+
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, WORKERS, rank == 0)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=WORKERS)
+    torch.manual_seed(SEED)
+    workload = mlp(hidden=HIDDEN)
+    model = DistributedDataParallel(workload.model, bucket_cap_mb=BUCKET_MB)
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM, foreach=False)
+    x_all, y_all = workload.train_data.tensors
+    sampler = GlobalSampler(len(x_all), SEED)
+    global_batch = WORKERS * PER_WORKER
+    times = {}
+    for step in range(1, steps + 1):
+        ids = torch.from_numpy(split_for_rank(sampler.global_batch((step - 1) * global_batch, global_batch), rank, WORKERS))
+        opt.zero_grad(set_to_none=False)
+        F.cross_entropy(model(x_all[ids]), y_all[ids]).backward()
+        opt.step()
+        if rank == 0:
+            times[step] = time.time()
+    rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"times": times, "rss_mib": rss_mib}))
+    dist.destroy_process_group()
+
+
+def run_ddp(steps: int) -> dict:
+    with tempfile.TemporaryDirectory() as out, socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        s.close()
+        mp.spawn(_ddp_rank, args=(port, steps, out), nprocs=WORKERS, join=True)
+        ranks = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(WORKERS)]
+    times = {int(k): v for k, v in ranks[0]["times"].items()}
+    return {"steps_per_s": steps_per_s(times, *WINDOW), "rss_mib": max(r["rss_mib"] for r in ranks)}
+
+
+# --------------------------------------------------------------------------- orchestrator
+def _config(name: str, steps: int):
+    from orchestrator.config import config_from_dict
+
+    return config_from_dict({
+        "name": name, "seed": SEED, "workers": {"count": WORKERS, "cpus": 1},
+        "workload": {"factory": "orchestrator.workloads.digits:mlp", "params": {"hidden": HIDDEN}, "batch_size": PER_WORKER},
+        "optimizer": {"name": "sgd", "lr": LR, "momentum": MOMENTUM},
+        "sync": {"policy": "bsp", "bucket_mb": BUCKET_MB}, "stop": {"max_steps": steps}, "eval_every": 0,
+    })
+
+
+def run_orchestrator(name: str, steps: int) -> dict:
+    from orchestrator.job import ElasticJob
+
+    before = time.time()
+    job = ElasticJob(_config(name, steps)).start()
+    peak = {"rss": 0}
+    done = threading.Event()
+
+    def poll() -> None:
+        procs = []
+        while not procs and not done.is_set():  # the pids once (not a coordinator call per poll)
+            procs = [psutil.Process(m.pid) for m in job.status().members if m.pid]
+            done.wait(0.2)
+        while not done.is_set():
+            for proc in procs:
+                try:
+                    peak["rss"] = max(peak["rss"], proc.memory_info().rss)
+                except psutil.Error:  # the process ended mid-poll
+                    pass
+            done.wait(0.2)
+
+    poller = threading.Thread(target=poll, daemon=True)
+    poller.start()
+    result = job.wait(timeout=600)
+    done.set()
+    poller.join()
+    if result.state != "FINISHED":
+        raise RuntimeError(f"orchestrator run {name} ended {result.state}: {result.cause}")
+    times = {r["step"]: r["time"] for r in job.history()}
+    return {"steps_per_s": steps_per_s(times, *WINDOW), "rss_mib": peak["rss"] / 2**20,
+            "startup_s": times[1] - before}
+
+
+# --------------------------------------------------------------------------- Ray Train
+def _ray_train_loop(config: dict) -> None:
+    import torch.nn.functional as F
+    import ray.train
+    import ray.train.torch
+
+    torch.set_num_threads(1)
+    torch.manual_seed(SEED)
+    workload = mlp(hidden=HIDDEN)
+    model = ray.train.torch.prepare_model(workload.model)
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    x_all, y_all = workload.train_data.tensors
+    rank = ray.train.get_context().get_world_rank()
+    sampler = GlobalSampler(len(x_all), SEED)
+    global_batch = WORKERS * PER_WORKER
+    for step in range(1, config["steps"] + 1):
+        ids = torch.from_numpy(split_for_rank(sampler.global_batch((step - 1) * global_batch, global_batch), rank, WORKERS))
+        opt.zero_grad()
+        F.cross_entropy(model(x_all[ids]), y_all[ids]).backward()
+        opt.step()
+        if step == 1 and rank == 0:
+            Path(config["mark"]).write_text(repr(time.time()))
+
+
+def run_ray_train(storage: str) -> float:
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    mark = Path(tempfile.mkdtemp()) / "first_step"
+    trainer = TorchTrainer(_ray_train_loop, train_loop_config={"steps": 20, "mark": str(mark)},
+                           scaling_config=ScalingConfig(num_workers=WORKERS, use_gpu=False, resources_per_worker={"CPU": 1}),
+                           run_config=RunConfig(storage_path=storage, name=f"bench-{time.time_ns()}"))
+    before = time.time()
+    trainer.fit()
+    return float(mark.read_text()) - before
+
+
+# --------------------------------------------------------------------------- main
+def summarize(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)} if values else None
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--pairs", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=550)
+    parser.add_argument("--startup-runs", type=int, default=3)
+    args = parser.parse_args()
+    if args.steps < WINDOW[1]:  # a short trial run times what it has
+        globals()["WINDOW"] = (min(50, args.steps // 3), args.steps)
+
+    import ray
+
+    from orchestrator.job import NAMESPACE, ensure_token_env
+
+    os.environ.setdefault("ORCHESTRATOR_RUN_ROOT", tempfile.mkdtemp(prefix="bench-runs-"))
+    ensure_token_env()
+    ray.init(num_cpus=8, namespace=NAMESPACE, log_to_driver=False, logging_level="ERROR")
+
+    pairs = []
+    for i in range(args.pairs):
+        orch = run_orchestrator(f"bench-bsp-{i}", args.steps)
+        ddp = run_ddp(args.steps)
+        pairs.append({"orch": orch, "ddp": ddp, "ratio": orch["steps_per_s"] / ddp["steps_per_s"],
+                      "rss_ratio": orch["rss_mib"] / ddp["rss_mib"]})
+        log(f"pair {i + 1}/{args.pairs}: orchestrator {orch['steps_per_s']:.1f} steps/s, DDP {ddp['steps_per_s']:.1f} "
+            f"steps/s, ratio {pairs[-1]['ratio']:.3f}; RSS {orch['rss_mib']:.0f} vs {ddp['rss_mib']:.0f} MiB")
+
+    startup_orch = [p["orch"]["startup_s"] for p in pairs][: max(args.startup_runs, 1)]
+    startup_rt, rt_error = [], None
+    storage = tempfile.mkdtemp(prefix="bench-raytrain-")
+    for i in range(args.startup_runs):
+        try:
+            startup_rt.append(run_ray_train(storage))
+            log(f"Ray Train start-up {i + 1}/{args.startup_runs}: {startup_rt[-1]:.2f}s")
+        except Exception as err:  # noqa: BLE001 - report it rather than crash the table
+            rt_error = f"{type(err).__name__}: {err}"
+            log(f"Ray Train failed: {rt_error}")
+            break
+    ray.shutdown()
+
+    ratio = summarize([p["ratio"] for p in pairs])
+    rss_ratio = summarize([p["rss_ratio"] for p in pairs])
+    so, sr = summarize(startup_orch), summarize(startup_rt)
+    startup_ratio = so["median"] / sr["median"] if so and sr else None
+    rows = [
+        ("steps/s, orchestrator BSP", summarize([p["orch"]["steps_per_s"] for p in pairs])),
+        ("steps/s, torch DDP (gloo)", summarize([p["ddp"]["steps_per_s"] for p in pairs])),
+        ("steps/s ratio orchestrator / DDP", ratio),
+        ("peak worker RSS MiB, orchestrator", summarize([p["orch"]["rss_mib"] for p in pairs])),
+        ("peak worker RSS MiB, DDP", summarize([p["ddp"]["rss_mib"] for p in pairs])),
+        ("RSS ratio orchestrator / DDP", rss_ratio),
+        ("start-up s, start() -> first step", so),
+        ("start-up s, Ray Train fit() -> first step", sr),
+    ]
+    print(f"{'metric (median [min-max])':<44}{'value':>24}")
+    for label, s in rows:
+        value = f"{s['median']:.3f} [{s['min']:.3f}-{s['max']:.3f}]" if s else "n/a"
+        print(f"{label:<44}{value:>24}")
+    print(f"{'start-up ratio orchestrator / Ray Train':<44}{(f'{startup_ratio:.3f}' if startup_ratio else 'n/a'):>24}")
+    print(json.dumps({"benchmark": "bsp_vs_ddp", "pairs": args.pairs, "window": list(WINDOW), "workers": WORKERS,
+                      "steps_per_s_ratio_median": ratio["median"], "rss_ratio_median": rss_ratio["median"],
+                      "startup_ratio_vs_ray_train": startup_ratio, "startup_orchestrator_s": so, "startup_ray_train_s": sr,
+                      "ray_train_error": rt_error, "per_pair": pairs}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

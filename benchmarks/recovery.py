@@ -1,0 +1,237 @@
+"""Recovery from a worker death, side by side with Ray Train, and the cost of a live join.
+
+(a) A worker of a running job is SIGKILLed (the killer takes the timestamp). Orchestrator: time
+    to the survivors' next committed step, and committed steps lost (from history). Ray Train
+    (`TorchTrainer`, `FailureConfig(max_failures=...)`): the same kill of a training worker's
+    process, time to the next completed step after Ray Train restarts the group from its latest
+    checkpoint, and the steps it redoes. Same workload (digits MLP), same world size, same
+    checkpoint interval, in the same Ray, medians over `--events` kills each.
+(b) `scale()` to the joiner's first committed step, and the survivors' longest step during the join.
+
+    python benchmarks/recovery.py [--events 5] [--workers 3] [--checkpoint-every 50]
+
+Prints a table, then one JSON line. Figures are measurements, not gates.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+
+from actors.sampler import GlobalSampler, split_for_rank  # noqa: E402
+from orchestrator.workloads.digits import mlp  # noqa: E402
+
+PER_WORKER, HIDDEN, LR, SEED = 16, 64, 0.05, 0
+
+
+def log(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def wait_until(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+# --------------------------------------------------------------------------- orchestrator
+def orchestrator_side(events: int, workers: int, every: int) -> dict:
+    from orchestrator.config import config_from_dict
+    from orchestrator.job import ElasticJob
+
+    cfg = config_from_dict({
+        "name": "bench-recovery", "seed": SEED, "workers": {"count": workers, "max": workers + 1, "cpus": 1},
+        "workload": {"factory": "orchestrator.workloads.digits:mlp", "params": {"hidden": HIDDEN}, "batch_size": PER_WORKER},
+        "optimizer": {"lr": LR}, "checkpoint": {"every_steps": every}, "stop": {"max_steps": 10_000_000}, "eval_every": 0,
+    })
+    job = ElasticJob(cfg).start()
+    wait_until(lambda: job.status().step > 50, 120, "training")
+    delays, lost = [], []
+    for i in range(events):
+        status = job.status()
+        victim = [m for m in status.members if m.rank > 0 and m.state == "training"][i % (workers - 1)]
+        before = job.history()[-1]["step"]
+        killed_at = time.time()
+        os.kill(victim.pid, signal.SIGKILL)
+        first = wait_until(lambda: next((r for r in job.history() if r["time"] > killed_at
+                                         and r["world_size"] == workers - 1), None), 60, "survivors' next step")
+        delays.append(first["time"] - killed_at)
+        history = job.history()
+        lost.append(0 if [r["step"] for r in history] == list(range(1, len(history) + 1)) else -1)
+        log(f"orchestrator kill {i + 1}/{events}: next committed step {first['step']} after {delays[-1]:.3f}s "
+            f"(last step before the kill {before})")
+        wait_until(lambda: job.status().world_size == workers and job.status().state == "RUNNING", 120, "replacement")
+    # (b) a join
+    wait_until(lambda: job.status().step > job.history()[-1]["step"] - 1, 10, "steady")
+    decided = time.time()
+    job.scale(workers + 1)
+    joined = wait_until(lambda: next((e for e in job.events() if e["kind"] == "reshape"
+                                      and e["detail"]["detector"] == "scale request"), None), 120, "join")
+    first_step = joined["detail"]["first_committed_step"]
+    history = job.history()
+    times = {r["step"]: r["time"] for r in history}
+    around = [times[s + 1] - times[s] for s in range(first_step - 20, first_step + 20) if s in times and s + 1 in times]
+    job.stop()
+    return {"death_to_next_step_s": delays, "steps_lost": lost, "scale_to_first_step_s": joined["time"] - decided,
+            "join_decided_to_first_step_s": joined["detail"]["duration_s"], "longest_step_during_join_s": max(around)}
+
+
+# --------------------------------------------------------------------------- Ray Train
+def _ray_train_loop(config: dict) -> None:
+    import torch.nn.functional as F
+    import ray.train
+    import ray.train.torch
+    from ray.train import Checkpoint
+
+    torch.set_num_threads(1)
+    torch.manual_seed(SEED)
+    workload = mlp(hidden=HIDDEN)
+    model = ray.train.torch.prepare_model(workload.model)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    start = 0
+    restored = ray.train.get_checkpoint()
+    if restored is not None:
+        with restored.as_directory() as folder:
+            state = torch.load(Path(folder) / "state.pt", weights_only=True)
+        model.module.load_state_dict(state["model"]) if hasattr(model, "module") else model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        start = int(state["step"])
+    marks = Path(config["marks"])
+    Path(marks, f"pid-{rank}-{os.getpid()}").write_text(str(time.time()))
+    x_all, y_all = workload.train_data.tensors
+    sampler = GlobalSampler(len(x_all), SEED)
+    global_batch = world * PER_WORKER
+    for step in range(start + 1, config["steps"] + 1):
+        ids = torch.from_numpy(split_for_rank(sampler.global_batch((step - 1) * global_batch, global_batch), rank, world))
+        opt.zero_grad()
+        F.cross_entropy(model(x_all[ids]), y_all[ids]).backward()
+        opt.step()
+        if rank == 0:
+            with open(marks / "steps.txt", "a") as fh:
+                fh.write(f"{step} {time.time()}\n")
+        if step % config["every"] == 0:
+            with tempfile.TemporaryDirectory() as folder:
+                if rank == 0:
+                    inner = model.module if hasattr(model, "module") else model
+                    torch.save({"model": inner.state_dict(), "optimizer": opt.state_dict(), "step": step},
+                               Path(folder) / "state.pt")
+                ray.train.report({"step": step}, checkpoint=Checkpoint.from_directory(folder) if rank == 0 else None)
+
+
+def ray_train_side(events: int, workers: int, every: int) -> dict:
+    import threading
+
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    marks = Path(tempfile.mkdtemp(prefix="rt-marks-"))
+    trainer = TorchTrainer(
+        _ray_train_loop, train_loop_config={"steps": 10_000_000, "every": every, "marks": str(marks)},
+        scaling_config=ScalingConfig(num_workers=workers, use_gpu=False, resources_per_worker={"CPU": 1}),
+        run_config=RunConfig(storage_path=tempfile.mkdtemp(prefix="rt-store-"), name=f"recovery-{time.time_ns()}",
+                             failure_config=FailureConfig(max_failures=events + 2),
+                             checkpoint_config=CheckpointConfig(num_to_keep=2)))
+    runner = threading.Thread(target=lambda: _fit_quietly(trainer), daemon=True)
+    runner.start()
+
+    def steps() -> list[tuple[int, float]]:
+        path = marks / "steps.txt"
+        if not path.exists():
+            return []
+        return [(int(a), float(b)) for a, b in (line.split() for line in path.read_text().splitlines() if line.strip())]
+
+    wait_until(lambda: len(steps()) > 60, 300, "Ray Train to train")
+    delays, lost = [], []
+    for i in range(events):
+        pids = {}
+        for p in marks.glob("pid-*"):
+            _, rank, pid = p.name.split("-")
+            pids[int(rank)] = int(pid)  # the newest incarnation of each rank overwrites older ones
+        victim = pids[1 + i % (workers - 1)]
+        before = steps()[-1][0]
+        killed_at = time.time()
+        try:
+            os.kill(victim, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        after = wait_until(lambda: next(((s, t) for s, t in steps() if t > killed_at + 0.05 and s <= before + 1), None)
+                           or next(((s, t) for s, t in steps() if t > killed_at + 30), None), 300, "Ray Train to recover")
+        delays.append(after[1] - killed_at)
+        lost.append(before - (after[0] - 1))
+        log(f"Ray Train kill {i + 1}/{events}: next step {after[0]} after {delays[-1]:.2f}s, redoing {lost[-1]} steps")
+        for p in marks.glob("pid-*"):
+            p.unlink()
+        wait_until(lambda: len(list(marks.glob("pid-*"))) >= workers and steps()[-1][0] > after[0] + 60, 300, "steady")
+    return {"death_to_next_step_s": delays, "steps_lost": lost}
+
+
+def _fit_quietly(trainer) -> None:
+    try:
+        trainer.fit()
+    except Exception as err:  # noqa: BLE001 - the benchmark ends the run by shutting Ray down
+        log(f"Ray Train ended: {type(err).__name__}")
+
+
+# --------------------------------------------------------------------------- main
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--events", type=int, default=5)
+    parser.add_argument("--workers", type=int, default=3)
+    parser.add_argument("--checkpoint-every", type=int, default=50)
+    args = parser.parse_args()
+
+    import ray
+
+    from orchestrator.job import NAMESPACE, ensure_token_env
+
+    os.environ.setdefault("ORCHESTRATOR_RUN_ROOT", tempfile.mkdtemp(prefix="bench-runs-"))
+    ensure_token_env()
+    ray.init(num_cpus=8, namespace=NAMESPACE, log_to_driver=False, logging_level="ERROR")
+    orch = orchestrator_side(args.events, args.workers, args.checkpoint_every)
+    try:
+        rt, rt_error = ray_train_side(args.events, args.workers, args.checkpoint_every), None
+    except Exception as err:  # noqa: BLE001 - report it rather than crash the table
+        rt, rt_error = None, f"{type(err).__name__}: {err}"
+        log(f"Ray Train side failed: {rt_error}")
+    ray.shutdown()
+
+    o_med = statistics.median(orch["death_to_next_step_s"])
+    r_med = statistics.median(rt["death_to_next_step_s"]) if rt else None
+    rows = [
+        ("death -> next committed step, orchestrator (s)", f"{o_med:.3f} [{min(orch['death_to_next_step_s']):.3f}-{max(orch['death_to_next_step_s']):.3f}]"),
+        ("death -> next step, Ray Train (s)", f"{r_med:.2f} [{min(rt['death_to_next_step_s']):.2f}-{max(rt['death_to_next_step_s']):.2f}]" if rt else "n/a"),
+        ("speed-up (Ray Train / orchestrator)", f"{r_med / o_med:.1f}x" if rt else "n/a"),
+        ("committed steps lost per death, orchestrator", str(orch["steps_lost"])),
+        ("steps redone per death, Ray Train", str(rt["steps_lost"]) if rt else "n/a"),
+        ("scale() -> joiner's first committed step (s)", f"{orch['scale_to_first_step_s']:.2f}"),
+        ("survivors' longest step during the join (s)", f"{orch['longest_step_during_join_s']:.3f}"),
+    ]
+    print(f"{'metric (median [min-max])':<48}{'value':>28}")
+    for label, value in rows:
+        print(f"{label:<48}{value:>28}")
+    print(json.dumps({"benchmark": "recovery", "events": args.events, "workers": args.workers,
+                      "checkpoint_every": args.checkpoint_every, "orchestrator": orch, "ray_train": rt,
+                      "ray_train_error": rt_error, "speedup_median": (r_med / o_med) if rt else None}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,69 @@
+"""Disk checkpoints: atomic, verified, found again by `--resume`.
+
+A checkpoint is two files in `<run dir>/checkpoints/`: `step-NNNNNNNN.pt` (torch.save of the
+training state) and its manifest `step-NNNNNNNN.json` (step, size, sha256), each written with
+temp file + fsync + rename; the manifest goes last, so a checkpoint without one never counts.
+`newest_valid` walks every run of a job, newest first, and skips any checkpoint whose bytes do
+not match its manifest (truncated, corrupted) with a warning. Checkpoints are for whole-job
+restarts; single-worker churn never touches the disk.
+"""
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+from orchestrator import runfiles
+
+
+@dataclass(frozen=True)
+class CheckpointRef:
+    path: Path
+    step: int
+    run_id: str
+
+
+def save(run_dir: Path, step: int, blob: bytes, keep: int) -> Path:
+    folder = Path(run_dir) / "checkpoints"
+    data_path = folder / f"step-{step:08d}.pt"
+    runfiles.write_bytes_atomic(data_path, blob)
+    runfiles.write_json_atomic(data_path.with_suffix(".json"), {
+        "step": step, "file": data_path.name, "bytes": len(blob),
+        "sha256": hashlib.sha256(blob).hexdigest(), "time": time.time(), "run_id": Path(run_dir).name})
+    for old in sorted(folder.glob("step-*.json"))[:-keep]:
+        old.with_suffix(".pt").unlink(missing_ok=True)
+        old.unlink(missing_ok=True)
+    return data_path
+
+
+def verify(manifest_path: Path) -> Optional[str]:
+    """None when the checkpoint is whole, else why it is not."""
+    manifest = runfiles.read_json(manifest_path)
+    if not isinstance(manifest, dict) or "sha256" not in manifest:
+        return "unreadable manifest"
+    data_path = manifest_path.with_name(manifest.get("file", ""))
+    try:
+        data = data_path.read_bytes()
+    except OSError as err:
+        return f"cannot read {data_path.name}: {err.strerror}"
+    if len(data) != manifest.get("bytes"):
+        return f"{data_path.name} has {len(data)} bytes, manifest says {manifest.get('bytes')}"
+    if hashlib.sha256(data).hexdigest() != manifest["sha256"]:
+        return f"{data_path.name} does not match its sha256"
+    return None
+
+
+def newest_valid(job_root: Path, warn: Callable[[str], None] = print) -> Optional[CheckpointRef]:
+    """The newest whole checkpoint over all runs of a job (by step, then by write time)."""
+    manifests = []
+    for path in Path(job_root).glob("*/checkpoints/step-*.json"):
+        info = runfiles.read_json(path) or {}
+        manifests.append((int(info.get("step", -1)), float(info.get("time", 0.0)), path))
+    for step, _, path in sorted(manifests, reverse=True):
+        problem = verify(path)
+        if problem is None:
+            return CheckpointRef(path.with_suffix(".pt"), step, path.parent.parent.name)
+        warn(f"warning: skipping checkpoint {path.with_suffix('.pt')}: {problem}")
+    return None

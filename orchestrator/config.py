@@ -1,0 +1,109 @@
+"""YAML -> validated `JobConfig`: file reading, `--set key=value` overrides, factory checks.
+
+Validation happens here, before any Ray call or process group, so that every mistake a user
+can make in a config is reported as one `ConfigError` line naming the key (or the YAML line
+and column) and nothing has started or been written.
+"""
+from __future__ import annotations
+
+import copy
+import importlib
+import os
+import sys
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping, Union
+
+import yaml
+
+from orchestrator.schema import ConfigError, JobConfig, parse
+
+Overrides = Union[Mapping[str, Any], Iterable[str]]
+
+
+def load_config(path: Union[str, os.PathLike], overrides: Overrides = ()) -> JobConfig:
+    """Read a YAML config, apply `key.sub=value` overrides, validate everything."""
+    raw = read_yaml(Path(path))
+    return config_from_dict(raw, overrides)
+
+
+def config_from_dict(raw: Any, overrides: Overrides = ()) -> JobConfig:
+    """Validate a plain mapping (the YAML's content) with overrides applied."""
+    if raw is None:
+        raise ConfigError("config: the file is empty; it needs at least name, workload and stop")
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config: the top level must be a mapping of keys, got {type(raw).__name__}")
+    data = copy.deepcopy(raw)
+    for key, value in _override_items(overrides):
+        _set_path(data, key, value)
+    for required in ("name", "workload"):
+        if required not in data:
+            raise ConfigError(f"{required}: missing; every config needs name, workload and stop")
+    config = parse(JobConfig, data)
+    check_factory(config.workload.factory)
+    if config.run_dir is not None:
+        config.run_dir = str(Path(config.run_dir).expanduser().resolve())
+    return config
+
+
+def read_yaml(path: Path) -> Any:
+    if not path.is_file():
+        raise ConfigError(f"config: file not found: {path}")
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return yaml.safe_load(fh)
+    except yaml.MarkedYAMLError as err:
+        mark = err.problem_mark or err.context_mark
+        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "unknown position"
+        raise ConfigError(f"{path}: YAML syntax error at {where}: {err.problem or err.context}") from None
+    except (yaml.YAMLError, UnicodeDecodeError) as err:
+        raise ConfigError(f"{path}: cannot parse YAML: {str(err).splitlines()[0]}") from None
+
+
+def _override_items(overrides: Overrides) -> list[tuple[str, Any]]:
+    if isinstance(overrides, Mapping):
+        return list(overrides.items())
+    items = []
+    for text in overrides:
+        if "=" not in text:
+            raise ConfigError(f"--set {text!r}: expected key.sub=value")
+        key, _, value = text.partition("=")
+        try:
+            items.append((key.strip(), yaml.safe_load(value) if value.strip() else None))
+        except yaml.YAMLError:
+            raise ConfigError(f"--set {key}: cannot parse value {value!r} as YAML") from None
+    return items
+
+
+def _set_path(data: dict, dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    if not all(parts):
+        raise ConfigError(f"--set {dotted!r}: empty key segment")
+    node = data
+    for i, part in enumerate(parts[:-1]):
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            raise ConfigError(f"{'.'.join(parts[: i + 1])}: is not a mapping, cannot set {dotted}")
+        node = child
+    node[parts[-1]] = value
+
+
+def check_factory(spec: str) -> Callable[..., Any]:
+    """Import `module:function` (cwd first on sys.path, as under `ray job submit`)."""
+    module_name, _, attr = spec.partition(":")
+    cwd = os.getcwd()
+    if cwd not in sys.path:
+        sys.path.insert(0, cwd)
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as err:  # noqa: BLE001 - any import failure is bad input
+        raise ConfigError(f"workload.factory: cannot import module {module_name!r}: {type(err).__name__}: {err}") from None
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise ConfigError(f"workload.factory: module {module_name!r} has no function {attr!r}")
+    return factory
+
+
+def default_run_root() -> Path:
+    return Path(os.environ.get("ORCHESTRATOR_RUN_ROOT", Path.home() / "orchestrator-runs")).expanduser().resolve()

@@ -1,0 +1,257 @@
+"""`ElasticJob`: the one driver-side API that the CLI, notebooks and tests share.
+
+`start()` connects to Ray (a local Ray sized for the job when there is no address and no
+existing connection), creates the detached coordinator named after the job in the
+`orchestrator` namespace, and returns at once. `attach(name)` reaches a running job from any
+process without re-initializing Ray. After the coordinator is gone, `status()`, `history()`,
+`events()` and `model()` read the run directory, found through Ray's KV store.
+"""
+from __future__ import annotations
+
+import io
+import math
+import os
+import secrets
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+import ray
+import torch
+import yaml
+
+from orchestrator import runfiles
+from orchestrator.config import check_factory, default_run_root
+from orchestrator.schema import TERMINAL_STATES, ConfigError, JobConfig, JobResult, JobStatus, OrchestratorError, parse
+
+NAMESPACE = "orchestrator"
+POLL_S = 0.2
+
+
+def ensure_token_env() -> None:
+    """Ray >= 2.60 enables token auth; a client in another process needs RAY_AUTH_MODE=token."""
+    if "RAY_AUTH_MODE" in os.environ or not (Path.home() / ".ray" / "auth_token").exists():
+        return
+    try:  # sets the variable and refreshes Ray's cached config in this process
+        from ray._private.authentication.authentication_token_setup import _enable_token_auth
+
+        _enable_token_auth()
+    except ImportError:
+        os.environ["RAY_AUTH_MODE"] = "token"
+
+
+def connect(config: Optional[JobConfig] = None, address: Optional[str] = None, start_local: bool = True) -> None:
+    """Reuse an existing connection; else connect to `address`; else start a local Ray."""
+    if ray.is_initialized():
+        return
+    ensure_token_env()
+    address = address or (config.ray.address if config else None) or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, logging_level="ERROR")
+        return
+    if not start_local:
+        raise OrchestratorError("no Ray cluster to attach to: pass --address or set RAY_ADDRESS")
+    workers = config.workers if config else None
+    wanted = math.ceil((workers.max or workers.count) * workers.cpus) if workers else 1
+    num_cpus = max(config.ray.num_cpus or 0 if config else 0, wanted, 1)
+    ray.init(num_cpus=num_cpus, namespace=NAMESPACE, log_to_driver=False, include_dashboard=False,
+             logging_level="ERROR")
+
+
+def job_root(config: JobConfig) -> Path:
+    """`<run root>/<job name>`: every run of this job has a folder below it."""
+    return (Path(config.run_dir) if config.run_dir else default_run_root()) / config.name
+
+
+def _head_resources() -> dict:
+    return {"node:__internal_head__": 0.001}
+
+
+class ElasticJob:
+    def __init__(self, config: JobConfig, resume_from: Optional[str] = None) -> None:
+        """`resume_from`: a checkpoint file (see `orchestrator.checkpoints.newest_valid`)."""
+        self.config = config
+        self.resume_from = str(resume_from) if resume_from else None
+        self.name = config.name
+        self.run_id: Optional[str] = None
+        self.run_dir: Optional[Path] = None
+        self._coordinator = None
+        self._result: Optional[JobResult] = None
+        self._started_at: Optional[float] = None
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self, owned: bool = False) -> "ElasticJob":
+        """Start the job and return at once (the job runs in detached actors).
+
+        `owned=True` (what `python -m orchestrator run` does without --detach) ties the job to this
+        process: if it is killed, the coordinator stops the job cleanly with a checkpoint.
+        """
+        from actors.coordinator import CoordinatorActor
+
+        self._started_at = time.time()
+        connect(self.config)
+        old = _find_coordinator(self.name)
+        if old is not None:
+            state = _safe_status(old)
+            if state is not None and state.get("state") not in TERMINAL_STATES:
+                raise OrchestratorError(f"a job named {self.name!r} is already running; stop it first "
+                                        f"(python -m orchestrator stop {self.name}) or choose another name")
+            ray.kill(old, no_restart=True)
+            _wait_gone(self.name, 10.0)
+        self.run_id = time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(2)
+        self.run_dir = job_root(self.config) / self.run_id
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        runfiles.write_bytes_atomic(self.run_dir / "config.yaml", yaml.safe_dump(self.config.to_dict(), sort_keys=False).encode())
+        self._coordinator = CoordinatorActor.options(
+            name=self.name, namespace=NAMESPACE, lifetime="detached", resources=_head_resources(),
+        ).remote(self.config.to_dict(), self.run_id, str(self.run_dir), 0, (os.getcwd(),), self.resume_from,
+                 ray.get_runtime_context().get_job_id() if owned else None)
+        ray.get(self._coordinator.start.remote())
+        return self
+
+    @classmethod
+    def attach(cls, name: str, address: Optional[str] = None) -> "ElasticJob":
+        """Reach a job by name from any process; never starts a new Ray."""
+        connect(None, address, start_local=False)
+        coordinator = _find_coordinator(name)
+        record = runfiles.lookup_record(name)
+        if coordinator is None and record is None:
+            raise OrchestratorError(f"no job named {name!r} on this Ray cluster")
+        if coordinator is not None:
+            status = JobStatus.from_dict(ray.get(coordinator.status.remote(), timeout=30))
+            run_dir = Path(status.run_dir)
+        else:
+            run_dir = Path(record["run_dir"])
+        config = parse(JobConfig, yaml.safe_load((run_dir / "config.yaml").read_text()))
+        job = cls(config)
+        job._coordinator = coordinator
+        job.run_dir = run_dir
+        job.run_id = run_dir.name
+        return job
+
+    def status(self) -> JobStatus:
+        if self._coordinator is not None:
+            try:
+                return JobStatus.from_dict(ray.get(self._coordinator.status.remote(), timeout=30))
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                self._coordinator = None
+        data = runfiles.read_json(self.run_dir / "status.json") if self.run_dir else None
+        if data is None:
+            raise OrchestratorError(f"job {self.name!r}: the coordinator is gone and left no final status in {self.run_dir}")
+        return JobStatus.from_dict(data)
+
+    def wait(self, timeout: Optional[float] = None, on_status: Optional[Callable[[JobStatus], None]] = None) -> JobResult:
+        """Block until the job ends (or `timeout` seconds pass: TimeoutError)."""
+        if self._result is not None:
+            return self._result
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            status = self.status()
+            if on_status is not None:
+                on_status(status)
+            if status.state in TERMINAL_STATES:
+                break
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"job {self.name!r} still {status.state} after {timeout}s")
+            time.sleep(POLL_S)
+        started = self._started_at or min((e["time"] for e in self.events()), default=time.time())
+        self._result = JobResult(name=self.name, run_id=status.run_id, state=status.state, step=status.step,
+                                 cause=status.cause, metrics=status.metrics, run_dir=status.run_dir,
+                                 elapsed_s=time.time() - started)
+        self._release()
+        return self._result
+
+    def stop(self, reason: str = "stop requested", timeout: float = 60.0) -> JobStatus:
+        """Graceful stop at the next committed step; returns once every actor of the job is gone."""
+        if self._coordinator is not None:
+            try:
+                ray.get(self._coordinator.request_stop.remote(reason), timeout=30)
+            except ray.exceptions.RayActorError:
+                self._coordinator = None
+        deadline = time.monotonic() + timeout
+        while self._coordinator is not None and self.status().state not in TERMINAL_STATES:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"job {self.name!r} did not stop within {timeout}s")
+            time.sleep(POLL_S)
+        status = self.status()
+        self._release()
+        _wait_actors_gone([f"{self.name}/{status.run_id}/{m.slot}" for m in status.members], timeout=30.0)
+        return status
+
+    def scale(self, count: int) -> JobStatus:
+        """Grow or shrink the running job to `count` workers (within workers.min..max).
+
+        Returns once the coordinator has decided and published the new membership (joiners are
+        started and ready first); survivors switch at the next step the commit vote agrees on.
+        """
+        if self._coordinator is None:
+            raise OrchestratorError(f"job {self.name!r} is not running")
+        try:
+            return JobStatus.from_dict(ray.get(self._coordinator.scale.remote(int(count)), timeout=300))
+        except ValueError as err:
+            raise ConfigError(_remote_message(err)) from None
+
+    def _release(self) -> None:
+        if self._coordinator is not None:
+            try:
+                ray.get(self._coordinator.release.remote(), timeout=10)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+            _wait_gone(self.name, 10.0)
+            self._coordinator = None
+
+    # ------------------------------------------------------------------ results
+    def history(self) -> list[dict]:
+        return runfiles.read_jsonl(self.run_dir / "history.jsonl") if self.run_dir else []
+
+    def events(self) -> list[dict]:
+        return runfiles.read_jsonl(self.run_dir / "events.jsonl") if self.run_dir else []
+
+    def model(self) -> torch.nn.Module:
+        """The final model after `wait()` (for BSP, rank 0's replica, identical to the others)."""
+        path = self.run_dir / "model.pt" if self.run_dir else None
+        if path is None or not path.exists():
+            raise OrchestratorError(f"job {self.name!r} has no final model yet (state {self.status().state})")
+        state = torch.load(io.BytesIO(path.read_bytes()), weights_only=True)
+        torch.manual_seed(self.config.seed)
+        workload = check_factory(self.config.workload.factory)(**self.config.workload.params)
+        workload.model.load_state_dict(state["model"])
+        return workload.model
+
+
+def _remote_message(err: BaseException) -> str:
+    """The original message of an exception raised inside an actor (without Ray's traceback)."""
+    cause = getattr(err, "cause", None) or err
+    lines = [line for line in str(cause).strip().splitlines() if line.strip()]
+    return lines[-1] if lines else type(cause).__name__
+
+
+def _find_coordinator(name: str):
+    try:
+        return ray.get_actor(name, namespace=NAMESPACE)
+    except ValueError:
+        return None
+
+
+def _safe_status(handle) -> Optional[dict]:
+    try:
+        return ray.get(handle.status.remote(), timeout=10)
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def _wait_actors_gone(names: list[str], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    for name in names:
+        while time.monotonic() < deadline:
+            try:
+                ray.get_actor(name, namespace=NAMESPACE)
+            except ValueError:
+                break
+            time.sleep(0.1)
+
+
+def _wait_gone(name: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while _find_coordinator(name) is not None and time.monotonic() < deadline:
+        time.sleep(0.1)

@@ -1,0 +1,465 @@
+"""The one schema module: every config dataclass, plus the status, result and event types.
+
+Everything a user writes in YAML is parsed into the dataclasses here and validated before
+anything starts (no Ray, no process group). Everything the job reports back (`JobStatus`,
+`JobResult`, `Event`) is defined here too, so the driver, the actors and the CLI share one
+vocabulary. Errors are `ConfigError`s whose single line names the key, the bad value and
+what is allowed.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional, Union
+
+
+class OrchestratorError(Exception):
+    """Root of every error this package raises on purpose."""
+
+
+class ConfigError(OrchestratorError):
+    """Bad user input: a config key, a CLI argument or a YAML file. One line, names the key."""
+
+
+class FieldError(ValueError):
+    """Raised by a dataclass check; the parser prefixes the key path and turns it into ConfigError."""
+
+    def __init__(self, field_name: str, message: str) -> None:
+        super().__init__(message)
+        self.field_name = field_name
+        self.message = message
+
+
+# --------------------------------------------------------------------------- config
+@dataclass
+class WorkersConfig:
+    """How many worker actors, and what each one asks Ray for."""
+
+    count: int = 2
+    """Workers started at launch (and kept after failures when resources allow)."""
+    min: int = 1
+    """Below this many live workers the job pauses."""
+    max: Optional[int] = None
+    """Upper bound for `scale`; defaults to `count`."""
+    cpus: float = 1.0
+    """Logical CPUs per worker actor."""
+    gpus: float = 0.0
+    """GPUs per worker actor; > 0 selects NCCL."""
+    scale_down: Literal["newest", "slowest"] = "newest"
+    """Which workers leave on scale-down."""
+    placement: Literal["pack", "spread"] = "pack"
+    """Ray scheduling strategy for worker actors."""
+    failure_budget: int = 3
+    """Failures a slot may have before it is retired."""
+    batch_mode: Literal["keep_global", "keep_worker"] = "keep_global"
+    """On a reshape: keep the global batch (each worker's share adjusts), or keep the per-worker
+    batch and scale the learning rate linearly with the world size."""
+    on_failure: Literal["reshape", "fail"] = "reshape"
+    """A dead or raising worker: re-form without it and start a replacement, or fail the job."""
+    heartbeat_s: float = 10.0
+    """A worker that does not answer the coordinator's heartbeat for this long (stopped, frozen) is evicted."""
+    hang_timeout_s: float = 300.0
+    """A worker whose step has been computing for this long (a loop that never ends) is evicted."""
+    start_grace_s: float = 30.0
+    """At start, wait this long for all `count` workers before starting with at least `min`."""
+    pause_after_s: float = 10.0
+    """At start, the job is PAUSED once fewer than `min` workers could be placed for this long."""
+
+    def __post_init__(self) -> None:
+        if self.max is None:
+            self.max = self.count
+        if self.count < 1:
+            raise FieldError("count", f"must be at least 1, got {self.count}")
+        if self.min < 1:
+            raise FieldError("min", f"must be at least 1, got {self.min}")
+        if self.min > self.max:
+            raise FieldError("min", f"min ({self.min}) must not exceed max ({self.max})")
+        if not self.min <= self.count <= self.max:
+            raise FieldError("count", f"must lie in [min, max] = [{self.min}, {self.max}], got {self.count}")
+        if self.cpus < 0 or self.gpus < 0:
+            raise FieldError("cpus" if self.cpus < 0 else "gpus", "must not be negative")
+        if self.failure_budget < 1:
+            raise FieldError("failure_budget", f"must be at least 1, got {self.failure_budget}")
+        for knob in ("heartbeat_s", "hang_timeout_s", "start_grace_s", "pause_after_s"):
+            if getattr(self, knob) <= 0:
+                raise FieldError(knob, f"must be positive, got {getattr(self, knob)}")
+
+
+@dataclass
+class WorkloadConfig:
+    """The model, data and loss: `factory(**params)` returns a workload object."""
+
+    factory: str = ""
+    """`module:function`, importable from the job's working directory."""
+    params: dict = field(default_factory=dict)
+    """Keyword arguments for the factory."""
+    batch_size: int = 32
+    """Per-worker batch size at the starting world size."""
+
+    def __post_init__(self) -> None:
+        if not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", self.factory or ""):
+            raise FieldError("factory", f"must look like 'package.module:function', got {self.factory!r}")
+        if self.batch_size < 1:
+            raise FieldError("batch_size", f"must be at least 1, got {self.batch_size}")
+
+
+@dataclass
+class OptimizerConfig:
+    """Optimizer and learning-rate schedule (linear warm-up, then constant or cosine)."""
+
+    name: Literal["sgd", "adamw"] = "sgd"
+    lr: float = 0.1
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    nesterov: bool = False
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    schedule: Literal["constant", "cosine"] = "constant"
+    warmup_steps: int = 0
+    min_lr: float = 0.0
+    """Floor of the cosine schedule."""
+
+    def __post_init__(self) -> None:
+        if self.lr <= 0:
+            raise FieldError("lr", f"must be positive, got {self.lr}")
+        if self.momentum < 0 or self.weight_decay < 0:
+            raise FieldError("momentum" if self.momentum < 0 else "weight_decay", "must not be negative")
+        if self.nesterov and (self.name != "sgd" or self.momentum <= 0):
+            raise FieldError("nesterov", "needs name: sgd and momentum > 0")
+        if self.warmup_steps < 0:
+            raise FieldError("warmup_steps", f"must not be negative, got {self.warmup_steps}")
+
+
+@dataclass
+class SyncConfig:
+    """The synchronization policy and its knobs (which knobs apply depends on the policy)."""
+
+    policy: str = "bsp"
+    bucket_mb: float = 25.0
+    """Gradient bucket size in MiB for all-reduce policies."""
+    s: Optional[int] = None
+    r: Optional[int] = None
+    k: Optional[int] = None
+    h: Optional[int] = None
+    method: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        from algorithms.base import known_policies, policy_knobs
+
+        if self.policy not in known_policies():
+            raise FieldError("policy", f"unknown policy {self.policy!r}; available: {', '.join(known_policies())}")
+        for knob in ("s", "r", "k", "h", "method"):
+            if getattr(self, knob) is not None and knob not in policy_knobs(self.policy):
+                raise FieldError(knob, f"is not a knob of policy {self.policy!r}")
+        if self.bucket_mb <= 0:
+            raise FieldError("bucket_mb", f"must be positive, got {self.bucket_mb}")
+
+
+@dataclass
+class TopologyConfig:
+    kind: str = "ring"
+
+
+@dataclass
+class CompressionConfig:
+    codec: str = "none"
+
+    def __post_init__(self) -> None:
+        if self.codec != "none":
+            raise FieldError("codec", f"unknown codec {self.codec!r}; available: none")
+
+
+@dataclass
+class CheckpointConfig:
+    every_steps: Optional[int] = None
+    """Write a checkpoint every this many committed steps (none when unset)."""
+    keep: int = 3
+    """How many checkpoints to keep."""
+
+    def __post_init__(self) -> None:
+        if self.every_steps is not None and self.every_steps < 1:
+            raise FieldError("every_steps", f"must be at least 1, got {self.every_steps}")
+        if self.keep < 1:
+            raise FieldError("keep", f"must be at least 1, got {self.keep}")
+
+
+@dataclass
+class TargetConfig:
+    metric: str = "accuracy"
+    value: float = 0.0
+    mode: Literal["max", "min"] = "max"
+    """`max`: stop once metric >= value; `min`: once metric <= value."""
+
+
+@dataclass
+class StopConfig:
+    max_steps: Optional[int] = None
+    target: Optional[TargetConfig] = None
+    time_s: Optional[float] = None
+
+    def __post_init__(self) -> None:
+        if self.max_steps is None and self.target is None and self.time_s is None:
+            raise FieldError("max_steps", "set at least one of stop.max_steps, stop.target, stop.time_s")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise FieldError("max_steps", f"must be at least 1, got {self.max_steps}")
+        if self.time_s is not None and self.time_s <= 0:
+            raise FieldError("time_s", f"must be positive, got {self.time_s}")
+
+
+@dataclass
+class StragglerFault:
+    slot: str = ""
+    slowdown: float = 1.0
+    """Each step takes this many times as long (a sleep after compute)."""
+
+    def __post_init__(self) -> None:
+        _check_slot(self.slot)
+        if self.slowdown < 1.0:
+            raise FieldError("slowdown", f"must be >= 1.0, got {self.slowdown}")
+
+
+@dataclass
+class KillFault:
+    slot: str = ""
+    step: int = 0
+    """The step it fires at; with `at: join`, the first join of that slot at or after this step."""
+    at: Literal["allreduce", "checkpoint", "join", "user_exception", "step"] = "step"
+    how: Literal["sigkill", "exit", "actor_kill", "raise", "hang"] = "sigkill"
+    """`hang`: the step never ends (the process still answers control calls)."""
+    repeat: bool = False
+
+    def __post_init__(self) -> None:
+        _check_slot(self.slot)
+        if self.step < 0:
+            raise FieldError("step", f"must not be negative, got {self.step}")
+        if self.at == "user_exception":
+            self.how = "raise"
+
+
+@dataclass
+class FaultsConfig:
+    stragglers: list[StragglerFault] = field(default_factory=list)
+    kills: list[KillFault] = field(default_factory=list)
+    record_samples: bool = False
+    """Each worker appends the sample ids of every committed step to `samples/<slot>.txt` (tests)."""
+
+
+@dataclass
+class CommConfig:
+    timeout_s: float = 10.0
+    """One timeout for every collective, the store and group construction."""
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+
+    def __post_init__(self) -> None:
+        if self.timeout_s <= 0:
+            raise FieldError("timeout_s", f"must be positive, got {self.timeout_s}")
+
+
+@dataclass
+class RayConfig:
+    address: Optional[str] = None
+    """Ray address; none starts (or reuses) a local Ray."""
+    namespace: str = "orchestrator"
+    num_cpus: Optional[int] = None
+    """Logical CPUs of a local Ray; defaults to at least workers.max x workers.cpus."""
+
+
+@dataclass
+class JobConfig:
+    """The whole job, one YAML file."""
+
+    name: str = ""
+    seed: int = 0
+    workers: WorkersConfig = field(default_factory=WorkersConfig)
+    workload: WorkloadConfig = field(default_factory=WorkloadConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)
+    topology: TopologyConfig = field(default_factory=TopologyConfig)
+    compression: CompressionConfig = field(default_factory=CompressionConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    stop: StopConfig = field(default_factory=lambda: StopConfig(max_steps=100))
+    faults: FaultsConfig = field(default_factory=FaultsConfig)
+    comm: CommConfig = field(default_factory=CommConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
+    eval_every: int = 50
+    """Evaluate (rank 0, on workload.eval_data) every this many steps; 0 disables."""
+    run_dir: Optional[str] = None
+    """Absolute run directory root; default ~/orchestrator-runs. Relative paths are resolved at load."""
+    progress_every_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}", self.name or ""):
+            raise FieldError("name", f"must be 1-64 characters of letters, digits, '_', '.', '-', got {self.name!r}")
+        if self.eval_every < 0:
+            raise FieldError("eval_every", f"must not be negative, got {self.eval_every}")
+        slots = {f"w{i}" for i in range(self.workers.max or self.workers.count)}
+        for i, kill in enumerate(self.faults.kills):
+            if kill.slot not in slots:
+                raise FieldError(f"faults.kills[{i}].slot", f"{kill.slot!r} is not a slot of this job (w0..w{len(slots) - 1})")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _check_slot(slot: str) -> None:
+    if not re.fullmatch(r"w\d+", slot or ""):
+        raise FieldError("slot", f"must name a slot like 'w1', got {slot!r}")
+
+
+# --------------------------------------------------------------------------- parser
+_SCALARS = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
+
+
+def parse(cls: type, data: Any, path: str = "") -> Any:
+    """Build dataclass `cls` from plain YAML data, rejecting unknown keys and wrong types."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path or 'config'}: expected a mapping, got {_show(data)}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in data.items():
+        key_path = f"{path}.{key}" if path else str(key)
+        if key not in names:
+            raise ConfigError(f"{key_path}: unknown key; allowed here: {', '.join(names)}")
+        kwargs[key] = _convert(hints[key], value, key_path)
+    try:
+        return cls(**kwargs)
+    except FieldError as err:
+        key_path = f"{path}.{err.field_name}" if path else err.field_name
+        raise ConfigError(f"{key_path}: {err.message}") from None
+
+
+def _convert(tp: Any, value: Any, path: str) -> Any:
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None:
+            return None
+        return _convert(args[0], value, path)
+    if origin is Literal:
+        allowed = typing.get_args(tp)
+        if value not in allowed:
+            raise ConfigError(f"{path}: {_show(value)} is not allowed; choose one of: {', '.join(map(str, allowed))}")
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{path}: expected a list, got {_show(value)}")
+        (item,) = typing.get_args(tp)
+        return [_convert(item, v, f"{path}[{i}]") for i, v in enumerate(value)]
+    if origin is tuple:
+        args = typing.get_args(tp)
+        if not isinstance(value, (list, tuple)) or len(value) != len(args):
+            raise ConfigError(f"{path}: expected a list of {len(args)} numbers, got {_show(value)}")
+        return tuple(_convert(a, v, f"{path}[{i}]") for i, (a, v) in enumerate(zip(args, value)))
+    if tp is dict or origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path}: expected a mapping, got {_show(value)}")
+        return dict(value)
+    if dataclasses.is_dataclass(tp):
+        return parse(tp, value, path)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{path}: expected true or false, got {_show(value)}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{path}: expected an integer, got {_show(value)}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{path}: expected a number, got {_show(value)}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{path}: expected a string, got {_show(value)}")
+        return value
+    raise TypeError(f"schema type {tp!r} at {path} has no converter")
+
+
+def _show(value: Any) -> str:
+    return f"{type(value).__name__} {value!r}" if value is not None else "nothing (null)"
+
+
+# --------------------------------------------------------------------------- status and results
+JobState = Literal["STARTING", "RUNNING", "RESHAPING", "PAUSED", "STOPPING", "STOPPED", "FINISHED", "FAILED"]
+TERMINAL_STATES = ("STOPPED", "FINISHED", "FAILED")
+
+
+@dataclass(frozen=True)
+class MemberStatus:
+    slot: str
+    rank: int
+    node: str
+    pid: int
+    state: str
+    """starting / ready / training / leaving / left / finished / dead / failed / hung / retired / stopped"""
+    actor_id: str = ""
+    cause: str = ""
+    """Why it is hung, failed or retired."""
+    node_id: str = ""
+
+
+@dataclass(frozen=True)
+class Event:
+    """A coordinator state transition or a reshape, with its reason."""
+
+    time: float
+    kind: str
+    """transition / reshape / failure / checkpoint / info"""
+    reason: str
+    state_from: Optional[str] = None
+    state_to: Optional[str] = None
+    detail: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class JobStatus:
+    name: str
+    run_id: str
+    state: str
+    step: int
+    membership_epoch: int
+    world_size: int
+    members: tuple[MemberStatus, ...]
+    loss: Optional[float]
+    throughput: Optional[float]
+    """Committed steps per second over the last few seconds."""
+    cause: Optional[str]
+    run_dir: str
+    metrics: dict = field(default_factory=dict)
+    reshapes: tuple[Event, ...] = ()
+    departed: tuple[MemberStatus, ...] = ()
+    """Earlier incarnations that died, hung, failed or were retired, with their causes (newest last)."""
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "JobStatus":
+        data = dict(data)
+        data["members"] = tuple(MemberStatus(**m) for m in data.get("members", ()))
+        data["reshapes"] = tuple(Event(**e) for e in data.get("reshapes", ()))
+        data["departed"] = tuple(MemberStatus(**m) for m in data.get("departed", ()))
+        return cls(**data)
+
+
+@dataclass(frozen=True)
+class JobResult:
+    name: str
+    run_id: str
+    state: str
+    step: int
+    cause: Optional[str]
+    metrics: dict
+    run_dir: str
+    elapsed_s: float
+
+    @property
+    def ok(self) -> bool:
+        return self.state == "FINISHED"

@@ -1,0 +1,22 @@
+"""Built-in workloads and the contract every workload meets.
+
+A workload factory is called as `factory(**workload.params)` and returns an object with
+`model`, `train_data` (a map-style torch dataset), optionally `eval_data`,
+`loss(model, batch) -> Tensor` and optionally `evaluate(model, eval_data) -> dict`.
+`Workload` below is a convenient container for that; any object with those attributes works.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+
+
+@dataclass
+class Workload:
+    model: torch.nn.Module
+    train_data: torch.utils.data.Dataset
+    loss: Callable[[torch.nn.Module, Any], torch.Tensor]
+    eval_data: Optional[torch.utils.data.Dataset] = None
+    evaluate: Optional[Callable[[torch.nn.Module, Any], dict]] = None

@@ -1,0 +1,88 @@
+"""The communicator in real actor processes: re-forming, a peer killed mid-all-reduce, aborts,
+and the store's listening address."""
+from __future__ import annotations
+
+import time
+
+import psutil
+import pytest
+import ray
+
+from actors.comm import GroupSpec
+from actors.testing import CommPeer, StoreHost
+
+TIMEOUT_S = 4.0
+
+
+@pytest.fixture(scope="module")
+def store(ray_session):
+    host = StoreHost.remote(TIMEOUT_S)
+    yield ray.get(host.address.remote())
+    ray.kill(host)
+
+
+def form(peers, store, name: str, timeout_s: float = TIMEOUT_S) -> None:
+    host, port, _ = store
+    specs = [GroupSpec(host, port, name, r, len(peers), timeout_s, "gloo", host) for r in range(len(peers))]
+    ray.get([p.form.remote(s) for p, s in zip(peers, specs)], timeout=30)
+
+
+def test_group_reforms_smaller_then_larger_in_same_processes(store):
+    peers = [CommPeer.remote() for _ in range(3)]
+    pids = ray.get([p.pid.remote() for p in peers])
+    form(peers, store, "reform/e1")
+    assert ray.get([p.all_reduce.remote(100, r + 1.0) for r, p in enumerate(peers)]) == [6.0] * 3
+    form(peers[:2], store, "reform/e2")
+    assert ray.get([p.all_reduce.remote(100, r + 1.0) for r, p in enumerate(peers[:2])]) == [3.0] * 2
+    form(peers, store, "reform/e3")
+    assert ray.get([p.all_reduce.remote(100, 2.0) for p in peers]) == [6.0] * 3
+    assert ray.get([p.pid.remote() for p in peers]) == pids
+    for p in peers:
+        ray.kill(p)
+
+
+def _kill_one_mid_all_reduce(store, name: str, abort: bool) -> tuple[list[dict], float, float]:
+    peers = [CommPeer.remote() for _ in range(4)]
+    form(peers, store, name)
+    numel = 8_000_000  # 32 MB: still in flight when the victim dies
+    survivors, victim = peers[:3], peers[3]
+    for p in survivors:
+        ray.get(p.start_all_reduce.remote(numel))
+    waits = [p.wait_pending.remote() for p in survivors]
+    death = victim.start_all_reduce.remote(numel, die=True)
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(death, timeout=30)
+    seen = time.time()  # when the "coordinator" learns of the death
+    aborted_at = seen
+    if abort:
+        aborted_at = time.time()  # measured from the moment the abort is sent
+        ray.get([p.abort.remote("peer w3 died") for p in survivors])
+    results = ray.get(waits, timeout=TIMEOUT_S + 10)
+    for p in survivors:
+        ray.kill(p)
+    return results, seen, aborted_at
+
+
+def test_killed_peer_fails_survivors_within_1s_of_abort(store):
+    results, _, aborted_at = _kill_one_mid_all_reduce(store, "kill-abort/e1", abort=True)
+    delays = [r["at"] - aborted_at for r in results]
+    print("survivor failure delays after abort:", [f"{d:.3f}s" for d in delays], [r["outcome"] for r in results])
+    assert all(r["outcome"] != "ok" for r in results)
+    assert max(delays) < 1.0
+
+
+def test_killed_peer_fails_survivors_within_timeout_without_abort(store):
+    results, seen, _ = _kill_one_mid_all_reduce(store, "kill-noabort/e1", abort=False)
+    delays = [r["at"] - seen for r in results]
+    print("survivor failure delays without abort:", [f"{d:.3f}s" for d in delays], [r["outcome"] for r in results])
+    assert all(r["outcome"] != "ok" for r in results)
+    assert max(delays) < TIMEOUT_S
+
+
+def test_store_listens_on_node_address_only(store):
+    host, port, pid = store
+    listening = [c for c in psutil.Process(pid).net_connections(kind="inet")
+                 if c.status == psutil.CONN_LISTEN and c.laddr.port == port]
+    assert listening, "the store's port is not listening"
+    assert {c.laddr.ip for c in listening} == {host}
+    assert host not in ("0.0.0.0", "::")

@@ -1,0 +1,107 @@
+"""The CLI end to end: the main job, and status / stop from other processes."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import ray
+
+from orchestrator.job import ElasticJob
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _env(tmp_path: Path) -> dict:
+    env = dict(os.environ)
+    env["ORCHESTRATOR_RUN_ROOT"] = str(tmp_path / "runs")
+    env["PYTHONPATH"] = str(REPO)
+    env.pop("RAY_ADDRESS", None)  # a `run` without --address starts its own local Ray
+    return env
+
+
+def test_main_job_reaches_095_with_progress_and_summary(tmp_path, ray_session):
+    # Its own local Ray in a subprocess, exactly as the README's first command runs it.
+    proc = subprocess.run([sys.executable, "-m", "orchestrator", "run", "configs/digits_bsp.yaml"], cwd=REPO,
+                          env=_env(tmp_path), capture_output=True, text=True, timeout=300)
+    print(proc.stdout[-2000:], proc.stderr[-2000:])
+    assert proc.returncode == 0
+    assert re.search(r"\[running\] step \d+/600 loss [\d.]+ steps/s", proc.stdout)
+    assert "FINISHED: digits-bsp" in proc.stdout
+    accuracy = float(re.search(r"accuracy: ([\d.]+)", proc.stdout).group(1))
+    print("held-out accuracy:", accuracy)
+    assert accuracy >= 0.95
+
+
+def test_status_and_stop_from_other_processes(tmp_path, run_root):
+    address = ray.get_runtime_context().gcs_address
+    config = tmp_path / "long.yaml"
+    config.write_text((REPO / "configs" / "digits_bsp.yaml").read_text().replace("name: digits-bsp", "name: cli-long")
+                      .replace("max_steps: 600", "max_steps: 1000000").replace("value: 0.97", "value: 1.01")
+                      .replace("count: 4", "count: 2"))
+    env = _env(tmp_path)
+    env["ORCHESTRATOR_RUN_ROOT"] = str(run_root)
+    run = subprocess.Popen([sys.executable, "-m", "orchestrator", "run", str(config), "--address", address],
+                           cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            assert time.monotonic() < deadline, "job did not start"
+            try:
+                if ElasticJob.attach("cli-long").status().step > 5:
+                    break
+            except Exception:  # noqa: BLE001 - not there yet
+                pass
+            time.sleep(0.3)
+        status = subprocess.run([sys.executable, "-m", "orchestrator", "status", "cli-long", "--address", address],
+                                cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+        print(status.stdout, status.stderr)
+        assert status.returncode == 0
+        assert "RUNNING" in status.stdout and "membership epoch 1" in status.stdout
+        assert re.search(r"^w0\s+0\s+training", status.stdout, re.M) and re.search(r"^w1\s+1\s+training", status.stdout, re.M)
+        stop = subprocess.run([sys.executable, "-m", "orchestrator", "stop", "cli-long", "--address", address],
+                              cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+        print(stop.stdout, stop.stderr)
+        assert stop.returncode == 0 and "STOPPED" in stop.stdout
+        assert run.wait(timeout=60) == 3
+        run_id = re.search(r"run (\S+):", stop.stdout + status.stdout).group(1)
+        for name in ["cli-long"] + [f"cli-long/{run_id}/w{i}" for i in range(2)]:
+            try:
+                ray.get_actor(name, namespace="orchestrator")
+                raise AssertionError(f"actor {name} still alive after stop returned")
+            except ValueError:
+                pass
+        after = subprocess.run([sys.executable, "-m", "orchestrator", "status", "cli-long", "--address", address],
+                               cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+        assert after.returncode == 0 and "STOPPED" in after.stdout, after.stdout + after.stderr
+    finally:
+        if run.poll() is None:
+            run.kill()
+
+
+def test_user_workload_from_working_directory(tmp_path, ray_session):
+    workdir = REPO / "tests" / "workloads"
+    env = _env(tmp_path)
+    env.pop("PYTHONPATH")  # the workload must come from the working directory alone
+    proc = subprocess.run([sys.executable, "-m", "orchestrator", "run", "custom.yaml"], cwd=workdir, env=env,
+                          capture_output=True, text=True, timeout=300)
+    print(proc.stdout[-1500:], proc.stderr[-1500:])
+    assert proc.returncode == 0
+    assert float(re.search(r"accuracy: ([\d.]+)", proc.stdout).group(1)) > 0.9
+
+
+def test_user_code_exception_fails_run_with_exit_1(tmp_path, ray_session):
+    workdir = REPO / "tests" / "workloads"
+    env = _env(tmp_path)
+    env.pop("PYTHONPATH")
+    proc = subprocess.run([sys.executable, "-m", "orchestrator", "run", "custom.yaml", "--set",
+                           "workload.params.fail_at_step=7"], cwd=workdir, env=env,
+                          capture_output=True, text=True, timeout=300)
+    print(proc.stdout[-1500:], proc.stderr[-1500:])
+    assert proc.returncode == 1
+    assert "FAILED" in proc.stdout and "ValueError: user code failed on call 7" in proc.stdout
+    events = (next((tmp_path / "runs" / "custom-workload").iterdir()) / "events.jsonl").read_text()
+    assert "Traceback" in events and "custom_workload.py" in events

@@ -1,0 +1,165 @@
+"""Bad input never starts Ray and never writes anything: exit 2 and one line naming the key."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from orchestrator import cli
+
+REPO = Path(__file__).resolve().parents[2]
+GOOD = """\
+name: ok
+workers: {count: 2}
+workload: {factory: "orchestrator.workloads.digits:mlp", batch_size: 8}
+stop: {max_steps: 5}
+"""
+
+# (case id, YAML text, expected text in the message)
+CASES = [
+    ("yaml-syntax", "name: x\nworkers: {count: 2\nstop: {max_steps: 1}\n", "line 3, column"),
+    ("top-level-list", "- a\n- b\n", "top level must be a mapping"),
+    ("empty-file", "", "empty"),
+    ("unknown-top-key", GOOD + "wrkers: {count: 2}\n", "wrkers: unknown key"),
+    ("unknown-nested-key", GOOD.replace("count: 2", "count: 2, cnt: 3"), "workers.cnt: unknown key"),
+    ("wrong-type", GOOD.replace("count: 2", "count: four"), "workers.count: expected an integer"),
+    ("bool-for-int", GOOD.replace("count: 2", "count: true"), "workers.count: expected an integer"),
+    ("zero-workers", GOOD.replace("count: 2", "count: 0"), "workers.count: must be at least 1"),
+    ("negative-workers", GOOD.replace("count: 2", "count: -2"), "workers.count"),
+    ("min-above-max", GOOD.replace("count: 2", "count: 2, min: 3, max: 2"), "workers.min"),
+    ("count-outside-bounds", GOOD.replace("count: 2", "count: 5, max: 4"), "workers.count"),
+    ("zero-batch", GOOD.replace("batch_size: 8", "batch_size: 0"), "workload.batch_size"),
+    ("negative-lr", GOOD + "optimizer: {lr: -0.1}\n", "optimizer.lr: must be positive"),
+    ("unknown-optimizer", GOOD + "optimizer: {name: lamb}\n", "optimizer.name"),
+    ("unknown-policy", GOOD + "sync: {policy: gossip}\n", "sync.policy: unknown policy"),
+    ("foreign-knob", GOOD + "sync: {policy: bsp, s: 3}\n", "sync.s: is not a knob"),
+    ("unimportable-module", GOOD.replace("orchestrator.workloads.digits:mlp", "no_such_module:make"),
+     "workload.factory: cannot import module"),
+    ("missing-function", GOOD.replace("digits:mlp", "digits:nope"), "workload.factory: module"),
+    ("factory-without-colon", GOOD.replace("orchestrator.workloads.digits:mlp", "orchestrator.workloads.digits"),
+     "workload.factory"),
+    ("missing-name", GOOD.replace("name: ok\n", ""), "name: missing"),
+    ("bad-name", GOOD.replace("name: ok", "name: 'has space'"), "name:"),
+    ("no-stop-condition", GOOD.replace("stop: {max_steps: 5}", "stop: {}"), "stop.max_steps"),
+    ("kill-unknown-slot", GOOD + "faults: {kills: [{slot: w9, step: 3}]}\n", "faults.kills[0].slot"),
+    ("zero-timeout", GOOD + "comm: {timeout_s: 0}\n", "comm.timeout_s"),
+    ("unknown-codec", GOOD + "compression: {codec: zip}\n", "compression.codec"),
+    ("bad-placement", GOOD.replace("count: 2", "count: 2, placement: everywhere"), "workers.placement"),
+]
+
+
+@pytest.fixture
+def sandbox(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict:
+    """Ray must not start and nothing may be written: both are made to fail loudly."""
+    import ray
+
+    from orchestrator import job
+
+    def boom(*_a, **_k):
+        raise AssertionError("Ray was started for bad input")
+
+    monkeypatch.setattr(ray, "init", boom)
+    monkeypatch.setattr(job.ElasticJob, "start", boom)
+    root = tmp_path / "runs"
+    root.mkdir()
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("ORCHESTRATOR_RUN_ROOT", str(root))
+    monkeypatch.setenv("HOME", str(home))
+    cfg_dir = tmp_path / "cfg"
+    cfg_dir.mkdir()
+    return {"root": root, "home": home, "cfg": cfg_dir}
+
+
+def run_cli(args: list[str], capsys) -> tuple[int, str]:
+    code = cli.main(args)
+    err = capsys.readouterr().err
+    return code, err
+
+
+def assert_one_line(err: str, expected: str) -> None:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("error: "), err
+    assert expected in lines[0], err
+
+
+def assert_nothing_written(sandbox: dict, config_file: Path | None) -> None:
+    assert not any(sandbox["root"].iterdir())
+    assert not any(sandbox["home"].iterdir())
+    expected = {config_file.name} if config_file else set()
+    assert {p.name for p in sandbox["cfg"].iterdir()} == expected
+
+
+@pytest.mark.parametrize("case,text,expected", CASES, ids=[c[0] for c in CASES])
+def test_malformed_config_exits_2_with_one_line(sandbox, capsys, case, text, expected):
+    path = sandbox["cfg"] / "job.yaml"
+    path.write_text(text)
+    code, err = run_cli(["run", str(path)], capsys)
+    assert code == 2
+    assert_one_line(err, expected)
+    assert_nothing_written(sandbox, path)
+
+
+def test_missing_file(sandbox, capsys):
+    code, err = run_cli(["run", str(sandbox["cfg"] / "absent.yaml")], capsys)
+    assert code == 2
+    assert_one_line(err, "file not found")
+    assert_nothing_written(sandbox, None)
+
+
+@pytest.mark.parametrize("override,expected", [
+    ("workers.count=abc", "workers.count: expected an integer"),
+    ("workers.count", "expected key.sub=value"),
+    ("optimizer.nesterov=true", "optimizer.nesterov"),
+    ("workers.count.x=1", "workers.count: is not a mapping"),
+])
+def test_bad_set_override(sandbox, capsys, override, expected):
+    path = sandbox["cfg"] / "job.yaml"
+    path.write_text(GOOD)
+    code, err = run_cli(["run", str(path), "--set", override], capsys)
+    assert code == 2
+    assert_one_line(err, expected)
+    assert_nothing_written(sandbox, path)
+
+
+def test_bad_arguments(sandbox, capsys):
+    code, err = run_cli(["run"], capsys)
+    assert code == 2
+    assert_one_line(err, "arguments:")
+    code, err = run_cli(["launch", "x.yaml"], capsys)
+    assert code == 2
+    assert_one_line(err, "arguments:")
+
+
+def test_resume_without_checkpoint_and_detach_without_cluster(sandbox, capsys, monkeypatch):
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    path = sandbox["cfg"] / "job.yaml"
+    path.write_text(GOOD)
+    code, err = run_cli(["run", str(path), "--resume"], capsys)
+    assert code == 2
+    assert_one_line(err, "--resume: no valid checkpoint")
+    code, err = run_cli(["run", str(path), "--detach"], capsys)
+    assert code == 2
+    assert_one_line(err, "--detach")
+    assert_nothing_written(sandbox, path)
+
+
+def test_subprocess_exit_code_and_no_ray_session(tmp_path):
+    """The real entry point: exit status 2, one stderr line, and no Ray session directory created."""
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(GOOD.replace("count: 2", "count: 0"))
+    ray_tmp = tmp_path / "raytmp"
+    ray_tmp.mkdir()
+    env = dict(os.environ, HOME=str(tmp_path), TMPDIR=str(ray_tmp), RAY_TMPDIR=str(ray_tmp),
+               ORCHESTRATOR_RUN_ROOT=str(tmp_path / "runs"))
+    env.pop("RAY_ADDRESS", None)
+    proc = subprocess.run([sys.executable, "-m", "orchestrator", "run", str(bad)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0 and "workers.count" in proc.stderr
+    assert proc.stdout == ""
+    assert not any(ray_tmp.iterdir()) and not (tmp_path / "runs").exists()

@@ -1,0 +1,161 @@
+"""Elastic membership: scale up and down mid-run, lose workers, never restart the survivors,
+never lose or repeat a committed step or a sample."""
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import ray
+import torch
+
+from orchestrator.config import config_from_dict
+from orchestrator.job import ElasticJob
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def make_config(name: str, **over) -> dict:
+    cfg = {"name": name, "seed": 11, "workers": {"count": 2, "max": 5, "cpus": 0.5},
+           "workload": {"factory": "orchestrator.workloads.digits:mlp", "params": {"hidden": 64}, "batch_size": 16},
+           "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9}, "stop": {"max_steps": 1_000_000},
+           "eval_every": 0}
+    for key, value in over.items():
+        cfg[key] = value
+    return cfg
+
+
+def wait_until(predicate, timeout: float = 90, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def reshapes(job: ElasticJob) -> list[dict]:
+    return [e for e in job.events() if e["kind"] == "reshape"]
+
+
+def assert_steps_exactly_once(job: ElasticJob) -> list[dict]:
+    history = job.history()
+    assert [r["step"] for r in history] == list(range(1, len(history) + 1))
+    return history
+
+
+def longest_gap_around(history: list[dict], step: int, around: int = 10) -> float:
+    times = [r["time"] for r in history if step - around <= r["step"] <= step + around]
+    return float(np.max(np.diff(times)))
+
+
+def test_scale_up_by_api_then_down_by_cli(run_root):
+    job = ElasticJob(config_from_dict(make_config("scale"))).start()
+    wait_until(lambda: job.status().step > 30, what="training")
+    before = {m.slot: (m.actor_id, m.pid) for m in job.status().members}
+    job.scale(4)
+    wait_until(lambda: len(reshapes(job)) >= 1, what="scale-up to commit")
+    address = ray.get_runtime_context().gcs_address
+    env = dict(os.environ, PYTHONPATH=str(REPO), ORCHESTRATOR_RUN_ROOT=str(run_root))
+    cli = subprocess.run([sys.executable, "-m", "orchestrator", "scale", "scale", "3", "--address", address],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    print(cli.stdout, cli.stderr)
+    assert cli.returncode == 0 and "scaling to 3" in cli.stdout
+    wait_until(lambda: len(reshapes(job)) >= 2, what="scale-down to commit")
+    beyond = subprocess.run([sys.executable, "-m", "orchestrator", "scale", "scale", "9", "--address", address],
+                            cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert beyond.returncode == 2 and "workers.max" in beyond.stderr and beyond.stderr.count("\n") == 1
+    status = job.status()
+    after = {m.slot: (m.actor_id, m.pid) for m in status.members}
+    assert all(after[slot] == ids for slot, ids in before.items()), "original workers must keep actor id and pid"
+    assert [m.slot for m in status.members if m.rank >= 0] == ["w0", "w1", "w2"] and status.world_size == 3
+    job.stop()
+    history = assert_steps_exactly_once(job)
+    up, down = reshapes(job)[:2]
+    assert up["detail"]["joiners"] == ["w2", "w3"] and down["detail"]["leavers"] == ["w3"]
+    assert set(up["detail"]["state_sources"]) == {"w2", "w3"}
+    assert all(v["source"] == "w0" for v in up["detail"]["state_sources"].values())
+    for event in (up, down):
+        gap = longest_gap_around(history, event["detail"]["first_committed_step"])
+        print(f"{event['reason'][:60]}: first committed step {event['detail']['first_committed_step']}, "
+              f"decided->first step {event['detail']['duration_s']:.2f}s, longest step around it {gap:.3f}s")
+        assert gap < 0.5
+    text = subprocess.run([sys.executable, "-m", "orchestrator", "status", "scale", "--address", address],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=60).stdout
+    assert "reshape:" in text and "scale request" in text
+
+
+def test_sigkill_in_allreduce_survivors_commit_within_1s(run_root):
+    cfg = make_config("kill-elastic", workers={"count": 4, "cpus": 0.5},
+                      faults={"kills": [{"slot": "w2", "step": 40, "at": "allreduce", "how": "sigkill"}]})
+    job = ElasticJob(config_from_dict(cfg)).start()
+    wait_until(lambda: any(e["kind"] == "reshape" for e in job.events()), what="re-form after the kill")
+    wait_until(lambda: len(reshapes(job)) >= 2, what="the replacement to join")
+    job.stop()
+    history = assert_steps_exactly_once(job)
+    fired = next(e for e in job.events() if e["kind"] == "fault")["detail"]["fired_at"]
+    first = next(r for r in history if r["time"] > fired)
+    print(f"kill inside all-reduce at step 40 -> next committed step {first['step']} after "
+          f"{first['time'] - fired:.3f}s at world size {first['world_size']}")
+    assert first["time"] - fired < 1.0
+    assert first["world_size"] == 3 and first["step"] == 41
+    death, replacement = reshapes(job)[:2]
+    assert death["detail"]["detector"] == "actor death" and death["detail"]["new_members"] == ["w0", "w1", "w3"]
+    assert replacement["detail"]["joiners"] == ["w2"]  # the replacement takes the slot back
+
+
+def test_exactly_once_data_over_a_kill_a_join_and_a_scale_down(run_root):
+    cfg = make_config("exactly-once", workers={"count": 3, "max": 4, "cpus": 0.5},
+                      workload={"factory": "orchestrator.workloads.digits:mlp", "params": {"hidden": 32}, "batch_size": 2},
+                      faults={"kills": [{"slot": "w1", "step": 5, "at": "allreduce"}], "record_samples": True,
+                              "stragglers": [{"slot": "w0", "slowdown": 25.0}]},
+                      stop={"max_steps": 300})
+    job = ElasticJob(config_from_dict(cfg)).start()
+    wait_until(lambda: len(reshapes(job)) >= 2, what="kill and replacement join")
+    job.scale(2)
+    wait_until(lambda: len(reshapes(job)) >= 3, what="scale-down")
+    last_event_step = reshapes(job)[2]["detail"]["first_committed_step"]
+    assert job.wait(timeout=120).state == "FINISHED"
+    n, global_batch = 1437, 6
+    epoch_steps = n // global_batch  # steps 1..239 hold positions 0..1433 of data epoch 0
+    assert last_event_step < epoch_steps, "the kill, join and scale-down must all fall inside one data epoch"
+    per_step: dict[int, list[int]] = {}
+    for path in (job.run_dir / "samples").glob("*.txt"):
+        for line in path.read_text().splitlines():
+            step, *ids = map(int, line.split())
+            per_step.setdefault(step, []).extend(ids)
+    assert sorted(per_step) == list(range(1, 301))
+    assert all(len(ids) == global_batch for ids in per_step.values()), "a step lost or repeated a sample"
+    assert all(len(set(ids)) == global_batch for ids in per_step.values()), "two ranks trained on one sample"
+    epoch = [i for s in range(1, epoch_steps + 1) for i in per_step[s]]
+    missing = set(range(n)) - set(epoch)  # the 3 ids of epoch 0 that fall in the straddling step 240
+    print(f"data epoch 0: {len(epoch)} ids in steps 1..{epoch_steps}, {len(set(epoch))} distinct, the last "
+          f"{len(missing)} in step {epoch_steps + 1}; kill, join and scale-down by step {last_event_step}")
+    assert len(set(epoch)) == len(epoch) == epoch_steps * global_batch
+    assert len(missing) == n - len(epoch) and missing <= set(per_step[epoch_steps + 1])
+
+
+def params(job: ElasticJob) -> list[torch.Tensor]:
+    return list(torch.load(io.BytesIO((job.run_dir / "model.pt").read_bytes()), weights_only=True)["model"].values())
+
+
+def test_nothing_lost_two_kills_and_a_join_match_fault_free(run_root):
+    base = dict(workers={"count": 3, "max": 4, "cpus": 0.5}, stop={"max_steps": 300},
+                faults={"stragglers": [{"slot": "w0", "slowdown": 6.0}]})
+    clean = ElasticJob(config_from_dict(make_config("clean", **base))).start()
+    assert clean.wait(timeout=180).state == "FINISHED"
+    churn_cfg = make_config("churn", **base)
+    churn_cfg["faults"] = dict(base["faults"], kills=[{"slot": "w1", "step": 30, "at": "allreduce"},
+                                                       {"slot": "w2", "step": 200, "at": "step"}])
+    churn = ElasticJob(config_from_dict(churn_cfg)).start()
+    assert churn.wait(timeout=180).state == "FINISHED"
+    events = reshapes(churn)
+    joins = [e for e in events if e["detail"]["joiners"]]
+    deaths = [e for e in events if e["detail"]["detector"] == "actor death"]
+    assert len(deaths) == 2 and len(joins) >= 1
+    assert_steps_exactly_once(churn)
+    diff = max(float((a - b).abs().max()) for a, b in zip(params(churn), params(clean)))
+    print(f"2 kills + {len(joins)} join(s) vs fault-free, keep_global batch: max abs diff {diff:.2e}")
+    assert diff < 1e-4

@@ -1,0 +1,104 @@
+"""With `workers.on_failure: fail`, a worker that dies or raises fails the job within seconds,
+with the cause, leaving nothing behind; no survivor applied the uncommitted step.
+(The default, `reshape`, keeps training: tests/e2e/test_elastic.py.)"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import psutil
+import pytest
+
+from orchestrator.config import config_from_dict
+from orchestrator.job import ElasticJob
+
+
+def make_job(name: str, kills: list | None = None, steps: int = 400) -> ElasticJob:
+    cfg = config_from_dict({
+        "name": name,
+        "workload": {"factory": "orchestrator.workloads.digits:mlp", "params": {"hidden": 64}, "batch_size": 16},
+        "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9},
+        "sync": {"bucket_mb": 0.01}, "stop": {"max_steps": steps}, "eval_every": 0,
+        "comm": {"timeout_s": 10}, "faults": {"kills": kills or []},
+        "workers": {"count": 4, "cpus": 0.5, "on_failure": "fail"},
+    })
+    return ElasticJob(cfg).start()
+
+
+def wait_for_step(job: ElasticJob, step: int, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while job.status().step < step:
+        assert time.monotonic() < deadline, "job made no progress"
+        time.sleep(0.05)
+
+
+def failure_of(job: ElasticJob) -> tuple[dict, dict]:
+    events = job.events()
+    failed = [e for e in events if e.get("state_to") == "FAILED"]
+    failures = [e for e in events if e["kind"] == "failure"]
+    assert failed and failures, events
+    return failures[0], failed[0]
+
+
+def assert_gone(pids: list[int], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids):
+        assert time.monotonic() < deadline, f"processes left behind: {[p for p in pids if psutil.pid_exists(p)]}"
+        time.sleep(0.1)
+
+
+def assert_survivors_at_last_committed_step(job: ElasticJob, failure: dict, victim: str) -> None:
+    survivors = failure["detail"]["survivors"]
+    assert victim not in survivors and len(survivors) == 3, survivors
+    steps = {s["step"] for s in survivors.values()}
+    sums = {s["checksum"] for s in survivors.values()}
+    assert len(steps) == 1 and len(sums) == 1, survivors
+    assert steps == {job.history()[-1]["step"]}
+
+
+def test_sigkill_inside_allreduce_fails_job_within_5s(run_root):
+    job = make_job("die-in-allreduce", kills=[{"slot": "w2", "step": 30, "at": "allreduce", "how": "sigkill"}])
+    pids = [m.pid for m in job.status().members]
+    result = job.wait(timeout=120)
+    assert result.state == "FAILED"
+    failure, failed = failure_of(job)
+    fired = next(e for e in job.events() if e["kind"] == "fault")
+    delay = failed["time"] - fired["detail"]["fired_at"]
+    print(f"kill inside all-reduce -> FAILED in {delay:.2f}s; cause: {result.cause}")
+    assert delay < 5.0
+    assert failure["detail"]["slot"] == "w2" and failure["detail"]["detector"] == "actor death"
+    assert "w2" in result.cause and "died" in result.cause
+    assert_survivors_at_last_committed_step(job, failure, "w2")
+    assert [r["step"] for r in job.history()] == list(range(1, len(job.history()) + 1))
+    assert_gone(pids)
+
+
+def test_external_sigkill_fails_job_within_5s(run_root):
+    job = make_job("external-kill", steps=100_000)
+    wait_for_step(job, 20)
+    victim = next(m for m in job.status().members if m.slot == "w1")
+    pids = [m.pid for m in job.status().members]
+    killed_at = time.time()
+    os.kill(victim.pid, signal.SIGKILL)
+    result = job.wait(timeout=60)
+    failure, failed = failure_of(job)
+    print(f"external SIGKILL -> FAILED in {failed['time'] - killed_at:.2f}s")
+    assert result.state == "FAILED" and failed["time"] - killed_at < 5.0
+    assert failure["detail"]["slot"] == "w1"
+    assert_survivors_at_last_committed_step(job, failure, "w1")
+    assert_gone(pids)
+
+
+def test_user_exception_fails_job_with_traceback(run_root):
+    job = make_job("user-exception", kills=[{"slot": "w3", "step": 12, "at": "user_exception"}])
+    pids = [m.pid for m in job.status().members]
+    result = job.wait(timeout=120)
+    failure, failed = failure_of(job)
+    fired = next(e for e in job.events() if e["kind"] == "fault")
+    print(f"user exception -> FAILED in {failed['time'] - fired['detail']['fired_at']:.2f}s")
+    assert result.state == "FAILED" and failed["time"] - fired["detail"]["fired_at"] < 5.0
+    assert failure["detail"]["slot"] == "w3" and failure["detail"]["detector"] == "task error"
+    assert "InjectedFault" in failure["detail"]["traceback"] and "Traceback" in failure["detail"]["traceback"]
+    assert "w3" in result.cause
+    assert_gone(pids)

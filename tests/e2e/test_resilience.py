@@ -1,0 +1,165 @@
+"""Beyond one worker: a lost node, and the driver that owns a job (Ctrl-C, SIGKILL, --detach)."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import ray
+import yaml
+
+from orchestrator.config import config_from_dict
+from orchestrator.job import NAMESPACE, ElasticJob, ensure_token_env
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def wait_until(predicate, timeout: float = 60, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def job_config(name: str, **over) -> dict:
+    cfg = {"name": name, "seed": 4, "workers": {"count": 3, "cpus": 1, "placement": "spread"},
+           "workload": {"factory": "orchestrator.workloads.digits:mlp", "params": {"hidden": 32}, "batch_size": 8},
+           "optimizer": {"lr": 0.05}, "stop": {"max_steps": 1_000_000}, "eval_every": 0}
+    cfg.update(over)
+    return cfg
+
+
+def test_node_loss_survivors_commit_within_2s_and_replacements_land_elsewhere(tmp_path, monkeypatch, _ray_owner):
+    from ray.cluster_utils import Cluster
+
+    if ray.is_initialized():
+        ray.shutdown()  # this test needs a multi-node cluster of its own
+    monkeypatch.setenv("ORCHESTRATOR_RUN_ROOT", str(tmp_path))
+    store = 100 * 2**20
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "object_store_memory": store})
+    nodes = [cluster.add_node(num_cpus=2, object_store_memory=store) for _ in range(2)]
+    try:
+        ensure_token_env()
+        ray.init(address=cluster.address, namespace=NAMESPACE, log_to_driver=False, logging_level="ERROR")
+        job = ElasticJob(config_from_dict(job_config("node-loss"))).start()
+        wait_until(lambda: job.status().step > 30, what="training")
+        placed = {m.slot: m.node_id for m in job.status().members}
+        victim = next(n for n in nodes if n.node_id in placed.values())
+        lost = sorted(slot for slot, node in placed.items() if node == victim.node_id)
+        removed_at = time.time()
+        cluster.remove_node(victim, allow_graceful=False)
+        survivors = 3 - len(lost)
+        first = wait_until(lambda: next((r for r in job.history() if r["time"] > removed_at
+                                         and r["world_size"] == survivors), None),
+                           what="the survivors' first committed step without the lost node")
+        loss = next(e for e in job.events() if e["kind"] == "failure")
+        print(f"node holding {lost} removed; survivors' next committed step {first['step']} after "
+              f"{first['time'] - removed_at:.2f}s at world size {first['world_size']} "
+              f"(detector: {loss['detail']['detector']})")
+        assert first["time"] - removed_at < 2.0
+        wait_until(lambda: any(set(lost) <= set(e["detail"]["joiners"]) for e in job.events() if e["kind"] == "reshape"),
+                   timeout=90, what="replacements to join")
+        status = job.status()
+        for slot in lost:
+            member = next(m for m in status.members if m.slot == slot)
+            assert member.node_id != victim.node_id and member.state == "training"
+        step = status.step
+        wait_until(lambda: job.status().step > step + 20, what="training after the replacements")
+        job.stop()
+        history = job.history()
+        assert [r["step"] for r in history] == list(range(1, len(history) + 1))
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def _start_run(tmp_path: Path, run_root: Path, name: str, extra: list[str]) -> tuple[subprocess.Popen, Path]:
+    address = ray.get_runtime_context().gcs_address
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(job_config(name, workers={"count": 2, "max": 3, "cpus": 0.5})))
+    env = dict(os.environ, ORCHESTRATOR_RUN_ROOT=str(run_root), PYTHONPATH=str(REPO))
+    proc = subprocess.Popen([sys.executable, "-m", "orchestrator", "run", str(path), "--address", address, *extra],
+                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    return proc, path
+
+
+def _attach_when_training(name: str) -> ElasticJob:
+    def attached():
+        try:
+            job = ElasticJob.attach(name)
+            return job if job.status().step > 20 else None
+        except Exception:  # noqa: BLE001 - not up yet
+            return None
+    return wait_until(attached, timeout=90, what=f"{name} to train")
+
+
+def _assert_gone(name: str, run_id: str, slots: list[str]) -> None:
+    def gone():
+        for actor in [name] + [f"{name}/{run_id}/{s}" for s in slots]:
+            try:
+                ray.get_actor(actor, namespace=NAMESPACE)
+                return False
+            except ValueError:
+                pass
+        return True
+    wait_until(gone, timeout=30, what="every actor of the job to be gone")
+
+
+def test_ctrl_c_stops_gracefully_with_checkpoint_and_exit_130(tmp_path, run_root):
+    proc, _ = _start_run(tmp_path, run_root, "ctrl-c", [])
+    try:
+        job = _attach_when_training("ctrl-c")
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=60) == 130
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    out = proc.stdout.read()
+    status = job.status()
+    print(out[-600:])
+    assert status.state == "STOPPED" and "interrupted" in (status.cause or "")
+    assert list((job.run_dir / "checkpoints").glob(f"step-{status.step:08d}.pt")), "no checkpoint at the stop step"
+    _assert_gone("ctrl-c", job.run_id, ["w0", "w1"])
+
+
+def test_sigkill_of_owning_run_stops_job_within_10s(tmp_path, run_root):
+    proc, _ = _start_run(tmp_path, run_root, "owned", [])
+    try:
+        job = _attach_when_training("owned")
+        killed_at = time.time()
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    wait_until(lambda: job.status().state == "STOPPED", timeout=30, what="STOPPED")
+    stopped = next(e for e in job.events() if e.get("state_to") == "STOPPED")
+    print(f"owner SIGKILLed -> STOPPED after {stopped['time'] - killed_at:.2f}s: {stopped['reason']}")
+    assert stopped["time"] - killed_at < 10.0 and "owned this job" in stopped["reason"]
+    assert list((job.run_dir / "checkpoints").glob("step-*.pt"))
+    _assert_gone("owned", job.run_id, ["w0", "w1"])
+
+
+def test_detached_job_outlives_launcher_and_is_scaled_and_stopped_elsewhere(tmp_path, run_root):
+    proc, _ = _start_run(tmp_path, run_root, "detached", ["--detach"])
+    assert proc.wait(timeout=60) == 0
+    job = _attach_when_training("detached")
+    env = dict(os.environ, ORCHESTRATOR_RUN_ROOT=str(run_root), PYTHONPATH=str(REPO))
+    address = ray.get_runtime_context().gcs_address
+    scale = subprocess.run([sys.executable, "-m", "orchestrator", "scale", "detached", "3", "--address", address],
+                           cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert scale.returncode == 0, scale.stderr
+    wait_until(lambda: job.status().world_size == 3 and job.status().state == "RUNNING", timeout=90, what="scale-up")
+    stop = subprocess.run([sys.executable, "-m", "orchestrator", "stop", "detached", "--address", address],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert stop.returncode == 0 and "STOPPED" in stop.stdout
+    run_id = re.search(r"(\d{8}-\d{6}-[0-9a-f]{4})", str(job.run_dir)).group(1)
+    _assert_gone("detached", run_id, ["w0", "w1", "w2"])

@@ -1,0 +1,96 @@
+"""Resume after a SIGKILL of the whole `run` process group: same parameters as an uninterrupted run."""
+from __future__ import annotations
+
+import io
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import torch
+import yaml
+
+from orchestrator.config import config_from_dict
+from orchestrator.job import ElasticJob
+from orchestrator import runfiles
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIG = {
+    "name": "resume", "seed": 5, "workers": {"count": 2, "cpus": 1},
+    "workload": {"factory": "orchestrator.workloads.digits:mlp", "params": {"hidden": 32}, "batch_size": 16},
+    "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9, "weight_decay": 0.0005},
+    "checkpoint": {"every_steps": 20}, "stop": {"max_steps": 120}, "eval_every": 0,
+}
+
+
+def params_of(run_dir: Path) -> list[torch.Tensor]:
+    state = torch.load(io.BytesIO((run_dir / "model.pt").read_bytes()), weights_only=True)
+    return list(state["model"].values())
+
+
+def max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    return max(float((x - y).abs().max()) for x, y in zip(a, b))
+
+
+def cli(args: list[str], env: dict, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "orchestrator", "run", *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300, **kw)
+
+
+def test_sigkill_near_70_resumes_from_60_and_matches_uninterrupted(tmp_path, run_root):
+    reference = ElasticJob(config_from_dict(dict(CONFIG, name="resume-reference"))).start()
+    assert reference.wait(timeout=180).state == "FINISHED"
+    expected = params_of(reference.run_dir)
+
+    root = tmp_path / "runs"
+    env = dict(os.environ, ORCHESTRATOR_RUN_ROOT=str(root), PYTHONPATH=str(REPO))
+    env.pop("RAY_ADDRESS", None)  # each `run` starts (and owns) its own local Ray
+    config_path = tmp_path / "resume.yaml"
+    slow = dict(CONFIG, faults={"stragglers": [{"slot": "w0", "slowdown": 15.0}]})
+    config_path.write_text(yaml.safe_dump(slow))
+    proc = subprocess.Popen([sys.executable, "-m", "orchestrator", "run", str(config_path)], cwd=REPO, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    group = [proc.pid]
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, "run ended before step 70"
+            steps = [r["step"] for h in root.glob("resume/*/history.jsonl") for r in runfiles.read_jsonl(h)]
+            if steps and max(steps) >= 70:
+                break
+            time.sleep(0.02)
+        group = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)] + [proc.pid]
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    killed_at_step = max(r["step"] for h in root.glob("resume/*/history.jsonl") for r in runfiles.read_jsonl(h))
+    assert 70 <= killed_at_step < 80, killed_at_step
+    deadline = time.monotonic() + 20  # Ray's own processes exit once their parent is gone
+    while [p for p in group if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]:
+        assert time.monotonic() < deadline, "processes of the killed run left behind"
+        time.sleep(0.2)
+
+    resumed = cli([str(config_path), "--resume"], env)
+    print(resumed.stdout, resumed.stderr[-2000:])
+    assert resumed.returncode == 0 and "resuming from step 60" in resumed.stdout
+    runs = sorted(root.glob("resume/*/"), key=lambda p: p.name)
+    history = runfiles.read_jsonl(runs[-1] / "history.jsonl")
+    assert [r["step"] for r in history] == list(range(61, 121))
+    diff = max_diff(params_of(runs[-1]), expected)
+    print(f"killed at step {killed_at_step}; resumed from 60 to 120; max abs diff vs uninterrupted: {diff:.2e}")
+    assert diff < 1e-6
+
+    newest = runs[-1] / "checkpoints" / "step-00000120.pt"
+    newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])
+    again = cli([str(config_path), "--resume"], env)
+    print(again.stdout, again.stderr[-2000:])
+    assert again.returncode == 0
+    assert "skipping checkpoint" in again.stderr and "step-00000120.pt" in again.stderr
+    assert "resuming from step 100" in again.stdout
+    runs = sorted(root.glob("resume/*/"), key=lambda p: p.name)
+    assert max_diff(params_of(runs[-1]), expected) < 1e-6

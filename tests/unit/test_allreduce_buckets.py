@@ -1,0 +1,91 @@
+"""BSP buckets without Ray: planning, launch order from gradient hooks, one all-reduce per bucket."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from actors.testing import LoopbackComm
+from algorithms.allreduce import AllReduce, plan_buckets
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 10))
+
+
+def test_plan_buckets_reverse_order_and_size_bound():
+    sizes = [(1000, torch.float32)] * 6
+    plan = plan_buckets(sizes, bucket_bytes=8000)
+    assert plan.buckets == ((5, 4), (3, 2), (1, 0))
+
+
+def test_plan_buckets_splits_by_dtype():
+    sizes = [(10, torch.float32), (10, torch.float64), (10, torch.float64)]
+    assert plan_buckets(sizes, 1 << 20).buckets == ((2, 1), (0,))
+
+
+def test_single_oversized_parameter_gets_its_own_bucket():
+    plan = plan_buckets([(10, torch.float32), (10_000, torch.float32), (10, torch.float32)], bucket_bytes=100)
+    assert plan.buckets == ((2,), (1,), (0,))
+
+
+def _step(impl, model, tail):
+    impl.begin_step(0, tail)
+    x, y = torch.randn(8, 64), torch.randint(0, 10, (8,))
+    nn.functional.cross_entropy(model(x), y).backward()
+    impl.end_backward(0)
+    return impl.finish_step(0)
+
+
+def test_first_bucket_launches_before_last_hook_and_once_per_step():
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    impl = AllReduce(bucket_mb=0.04).bind(model, opt)  # ~40 KB: several buckets
+    assert len(impl.plan.buckets) >= 2
+    comm = LoopbackComm()
+    impl.on_membership(comm)
+    for step in range(2):
+        impl.trace = []
+        _step(impl, model, torch.tensor([1.0, 8.0, 0.0, 0.0]))
+        launches = [i for i, (kind, _) in enumerate(impl.trace) if kind == "launch"]
+        hooks = [i for i, (kind, _) in enumerate(impl.trace) if kind == "hook"]
+        assert launches[0] < hooks[-1], "bucket 0 must be launched while backward still produces gradients"
+        assert [impl.trace[i][1] for i in launches] == list(range(len(impl.plan.buckets)))
+    assert len(comm.calls) == 2 * len(impl.plan.buckets)
+
+
+def test_grads_are_bucket_views_and_match_plain_backward():
+    model, reference = _model(), _model()
+    impl = AllReduce(bucket_mb=0.04).bind(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    impl.on_membership(LoopbackComm())
+    torch.manual_seed(1)
+    tail = _step(impl, model, torch.tensor([2.5, 8.0, 0.0, 1.0]))
+    torch.manual_seed(1)
+    x, y = torch.randn(8, 64), torch.randint(0, 10, (8,))
+    nn.functional.cross_entropy(reference(x), y).backward()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(p.grad, q.grad)
+    assert tail.tolist() == [2.5, 8.0, 0.0, 1.0]
+
+
+def test_second_step_starts_from_zero_gradients():
+    model = _model()
+    impl = AllReduce(bucket_mb=0.04).bind(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    impl.on_membership(LoopbackComm())
+    torch.manual_seed(2)
+    _step(impl, model, torch.zeros(4))
+    first = [p.grad.clone() for p in model.parameters()]
+    torch.manual_seed(2)
+    _step(impl, model, torch.zeros(4))
+    for g, p in zip(first, model.parameters()):
+        assert torch.equal(g, p.grad)
+
+
+def test_new_membership_gets_fresh_buffers():
+    model = _model()
+    impl = AllReduce(bucket_mb=0.04).bind(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    impl.on_membership(LoopbackComm())
+    _step(impl, model, torch.zeros(4))
+    old = [b.data_ptr() for b in impl.buffers]
+    impl.on_membership(LoopbackComm())
+    assert not set(old) & {b.data_ptr() for b in impl.buffers}

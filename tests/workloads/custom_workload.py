@@ -1,0 +1,44 @@
+"""A user workload that lives outside the package: a linear classifier on blobs made with a seed.
+
+`fail_at_step` makes the loss raise on its N-th call (a real user-code exception); `fail_slot`
+makes every loss call raise in that slot (read from ORCHESTRATOR_SLOT, which the worker sets).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import TensorDataset
+
+
+class Blobs:
+    def __init__(self, n: int, fail_at_step: int, fail_slot: str) -> None:
+        g = torch.Generator().manual_seed(1234)
+        centers = torch.randn(4, 16, generator=g) * 3
+        y = torch.arange(n) % 4
+        x = centers[y] + torch.randn(n, 16, generator=g)
+        self.model = torch.nn.Linear(16, 4)
+        self.train_data = TensorDataset(x[: n - 200], y[: n - 200])
+        self.eval_data = TensorDataset(x[n - 200:], y[n - 200:])
+        self.fail_at_step = fail_at_step
+        self.fail_here = fail_slot != "" and os.environ.get("ORCHESTRATOR_SLOT") == fail_slot
+        self.calls = 0
+
+    def loss(self, model, batch):
+        self.calls += 1
+        if self.calls == self.fail_at_step:
+            raise ValueError(f"user code failed on call {self.calls}")
+        if self.fail_here:
+            raise RuntimeError(f"user code always fails in slot {os.environ['ORCHESTRATOR_SLOT']}")
+        x, y = batch
+        return F.cross_entropy(model(x), y)
+
+    def evaluate(self, model, data):
+        x, y = data.tensors
+        with torch.no_grad():
+            return {"accuracy": (model(x).argmax(1) == y).float().mean().item()}
+
+
+def make(n: int = 1200, fail_at_step: int = 0, fail_slot: str = "") -> Blobs:
+    return Blobs(n, fail_at_step, fail_slot)
