@@ -27,6 +27,7 @@ import ray
 from ray.exceptions import ActorDiedError, RayActorError
 
 from actors.comm import serve_store
+from actors.ledger import CommittedLedger
 from actors.plan import ParentWatch, Plan, Progress, WorkerSpec
 from actors.worker import WorkerActor
 from algorithms.membership import MemberView, batch_for, choose_leavers, free_slots, slot_index
@@ -82,6 +83,8 @@ class Coordinator:
         self.plan: Optional[Plan] = None
         self.epoch = 0
         self.step = 0
+        self.ledger = CommittedLedger()
+        """Holds the newest history record until the members agree that its step is committed."""
         self.loss: Optional[float] = None
         self.metrics: dict = {}
         self.recent: list[tuple[float, int]] = []
@@ -170,6 +173,20 @@ class Coordinator:
             if reshape["membership_epoch"] == epoch:
                 reshape["state_sources"][slot] = {"source": source, "step": step}
 
+    async def epoch_agreed(self, epoch: int, step: int, record: Optional[dict]) -> None:
+        """Rank 0 of `epoch`: its members agreed that `step` is the newest committed step.
+
+        `record` is that step's history record, carried with the state, for when rank 0 of the
+        old epoch never reported it (it died, or its own last vote failed).
+        """
+        self._write_history(self.ledger.agreed(epoch, step, record))
+        for held in self.ledger.dropped:
+            self._event("info", f"step {held['step']} of membership epoch {held.get('membership_epoch')} was applied "
+                        f"only by members that left; the members of epoch {epoch} agreed on step {step} and redo it",
+                        step=held["step"], membership_epoch=epoch)
+        self.ledger.dropped.clear()
+        self.step = self.ledger.newest_step
+
     async def release(self) -> None:
         """Let a terminal coordinator exit now (the driver has read the result)."""
         if self._released is not None:
@@ -228,6 +245,7 @@ class Coordinator:
         data = await asyncio.to_thread(path.read_bytes)
         step = await asyncio.wrap_future(self.members[slot].handle.load_checkpoint.remote(data).future())
         self.step = step
+        self.ledger = CommittedLedger(written_step=step)
         self._event("info", f"resumed from checkpoint at step {step} ({path})", checkpoint=str(path), step=step)
 
     async def save_checkpoint(self, step: int, blob: bytes) -> None:
@@ -363,14 +381,16 @@ class Coordinator:
         if outcome.get("traceback"):
             detail["traceback"] = outcome["traceback"]
         survivors = tuple(s for s in self.plan.members if s != slot and self.members[s].state == "training")
-        if self.cfg.workers.on_failure == "fail" or not survivors:
-            if not survivors and self.cfg.workers.on_failure != "fail":
+        _kill(member.handle)
+        if not survivors:
+            if self.cfg.workers.on_failure != "fail":
                 cause += "; no live worker holds the committed state any more (resume with --resume)"
-            detail["survivors"] = await self._survivor_states()
             await self._fail(cause, detail=detail)
             return
-        _kill(member.handle)
         self._event("failure", cause, **detail)
+        if self.cfg.workers.on_failure == "fail":
+            self._fail_after_agreement(survivors, cause)
+            return
         retired = await self._slot_failed(member, "run", cause)
         if retired:
             member.state = "retired"
@@ -382,6 +402,17 @@ class Coordinator:
             self._transition("PAUSED", self.cause)
         if self.stop_kind is None:
             asyncio.get_running_loop().create_task(self._converge(f"replace {slot}", "replacement"))
+
+    def _fail_after_agreement(self, survivors: tuple[str, ...], cause: str) -> None:
+        """`on_failure: fail`: the survivors form one last group, agree on the newest committed step
+        (a split last vote is settled as at any epoch start), and stop there; then the job is FAILED
+        with that state as its final model and checkpoint."""
+        if self.stop_kind != "FAILED":
+            self.stop_kind, self.cause = "FAILED", cause
+            self._transition("STOPPING", f"{cause}; workers.on_failure = fail: the survivors agree on the newest "
+                                         f"committed step and stop there")
+            asyncio.get_running_loop().create_task(self._force_stop_after(self.cfg.comm.timeout_s + 10.0))
+        self._publish(survivors, cause, stop_step=0)
 
     def _reshape(self, members: tuple[str, ...], reason: str, detector: str, detected_at: float,
                  joiners: tuple[str, ...] = (), leavers: tuple[str, ...] = (), new_epoch: bool = False) -> Plan:
@@ -444,12 +475,15 @@ class Coordinator:
                                                        f"for {info['phase_age_s']:.1f}s (workers.hang_timeout_s = {w.hang_timeout_s:g})")
 
     def _reform(self, reason: str) -> None:
-        """Publish the live membership again as a new epoch: members stuck after a failed formation re-form."""
+        """Publish the live membership again as a new epoch, after aborting the current one: members
+        whose group failed (to form, or in a collective, with every member still alive) start over
+        and settle any split commit at the epoch start."""
         if time.monotonic() - self._last_reform < self.cfg.comm.timeout_s:
             return
         self._last_reform = time.monotonic()
         live = tuple(s for s in self.plan.members if self.members[s].state == "training")
         if live:
+            self._abort_epoch(reason)
             self._reshape(live, reason, "collective failure", time.time(), new_epoch=True)
 
     async def _evict(self, member: Member, detector: str, cause: str) -> None:
@@ -467,7 +501,8 @@ class Coordinator:
         await self.outcomes.put((member, "died", {"error": cause}, time.time()))
 
     async def collective_failed(self, slot: str, epoch: int, error: str) -> None:
-        """A member's collective failed: probe that epoch's members and evict any that do not answer."""
+        """A member's collective failed: probe that epoch's members and evict any that do not answer;
+        if every one answers, the group itself is broken: re-form it at once as a new epoch."""
         if epoch != self.epoch or self.state not in ("RUNNING", "RESHAPING") or self._probing:
             return
         self._probing = True
@@ -478,6 +513,8 @@ class Coordinator:
                 if not alive:
                     await self._evict(member, "collective failure",
                                       f"worker {member.slot} did not answer after {slot}'s collective failed: {error[:160]}")
+            if all(answers) and epoch == self.epoch:
+                self._reform(f"{slot}'s collective failed with every member alive: {error[:160]}")
         finally:
             self._probing = False
 
@@ -502,14 +539,12 @@ class Coordinator:
             self.cause = None  # a pause, if there was one, is over
             self._transition("RUNNING", f"membership epoch {epoch} committed step {record['step']}")
 
-    async def _survivor_states(self, settle_s: float = 1.0) -> dict:
-        """Each live member's (step, parameter checksum) once the abort has settled."""
-        await asyncio.sleep(settle_s)
-        live = {slot: m for slot, m in self.members.items() if m.state == "training"}
+    async def _member_states(self, slots: tuple[str, ...]) -> dict:
+        """Each member's (step, parameter checksum), straight from the worker."""
         out = {}
-        for slot, member in live.items():
+        for slot in slots:
             try:
-                info = await asyncio.wait_for(asyncio.wrap_future(member.handle.status.remote().future()), 3.0)
+                info = await asyncio.wait_for(asyncio.wrap_future(self.members[slot].handle.status.remote().future()), 3.0)
                 out[slot] = {"step": info["step"], "checksum": info["checksum"]}
             except Exception as err:  # noqa: BLE001
                 out[slot] = {"error": _first_line(err)}
@@ -533,24 +568,29 @@ class Coordinator:
             await self._stop_at_next_step(f"time limit of {stop.time_s:g}s reached")
 
     def _accept_record(self, record: dict) -> None:
-        step = int(record.get("step", 0))
         if record.get("final"):  # evaluation after the last step: status only, not a history line
             self.metrics.update(record.get("metrics", {}))
             self._check_target()
             return
-        if step <= self.step:
-            return  # every committed step appears exactly once
-        self.step = max(self.step, step)
+        self._write_history(self.ledger.offer(record))
+        if self.ledger.tentative is not record:
+            return  # a step already in history, or a stale report of a redone one
+        self.step = max(self.step, int(record["step"]))
         if self.pending:
             self._complete_reshapes(record)
         if record.get("loss") is not None:
             self.loss = record["loss"]
         if record.get("metrics"):
             self.metrics = dict(record["metrics"])
-        self.recent = [(t, s) for t, s in self.recent if t > record["time"] - 5.0] + [(record["time"], step)]
-        self._history.write(json.dumps(record) + "\n")
-        self._history.flush()
+        self.recent = [(t, s) for t, s in self.recent if t > record["time"] - 5.0] + [(record["time"], record["step"])]
         self._check_target()
+
+    def _write_history(self, records: list[dict]) -> None:
+        """Append final records: every committed step exactly once, in order."""
+        for record in records:
+            self._history.write(json.dumps(record) + "\n")
+        if records:
+            self._history.flush()
 
     def _check_target(self) -> None:
         target = self.cfg.stop.target
@@ -575,6 +615,7 @@ class Coordinator:
     async def _force_stop_after(self, delay: float) -> None:
         await asyncio.sleep(delay)
         if self.state not in TERMINAL_STATES:
+            self._write_history(self.ledger.close())
             await self._teardown()
             kind = self.stop_kind or "STOPPED"
             self._transition(kind, f"members did not stop within {delay:.0f}s; their actors were killed")
@@ -608,27 +649,32 @@ class Coordinator:
 
     # ------------------------------------------------------------------ endings
     async def _finish(self) -> None:
+        """Every member of the plan finished at the same committed step: keep the model, end the job."""
+        self._write_history(self.ledger.close())
+        self.step = self.ledger.written_step
+        kind = self.stop_kind or "FINISHED"
         rank0 = self.members.get(self.plan.members[0]) if self.plan else None
         if rank0 is not None:
             try:
                 blob = await asyncio.wait_for(asyncio.wrap_future(rank0.handle.final_state.remote().future()), 60)
                 runfiles.write_bytes_atomic(self.run_dir / "model.pt", blob)
-                if self.stop_kind == "STOPPED":  # a stopped job can be continued with --resume
+                if kind != "FINISHED":  # a stopped or failed job can be continued with --resume
                     await asyncio.to_thread(checkpoints.save, self.run_dir, self.step, blob, self.cfg.checkpoint.keep)
-                    self._event("checkpoint", f"checkpoint at step {self.step} on stop", step=self.step)
+                    self._event("checkpoint", f"checkpoint at step {self.step} on {kind.lower()}", step=self.step)
             except Exception as err:  # noqa: BLE001
                 self._event("info", f"could not fetch the final model from {rank0.slot}: {_first_line(err)}")
+        final = await self._member_states(self.plan.members) if kind == "FAILED" and self.plan else {}
         await self._teardown()
-        kind = self.stop_kind or "FINISHED"
         if kind == "FINISHED":
             self.cause = None
         reason = self.cause or f"all members reached the stop step {self.step}"
-        self._transition(kind, reason)
+        self._transition(kind, reason, **({"survivors": final} if final else {}))
         self._write_final()
 
     async def _fail(self, cause: str, detail: Optional[dict] = None) -> None:
         self.cause = cause
         self._event("failure", cause, **(detail or {}))
+        self._write_history(self.ledger.close())
         await self._teardown()
         self._transition("FAILED", cause)
         self._write_final()
@@ -656,8 +702,8 @@ class Coordinator:
         ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
 
     # ------------------------------------------------------------------ bookkeeping
-    def _transition(self, to: str, reason: str) -> None:
-        self._event("transition", reason, state_from=self.state, state_to=to)
+    def _transition(self, to: str, reason: str, **detail: Any) -> None:
+        self._event("transition", reason, state_from=self.state, state_to=to, **detail)
         self.state = to
         if to in TERMINAL_STATES:
             runfiles.publish_record(self.name, {"run_id": self.run_id, "run_dir": str(self.run_dir), "state": to})

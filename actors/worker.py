@@ -113,6 +113,8 @@ class Replica:
         self._finished = threading.Event()
         self._outcome: dict = {}
         self._records: list[dict] = []
+        self.last_record: Optional[dict] = None
+        """History record of this replica's newest committed step (every rank keeps one; rank 0 reports)."""
         self._last_report = 0.0
         self._pending_report = None
         self._fired: set[int] = set()
@@ -234,6 +236,8 @@ class Replica:
             self.comm_epoch = plan.membership_epoch
             self.comm = comm
             source = self._reconcile(comm)
+            if rank == 0:  # the newest committed step is now agreed: history can take it
+                self._coord().epoch_agreed.remote(plan.membership_epoch, self.step, self.last_record)
         except CommError as err:
             self.cause = str(err)
             if self.comm is not None:
@@ -306,7 +310,7 @@ class Replica:
         """The whole training state: what a joiner receives and what a checkpoint holds."""
         buf = io.BytesIO()
         torch.save({"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "step": self.step,
-                    "cursor": self.cursor, "algorithm": self.impl.state_dict(),
+                    "cursor": self.cursor, "algorithm": self.impl.state_dict(), "record": self.last_record,
                     "rng": {"torch": torch.get_rng_state(), "numpy": self.rng.bit_generator.state}}, buf)
         return buf.getvalue()
 
@@ -319,6 +323,7 @@ class Replica:
         self.optimizer.load_state_dict(state["optimizer"])
         self.impl.load_state_dict(state["algorithm"])
         self.step, self.cursor = int(state["step"]), int(state["cursor"])
+        self.last_record = state.get("record")
         if "rng" in state:
             torch.set_rng_state(state["rng"]["torch"])
             self.rng.bit_generator.state = state["rng"]["numpy"]
@@ -369,6 +374,7 @@ class Replica:
             self._enter_phase("communicate")
             self.compute_s = 0.9 * self.compute_s + 0.1 * (time.perf_counter() - started) if self.compute_s else time.perf_counter() - started
             reduced = self.impl.finish_step(self.step)
+            self._maybe_lose_vote()
         except CommError as err:
             self.cause = str(err)
             self._report_collective_failure(plan, err)
@@ -383,7 +389,7 @@ class Replica:
         self.step += 1
         self.cursor += plan.global_batch
         if self._samples is not None:
-            self._samples.write(f"{self.step} {' '.join(map(str, self._last_ids.tolist()))}\n")
+            self._samples.write(f"{self.step} {plan.membership_epoch} {' '.join(map(str, self._last_ids.tolist()))}\n")
             self._samples.flush()
         self._record(plan, float(reduced[0]), started)
         self._maybe_checkpoint(plan)
@@ -425,11 +431,12 @@ class Replica:
 
     # ------------------------------------------------------------------ reporting
     def _record(self, plan: Plan, loss: float, started: float) -> None:
+        record = {"step": self.step, "time": time.time(), "loss": loss, "world_size": len(plan.members),
+                  "global_batch": plan.global_batch,
+                  "membership_epoch": plan.membership_epoch, "bytes_sent": self.impl.bytes_sent,
+                  "lr": self.optimizer.param_groups[0]["lr"], "step_time": time.perf_counter() - started}
+        self.last_record = record
         if plan.rank_of(self.slot) == 0:
-            record = {"step": self.step, "time": time.time(), "loss": loss, "world_size": len(plan.members),
-                      "global_batch": plan.global_batch,
-                      "membership_epoch": plan.membership_epoch, "bytes_sent": self.impl.bytes_sent,
-                      "lr": self.optimizer.param_groups[0]["lr"], "step_time": time.perf_counter() - started}
             every = self.cfg.eval_every
             if every and self.step % every == 0:
                 record.update(self._evaluate())
@@ -492,6 +499,11 @@ class Replica:
                 pass
             return kill
         return None
+
+    def _maybe_lose_vote(self) -> None:
+        """`at: vote`: this member loses the result of a vote the others commit (a split commit)."""
+        if self.due("vote") is not None:
+            raise CommError(f"injected fault: {self.slot} lost the result of the commit vote for step {self.step + 1}")
 
     def fire(self, kill: KillFault) -> None:
         if kill.how == "raise":

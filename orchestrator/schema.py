@@ -226,7 +226,9 @@ class KillFault:
     slot: str = ""
     step: int = 0
     """The step it fires at; with `at: join`, the first join of that slot at or after this step."""
-    at: Literal["allreduce", "checkpoint", "join", "user_exception", "step"] = "step"
+    at: Literal["allreduce", "checkpoint", "join", "user_exception", "step", "vote"] = "step"
+    """`vote`: the member loses the result of that step's commit vote while the others commit it
+    (a split commit, as when a peer fails mid-reduction); `how` does not apply."""
     how: Literal["sigkill", "exit", "actor_kill", "raise", "hang"] = "sigkill"
     """`hang`: the step never ends (the process still answers control calls)."""
     repeat: bool = False
@@ -244,7 +246,8 @@ class FaultsConfig:
     stragglers: list[StragglerFault] = field(default_factory=list)
     kills: list[KillFault] = field(default_factory=list)
     record_samples: bool = False
-    """Each worker appends the sample ids of every committed step to `samples/<slot>.txt` (tests)."""
+    """Each worker appends `step membership_epoch id id ...` for every step it commits to
+    `samples/<slot>.txt` (tests); a step counts in the epoch that history gives for it."""
 
 
 @dataclass

@@ -48,8 +48,8 @@ def assert_gone(pids: list[int], timeout: float = 10.0) -> None:
         time.sleep(0.1)
 
 
-def assert_survivors_at_last_committed_step(job: ElasticJob, failure: dict, victim: str) -> None:
-    survivors = failure["detail"]["survivors"]
+def assert_survivors_at_last_committed_step(job: ElasticJob, failed: dict, victim: str) -> None:
+    survivors = failed["detail"]["survivors"]
     assert victim not in survivors and len(survivors) == 3, survivors
     steps = {s["step"] for s in survivors.values()}
     sums = {s["checksum"] for s in survivors.values()}
@@ -69,7 +69,7 @@ def test_sigkill_inside_allreduce_fails_job_within_5s(run_root):
     assert delay < 5.0
     assert failure["detail"]["slot"] == "w2" and failure["detail"]["detector"] == "actor death"
     assert "w2" in result.cause and "died" in result.cause
-    assert_survivors_at_last_committed_step(job, failure, "w2")
+    assert_survivors_at_last_committed_step(job, failed, "w2")
     assert [r["step"] for r in job.history()] == list(range(1, len(job.history()) + 1))
     assert_gone(pids)
 
@@ -86,7 +86,7 @@ def test_external_sigkill_fails_job_within_5s(run_root):
     print(f"external SIGKILL -> FAILED in {failed['time'] - killed_at:.2f}s")
     assert result.state == "FAILED" and failed["time"] - killed_at < 5.0
     assert failure["detail"]["slot"] == "w1"
-    assert_survivors_at_last_committed_step(job, failure, "w1")
+    assert_survivors_at_last_committed_step(job, failed, "w1")
     assert_gone(pids)
 
 

@@ -1,0 +1,75 @@
+"""The committed-step ledger: which history records are final, written exactly once per step.
+
+A step's commit vote rides in its last all-reduce, and gloo can finish that all-reduce on some
+ranks and fail it on others; so a record that rank 0 reports for step s may describe an update
+that only some members (perhaps only members that then died) applied. The membership-epoch
+start settles it: the members exchange their committed steps and the newest wins (DESIGN.md,
+"Committed steps"). The ledger therefore holds the newest record back as *tentative* and makes
+it final when it is confirmed:
+
+- a record for step s + 1 from any epoch confirms s (committing s + 1 needed every member of
+  that epoch at s);
+- an epoch agreement (epoch e agreed on step a) confirms a tentative record of an older epoch
+  with step <= a and drops one with step > a (only departed members applied it; it is redone),
+  and supplies the record of step a itself when rank 0 never reported it;
+- the end of the job confirms whatever is tentative (every member finished at that step).
+
+Pure bookkeeping, no Ray: each call returns the records that became final, in step order.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+
+class CommittedLedger:
+    def __init__(self, written_step: int = 0) -> None:
+        self.written_step = written_step
+        """The newest step whose record is final (in history)."""
+        self.tentative: Optional[dict] = None
+        self.dropped: list[dict] = []
+        """Tentative records that an epoch agreement overruled (for the events)."""
+
+    @property
+    def newest_step(self) -> int:
+        """The newest step reported committed anywhere (tentative included)."""
+        return self.tentative["step"] if self.tentative else self.written_step
+
+    def offer(self, record: dict) -> list[dict]:
+        """A record rank 0 reported for a step it committed."""
+        step, epoch = int(record["step"]), int(record.get("membership_epoch", 0))
+        if step <= self.written_step:
+            return []
+        held = self.tentative
+        if held is None or step > held["step"]:
+            self.tentative = record
+            if held is None:
+                return []
+            self.written_step = held["step"]
+            return [held]
+        if step == held["step"] and epoch > int(held.get("membership_epoch", 0)):
+            self.tentative = record  # the step was redone in a newer epoch: its record supersedes
+        return []
+
+    def agreed(self, epoch: int, step: int, record: Optional[dict]) -> list[dict]:
+        """The members of `epoch` agreed that `step` is the newest committed step."""
+        final: list[dict] = []
+        held = self.tentative
+        if held is not None and int(held.get("membership_epoch", 0)) < epoch:
+            self.tentative = None
+            if held["step"] <= step:
+                final.append(held)
+                self.written_step = held["step"]
+            else:
+                self.dropped.append(held)
+        if record is not None and int(record["step"]) == step and step == self.written_step + 1 and self.tentative is None:
+            final.append(record)
+            self.written_step = step
+        return final
+
+    def close(self) -> list[dict]:
+        """The job ended with every member at the same step: the tentative record is final."""
+        held, self.tentative = self.tentative, None
+        if held is None:
+            return []
+        self.written_step = held["step"]
+        return [held]
