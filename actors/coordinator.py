@@ -14,6 +14,7 @@ records go to `history.jsonl`, each committed step exactly once.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import signal
@@ -39,6 +40,10 @@ PROBE_S = 1.0
 OWNER_CHECK_S = 1.0
 LINGER_S = 600.0
 """A finished coordinator stays this long for `status`, unless released earlier."""
+MAX_RESTARTS = 5
+"""How often Ray restarts a coordinator whose process dies; each restart carries on from the run
+directory and the live workers (a new incarnation)."""
+SAVED = "coordinator.json"
 
 
 @dataclass
@@ -107,9 +112,47 @@ class Coordinator:
         self.outcomes: asyncio.Queue = None  # type: ignore[assignment]  # made on the event loop
         self._main_task: Optional[asyncio.Task] = None
         self._released: Optional[asyncio.Event] = None
+        self.version = 0
+        """Of the newest plan published (by any incarnation)."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._history = open(self.run_dir / "history.jsonl", "a", encoding="utf-8")
         self._events = open(self.run_dir / "events.jsonl", "a", encoding="utf-8")
+        self._saved: Optional[dict] = None
+        if ray.get_runtime_context().was_current_actor_reconstructed:
+            self._load_saved()
+            ray.get_actor(self.name, namespace=self.cfg.ray.namespace).start.remote()  # nobody else will
+        self._persist()
+
+    # ------------------------------------------------------------------ persistence (restarts)
+    def _persist(self) -> None:
+        """What a restarted coordinator cannot re-learn from the live workers (DESIGN.md)."""
+        members = {slot: {"state": m.state, "pid": m.pid, "node": m.node, "node_id": m.node_id, "cause": m.cause}
+                   for slot, m in self.members.items()}
+        runfiles.write_json_atomic(self.run_dir / SAVED, {
+            "incarnation": self.incarnation, "epoch": self.epoch, "version": self.version, "state": self.state,
+            "plan": dataclasses.asdict(self.plan) if self.plan else None, "target_count": self.target_count,
+            "failures": self.failures, "retired": self.retired, "stop_kind": self.stop_kind, "cause": self.cause,
+            "running_since": self.running_since, "members": members, "pending": self.pending,
+            "departed": [d.__dict__ for d in self.departed], "loss": self.loss, "metrics": self.metrics})
+
+    def _load_saved(self) -> None:
+        saved = runfiles.read_json(self.run_dir / SAVED)
+        if saved is None:
+            raise RuntimeError(f"restarted, but {self.run_dir / SAVED} is missing: cannot carry on")
+        self._saved = saved
+        self.incarnation = saved["incarnation"] + 1
+        self.epoch, self.version, self.state = saved["epoch"], saved["version"], saved["state"]
+        self.target_count, self.failures, self.retired = saved["target_count"], saved["failures"], saved["retired"]
+        self.stop_kind, self.cause, self.running_since = saved["stop_kind"], saved["cause"], saved["running_since"]
+        self.pending, self.loss, self.metrics = saved["pending"], saved["loss"], saved["metrics"]
+        self.departed = [MemberStatus(**d) for d in saved["departed"]]
+        if saved["plan"]:
+            self.plan = Plan(**{k: tuple(v) if k == "members" else v for k, v in saved["plan"].items()})
+            self.plans[self.plan.version] = self.plan
+        self.events = [Event(**e) for e in runfiles.read_jsonl(self.run_dir / "events.jsonl")]
+        history = runfiles.read_jsonl(self.run_dir / "history.jsonl")
+        self.step = history[-1]["step"] if history else 0
+        self.ledger = CommittedLedger(written_step=self.step)
 
     # ------------------------------------------------------------------ public methods
     async def start(self) -> dict:
@@ -164,6 +207,7 @@ class Coordinator:
         if self.state not in ("RUNNING", "RESHAPING", "PAUSED"):
             raise ValueError(f"scale: the job is {self.state}; only a running or paused job can be scaled")
         self.target_count = count
+        self._persist()
         await self._converge(f"scale to {count} requested", "scale request")
         return self._status().to_dict()
 
@@ -173,13 +217,15 @@ class Coordinator:
             if reshape["membership_epoch"] == epoch:
                 reshape["state_sources"][slot] = {"source": source, "step": step}
 
-    async def epoch_agreed(self, epoch: int, step: int, record: Optional[dict]) -> None:
+    async def epoch_agreed(self, epoch: int, step: int, records: tuple[dict, ...]) -> None:
         """Rank 0 of `epoch`: its members agreed that `step` is the newest committed step.
 
-        `record` is that step's history record, carried with the state, for when rank 0 of the
-        old epoch never reported it (it died, or its own last vote failed).
+        `records` are the ones it keeps after the plan's `history_step`: they fill in what rank 0
+        of the old epoch never reported (it died, or its own last vote failed).
         """
-        self._write_history(self.ledger.agreed(epoch, step, record))
+        for record in records:
+            self._accept_record(record)
+        self._write_history(self.ledger.agreed(epoch, step))
         for held in self.ledger.dropped:
             self._event("info", f"step {held['step']} of membership epoch {held.get('membership_epoch')} was applied "
                         f"only by members that left; the members of epoch {epoch} agreed on step {step} and redo it",
@@ -199,16 +245,7 @@ class Coordinator:
     # ------------------------------------------------------------------ main task
     async def _main(self) -> None:
         try:
-            self._spawn([f"w{i}" for i in range(self.cfg.workers.count)], "initial membership", "start")
-            members = await self._first_members()
-            if self.resume_from:
-                await self._resume(members[0])
-            self._publish(members, "initial membership")
-            for slot in members:
-                self._start_run(self.members[slot])
-            self.running_since = time.time()
-            self.cause = None
-            self._transition("RUNNING", f"{len(members)} workers started and received the first plan")
+            await (self._recover() if self._saved is not None else self._begin())
             asyncio.get_running_loop().create_task(self._heartbeats())
             await self._supervise()
         except Exception as err:  # noqa: BLE001 - the job fails with the cause, never hangs
@@ -216,6 +253,69 @@ class Coordinator:
                 await self._fail(f"coordinator error: {type(err).__name__}: {err}", detail={"traceback": traceback.format_exc()})
         finally:
             await self._linger()
+
+    async def _begin(self) -> None:
+        self._spawn([f"w{i}" for i in range(self.cfg.workers.count)], "initial membership", "start")
+        members = await self._first_members()
+        if self.resume_from:
+            await self._resume(members[0])
+        self._publish(members, "initial membership")
+        for slot in members:
+            self._start_run(self.members[slot])
+        self.running_since = time.time()
+        self.cause = None
+        self._transition("RUNNING", f"{len(members)} workers started and received the first plan")
+
+    async def _recover(self) -> None:
+        """A restarted coordinator: re-attach to the workers that are still alive (they kept training:
+        a formed group needs no coordinator), then publish a new membership epoch, whose groups meet
+        on this incarnation's store and whose agreement hands history the steps it missed."""
+        decided = time.time()
+        if self.state == "RUNNING":
+            self._transition("RESHAPING", f"coordinator restarted as incarnation {self.incarnation}: re-attaching workers")
+        found, lost = [], []
+        for slot, saved in self._saved["members"].items():
+            handle = self._worker_handle(slot)
+            if saved["state"] not in ("training", "leaving"):  # a joiner not admitted yet: started again below
+                _kill(handle)
+                continue
+            info = await self._ask(handle, "status") if handle is not None else None
+            member = Member(slot, handle, pid=saved["pid"], node=saved["node"], node_id=saved["node_id"], state=saved["state"])
+            self.members[slot] = member
+            if info is None:
+                member.state, member.cause = "dead", "gone while the coordinator was down"
+                self._depart(member)
+                lost.append(slot)
+                continue
+            found.append(slot)
+            if info["plan"] is not None and (self.plan is None or info["plan"].version > self.plan.version):
+                self.plan = self.plans[info["plan"].version] = info["plan"]  # published just before the crash
+            self._start_watch(member)
+        self.version = max(self.version, self.plan.version if self.plan else 0)
+        self._event("restart", f"coordinator restarted as incarnation {self.incarnation}: re-attached "
+                    f"{', '.join(found) or 'no worker'}" + (f"; lost {', '.join(lost)}" if lost else ""),
+                    incarnation=self.incarnation, reattached=found, lost=lost, history_step=self.step)
+        live = tuple(s for s in self.plan.members if s in found and self.members[s].state == "training") if self.plan else ()
+        if not live:
+            raise RuntimeError("restarted and found no live worker holding the committed state (resume with --resume)")
+        if self.stop_kind is None:
+            self._reshape(live, f"coordinator restarted (incarnation {self.incarnation})", "coordinator restart",
+                          decided, new_epoch=True)
+            await self._converge(f"replace workers lost while the coordinator was down", "replacement")
+        else:
+            self._publish(live, self.cause or "stopping", stop_step=self.step + 1)
+
+    def _worker_handle(self, slot: str):
+        try:
+            return ray.get_actor(f"{self.name}/{self.run_id}/{slot}", namespace=self.cfg.ray.namespace)
+        except ValueError:
+            return None
+
+    async def _ask(self, handle, method: str, timeout: float = 5.0) -> Optional[Any]:
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(getattr(handle, method).remote().future()), timeout)
+        except Exception:  # noqa: BLE001 - gone, or not answering
+            return None
 
     async def _first_members(self) -> tuple[str, ...]:
         """All `count` workers ready, or at least `min` after `start_grace_s`; PAUSED while fewer than `min` fit."""
@@ -330,6 +430,9 @@ class Coordinator:
     def _start_run(self, member: Member) -> None:
         member.handle.run.remote()
         member.state = "training"
+        self._start_watch(member)
+
+    def _start_watch(self, member: Member) -> None:
         member.watch_task = asyncio.get_running_loop().create_task(self._watch(member, member.handle.watch.remote()))
 
     async def _watch(self, member: Member, ref) -> None:
@@ -573,9 +676,9 @@ class Coordinator:
             self._check_target()
             return
         self._write_history(self.ledger.offer(record))
+        self.step = max(self.step, self.ledger.newest_step)
         if self.ledger.tentative is not record:
-            return  # a step already in history, or a stale report of a redone one
-        self.step = max(self.step, int(record["step"]))
+            return  # a step already in history, a stale report of a redone one, or one ahead of a gap
         if self.pending:
             self._complete_reshapes(record)
         if record.get("loss") is not None:
@@ -623,7 +726,8 @@ class Coordinator:
 
     # ------------------------------------------------------------------ plans
     def _publish(self, members: tuple[str, ...], reason: str, stop_step: Optional[int] = None, new_epoch: bool = False) -> Plan:
-        version = len(self.plans) + 1
+        self.version += 1
+        version = self.version
         global_batch, lr_scale = batch_for(len(members), self.cfg.workload.batch_size, self.cfg.workers.count,
                                            self.cfg.workers.batch_mode)
         if self.plan is None or self.plan.members != members or new_epoch:
@@ -634,12 +738,13 @@ class Coordinator:
             store_host=self.node_ip, store_port=self.store_port, timeout_s=self.cfg.comm.timeout_s,
             global_batch=global_batch, lr_scale=lr_scale,
             backend="nccl" if self.cfg.workers.gpus > 0 and self.cfg.comm.backend != "gloo" else "gloo",
-            stop_step=stop_step, reason=reason)
+            stop_step=stop_step, reason=reason, history_step=self.ledger.written_step)
         self.plans[version] = plan
         self.plan = plan
         for member in self.members.values():  # leavers too: the plan is how they learn to leave
             if member.state in LIVE + ("leaving",):
                 member.handle.set_plan.remote(plan)
+        self._persist()
         return plan
 
     def _abort_epoch(self, reason: str) -> None:
@@ -705,6 +810,7 @@ class Coordinator:
     def _transition(self, to: str, reason: str, **detail: Any) -> None:
         self._event("transition", reason, state_from=self.state, state_to=to, **detail)
         self.state = to
+        self._persist()
         if to in TERMINAL_STATES:
             runfiles.publish_record(self.name, {"run_id": self.run_id, "run_dir": str(self.run_dir), "state": to})
 
@@ -733,7 +839,7 @@ class Coordinator:
                          membership_epoch=self.epoch, world_size=len(plan.members) if plan else 0, members=members,
                          loss=self.loss, throughput=throughput, cause=self.cause, run_dir=str(self.run_dir),
                          metrics=dict(self.metrics), reshapes=tuple(e for e in self.events if e.kind == "reshape"),
-                         departed=tuple(self.departed))
+                         departed=tuple(self.departed), incarnation=self.incarnation, coordinator_pid=os.getpid())
 
 
 DEPARTED = ("dead", "failed", "hung", "retired", "left")

@@ -10,8 +10,9 @@ it final when it is confirmed:
 - a record for step s + 1 from any epoch confirms s (committing s + 1 needed every member of
   that epoch at s);
 - an epoch agreement (epoch e agreed on step a) confirms a tentative record of an older epoch
-  with step <= a and drops one with step > a (only departed members applied it; it is redone),
-  and supplies the record of step a itself when rank 0 never reported it;
+  with step <= a and drops one with step > a (only departed members applied it; it is redone).
+  Before it, rank 0 of epoch e offers every record it keeps since the plan's `history_step`,
+  which fills in the steps a departed rank 0 committed but never reported;
 - the end of the job confirms whatever is tentative (every member finished at that step).
 
 Pure bookkeeping, no Ray: each call returns the records that became final, in step order.
@@ -28,6 +29,8 @@ class CommittedLedger:
         self.tentative: Optional[dict] = None
         self.dropped: list[dict] = []
         """Tentative records that an epoch agreement overruled (for the events)."""
+        self.early: dict[int, dict] = {}
+        """Records that arrived ahead of a gap, by step, until the records before them arrive."""
 
     @property
     def newest_step(self) -> int:
@@ -35,10 +38,20 @@ class CommittedLedger:
         return self.tentative["step"] if self.tentative else self.written_step
 
     def offer(self, record: dict) -> list[dict]:
-        """A record rank 0 reported for a step it committed."""
-        step, epoch = int(record["step"]), int(record.get("membership_epoch", 0))
+        """A record of a step that some member committed (rank 0's reports, or a catch-up)."""
+        step = int(record["step"])
         if step <= self.written_step:
             return []
+        if step > self.newest_step + 1:  # ahead of a gap (a restarted coordinator): wait for the steps before it
+            self.early[step] = record
+            return []
+        final = self._next(record)
+        while self.newest_step + 1 in self.early:
+            final += self._next(self.early.pop(self.newest_step + 1))
+        return final
+
+    def _next(self, record: dict) -> list[dict]:
+        step, epoch = int(record["step"]), int(record.get("membership_epoch", 0))
         held = self.tentative
         if held is None or step > held["step"]:
             self.tentative = record
@@ -50,21 +63,20 @@ class CommittedLedger:
             self.tentative = record  # the step was redone in a newer epoch: its record supersedes
         return []
 
-    def agreed(self, epoch: int, step: int, record: Optional[dict]) -> list[dict]:
-        """The members of `epoch` agreed that `step` is the newest committed step."""
-        final: list[dict] = []
+    def agreed(self, epoch: int, step: int) -> list[dict]:
+        """The members of `epoch` agreed that `step` is the newest committed step (its record, and
+        any rank 0 never reported, were offered first: they travel with the state)."""
+        for ahead in [r for r in self.early.values() if r["step"] > step and int(r.get("membership_epoch", 0)) < epoch]:
+            del self.early[ahead["step"]]  # applied only by members that left, like a dropped tentative record
         held = self.tentative
-        if held is not None and int(held.get("membership_epoch", 0)) < epoch:
-            self.tentative = None
-            if held["step"] <= step:
-                final.append(held)
-                self.written_step = held["step"]
-            else:
-                self.dropped.append(held)
-        if record is not None and int(record["step"]) == step and step == self.written_step + 1 and self.tentative is None:
-            final.append(record)
-            self.written_step = step
-        return final
+        if held is None or int(held.get("membership_epoch", 0)) >= epoch:
+            return []
+        self.tentative = None
+        if held["step"] > step:
+            self.dropped.append(held)
+            return []
+        self.written_step = held["step"]
+        return [held]
 
     def close(self) -> list[dict]:
         """The job ended with every member at the same step: the tentative record is final."""

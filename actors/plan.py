@@ -31,6 +31,9 @@ class Plan:
     """Multiplies the learning rate (linear scaling in `keep_worker` batch mode)."""
     stop_step: Optional[int] = None
     """Members stop once this committed step is reached (target metric, time limit, stop)."""
+    history_step: int = 0
+    """The newest step in the job's history when the plan was published: at the epoch agreement,
+    rank 0 sends the coordinator the records it keeps after this step (see actors/ledger.py)."""
     reason: str = ""
 
     def rank_of(self, slot: str) -> Optional[int]:

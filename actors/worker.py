@@ -24,6 +24,7 @@ import sys
 import threading
 import time
 import traceback
+from collections import deque
 from typing import Any, Optional
 
 import numpy as np
@@ -40,6 +41,9 @@ from orchestrator.schema import JobConfig, KillFault, parse
 
 TAIL = 4  # weighted loss, samples, failed, saw-newer-plan
 REPORT_EVERY_S = 0.25
+KEEP_RECORDS = 2048
+"""Records each rank keeps of its newest committed steps, for the coordinator to catch up from
+(a departed rank 0's unreported steps, a restarted coordinator's gap)."""
 
 
 class InjectedFault(RuntimeError):
@@ -113,8 +117,8 @@ class Replica:
         self._finished = threading.Event()
         self._outcome: dict = {}
         self._records: list[dict] = []
-        self.last_record: Optional[dict] = None
-        """History record of this replica's newest committed step (every rank keeps one; rank 0 reports)."""
+        self.kept: deque[dict] = deque(maxlen=KEEP_RECORDS)
+        """History records of this replica's newest committed steps (every rank keeps them; rank 0 reports)."""
         self._last_report = 0.0
         self._pending_report = None
         self._fired: set[int] = set()
@@ -156,7 +160,8 @@ class Replica:
     def status(self) -> dict:
         plan = self.plan
         return {"slot": self.slot, "pid": os.getpid(), "step": self.step, "state": self.state, "checksum": checksum(self.model),
-                "rank": plan.rank_of(self.slot) if plan else -1, "membership_epoch": plan.membership_epoch if plan else 0}
+                "rank": plan.rank_of(self.slot) if plan else -1, "membership_epoch": plan.membership_epoch if plan else 0,
+                "plan": self.latest}
 
     def load_checkpoint(self, data: bytes) -> int:
         """Resume: this member starts from a disk checkpoint; the epoch start spreads it to the rest."""
@@ -236,8 +241,9 @@ class Replica:
             self.comm_epoch = plan.membership_epoch
             self.comm = comm
             source = self._reconcile(comm)
-            if rank == 0:  # the newest committed step is now agreed: history can take it
-                self._coord().epoch_agreed.remote(plan.membership_epoch, self.step, self.last_record)
+            if rank == 0:  # the newest committed step is agreed: history takes it, and any step it lacks
+                missing = tuple(r for r in self.kept if r["step"] > plan.history_step)
+                self._coord().epoch_agreed.remote(plan.membership_epoch, self.step, missing)
         except CommError as err:
             self.cause = str(err)
             if self.comm is not None:
@@ -310,7 +316,8 @@ class Replica:
         """The whole training state: what a joiner receives and what a checkpoint holds."""
         buf = io.BytesIO()
         torch.save({"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "step": self.step,
-                    "cursor": self.cursor, "algorithm": self.impl.state_dict(), "record": self.last_record,
+                    "cursor": self.cursor, "algorithm": self.impl.state_dict(),
+                    "record": self.kept[-1] if self.kept else None,
                     "rng": {"torch": torch.get_rng_state(), "numpy": self.rng.bit_generator.state}}, buf)
         return buf.getvalue()
 
@@ -323,7 +330,9 @@ class Replica:
         self.optimizer.load_state_dict(state["optimizer"])
         self.impl.load_state_dict(state["algorithm"])
         self.step, self.cursor = int(state["step"]), int(state["cursor"])
-        self.last_record = state.get("record")
+        record = state.get("record")
+        if record is not None and (not self.kept or self.kept[-1]["step"] < record["step"]):
+            self.kept.append(record)
         if "rng" in state:
             torch.set_rng_state(state["rng"]["torch"])
             self.rng.bit_generator.state = state["rng"]["numpy"]
@@ -435,7 +444,7 @@ class Replica:
                   "global_batch": plan.global_batch,
                   "membership_epoch": plan.membership_epoch, "bytes_sent": self.impl.bytes_sent,
                   "lr": self.optimizer.param_groups[0]["lr"], "step_time": time.perf_counter() - started}
-        self.last_record = record
+        self.kept.append(record)
         if plan.rank_of(self.slot) == 0:
             every = self.cfg.eval_every
             if every and self.step % every == 0:
@@ -573,4 +582,5 @@ class Worker:
         return self.replica.final_state()
 
 
-WorkerActor = ray.remote(concurrency_groups={"control": 4, "watch": 1})(Worker)
+# Every coordinator incarnation keeps one watch() pending: the dead one's stays until run() ends.
+WorkerActor = ray.remote(concurrency_groups={"control": 4, "watch": 8})(Worker)

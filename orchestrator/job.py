@@ -26,6 +26,8 @@ from orchestrator.schema import TERMINAL_STATES, ConfigError, JobConfig, JobResu
 
 NAMESPACE = "orchestrator"
 POLL_S = 0.2
+RESTART_WAIT_S = 60.0
+"""How long a call waits for a coordinator that Ray is restarting."""
 
 
 def ensure_token_env() -> None:
@@ -86,7 +88,7 @@ class ElasticJob:
         `owned=True` (what `python -m orchestrator run` does without --detach) ties the job to this
         process: if it is killed, the coordinator stops the job cleanly with a checkpoint.
         """
-        from actors.coordinator import CoordinatorActor
+        from actors.coordinator import MAX_RESTARTS, CoordinatorActor
 
         self._started_at = time.time()
         connect(self.config)
@@ -104,6 +106,7 @@ class ElasticJob:
         runfiles.write_bytes_atomic(self.run_dir / "config.yaml", yaml.safe_dump(self.config.to_dict(), sort_keys=False).encode())
         self._coordinator = CoordinatorActor.options(
             name=self.name, namespace=NAMESPACE, lifetime="detached", resources=_head_resources(),
+            max_restarts=MAX_RESTARTS,
         ).remote(self.config.to_dict(), self.run_id, str(self.run_dir), 0, (os.getcwd(),), self.resume_from,
                  ray.get_runtime_context().get_job_id() if owned else None)
         ray.get(self._coordinator.start.remote())
@@ -129,10 +132,21 @@ class ElasticJob:
         job.run_id = run_dir.name
         return job
 
+    def _ask(self, method: str, *args, timeout: float = 30.0):
+        """Call the coordinator, waiting out a restart (Ray restarts it; it carries on)."""
+        deadline = time.monotonic() + RESTART_WAIT_S
+        while True:
+            try:
+                return ray.get(getattr(self._coordinator, method).remote(*args), timeout=timeout)
+            except ray.exceptions.ActorUnavailableError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(POLL_S)
+
     def status(self) -> JobStatus:
         if self._coordinator is not None:
             try:
-                return JobStatus.from_dict(ray.get(self._coordinator.status.remote(), timeout=30))
+                return JobStatus.from_dict(self._ask("status"))
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
                 self._coordinator = None
         data = runfiles.read_json(self.run_dir / "status.json") if self.run_dir else None
@@ -165,7 +179,7 @@ class ElasticJob:
         """Graceful stop at the next committed step; returns once every actor of the job is gone."""
         if self._coordinator is not None:
             try:
-                ray.get(self._coordinator.request_stop.remote(reason), timeout=30)
+                self._ask("request_stop", reason)
             except ray.exceptions.RayActorError:
                 self._coordinator = None
         deadline = time.monotonic() + timeout
@@ -187,7 +201,7 @@ class ElasticJob:
         if self._coordinator is None:
             raise OrchestratorError(f"job {self.name!r} is not running")
         try:
-            return JobStatus.from_dict(ray.get(self._coordinator.scale.remote(int(count)), timeout=300))
+            return JobStatus.from_dict(self._ask("scale", int(count), timeout=300))
         except ValueError as err:
             raise ConfigError(_remote_message(err)) from None
 

@@ -439,6 +439,9 @@ class JobStatus:
     reshapes: tuple[Event, ...] = ()
     departed: tuple[MemberStatus, ...] = ()
     """Earlier incarnations that died, hung, failed or were retired, with their causes (newest last)."""
+    incarnation: int = 0
+    """How often the coordinator has been restarted (it carries on each time)."""
+    coordinator_pid: int = 0
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -35,20 +35,24 @@ def test_agreement_on_a_lower_step_drops_the_tentative_record():
     ledger = CommittedLedger()
     for s in range(1, 6):
         ledger.offer(rec(s, epoch=1, loss=float(s)))
-    assert ledger.agreed(2, 4, rec(4, epoch=1)) == []
+    assert ledger.agreed(2, 4) == []
     assert [d["step"] for d in ledger.dropped] == [5] and ledger.written_step == 4
     assert ledger.offer(rec(5, epoch=2, loss=50.0)) == []
     written = ledger.offer(rec(6, epoch=2))
     assert steps(written) == [5] and written[0]["loss"] == 50.0 and written[0]["membership_epoch"] == 2
 
 
-def test_agreement_supplies_a_step_rank_0_never_reported():
-    """Rank 0 failed its last vote (step 31) while the others committed 32: the agreement carries 32."""
+def test_records_offered_before_an_agreement_fill_what_rank_0_never_reported():
+    """Rank 0 died with steps 28..31 unreported (or failed its last vote while the others committed
+    32): the new rank 0 offers its own records since the plan's history step, then agrees."""
     ledger = CommittedLedger()
-    for s in range(1, 32):
+    for s in range(1, 28):
         ledger.offer(rec(s, epoch=1))
-    written = ledger.agreed(2, 32, rec(32, epoch=1, loss=3.2))
-    assert steps(written) == [31, 32] and written[1]["loss"] == 3.2
+    written = []
+    for s in range(25, 33):  # from the plan's history_step on: duplicates are harmless
+        written += ledger.offer(rec(s, epoch=1, loss=float(s)))
+    written += ledger.agreed(2, 32)
+    assert steps(written) == list(range(27, 33)) and written[-1]["loss"] == 32.0
     assert ledger.tentative is None and ledger.written_step == 32
     assert ledger.offer(rec(32, epoch=1)) == []
     assert ledger.offer(rec(33, epoch=2)) == [] and steps(ledger.close()) == [33]
@@ -58,19 +62,19 @@ def test_agreement_on_the_tentative_step_confirms_it():
     ledger = CommittedLedger()
     ledger.offer(rec(1))
     ledger.offer(rec(2))
-    assert steps(ledger.agreed(2, 2, rec(2))) == [2]
+    assert steps(ledger.agreed(2, 2)) == [2]
     assert ledger.written_step == 2 and ledger.tentative is None
 
 
 def test_agreement_of_the_current_epoch_leaves_its_own_records_alone():
     ledger = CommittedLedger()
     ledger.offer(rec(1, epoch=3))
-    assert ledger.agreed(3, 0, None) == [] and ledger.tentative["step"] == 1
+    assert ledger.agreed(3, 0) == [] and ledger.tentative["step"] == 1
 
 
 def test_a_resumed_run_starts_after_its_checkpoint():
     ledger = CommittedLedger(written_step=60)
-    assert ledger.agreed(1, 60, rec(60)) == [] and ledger.offer(rec(60)) == []
+    assert ledger.agreed(1, 60) == [] and ledger.offer(rec(60)) == []
     ledger.offer(rec(61))
     assert steps(ledger.offer(rec(62))) == [61]
 
@@ -83,8 +87,29 @@ def test_every_step_exactly_once_through_repeated_splits():
         out += ledger.offer(rec(s, epoch))
         if s % 17 == 0:  # rank 0 alone applied s; the others agree on s - 1 and redo it
             epoch += 1
-            out += ledger.agreed(epoch, s - 1, rec(s - 1, epoch - 1))
+            out += ledger.agreed(epoch, s - 1)
             out += ledger.offer(rec(s, epoch))
     out += ledger.close()
     assert steps(out) == list(range(1, 101))
     assert all(r["membership_epoch"] >= 2 for r in out if r["step"] % 17 == 0)
+
+
+def test_records_ahead_of_a_gap_wait_for_the_catch_up():
+    """A restarted coordinator hears rank 0's new reports before the members' catch-up records."""
+    ledger = CommittedLedger(written_step=72)
+    out = []
+    for s in (160, 161, 162):
+        out += ledger.offer(rec(s, epoch=1))
+    assert out == [] and ledger.newest_step == 72
+    for s in range(73, 160):
+        out += ledger.offer(rec(s, epoch=1))
+    out += ledger.agreed(2, 162)
+    assert steps(out) == list(range(73, 163)) and not ledger.early
+
+
+def test_an_agreement_discards_records_ahead_that_only_departed_members_applied():
+    ledger = CommittedLedger(written_step=10)
+    ledger.offer(rec(11, epoch=1))
+    ledger.offer(rec(13, epoch=1))  # 12 never arrives: its reporter died
+    assert ledger.agreed(2, 11) == [rec(11, epoch=1)] and not ledger.early
+    assert ledger.offer(rec(12, epoch=2)) == [] and ledger.offer(rec(13, epoch=2)) == [rec(12, epoch=2)]
