@@ -144,7 +144,8 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def format_status(status: JobStatus) -> str:
     lines = [f"job {status.name} run {status.run_id}: {status.state} at step {status.step}, "
-             f"membership epoch {status.membership_epoch}, world size {status.world_size}"]
+             f"membership epoch {status.membership_epoch}, world size {status.world_size}"
+             + (f", coordinator incarnation {status.incarnation}" if status.incarnation else "")]
     if status.cause:
         lines.append(f"cause: {status.cause}")
     if status.loss is not None:
