@@ -16,6 +16,7 @@ timeout and takes a process-wide lock while a group forms. The GPU path drives a
 from __future__ import annotations
 
 import datetime
+import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -361,13 +362,11 @@ def make_communicator(spec: GroupSpec) -> BaseCommunicator:
     return GlooCommunicator(spec, store)
 
 
-def serve_store(host: str, timeout_s: float) -> tuple[dist.TCPStore, int, "socket.socket"]:
+def serve_store(host: str, timeout_s: float) -> tuple[dist.TCPStore, int, socket.socket]:
     """Start the TCPStore server on a socket bound to `host` only (not all interfaces).
 
     The caller keeps the returned socket for as long as the store serves.
     """
-    import socket
-
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, 0))

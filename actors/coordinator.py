@@ -301,7 +301,7 @@ class Coordinator:
         if self.stop_kind is None:
             self._reshape(live, f"coordinator restarted (incarnation {self.incarnation})", "coordinator restart",
                           decided, new_epoch=True)
-            await self._converge(f"replace workers lost while the coordinator was down", "replacement")
+            await self._converge("replace workers lost while the coordinator was down", "replacement")
         else:
             self._publish(live, self.cause or "stopping", stop_step=self.step + 1)
 

@@ -8,14 +8,25 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 import time
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import ray
 import torch
 
 from actors.comm import BaseCommunicator, CommError, GroupSpec, make_communicator, serve_store
+
+
+def wait_until(predicate: Callable[[], Any], timeout: float = 90, what: str = "condition", every: float = 0.05) -> Any:
+    """Poll until `predicate()` is truthy and return its value; TimeoutError naming `what` after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout:g}s waiting for {what}")
+        time.sleep(every)
 
 
 class LoopbackHandle:

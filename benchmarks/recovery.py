@@ -30,6 +30,7 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 
 from actors.sampler import GlobalSampler, split_for_rank  # noqa: E402
+from actors.testing import wait_until  # noqa: E402
 from orchestrator.workloads.digits import mlp  # noqa: E402
 
 PER_WORKER, HIDDEN, LR, SEED = 16, 64, 0.05, 0
@@ -39,24 +40,14 @@ def log(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
 
-def wait_until(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out waiting for {what}")
-        time.sleep(0.05)
-
-
 # --------------------------------------------------------------------------- orchestrator
 def orchestrator_side(events: int, workers: int, every: int) -> dict:
     from orchestrator.config import config_from_dict
     from orchestrator.job import ElasticJob
 
     cfg = config_from_dict({
-        "name": "bench-recovery", "seed": SEED, "workers": {"count": workers, "max": workers + 1, "cpus": 1},
+        "name": "bench-recovery", "seed": SEED, "workers": {"count": workers, "max": workers + 1, "cpus": 1,
+                                              "failure_budget": 100},  # kills rotate over the slots: none retires
         "workload": {"factory": "orchestrator.workloads.digits:mlp", "params": {"hidden": HIDDEN}, "batch_size": PER_WORKER},
         "optimizer": {"lr": LR}, "checkpoint": {"every_steps": every}, "stop": {"max_steps": 10_000_000}, "eval_every": 0,
     })
@@ -143,10 +134,11 @@ def ray_train_side(events: int, workers: int, every: int) -> dict:
     from ray.train.torch import TorchTrainer
 
     marks = Path(tempfile.mkdtemp(prefix="rt-marks-"))
+    storage = Path(tempfile.mkdtemp(prefix="rt-store-"))
     trainer = TorchTrainer(
         _ray_train_loop, train_loop_config={"steps": 10_000_000, "every": every, "marks": str(marks)},
         scaling_config=ScalingConfig(num_workers=workers, use_gpu=False, resources_per_worker={"CPU": 1}),
-        run_config=RunConfig(storage_path=tempfile.mkdtemp(prefix="rt-store-"), name=f"recovery-{time.time_ns()}",
+        run_config=RunConfig(storage_path=str(storage), name=f"recovery-{time.time_ns()}",
                              failure_config=FailureConfig(max_failures=events + 2),
                              checkpoint_config=CheckpointConfig(num_to_keep=2)))
     runner = threading.Thread(target=lambda: _fit_quietly(trainer), daemon=True)
@@ -158,7 +150,8 @@ def ray_train_side(events: int, workers: int, every: int) -> dict:
             return []
         return [(int(a), float(b)) for a, b in (line.split() for line in path.read_text().splitlines() if line.strip())]
 
-    wait_until(lambda: len(steps()) > 60, 300, "Ray Train to train")
+    # Kill only once Ray Train has registered a checkpoint, so that its restart can resume from one.
+    wait_until(lambda: len(steps()) > 60 and any(storage.rglob("checkpoint_*")), 300, "Ray Train's first checkpoint")
     delays, lost = [], []
     for i in range(events):
         pids = {}
@@ -166,6 +159,8 @@ def ray_train_side(events: int, workers: int, every: int) -> dict:
             _, rank, pid = p.name.split("-")
             pids[int(rank)] = int(pid)  # the newest incarnation of each rank overwrites older ones
         victim = pids[1 + i % (workers - 1)]
+        for p in marks.glob("pid-*"):
+            p.unlink()  # the restarted group writes its own
         before = steps()[-1][0]
         killed_at = time.time()
         try:
@@ -177,8 +172,6 @@ def ray_train_side(events: int, workers: int, every: int) -> dict:
         delays.append(after[1] - killed_at)
         lost.append(before - (after[0] - 1))
         log(f"Ray Train kill {i + 1}/{events}: next step {after[0]} after {delays[-1]:.2f}s, redoing {lost[-1]} steps")
-        for p in marks.glob("pid-*"):
-            p.unlink()
         wait_until(lambda: len(list(marks.glob("pid-*"))) >= workers and steps()[-1][0] > after[0] + 60, 300, "steady")
     return {"death_to_next_step_s": delays, "steps_lost": lost}
 

@@ -6,7 +6,6 @@ import io
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +13,7 @@ import ray
 import torch
 
 from orchestrator.config import config_from_dict
+from actors.testing import wait_until
 from orchestrator.job import ElasticJob
 
 REPO = Path(__file__).resolve().parents[2]
@@ -27,13 +27,6 @@ def make_config(name: str, **over) -> dict:
     for key, value in over.items():
         cfg[key] = value
     return cfg
-
-
-def wait_until(predicate, timeout: float = 90, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 def reshapes(job: ElasticJob) -> list[dict]:

@@ -8,7 +8,6 @@ import signal
 import time
 
 import psutil
-import pytest
 
 from orchestrator.config import config_from_dict
 from orchestrator.job import ElasticJob

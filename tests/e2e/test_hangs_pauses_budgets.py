@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 import time
 from pathlib import Path
 
 import ray
 
 from orchestrator.config import config_from_dict
+from actors.testing import wait_until
 from orchestrator.job import ElasticJob
 
 REPO = Path(__file__).resolve().parents[2]
@@ -23,16 +23,6 @@ def config(name: str, **over) -> dict:
            "optimizer": {"lr": 0.05}, "stop": {"max_steps": 1_000_000}, "eval_every": 0}
     cfg.update(over)
     return cfg
-
-
-def wait_until(predicate, timeout: float = 60, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 def failure_events(job: ElasticJob) -> list[dict]:

@@ -13,19 +13,10 @@ import ray
 import yaml
 
 from orchestrator.config import config_from_dict
+from actors.testing import wait_until
 from orchestrator.job import NAMESPACE, ElasticJob, ensure_token_env
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def wait_until(predicate, timeout: float = 60, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 def job_config(name: str, **over) -> dict:
