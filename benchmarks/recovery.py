@@ -150,8 +150,9 @@ def ray_train_side(events: int, workers: int, every: int) -> dict:
             return []
         return [(int(a), float(b)) for a, b in (line.split() for line in path.read_text().splitlines() if line.strip())]
 
-    # Kill only once Ray Train has registered a checkpoint, so that its restart can resume from one.
-    wait_until(lambda: len(steps()) > 60 and any(storage.rglob("checkpoint_*")), 300, "Ray Train's first checkpoint")
+    # Kill mid-interval, two checkpoints after (re)starting, so that one has surely been registered.
+    settle = 2 * every + every // 2
+    wait_until(lambda: len(steps()) > settle and any(storage.rglob("checkpoint_*")), 300, "Ray Train's checkpoints")
     delays, lost = [], []
     for i in range(events):
         pids = {}
@@ -172,7 +173,7 @@ def ray_train_side(events: int, workers: int, every: int) -> dict:
         delays.append(after[1] - killed_at)
         lost.append(before - (after[0] - 1))
         log(f"Ray Train kill {i + 1}/{events}: next step {after[0]} after {delays[-1]:.2f}s, redoing {lost[-1]} steps")
-        wait_until(lambda: len(list(marks.glob("pid-*"))) >= workers and steps()[-1][0] > after[0] + 60, 300, "steady")
+        wait_until(lambda: len(list(marks.glob("pid-*"))) >= workers and steps()[-1][0] > after[0] + settle, 300, "steady")
     return {"death_to_next_step_s": delays, "steps_lost": lost}
 
 
