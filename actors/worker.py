@@ -341,15 +341,20 @@ class Replica:
         self._load_state_bytes(blob.numpy().tobytes())
 
     # ------------------------------------------------------------------ one step
-    def _batch(self, plan: Plan) -> tuple[Any, int]:
+    def _micro_batches(self, plan: Plan) -> list[tuple[Any, int]]:
+        """This rank's share of the next global batch, in chunks of at most `workload.micro_batch`."""
         ids = self.sampler.global_batch(self.cursor, plan.global_batch)
         mine = split_for_rank(ids, plan.rank_of(self.slot), len(plan.members))
         self._last_ids = mine
+        size = self.cfg.workload.micro_batch or max(len(mine), 1)
+        return [self._collate(mine[i:i + size]) for i in range(0, len(mine), size)]
+
+    def _collate(self, ids: np.ndarray) -> tuple[Any, int]:
         data = self.workload.train_data
         if self._fast_index:
-            index = torch.from_numpy(mine)
-            return tuple(t[index] for t in data.tensors), len(mine)
-        return torch.utils.data.default_collate([data[int(i)] for i in mine]), len(mine)
+            index = torch.from_numpy(ids)
+            return tuple(t[index] for t in data.tensors), len(ids)
+        return torch.utils.data.default_collate([data[int(i)] for i in ids]), len(ids)
 
     def _seed_step(self) -> None:
         """Randomness (dropout, augmentation) from streams derived from (seed, slot, step)."""
@@ -367,18 +372,20 @@ class Replica:
         self._seed_step()
         self.maybe_fire("step")
         self.maybe_fire("user_exception")
-        batch, n_local = self._batch(plan)
+        micro = self._micro_batches(plan)
         tail = torch.zeros(TAIL, dtype=torch.float32)
         self.impl.begin_step(self.step, tail)
         self.impl.before_forward(self.step)
-        loss = self.workload.loss(self.model, batch) if n_local else None
-        weight = n_local / plan.global_batch
-        tail[0] = float(loss.detach()) * weight if loss is not None else 0.0
-        tail[1] = n_local
+        tail[1] = sum(n for _, n in micro)
         tail[3] = 1.0 if self.latest.version > plan.version else 0.0
         try:
-            if loss is not None:
+            for i, (batch, n) in enumerate(micro):
+                self.impl.accumulating = i < len(micro) - 1
+                weight = n / plan.global_batch  # each sample counts 1/global batch, however it is split
+                loss = self.workload.loss(self.model, batch)
+                tail[0] += float(loss.detach()) * weight  # before the backward that launches the last bucket
                 (loss * weight).backward()
+            self.impl.accumulating = False
             self.impl.end_backward(self.step)
             self._enter_phase("communicate")
             self.compute_s = 0.9 * self.compute_s + 0.1 * (time.perf_counter() - started) if self.compute_s else time.perf_counter() - started
@@ -400,7 +407,7 @@ class Replica:
         if self._samples is not None:
             self._samples.write(f"{self.step} {plan.membership_epoch} {' '.join(map(str, self._last_ids.tolist()))}\n")
             self._samples.flush()
-        self._record(plan, float(reduced[0]), started)
+        self._record(plan, float(reduced[0]), started, len(micro))
         self._maybe_checkpoint(plan)
         if reduced[3] > 0:
             return self._adopt_newest_plan()
@@ -439,9 +446,9 @@ class Replica:
             self._coord().save_checkpoint.remote(self.step, self._state_bytes())
 
     # ------------------------------------------------------------------ reporting
-    def _record(self, plan: Plan, loss: float, started: float) -> None:
+    def _record(self, plan: Plan, loss: float, started: float, micro_steps: int) -> None:
         record = {"step": self.step, "time": time.time(), "loss": loss, "world_size": len(plan.members),
-                  "global_batch": plan.global_batch,
+                  "global_batch": plan.global_batch, "micro_steps": micro_steps,
                   "membership_epoch": plan.membership_epoch, "bytes_sent": self.impl.bytes_sent,
                   "lr": self.optimizer.param_groups[0]["lr"], "step_time": time.perf_counter() - started}
         self.kept.append(record)

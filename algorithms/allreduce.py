@@ -65,8 +65,6 @@ class AllReduceImpl(AlgorithmImpl):
                 self.bucket_of[i] = b
         self.buffers: list[torch.Tensor] = []
         self.tail_size = 0
-        self.sync_now = True
-        """False on the first micro-steps of gradient accumulation: hooks only accumulate."""
         for index, param in enumerate(self.params):
             param.register_post_accumulate_grad_hook(self._make_hook(index))
         self._allocate(tail_size=0)
@@ -116,8 +114,8 @@ class AllReduceImpl(AlgorithmImpl):
         def hook(_param: torch.Tensor) -> None:
             if self.trace is not None:
                 self.trace.append(("hook", index))
-            if not self.sync_now or self.comm is None:
-                return
+            if self.accumulating or self.comm is None:
+                return  # an earlier micro-step: the gradient accumulates in its bucket view
             b = self.bucket_of[index]
             self.pending[b] -= 1
             self._launch_ready()
@@ -136,7 +134,7 @@ class AllReduceImpl(AlgorithmImpl):
             self.next_launch += 1
 
     def end_backward(self, step: int) -> None:
-        if self.comm is not None and self.sync_now:
+        if self.comm is not None:
             self._launch_ready(force=True)
 
     def finish_step(self, step: int) -> torch.Tensor:

@@ -7,7 +7,8 @@ the implementation's hooks in a fixed order, the same for every policy in ALGORI
     on_membership(comm)        once per membership epoch: buckets, peers, server handles
     begin_step(step, tail)     per step; `tail` is the step's metadata (loss, samples, vote)
     before_forward(step)       gossip policies launch their exchange here
-    ... forward, backward (gradient hooks may launch communication) ...
+    ... forward, backward (gradient hooks may launch communication), once per micro-step,
+        with `accumulating` true on all but the last ...
     end_backward(step)         launch whatever is left (unused parameters, server pushes)
     finish_step(step) -> tail  wait for the step's communication; return the reduced tail
     after_optimizer_step(step) local-SGD averaging, gossip mixing, shadow hand-off
@@ -61,6 +62,9 @@ class AlgorithmImpl:
         self.model = model
         self.optimizer = optimizer
         self.comm: Any = None
+        self.accumulating = False
+        """Set by the worker during micro-steps before the last one of a step (gradient
+        accumulation): gradients accumulate locally, and communication waits for the last."""
 
     @property
     def bytes_sent(self) -> int:

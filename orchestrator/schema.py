@@ -98,12 +98,18 @@ class WorkloadConfig:
     """Keyword arguments for the factory."""
     batch_size: int = 32
     """Per-worker batch size at the starting world size."""
+    micro_batch: Optional[int] = None
+    """Most samples one forward/backward takes. A larger share of the global batch (keep_global
+    after the world shrinks) runs as micro-steps whose gradients accumulate locally; buckets are
+    all-reduced on the last micro-step only. None: no limit."""
 
     def __post_init__(self) -> None:
         if not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", self.factory or ""):
             raise FieldError("factory", f"must look like 'package.module:function', got {self.factory!r}")
         if self.batch_size < 1:
             raise FieldError("batch_size", f"must be at least 1, got {self.batch_size}")
+        if self.micro_batch is not None and self.micro_batch < 1:
+            raise FieldError("micro_batch", f"must be at least 1, got {self.micro_batch}")
 
 
 @dataclass

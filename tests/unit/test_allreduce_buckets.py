@@ -89,3 +89,32 @@ def test_new_membership_gets_fresh_buffers():
     old = [b.data_ptr() for b in impl.buffers]
     impl.on_membership(LoopbackComm())
     assert not set(old) & {b.data_ptr() for b in impl.buffers}
+
+
+def test_accumulated_micro_steps_reduce_once_and_match_the_whole_batch():
+    """Gradient accumulation: 3 micro-steps (weighted by their share) give the whole batch's
+    gradient, in the same bucket views, with one all-reduce per bucket, launched in the last."""
+    model, reference = _model(), _model()
+    impl = AllReduce(bucket_mb=0.04).bind(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    comm = LoopbackComm()
+    impl.on_membership(comm)
+    torch.manual_seed(3)
+    x, y = torch.randn(10, 64), torch.randint(0, 10, (10,))
+    impl.trace = []
+    impl.begin_step(0, torch.zeros(4))
+    chunks = [(0, 4), (4, 8), (8, 10)]
+    for i, (a, b) in enumerate(chunks):
+        impl.accumulating = i < len(chunks) - 1
+        (nn.functional.cross_entropy(model(x[a:b]), y[a:b]) * ((b - a) / 10)).backward()
+        if impl.accumulating:
+            assert comm.calls == [], "no bucket may be reduced before the last micro-step"
+    impl.accumulating = False
+    impl.end_backward(0)
+    impl.finish_step(0)
+    assert len(comm.calls) == len(impl.plan.buckets)
+    first_launch = next(i for i, (kind, _) in enumerate(impl.trace) if kind == "launch")
+    assert first_launch > len(impl.trace) - 1 - len(impl.params), "launched during the last backward"
+    nn.functional.cross_entropy(reference(x), y).backward()
+    for i, (p, q) in enumerate(zip(model.parameters(), reference.parameters())):
+        assert p.grad.data_ptr() == impl._ptrs[i], "accumulation must stay in the bucket view"
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-6)
