@@ -312,6 +312,7 @@ class Coordinator:
             return None
 
     async def _ask(self, handle, method: str, timeout: float = 5.0) -> Optional[Any]:
+        """A control call to a worker; None if it is gone, on a lost node, or does not answer in time."""
         try:
             return await asyncio.wait_for(asyncio.wrap_future(getattr(handle, method).remote().future()), timeout)
         except Exception:  # noqa: BLE001 - gone, or not answering
@@ -622,11 +623,7 @@ class Coordinator:
             self._probing = False
 
     async def _probe(self, member: Member) -> bool:
-        try:
-            await asyncio.wait_for(asyncio.wrap_future(member.handle.heartbeat.remote().future()), PROBE_S)
-            return True
-        except Exception:  # noqa: BLE001 - no answer, a dead actor or a lost node
-            return False
+        return await self._ask(member.handle, "heartbeat", PROBE_S) is not None
 
     def _complete_reshapes(self, record: dict) -> None:
         """A committed step in a reshape's epoch closes it: one `reshape` event with its duration."""
@@ -646,11 +643,8 @@ class Coordinator:
         """Each member's (step, parameter checksum), straight from the worker."""
         out = {}
         for slot in slots:
-            try:
-                info = await asyncio.wait_for(asyncio.wrap_future(self.members[slot].handle.status.remote().future()), 3.0)
-                out[slot] = {"step": info["step"], "checksum": info["checksum"]}
-            except Exception as err:  # noqa: BLE001
-                out[slot] = {"error": _first_line(err)}
+            info = await self._ask(self.members[slot].handle, "status", 3.0)
+            out[slot] = {"step": info["step"], "checksum": info["checksum"]} if info else {"error": "no answer"}
         return out
 
     async def _check_limits(self) -> None:
