@@ -55,10 +55,7 @@ class CommittedLedger:
         held = self.tentative
         if held is None or step > held["step"]:
             self.tentative = record
-            if held is None:
-                return []
-            self.written_step = held["step"]
-            return [held]
+            return self._final(held)
         if step == held["step"] and epoch > int(held.get("membership_epoch", 0)):
             self.tentative = record  # the step was redone in a newer epoch: its record supersedes
         return []
@@ -75,12 +72,14 @@ class CommittedLedger:
         if held["step"] > step:
             self.dropped.append(held)
             return []
-        self.written_step = held["step"]
-        return [held]
+        return self._final(held)
 
     def close(self) -> list[dict]:
         """The job ended with every member at the same step: the tentative record is final."""
         held, self.tentative = self.tentative, None
+        return self._final(held)
+
+    def _final(self, held: Optional[dict]) -> list[dict]:
         if held is None:
             return []
         self.written_step = held["step"]

@@ -385,7 +385,6 @@ class Replica:
                 loss = self.workload.loss(self.model, batch)
                 tail[0] += float(loss.detach()) * weight  # before the backward that launches the last bucket
                 (loss * weight).backward()
-            self.impl.accumulating = False
             self.impl.end_backward(self.step)
             self._enter_phase("communicate")
             self.compute_s = 0.9 * self.compute_s + 0.1 * (time.perf_counter() - started) if self.compute_s else time.perf_counter() - started
