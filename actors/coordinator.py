@@ -95,6 +95,8 @@ class Coordinator:
         self.recent: list[tuple[float, int]] = []
         self.events: list[Event] = []
         self.fired_faults: set[int] = set(runfiles.read_json(self.run_dir / "faults_fired.json", []))
+        self.fired_coordinator: set[str] = set(runfiles.read_json(self.run_dir / "coordinator_faults_fired.json", []))
+        self._die_on_report = False
         self.started = time.time()
         self.running_since: Optional[float] = None
         self.stop_kind: Optional[str] = None
@@ -176,6 +178,8 @@ class Coordinator:
         return self.plans[version]
 
     async def report(self, progress: Progress) -> None:
+        if self._die_on_report and progress.records:
+            self._maybe_die("stop")
         member = self.members.get(progress.slot)
         if member is not None:
             member.step, member.last_report, member.compute_s = progress.step, time.time(), progress.compute_s
@@ -706,6 +710,7 @@ class Coordinator:
         if self.state in ("RUNNING", "RESHAPING"):
             self._transition("STOPPING", reason)
         self._publish(self.plan.members, reason, stop_step=self.step + 1)
+        self._die_on_report = True
         loop = asyncio.get_running_loop()
         loop.create_task(self._force_stop_after(self.cfg.comm.timeout_s + 10.0))
 
@@ -735,9 +740,9 @@ class Coordinator:
             stop_step=stop_step, reason=reason, history_step=self.ledger.written_step)
         self.plans[version] = plan
         self.plan = plan
-        for member in self.members.values():  # leavers too: the plan is how they learn to leave
-            if member.state in LIVE + ("leaving",):
-                member.handle.set_plan.remote(plan)
+        sent = [member.handle.set_plan.remote(plan) for member in self.members.values()
+                if member.state in LIVE + ("leaving",)]  # leavers too: the plan is how they learn to leave
+        self._maybe_die("publish", version, sent)
         self._persist()
         return plan
 
@@ -745,6 +750,19 @@ class Coordinator:
         for member in self.members.values():
             if member.state in LIVE + ("leaving",):
                 member.handle.abort_epoch.remote(self.epoch, reason)
+
+    def _maybe_die(self, at: str, version: int = 0, delivered: list = ()) -> None:
+        """`faults.coordinator`: this process dies here, once (Ray restarts it)."""
+        for index, fault in enumerate(self.cfg.faults.coordinator):
+            key = f"coordinator-{index}"
+            if fault.at != at or (at == "publish" and fault.version != version) or key in self.fired_coordinator:
+                continue
+            self.fired_coordinator.add(key)
+            runfiles.write_json_atomic(self.run_dir / "coordinator_faults_fired.json", sorted(self.fired_coordinator))
+            self._event("fault", f"injected fault: the coordinator dies at {at}" + (f" of plan {version}" if version else ""),
+                        fired_at=time.time())
+            ray.wait(list(delivered), num_returns=len(delivered), timeout=5)  # the plan reaches the workers first
+            os.kill(os.getpid(), signal.SIGKILL)
 
     # ------------------------------------------------------------------ endings
     async def _finish(self) -> None:

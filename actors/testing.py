@@ -75,6 +75,55 @@ class StoreHost:
         return self.host, self.port, os.getpid()
 
 
+@ray.remote(num_cpus=0)
+class FakeCoordinator:
+    """Stands in for the coordinator of a worker actor under test: hosts the store, records every
+    call a worker makes, and serves plans it was given (or raises, to mimic a restarting one)."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.host = ray.util.get_node_ip_address()
+        self.store, self.port, self._sock = serve_store(self.host, timeout_s)
+        self.plans: dict = {}
+        self.calls: list[tuple[str, Any]] = []
+        self.plan_error: Optional[str] = None
+
+    def address(self) -> tuple[str, int]:
+        return self.host, self.port
+
+    def fail_get_plan(self, message: Optional[str]) -> None:
+        self.plan_error = message
+
+    def get_plan(self, version: int):
+        self.calls.append(("get_plan", version))
+        if self.plan_error:
+            raise RuntimeError(self.plan_error)
+        return self.plans[version]
+
+    def add_plan(self, plan) -> None:
+        self.plans[plan.version] = plan
+
+    def report(self, progress) -> None:
+        self.calls.append(("report", progress.step))
+
+    def epoch_agreed(self, epoch: int, step: int, *rest: Any) -> None:
+        self.calls.append(("epoch_agreed", (epoch, step)))
+
+    def state_received(self, slot: str, epoch: int, source: str, step: int) -> None:
+        self.calls.append(("state_received", (slot, source, step)))
+
+    def collective_failed(self, slot: str, epoch: int, error: str) -> None:
+        self.calls.append(("collective_failed", slot))
+
+    def fault_fired(self, index: int, slot: str, step: int, phase: str) -> None:
+        self.calls.append(("fault_fired", (index, slot, step, phase)))
+
+    def save_checkpoint(self, step: int, blob: bytes) -> None:
+        self.calls.append(("save_checkpoint", step))
+
+    def recorded(self) -> list[tuple[str, Any]]:
+        return list(self.calls)
+
+
 @ray.remote(num_cpus=0.5, concurrency_groups={"control": 2})
 class CommPeer:
     def __init__(self) -> None:

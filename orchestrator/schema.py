@@ -248,9 +248,25 @@ class KillFault:
 
 
 @dataclass
+class CoordinatorFault:
+    """Kill the coordinator's process at an exact point of the protocol (Ray restarts it)."""
+
+    at: Literal["publish", "stop"] = "publish"
+    """`publish`: right after plan `version` has reached the workers, before the coordinator has
+    saved it; `stop`: after it has saved a decision to stop (state STOPPING), while it receives the
+    next progress report (whose records are lost with it)."""
+    version: int = 0
+
+    def __post_init__(self) -> None:
+        if self.at == "publish" and self.version < 1:
+            raise FieldError("version", f"must name a plan version (1 or more) for at: publish, got {self.version}")
+
+
+@dataclass
 class FaultsConfig:
     stragglers: list[StragglerFault] = field(default_factory=list)
     kills: list[KillFault] = field(default_factory=list)
+    coordinator: list[CoordinatorFault] = field(default_factory=list)
     record_samples: bool = False
     """Each worker appends `step membership_epoch id id ...` for every step it commits to
     `samples/<slot>.txt` (tests); a step counts in the epoch that history gives for it."""

@@ -56,9 +56,14 @@ def _split() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     return as_x(a["x_tr"]), torch.from_numpy(a["y_tr"]), as_x(a["x_te"]), torch.from_numpy(a["y_te"])
 
 
+def _inputs(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Inputs in the model's dtype (a bf16 or fp16 model takes bf16 or fp16 pixels)."""
+    return x.to(next(model.parameters()).dtype)
+
+
 def cross_entropy(model: nn.Module, batch) -> torch.Tensor:
     x, y = batch
-    return F.cross_entropy(model(x), y)
+    return F.cross_entropy(model(_inputs(model, x)), y)
 
 
 @torch.no_grad()
@@ -66,7 +71,7 @@ def accuracy(model: nn.Module, data: TensorDataset) -> dict:
     x, y = data.tensors
     was_training = model.training
     model.eval()
-    logits = model(x)
+    logits = model(_inputs(model, x)).float()
     model.train(was_training)
     return {"accuracy": (logits.argmax(1) == y).float().mean().item(), "eval_loss": F.cross_entropy(logits, y).item()}
 
@@ -79,15 +84,16 @@ def _workload(model: nn.Module, image: bool) -> Workload:
                     loss=cross_entropy, evaluate=accuracy)
 
 
-def mlp(hidden: int = 128, depth: int = 2) -> Workload:
-    """An MLP with `depth` hidden layers of `hidden` units."""
+def mlp(hidden: int = 128, depth: int = 2, dtype: str = "float32") -> Workload:
+    """An MLP with `depth` hidden layers of `hidden` units, its parameters in `dtype`
+    (float32, float64, bfloat16 or float16)."""
     layers: list[nn.Module] = []
     width = 64
     for _ in range(depth):
         layers += [nn.Linear(width, hidden), nn.ReLU()]
         width = hidden
     layers.append(nn.Linear(width, 10))
-    return _workload(nn.Sequential(*layers), image=False)
+    return _workload(nn.Sequential(*layers).to(getattr(torch, dtype)), image=False)
 
 
 def cnn(channels: int = 16) -> Workload:

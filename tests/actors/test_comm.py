@@ -2,6 +2,8 @@
 and the store's listening address."""
 from __future__ import annotations
 
+import os
+import signal
 import time
 
 import psutil
@@ -77,6 +79,49 @@ def test_killed_peer_fails_survivors_within_timeout_without_abort(store):
     print("survivor failure delays without abort:", [f"{d:.3f}s" for d in delays], [r["outcome"] for r in results])
     assert all(r["outcome"] != "ok" for r in results)
     assert max(delays) < TIMEOUT_S
+
+
+def _silent_peer_mid_all_reduce(store, name: str, abort: bool) -> tuple[list[dict], float, float]:
+    """Three peers enter an all-reduce; the fourth is alive but SIGSTOPped, so its sockets stay
+    open and nothing resets: only the abort (or the timeout) can release the others."""
+    peers = [CommPeer.remote() for _ in range(4)]
+    form(peers, store, name)
+    survivors, victim = peers[:3], peers[3]
+    pid = ray.get(victim.pid.remote())
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        started = time.time()
+        for p in survivors:
+            ray.get(p.start_all_reduce.remote(1_000_000))
+        waits = [p.wait_pending.remote() for p in survivors]
+        time.sleep(0.5)
+        aborted_at = time.time()
+        if abort:
+            ray.get([p.abort.remote("peer w3 is silent") for p in survivors])
+        results = ray.get(waits, timeout=TIMEOUT_S + 10)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        for p in peers:
+            ray.kill(p)
+    return results, started, aborted_at
+
+
+def test_abort_releases_survivors_of_a_silent_peer_within_1s(store):
+    results, _, aborted_at = _silent_peer_mid_all_reduce(store, "silent-abort/e1", abort=True)
+    delays = [r["at"] - aborted_at for r in results]
+    print("silent peer, survivors released after the abort in:", [f"{d:.3f}s" for d in delays],
+          [r["outcome"] for r in results])
+    assert all(r["outcome"] == "CommAborted" for r in results)
+    assert max(delays) < 1.0
+
+
+def test_without_abort_survivors_of_a_silent_peer_wait_for_the_timeout(store):
+    """The control case: nothing but the timeout frees them (so the test above measures the abort)."""
+    results, started, _ = _silent_peer_mid_all_reduce(store, "silent-noabort/e1", abort=False)
+    waited = [r["at"] - started for r in results]
+    print("silent peer, no abort: survivors failed after", [f"{w:.2f}s" for w in waited], [r["outcome"] for r in results])
+    assert all(r["outcome"] == "CommTimeout" for r in results)
+    assert min(waited) >= TIMEOUT_S * 0.9
 
 
 def test_store_listens_on_node_address_only(store):

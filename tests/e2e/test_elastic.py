@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 import ray
 import torch
 
@@ -99,11 +100,13 @@ def test_sigkill_in_allreduce_survivors_commit_within_1s(run_root):
     assert replacement["detail"]["joiners"] == ["w2"]  # the replacement takes the slot back
 
 
-def test_exactly_once_data_over_a_kill_a_join_and_a_scale_down(run_root):
-    cfg = make_config("exactly-once", workers={"count": 3, "max": 4, "cpus": 0.5},
+@pytest.mark.parametrize("victim", ["w1", "w0"])
+def test_exactly_once_data_over_a_kill_a_join_and_a_scale_down(run_root, victim):
+    """`w0` is rank 0: the state source at the next epoch start and the member that reports history."""
+    cfg = make_config(f"exactly-once-{victim}", workers={"count": 3, "max": 4, "cpus": 0.5},
                       workload={"factory": "orchestrator.workloads.digits:mlp", "params": {"hidden": 32}, "batch_size": 2},
-                      faults={"kills": [{"slot": "w1", "step": 5, "at": "allreduce"}], "record_samples": True,
-                              "stragglers": [{"slot": "w0", "slowdown": 25.0}]},
+                      faults={"kills": [{"slot": victim, "step": 5, "at": "allreduce"}], "record_samples": True,
+                              "stragglers": [{"slot": "w2", "slowdown": 25.0}]},
                       stop={"max_steps": 300})
     job = ElasticJob(config_from_dict(cfg)).start()
     wait_until(lambda: len(reshapes(job)) >= 2, what="kill and replacement join")
@@ -182,3 +185,23 @@ def test_split_commit_vote_is_settled_at_the_next_epoch(run_root):
     print(f"split vote at step 31: re-formed in {reform['detail']['duration_s']:.2f}s, w0 took step 31 from w1; "
           f"max abs diff vs fault-free {diff:.1e}")
     assert diff == 0.0
+
+
+def test_rank0_death_right_after_a_split_vote(run_root):
+    """w1 loses the result of step 31's vote that w0 (rank 0) and w2 commit; w0 then dies before
+    its next step, with step 31 possibly unreported. The survivors agree on 31 (w1 takes it from
+    w2), history gets step 31 from the new rank 0's catch-up, and the run matches a fault-free one."""
+    base = dict(workers={"count": 3, "cpus": 0.5}, stop={"max_steps": 80}, comm={"timeout_s": 3})
+    clean = ElasticJob(config_from_dict(make_config("split0-clean", **base))).start()
+    assert clean.wait(timeout=120).state == "FINISHED"
+    churn = ElasticJob(config_from_dict(make_config("split0", **base, faults={"kills": [
+        {"slot": "w1", "step": 30, "at": "vote"}, {"slot": "w0", "step": 31, "at": "step"}]}))).start()
+    assert churn.wait(timeout=120).state == "FINISHED"
+    history = assert_steps_exactly_once(churn)
+    assert len(history) == 80
+    death = next(e for e in reshapes(churn) if "w0" in e["detail"]["old_members"] and "w0" not in e["detail"]["new_members"])
+    diff = max(float((a - b).abs().max()) for a, b in zip(params(churn), params(clean)))
+    print(f"split vote at 31 then rank 0 died: re-formed as {death['detail']['new_members']} from "
+          f"{death['detail']['state_sources']}; max abs diff vs fault-free {diff:.1e}")
+    assert death["detail"]["state_sources"] == {"w1": {"source": "w2", "step": 31}}
+    assert diff < 3e-6

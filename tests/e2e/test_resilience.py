@@ -1,6 +1,7 @@
 """Beyond one worker: a lost node, and the driver that owns a job (Ctrl-C, SIGKILL, --detach)."""
 from __future__ import annotations
 
+import io
 import os
 import re
 import signal
@@ -9,7 +10,9 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import ray
+import torch
 import yaml
 
 from orchestrator.config import config_from_dict
@@ -67,6 +70,70 @@ def test_node_loss_survivors_commit_within_2s_and_replacements_land_elsewhere(tm
         history = job.history()
         assert [r["step"] for r in history] == list(range(1, len(history) + 1))
     finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def _node_processes(node) -> list[psutil.Process]:
+    """Every process of a `Cluster` node: its raylet and all it started (workers, agents)."""
+    raylet = psutil.Process(node.all_processes["raylet"][0].process.pid)
+    procs = [raylet] + raylet.children(recursive=True)
+    for infos in node.all_processes.values():
+        for info in infos:
+            try:
+                procs.append(psutil.Process(info.process.pid))
+            except psutil.Error:
+                pass
+    return list({p.pid: p for p in procs}.values())
+
+
+def test_silent_node_survivors_commit_within_two_heartbeats(tmp_path, monkeypatch, _ray_owner):
+    """Every process of the node holding a worker is SIGSTOPped: nothing resets a socket, so only the
+    heartbeat can tell. The survivors' next committed step must come within 2 x workers.heartbeat_s
+    of the freeze, without waiting for a replacement (which may be placed on the frozen node)."""
+    from ray.cluster_utils import Cluster
+
+    if ray.is_initialized():
+        ray.shutdown()
+    monkeypatch.setenv("ORCHESTRATOR_RUN_ROOT", str(tmp_path))
+    store = 100 * 2**20
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "object_store_memory": store})
+    nodes = [cluster.add_node(num_cpus=2, object_store_memory=store) for _ in range(2)]
+    frozen: list[psutil.Process] = []
+    heartbeat_s = 2.0
+    try:
+        ensure_token_env()
+        ray.init(address=cluster.address, namespace=NAMESPACE, log_to_driver=False, logging_level="ERROR")
+        cfg = job_config("silent-node", workers={"count": 3, "cpus": 1, "placement": "spread", "heartbeat_s": heartbeat_s})
+        job = ElasticJob(config_from_dict(cfg)).start()
+        wait_until(lambda: job.status().step > 30, what="training")
+        placed = {m.slot: m.node_id for m in job.status().members}
+        victim = next(n for n in nodes if n.node_id in placed.values())
+        lost = sorted(slot for slot, node in placed.items() if node == victim.node_id)
+        frozen = _node_processes(victim)
+        frozen_at = time.time()
+        for proc in frozen:
+            proc.suspend()
+        survivors = 3 - len(lost)
+        first = wait_until(lambda: next((r for r in job.history() if r["time"] > frozen_at
+                                         and r["world_size"] == survivors), None),
+                           timeout=30, what="the survivors' first committed step without the frozen node")
+        failure = next(e for e in job.events() if e["kind"] == "failure")
+        print(f"node holding {lost} frozen ({len(frozen)} processes SIGSTOPped); survivors' next committed step "
+              f"{first['step']} after {first['time'] - frozen_at:.2f}s (detector: {failure['detail']['detector']}, "
+              f"heartbeat_s {heartbeat_s:g})")
+        assert first["time"] - frozen_at < 2 * heartbeat_s
+        step = first["step"]
+        wait_until(lambda: job.status().step > step + 20, what="training after the freeze")
+        job.stop()
+        history = job.history()
+        assert [r["step"] for r in history] == list(range(1, len(history) + 1))
+    finally:
+        for proc in frozen:
+            try:
+                proc.kill()
+            except psutil.Error:
+                pass
         ray.shutdown()
         cluster.shutdown()
 
@@ -187,3 +254,48 @@ def test_coordinator_sigkilled_mid_run_is_restarted_and_carries_on(run_root):
           f"(workers committed {len(during)} steps meanwhile); new epoch {recovered['detail']['membership_epoch']} "
           f"committed {recovered['detail']['duration_s']:.2f}s after the restart began; history 1..{steps}, no gap")
     assert restart["detail"]["reattached"] == ["w0", "w1", "w2"] and restart["detail"]["lost"] == []
+
+
+def _history_is_complete(job: ElasticJob, last: int) -> list[dict]:
+    history = job.history()
+    steps = [r["step"] for r in history]
+    missing = sorted(set(range(1, last + 1)) - set(steps))
+    assert steps == list(range(1, last + 1)), f"history has {len(steps)} records; missing {missing[:10]}..."
+    return history
+
+
+def test_coordinator_dies_right_after_publishing_a_plan(run_root):
+    """The coordinator publishes a scale-down (plan 2: a new membership epoch) and dies before it
+    has saved it. The workers already formed that epoch's group; the new incarnation must take the
+    epoch from them, re-form everyone in a newer one, and history must lose nothing."""
+    steps = 500
+    cfg = job_config("coordinator-publish", workers={"count": 3, "cpus": 0.5}, stop={"max_steps": steps},
+                     faults={"coordinator": [{"at": "publish", "version": 2}],
+                             "stragglers": [{"slot": "w0", "slowdown": 6.0}]})
+    job = ElasticJob(config_from_dict(cfg)).start()
+    wait_until(lambda: job.status().step > 30, what="training")
+    try:
+        job.scale(2)
+    except ray.exceptions.RayActorError:
+        pass  # the coordinator died answering it (that is the fault)
+    result = job.wait(timeout=240)
+    epochs = [r["membership_epoch"] for r in job.history()]
+    restart = next(e for e in job.events() if e["kind"] == "restart")
+    print(f"{result.state} at {result.step}; epochs in history {sorted(set(epochs))}; restart: {restart['reason']}")
+    assert result.state == "FINISHED" and result.step == steps
+    _history_is_complete(job, steps)
+    assert epochs == sorted(epochs) and len(set(epochs)) >= 3, "the restarted coordinator must re-form in a newer epoch"
+
+
+def test_coordinator_dies_right_after_deciding_to_stop(run_root):
+    """The time limit is reached, the coordinator saves STOPPING and dies. The members stop at the
+    stop step they were sent; the new incarnation must collect every step they committed
+    (including those reported to the dead incarnation) before it ends the job."""
+    cfg = job_config("coordinator-stop", workers={"count": 2, "cpus": 0.5}, stop={"time_s": 3.0},
+                     faults={"coordinator": [{"at": "stop"}], "stragglers": [{"slot": "w0", "slowdown": 3.0}]})
+    job = ElasticJob(config_from_dict(cfg)).start()
+    result = job.wait(timeout=120)
+    final = torch.load(io.BytesIO((job.run_dir / "model.pt").read_bytes()), weights_only=True)["step"]
+    print(f"{result.state} at step {result.step}; the members stopped at step {final}")
+    assert result.state == "FINISHED" and result.step == final
+    _history_is_complete(job, final)

@@ -113,3 +113,33 @@ def test_an_agreement_discards_records_ahead_that_only_departed_members_applied(
     ledger.offer(rec(13, epoch=1))  # 12 never arrives: its reporter died
     assert ledger.agreed(2, 11) == [rec(11, epoch=1)] and not ledger.early
     assert ledger.offer(rec(12, epoch=2)) == [] and ledger.offer(rec(13, epoch=2)) == [rec(12, epoch=2)]
+
+
+def test_an_outage_longer_than_the_kept_records_leaves_a_stated_gap_not_a_freeze():
+    """The coordinator was down while steps 101..5000 were committed. Its new incarnation gets rank
+    0's reports from 5001 on, and at the epoch agreement the members' kept records (the newest
+    2048: 2953..5000). Steps 101..2952 are gone: history states the gap once and goes on, rather
+    than parking every later record ahead of it forever."""
+    ledger = CommittedLedger(written_step=100)
+    written = []
+    for s in range(5001, 5101):
+        written += ledger.offer(rec(s, epoch=2))
+    for s in range(2953, 5001):  # the catch-up that travels with the agreement
+        written += ledger.offer(rec(s, epoch=2))
+    written += ledger.agreed(3, 5100)
+    written += ledger.offer(rec(5101, epoch=3))
+    assert steps(written) == list(range(2953, 5101)), f"history froze at step {ledger.written_step}"
+    assert ledger.gaps == [(101, 2952)] and not ledger.early
+
+
+def test_records_ahead_of_a_gap_are_bounded():
+    """Reports that keep arriving ahead of a gap (nobody can fill it) never grow without bound: past
+    the limit the gap is declared and history goes on from the oldest record held."""
+    limit = 4096
+    ledger = CommittedLedger(written_step=10)
+    written = []
+    for s in range(1000, 1000 + 3 * limit):
+        written += ledger.offer(rec(s))
+    assert len(ledger.early) <= limit, f"{len(ledger.early)} records held ahead of the gap"
+    assert ledger.gaps and ledger.gaps[0] == (11, 999)
+    assert steps(written) == list(range(1000, written[-1]["step"] + 1))

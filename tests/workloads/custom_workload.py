@@ -1,11 +1,13 @@
 """A user workload that lives outside the package: a linear classifier on blobs made with a seed.
 
 `fail_at_step` makes the loss raise on its N-th call (a real user-code exception); `fail_slot`
-makes every loss call raise in that slot (read from ORCHESTRATOR_SLOT, which the worker sets).
+makes every loss call raise in that slot (read from ORCHESTRATOR_SLOT, which the worker sets);
+`start_delay_s` makes the factory take that long (a slow import or data load).
 """
 from __future__ import annotations
 
 import os
+import time
 
 import torch
 import torch.nn.functional as F
@@ -40,5 +42,6 @@ class Blobs:
             return {"accuracy": (model(x).argmax(1) == y).float().mean().item()}
 
 
-def make(n: int = 1200, fail_at_step: int = 0, fail_slot: str = "") -> Blobs:
+def make(n: int = 1200, fail_at_step: int = 0, fail_slot: str = "", start_delay_s: float = 0.0) -> Blobs:
+    time.sleep(start_delay_s)
     return Blobs(n, fail_at_step, fail_slot)
