@@ -30,7 +30,7 @@ from ray.exceptions import ActorDiedError, RayActorError
 from actors.comm import serve_store
 from actors.ledger import CommittedLedger
 from actors.plan import ParentWatch, Plan, Progress, WorkerSpec
-from actors.worker import WorkerActor
+from actors.worker import KEEP_RECORDS as KEPT_RECORDS, WorkerActor
 from algorithms.membership import MemberView, batch_for, choose_leavers, free_slots, slot_index
 from orchestrator import checkpoints, runfiles
 from orchestrator.schema import TERMINAL_STATES, Event, JobConfig, JobStatus, MemberStatus, parse
@@ -69,7 +69,8 @@ class Member:
 
 class Coordinator:
     def __init__(self, config: dict, run_id: str, run_dir: str, incarnation: int = 0, search_path: tuple[str, ...] = (),
-                 resume_from: Optional[str] = None, owner_job: Optional[str] = None) -> None:
+                 resume_from: Optional[str] = None, owner_job: Optional[str] = None,
+                 started_at: Optional[float] = None) -> None:
         self.search_path = tuple(search_path)
         self._parent = ParentWatch()
         self.resume_from = resume_from
@@ -97,9 +98,13 @@ class Coordinator:
         self.fired_faults: set[int] = set(runfiles.read_json(self.run_dir / "faults_fired.json", []))
         self.fired_coordinator: set[str] = set(runfiles.read_json(self.run_dir / "coordinator_faults_fired.json", []))
         self._die_on_report = False
-        self.started = time.time()
+        self.started_at = started_at or time.time()
+        """When `start()` was called (the job's run time counts from there)."""
+        self.ended_at: Optional[float] = None
         self.running_since: Optional[float] = None
         self.stop_kind: Optional[str] = None
+        self.stop_step: Optional[int] = None
+        """Once a stop is decided, every plan published carries it (a reshape must not lose it)."""
         self.target_count = self.cfg.workers.count
         self.failures: dict[str, int] = {}
         self._last_reform = 0.0
@@ -134,7 +139,7 @@ class Coordinator:
             "incarnation": self.incarnation, "epoch": self.epoch, "version": self.version, "state": self.state,
             "plan": dataclasses.asdict(self.plan) if self.plan else None, "target_count": self.target_count,
             "failures": self.failures, "retired": self.retired, "stop_kind": self.stop_kind, "cause": self.cause,
-            "running_since": self.running_since, "members": members, "pending": self.pending,
+            "stop_step": self.stop_step, "started_at": self.started_at, "running_since": self.running_since, "members": members, "pending": self.pending,
             "departed": [d.__dict__ for d in self.departed], "loss": self.loss, "metrics": self.metrics})
 
     def _load_saved(self) -> None:
@@ -146,6 +151,7 @@ class Coordinator:
         self.epoch, self.version, self.state = saved["epoch"], saved["version"], saved["state"]
         self.target_count, self.failures, self.retired = saved["target_count"], saved["failures"], saved["retired"]
         self.stop_kind, self.cause, self.running_since = saved["stop_kind"], saved["cause"], saved["running_since"]
+        self.stop_step, self.started_at = saved["stop_step"], saved["started_at"]
         self.pending, self.loss, self.metrics = saved["pending"], saved["loss"], saved["metrics"]
         self.departed = [MemberStatus(**d) for d in saved["departed"]]
         if saved["plan"]:
@@ -292,10 +298,14 @@ class Coordinator:
                 lost.append(slot)
                 continue
             found.append(slot)
-            if info["plan"] is not None and (self.plan is None or info["plan"].version > self.plan.version):
-                self.plan = self.plans[info["plan"].version] = info["plan"]  # published just before the crash
+            newest = info["plan"]
+            if newest is not None and (self.plan is None or newest.version > self.plan.version):
+                self.plan = self.plans[newest.version] = newest  # published just before the crash, never saved
+            if newest is not None:  # its epoch number is taken: the next one must be new to every member
+                self.epoch = max(self.epoch, newest.membership_epoch)
             self._start_watch(member)
         self.version = max(self.version, self.plan.version if self.plan else 0)
+        await self._collect_records(found)
         self._event("restart", f"coordinator restarted as incarnation {self.incarnation}: re-attached "
                     f"{', '.join(found) or 'no worker'}" + (f"; lost {', '.join(lost)}" if lost else ""),
                     incarnation=self.incarnation, reattached=found, lost=lost, history_step=self.step)
@@ -307,7 +317,17 @@ class Coordinator:
                           decided, new_epoch=True)
             await self._converge("replace workers lost while the coordinator was down", "replacement")
         else:
-            self._publish(live, self.cause or "stopping", stop_step=self.step + 1)
+            self._publish(live, self.cause or "stopping", new_epoch=True)
+
+    async def _collect_records(self, slots: list[str]) -> None:
+        """Records the members committed while this coordinator was down (some were reported to the
+        dead incarnation and died with it): every member keeps its newest ones."""
+        kept: dict[int, dict] = {}
+        for slot in slots:
+            for record in await self._ask(self.members[slot].handle, "records_after", self.ledger.written_step) or ():
+                kept.setdefault(record["step"], record)
+        for step in sorted(kept):
+            self._accept_record(kept[step])
 
     def _worker_handle(self, slot: str):
         try:
@@ -315,10 +335,10 @@ class Coordinator:
         except ValueError:
             return None
 
-    async def _ask(self, handle, method: str, timeout: float = 5.0) -> Optional[Any]:
+    async def _ask(self, handle, method: str, *args: Any, timeout: float = 5.0) -> Optional[Any]:
         """A control call to a worker; None if it is gone, on a lost node, or does not answer in time."""
         try:
-            return await asyncio.wait_for(asyncio.wrap_future(getattr(handle, method).remote().future()), timeout)
+            return await asyncio.wait_for(asyncio.wrap_future(getattr(handle, method).remote(*args).future()), timeout)
         except Exception:  # noqa: BLE001 - gone, or not answering
             return None
 
@@ -333,11 +353,32 @@ class Coordinator:
                 return tuple(ready)
             if not self._slots_in("starting", "ready") and not free_slots(w.max, set(), set(self.retired), 1):
                 raise RuntimeError(f"no slot left to start: {'; '.join(self.retired.values())}")
-            if len(ready) < w.min and waited >= w.pause_after_s and self.state == "STARTING":
-                self.cause = (f"waiting for resources: {len(ready)} of workers.min = {w.min} workers started within "
-                              f"{w.pause_after_s:g}s; the others wait for room ({w.cpus:g} CPUs, {w.gpus:g} GPUs each)")
-                self._transition("PAUSED", self.cause)
+            if len(ready) < w.min and waited >= w.pause_after_s:
+                await self._explain_start(len(ready))
             await asyncio.sleep(0.1)
+
+    async def _explain_start(self, up: int) -> None:
+        """Below workers.min after pause_after_s: PAUSED if some worker cannot be placed (naming the
+        resources it lacks), else STARTING with how many are placed and up (imports, data)."""
+        w = self.cfg.workers
+        starting = [self.members[s] for s in self._slots_in("starting")]
+        placed = await asyncio.to_thread(lambda: [_is_placed(m.handle) for m in starting])
+        unplaced = sum(1 for p in placed if p is False)
+        if unplaced:
+            free = await asyncio.to_thread(ray.available_resources)
+            cause = (f"waiting for resources: {up} of workers.min = {w.min} workers up; {unplaced} cannot be placed: "
+                     f"each needs {w.cpus:g} CPUs" + (f" and {w.gpus:g} GPUs" if w.gpus else "")
+                     + f", the cluster has {free.get('CPU', 0):g} CPUs" + (f" and {free.get('GPU', 0):g} GPUs" if w.gpus else "")
+                     + " free")
+            if cause != self.cause:
+                self.cause = cause
+                if self.state == "STARTING":
+                    self._transition("PAUSED", cause)
+            return
+        self.cause = (f"{len(starting) + len(self._slots_in('ready'))} of {w.count} workers placed, {up} up: "
+                      f"waiting for the others to start (imports, workload)")
+        if self.state == "PAUSED":
+            self._transition("STARTING", "every worker is placed: " + self.cause)
 
     def _slots_in(self, *states: str) -> list[str]:
         return [slot for slot, m in self.members.items() if m.state in states]
@@ -375,7 +416,8 @@ class Coordinator:
             except ValueError:
                 break
             await asyncio.sleep(0.05)
-        if self.state in TERMINAL_STATES or self.members.get(member.slot) is not member or member.state != "starting":
+        if (self.state in TERMINAL_STATES or self.stop_kind is not None or self.members.get(member.slot) is not member
+                or member.state != "starting"):
             return
         spec = WorkerSpec(self.name, self.run_id, member.slot, str(self.run_dir), self.name, self.cfg.ray.namespace,
                           self.config_dict, self.search_path)
@@ -388,7 +430,7 @@ class Coordinator:
             info = await asyncio.wrap_future(member.handle.ready.remote(tuple(sorted(self.fired_faults))).future())
         except Exception as err:  # noqa: BLE001 - the worker could not start (user code in the factory, ...)
             if self.members.get(member.slot) is member and member.state == "starting":
-                await self._slot_failed(member, "start", f"worker {member.slot} failed to start: {_first_line(err)}")
+                await self._slot_failed(member, "start", f"worker {member.slot} failed to start: {_describe(err)}")
             return
         if self.members.get(member.slot) is not member or member.state != "starting":
             return  # stopped or replaced meanwhile
@@ -446,9 +488,9 @@ class Coordinator:
             outcome = await ref
             kind = "finished" if outcome.get("ok") else "error"
         except (ActorDiedError, RayActorError) as err:
-            outcome, kind = {"error": _first_line(err), "slot": slot}, "died"
+            outcome, kind = {"error": _describe(err), "slot": slot}, "died"
         except Exception as err:  # noqa: BLE001
-            outcome, kind = {"error": _first_line(err), "traceback": traceback.format_exc(), "slot": slot}, "error"
+            outcome, kind = {"error": _describe(err), "traceback": traceback.format_exc(), "slot": slot}, "error"
         await self.outcomes.put((member, kind, outcome, time.time()))
 
     async def _supervise(self) -> None:
@@ -503,7 +545,7 @@ class Coordinator:
         if retired:
             member.state = "retired"
         self._depart(member)
-        if len(survivors) >= self.cfg.workers.min:
+        if len(survivors) >= self.cfg.workers.min or self.stop_kind is not None:
             self._reshape(survivors, cause, detector, detected_at=seen)
         else:
             self.cause = f"{len(survivors)} live workers, below workers.min = {self.cfg.workers.min}: waiting for replacements"
@@ -516,11 +558,11 @@ class Coordinator:
         (a split last vote is settled as at any epoch start), and stop there; then the job is FAILED
         with that state as its final model and checkpoint."""
         if self.stop_kind != "FAILED":
-            self.stop_kind, self.cause = "FAILED", cause
+            self.stop_kind, self.cause, self.stop_step = "FAILED", cause, 0
             self._transition("STOPPING", f"{cause}; workers.on_failure = fail: the survivors agree on the newest "
                                          f"committed step and stop there")
             asyncio.get_running_loop().create_task(self._force_stop_after(self.cfg.comm.timeout_s + 10.0))
-        self._publish(survivors, cause, stop_step=0)
+        self._publish(survivors, cause)
 
     def _reshape(self, members: tuple[str, ...], reason: str, detector: str, detected_at: float,
                  joiners: tuple[str, ...] = (), leavers: tuple[str, ...] = (), new_epoch: bool = False) -> Plan:
@@ -627,7 +669,7 @@ class Coordinator:
             self._probing = False
 
     async def _probe(self, member: Member) -> bool:
-        return await self._ask(member.handle, "heartbeat", PROBE_S) is not None
+        return await self._ask(member.handle, "heartbeat", timeout=PROBE_S) is not None
 
     def _complete_reshapes(self, record: dict) -> None:
         """A committed step in a reshape's epoch closes it: one `reshape` event with its duration."""
@@ -647,7 +689,7 @@ class Coordinator:
         """Each member's (step, parameter checksum), straight from the worker."""
         out = {}
         for slot in slots:
-            info = await self._ask(self.members[slot].handle, "status", 3.0)
+            info = await self._ask(self.members[slot].handle, "status", timeout=3.0)
             out[slot] = {"step": info["step"], "checksum": info["checksum"]} if info else {"error": "no answer"}
         return out
 
@@ -692,6 +734,11 @@ class Coordinator:
             self._history.write(json.dumps(record) + "\n")
         if records:
             self._history.flush()
+        for first, last in self.ledger.gaps:
+            self._event("info", f"history lacks steps {first}..{last}: they were committed while no coordinator "
+                        f"received reports, and the members keep only their newest {KEPT_RECORDS} records",
+                        first_step=first, last_step=last)
+        self.ledger.gaps.clear()
 
     def _check_target(self) -> None:
         target = self.cfg.stop.target
@@ -704,12 +751,21 @@ class Coordinator:
                 self._stop_at_next_step(f"target reached: {target.metric} = {value:.4f} ({target.mode} {target.value})"))
 
     async def _stop_at_next_step(self, reason: str) -> None:
+        """Stop every live member at one committed step: the next one, or (PAUSED: training is held)
+        the one they hold. The survivors of a death are published as a new membership epoch, so
+        they agree on that step even if a dead member is still named in the current plan."""
         self._event("info", reason)
-        if self.plan is None:
+        live = self._live_members()
+        if self.plan is None or not live:  # nothing trains: nothing to save
+            await self._teardown()
+            self._transition(self.stop_kind or "STOPPED", f"{reason}; no worker was training")
+            self._write_final()
             return
-        if self.state in ("RUNNING", "RESHAPING"):
+        paused = self.state == "PAUSED"
+        if self.state in ("RUNNING", "RESHAPING", "PAUSED"):
             self._transition("STOPPING", reason)
-        self._publish(self.plan.members, reason, stop_step=self.step + 1)
+        self.stop_step = 0 if paused else self.step + 1
+        self._publish(live, reason)
         self._die_on_report = True
         loop = asyncio.get_running_loop()
         loop.create_task(self._force_stop_after(self.cfg.comm.timeout_s + 10.0))
@@ -724,7 +780,10 @@ class Coordinator:
             self._write_final()
 
     # ------------------------------------------------------------------ plans
-    def _publish(self, members: tuple[str, ...], reason: str, stop_step: Optional[int] = None, new_epoch: bool = False) -> Plan:
+    def _live_members(self) -> tuple[str, ...]:
+        return tuple(s for s in self.plan.members if self.members[s].state == "training") if self.plan else ()
+
+    def _publish(self, members: tuple[str, ...], reason: str, new_epoch: bool = False) -> Plan:
         self.version += 1
         version = self.version
         global_batch, lr_scale = batch_for(len(members), self.cfg.workload.batch_size, self.cfg.workers.count,
@@ -737,7 +796,7 @@ class Coordinator:
             store_host=self.node_ip, store_port=self.store_port, timeout_s=self.cfg.comm.timeout_s,
             global_batch=global_batch, lr_scale=lr_scale,
             backend="nccl" if self.cfg.workers.gpus > 0 and self.cfg.comm.backend != "gloo" else "gloo",
-            stop_step=stop_step, reason=reason, history_step=self.ledger.written_step)
+            stop_step=self.stop_step, reason=reason, history_step=self.ledger.written_step)
         self.plans[version] = plan
         self.plan = plan
         sent = [member.handle.set_plan.remote(plan) for member in self.members.values()
@@ -822,6 +881,8 @@ class Coordinator:
     def _transition(self, to: str, reason: str, **detail: Any) -> None:
         self._event("transition", reason, state_from=self.state, state_to=to, **detail)
         self.state = to
+        if to in TERMINAL_STATES:
+            self.ended_at = time.time()
         self._persist()
         if to in TERMINAL_STATES:
             runfiles.publish_record(self.name, {"run_id": self.run_id, "run_dir": str(self.run_dir), "state": to})
@@ -851,7 +912,8 @@ class Coordinator:
                          membership_epoch=self.epoch, world_size=len(plan.members) if plan else 0, members=members,
                          loss=self.loss, throughput=throughput, cause=self.cause, run_dir=str(self.run_dir),
                          metrics=dict(self.metrics), reshapes=tuple(e for e in self.events if e.kind == "reshape"),
-                         departed=tuple(self.departed), incarnation=self.incarnation, coordinator_pid=os.getpid())
+                         departed=tuple(self.departed), incarnation=self.incarnation, coordinator_pid=os.getpid(),
+                         started_at=self.started_at, ended_at=self.ended_at)
 
 
 DEPARTED = ("dead", "failed", "hung", "retired", "left")
@@ -881,6 +943,28 @@ def _kill(handle) -> None:
 def _first_line(err: BaseException) -> str:
     text = str(err).strip().splitlines()
     return text[0][:500] if text else type(err).__name__
+
+
+def _describe(err: BaseException) -> str:
+    """The cause of an error raised inside an actor, not Ray's `ray::Worker.ready() (pid=...)` header."""
+    cause = getattr(err, "cause", None)
+    if isinstance(cause, BaseException):
+        return f"{type(cause).__name__}: {_first_line(cause)}"
+    return _first_line(err)
+
+
+def _is_placed(handle) -> Optional[bool]:
+    """Whether Ray has given this actor a process (from the GCS actor table: no dashboard needed);
+    None when that cannot be told."""
+    if handle is None:
+        return False
+    try:
+        from ray._private.state import state
+
+        info = state.actor_table(handle._actor_id.hex())
+        return bool(info and info.get("Pid"))
+    except Exception:  # noqa: BLE001 - a private API: unknown rather than wrong
+        return None
 
 
 CoordinatorActor = ray.remote(num_cpus=0)(Coordinator)

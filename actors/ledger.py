@@ -15,6 +15,11 @@ it final when it is confirmed:
   which fills in the steps a departed rank 0 committed but never reported;
 - the end of the job confirms whatever is tentative (every member finished at that step).
 
+Records that arrive ahead of a gap wait in `early` until the steps before them arrive. Every
+member keeps only its newest records, so a coordinator that was down longer than that can never
+fill the gap: at the next agreement (when every record anyone could send has been offered), or
+once `MAX_EARLY` records wait, the gap is declared in `gaps` (for an event) and history goes on.
+
 Pure bookkeeping, no Ray: each call returns the records that became final, in step order.
 """
 from __future__ import annotations
@@ -23,6 +28,9 @@ from typing import Optional
 
 
 class CommittedLedger:
+    MAX_EARLY = 4096
+    """Most records held ahead of a gap; beyond it the gap is declared (bounded memory)."""
+
     def __init__(self, written_step: int = 0) -> None:
         self.written_step = written_step
         """The newest step whose record is final (in history)."""
@@ -31,6 +39,8 @@ class CommittedLedger:
         """Tentative records that an epoch agreement overruled (for the events)."""
         self.early: dict[int, dict] = {}
         """Records that arrived ahead of a gap, by step, until the records before them arrive."""
+        self.gaps: list[tuple[int, int]] = []
+        """(first, last) step ranges that history will never hold (for the events)."""
 
     @property
     def newest_step(self) -> int:
@@ -44,7 +54,7 @@ class CommittedLedger:
             return []
         if step > self.newest_step + 1:  # ahead of a gap (a restarted coordinator): wait for the steps before it
             self.early[step] = record
-            return []
+            return self._close_gap() if len(self.early) > self.MAX_EARLY else []
         final = self._next(record)
         while self.newest_step + 1 in self.early:
             final += self._next(self.early.pop(self.newest_step + 1))
@@ -66,13 +76,30 @@ class CommittedLedger:
         for ahead in [r for r in self.early.values() if r["step"] > step and int(r.get("membership_epoch", 0)) < epoch]:
             del self.early[ahead["step"]]  # applied only by members that left, like a dropped tentative record
         held = self.tentative
-        if held is None or int(held.get("membership_epoch", 0)) >= epoch:
+        final: list[dict] = []
+        if held is not None and int(held.get("membership_epoch", 0)) < epoch:
+            self.tentative = None
+            if held["step"] > step:
+                self.dropped.append(held)
+            else:
+                final = self._final(held)
+        return final + self._close_gap()  # everything anyone keeps was offered: what is missing is gone
+
+    def _close_gap(self) -> list[dict]:
+        """Declare the steps before the oldest early record lost, and go on from that record."""
+        if not self.early:
             return []
-        self.tentative = None
-        if held["step"] > step:
-            self.dropped.append(held)
-            return []
-        return self._final(held)
+        first = min(self.early)
+        held, self.tentative = self.tentative, None
+        final: list[dict] = []
+        if held is not None:  # confirmed by the later record, unless a newer epoch redid its step
+            later_epoch = int(self.early[first].get("membership_epoch", 0))
+            final = self._final(held) if int(held.get("membership_epoch", 0)) >= later_epoch else []
+        self.gaps.append((self.written_step + 1, first - 1))
+        self.written_step = first - 1
+        while self.newest_step + 1 in self.early:
+            final += self._next(self.early.pop(self.newest_step + 1))
+        return final
 
     def close(self) -> list[dict]:
         """The job ended with every member at the same step: the tentative record is final."""

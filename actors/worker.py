@@ -39,7 +39,7 @@ from algorithms.optim import build_optimizer, lr_at, set_lr
 from orchestrator.config import check_factory
 from orchestrator.schema import JobConfig, KillFault, parse
 
-TAIL = 4  # weighted loss, samples, failed, saw-newer-plan
+TAIL = 3  # weighted loss, samples, saw-newer-plan
 REPORT_EVERY_S = 0.25
 KEEP_RECORDS = 2048
 """Records each rank keeps of its newest committed steps, for the coordinator to catch up from
@@ -51,9 +51,10 @@ class InjectedFault(RuntimeError):
 
 
 def checksum(model: torch.nn.Module) -> int:
+    """A digest of the parameters' bytes (any dtype: bf16 has no numpy type, so bytes are viewed raw)."""
     digest = hashlib.blake2b(digest_size=8)
     for p in model.parameters():
-        digest.update(p.detach().contiguous().numpy().tobytes())
+        digest.update(p.detach().reshape(-1).contiguous().view(torch.uint8).cpu().numpy().tobytes())
     return int.from_bytes(digest.digest(), "little", signed=True)
 
 
@@ -172,6 +173,10 @@ class Replica:
         """The whole training state (model, optimizer, step, data position, ...), as a checkpoint holds it."""
         return self._state_bytes()
 
+    def records_after(self, step: int) -> tuple[dict, ...]:
+        """The kept history records of committed steps after `step` (a restarted coordinator's catch-up)."""
+        return tuple(r for r in list(self.kept) if r["step"] > step)
+
     def watch(self) -> dict:
         """Returns when run() ends (with its outcome); raises ActorDiedError if the process dies."""
         self._finished.wait()
@@ -193,12 +198,12 @@ class Replica:
         return self._outcome
 
     def _loop(self) -> None:
-        self.plan = self._wait_for_plan(newer_than=0)
+        self.plan = self._wait_for_admission()
         while True:
             plan = self.plan
             if plan.rank_of(self.slot) is None:
                 return  # left the job (scale-down): finish cleanly
-            if self.comm is None or self.comm_epoch != plan.membership_epoch:
+            if self.comm is None or self.comm.name != plan.group_name:
                 if not self._enter_epoch(plan):
                     self.plan = self._wait_for_plan(newer_than=plan.version)
                     continue
@@ -216,6 +221,17 @@ class Replica:
         if self.max_steps is not None and self.step >= self.max_steps:
             return True
         return plan.stop_step is not None and self.step >= plan.stop_step
+
+    def _wait_for_admission(self) -> Plan:
+        """The plan that admits this worker and `run()` travel on different concurrency groups, so
+        `run()` may start before that plan has arrived: wait until some plan names this slot (a
+        later one may already drop it again, and then the worker leaves)."""
+        self._enter_phase("waiting")
+        with self._plan_cv:
+            while not any(self.slot in p.members for p in self.plans.values()):
+                self._plan_cv.wait(0.5)
+                self._parent.exit_if_orphaned()
+            return self.latest
 
     def _wait_for_plan(self, newer_than: int) -> Plan:
         self._enter_phase("waiting")
@@ -268,7 +284,7 @@ class Replica:
         def build() -> None:
             try:
                 result["comm"] = make_communicator(spec)
-            except CommError as err:
+            except BaseException as err:  # noqa: BLE001 - re-raised in the run thread, whatever it is
                 result["error"] = err
             finally:
                 done.set()
@@ -377,7 +393,7 @@ class Replica:
         self.impl.begin_step(self.step, tail)
         self.impl.before_forward(self.step)
         tail[1] = sum(n for _, n in micro)
-        tail[3] = 1.0 if self.latest.version > plan.version else 0.0
+        tail[2] = 1.0 if self.latest.version > plan.version else 0.0
         try:
             for i, (batch, n) in enumerate(micro):
                 self.impl.accumulating = i < len(micro) - 1
@@ -396,8 +412,10 @@ class Replica:
             return False
         if self._slowdown > 1.0:
             time.sleep((time.perf_counter() - started) * (self._slowdown - 1.0))
-        if reduced[2] > 0 or int(round(float(reduced[1]))) != plan.global_batch:
-            return False
+        counted = int(round(float(reduced[1])))
+        if counted != plan.global_batch:  # every member runs the same plan: a mismatch is a bug, not a vote
+            raise RuntimeError(f"the commit vote of step {self.step + 1} counted {counted} samples; the plan's global "
+                               f"batch is {plan.global_batch}")
         set_lr(self.optimizer, lr_at(self.step, self.cfg.optimizer, self.max_steps, plan.lr_scale))
         self.optimizer.step()
         self.impl.after_optimizer_step(self.step)
@@ -408,7 +426,7 @@ class Replica:
             self._samples.flush()
         self._record(plan, float(reduced[0]), started, len(micro))
         self._maybe_checkpoint(plan)
-        if reduced[3] > 0:
+        if reduced[2] > 0:
             return self._adopt_newest_plan()
         return True
 
@@ -421,7 +439,12 @@ class Replica:
                 pass
 
     def _adopt_newest_plan(self) -> bool:
-        """Rare path: someone saw a newer plan; agree on the newest with one MAX all-reduce."""
+        """Rare path: someone saw a newer plan; agree on the newest with one MAX all-reduce.
+
+        Every member is sent every plan, so one this member has not received yet is on its way: it
+        waits for it (asking the coordinator instead would fail while the coordinator restarts). If
+        a still newer plan arrives first, that one supersedes the agreed one: wait for it instead.
+        """
         version = torch.tensor([float(self.latest.version)])
         try:
             self.comm.all_reduce(version, "max").wait()
@@ -429,9 +452,12 @@ class Replica:
             self.cause = str(err)
             return False
         wanted = int(version[0])
+        with self._plan_cv:
+            while wanted not in self.plans and self.latest.version < wanted:
+                self._plan_cv.wait(0.5)
+                self._parent.exit_if_orphaned()
         if wanted not in self.plans:
-            coordinator = self._coord()
-            self.set_plan(ray.get(coordinator.get_plan.remote(wanted), timeout=self.plan.timeout_s))
+            return False
         self.plan = self.plans[wanted]
         return True
 
@@ -586,6 +612,10 @@ class Worker:
     @ray.method(concurrency_group="control")
     def final_state(self) -> bytes:
         return self.replica.final_state()
+
+    @ray.method(concurrency_group="control")
+    def records_after(self, step: int) -> tuple[dict, ...]:
+        return self.replica.records_after(step)
 
 
 # Every coordinator incarnation keeps one watch() pending: the dead one's stays until run() ends.

@@ -7,10 +7,12 @@ all-reduce is launched from the post-accumulate-grad hook of its last gradient, 
 bucket order (every rank must issue collectives in the same order), so communication overlaps
 the rest of the backward pass.
 
-The last bucket carries the step's *tail*: loss sum, sample count, failure flag and the plan
-vote. Reducing it with the gradients makes the commit vote free on the common path (no extra
-round trip per step); see actors/worker.py for how the vote is read. Gradients arrive already
-weighted by each rank's share of the global batch, so the SUM is the global-batch mean.
+The step's *tail* (loss sum, sample count, "I have seen a newer plan") rides at the end of the
+last bucket when that bucket is float32 or float64, so the commit vote costs no extra round trip
+(see actors/worker.py for how the vote is read). A bf16 or fp16 bucket cannot carry it exactly
+(3 x 111 samples sum to 332 in bf16), so then the tail is a float64 tensor of its own, reduced
+right after the last bucket. Gradients arrive already weighted by each rank's share of the global
+batch, so the SUM is the global-batch mean.
 """
 from __future__ import annotations
 
@@ -20,6 +22,10 @@ from typing import Optional
 import torch
 
 from algorithms.base import Algorithm, AlgorithmImpl, register
+
+
+EXACT_DTYPES = (torch.float32, torch.float64)
+"""Bucket dtypes that hold the tail's sample counts exactly (up to 2**24 samples in float32)."""
 
 
 @dataclass(frozen=True)
@@ -65,6 +71,8 @@ class AllReduceImpl(AlgorithmImpl):
                 self.bucket_of[i] = b
         self.buffers: list[torch.Tensor] = []
         self.tail_size = 0
+        self.tail_in_bucket = self.params[self.plan.buckets[-1][0]].dtype in EXACT_DTYPES if self.params else False
+        """Whether the tail rides in the last bucket (exact there) or is reduced on its own."""
         for index, param in enumerate(self.params):
             param.register_post_accumulate_grad_hook(self._make_hook(index))
         self._allocate(tail_size=0)
@@ -74,8 +82,9 @@ class AllReduceImpl(AlgorithmImpl):
         self.tail_size = tail_size
         self.buffers = []
         self._ptrs: dict[int, int] = {}
+        self.tail_buf = torch.zeros(tail_size, dtype=torch.float64)
         for b, members in enumerate(self.plan.buckets):
-            extra = tail_size if b == len(self.plan.buckets) - 1 else 0
+            extra = tail_size if b == len(self.plan.buckets) - 1 and self.tail_in_bucket else 0
             numel = sum(self.params[i].numel() for i in members) + extra
             buf = torch.zeros(numel, dtype=self.params[members[0]].dtype)
             offset = 0
@@ -88,7 +97,7 @@ class AllReduceImpl(AlgorithmImpl):
                 self._ptrs[i] = view.data_ptr()
                 offset += p.numel()
             self.buffers.append(buf)
-        self.handles: list = [None] * len(self.buffers)
+        self.handles: list = [None] * (len(self.buffers) + 1)
         self.pending = [len(m) for m in self.plan.buckets]
         self.next_launch = 0
 
@@ -107,7 +116,7 @@ class AllReduceImpl(AlgorithmImpl):
                 break
         self._tail_src = tail
         self.pending = [len(m) for m in self.plan.buckets]
-        self.handles = [None] * len(self.buffers)
+        self.handles = [None] * (len(self.buffers) + 1)
         self.next_launch = 0
 
     def _make_hook(self, index: int):
@@ -126,11 +135,15 @@ class AllReduceImpl(AlgorithmImpl):
         while self.next_launch < len(self.buffers) and (force or self.pending[self.next_launch] <= 0):
             b = self.next_launch
             buf = self.buffers[b]
-            if b == len(self.buffers) - 1 and self.tail_size:
+            last = b == len(self.buffers) - 1
+            if last and self.tail_size and self.tail_in_bucket:
                 buf[-self.tail_size:] = self._tail_src
             if self.trace is not None:
                 self.trace.append(("launch", b))
             self.handles[b] = self.comm.all_reduce(buf)
+            if last and self.tail_size and not self.tail_in_bucket:
+                self.tail_buf.copy_(self._tail_src)
+                self.handles[-1] = self.comm.all_reduce(self.tail_buf)
             self.next_launch += 1
 
     def end_backward(self, step: int) -> None:
@@ -141,8 +154,12 @@ class AllReduceImpl(AlgorithmImpl):
         if self.comm is None:
             return self._tail_src
         for handle in self.handles:
-            handle.wait()
-        return self.buffers[-1][-self.tail_size:].clone() if self.tail_size else self._tail_src
+            if handle is not None:
+                handle.wait()
+        if not self.tail_size:
+            return self._tail_src
+        tail = self.buffers[-1][-self.tail_size:] if self.tail_in_bucket else self.tail_buf
+        return tail.to(torch.float64)
 
 
 @register

@@ -79,7 +79,6 @@ class ElasticJob:
         self.run_dir: Optional[Path] = None
         self._coordinator = None
         self._result: Optional[JobResult] = None
-        self._started_at: Optional[float] = None
 
     # ------------------------------------------------------------------ lifecycle
     def start(self, owned: bool = False) -> "ElasticJob":
@@ -90,7 +89,7 @@ class ElasticJob:
         """
         from actors.coordinator import MAX_RESTARTS, CoordinatorActor
 
-        self._started_at = time.time()
+        started_at = time.time()
         connect(self.config)
         old = _find_coordinator(self.name)
         if old is not None:
@@ -108,7 +107,7 @@ class ElasticJob:
             name=self.name, namespace=NAMESPACE, lifetime="detached", resources=_head_resources(),
             max_restarts=MAX_RESTARTS,
         ).remote(self.config.to_dict(), self.run_id, str(self.run_dir), 0, (os.getcwd(),), self.resume_from,
-                 ray.get_runtime_context().get_job_id() if owned else None)
+                 ray.get_runtime_context().get_job_id() if owned else None, started_at)
         ray.get(self._coordinator.start.remote())
         return self
 
@@ -133,15 +132,20 @@ class ElasticJob:
         return job
 
     def _ask(self, method: str, *args, timeout: float = 30.0):
-        """Call the coordinator, waiting out a restart (Ray restarts it; it carries on)."""
+        """Call the coordinator, waiting out a restart (Ray restarts it; it carries on). A call the
+        dying process was answering is asked again of the new one: every call here is idempotent."""
         deadline = time.monotonic() + RESTART_WAIT_S
         while True:
             try:
                 return ray.get(getattr(self._coordinator, method).remote(*args), timeout=timeout)
             except ray.exceptions.ActorUnavailableError:
-                if time.monotonic() > deadline:
+                pass
+            except ray.exceptions.RayActorError:
+                if not _restarting(self._coordinator):
                     raise
-                time.sleep(POLL_S)
+            if time.monotonic() > deadline:
+                raise OrchestratorError(f"job {self.name!r}: its coordinator did not come back within {RESTART_WAIT_S:g}s")
+            time.sleep(POLL_S)
 
     def status(self) -> JobStatus:
         if self._coordinator is not None:
@@ -168,10 +172,9 @@ class ElasticJob:
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"job {self.name!r} still {status.state} after {timeout}s")
             time.sleep(POLL_S)
-        started = self._started_at or min((e["time"] for e in self.events()), default=time.time())
         self._result = JobResult(name=self.name, run_id=status.run_id, state=status.state, step=status.step,
                                  cause=status.cause, metrics=status.metrics, run_dir=status.run_dir,
-                                 elapsed_s=time.time() - started)
+                                 elapsed_s=(status.ended_at or time.time()) - status.started_at)
         self._release()
         return self._result
 
@@ -238,6 +241,17 @@ def _remote_message(err: BaseException) -> str:
     cause = getattr(err, "cause", None) or err
     lines = [line for line in str(cause).strip().splitlines() if line.strip()]
     return lines[-1] if lines else type(cause).__name__
+
+
+def _restarting(handle) -> bool:
+    """Whether Ray is restarting this actor (GCS actor table; no dashboard needed)."""
+    try:
+        from ray._private.state import state
+
+        info = state.actor_table(handle._actor_id.hex())
+        return bool(info) and info.get("State") in ("RESTARTING", "PENDING_CREATION", "DEPENDENCIES_UNREADY", "ALIVE")
+    except Exception:  # noqa: BLE001 - unknown: do not wait
+        return False
 
 
 def _find_coordinator(name: str):

@@ -464,6 +464,10 @@ class JobStatus:
     incarnation: int = 0
     """How often the coordinator has been restarted (it carries on each time)."""
     coordinator_pid: int = 0
+    started_at: float = 0.0
+    """When the job started (its coordinator was created), as a Unix time."""
+    ended_at: Optional[float] = None
+    """When it reached STOPPED, FINISHED or FAILED."""
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -487,6 +491,7 @@ class JobResult:
     metrics: dict
     run_dir: str
     elapsed_s: float
+    """The job's run time: from its start to its end (not to when `wait()` returned)."""
 
     @property
     def ok(self) -> bool:

@@ -22,7 +22,7 @@ def test_low_precision_model_trains(run_root, dtype, per_worker):
         "name": f"low-precision-{dtype}", "seed": 1, "workers": {"count": 3, "cpus": 0.5},
         "workload": {"factory": "orchestrator.workloads.digits:mlp", "params": {"hidden": 32, "dtype": dtype},
                      "batch_size": per_worker},
-        "optimizer": {"lr": 0.05}, "comm": {"timeout_s": 5}, "stop": {"max_steps": 20}, "eval_every": 10})
+        "optimizer": {"lr": 0.5}, "comm": {"timeout_s": 5}, "stop": {"max_steps": 20}, "eval_every": 10})
     job = ElasticJob(cfg).start()
     try:
         result = job.wait(timeout=60)
@@ -39,4 +39,5 @@ def test_low_precision_model_trains(run_root, dtype, per_worker):
           f"accuracy {result.metrics.get('accuracy')}")
     assert result.state == "FINISHED" and result.step == 20
     assert [r["step"] for r in history] == list(range(1, 21))
-    assert all(math.isfinite(r["loss"]) for r in history) and history[-1]["loss"] < history[0]["loss"]
+    losses = [r["loss"] for r in history]
+    assert all(math.isfinite(v) for v in losses) and sum(losses[-5:]) < sum(losses[:5]), "no learning"

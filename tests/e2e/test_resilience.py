@@ -280,11 +280,13 @@ def test_coordinator_dies_right_after_publishing_a_plan(run_root):
         pass  # the coordinator died answering it (that is the fault)
     result = job.wait(timeout=240)
     epochs = [r["membership_epoch"] for r in job.history()]
-    restart = next(e for e in job.events() if e["kind"] == "restart")
-    print(f"{result.state} at {result.step}; epochs in history {sorted(set(epochs))}; restart: {restart['reason']}")
+    recovered = next(e for e in job.events() if e["kind"] == "reshape" and e["detail"]["detector"] == "coordinator restart")
+    print(f"{result.state} at {result.step}; epochs in history {sorted(set(epochs))}; the restarted coordinator "
+          f"published epoch {recovered['detail']['membership_epoch']}")
     assert result.state == "FINISHED" and result.step == steps
     _history_is_complete(job, steps)
-    assert epochs == sorted(epochs) and len(set(epochs)) >= 3, "the restarted coordinator must re-form in a newer epoch"
+    assert recovered["detail"]["membership_epoch"] > 2, "plan 2's epoch was taken: the restart must publish a newer one"
+    assert epochs == sorted(epochs) and epochs[-1] == recovered["detail"]["membership_epoch"]
 
 
 def test_coordinator_dies_right_after_deciding_to_stop(run_root):
