@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 import os
 import signal
 import time
@@ -44,6 +45,7 @@ MAX_RESTARTS = 5
 """How often Ray restarts a coordinator whose process dies; each restart carries on from the run
 directory and the live workers (a new incarnation)."""
 SAVED = "coordinator.json"
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -122,6 +124,7 @@ class Coordinator:
         self.version = 0
         """Of the newest plan published (by any incarnation)."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        _log_to(self.run_dir / "coordinator.log", self.cfg.log_level)
         self._history = open(self.run_dir / "history.jsonl", "a", encoding="utf-8")
         self._events = open(self.run_dir / "events.jsonl", "a", encoding="utf-8")
         self._saved: Optional[dict] = None
@@ -132,7 +135,7 @@ class Coordinator:
 
     # ------------------------------------------------------------------ persistence (restarts)
     def _persist(self) -> None:
-        """What a restarted coordinator cannot re-learn from the live workers (DESIGN.md)."""
+        """What a restarted coordinator cannot re-learn from the live workers."""
         members = {slot: {"state": m.state, "pid": m.pid, "node": m.node, "node_id": m.node_id, "cause": m.cause}
                    for slot, m in self.members.items()}
         runfiles.write_json_atomic(self.run_dir / SAVED, {
@@ -339,7 +342,8 @@ class Coordinator:
         """A control call to a worker; None if it is gone, on a lost node, or does not answer in time."""
         try:
             return await asyncio.wait_for(asyncio.wrap_future(getattr(handle, method).remote(*args).future()), timeout)
-        except Exception:  # noqa: BLE001 - gone, or not answering
+        except Exception as err:  # noqa: BLE001 - gone, or not answering
+            log.debug("control call %s to a worker got no answer: %s", method, _describe(err))
             return None
 
     async def _first_members(self) -> tuple[str, ...]:
@@ -408,6 +412,14 @@ class Coordinator:
             asyncio.get_running_loop().create_task(self._bring_up(member))
 
     async def _bring_up(self, member: Member) -> None:
+        try:
+            await self._start_worker(member)
+        except Exception as err:  # noqa: BLE001 - a task's error would otherwise reach only Ray's logs
+            log.exception("starting %s failed", member.slot)
+            if self.members.get(member.slot) is member and member.state == "starting":
+                await self._slot_failed(member, "start", f"worker {member.slot} could not be started: {_describe(err)}")
+
+    async def _start_worker(self, member: Member) -> None:
         cfg = self.cfg.workers
         name = f"{self.name}/{self.run_id}/{member.slot}"
         for _ in range(200):  # a replacement waits for its slot's previous actor name to be released
@@ -615,7 +627,8 @@ class Coordinator:
             await self._evict(member, "heartbeat", f"worker {member.slot} did not answer the heartbeat for "
                                                    f"{w.heartbeat_s:g}s (stopped or frozen)")
             return
-        except Exception:  # noqa: BLE001 - a dead actor: its watch() reports it
+        except Exception as err:  # noqa: BLE001 - a dead actor: its watch() reports it
+            log.debug("heartbeat of %s: %s", member.slot, _describe(err))
             return
         stuck_after = self.cfg.comm.timeout_s + 2.0
         if info["phase"] == "waiting" and info["phase_age_s"] > stuck_after and self.state in ("RUNNING", "RESHAPING"):
@@ -644,8 +657,8 @@ class Coordinator:
         if member.node == self.node_ip and member.pid:
             try:  # a stopped process cannot answer Ray's kill request: signal it directly when local
                 os.kill(member.pid, signal.SIGKILL)
-            except OSError:
-                pass
+            except OSError as err:
+                log.debug("SIGKILL of %s (pid %s): %s", member.slot, member.pid, err)
         _kill(member.handle)
         # Handle it now: Ray may take many seconds to report an actor on a lost node as dead.
         await self.outcomes.put((member, "died", {"error": cause}, time.time()))
@@ -927,7 +940,8 @@ def _job_is_dead(job_id: str) -> bool:
         from ray._private.state import jobs
 
         return any(j["JobID"] == job_id and j["IsDead"] for j in jobs())
-    except Exception:  # noqa: BLE001
+    except Exception as err:  # noqa: BLE001 - unknown counts as alive
+        log.debug("could not read Ray's job table: %s", err)
         return False
 
 
@@ -936,8 +950,8 @@ def _kill(handle) -> None:
         return
     try:
         ray.kill(handle, no_restart=True)
-    except Exception:  # noqa: BLE001 - already gone
-        pass
+    except Exception as err:  # noqa: BLE001 - already gone
+        log.debug("ray.kill: %s", _first_line(err))
 
 
 def _first_line(err: BaseException) -> str:
@@ -963,8 +977,18 @@ def _is_placed(handle) -> Optional[bool]:
 
         info = state.actor_table(handle._actor_id.hex())
         return bool(info and info.get("Pid"))
-    except Exception:  # noqa: BLE001 - a private API: unknown rather than wrong
+    except Exception as err:  # noqa: BLE001 - a private API: unknown rather than wrong
+        log.debug("could not read the actor table: %s", err)
         return None
+
+
+def _log_to(path: Path, level: str) -> None:
+    """This process's log records go to `path` (the run directory), at `level`."""
+    handler = logging.FileHandler(path, encoding="utf-8")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.addHandler(handler)
+    root.setLevel(level)
 
 
 CoordinatorActor = ray.remote(num_cpus=0)(Coordinator)

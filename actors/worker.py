@@ -5,7 +5,7 @@ epoch. `run()` is called exactly once and trains until the plan says stop; contr
 (`set_plan`, `abort_epoch`, `status`, `final_state`) run in their own concurrency group so they
 answer while `run()` trains, and `watch()` in a third so it never starves them.
 
-The step protocol (DESIGN.md, "Committed steps"): forward, backward with bucket all-reduces
+The step protocol: forward, backward with bucket all-reduces
 launched from gradient hooks, and a *tail* reduced with the last bucket that carries the
 weighted loss, the sample count, a failure flag and "I have seen a newer plan". A step is
 committed only when every reduction succeeded here and the reduced failure count is zero.
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import logging
 import os
 import signal
 import sys
@@ -41,6 +42,7 @@ from orchestrator.schema import JobConfig, KillFault, parse
 
 TAIL = 3  # weighted loss, samples, saw-newer-plan
 REPORT_EVERY_S = 0.25
+log = logging.getLogger(__name__)
 KEEP_RECORDS = 2048
 """Records each rank keeps of its newest committed steps, for the coordinator to catch up from
 (a departed rank 0's unreported steps, a restarted coordinator's gap)."""
@@ -84,10 +86,11 @@ class Replica:
         self.slot = spec.slot
         self._parent = ParentWatch()
         self._redirect_output()
+        self.cfg: JobConfig = parse(JobConfig, spec.config)
+        logging.basicConfig(level=self.cfg.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         for path in spec.search_path:
             if os.path.isdir(path) and path not in sys.path:
                 sys.path.insert(0, path)
-        self.cfg: JobConfig = parse(JobConfig, spec.config)
         torch.set_num_threads(max(1, int(self.cfg.workers.cpus)))
         os.environ["ORCHESTRATOR_SLOT"] = self.slot  # user code may read which slot it runs in
         torch.manual_seed(self.cfg.seed)  # identical initial replicas; verified by checksum
@@ -435,8 +438,8 @@ class Replica:
         if not self.comm or not self.comm.aborted:
             try:
                 self._coord().collective_failed.remote(self.slot, plan.membership_epoch, str(err)[:300])
-            except Exception:  # noqa: BLE001
-                pass
+            except Exception as failure:  # noqa: BLE001 - the coordinator may be restarting; its abort comes anyway
+                log.warning("could not tell the coordinator that a collective failed: %s", failure)
 
     def _adopt_newest_plan(self) -> bool:
         """Rare path: someone saw a newer plan; agree on the newest with one MAX all-reduce.
@@ -508,8 +511,8 @@ class Replica:
             ref = self._coord().report.remote(progress)
             if force:
                 ray.get(ref, timeout=10)
-        except Exception:  # noqa: BLE001 - a lost report must not kill training
-            pass
+        except Exception as err:  # noqa: BLE001 - a lost report must not kill training (records are kept)
+            log.warning("progress report at step %d lost: %s", self.step, str(err).splitlines()[0][:200])
 
     def _coord(self):
         if self._coordinator is None:
@@ -536,8 +539,8 @@ class Replica:
             self._fired.add(index)
             try:
                 ray.get(self._coord().fault_fired.remote(index, self.slot, self.step, phase), timeout=5)
-            except Exception:  # noqa: BLE001
-                pass
+            except Exception as err:  # noqa: BLE001 - the fault fires anyway
+                log.warning("could not record fault #%d with the coordinator: %s", index, str(err).splitlines()[0][:200])
             return kill
         return None
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 import time
@@ -44,12 +45,15 @@ def build_parser() -> argparse.ArgumentParser:
             cmd.add_argument("--json", action="store_true")
     for cmd in sub.choices.values():
         cmd.error = parser.error  # type: ignore[method-assign]
+        cmd.add_argument("--log-level", default=None, choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                         help="logging level here (and, for run, in the job's actors)")
     return parser
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         args = build_parser().parse_args(argv)
+        logging.basicConfig(level=args.log_level or "WARNING", format="%(levelname)s %(name)s: %(message)s")
         return {"run": cmd_run, "status": cmd_status, "stop": cmd_stop, "scale": cmd_scale}[args.command](args)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
@@ -62,7 +66,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     from orchestrator.config import load_config
 
-    config = load_config(args.config, args.overrides)  # validates everything before Ray starts
+    overrides = list(args.overrides) + ([f"log_level={args.log_level}"] if args.log_level else [])
+    config = load_config(args.config, overrides)  # validates everything before Ray starts
     if args.address:
         config.ray.address = args.address
     if args.detach and not (config.ray.address or os.environ.get("RAY_ADDRESS")):

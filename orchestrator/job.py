@@ -9,6 +9,7 @@ process without re-initializing Ray. After the coordinator is gone, `status()`, 
 from __future__ import annotations
 
 import io
+import logging
 import math
 import os
 import secrets
@@ -24,6 +25,7 @@ from orchestrator import runfiles
 from orchestrator.config import check_factory, default_run_root
 from orchestrator.schema import TERMINAL_STATES, ConfigError, JobConfig, JobResult, JobStatus, OrchestratorError, parse
 
+log = logging.getLogger(__name__)
 NAMESPACE = "orchestrator"
 POLL_S = 0.2
 RESTART_WAIT_S = 60.0
@@ -212,8 +214,8 @@ class ElasticJob:
         if self._coordinator is not None:
             try:
                 ray.get(self._coordinator.release.remote(), timeout=10)
-            except Exception:  # noqa: BLE001 - already gone
-                pass
+            except Exception as err:  # noqa: BLE001 - already gone
+                log.debug("release: %s", str(err).splitlines()[0][:200])
             _wait_gone(self.name, 10.0)
             self._coordinator = None
 
@@ -250,7 +252,8 @@ def _restarting(handle) -> bool:
 
         info = state.actor_table(handle._actor_id.hex())
         return bool(info) and info.get("State") in ("RESTARTING", "PENDING_CREATION", "DEPENDENCIES_UNREADY", "ALIVE")
-    except Exception:  # noqa: BLE001 - unknown: do not wait
+    except Exception as err:  # noqa: BLE001 - unknown: do not wait
+        log.debug("could not read the actor table: %s", err)
         return False
 
 
@@ -264,7 +267,8 @@ def _find_coordinator(name: str):
 def _safe_status(handle) -> Optional[dict]:
     try:
         return ray.get(handle.status.remote(), timeout=10)
-    except Exception:  # noqa: BLE001
+    except Exception as err:  # noqa: BLE001 - an old coordinator that does not answer counts as gone
+        log.debug("status of an old coordinator: %s", str(err).splitlines()[0][:200])
         return None
 
 

@@ -8,12 +8,14 @@ leaves a half-written file under the real name.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import tempfile
 from pathlib import Path
 from typing import Any, Optional
 
 KV_NAMESPACE = "orchestrator"
+log = logging.getLogger(__name__)
 
 
 def write_bytes_atomic(path: Path, data: bytes) -> None:
@@ -58,9 +60,9 @@ def read_jsonl(path: Path) -> list[dict]:
                     try:
                         out.append(json.loads(line))
                     except ValueError:
-                        pass  # a line torn by a crash mid-write
-    except OSError:
-        pass
+                        log.warning("%s: skipping a line torn by a crash mid-write", path)
+    except OSError as err:
+        log.debug("%s: %s", path, err.strerror)
     return out
 
 
@@ -71,8 +73,8 @@ def publish_record(name: str, record: dict) -> None:
 
         if _internal_kv_initialized():
             _internal_kv_put(f"job/{name}", json.dumps(record).encode(), overwrite=True, namespace=KV_NAMESPACE)
-    except Exception:  # noqa: BLE001 - the run directory still has the record
-        pass
+    except Exception as err:  # noqa: BLE001 - the run directory still has the record
+        log.warning("could not publish job %s's record in Ray's KV store: %s", name, err)
 
 
 def lookup_record(name: str) -> Optional[dict]:
@@ -82,6 +84,7 @@ def lookup_record(name: str) -> Optional[dict]:
         if _internal_kv_initialized():
             raw = _internal_kv_get(f"job/{name}", namespace=KV_NAMESPACE)
             return json.loads(raw) if raw else None
-    except Exception:  # noqa: BLE001
+    except Exception as err:  # noqa: BLE001 - no record is the answer
+        log.debug("could not read job %s's record from Ray's KV store: %s", name, err)
         return None
     return None

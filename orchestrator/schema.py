@@ -314,6 +314,9 @@ class JobConfig:
     run_dir: Optional[str] = None
     """Absolute run directory root; default ~/orchestrator-runs. Relative paths are resolved at load."""
     progress_every_s: float = 5.0
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "WARNING"
+    """Python logging level of the coordinator (`coordinator.log` in the run directory), the workers
+    (`workers/<slot>.log`) and the driver; `--log-level` on the command line sets it too."""
 
     def __post_init__(self) -> None:
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}", self.name or ""):
