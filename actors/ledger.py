@@ -3,8 +3,8 @@
 A step's commit vote rides in its last all-reduce, and gloo can finish that all-reduce on some
 ranks and fail it on others; so a record that rank 0 reports for step s may describe an update
 that only some members (perhaps only members that then died) applied. The membership-epoch
-start settles it: the members exchange their committed steps and the newest wins (DESIGN.md,
-"Committed steps"). The ledger therefore holds the newest record back as *tentative* and makes
+start settles it: the members exchange their committed steps and the newest wins (see
+actors/worker.py). The ledger therefore holds the newest record back as *tentative* and makes
 it final when it is confirmed:
 
 - a record for step s + 1 from any epoch confirms s (committing s + 1 needed every member of

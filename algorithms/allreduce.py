@@ -164,7 +164,7 @@ class AllReduceImpl(AlgorithmImpl):
 
 @register
 class AllReduce(Algorithm):
-    """BSP: average gradients over all workers every step (ALGORITHMS.md section 1)."""
+    """BSP: average gradients over all workers every step."""
 
     name = "bsp"
     kind = "synchronous"

@@ -2,7 +2,7 @@
 
 An `Algorithm` holds settings (from `sync`, `compression`, `topology`); `bind()` turns it into
 an `AlgorithmImpl` attached to one worker's model and optimizer. The worker's step loop calls
-the implementation's hooks in a fixed order, the same for every policy in ALGORITHMS.md:
+the implementation's hooks in a fixed order, the same for every policy:
 
     on_membership(comm)        once per membership epoch: buckets, peers, server handles
     begin_step(step, tail)     per step; `tail` is the step's metadata (loss, samples, vote)
@@ -100,7 +100,7 @@ class Algorithm(ABC):
 
     name: ClassVar[str]
     kind: ClassVar[str]
-    """synchronous / server / decentralized / shadow: decides what a step means (ALGORITHMS.md)."""
+    """synchronous / server / decentralized / shadow: decides what a step means."""
     knobs: ClassVar[tuple[str, ...]] = ()
     impl: ClassVar[type[AlgorithmImpl]] = AlgorithmImpl
 
