@@ -5,8 +5,7 @@ Same workload on both sides: the digits MLP (hidden 128), 2 workers, per-worker 
 same global-batch sampler. Throughput is timed on rank 0 with the same timer (`time.time()`
 after each optimizer step) over steps 50..550, in alternating pairs (orchestrator, DDP, ...);
 the ratio is taken pair by pair and its median reported. Peak RSS: the largest worker process
-of each side (orchestrator workers polled with psutil while they run; DDP ranks report their
-own `ru_maxrss`). Start-up: from `ElasticJob.start()` to the first committed step, next to Ray
+of each side, both sampled the same way (psutil, every 0.1 s while they train). Start-up: from `ElasticJob.start()` to the first committed step, next to Ray
 Train's `TorchTrainer.fit()` to its first completed step, on the same workload and Ray.
 
     python benchmarks/bsp_vs_ddp.py [--pairs 5] [--steps 550] [--startup-runs 3]
@@ -51,9 +50,34 @@ def steps_per_s(times: dict[int, float], first: int, last: int) -> float:
 
 
 # --------------------------------------------------------------------------- torch DDP
-def _ddp_rank(rank: int, port: int, steps: int, out_dir: str) -> None:
-    import resource
+class PeakRSS:
+    """Samples the RSS of a set of processes every 0.1 s in a thread; the same for both sides."""
 
+    def __init__(self, pids) -> None:
+        self.peak = 0
+        self._pids = pids
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self._thread.start()
+
+    def _poll(self) -> None:
+        procs: dict[int, psutil.Process] = {}
+        while not self._done.is_set():
+            for pid in self._pids():
+                try:
+                    proc = procs.setdefault(pid, psutil.Process(pid))
+                    self.peak = max(self.peak, proc.memory_info().rss)
+                except psutil.Error:  # the process ended mid-poll
+                    pass
+            self._done.wait(0.1)
+
+    def stop(self) -> float:
+        self._done.set()
+        self._thread.join()
+        return self.peak / 2**20
+
+
+def _ddp_rank(rank: int, port: int, steps: int, out_dir: str) -> None:
     import torch.distributed as dist
     import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel
@@ -76,8 +100,7 @@ def _ddp_rank(rank: int, port: int, steps: int, out_dir: str) -> None:
         opt.step()
         if rank == 0:
             times[step] = time.time()
-    rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"times": times, "rss_mib": rss_mib}))
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"times": times}))
     dist.destroy_process_group()
 
 
@@ -86,10 +109,14 @@ def run_ddp(steps: int) -> dict:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
         s.close()
-        mp.spawn(_ddp_rank, args=(port, steps, out), nprocs=WORKERS, join=True)
+        context = mp.start_processes(_ddp_rank, args=(port, steps, out), nprocs=WORKERS, join=False)
+        rss = PeakRSS(lambda: [p.pid for p in context.processes])
+        while not context.join():
+            pass
+        peak = rss.stop()
         ranks = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(WORKERS)]
     times = {int(k): v for k, v in ranks[0]["times"].items()}
-    return {"steps_per_s": steps_per_s(times, *WINDOW), "rss_mib": max(r["rss_mib"] for r in ranks)}
+    return {"steps_per_s": steps_per_s(times, *WINDOW), "rss_mib": peak}
 
 
 # --------------------------------------------------------------------------- orchestrator
@@ -109,32 +136,20 @@ def run_orchestrator(name: str, steps: int) -> dict:
 
     before = time.time()
     job = ElasticJob(_config(name, steps)).start()
-    peak = {"rss": 0}
-    done = threading.Event()
+    pids: list[int] = []
 
-    def poll() -> None:
-        procs = []
-        while not procs and not done.is_set():  # the pids once (not a coordinator call per poll)
-            procs = [psutil.Process(m.pid) for m in job.status().members if m.pid]
-            done.wait(0.2)
-        while not done.is_set():
-            for proc in procs:
-                try:
-                    peak["rss"] = max(peak["rss"], proc.memory_info().rss)
-                except psutil.Error:  # the process ended mid-poll
-                    pass
-            done.wait(0.2)
+    def worker_pids() -> list[int]:  # asked of the coordinator until all are known, not once per sample
+        if len(pids) < WORKERS:
+            pids[:] = [m.pid for m in job.status().members if m.pid]
+        return pids
 
-    poller = threading.Thread(target=poll, daemon=True)
-    poller.start()
+    rss = PeakRSS(worker_pids)
     result = job.wait(timeout=600)
-    done.set()
-    poller.join()
+    peak = rss.stop()
     if result.state != "FINISHED":
         raise RuntimeError(f"orchestrator run {name} ended {result.state}: {result.cause}")
     times = {r["step"]: r["time"] for r in job.history()}
-    return {"steps_per_s": steps_per_s(times, *WINDOW), "rss_mib": peak["rss"] / 2**20,
-            "startup_s": times[1] - before}
+    return {"steps_per_s": steps_per_s(times, *WINDOW), "rss_mib": peak, "startup_s": times[1] - before}
 
 
 # --------------------------------------------------------------------------- Ray Train

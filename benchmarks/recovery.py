@@ -1,7 +1,9 @@
 """Recovery from a worker death, side by side with Ray Train, and the cost of a live join.
 
-(a) A worker of a running job is SIGKILLed (the killer takes the timestamp). Orchestrator: time
-    to the survivors' next committed step, and committed steps lost (from history). Ray Train
+(a) A worker of a running job is SIGKILLed (the killer takes the timestamp); the victims rotate
+    over every rank, rank 0 included (the state source at the next epoch start and the member
+    that reports history). Orchestrator: time to the survivors' next committed step, and the
+    committed steps lost (redone), from history. Ray Train
     (`TorchTrainer`, `FailureConfig(max_failures=...)`): the same kill of a training worker's
     process, time to the next completed step after Ray Train restarts the group from its latest
     checkpoint, and the steps it redoes. Same workload (digits MLP), same world size, same
@@ -53,10 +55,10 @@ def orchestrator_side(events: int, workers: int, every: int) -> dict:
     })
     job = ElasticJob(cfg).start()
     wait_until(lambda: job.status().step > 50, 120, "training")
-    delays, lost = [], []
+    delays, lost, ranks = [], [], []
     for i in range(events):
         status = job.status()
-        victim = [m for m in status.members if m.rank > 0 and m.state == "training"][i % (workers - 1)]
+        victim = sorted((m for m in status.members if m.state == "training"), key=lambda m: m.rank)[i % workers]
         before = job.history()[-1]["step"]
         killed_at = time.time()
         os.kill(victim.pid, signal.SIGKILL)
@@ -64,9 +66,12 @@ def orchestrator_side(events: int, workers: int, every: int) -> dict:
                                          and r["world_size"] == workers - 1), None), 60, "survivors' next step")
         delays.append(first["time"] - killed_at)
         history = job.history()
-        lost.append(0 if [r["step"] for r in history] == list(range(1, len(history) + 1)) else -1)
-        log(f"orchestrator kill {i + 1}/{events}: next committed step {first['step']} after {delays[-1]:.3f}s "
-            f"(last step before the kill {before})")
+        if [r["step"] for r in history] != list(range(1, len(history) + 1)):
+            raise RuntimeError("history lost or repeated a step")
+        lost.append(max(0, before - (first["step"] - 1)))  # committed before the kill, done again after it
+        ranks.append(victim.rank)
+        log(f"orchestrator kill {i + 1}/{events} (rank {victim.rank}): next committed step {first['step']} after "
+            f"{delays[-1]:.3f}s (last step in history before the kill {before})")
         wait_until(lambda: job.status().world_size == workers and job.status().state == "RUNNING", 120, "replacement")
     # (b) a join
     wait_until(lambda: job.status().step > job.history()[-1]["step"] - 1, 10, "steady")
@@ -79,7 +84,8 @@ def orchestrator_side(events: int, workers: int, every: int) -> dict:
     times = {r["step"]: r["time"] for r in history}
     around = [times[s + 1] - times[s] for s in range(first_step - 20, first_step + 20) if s in times and s + 1 in times]
     job.stop()
-    return {"death_to_next_step_s": delays, "steps_lost": lost, "scale_to_first_step_s": joined["time"] - decided,
+    return {"death_to_next_step_s": delays, "steps_lost": lost, "victim_ranks": ranks,
+            "scale_to_first_step_s": joined["time"] - decided,
             "join_decided_to_first_step_s": joined["detail"]["duration_s"], "longest_step_during_join_s": max(around)}
 
 
@@ -153,13 +159,14 @@ def ray_train_side(events: int, workers: int, every: int) -> dict:
     # Kill mid-interval, two checkpoints after (re)starting, so that one has surely been registered.
     settle = 2 * every + every // 2
     wait_until(lambda: len(steps()) > settle and any(storage.rglob("checkpoint_*")), 300, "Ray Train's checkpoints")
-    delays, lost = [], []
+    delays, lost, ranks = [], [], []
     for i in range(events):
         pids = {}
         for p in marks.glob("pid-*"):
             _, rank, pid = p.name.split("-")
             pids[int(rank)] = int(pid)  # the newest incarnation of each rank overwrites older ones
-        victim = pids[1 + i % (workers - 1)]
+        rank = i % workers
+        victim = pids[rank]
         for p in marks.glob("pid-*"):
             p.unlink()  # the restarted group writes its own
         before = steps()[-1][0]
@@ -172,9 +179,11 @@ def ray_train_side(events: int, workers: int, every: int) -> dict:
                            or next(((s, t) for s, t in steps() if t > killed_at + 30), None), 300, "Ray Train to recover")
         delays.append(after[1] - killed_at)
         lost.append(before - (after[0] - 1))
-        log(f"Ray Train kill {i + 1}/{events}: next step {after[0]} after {delays[-1]:.2f}s, redoing {lost[-1]} steps")
+        ranks.append(rank)
+        log(f"Ray Train kill {i + 1}/{events} (rank {rank}): next step {after[0]} after {delays[-1]:.2f}s, "
+            f"redoing {lost[-1]} steps")
         wait_until(lambda: len(list(marks.glob("pid-*"))) >= workers and steps()[-1][0] > after[0] + settle, 300, "steady")
-    return {"death_to_next_step_s": delays, "steps_lost": lost}
+    return {"death_to_next_step_s": delays, "steps_lost": lost, "victim_ranks": ranks}
 
 
 def _fit_quietly(trainer) -> None:
@@ -198,7 +207,9 @@ def main() -> int:
 
     os.environ.setdefault("ORCHESTRATOR_RUN_ROOT", tempfile.mkdtemp(prefix="bench-runs-"))
     ensure_token_env()
-    ray.init(num_cpus=8, namespace=NAMESPACE, log_to_driver=False, logging_level="ERROR")
+    # Each side runs `workers` one-CPU workers and the orchestrator's join one more; Ray Train's
+    # controller and the coordinator need room too.
+    ray.init(num_cpus=max(8, args.workers + 3), namespace=NAMESPACE, log_to_driver=False, logging_level="ERROR")
     orch = orchestrator_side(args.events, args.workers, args.checkpoint_every)
     try:
         rt, rt_error = ray_train_side(args.events, args.workers, args.checkpoint_every), None
@@ -213,7 +224,9 @@ def main() -> int:
         ("death -> next committed step, orchestrator (s)", f"{o_med:.3f} [{min(orch['death_to_next_step_s']):.3f}-{max(orch['death_to_next_step_s']):.3f}]"),
         ("death -> next step, Ray Train (s)", f"{r_med:.2f} [{min(rt['death_to_next_step_s']):.2f}-{max(rt['death_to_next_step_s']):.2f}]" if rt else "n/a"),
         ("speed-up (Ray Train / orchestrator)", f"{r_med / o_med:.1f}x" if rt else "n/a"),
+        ("killed ranks, orchestrator", str(orch["victim_ranks"])),
         ("committed steps lost per death, orchestrator", str(orch["steps_lost"])),
+        ("killed ranks, Ray Train", str(rt["victim_ranks"]) if rt else "n/a"),
         ("steps redone per death, Ray Train", str(rt["steps_lost"]) if rt else "n/a"),
         ("scale() -> joiner's first committed step (s)", f"{orch['scale_to_first_step_s']:.2f}"),
         ("survivors' longest step during the join (s)", f"{orch['longest_step_during_join_s']:.3f}"),

@@ -23,7 +23,7 @@ def config(name: str, kills: list) -> dict:
             "workload": {"factory": "orchestrator.workloads.digits:mlp", "params": {"hidden": 64}, "batch_size": 8},
             "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9}, "checkpoint": {"every_steps": 50},
             "stop": {"max_steps": STEPS}, "eval_every": 0,
-            "faults": {"kills": kills, "stragglers": [{"slot": "w3", "slowdown": 8.0}]}}
+            "faults": {"kills": kills, "stragglers": [{"slot": "w3", "slowdown": 25.0}]}}
 
 
 def params(job: ElasticJob) -> list[torch.Tensor]:
@@ -34,6 +34,14 @@ def wait_for_step(job: ElasticJob, step: int) -> None:
     deadline = time.monotonic() + 240
     while job.status().step < step:
         assert time.monotonic() < deadline, f"no progress to step {step}"
+        time.sleep(0.05)
+
+
+def wait_for_full_membership(job: ElasticJob, world: int = 4) -> None:
+    """Every action waits for the state it needs: replacements can take 10 s or more to start."""
+    deadline = time.monotonic() + 240
+    while not ((s := job.status()).state == "RUNNING" and s.world_size == world):
+        assert time.monotonic() < deadline and s.state not in ("FINISHED", "FAILED"), f"never back to {world}: {s.state}"
         time.sleep(0.05)
 
 
@@ -48,8 +56,10 @@ def test_chaos_run_finishes_with_nothing_lost(run_root):
     job = ElasticJob(config_from_dict(config("chaos", kills))).start()
     for step, slot in ((260, "w2"), (320, "w0")):
         wait_for_step(job, step)
+        wait_for_full_membership(job)
         os.kill(next(m.pid for m in job.status().members if m.slot == slot), signal.SIGKILL)
     wait_for_step(job, 380)
+    wait_for_full_membership(job)
     job.scale(3)
     result = job.wait(timeout=600)
     assert result.state == "FINISHED" and result.step == STEPS
@@ -67,4 +77,4 @@ def test_chaos_run_finishes_with_nothing_lost(run_root):
     assert len(deaths) >= 6 and len(joins) >= 2 and len(downs) == 1
     assert {e["detail"]["phase"] for e in events if e["kind"] == "fault"} == {"allreduce", "checkpoint", "join", "user_exception"}
     assert [r["step"] for r in history] == list(range(1, STEPS + 1)), "a committed step was lost or repeated"
-    assert diff < 1e-4
+    assert diff < 6e-6  # the README states 5.96e-07
