@@ -32,8 +32,12 @@ def test_main_job_reaches_095_with_progress_and_summary(tmp_path, ray_session):
     assert re.search(r"\[running\] step \d+/600 loss [\d.]+ steps/s", proc.stdout)
     assert "FINISHED: digits-bsp" in proc.stdout
     accuracy = float(re.search(r"accuracy: ([\d.]+)", proc.stdout).group(1))
-    print("held-out accuracy:", accuracy)
+    step = int(re.search(r"FINISHED: digits-bsp run \S+ at step (\d+)", proc.stdout).group(1))
+    events = "".join(p.read_text() for p in (tmp_path / "runs" / "digits-bsp").glob("*/events.jsonl"))
+    reached = re.search(r"target reached: accuracy = ([\d.]+)", events)
+    print(f"held-out accuracy {accuracy} at step {step}; stop: {reached.group(0) if reached else 'no target'}")
     assert accuracy >= 0.95
+    assert reached and float(reached.group(1)) >= 0.97 and step < 600, "the job must stop at its target (0.97)"
 
 
 def test_status_and_stop_from_other_processes(tmp_path, run_root):

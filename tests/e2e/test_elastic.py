@@ -162,7 +162,7 @@ def test_nothing_lost_two_kills_and_a_join_match_fault_free(run_root):
     diff = max(float((a - b).abs().max()) for a, b in zip(params(churn), params(clean)))
     print(f"2 kills + {len(joins)} join(s) vs fault-free, keep_global batch, micro-steps at world size 2: "
           f"max abs diff {diff:.2e}")
-    assert diff < 1e-4
+    assert diff < 3e-6  # the README states 3.0e-7 (float summation order differs at world size 2)
 
 
 def test_split_commit_vote_is_settled_at_the_next_epoch(run_root):

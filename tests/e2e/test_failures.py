@@ -65,7 +65,7 @@ def test_sigkill_inside_allreduce_fails_job_within_5s(run_root):
     fired = next(e for e in job.events() if e["kind"] == "fault")
     delay = failed["time"] - fired["detail"]["fired_at"]
     print(f"kill inside all-reduce -> FAILED in {delay:.2f}s; cause: {result.cause}")
-    assert delay < 5.0
+    assert delay < 1.0  # the README states ~0.1 s
     assert failure["detail"]["slot"] == "w2" and failure["detail"]["detector"] == "actor death"
     assert "w2" in result.cause and "died" in result.cause
     assert_survivors_at_last_committed_step(job, failed, "w2")
@@ -83,7 +83,7 @@ def test_external_sigkill_fails_job_within_5s(run_root):
     result = job.wait(timeout=60)
     failure, failed = failure_of(job)
     print(f"external SIGKILL -> FAILED in {failed['time'] - killed_at:.2f}s")
-    assert result.state == "FAILED" and failed["time"] - killed_at < 5.0
+    assert result.state == "FAILED" and failed["time"] - killed_at < 1.0
     assert failure["detail"]["slot"] == "w1"
     assert_survivors_at_last_committed_step(job, failed, "w1")
     assert_gone(pids)
@@ -96,7 +96,7 @@ def test_user_exception_fails_job_with_traceback(run_root):
     failure, failed = failure_of(job)
     fired = next(e for e in job.events() if e["kind"] == "fault")
     print(f"user exception -> FAILED in {failed['time'] - fired['detail']['fired_at']:.2f}s")
-    assert result.state == "FAILED" and failed["time"] - fired["detail"]["fired_at"] < 5.0
+    assert result.state == "FAILED" and failed["time"] - fired["detail"]["fired_at"] < 1.0
     assert failure["detail"]["slot"] == "w3" and failure["detail"]["detector"] == "task error"
     assert "InjectedFault" in failure["detail"]["traceback"] and "Traceback" in failure["detail"]["traceback"]
     assert "w3" in result.cause

@@ -201,7 +201,7 @@ def test_sigkill_of_owning_run_stops_job_within_10s(tmp_path, run_root):
     wait_until(lambda: job.status().state == "STOPPED", timeout=30, what="STOPPED")
     stopped = next(e for e in job.events() if e.get("state_to") == "STOPPED")
     print(f"owner SIGKILLed -> STOPPED after {stopped['time'] - killed_at:.2f}s: {stopped['reason']}")
-    assert stopped["time"] - killed_at < 10.0 and "owned this job" in stopped["reason"]
+    assert stopped["time"] - killed_at < 5.0 and "owned this job" in stopped["reason"]  # the README states 0.89 s
     assert list((job.run_dir / "checkpoints").glob("step-*.pt"))
     _assert_gone("owned", job.run_id, ["w0", "w1"])
 
@@ -254,6 +254,7 @@ def test_coordinator_sigkilled_mid_run_is_restarted_and_carries_on(run_root):
           f"(workers committed {len(during)} steps meanwhile); new epoch {recovered['detail']['membership_epoch']} "
           f"committed {recovered['detail']['duration_s']:.2f}s after the restart began; history 1..{steps}, no gap")
     assert restart["detail"]["reattached"] == ["w0", "w1", "w2"] and restart["detail"]["lost"] == []
+    assert restart["time"] - killed_at < 29.0  # the README states 2.9 s
 
 
 def _history_is_complete(job: ElasticJob, last: int) -> list[dict]:
