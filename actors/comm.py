@@ -25,7 +25,7 @@ from typing import Callable, Optional, Protocol, Sequence
 import torch
 import torch.distributed as dist
 
-from orchestrator.schema import OrchestratorError
+from core.schema import OrchestratorError
 
 
 class CommError(OrchestratorError):

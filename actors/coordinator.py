@@ -7,34 +7,40 @@ the detached worker actors, publishes plans, and supervises: it `await`s each wo
 seen within tens of milliseconds and the membership epoch is aborted on every other member.
 It is not on the per-step data path: workers report progress in batches.
 
-States: STARTING -> RUNNING -> (RESHAPING -> RUNNING)* -> STOPPING -> STOPPED / FINISHED /
-FAILED. Every transition is an `Event` with its reason, appended to `events.jsonl`; history
-records go to `history.jsonl`, each committed step exactly once.
+It decides nothing on its own about failures and stops: it hands a frozen view of the job and
+the event to `algorithms/supervision.py` and carries out the decision. States (an enum there):
+STARTING -> RUNNING -> (RESHAPING -> RUNNING)* -> STOPPING -> STOPPED / FINISHED / FAILED, with
+PAUSED below `workers.min`. Every transition is an `Event` with its reason, appended to
+`events.jsonl`; history records go to `history.jsonl` (actors/history.py).
 """
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import json
-import logging
 import os
 import signal
 import time
 import traceback
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
 import ray
 from ray.exceptions import ActorDiedError, RayActorError
 
+from actors import checkpoints, runfiles
 from actors.comm import serve_store
-from actors.ledger import CommittedLedger
+from actors.faults import CoordinatorFaults
+from actors.history import History
+from actors.members import Member, ask, describe, first_line, is_placed, job_is_dead, kill, log, log_to
 from actors.plan import ParentWatch, Plan, Progress, WorkerSpec
-from actors.worker import KEEP_RECORDS as KEPT_RECORDS, WorkerActor
+from actors.worker import WorkerActor
+from algorithms.base import get_algorithm
 from algorithms.membership import MemberView, batch_for, choose_leavers, free_slots, slot_index
-from orchestrator import checkpoints, runfiles
-from orchestrator.schema import TERMINAL_STATES, Event, JobConfig, JobStatus, MemberStatus, parse
+from algorithms.supervision import (
+    Decision, JobState, JobView, MemberEnded, MemberState, StopRequested, decide, recovered_epoch,
+)
+from core.schema import Event, JobConfig, JobStatus, MemberStatus, parse
 
 PROBE_S = 1.0
 """How long a member may take to answer a probe after a collective failed."""
@@ -45,28 +51,7 @@ MAX_RESTARTS = 5
 """How often Ray restarts a coordinator whose process dies; each restart carries on from the run
 directory and the live workers (a new incarnation)."""
 SAVED = "coordinator.json"
-log = logging.getLogger(__name__)
-
-
-@dataclass
-class Member:
-    slot: str
-    handle: Any
-    pid: int = 0
-    node: str = ""
-    node_id: str = ""
-    state: str = "starting"
-    step: int = 0
-    last_report: float = 0.0
-    compute_s: float = 0.0
-    cause: str = ""
-    """Why the member is hung, retired or failed."""
-    evicted: Optional[tuple[str, str]] = None
-    """(detector, cause) when the coordinator killed it for hanging."""
-    join_reason: tuple[str, str, float] = ("", "", 0.0)
-    """(reason, detector, decided at) of the decision that started it."""
-    watch_task: Optional[asyncio.Task] = field(default=None, repr=False)
-    beat_task: Optional[asyncio.Task] = field(default=None, repr=False)
+S = MemberState
 
 
 class Coordinator:
@@ -78,28 +63,23 @@ class Coordinator:
         self.resume_from = resume_from
         self.cfg: JobConfig = parse(JobConfig, config)
         self.config_dict = config
-        self.name = self.cfg.name
-        self.run_id = run_id
-        self.run_dir = Path(run_dir)
-        self.incarnation = incarnation
+        self.name, self.run_id, self.run_dir, self.incarnation = self.cfg.name, run_id, Path(run_dir), incarnation
         self.node_ip = ray.util.get_node_ip_address()
         self.store, self.store_port, self._store_socket = serve_store(self.node_ip, self.cfg.comm.timeout_s)
-        self.state = "STARTING"
+        self.state = JobState.STARTING
         self.cause: Optional[str] = None
         self.members: dict[str, Member] = {}
-        self.plans: dict[int, Plan] = {}
         self.plan: Optional[Plan] = None
-        self.epoch = 0
-        self.step = 0
-        self.ledger = CommittedLedger()
-        """Holds the newest history record until the members agree that its step is committed."""
+        self.epoch = self.version = self.step = 0
         self.loss: Optional[float] = None
         self.metrics: dict = {}
         self.recent: list[tuple[float, int]] = []
         self.events: list[Event] = []
         self.fired_faults: set[int] = set(runfiles.read_json(self.run_dir / "faults_fired.json", []))
-        self.fired_coordinator: set[str] = set(runfiles.read_json(self.run_dir / "coordinator_faults_fired.json", []))
-        self._die_on_report = False
+        self.faults = CoordinatorFaults(
+            self.cfg.faults, set(runfiles.read_json(self.run_dir / "coordinator_faults_fired.json", [])),
+            lambda fired: runfiles.write_json_atomic(self.run_dir / "coordinator_faults_fired.json", sorted(fired)),
+            lambda reason: self._event("fault", reason, fired_at=time.time()))
         self.started_at = started_at or time.time()
         """When `start()` was called (the job's run time counts from there)."""
         self.ended_at: Optional[float] = None
@@ -109,49 +89,52 @@ class Coordinator:
         """Once a stop is decided, every plan published carries it (a reshape must not lose it)."""
         self.target_count = self.cfg.workers.count
         self.failures: dict[str, int] = {}
+        self.retired: dict[str, str] = {}
+        self.departed: list[MemberStatus] = []
+        self.pending: list[dict] = []
+        """Reshapes decided but not yet followed by a committed step in their membership epoch."""
         self._last_reform = 0.0
         self._probing = False
         self.owner_job: Optional[str] = owner_job
         self._owner_checked = 0.0
-        self.departed: list[MemberStatus] = []
-        self.retired: dict[str, str] = {}
-        self.pending: list[dict] = []
-        """Reshapes decided but not yet followed by a committed step in their membership epoch."""
         self._reshape_lock: Optional[asyncio.Lock] = None
         self.outcomes: asyncio.Queue = None  # type: ignore[assignment]  # made on the event loop
         self._main_task: Optional[asyncio.Task] = None
         self._released: Optional[asyncio.Event] = None
-        self.version = 0
-        """Of the newest plan published (by any incarnation)."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        _log_to(self.run_dir / "coordinator.log", self.cfg.log_level)
-        self._history = open(self.run_dir / "history.jsonl", "a", encoding="utf-8")
+        log_to(self.run_dir / "coordinator.log", self.cfg.log_level)
         self._events = open(self.run_dir / "events.jsonl", "a", encoding="utf-8")
         self._saved: Optional[dict] = None
+        written = 0
         if ray.get_runtime_context().was_current_actor_reconstructed:
-            self._load_saved()
+            written = self._load_saved()
             ray.get_actor(self.name, namespace=self.cfg.ray.namespace).start.remote()  # nobody else will
+        reporter = get_algorithm(self.cfg.sync.policy)(self.cfg.sync).reporter
+        self.history = History(self.run_dir / "history.jsonl", reporter, written,
+                               note=lambda reason, detail: self._event("info", reason, **detail))
         self._persist()
 
     # ------------------------------------------------------------------ persistence (restarts)
     def _persist(self) -> None:
         """What a restarted coordinator cannot re-learn from the live workers."""
-        members = {slot: {"state": m.state, "pid": m.pid, "node": m.node, "node_id": m.node_id, "cause": m.cause}
+        members = {slot: {"state": m.state.value, "pid": m.pid, "node": m.node, "node_id": m.node_id, "cause": m.cause}
                    for slot, m in self.members.items()}
         runfiles.write_json_atomic(self.run_dir / SAVED, {
-            "incarnation": self.incarnation, "epoch": self.epoch, "version": self.version, "state": self.state,
+            "incarnation": self.incarnation, "epoch": self.epoch, "version": self.version, "state": self.state.value,
             "plan": dataclasses.asdict(self.plan) if self.plan else None, "target_count": self.target_count,
             "failures": self.failures, "retired": self.retired, "stop_kind": self.stop_kind, "cause": self.cause,
-            "stop_step": self.stop_step, "started_at": self.started_at, "running_since": self.running_since, "members": members, "pending": self.pending,
-            "departed": [d.__dict__ for d in self.departed], "loss": self.loss, "metrics": self.metrics})
+            "stop_step": self.stop_step, "started_at": self.started_at, "running_since": self.running_since,
+            "members": members, "pending": self.pending, "departed": [d.__dict__ for d in self.departed],
+            "loss": self.loss, "metrics": self.metrics})
 
-    def _load_saved(self) -> None:
+    def _load_saved(self) -> int:
+        """Carry on from the run directory; returns the newest step in history."""
         saved = runfiles.read_json(self.run_dir / SAVED)
         if saved is None:
             raise RuntimeError(f"restarted, but {self.run_dir / SAVED} is missing: cannot carry on")
         self._saved = saved
         self.incarnation = saved["incarnation"] + 1
-        self.epoch, self.version, self.state = saved["epoch"], saved["version"], saved["state"]
+        self.epoch, self.version, self.state = saved["epoch"], saved["version"], JobState(saved["state"])
         self.target_count, self.failures, self.retired = saved["target_count"], saved["failures"], saved["retired"]
         self.stop_kind, self.cause, self.running_since = saved["stop_kind"], saved["cause"], saved["running_since"]
         self.stop_step, self.started_at = saved["stop_step"], saved["started_at"]
@@ -159,11 +142,10 @@ class Coordinator:
         self.departed = [MemberStatus(**d) for d in saved["departed"]]
         if saved["plan"]:
             self.plan = Plan(**{k: tuple(v) if k == "members" else v for k, v in saved["plan"].items()})
-            self.plans[self.plan.version] = self.plan
         self.events = [Event(**e) for e in runfiles.read_jsonl(self.run_dir / "events.jsonl")]
         history = runfiles.read_jsonl(self.run_dir / "history.jsonl")
         self.step = history[-1]["step"] if history else 0
-        self.ledger = CommittedLedger(written_step=self.step)
+        return self.step
 
     # ------------------------------------------------------------------ public methods
     async def start(self) -> dict:
@@ -177,21 +159,15 @@ class Coordinator:
     async def status(self) -> dict:
         return self._status().to_dict()
 
-    async def history(self, since_step: int = 0) -> list[dict]:
-        return [r for r in runfiles.read_jsonl(self.run_dir / "history.jsonl") if r.get("step", 0) > since_step]
-
     async def list_events(self) -> list[dict]:
         return [e.to_dict() for e in self.events]
 
-    async def get_plan(self, version: int) -> Plan:
-        return self.plans[version]
-
     async def report(self, progress: Progress) -> None:
-        if self._die_on_report and progress.records:
-            self._maybe_die("stop")
+        if self.faults.die_on_report and progress.records:
+            self.faults.maybe_die("stop")
         member = self.members.get(progress.slot)
         if member is not None:
-            member.step, member.last_report, member.compute_s = progress.step, time.time(), progress.compute_s
+            member.step, member.last_report, member.compute_s = progress.mark, time.time(), progress.compute_s
         for record in progress.records:
             try:
                 self._accept_record(record)
@@ -206,10 +182,7 @@ class Coordinator:
 
     async def request_stop(self, reason: str = "stop requested") -> dict:
         """Graceful stop: every member stops at the same committed step; state STOPPED."""
-        if self.state not in TERMINAL_STATES and self.stop_kind is None:
-            self.stop_kind = "STOPPED"
-            self.cause = reason
-            await self._stop_at_next_step(reason)
+        await self._stop("STOPPED", reason)
         return self._status().to_dict()
 
     async def scale(self, count: int) -> dict:
@@ -217,8 +190,8 @@ class Coordinator:
         w = self.cfg.workers
         if not w.min <= count <= w.max:
             raise ValueError(f"scale: {count} workers is outside [workers.min, workers.max] = [{w.min}, {w.max}]")
-        if self.state not in ("RUNNING", "RESHAPING", "PAUSED"):
-            raise ValueError(f"scale: the job is {self.state}; only a running or paused job can be scaled")
+        if not self.state.active:
+            raise ValueError(f"scale: the job is {self.state.value}; only a running or paused job can be scaled")
         self.target_count = count
         self._persist()
         await self._converge(f"scale to {count} requested", "scale request")
@@ -231,29 +204,40 @@ class Coordinator:
                 reshape["state_sources"][slot] = {"source": source, "step": step}
 
     async def epoch_agreed(self, epoch: int, step: int, records: tuple[dict, ...]) -> None:
-        """Rank 0 of `epoch`: its members agreed that `step` is the newest committed step.
-
-        `records` are the ones it keeps after the plan's `history_step`: they fill in what rank 0
-        of the old epoch never reported (it died, or its own last vote failed).
-        """
+        """Rank 0 of `epoch`: its members agreed that `step` is the newest committed step; `records`
+        are those it keeps after the plan's history step (what a departed rank 0 never reported)."""
         for record in records:
             self._accept_record(record)
-        self._write_history(self.ledger.agreed(epoch, step))
-        for held in self.ledger.dropped:
-            self._event("info", f"step {held['step']} of membership epoch {held.get('membership_epoch')} was applied "
-                        f"only by members that left; the members of epoch {epoch} agreed on step {step} and redo it",
-                        step=held["step"], membership_epoch=epoch)
-        self.ledger.dropped.clear()
-        self.step = self.ledger.newest_step
+        self.history.agreed(epoch, step)
+        self.step = self.history.step()
 
     async def release(self) -> None:
         """Let a terminal coordinator exit now (the driver has read the result)."""
         if self._released is not None:
             self._released.set()
 
-    async def final_model(self) -> Optional[bytes]:
-        path = self.run_dir / "model.pt"
-        return path.read_bytes() if path.exists() else None
+    async def save_checkpoint(self, step: int, blob: bytes) -> None:
+        self._parent.exit_if_orphaned()
+        path = await asyncio.to_thread(checkpoints.save, self.run_dir, step, blob, self.cfg.checkpoint.keep)
+        self._event("checkpoint", f"checkpoint at step {step}", step=step, path=str(path), bytes=len(blob))
+
+    async def collective_failed(self, slot: str, epoch: int, error: str) -> None:
+        """A member's collective failed: probe that epoch's members and evict any that do not answer;
+        if every one answers, the group itself is broken: re-form it at once as a new epoch."""
+        if epoch != self.epoch or self.state not in (JobState.RUNNING, JobState.RESHAPING) or self._probing:
+            return
+        self._probing = True
+        try:
+            members = [self.members[s] for s in self._live_members()]
+            answers = await asyncio.gather(*(ask(m.handle, "heartbeat", timeout=PROBE_S) for m in members))
+            for member, answer in zip(members, answers):
+                if answer is None:
+                    await self._evict(member, "collective failure",
+                                      f"worker {member.slot} did not answer after {slot}'s collective failed: {error[:160]}")
+            if all(a is not None for a in answers) and epoch == self.epoch:
+                self._reform(f"{slot}'s collective failed with every member alive: {error[:160]}")
+        finally:
+            self._probing = False
 
     # ------------------------------------------------------------------ main task
     async def _main(self) -> None:
@@ -262,8 +246,9 @@ class Coordinator:
             asyncio.get_running_loop().create_task(self._heartbeats())
             await self._supervise()
         except Exception as err:  # noqa: BLE001 - the job fails with the cause, never hangs
-            if self.state not in TERMINAL_STATES:
-                await self._fail(f"coordinator error: {type(err).__name__}: {err}", detail={"traceback": traceback.format_exc()})
+            if not self.state.terminal:
+                await self._end(JobState.FAILED, f"coordinator error: {type(err).__name__}: {err}",
+                                detail={"traceback": traceback.format_exc()})
         finally:
             await self._linger()
 
@@ -277,42 +262,43 @@ class Coordinator:
             self._start_run(self.members[slot])
         self.running_since = time.time()
         self.cause = None
-        self._transition("RUNNING", f"{len(members)} workers started and received the first plan")
+        self._transition(JobState.RUNNING, f"{len(members)} workers started and received the first plan")
 
     async def _recover(self) -> None:
         """A restarted coordinator: re-attach to the workers that are still alive (they kept training:
-        a formed group needs no coordinator), then publish a new membership epoch, whose groups meet
-        on this incarnation's store and whose agreement hands history the steps it missed."""
+        a formed group needs no coordinator), collect the records they committed meanwhile, and
+        publish a membership epoch newer than any they hold, on this incarnation's store."""
         decided = time.time()
-        if self.state == "RUNNING":
-            self._transition("RESHAPING", f"coordinator restarted as incarnation {self.incarnation}: re-attaching workers")
-        found, lost = [], []
+        if self.state == JobState.RUNNING:
+            self._transition(JobState.RESHAPING, f"coordinator restarted as incarnation {self.incarnation}: re-attaching workers")
+        found, lost, epochs = [], [], []
         for slot, saved in self._saved["members"].items():
             handle = self._worker_handle(slot)
-            if saved["state"] not in ("training", "leaving"):  # a joiner not admitted yet: started again below
-                _kill(handle)
+            if saved["state"] not in (S.TRAINING.value, S.LEAVING.value):  # a joiner not admitted yet: started again
+                kill(handle)
                 continue
-            info = await self._ask(handle, "status") if handle is not None else None
-            member = Member(slot, handle, pid=saved["pid"], node=saved["node"], node_id=saved["node_id"], state=saved["state"])
+            info = await ask(handle, "status") if handle is not None else None
+            member = Member(slot, handle, pid=saved["pid"], node=saved["node"], node_id=saved["node_id"], state=S(saved["state"]))
             self.members[slot] = member
             if info is None:
-                member.state, member.cause = "dead", "gone while the coordinator was down"
+                member.state, member.cause = S.DEAD, "gone while the coordinator was down"
                 self._depart(member)
                 lost.append(slot)
                 continue
             found.append(slot)
             newest = info["plan"]
-            if newest is not None and (self.plan is None or newest.version > self.plan.version):
-                self.plan = self.plans[newest.version] = newest  # published just before the crash, never saved
-            if newest is not None:  # its epoch number is taken: the next one must be new to every member
-                self.epoch = max(self.epoch, newest.membership_epoch)
+            if newest is not None:
+                epochs.append(newest.membership_epoch)
+                if self.plan is None or newest.version > self.plan.version:
+                    self.plan = newest  # published just before the crash, never saved
             self._start_watch(member)
+        self.epoch = recovered_epoch(self.epoch, epochs) - 1  # the next publication takes the one after
         self.version = max(self.version, self.plan.version if self.plan else 0)
         await self._collect_records(found)
         self._event("restart", f"coordinator restarted as incarnation {self.incarnation}: re-attached "
                     f"{', '.join(found) or 'no worker'}" + (f"; lost {', '.join(lost)}" if lost else ""),
                     incarnation=self.incarnation, reattached=found, lost=lost, history_step=self.step)
-        live = tuple(s for s in self.plan.members if s in found and self.members[s].state == "training") if self.plan else ()
+        live = self._live_members()
         if not live:
             raise RuntimeError("restarted and found no live worker holding the committed state (resume with --resume)")
         if self.stop_kind is None:
@@ -325,12 +311,12 @@ class Coordinator:
     async def _collect_records(self, slots: list[str]) -> None:
         """Records the members committed while this coordinator was down (some were reported to the
         dead incarnation and died with it): every member keeps its newest ones."""
-        kept: dict[int, dict] = {}
+        kept: dict[tuple, dict] = {}
         for slot in slots:
-            for record in await self._ask(self.members[slot].handle, "records_after", self.ledger.written_step) or ():
-                kept.setdefault(record["step"], record)
-        for step in sorted(kept):
-            self._accept_record(kept[step])
+            for record in await ask(self.members[slot].handle, "records_after", self.history.written_step) or ():
+                kept.setdefault((record["step"], record.get("slot", "")), record)
+        for key in sorted(kept):
+            self._accept_record(kept[key])
 
     def _worker_handle(self, slot: str):
         try:
@@ -338,24 +324,16 @@ class Coordinator:
         except ValueError:
             return None
 
-    async def _ask(self, handle, method: str, *args: Any, timeout: float = 5.0) -> Optional[Any]:
-        """A control call to a worker; None if it is gone, on a lost node, or does not answer in time."""
-        try:
-            return await asyncio.wait_for(asyncio.wrap_future(getattr(handle, method).remote(*args).future()), timeout)
-        except Exception as err:  # noqa: BLE001 - gone, or not answering
-            log.debug("control call %s to a worker got no answer: %s", method, _describe(err))
-            return None
-
     async def _first_members(self) -> tuple[str, ...]:
         """All `count` workers ready, or at least `min` after `start_grace_s`; PAUSED while fewer than `min` fit."""
         w = self.cfg.workers
         started = time.monotonic()
         while True:
-            ready = sorted(self._slots_in("ready"), key=slot_index)
+            ready = sorted(self._slots_in(S.READY), key=slot_index)
             waited = time.monotonic() - started
             if len(ready) >= w.count or (len(ready) >= w.min and waited >= w.start_grace_s):
                 return tuple(ready)
-            if not self._slots_in("starting", "ready") and not free_slots(w.max, set(), set(self.retired), 1):
+            if not self._slots_in(S.STARTING, S.READY) and not free_slots(w.max, set(), set(self.retired), 1):
                 raise RuntimeError(f"no slot left to start: {'; '.join(self.retired.values())}")
             if len(ready) < w.min and waited >= w.pause_after_s:
                 await self._explain_start(len(ready))
@@ -365,8 +343,8 @@ class Coordinator:
         """Below workers.min after pause_after_s: PAUSED if some worker cannot be placed (naming the
         resources it lacks), else STARTING with how many are placed and up (imports, data)."""
         w = self.cfg.workers
-        starting = [self.members[s] for s in self._slots_in("starting")]
-        placed = await asyncio.to_thread(lambda: [_is_placed(m.handle) for m in starting])
+        starting = [self.members[s] for s in self._slots_in(S.STARTING)]
+        placed = await asyncio.to_thread(lambda: [is_placed(m.handle) for m in starting])
         unplaced = sum(1 for p in placed if p is False)
         if unplaced:
             free = await asyncio.to_thread(ray.available_resources)
@@ -376,15 +354,15 @@ class Coordinator:
                      + " free")
             if cause != self.cause:
                 self.cause = cause
-                if self.state == "STARTING":
-                    self._transition("PAUSED", cause)
+                if self.state == JobState.STARTING:
+                    self._transition(JobState.PAUSED, cause)
             return
-        self.cause = (f"{len(starting) + len(self._slots_in('ready'))} of {w.count} workers placed, {up} up: "
+        self.cause = (f"{len(starting) + len(self._slots_in(S.READY))} of {w.count} workers placed, {up} up: "
                       f"waiting for the others to start (imports, workload)")
-        if self.state == "PAUSED":
-            self._transition("STARTING", "every worker is placed: " + self.cause)
+        if self.state == JobState.PAUSED:
+            self._transition(JobState.STARTING, "every worker is placed: " + self.cause)
 
-    def _slots_in(self, *states: str) -> list[str]:
+    def _slots_in(self, *states: MemberState) -> list[str]:
         return [slot for slot, m in self.members.items() if m.state in states]
 
     async def _resume(self, slot: str) -> None:
@@ -395,19 +373,15 @@ class Coordinator:
         data = await asyncio.to_thread(path.read_bytes)
         step = await asyncio.wrap_future(self.members[slot].handle.load_checkpoint.remote(data).future())
         self.step = step
-        self.ledger = CommittedLedger(written_step=step)
+        self.history.ledger.written_step = step
         self._event("info", f"resumed from checkpoint at step {step} ({path})", checkpoint=str(path), step=step)
 
-    async def save_checkpoint(self, step: int, blob: bytes) -> None:
-        self._parent.exit_if_orphaned()
-        path = await asyncio.to_thread(checkpoints.save, self.run_dir, step, blob, self.cfg.checkpoint.keep)
-        self._event("checkpoint", f"checkpoint at step {step}", step=step, path=str(path), bytes=len(blob))
-
+    # ------------------------------------------------------------------ workers
     def _spawn(self, slots: list[str], reason: str, detector: str) -> None:
         """Start worker actors; each is admitted by a plan once ready (imports done, data built)."""
         decided = time.time()
         for slot in slots:
-            member = Member(slot, None, state="starting", join_reason=(reason, detector, decided))
+            member = Member(slot, None, join_reason=(reason, detector, decided))
             self.members[slot] = member
             asyncio.get_running_loop().create_task(self._bring_up(member))
 
@@ -416,20 +390,18 @@ class Coordinator:
             await self._start_worker(member)
         except Exception as err:  # noqa: BLE001 - a task's error would otherwise reach only Ray's logs
             log.exception("starting %s failed", member.slot)
-            if self.members.get(member.slot) is member and member.state == "starting":
-                await self._slot_failed(member, "start", f"worker {member.slot} could not be started: {_describe(err)}")
+            if self.members.get(member.slot) is member and member.state == S.STARTING:
+                await self._slot_failed(member, "start", f"worker {member.slot} could not be started: {describe(err)}")
 
     async def _start_worker(self, member: Member) -> None:
         cfg = self.cfg.workers
         name = f"{self.name}/{self.run_id}/{member.slot}"
         for _ in range(200):  # a replacement waits for its slot's previous actor name to be released
-            try:
-                ray.get_actor(name, namespace=self.cfg.ray.namespace)
-            except ValueError:
+            if self._worker_handle(member.slot) is None:
                 break
             await asyncio.sleep(0.05)
-        if (self.state in TERMINAL_STATES or self.stop_kind is not None or self.members.get(member.slot) is not member
-                or member.state != "starting"):
+        if self.state.terminal or self.stop_kind is not None or self.members.get(member.slot) is not member \
+                or member.state != S.STARTING:
             return
         spec = WorkerSpec(self.name, self.run_id, member.slot, str(self.run_dir), self.name, self.cfg.ray.namespace,
                           self.config_dict, self.search_path)
@@ -441,54 +413,55 @@ class Coordinator:
         try:  # no timeout: Ray places the actor when there is room (the job may be PAUSED until then)
             info = await asyncio.wrap_future(member.handle.ready.remote(tuple(sorted(self.fired_faults))).future())
         except Exception as err:  # noqa: BLE001 - the worker could not start (user code in the factory, ...)
-            if self.members.get(member.slot) is member and member.state == "starting":
-                await self._slot_failed(member, "start", f"worker {member.slot} failed to start: {_describe(err)}")
+            if self.members.get(member.slot) is member and member.state == S.STARTING:
+                await self._slot_failed(member, "start", f"worker {member.slot} failed to start: {describe(err)}")
             return
-        if self.members.get(member.slot) is not member or member.state != "starting":
+        if self.members.get(member.slot) is not member or member.state != S.STARTING:
             return  # stopped or replaced meanwhile
-        member.pid, member.node, member.node_id, member.state = info["pid"], info["node"], info["node_id"], "ready"
+        member.pid, member.node, member.node_id, member.state = info["pid"], info["node"], info["node_id"], S.READY
         await self._admit()
 
     async def _admit(self) -> None:
         """Admit ready workers with one plan, once there are at least `workers.min` members."""
-        if self.plan is None or self.state not in ("RUNNING", "RESHAPING", "PAUSED") or self.stop_kind is not None:
+        if self.plan is None or not self.state.active or self.stop_kind is not None:
             return
-        ready = sorted(self._slots_in("ready"), key=slot_index)
-        live = [s for s in self.plan.members if self.members[s].state == "training"]
+        ready = sorted(self._slots_in(S.READY), key=slot_index)
+        live = self._live_members()
         if not ready or len(live) + len(ready) < self.cfg.workers.min:
             return
         decisions = {self.members[s].join_reason for s in ready}
-        if self.state != "PAUSED" and any(self.members[s].join_reason in decisions for s in self._slots_in("starting")):
+        if self.state != JobState.PAUSED and any(self.members[s].join_reason in decisions for s in self._slots_in(S.STARTING)):
             return  # joiners of one decision are admitted together: one pause for the others, not several
         reason, detector, decided = self.members[ready[0]].join_reason
-        self._reshape(tuple(live) + tuple(ready), reason, detector, decided, joiners=tuple(ready))
+        self._reshape(live + tuple(ready), reason, detector, decided, joiners=tuple(ready))
         for slot in ready:
             self._start_run(self.members[slot])
 
     async def _slot_failed(self, member: Member, phase: str, cause: str) -> bool:
-        """Count a failure against the slot; retire it past its budget, else start it again. True if retired."""
+        """Count a failure against the slot; retire it past its budget, else (a failed start) start it
+        again. True if retired."""
         slot = member.slot
         self.failures[slot] = self.failures.get(slot, 0) + 1
         budget = self.cfg.workers.failure_budget
         if self.failures[slot] >= budget:
             self.retired[slot] = f"retired after {self.failures[slot]} failures (workers.failure_budget = {budget}); last: {cause}"
-            member.state, member.cause = "retired", self.retired[slot]
+            member.state, member.cause = S.RETIRED, self.retired[slot]
             if phase == "start":
                 self._depart(member)
             self._event("retired", f"slot {slot} {self.retired[slot]}", slot=slot, failures=self.failures[slot])
             return True
         if phase == "start":
-            member.state, member.cause = "failed", cause
+            member.state, member.cause = S.FAILED, cause
             self._depart(member)
             self._event("failure", cause, slot=slot, detector="start", failures=self.failures[slot])
             await asyncio.sleep(1.0)
-            if self.state not in TERMINAL_STATES and self.stop_kind is None:
+            if not self.state.terminal and self.stop_kind is None:
                 self._spawn([slot], f"restart {slot} after: {cause}", "replacement")
         return False
 
     def _start_run(self, member: Member) -> None:
         member.handle.run.remote()
-        member.state = "training"
+        member.state = S.TRAINING
         self._start_watch(member)
 
     def _start_watch(self, member: Member) -> None:
@@ -500,13 +473,14 @@ class Coordinator:
             outcome = await ref
             kind = "finished" if outcome.get("ok") else "error"
         except (ActorDiedError, RayActorError) as err:
-            outcome, kind = {"error": _describe(err), "slot": slot}, "died"
+            outcome, kind = {"error": describe(err), "slot": slot}, "died"
         except Exception as err:  # noqa: BLE001
-            outcome, kind = {"error": _describe(err), "traceback": traceback.format_exc(), "slot": slot}, "error"
+            outcome, kind = {"error": describe(err), "traceback": traceback.format_exc(), "slot": slot}, "error"
         await self.outcomes.put((member, kind, outcome, time.time()))
 
+    # ------------------------------------------------------------------ supervision
     async def _supervise(self) -> None:
-        while self.state not in TERMINAL_STATES:
+        while not self.state.terminal:
             try:
                 member, kind, outcome, seen = await asyncio.wait_for(self.outcomes.get(), 0.2)
             except asyncio.TimeoutError:
@@ -515,72 +489,101 @@ class Coordinator:
                 continue
             await self._on_outcome(member, kind, outcome, seen)
 
+    def _view(self) -> JobView:
+        w = self.cfg.workers
+        return JobView(state=self.state, plan_members=self.plan.members if self.plan else (),
+                       members={s: m.state for s, m in self.members.items()}, failures=dict(self.failures),
+                       min_workers=w.min, failure_budget=w.failure_budget, on_failure=w.on_failure, stop_kind=self.stop_kind)
+
     async def _on_outcome(self, member: Member, kind: str, outcome: dict, seen: float) -> None:
-        slot = member.slot
-        if self.members.get(slot) is not member or member.state in DEPARTED:
-            return  # an earlier incarnation of a slot started again, or a member already handled
-        if kind == "finished":
-            if member.state == "leaving":
-                member.state = "left"
-                _kill(member.handle)
-                return
-            member.state = "finished"
-            if self.plan and all(self.members[s].state == "finished" for s in self.plan.members):
-                await self._finish()
-            return
-        if member.state in ("left", "stopped", "leaving"):
-            member.state = "left"  # it was on its way out: nothing to re-form
-            return
+        if self.members.get(member.slot) is not member:
+            return  # an earlier incarnation of a slot that was started again
         what = "died" if kind == "died" else "raised an exception"
         detector, cause = member.evicted or ("actor death" if kind == "died" else "task error",
-                                             f"worker {slot} {what}: {outcome.get('error', '')}".strip())
+                                             f"worker {member.slot} {what}: {outcome.get('error', '')}".strip())
         hung = member.evicted is not None and member.evicted[0] in ("heartbeat", "step progress")
-        member.state = "hung" if hung else ("dead" if kind == "died" else "failed")
+        d = decide(self._view(), MemberEnded(member.slot, kind, cause, detector, hung))
+        if d.ignore:
+            return
+        member.state = d.member[1]
+        if member.state in (S.LEFT, S.FINISHED):
+            if member.state == S.LEFT:
+                kill(member.handle)
+            if d.finish:
+                await self._finish()
+            return
         member.cause = cause
-        self._abort_epoch(cause)
-        detail = {"slot": slot, "detector": detector, "cause": outcome.get("error", ""), "seen_at": seen,
+        detail = {"slot": member.slot, "detector": detector, "cause": outcome.get("error", ""), "seen_at": seen,
                   "step": self.step, "membership_epoch": self.epoch}
         if outcome.get("traceback"):
             detail["traceback"] = outcome["traceback"]
-        survivors = tuple(s for s in self.plan.members if s != slot and self.members[s].state == "training")
-        _kill(member.handle)
-        if not survivors:
-            if self.cfg.workers.on_failure != "fail":
-                cause += "; no live worker holds the committed state any more (resume with --resume)"
-            await self._fail(cause, detail=detail)
+        self._abort_epoch(cause)
+        kill(member.handle)
+        if d.end_now is not None:
+            await self._end(d.end_now, d.reason, detail=detail)
             return
         self._event("failure", cause, **detail)
-        if self.cfg.workers.on_failure == "fail":
-            self._fail_after_agreement(survivors, cause)
-            return
-        retired = await self._slot_failed(member, "run", cause)
-        if retired:
-            member.state = "retired"
+        if d.count_failure and await self._slot_failed(member, "run", cause):
+            member.state = S.RETIRED
         self._depart(member)
-        if len(survivors) >= self.cfg.workers.min or self.stop_kind is not None:
-            self._reshape(survivors, cause, detector, detected_at=seen)
-        else:
-            self.cause = f"{len(survivors)} live workers, below workers.min = {self.cfg.workers.min}: waiting for replacements"
-            self._transition("PAUSED", self.cause)
-        if self.stop_kind is None:
-            asyncio.get_running_loop().create_task(self._converge(f"replace {slot}", "replacement"))
+        await self._apply(d, cause, detector, seen)
+        if d.replace:
+            asyncio.get_running_loop().create_task(self._converge(f"replace {member.slot}", "replacement"))
 
-    def _fail_after_agreement(self, survivors: tuple[str, ...], cause: str) -> None:
-        """`on_failure: fail`: the survivors form one last group, agree on the newest committed step
-        (a split last vote is settled as at any epoch start), and stop there; then the job is FAILED
-        with that state as its final model and checkpoint."""
-        if self.stop_kind != "FAILED":
-            self.stop_kind, self.cause, self.stop_step = "FAILED", cause, 0
-            self._transition("STOPPING", f"{cause}; workers.on_failure = fail: the survivors agree on the newest "
-                                         f"committed step and stop there")
+    async def _apply(self, d: Decision, cause: str, detector: str, seen: float) -> None:
+        """Carry out a decision's stop, state change and plan."""
+        if d.stop_kind is not None and self.stop_kind is None:
+            self.stop_kind, self.cause = d.stop_kind, (cause if d.stop_kind == "FAILED" else d.reason)
+            self.stop_step = 0 if d.stop_step == "held" else self.step + 1
             asyncio.get_running_loop().create_task(self._force_stop_after(self.cfg.comm.timeout_s + 10.0))
-        self._publish(survivors, cause)
+            self.faults.die_on_report = True
+        if d.transition == JobState.PAUSED:
+            self.cause = d.reason
+        if d.transition is not None and (d.transition != self.state or d.transition == JobState.PAUSED):
+            self._transition(d.transition, d.reason)
+        if d.publish is not None:  # a stop decided now publishes the stop; a death re-forms (a reshape)
+            if d.stop_kind is not None:
+                self._publish(d.publish, d.reason)
+            else:
+                self._reshape(d.publish, cause, detector, detected_at=seen)
 
+    async def _stop(self, kind: str, reason: str) -> None:
+        self._event("info", reason)
+        d = decide(self._view(), StopRequested(kind, reason))
+        if d.ignore:
+            return
+        if d.end_now is not None:
+            self.stop_kind = d.stop_kind
+            await self._end(d.end_now, d.reason, quiet=True)
+            return
+        await self._apply(d, reason, "stop", time.time())
+
+    async def _check_limits(self) -> None:
+        if not self.state.active or self.stop_kind is not None:
+            return
+        if self.owner_job and time.monotonic() - self._owner_checked >= OWNER_CHECK_S:
+            self._owner_checked = time.monotonic()
+            if await asyncio.to_thread(job_is_dead, self.owner_job):
+                await self._stop("STOPPED", "the process that owned this job (python -m orchestrator run) is gone")
+                return
+        stop = self.cfg.stop
+        if self.state != JobState.PAUSED and stop.time_s is not None and self.running_since \
+                and time.time() - self.running_since >= stop.time_s:
+            await self._stop("FINISHED", f"time limit of {stop.time_s:g}s reached")
+
+    async def _force_stop_after(self, delay: float) -> None:
+        await asyncio.sleep(delay)
+        if not self.state.terminal:
+            self.history.close()
+            await self._end(JobState(self.stop_kind or "STOPPED"),
+                            f"members did not stop within {delay:.0f}s; their actors were killed", quiet=True)
+
+    # ------------------------------------------------------------------ reshapes
     def _reshape(self, members: tuple[str, ...], reason: str, detector: str, detected_at: float,
                  joiners: tuple[str, ...] = (), leavers: tuple[str, ...] = (), new_epoch: bool = False) -> Plan:
         old = self.plan.members
-        if self.state in ("RUNNING", "PAUSED"):
-            self._transition("RESHAPING", reason)
+        if self.state in (JobState.RUNNING, JobState.PAUSED):
+            self._transition(JobState.RESHAPING, reason)
         plan = self._publish(members, reason, new_epoch=new_epoch)
         self.pending.append({"membership_epoch": plan.membership_epoch, "old_members": list(old),
                              "new_members": list(members), "joiners": list(joiners), "leavers": list(leavers),
@@ -592,12 +595,12 @@ class Coordinator:
     async def _converge(self, reason: str, detector: str) -> None:
         """Start or retire workers until the membership matches `target_count` (slots permitting)."""
         async with self._reshape_lock:
-            if self.state not in ("RUNNING", "RESHAPING", "PAUSED") or self.stop_kind is not None:
+            if not self.state.active or self.stop_kind is not None:
                 return
-            live = [s for s in self.plan.members if self.members[s].state == "training"]
-            coming = self._slots_in("starting", "ready")
+            live = list(self._live_members())
+            coming = self._slots_in(S.STARTING, S.READY)
             if len(live) + len(coming) < self.target_count:
-                taken = set(self._slots_in("training", "starting", "ready", "leaving"))
+                taken = set(self._slots_in(S.TRAINING, S.STARTING, S.READY, S.LEAVING))
                 joiners = free_slots(self.cfg.workers.max, taken, set(self.retired), self.target_count - len(live) - len(coming))
                 if not joiners:
                     self._event("info", f"{reason}: no free slot (retired: {', '.join(sorted(self.retired)) or 'none'})")
@@ -606,17 +609,16 @@ class Coordinator:
                 views = [MemberView(s, self.members[s].compute_s) for s in live]
                 leavers = choose_leavers(views, len(live) - self.target_count, self.cfg.workers.scale_down)
                 for slot in leavers:
-                    self.members[slot].state = "leaving"
-                members = tuple(s for s in live if s not in leavers)
-                self._reshape(members, reason, detector, time.time(), leavers=tuple(leavers))
+                    self.members[slot].state = S.LEAVING
+                self._reshape(tuple(s for s in live if s not in leavers), reason, detector, time.time(), leavers=tuple(leavers))
 
     async def _heartbeats(self) -> None:
         """Evict a worker that stops answering (SIGSTOP, frozen) or whose step never ends."""
         period = min(1.0, self.cfg.workers.heartbeat_s / 4)
-        while self.state not in TERMINAL_STATES:
+        while not self.state.terminal:
             await asyncio.sleep(period)
             for member in list(self.members.values()):
-                if member.state == "training" and member.evicted is None and (member.beat_task is None or member.beat_task.done()):
+                if member.state == S.TRAINING and member.evicted is None and (member.beat_task is None or member.beat_task.done()):
                     member.beat_task = asyncio.get_running_loop().create_task(self._beat(member))
 
     async def _beat(self, member: Member) -> None:
@@ -628,10 +630,10 @@ class Coordinator:
                                                    f"{w.heartbeat_s:g}s (stopped or frozen)")
             return
         except Exception as err:  # noqa: BLE001 - a dead actor: its watch() reports it
-            log.debug("heartbeat of %s: %s", member.slot, _describe(err))
+            log.debug("heartbeat of %s: %s", member.slot, describe(err))
             return
         stuck_after = self.cfg.comm.timeout_s + 2.0
-        if info["phase"] == "waiting" and info["phase_age_s"] > stuck_after and self.state in ("RUNNING", "RESHAPING"):
+        if info["phase"] == "waiting" and info["phase_age_s"] > stuck_after and self.state in (JobState.RUNNING, JobState.RESHAPING):
             self._reform(f"worker {member.slot} has waited {info['phase_age_s']:.1f}s for a plan (its group did not form)")
         if info["phase"] == "compute" and info["phase_age_s"] > w.hang_timeout_s:
             await self._evict(member, "step progress", f"worker {member.slot}'s step {info['step']} has been computing "
@@ -644,13 +646,13 @@ class Coordinator:
         if time.monotonic() - self._last_reform < self.cfg.comm.timeout_s:
             return
         self._last_reform = time.monotonic()
-        live = tuple(s for s in self.plan.members if self.members[s].state == "training")
+        live = self._live_members()
         if live:
             self._abort_epoch(reason)
             self._reshape(live, reason, "collective failure", time.time(), new_epoch=True)
 
     async def _evict(self, member: Member, detector: str, cause: str) -> None:
-        if member.state != "training" or member.evicted is not None:
+        if member.state != S.TRAINING or member.evicted is not None:
             return
         member.evicted = (detector, cause)
         self._event("info", f"evicting: {cause}", slot=member.slot, detector=detector)
@@ -659,30 +661,9 @@ class Coordinator:
                 os.kill(member.pid, signal.SIGKILL)
             except OSError as err:
                 log.debug("SIGKILL of %s (pid %s): %s", member.slot, member.pid, err)
-        _kill(member.handle)
+        kill(member.handle)
         # Handle it now: Ray may take many seconds to report an actor on a lost node as dead.
         await self.outcomes.put((member, "died", {"error": cause}, time.time()))
-
-    async def collective_failed(self, slot: str, epoch: int, error: str) -> None:
-        """A member's collective failed: probe that epoch's members and evict any that do not answer;
-        if every one answers, the group itself is broken: re-form it at once as a new epoch."""
-        if epoch != self.epoch or self.state not in ("RUNNING", "RESHAPING") or self._probing:
-            return
-        self._probing = True
-        try:
-            members = [self.members[s] for s in self.plan.members if self.members[s].state == "training"]
-            answers = await asyncio.gather(*(self._probe(m) for m in members))
-            for member, alive in zip(members, answers):
-                if not alive:
-                    await self._evict(member, "collective failure",
-                                      f"worker {member.slot} did not answer after {slot}'s collective failed: {error[:160]}")
-            if all(answers) and epoch == self.epoch:
-                self._reform(f"{slot}'s collective failed with every member alive: {error[:160]}")
-        finally:
-            self._probing = False
-
-    async def _probe(self, member: Member) -> bool:
-        return await self._ask(member.handle, "heartbeat", timeout=PROBE_S) is not None
 
     def _complete_reshapes(self, record: dict) -> None:
         """A committed step in a reshape's epoch closes it: one `reshape` event with its duration."""
@@ -694,43 +675,19 @@ class Coordinator:
             detail = dict(reshape, cause=reshape.pop("reason"))
             self._event("reshape", f"{detail['cause']}: {detail['old_members']} -> {detail['new_members']} "
                         f"({detail['detector']}, {detail['duration_s']:.2f}s)", **detail)
-        if not self.pending and self.state == "RESHAPING":
+        if not self.pending and self.state == JobState.RESHAPING:
             self.cause = None  # a pause, if there was one, is over
-            self._transition("RUNNING", f"membership epoch {epoch} committed step {record['step']}")
+            self._transition(JobState.RUNNING, f"membership epoch {epoch} committed step {record['step']}")
 
-    async def _member_states(self, slots: tuple[str, ...]) -> dict:
-        """Each member's (step, parameter checksum), straight from the worker."""
-        out = {}
-        for slot in slots:
-            info = await self._ask(self.members[slot].handle, "status", timeout=3.0)
-            out[slot] = {"step": info["step"], "checksum": info["checksum"]} if info else {"error": "no answer"}
-        return out
-
-    async def _check_limits(self) -> None:
-        if self.state not in ("RUNNING", "RESHAPING", "PAUSED") or self.stop_kind is not None:
-            return
-        if self.owner_job and time.monotonic() - self._owner_checked >= OWNER_CHECK_S:
-            self._owner_checked = time.monotonic()
-            if await asyncio.to_thread(_job_is_dead, self.owner_job):
-                self.stop_kind = "STOPPED"
-                self.cause = "the process that owned this job (python -m orchestrator run) is gone"
-                await self._stop_at_next_step(self.cause)
-                return
-        if self.state == "PAUSED":
-            return
-        stop = self.cfg.stop
-        if stop.time_s is not None and self.running_since and time.time() - self.running_since >= stop.time_s:
-            self.stop_kind = "FINISHED"
-            await self._stop_at_next_step(f"time limit of {stop.time_s:g}s reached")
-
+    # ------------------------------------------------------------------ history and limits
     def _accept_record(self, record: dict) -> None:
         if record.get("final"):  # evaluation after the last step: status only, not a history line
             self.metrics.update(record.get("metrics", {}))
             self._check_target()
             return
-        self._write_history(self.ledger.offer(record))
-        self.step = max(self.step, self.ledger.newest_step)
-        if self.ledger.tentative is not record:
+        newest = self.history.offer(record)
+        self.step = max(self.step, self.history.step(self._live_members()))
+        if newest is None:
             return  # a step already in history, a stale report of a redone one, or one ahead of a gap
         if self.pending:
             self._complete_reshapes(record)
@@ -741,164 +698,108 @@ class Coordinator:
         self.recent = [(t, s) for t, s in self.recent if t > record["time"] - 5.0] + [(record["time"], record["step"])]
         self._check_target()
 
-    def _write_history(self, records: list[dict]) -> None:
-        """Append final records: every committed step exactly once, in order."""
-        for record in records:
-            self._history.write(json.dumps(record) + "\n")
-        if records:
-            self._history.flush()
-        for first, last in self.ledger.gaps:
-            self._event("info", f"history lacks steps {first}..{last}: they were committed while no coordinator "
-                        f"received reports, and the members keep only their newest {KEPT_RECORDS} records",
-                        first_step=first, last_step=last)
-        self.ledger.gaps.clear()
-
     def _check_target(self) -> None:
         target = self.cfg.stop.target
         if target is None or self.stop_kind is not None or target.metric not in self.metrics:
             return
         value = self.metrics[target.metric]
         if (value >= target.value) if target.mode == "max" else (value <= target.value):
-            self.stop_kind = "FINISHED"
             asyncio.get_running_loop().create_task(
-                self._stop_at_next_step(f"target reached: {target.metric} = {value:.4f} ({target.mode} {target.value})"))
-
-    async def _stop_at_next_step(self, reason: str) -> None:
-        """Stop every live member at one committed step: the next one, or (PAUSED: training is held)
-        the one they hold. The survivors of a death are published as a new membership epoch, so
-        they agree on that step even if a dead member is still named in the current plan."""
-        self._event("info", reason)
-        live = self._live_members()
-        if self.plan is None or not live:  # nothing trains: nothing to save
-            await self._teardown()
-            self._transition(self.stop_kind or "STOPPED", f"{reason}; no worker was training")
-            self._write_final()
-            return
-        paused = self.state == "PAUSED"
-        if self.state in ("RUNNING", "RESHAPING", "PAUSED"):
-            self._transition("STOPPING", reason)
-        self.stop_step = 0 if paused else self.step + 1
-        self._publish(live, reason)
-        self._die_on_report = True
-        loop = asyncio.get_running_loop()
-        loop.create_task(self._force_stop_after(self.cfg.comm.timeout_s + 10.0))
-
-    async def _force_stop_after(self, delay: float) -> None:
-        await asyncio.sleep(delay)
-        if self.state not in TERMINAL_STATES:
-            self._write_history(self.ledger.close())
-            await self._teardown()
-            kind = self.stop_kind or "STOPPED"
-            self._transition(kind, f"members did not stop within {delay:.0f}s; their actors were killed")
-            self._write_final()
+                self._stop("FINISHED", f"target reached: {target.metric} = {value:.4f} ({target.mode} {target.value})"))
 
     # ------------------------------------------------------------------ plans
     def _live_members(self) -> tuple[str, ...]:
-        return tuple(s for s in self.plan.members if self.members[s].state == "training") if self.plan else ()
+        return tuple(s for s in self.plan.members if self.members[s].state == S.TRAINING) if self.plan else ()
 
     def _publish(self, members: tuple[str, ...], reason: str, new_epoch: bool = False) -> Plan:
         self.version += 1
-        version = self.version
         global_batch, lr_scale = batch_for(len(members), self.cfg.workload.batch_size, self.cfg.workers.count,
                                            self.cfg.workers.batch_mode)
         if self.plan is None or self.plan.members != members or new_epoch:
             self.epoch += 1
         plan = Plan(
-            version=version, membership_epoch=self.epoch, members=members,
+            version=self.version, membership_epoch=self.epoch, members=members,
             group_name=f"{self.name}/{self.run_id}/c{self.incarnation}/e{self.epoch}",
             store_host=self.node_ip, store_port=self.store_port, timeout_s=self.cfg.comm.timeout_s,
             global_batch=global_batch, lr_scale=lr_scale,
             backend="nccl" if self.cfg.workers.gpus > 0 and self.cfg.comm.backend != "gloo" else "gloo",
-            stop_step=self.stop_step, reason=reason, history_step=self.ledger.written_step)
-        self.plans[version] = plan
+            stop_step=self.stop_step, reason=reason, history_step=self.history.written_step)
         self.plan = plan
-        sent = [member.handle.set_plan.remote(plan) for member in self.members.values()
-                if member.state in LIVE + ("leaving",)]  # leavers too: the plan is how they learn to leave
-        self._maybe_die("publish", version, sent)
+        sent = [m.handle.set_plan.remote(plan) for m in self.members.values()
+                if m.state in (S.TRAINING, S.READY, S.LEAVING)]  # leavers too: the plan is how they learn to leave
+        self.faults.maybe_die("publish", plan.version, sent)
         self._persist()
         return plan
 
     def _abort_epoch(self, reason: str) -> None:
         for member in self.members.values():
-            if member.state in LIVE + ("leaving",):
+            if member.state in (S.TRAINING, S.READY, S.LEAVING):
                 member.handle.abort_epoch.remote(self.epoch, reason)
-
-    def _maybe_die(self, at: str, version: int = 0, delivered: list = ()) -> None:
-        """`faults.coordinator`: this process dies here, once (Ray restarts it)."""
-        for index, fault in enumerate(self.cfg.faults.coordinator):
-            key = f"coordinator-{index}"
-            if fault.at != at or (at == "publish" and fault.version != version) or key in self.fired_coordinator:
-                continue
-            self.fired_coordinator.add(key)
-            runfiles.write_json_atomic(self.run_dir / "coordinator_faults_fired.json", sorted(self.fired_coordinator))
-            self._event("fault", f"injected fault: the coordinator dies at {at}" + (f" of plan {version}" if version else ""),
-                        fired_at=time.time())
-            ray.wait(list(delivered), num_returns=len(delivered), timeout=5)  # the plan reaches the workers first
-            os.kill(os.getpid(), signal.SIGKILL)
 
     # ------------------------------------------------------------------ endings
     async def _finish(self) -> None:
         """Every member of the plan finished at the same committed step: keep the model, end the job."""
-        self._write_history(self.ledger.close())
-        self.step = self.ledger.written_step
-        kind = self.stop_kind or "FINISHED"
+        self.history.close()
+        self.step = self.history.written_step
+        kind = JobState(self.stop_kind or "FINISHED")
         rank0 = self.members.get(self.plan.members[0]) if self.plan else None
         if rank0 is not None:
             try:
                 blob = await asyncio.wait_for(asyncio.wrap_future(rank0.handle.final_state.remote().future()), 60)
                 runfiles.write_bytes_atomic(self.run_dir / "model.pt", blob)
-                if kind != "FINISHED":  # a stopped or failed job can be continued with --resume
+                if kind != JobState.FINISHED:  # a stopped or failed job can be continued with --resume
                     await asyncio.to_thread(checkpoints.save, self.run_dir, self.step, blob, self.cfg.checkpoint.keep)
-                    self._event("checkpoint", f"checkpoint at step {self.step} on {kind.lower()}", step=self.step)
+                    self._event("checkpoint", f"checkpoint at step {self.step} on {kind.value.lower()}", step=self.step)
             except Exception as err:  # noqa: BLE001
-                self._event("info", f"could not fetch the final model from {rank0.slot}: {_first_line(err)}")
-        final = await self._member_states(self.plan.members) if kind == "FAILED" and self.plan else {}
-        await self._teardown()
-        if kind == "FINISHED":
+                self._event("info", f"could not fetch the final model from {rank0.slot}: {first_line(err)}")
+        final = await self._member_states(self.plan.members) if kind == JobState.FAILED and self.plan else {}
+        if kind == JobState.FINISHED:
             self.cause = None
-        reason = self.cause or f"all members reached the stop step {self.step}"
-        self._transition(kind, reason, **({"survivors": final} if final else {}))
-        self._write_final()
+        await self._end(kind, self.cause or f"all members reached the stop step {self.step}", quiet=True,
+                        survivors=final or None)
 
-    async def _fail(self, cause: str, detail: Optional[dict] = None) -> None:
-        self.cause = cause
-        self._event("failure", cause, **(detail or {}))
-        self._write_history(self.ledger.close())
-        await self._teardown()
-        self._transition("FAILED", cause)
-        self._write_final()
+    async def _member_states(self, slots: tuple[str, ...]) -> dict:
+        """Each member's committed (step, checksum), straight from the worker."""
+        out = {}
+        for slot in slots:
+            info = await ask(self.members[slot].handle, "status", timeout=3.0)
+            out[slot] = {"step": info["step"], "checksum": info["checksum"]} if info else {"error": "no answer"}
+        return out
 
-    async def _teardown(self) -> None:
+    async def _end(self, state: JobState, reason: str, detail: Optional[dict] = None, quiet: bool = False,
+                   survivors: Optional[dict] = None) -> None:
+        """Tear every actor of the job down and enter a terminal state (FAILED records the failure)."""
+        if state == JobState.FAILED and not quiet:
+            self.cause = reason
+            self._event("failure", reason, **(detail or {}))
+        self.history.close()
         for member in self.members.values():
-            _kill(member.handle)
-            if member.state not in DEPARTED:
-                member.state = "finished" if member.state == "finished" else "stopped"
-
-    def _write_final(self) -> None:
-        status = self._status()
-        runfiles.write_json_atomic(self.run_dir / "status.json", status.to_dict())
-        runfiles.publish_record(self.name, {"run_id": self.run_id, "run_dir": str(self.run_dir), "state": self.state})
+            kill(member.handle)
+            if not member.state.departed:
+                member.state = S.FINISHED if member.state == S.FINISHED else S.STOPPED
+        self._transition(state, reason, **({"survivors": survivors} if survivors else {}))
+        runfiles.write_json_atomic(self.run_dir / "status.json", self._status().to_dict())
 
     async def _linger(self) -> None:
-        if self.owner_job and await asyncio.to_thread(_job_is_dead, self.owner_job):
+        if self.owner_job and await asyncio.to_thread(job_is_dead, self.owner_job):
             self._released.set()  # its owner is gone: nobody will read the result from this actor
         try:
             await asyncio.wait_for(self._released.wait(), LINGER_S)
         except asyncio.TimeoutError:
             pass
-        self._history.close()
+        self.history.shut()
         self._events.close()
         ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
 
     # ------------------------------------------------------------------ bookkeeping
-    def _transition(self, to: str, reason: str, **detail: Any) -> None:
-        self._event("transition", reason, state_from=self.state, state_to=to, **detail)
+    def _transition(self, to: JobState, reason: str, **detail: Any) -> None:
+        self._event("transition", reason, state_from=self.state.value, state_to=to.value, **detail)
         self.state = to
-        if to in TERMINAL_STATES:
+        if to.terminal:
             self.ended_at = time.time()
         self._persist()
-        if to in TERMINAL_STATES:
-            runfiles.publish_record(self.name, {"run_id": self.run_id, "run_dir": str(self.run_dir), "state": to})
+        if to.terminal:
+            runfiles.publish_record(self.name, {"run_id": self.run_id, "run_dir": str(self.run_dir), "state": to.value})
 
     def _event(self, kind: str, reason: str, state_from: Optional[str] = None, state_to: Optional[str] = None, **detail: Any) -> None:
         event = Event(time=time.time(), kind=kind, reason=reason, state_from=state_from, state_to=state_to, detail=detail)
@@ -908,8 +809,8 @@ class Coordinator:
 
     def _member_status(self, m: Member) -> MemberStatus:
         rank = self.plan.rank_of(m.slot) if self.plan else None
-        return MemberStatus(slot=m.slot, rank=-1 if rank is None or m.state in DEPARTED else rank, node=m.node,
-                            pid=m.pid, state=m.state, cause=m.cause, node_id=m.node_id,
+        return MemberStatus(slot=m.slot, rank=-1 if rank is None or m.state.departed else rank, node=m.node,
+                            pid=m.pid, state=m.state.value, cause=m.cause, node_id=m.node_id,
                             actor_id=m.handle._actor_id.hex() if m.handle is not None else "")
 
     def _depart(self, member: Member) -> None:
@@ -917,78 +818,16 @@ class Coordinator:
 
     def _status(self) -> JobStatus:
         plan = self.plan
-        members = tuple(self._member_status(m) for m in self.members.values())
         throughput = None
         if len(self.recent) >= 2 and self.recent[-1][0] > self.recent[0][0]:
             throughput = (self.recent[-1][1] - self.recent[0][1]) / (self.recent[-1][0] - self.recent[0][0])
-        return JobStatus(name=self.name, run_id=self.run_id, state=self.state, step=self.step,
-                         membership_epoch=self.epoch, world_size=len(plan.members) if plan else 0, members=members,
+        return JobStatus(name=self.name, run_id=self.run_id, state=self.state.value, step=self.step,
+                         membership_epoch=self.epoch, world_size=len(plan.members) if plan else 0,
+                         members=tuple(self._member_status(m) for m in self.members.values()),
                          loss=self.loss, throughput=throughput, cause=self.cause, run_dir=str(self.run_dir),
                          metrics=dict(self.metrics), reshapes=tuple(e for e in self.events if e.kind == "reshape"),
                          departed=tuple(self.departed), incarnation=self.incarnation, coordinator_pid=os.getpid(),
                          started_at=self.started_at, ended_at=self.ended_at)
-
-
-DEPARTED = ("dead", "failed", "hung", "retired", "left")
-LIVE = ("training", "ready")
-"""Member states that take part in plans (a `leaving` member still gets the plan that drops it)."""
-
-
-def _job_is_dead(job_id: str) -> bool:
-    """Whether the Ray job (a driver) has ended; unknown counts as alive."""
-    try:
-        from ray._private.state import jobs
-
-        return any(j["JobID"] == job_id and j["IsDead"] for j in jobs())
-    except Exception as err:  # noqa: BLE001 - unknown counts as alive
-        log.debug("could not read Ray's job table: %s", err)
-        return False
-
-
-def _kill(handle) -> None:
-    if handle is None:
-        return
-    try:
-        ray.kill(handle, no_restart=True)
-    except Exception as err:  # noqa: BLE001 - already gone
-        log.debug("ray.kill: %s", _first_line(err))
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip().splitlines()
-    return text[0][:500] if text else type(err).__name__
-
-
-def _describe(err: BaseException) -> str:
-    """The cause of an error raised inside an actor, not Ray's `ray::Worker.ready() (pid=...)` header."""
-    cause = getattr(err, "cause", None)
-    if isinstance(cause, BaseException):
-        return f"{type(cause).__name__}: {_first_line(cause)}"
-    return _first_line(err)
-
-
-def _is_placed(handle) -> Optional[bool]:
-    """Whether Ray has given this actor a process (from the GCS actor table: no dashboard needed);
-    None when that cannot be told."""
-    if handle is None:
-        return False
-    try:
-        from ray._private.state import state
-
-        info = state.actor_table(handle._actor_id.hex())
-        return bool(info and info.get("Pid"))
-    except Exception as err:  # noqa: BLE001 - a private API: unknown rather than wrong
-        log.debug("could not read the actor table: %s", err)
-        return None
-
-
-def _log_to(path: Path, level: str) -> None:
-    """This process's log records go to `path` (the run directory), at `level`."""
-    handler = logging.FileHandler(path, encoding="utf-8")
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    root = logging.getLogger()
-    root.addHandler(handler)
-    root.setLevel(level)
 
 
 CoordinatorActor = ray.remote(num_cpus=0)(Coordinator)

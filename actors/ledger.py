@@ -7,8 +7,10 @@ start settles it: the members exchange their committed steps and the newest wins
 actors/worker.py). The ledger therefore holds the newest record back as *tentative* and makes
 it final when it is confirmed:
 
-- a record for step s + 1 from any epoch confirms s (committing s + 1 needed every member of
-  that epoch at s);
+- a record of the next commit point from any epoch confirms the previous one (committing it
+  needed every member of that epoch at the previous one). Commit points are steps for synchronous
+  policies and rounds for periodic ones; a record's `prev` names the commit point before it
+  (default: step - 1);
 - an epoch agreement (epoch e agreed on step a) confirms a tentative record of an older epoch
   with step <= a and drops one with step > a (only departed members applied it; it is redone).
   Before it, rank 0 of epoch e offers every record it keeps since the plan's `history_step`,
@@ -38,7 +40,7 @@ class CommittedLedger:
         self.dropped: list[dict] = []
         """Tentative records that an epoch agreement overruled (for the events)."""
         self.early: dict[int, dict] = {}
-        """Records that arrived ahead of a gap, by step, until the records before them arrive."""
+        """Records that arrived ahead of a gap, by their `prev`, until the records before them arrive."""
         self.gaps: list[tuple[int, int]] = []
         """(first, last) step ranges that history will never hold (for the events)."""
 
@@ -52,12 +54,15 @@ class CommittedLedger:
         step = int(record["step"])
         if step <= self.written_step:
             return []
-        if step > self.newest_step + 1:  # ahead of a gap (a restarted coordinator): wait for the steps before it
-            self.early[step] = record
+        if _prev(record) > self.newest_step:  # ahead of a gap (a restarted coordinator): wait for what precedes it
+            self.early[_prev(record)] = record
             return self._close_gap() if len(self.early) > self.MAX_EARLY else []
-        final = self._next(record)
-        while self.newest_step + 1 in self.early:
-            final += self._next(self.early.pop(self.newest_step + 1))
+        return self._next(record) + self._drain()
+
+    def _drain(self) -> list[dict]:
+        final: list[dict] = []
+        while self.newest_step in self.early:
+            final += self._next(self.early.pop(self.newest_step))
         return final
 
     def _next(self, record: dict) -> list[dict]:
@@ -73,8 +78,9 @@ class CommittedLedger:
     def agreed(self, epoch: int, step: int) -> list[dict]:
         """The members of `epoch` agreed that `step` is the newest committed step (its record, and
         any rank 0 never reported, were offered first: they travel with the state)."""
-        for ahead in [r for r in self.early.values() if r["step"] > step and int(r.get("membership_epoch", 0)) < epoch]:
-            del self.early[ahead["step"]]  # applied only by members that left, like a dropped tentative record
+        for key, ahead in list(self.early.items()):
+            if ahead["step"] > step and int(ahead.get("membership_epoch", 0)) < epoch:
+                del self.early[key]  # applied only by members that left, like a dropped tentative record
         held = self.tentative
         final: list[dict] = []
         if held is not None and int(held.get("membership_epoch", 0)) < epoch:
@@ -89,17 +95,15 @@ class CommittedLedger:
         """Declare the steps before the oldest early record lost, and go on from that record."""
         if not self.early:
             return []
-        first = min(self.early)
+        first = min(self.early)  # the `prev` of the oldest record held: the gap ends there
         held, self.tentative = self.tentative, None
         final: list[dict] = []
         if held is not None:  # confirmed by the later record, unless a newer epoch redid its step
             later_epoch = int(self.early[first].get("membership_epoch", 0))
             final = self._final(held) if int(held.get("membership_epoch", 0)) >= later_epoch else []
-        self.gaps.append((self.written_step + 1, first - 1))
-        self.written_step = first - 1
-        while self.newest_step + 1 in self.early:
-            final += self._next(self.early.pop(self.newest_step + 1))
-        return final
+        self.gaps.append((self.written_step + 1, first))
+        self.written_step = first
+        return final + self._drain()
 
     def close(self) -> list[dict]:
         """The job ended with every member at the same step: the tentative record is final."""
@@ -111,3 +115,7 @@ class CommittedLedger:
             return []
         self.written_step = held["step"]
         return [held]
+
+
+def _prev(record: dict) -> int:
+    return int(record.get("prev", int(record["step"]) - 1))

@@ -7,9 +7,9 @@ parent gone exits at once rather than keep training or writing checkpoints for a
 from __future__ import annotations
 
 import os
-
+import threading
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,49 @@ class Plan:
         return self.members.index(slot) if slot in self.members else None
 
 
+class PlanBook:
+    """The plans a worker has received, newest first, and the waits on them.
+
+    Plans arrive on the control channel (any thread); the training thread waits here. `tick` runs
+    every half second while waiting (the orphan check)."""
+
+    def __init__(self, tick: Callable[[], None] = lambda: None) -> None:
+        self.plans: dict[int, Plan] = {}
+        self.latest: Optional[Plan] = None
+        self._cv = threading.Condition()
+        self._tick = tick
+
+    def add(self, plan: Plan) -> None:
+        with self._cv:
+            self.plans[plan.version] = plan
+            if self.latest is None or plan.version > self.latest.version:
+                self.latest = plan
+            self._cv.notify_all()
+
+    def _wait(self, done: Callable[[], bool]) -> None:
+        with self._cv:
+            while not done():
+                self._cv.wait(0.5)
+                self._tick()
+
+    def admission(self, slot: str) -> Plan:
+        """The newest plan once some plan names `slot`: the plan that admits a worker and its `run()`
+        travel on different channels, so `run()` may start first (a later plan may drop it again)."""
+        self._wait(lambda: any(slot in p.members for p in self.plans.values()))
+        return self.latest
+
+    def newer_than(self, version: int) -> Plan:
+        self._wait(lambda: self.latest is not None and self.latest.version > version)
+        return self.latest
+
+    def agreed(self, version: int) -> Optional[Plan]:
+        """The plan the members' vote agreed on. Every member is sent every plan, so one not received
+        yet is on its way: wait for it (the coordinator may be restarting, so never ask it). None when
+        a still newer plan arrives first: that one supersedes it."""
+        self._wait(lambda: version in self.plans or self.latest.version > version)
+        return self.plans.get(version)
+
+
 @dataclass(frozen=True)
 class WorkerSpec:
     job: str
@@ -64,6 +107,8 @@ class Progress:
     records: tuple[dict, ...] = ()
     compute_s: float = 0.0
     """EWMA of this worker's compute time per step (forward + backward), for `scale_down: slowest`."""
+    mark: int = 0
+    """The step of its newest committed state (the last round, for periodic policies)."""
 
 
 class ParentWatch:

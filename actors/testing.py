@@ -1,20 +1,34 @@
-"""Fakes for tests: a communicator peer actor and an in-process world-size-1 communicator.
+"""Fakes and harnesses for tests.
 
-`CommPeer` hosts one communicator per membership epoch in a long-lived actor process, so
-tests can re-form groups in the same processes, kill a peer while its all-reduce is in
-flight, and abort an epoch from a control thread, exactly as the worker does.
+Without Ray (policy oracles in milliseconds):
+- `local_group(n)` forms n members of one gloo group in threads of this process, over a
+  `HashStore` (no TCP store, no actors);
+- `LocalJob` runs real `Replica`s (the worker's step loop) in threads, with a recording `LocalLink`
+  for their coordinator and plans the test publishes itself;
+- `LoopbackComm` is a world-size-1 communicator that only records calls.
+
+With Ray: `CommPeer` hosts one communicator per membership epoch in a long-lived actor process, so
+tests can re-form groups in the same processes, kill or freeze a peer while its all-reduce is in
+flight, and abort an epoch from a control thread, exactly as the worker does; `FakeCoordinator`
+stands in for the coordinator of worker actors under test.
 """
 from __future__ import annotations
 
+import itertools
 import os
 import signal
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Optional
 
 import ray
 import torch
+import torch.distributed as dist
 
+from actors import comm as comm_module
 from actors.comm import BaseCommunicator, CommError, GroupSpec, make_communicator, serve_store
+from actors.plan import Plan, Progress, WorkerSpec
 
 
 def wait_until(predicate: Callable[[], Any], timeout: float = 90, what: str = "condition", every: float = 0.05) -> Any:
@@ -27,6 +41,114 @@ def wait_until(predicate: Callable[[], Any], timeout: float = 90, what: str = "c
         if time.monotonic() > deadline:
             raise TimeoutError(f"timed out after {timeout:g}s waiting for {what}")
         time.sleep(every)
+
+
+_local_stores = itertools.count()
+
+
+def local_store() -> tuple[str, int]:
+    """A `HashStore` that this process's communicators reach under a made-up address (no TCP)."""
+    key = ("local-store", next(_local_stores) + 1)
+    comm_module._client_stores[key] = dist.HashStore()
+    return key
+
+
+def local_group(n: int, name: str = "local", timeout_s: float = 10.0) -> list[BaseCommunicator]:
+    """n members of one gloo group, formed in threads of this process."""
+    host, port = local_store()
+    specs = [GroupSpec(host, port, name, r, n, timeout_s, "gloo", "127.0.0.1") for r in range(n)]
+    with ThreadPoolExecutor(n) as pool:
+        return list(pool.map(make_communicator, specs))
+
+
+class LocalLink:
+    """A replica's coordinator, in process: keeps every call, every history record in report order."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, Any]] = []
+        self.records: list[dict] = []
+        self.finals: list[dict] = []
+        self._lock = threading.Lock()
+
+    def report(self, progress: Progress, wait: bool) -> None:
+        with self._lock:
+            for record in progress.records:
+                (self.finals if record.get("final") else self.records).append(record)
+
+    def _call(self, name: str, *args: Any) -> None:
+        with self._lock:
+            self.calls.append((name, args))
+
+    def epoch_agreed(self, epoch: int, step: int, records: tuple) -> None:
+        self._call("epoch_agreed", epoch, step, records)
+
+    def state_received(self, slot: str, epoch: int, source: str, step: int) -> None:
+        self._call("state_received", slot, epoch, source, step)
+
+    def collective_failed(self, slot: str, epoch: int, error: str) -> None:
+        self._call("collective_failed", slot, epoch, error)
+
+    def fault_fired(self, index: int, slot: str, step: int, phase: str) -> None:
+        self._call("fault_fired", index, slot, step, phase)
+
+    def save_checkpoint(self, step: int, blob: bytes) -> None:
+        self._call("save_checkpoint", step)
+
+
+class LocalJob:
+    """Real replicas in threads of this process; the test publishes the plans (no coordinator)."""
+
+    def __init__(self, config: dict, slots: list[str], run_dir: str, timeout_s: float = 10.0) -> None:
+        from actors.replica import Replica
+        from core.schema import JobConfig, parse
+
+        self.config = parse(JobConfig, config).to_dict()
+        self.link = LocalLink()
+        self.timeout_s = timeout_s
+        self.replicas = {s: Replica(WorkerSpec("local", "r", s, run_dir, "local", "local", self.config), self.link,
+                                    "127.0.0.1") for s in slots}
+        self.version = 0
+        self.outcomes: dict[str, dict] = {}
+        self._threads: dict[str, threading.Thread] = {}
+
+    def publish(self, members: tuple[str, ...], epoch: int, global_batch: int, **over: Any) -> Plan:
+        """Send every replica a plan (a fresh group per call)."""
+        host, port = local_store()
+        self.version += 1
+        plan = Plan(version=self.version, membership_epoch=epoch, members=tuple(members),
+                    group_name=f"local/e{epoch}/v{self.version}", store_host=host, store_port=port,
+                    timeout_s=self.timeout_s, global_batch=global_batch, **over)
+        for replica in self.replicas.values():
+            replica.set_plan(plan)
+        return plan
+
+    def start(self, slots: Optional[list[str]] = None) -> None:
+        for slot in slots or list(self.replicas):
+            thread = threading.Thread(target=lambda s=slot: self.outcomes.__setitem__(s, self.replicas[s].run()),
+                                      name=f"replica {slot}", daemon=True)
+            self._threads[slot] = thread
+            thread.start()
+
+    def wait(self, timeout: float = 120.0) -> dict[str, dict]:
+        deadline = time.monotonic() + timeout
+        for slot, thread in self._threads.items():
+            thread.join(max(deadline - time.monotonic(), 0.0))
+            if thread.is_alive():
+                raise TimeoutError(f"replica {slot} still running after {timeout:g}s")
+        return dict(self.outcomes)
+
+    def run(self, members: tuple[str, ...], global_batch: int, timeout: float = 120.0, **plan: Any) -> dict[str, dict]:
+        """One plan for `members`, run to the end; every outcome must be ok."""
+        self.publish(members, 1, global_batch, **plan)
+        self.start(list(members))
+        outcomes = self.wait(timeout)
+        failed = {s: o for s, o in outcomes.items() if not o["ok"]}
+        if failed:
+            raise AssertionError(f"replicas failed: {failed}")
+        return outcomes
+
+    def parameters(self, slot: str) -> list[torch.Tensor]:
+        return [p.detach().clone() for p in self.replicas[slot].model.parameters()]
 
 
 class LoopbackHandle:

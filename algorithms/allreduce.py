@@ -1,4 +1,4 @@
-"""Synchronous gradient all-reduce (BSP) over flat buckets launched from gradient hooks.
+"""BSP: synchronous gradient all-reduce over flat buckets launched from gradient hooks.
 
 Parameters are grouped into flat buckets of about `sync.bucket_mb`, by dtype, in reverse
 registration order (the order backward usually produces gradients). Each parameter's `.grad`
@@ -7,12 +7,11 @@ all-reduce is launched from the post-accumulate-grad hook of its last gradient, 
 bucket order (every rank must issue collectives in the same order), so communication overlaps
 the rest of the backward pass.
 
-The step's *tail* (loss sum, sample count, "I have seen a newer plan") rides at the end of the
-last bucket when that bucket is float32 or float64, so the commit vote costs no extra round trip
-(see actors/worker.py for how the vote is read). A bf16 or fp16 bucket cannot carry it exactly
-(3 x 111 samples sum to 332 in bf16), so then the tail is a float64 tensor of its own, reduced
-right after the last bucket. Gradients arrive already weighted by each rank's share of the global
-batch, so the SUM is the global-batch mean.
+The step's vote tail (loss, sample count, "I have seen a newer plan") rides at the end of the last
+bucket when that bucket is float32 or float64, so the commit vote costs no extra round trip. A
+bf16 or fp16 bucket cannot carry it exactly (3 x 111 samples sum to 332 in bf16), so then the tail
+is a float64 tensor of its own, reduced right after the last bucket. Gradients arrive already
+weighted by each rank's share of the global batch, so the SUM is the global-batch mean.
 """
 from __future__ import annotations
 
@@ -21,9 +20,9 @@ from typing import Optional
 
 import torch
 
-from algorithms.base import Algorithm, AlgorithmImpl, register
+from algorithms.base import Algorithm, AlgorithmImpl, EpochInfo, StepVote, VoteDraft, register
 
-
+TAIL = 3
 EXACT_DTYPES = (torch.float32, torch.float64)
 """Bucket dtypes that hold the tail's sample counts exactly (up to 2**24 samples in float32)."""
 
@@ -64,29 +63,24 @@ class AllReduceImpl(AlgorithmImpl):
     def __init__(self, algorithm: Algorithm, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         super().__init__(algorithm, model, optimizer)
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.plan = plan_buckets([(p.numel(), p.dtype) for p in self.params], algorithm.bucket_bytes)
-        self.bucket_of = {}
-        for b, members in enumerate(self.plan.buckets):
-            for i in members:
-                self.bucket_of[i] = b
-        self.buffers: list[torch.Tensor] = []
-        self.tail_size = 0
-        self.tail_in_bucket = self.params[self.plan.buckets[-1][0]].dtype in EXACT_DTYPES if self.params else False
+        self.plan = plan_buckets([(p.numel(), p.dtype) for p in self.params], int(self.config.bucket_mb * 2**20))
+        self.bucket_of = {i: b for b, members in enumerate(self.plan.buckets) for i in members}
+        self.tail_in_bucket = bool(self.params) and self.params[self.plan.buckets[-1][0]].dtype in EXACT_DTYPES
         """Whether the tail rides in the last bucket (exact there) or is reduced on its own."""
+        self._draft = VoteDraft()
         for index, param in enumerate(self.params):
             param.register_post_accumulate_grad_hook(self._make_hook(index))
-        self._allocate(tail_size=0)
+        self._allocate()
 
-    def _allocate(self, tail_size: int) -> None:
+    def _allocate(self) -> None:
         """Fresh buffers (old ones may still be written by a stuck collective)."""
-        self.tail_size = tail_size
-        self.buffers = []
+        self.buffers: list[torch.Tensor] = []
         self._ptrs: dict[int, int] = {}
-        self.tail_buf = torch.zeros(tail_size, dtype=torch.float64)
+        self.tail_buf = torch.zeros(TAIL, dtype=torch.float64)
         for b, members in enumerate(self.plan.buckets):
-            extra = tail_size if b == len(self.plan.buckets) - 1 and self.tail_in_bucket else 0
-            numel = sum(self.params[i].numel() for i in members) + extra
-            buf = torch.zeros(numel, dtype=self.params[members[0]].dtype)
+            extra = TAIL if b == len(self.plan.buckets) - 1 and self.tail_in_bucket else 0
+            p0 = self.params[members[0]]
+            buf = torch.zeros(sum(self.params[i].numel() for i in members) + extra, dtype=p0.dtype, device=p0.device)
             offset = 0
             for i in members:
                 p = self.params[i]
@@ -97,27 +91,24 @@ class AllReduceImpl(AlgorithmImpl):
                 self._ptrs[i] = view.data_ptr()
                 offset += p.numel()
             self.buffers.append(buf)
+        self._reset_launches()
+
+    def _reset_launches(self) -> None:
         self.handles: list = [None] * (len(self.buffers) + 1)
         self.pending = [len(m) for m in self.plan.buckets]
         self.next_launch = 0
 
-    def on_membership(self, comm) -> None:
-        super().on_membership(comm)
-        self._allocate(self.tail_size)
+    def on_membership(self, comm, epoch: EpochInfo) -> None:
+        super().on_membership(comm, epoch)
+        self._allocate()
 
-    def begin_step(self, step: int, tail: torch.Tensor) -> None:
-        if tail.numel() != self.tail_size:
-            self._allocate(tail.numel())
+    def begin_step(self, step: int, draft: VoteDraft) -> None:
         for buf in self.buffers:
             buf.zero_()
-        for i, p in enumerate(self.params):  # an optimizer may have replaced .grad
-            if p.grad is None or p.grad.data_ptr() != self._ptrs[i]:
-                self._allocate(self.tail_size)
-                break
-        self._tail_src = tail
-        self.pending = [len(m) for m in self.plan.buckets]
-        self.handles = [None] * (len(self.buffers) + 1)
-        self.next_launch = 0
+        if any(p.grad is None or p.grad.data_ptr() != self._ptrs[i] for i, p in enumerate(self.params)):
+            self._allocate()  # an optimizer (or user code) replaced a .grad
+        self._draft = draft
+        self._reset_launches()
 
     def _make_hook(self, index: int):
         def hook(_param: torch.Tensor) -> None:
@@ -125,8 +116,7 @@ class AllReduceImpl(AlgorithmImpl):
                 self.trace.append(("hook", index))
             if self.accumulating or self.comm is None:
                 return  # an earlier micro-step: the gradient accumulates in its bucket view
-            b = self.bucket_of[index]
-            self.pending[b] -= 1
+            self.pending[self.bucket_of[index]] -= 1
             self._launch_ready()
 
         return hook
@@ -136,13 +126,13 @@ class AllReduceImpl(AlgorithmImpl):
             b = self.next_launch
             buf = self.buffers[b]
             last = b == len(self.buffers) - 1
-            if last and self.tail_size and self.tail_in_bucket:
-                buf[-self.tail_size:] = self._tail_src
+            if last and self.tail_in_bucket:
+                buf[-TAIL:] = torch.tensor(self._draft.tail(), dtype=buf.dtype)
             if self.trace is not None:
                 self.trace.append(("launch", b))
             self.handles[b] = self.comm.all_reduce(buf)
-            if last and self.tail_size and not self.tail_in_bucket:
-                self.tail_buf.copy_(self._tail_src)
+            if last and not self.tail_in_bucket:
+                self.tail_buf.copy_(torch.tensor(self._draft.tail(), dtype=torch.float64))
                 self.handles[-1] = self.comm.all_reduce(self.tail_buf)
             self.next_launch += 1
 
@@ -150,16 +140,14 @@ class AllReduceImpl(AlgorithmImpl):
         if self.comm is not None:
             self._launch_ready(force=True)
 
-    def finish_step(self, step: int) -> torch.Tensor:
+    def finish_step(self, step: int, draft: VoteDraft) -> StepVote:
         if self.comm is None:
-            return self._tail_src
+            return StepVote.local(draft)
         for handle in self.handles:
             if handle is not None:
                 handle.wait()
-        if not self.tail_size:
-            return self._tail_src
-        tail = self.buffers[-1][-self.tail_size:] if self.tail_in_bucket else self.tail_buf
-        return tail.to(torch.float64)
+        tail = self.buffers[-1][-TAIL:] if self.tail_in_bucket else self.tail_buf
+        return StepVote.reduced(tail.to(torch.float64))
 
 
 @register

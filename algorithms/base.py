@@ -1,30 +1,115 @@
-"""The Algorithm interface and the policy registry. Pure: no Ray, no backend imports.
+"""The policy seam: the `Algorithm` interface, the step vote, and the registry. Pure: no Ray.
 
-An `Algorithm` holds settings (from `sync`, `compression`, `topology`); `bind()` turns it into
-an `AlgorithmImpl` attached to one worker's model and optimizer. The worker's step loop calls
-the implementation's hooks in a fixed order, the same for every policy:
+An `Algorithm` holds one policy's settings (its config dataclass, parsed from `sync:`) and says
+what kind of policy it is; `bind()` makes the per-worker `AlgorithmImpl`, which the worker's step
+loop (actors/replica.py) drives through these hooks, in this order:
 
-    on_membership(comm)        once per membership epoch: buckets, peers, server handles
-    begin_step(step, tail)     per step; `tail` is the step's metadata (loss, samples, vote)
-    before_forward(step)       gossip policies launch their exchange here
-    ... forward, backward (gradient hooks may launch communication), once per micro-step,
-        with `accumulating` true on all but the last ...
-    end_backward(step)         launch whatever is left (unused parameters, server pushes)
-    finish_step(step) -> tail  wait for the step's communication; return the reduced tail
-    after_optimizer_step(step) local-SGD averaging, gossip mixing, shadow hand-off
-    state_dict / load_state_dict   algorithm state, sent to joiners with the model
+    on_membership(comm, epoch)   once per membership epoch: buffers, peers, server handles
+    begin_step(step, draft)      `draft` is this member's side of the step's vote, filled in as the
+                                 step runs (the loss before each backward, so that a bucket launched
+                                 from the last gradient hook can carry the vote)
+    before_forward(step)         gossip policies launch their exchange here
+    ... forward and backward, once per micro-step (`accumulating` is true on all but the last);
+        gradient hooks may launch communication ...
+    end_backward(step)           launch whatever is left
+    finish_step(step, draft)     wait for the step's communication; return the `StepVote` (a failed
+                                 collective raises CommError: the step is not committed)
+    apply_update(step, lr)       on a committed vote: the update (default: `optimizer.step()`)
+    sync_due(step, stop_at) / sync(step, draft)  a periodic round, when one is due: its vote
+    commit(step) / discard(step) keep or roll back what the policy staged for this step or round
+    on_epoch_end(reason)         the epoch is over: abort and abandon background work
+    state_dict / load_state_dict what a joiner or a checkpoint needs of the policy
 
-Synchronous policies return the all-reduced tail, which carries the commit vote (see
-actors/worker.py). A policy that does not communicate on a step returns the local tail.
+What a step means, what commits it, who reports history and how a membership epoch is entered
+all follow from the policy's `kind`:
+
+| kind          | commit point                          | entry       | history from | loss per member | stops at            | final model   |
+|---------------|---------------------------------------|-------------|--------------|-----------------|---------------------|---------------|
+| synchronous   | every step's vote                     | replicated  | rank 0       | share of batch  | one step, all       | rank 0's      |
+| periodic      | every round's vote (local steps wait) | replicated  | rank 0       | own mean        | one round, all      | rank 0's      |
+| server        | the server applied the push           | server      | the server   | share of batch  | the server says     | the server's  |
+| decentralized | every step's exchanges                | average     | each member  | own mean        | each at its own     | the average   |
+| background    | every local step (rounds apart)       | none        | each member  | own mean        | each at its own     | the average   |
+
+A checkpoint holds what the final model would be plus what a resume needs: the committed state of
+rank 0 (lockstep kinds; every member holds the same one at a commit point), the server's state,
+or, for the kinds whose replicas differ, their average (a resume starts every member from it, with
+fresh local optimizer state).
+
+Entry `replicated`: the members exchange their newest committed state's (step, checksum); the
+lowest-ranked holder of the newest broadcasts it, and every member that differs loads it.
+`average`: nobody is overwritten. `server`: pull from the server. `none`: nothing to reconcile.
 """
 from __future__ import annotations
 
 from abc import ABC
-from typing import Any, ClassVar, Optional
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal, Optional
 
 import torch
 
+Kind = Literal["synchronous", "periodic", "server", "decentralized", "background"]
+Entry = Literal["replicated", "average", "server", "none"]
+Reporter = Literal["rank0", "each", "server"]
+
+ENTRY: dict[str, Entry] = {"synchronous": "replicated", "periodic": "replicated", "server": "server",
+                           "decentralized": "average", "background": "none"}
+REPORTER: dict[str, Reporter] = {"synchronous": "rank0", "periodic": "rank0", "server": "server",
+                                 "decentralized": "each", "background": "each"}
+FINAL_MODEL: dict[str, Literal["rank0", "server", "average"]] = {
+    "synchronous": "rank0", "periodic": "rank0", "server": "server", "decentralized": "average", "background": "average"}
+LOCAL_MEAN = frozenset({"periodic", "decentralized", "background"})
+"""Kinds whose members update their own replica: each uses its mean loss. The others weight each
+member's loss by its share of the global batch, so that summing is the global-batch mean."""
+
 _REGISTRY: dict[str, type["Algorithm"]] = {}
+
+
+@dataclass
+class VoteDraft:
+    """This member's side of a vote, filled in while the step (or round) runs."""
+
+    loss: float = 0.0
+    """Its loss, weighted for the policy's kind (a share of the global batch, or its own mean)."""
+    samples: int = 0
+    newer_plan: bool = False
+    """It has seen a plan newer than the one it runs: the members switch together after this vote."""
+
+    def tail(self) -> list[float]:
+        return [self.loss, float(self.samples), 1.0 if self.newer_plan else 0.0]
+
+
+@dataclass(frozen=True)
+class StepVote:
+    """The result of a vote: whether the step (or round) commits, and what the members reported."""
+
+    commit: bool
+    loss: float
+    samples: int
+    newer_plan: bool = False
+    communicated: bool = True
+    """False for a step that did not communicate (it commits locally, provisionally for periodic
+    kinds until the next round)."""
+
+    @classmethod
+    def local(cls, draft: VoteDraft) -> "StepVote":
+        return cls(True, draft.loss, draft.samples, draft.newer_plan, communicated=False)
+
+    @classmethod
+    def reduced(cls, tail: torch.Tensor) -> "StepVote":
+        """The vote from a SUM-reduced tail (see `VoteDraft.tail`)."""
+        loss, samples, newer = tail.tolist()
+        return cls(True, loss, int(round(samples)), newer > 0)
+
+
+@dataclass(frozen=True)
+class EpochInfo:
+    """What a policy learns of a membership epoch when it begins."""
+
+    rank: int
+    world_size: int
+    members: tuple[str, ...]
+    global_batch: int
 
 
 def register(cls: type["Algorithm"]) -> type["Algorithm"]:
@@ -33,18 +118,13 @@ def register(cls: type["Algorithm"]) -> type["Algorithm"]:
 
 
 def _load_builtin() -> None:
-    # Importing the modules registers their classes; kept lazy so schema imports stay cheap.
-    from algorithms import allreduce  # noqa: F401
+    # Importing the modules registers their classes; kept lazy so imports stay cheap.
+    from algorithms import allreduce, periodic  # noqa: F401
 
 
 def known_policies() -> list[str]:
     _load_builtin()
     return sorted(_REGISTRY)
-
-
-def policy_knobs(name: str) -> tuple[str, ...]:
-    _load_builtin()
-    return _REGISTRY[name].knobs
 
 
 def get_algorithm(name: str) -> type["Algorithm"]:
@@ -59,22 +139,34 @@ class AlgorithmImpl:
 
     def __init__(self, algorithm: "Algorithm", model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         self.algorithm = algorithm
+        self.config = algorithm.config
         self.model = model
         self.optimizer = optimizer
         self.comm: Any = None
+        self.epoch: Optional[EpochInfo] = None
         self.accumulating = False
         """Set by the worker during micro-steps before the last one of a step (gradient
         accumulation): gradients accumulate locally, and communication waits for the last."""
 
     @property
+    def kind(self) -> Kind:
+        return self.algorithm.kind
+
+    @property
     def bytes_sent(self) -> int:
         return 0 if self.comm is None else self.comm.bytes_sent
 
-    def on_membership(self, comm: Any) -> None:
+    def on_membership(self, comm: Any, epoch: EpochInfo) -> None:
         self.comm = comm
+        self.epoch = epoch
 
-    def begin_step(self, step: int, tail: torch.Tensor) -> None:
-        self._tail = tail
+    def on_epoch_end(self, reason: str) -> None:
+        """The membership epoch is over (aborted, or a new one begins): drop references to its group
+        and abandon background work (never join a thread that may be stuck in a collective)."""
+
+    def begin_step(self, step: int, draft: VoteDraft) -> None:
+        """A new step: gradients start from zero (BSP instead zeroes the bucket views they live in)."""
+        self.optimizer.zero_grad(set_to_none=True)
 
     def before_forward(self, step: int) -> None:
         pass
@@ -82,11 +174,48 @@ class AlgorithmImpl:
     def end_backward(self, step: int) -> None:
         pass
 
-    def finish_step(self, step: int) -> torch.Tensor:
-        return self._tail
+    def finish_step(self, step: int, draft: VoteDraft) -> StepVote:
+        return StepVote.local(draft)
 
-    def after_optimizer_step(self, step: int) -> None:
+    def apply_update(self, step: int, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+
+    def sync_due(self, step: int, stop_at: Optional[int]) -> bool:
+        """Whether a round (periodic kinds) is due before the step after `step`."""
+        return False
+
+    def sync(self, step: int, draft: VoteDraft) -> StepVote:
+        raise NotImplementedError(f"{self.algorithm.name} has no rounds")
+
+    def commit(self, step: int) -> None:
         pass
+
+    def discard(self, step: int) -> None:
+        pass
+
+    def stop_requested(self) -> bool:
+        """True once the policy says the job is done (a server kind: the server applied `max_steps`
+        versions); the worker then stops."""
+        return False
+
+    def need_reset(self, step: int) -> bool:
+        """True when the policy must re-run `on_membership` before `step` (a phase change)."""
+        return False
+
+    @property
+    def commit_mark(self) -> Optional[int]:
+        """The step of the newest committed state when it is not the current step (a periodic
+        policy between rounds); None when every step commits."""
+        return None
+
+    def committed_parameters(self) -> Optional[list[torch.Tensor]]:
+        """The parameters of the committed state when they are not the live ones (see `commit_mark`)."""
+        return None
+
+    def rewind(self) -> None:
+        """Return the replica to its committed state (the live parameters become `committed_parameters`)."""
 
     def state_dict(self) -> dict:
         return {}
@@ -99,14 +228,32 @@ class Algorithm(ABC):
     """Settings of one policy; `bind()` makes the per-worker implementation."""
 
     name: ClassVar[str]
-    kind: ClassVar[str]
-    """synchronous / server / decentralized / shadow: decides what a step means."""
-    knobs: ClassVar[tuple[str, ...]] = ()
+    kind: ClassVar[Kind]
     impl: ClassVar[type[AlgorithmImpl]] = AlgorithmImpl
 
-    def __init__(self, bucket_mb: float = 25.0, **knobs: Optional[Any]) -> None:
-        self.bucket_bytes = int(bucket_mb * 1024 * 1024)
-        self.settings = {k: v for k, v in knobs.items() if v is not None}
+    def __init__(self, config: Any) -> None:
+        self.config = config
+
+    @property
+    def entry(self) -> Entry:
+        return ENTRY[self.kind]
+
+    @property
+    def reporter(self) -> Reporter:
+        return REPORTER[self.kind]
+
+    @property
+    def local_mean(self) -> bool:
+        return self.kind in LOCAL_MEAN
+
+    @property
+    def final_model(self) -> str:
+        return FINAL_MODEL[self.kind]
+
+    @property
+    def counts_steps(self) -> bool:
+        """Whether a worker's own step counts toward `stop.max_steps` (server kinds count versions)."""
+        return self.kind != "server"
 
     def bind(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> AlgorithmImpl:
         return self.impl(self, model, optimizer)

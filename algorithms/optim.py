@@ -12,7 +12,7 @@ from typing import Iterable, Optional
 
 import torch
 
-from orchestrator.schema import OptimizerConfig
+from core.schema import OptimizerConfig
 
 
 def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: OptimizerConfig) -> torch.optim.Optimizer:

@@ -1,6 +1,6 @@
 """Elastic distributed training on Ray and PyTorch: the driver side and everything a user touches."""
 from orchestrator.config import load_config
-from orchestrator.schema import ConfigError, JobConfig, JobResult, JobStatus, OrchestratorError
+from core.schema import ConfigError, JobConfig, JobResult, JobStatus, OrchestratorError
 
 __all__ = ["load_config", "ElasticJob", "JobConfig", "JobStatus", "JobResult", "ConfigError", "OrchestratorError"]
 

@@ -14,7 +14,7 @@ import sys
 import time
 from typing import Optional, Sequence
 
-from orchestrator.schema import ConfigError, JobStatus, OrchestratorError
+from core.schema import ConfigError, JobStatus, OrchestratorError
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_STOPPED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 
@@ -77,7 +77,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     resume_from = None
     if args.resume:
-        from orchestrator.checkpoints import newest_valid
+        from actors.checkpoints import newest_valid
 
         ref = newest_valid(job_root(config), warn=lambda text: print(text, file=sys.stderr, flush=True))
         if ref is None:

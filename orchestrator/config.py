@@ -7,15 +7,14 @@ and column) and nothing has started or been written.
 from __future__ import annotations
 
 import copy
-import importlib
 import os
-import sys
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, Union
+from typing import Any, Iterable, Mapping, Union
 
 import yaml
 
-from orchestrator.schema import ConfigError, JobConfig, parse
+from core.factory import check_factory
+from core.schema import ConfigError, JobConfig, parse
 
 Overrides = Union[Mapping[str, Any], Iterable[str]]
 
@@ -87,22 +86,6 @@ def _set_path(data: dict, dotted: str, value: Any) -> None:
             raise ConfigError(f"{'.'.join(parts[: i + 1])}: is not a mapping, cannot set {dotted}")
         node = child
     node[parts[-1]] = value
-
-
-def check_factory(spec: str) -> Callable[..., Any]:
-    """Import `module:function` (cwd first on sys.path, as under `ray job submit`)."""
-    module_name, _, attr = spec.partition(":")
-    cwd = os.getcwd()
-    if cwd not in sys.path:
-        sys.path.insert(0, cwd)
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as err:  # noqa: BLE001 - any import failure is bad input
-        raise ConfigError(f"workload.factory: cannot import module {module_name!r}: {type(err).__name__}: {err}") from None
-    factory = getattr(module, attr, None)
-    if not callable(factory):
-        raise ConfigError(f"workload.factory: module {module_name!r} has no function {attr!r}")
-    return factory
 
 
 def default_run_root() -> Path:

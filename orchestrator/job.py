@@ -21,9 +21,10 @@ import ray
 import torch
 import yaml
 
-from orchestrator import runfiles
-from orchestrator.config import check_factory, default_run_root
-from orchestrator.schema import TERMINAL_STATES, ConfigError, JobConfig, JobResult, JobStatus, OrchestratorError, parse
+from actors import runfiles
+from core.factory import check_factory
+from orchestrator.config import default_run_root
+from core.schema import TERMINAL_STATES, ConfigError, JobConfig, JobResult, JobStatus, OrchestratorError, parse
 
 log = logging.getLogger(__name__)
 NAMESPACE = "orchestrator"
@@ -73,7 +74,7 @@ def _head_resources() -> dict:
 
 class ElasticJob:
     def __init__(self, config: JobConfig, resume_from: Optional[str] = None) -> None:
-        """`resume_from`: a checkpoint file (see `orchestrator.checkpoints.newest_valid`)."""
+        """`resume_from`: a checkpoint file (see `actors.checkpoints.newest_valid`)."""
         self.config = config
         self.resume_from = str(resume_from) if resume_from else None
         self.name = config.name

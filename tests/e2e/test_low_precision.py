@@ -13,7 +13,7 @@ import pytest
 
 from orchestrator.config import config_from_dict
 from orchestrator.job import ElasticJob
-from orchestrator.schema import TERMINAL_STATES
+from core.schema import TERMINAL_STATES
 
 
 @pytest.mark.parametrize("dtype,per_worker", [("bfloat16", 111), ("float16", 701)])

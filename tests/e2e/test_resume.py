@@ -15,7 +15,7 @@ import yaml
 
 from orchestrator.config import config_from_dict
 from orchestrator.job import ElasticJob
-from orchestrator import runfiles
+from actors import runfiles
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = {

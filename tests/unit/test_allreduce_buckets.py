@@ -6,6 +6,14 @@ from torch import nn
 
 from actors.testing import LoopbackComm
 from algorithms.allreduce import AllReduce, plan_buckets
+from algorithms.base import EpochInfo, VoteDraft
+from core.schema import BSPConfig
+
+EPOCH = EpochInfo(rank=0, world_size=1, members=("w0",), global_batch=8)
+
+
+def bsp(model: nn.Module, bucket_mb: float = 0.04):
+    return AllReduce(BSPConfig(bucket_mb=bucket_mb)).bind(model, torch.optim.SGD(model.parameters(), lr=0.1))
 
 
 def _model() -> nn.Module:
@@ -29,24 +37,23 @@ def test_single_oversized_parameter_gets_its_own_bucket():
     assert plan.buckets == ((2,), (1,), (0,))
 
 
-def _step(impl, model, tail):
-    impl.begin_step(0, tail)
+def _step(impl, model, draft):
+    impl.begin_step(0, draft)
     x, y = torch.randn(8, 64), torch.randint(0, 10, (8,))
     nn.functional.cross_entropy(model(x), y).backward()
     impl.end_backward(0)
-    return impl.finish_step(0)
+    return impl.finish_step(0, draft)
 
 
 def test_first_bucket_launches_before_last_hook_and_once_per_step():
     model = _model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    impl = AllReduce(bucket_mb=0.04).bind(model, opt)  # ~40 KB: several buckets
+    impl = bsp(model)  # ~40 KB: several buckets
     assert len(impl.plan.buckets) >= 2
     comm = LoopbackComm()
-    impl.on_membership(comm)
+    impl.on_membership(comm, EPOCH)
     for step in range(2):
         impl.trace = []
-        _step(impl, model, torch.tensor([1.0, 8.0, 0.0, 0.0]))
+        _step(impl, model, VoteDraft(1.0, 8))
         launches = [i for i, (kind, _) in enumerate(impl.trace) if kind == "launch"]
         hooks = [i for i, (kind, _) in enumerate(impl.trace) if kind == "hook"]
         assert launches[0] < hooks[-1], "bucket 0 must be launched while backward still produces gradients"
@@ -56,52 +63,53 @@ def test_first_bucket_launches_before_last_hook_and_once_per_step():
 
 def test_grads_are_bucket_views_and_match_plain_backward():
     model, reference = _model(), _model()
-    impl = AllReduce(bucket_mb=0.04).bind(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    impl.on_membership(LoopbackComm())
+    impl = bsp(model)
+    impl.on_membership(LoopbackComm(), EPOCH)
     torch.manual_seed(1)
-    tail = _step(impl, model, torch.tensor([2.5, 8.0, 0.0, 1.0]))
+    vote = _step(impl, model, VoteDraft(2.5, 8, newer_plan=True))
     torch.manual_seed(1)
     x, y = torch.randn(8, 64), torch.randint(0, 10, (8,))
     nn.functional.cross_entropy(reference(x), y).backward()
     for p, q in zip(model.parameters(), reference.parameters()):
         assert torch.equal(p.grad, q.grad)
-    assert tail.tolist() == [2.5, 8.0, 0.0, 1.0]
+    assert (vote.commit, vote.loss, vote.samples, vote.newer_plan) == (True, 2.5, 8, True)
 
 
 def test_second_step_starts_from_zero_gradients():
     model = _model()
-    impl = AllReduce(bucket_mb=0.04).bind(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    impl.on_membership(LoopbackComm())
+    impl = bsp(model)
+    impl.on_membership(LoopbackComm(), EPOCH)
     torch.manual_seed(2)
-    _step(impl, model, torch.zeros(4))
+    _step(impl, model, VoteDraft())
     first = [p.grad.clone() for p in model.parameters()]
     torch.manual_seed(2)
-    _step(impl, model, torch.zeros(4))
+    _step(impl, model, VoteDraft())
     for g, p in zip(first, model.parameters()):
         assert torch.equal(g, p.grad)
 
 
 def test_new_membership_gets_fresh_buffers():
     model = _model()
-    impl = AllReduce(bucket_mb=0.04).bind(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    impl.on_membership(LoopbackComm())
-    _step(impl, model, torch.zeros(4))
-    old = [b.data_ptr() for b in impl.buffers]
-    impl.on_membership(LoopbackComm())
-    assert not set(old) & {b.data_ptr() for b in impl.buffers}
+    impl = bsp(model)
+    impl.on_membership(LoopbackComm(), EPOCH)
+    _step(impl, model, VoteDraft())
+    held = list(impl.buffers)  # as a stuck collective of the old epoch holds them
+    impl.on_membership(LoopbackComm(), EPOCH)
+    assert not {b.data_ptr() for b in held} & {b.data_ptr() for b in impl.buffers}
 
 
 def test_accumulated_micro_steps_reduce_once_and_match_the_whole_batch():
     """Gradient accumulation: 3 micro-steps (weighted by their share) give the whole batch's
     gradient, in the same bucket views, with one all-reduce per bucket, launched in the last."""
     model, reference = _model(), _model()
-    impl = AllReduce(bucket_mb=0.04).bind(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    impl = bsp(model)
     comm = LoopbackComm()
-    impl.on_membership(comm)
+    impl.on_membership(comm, EPOCH)
     torch.manual_seed(3)
     x, y = torch.randn(10, 64), torch.randint(0, 10, (10,))
     impl.trace = []
-    impl.begin_step(0, torch.zeros(4))
+    draft = VoteDraft()
+    impl.begin_step(0, draft)
     chunks = [(0, 4), (4, 8), (8, 10)]
     for i, (a, b) in enumerate(chunks):
         impl.accumulating = i < len(chunks) - 1
@@ -110,7 +118,7 @@ def test_accumulated_micro_steps_reduce_once_and_match_the_whole_batch():
             assert comm.calls == [], "no bucket may be reduced before the last micro-step"
     impl.accumulating = False
     impl.end_backward(0)
-    impl.finish_step(0)
+    impl.finish_step(0, draft)
     assert len(comm.calls) == len(impl.plan.buckets)
     first_launch = next(i for i, (kind, _) in enumerate(impl.trace) if kind == "launch")
     assert first_launch > len(impl.trace) - 1 - len(impl.params), "launched during the last backward"

@@ -5,7 +5,7 @@ import io
 
 import torch
 
-from orchestrator import checkpoints
+from actors import checkpoints
 
 
 def blob(step: int) -> bytes:

@@ -8,7 +8,7 @@ import pytest
 
 from algorithms.optim import lr_at
 from orchestrator.config import config_from_dict, load_config
-from orchestrator.schema import ConfigError, OptimizerConfig
+from core.schema import ConfigError, OptimizerConfig
 
 REPO = Path(__file__).resolve().parents[2]
 MINIMAL = {"name": "m", "workload": {"factory": "orchestrator.workloads.digits:mlp"}, "stop": {"max_steps": 3}}

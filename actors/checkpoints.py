@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-from orchestrator import runfiles
+from actors import runfiles
 
 
 @dataclass(frozen=True)

@@ -140,28 +140,90 @@ class OptimizerConfig:
 
 
 @dataclass
-class SyncConfig:
-    """The synchronization policy and its knobs (which knobs apply depends on the policy)."""
+class BSPConfig:
+    """`bsp`: synchronous gradient all-reduce every step, bucketed and overlapped with backward."""
 
-    policy: str = "bsp"
+    policy: Literal["bsp"] = "bsp"
     bucket_mb: float = 25.0
-    """Gradient bucket size in MiB for all-reduce policies."""
-    s: Optional[int] = None
-    r: Optional[int] = None
-    k: Optional[int] = None
-    h: Optional[int] = None
-    method: Optional[str] = None
+    """Gradient bucket size in MiB."""
 
     def __post_init__(self) -> None:
-        from algorithms.base import known_policies, policy_knobs
+        _positive(self, "bucket_mb")
 
-        if self.policy not in known_policies():
-            raise FieldError("policy", f"unknown policy {self.policy!r}; available: {', '.join(known_policies())}")
-        for knob in ("s", "r", "k", "h", "method"):
-            if getattr(self, knob) is not None and knob not in policy_knobs(self.policy):
-                raise FieldError(knob, f"is not a knob of policy {self.policy!r}")
-        if self.bucket_mb <= 0:
-            raise FieldError("bucket_mb", f"must be positive, got {self.bucket_mb}")
+
+@dataclass
+class LocalSGDConfig:
+    """`local_sgd`: every member takes `h` local steps, then the replicas are averaged (weighted by the
+    samples each trained); optimizer state stays local."""
+
+    policy: Literal["local_sgd"] = "local_sgd"
+    h: int = 8
+    """Local steps per round."""
+
+    def __post_init__(self) -> None:
+        _at_least(self, "h", 1)
+
+
+@dataclass
+class DiLoCoConfig:
+    """`diloco`: every `h` steps the members average the pseudo-gradient (global parameters minus
+    local ones) and apply the outer optimizer (SGD with momentum) to the global parameters, which
+    every member adopts; the configured optimizer is the inner one."""
+
+    policy: Literal["diloco"] = "diloco"
+    h: int = 16
+    """Inner steps per round."""
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    nesterov: bool = True
+
+    def __post_init__(self) -> None:
+        _at_least(self, "h", 1)
+        _positive(self, "outer_lr")
+        if not 0.0 <= self.outer_momentum < 1.0:
+            raise FieldError("outer_momentum", f"must be in [0, 1), got {self.outer_momentum}")
+        if self.nesterov and self.outer_momentum == 0:
+            raise FieldError("nesterov", "needs outer_momentum > 0 (set nesterov: false for plain outer SGD)")
+
+
+@dataclass
+class StreamingDiLoCoConfig(DiLoCoConfig):
+    """`streaming_diloco`: DiLoCo with the parameters split into `fragments` synchronized at staggered
+    steps (fragment f at steps (f + 1) * h / fragments, then every h); a fragment's all-reduce
+    launches at step t and is merged at step t + `overlap` as alpha * outer + (1 - alpha) * local,
+    so communication overlaps `overlap` local steps. With `overlap: 0` nothing ran meanwhile and the
+    merge adopts the outer parameters (so `fragments: 1, overlap: 0` is `diloco`)."""
+
+    policy: Literal["streaming_diloco"] = "streaming_diloco"  # type: ignore[assignment]
+    fragments: int = 1
+    overlap: int = 1
+    alpha: float = 0.5
+    """Weight of the outer parameters in the merge."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _at_least(self, "fragments", 1)
+        if self.h % self.fragments:
+            raise FieldError("fragments", f"must divide h = {self.h}, got {self.fragments}")
+        if not 0 <= self.overlap < self.h // self.fragments:
+            raise FieldError("overlap", f"must be in [0, h / fragments) = [0, {self.h // self.fragments}), got {self.overlap}")
+        if not 0.0 <= self.alpha <= 1.0:
+            raise FieldError("alpha", f"must be in [0, 1], got {self.alpha}")
+
+
+SYNC_POLICIES: dict[str, type] = {c.policy: c for c in (BSPConfig, LocalSGDConfig, DiLoCoConfig, StreamingDiLoCoConfig)}
+"""`sync.policy` -> its config dataclass (its knobs); algorithms/ registers one Algorithm for each."""
+SyncConfig = Union[BSPConfig, LocalSGDConfig, DiLoCoConfig, StreamingDiLoCoConfig]
+
+
+def _positive(obj: Any, name: str) -> None:
+    if getattr(obj, name) <= 0:
+        raise FieldError(name, f"must be positive, got {getattr(obj, name)}")
+
+
+def _at_least(obj: Any, name: str, low: int) -> None:
+    if getattr(obj, name) < low:
+        raise FieldError(name, f"must be at least {low}, got {getattr(obj, name)}")
 
 
 @dataclass
@@ -301,7 +363,7 @@ class JobConfig:
     workers: WorkersConfig = field(default_factory=WorkersConfig)
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
-    sync: SyncConfig = field(default_factory=SyncConfig)
+    sync: SyncConfig = field(default_factory=BSPConfig)
     topology: TopologyConfig = field(default_factory=TopologyConfig)
     compression: CompressionConfig = field(default_factory=CompressionConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -360,7 +422,24 @@ def parse(cls: type, data: Any, path: str = "") -> Any:
         raise ConfigError(f"{key_path}: {err.message}") from None
 
 
+def _parse_sync(data: Any, path: str) -> Any:
+    """`sync:` is parsed by its `policy`: each policy has its own knobs."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping, got {_show(data)}")
+    policy = data.get("policy", "bsp")
+    if policy not in SYNC_POLICIES:
+        raise ConfigError(f"{path}.policy: unknown policy {policy!r}; available: {', '.join(sorted(SYNC_POLICIES))}")
+    cls = SYNC_POLICIES[policy]
+    knobs = [f.name for f in dataclasses.fields(cls)]
+    for key in data:
+        if key not in knobs:
+            raise ConfigError(f"{path}.{key}: is not a knob of policy {policy!r}; its knobs: {', '.join(knobs)}")
+    return parse(cls, data, path)
+
+
 def _convert(tp: Any, value: Any, path: str) -> Any:
+    if tp is SyncConfig:
+        return _parse_sync(value, path)
     origin = typing.get_origin(tp)
     if origin in (Union, types.UnionType):
         args = [a for a in typing.get_args(tp) if a is not type(None)]

@@ -1,0 +1,86 @@
+"""Entering a membership epoch: how the members of a new group agree on where they stand.
+
+Which mode a policy uses follows from its kind (algorithms/base.py):
+
+- `replicated` (synchronous and periodic kinds): the members exchange (committed step, checksum
+  of the committed state, current step). Gloo can finish a vote on some ranks and fail it on
+  others, so members may hold different committed states: the newest wins, and its lowest-ranked
+  holder broadcasts it to every member whose committed state differs. A member whose committed
+  state is the newest but that trained past it (periodic local steps after a round some others
+  missed) rewinds to it, so everyone stands at one step. When every member reports the same
+  triple (a periodic round that failed everywhere), nothing moves: the local steps are kept and
+  the round is redone.
+- `average` (decentralized): nobody's replica is overwritten; members agree on the newest step and
+  those behind skip ahead to it.
+- `none` (background): nothing to reconcile.
+- `server`: the state lives on the parameter server; nothing to reconcile among the members.
+
+Each entry returns the slot the member loaded state from (for the reshape event), or None.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional, Protocol
+
+import torch
+
+
+class Member(Protocol):
+    """What an entry needs of a replica (actors/replica.py)."""
+
+    step: int
+
+    def committed_view(self) -> tuple[int, int]: ...
+    def committed_blob(self) -> torch.Tensor: ...
+    def load_blob(self, blob: torch.Tensor) -> None: ...
+    def rewind(self) -> None: ...
+
+
+def enter(mode: str, member: Member, comm: Any) -> Optional[int]:
+    """Run the entry `mode` over `comm`; returns the source rank when this member loaded state."""
+    if mode == "replicated":
+        return enter_replicated(member, comm)
+    if mode == "average":
+        return enter_average(member, comm)
+    return None
+
+
+def enter_replicated(member: Member, comm: Any) -> Optional[int]:
+    mark, digest = member.committed_view()
+    mine = torch.tensor([mark, digest, member.step], dtype=torch.int64)
+    views = [torch.zeros(3, dtype=torch.int64) for _ in range(comm.world_size)]
+    comm.all_gather(views, mine).wait()
+    if all(torch.equal(v, views[0]) for v in views):
+        return None  # one committed state and one step everywhere: keep it (and any local steps)
+    newest = max(int(v[0]) for v in views)
+    src = min(r for r, v in enumerate(views) if int(v[0]) == newest)
+    differs = [not torch.equal(v[:2], views[src][:2]) for v in views]
+    loaded = None
+    if any(differs):  # every member computes the same `differs`: all take part in the broadcast
+        loaded = _broadcast_state(member, comm, src) if differs[comm.rank] else _broadcast_state(member, comm, src, keep=True)
+    if loaded is None and int(views[comm.rank][2]) != newest:
+        member.rewind()  # committed state is the newest, but it trained past it: back to it
+    return loaded
+
+
+def _broadcast_state(member: Member, comm: Any, src: int, keep: bool = False) -> Optional[int]:
+    """The committed state of `src`, to every member (a collective); loaded unless `keep`."""
+    size = torch.zeros(1, dtype=torch.int64)
+    blob = member.committed_blob() if comm.rank == src else None
+    if blob is not None:
+        size[0] = blob.numel()
+    comm.broadcast(size, src).wait()
+    if blob is None:
+        blob = torch.empty(int(size[0]), dtype=torch.uint8)
+    comm.broadcast(blob, src).wait()
+    if keep or comm.rank == src:
+        return None
+    member.load_blob(blob)
+    return src
+
+
+def enter_average(member: Member, comm: Any) -> Optional[int]:
+    """Decentralized entry: nobody is overwritten; the members agree on the newest step."""
+    step = torch.tensor([member.step], dtype=torch.int64)
+    comm.all_reduce(step, "max").wait()
+    member.skip_to(int(step[0]))  # type: ignore[attr-defined]
+    return None

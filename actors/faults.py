@@ -1,0 +1,140 @@
+"""Fault injection (`faults:` in the config), kept out of the step loop: for experiments and tests.
+
+- `WorkerFaults` fires a worker's `kills` entries at their phase (`step`, `allreduce`, `checkpoint`,
+  `join`, `user_exception`, `vote`), each once unless `repeat` (the coordinator records what
+  fired, so the redo of a step after a reshape does not fire it again), and makes a straggler's
+  steps take `slowdown` times as long by sleeping (a slow worker frees the CPU, as a slow GPU
+  would).
+- `FaultyComm` wraps a communicator so that an `allreduce` kill fires while the all-reduce is in
+  flight (like torchft's fault-injecting process-group wrapper).
+- `CoordinatorFaults` kills the coordinator's own process at an exact point of the protocol.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import time
+from typing import Any, Callable, Optional
+
+from actors.comm import BaseCommunicator, CommError
+from core.schema import FaultsConfig, KillFault
+
+log = logging.getLogger(__name__)
+
+
+class InjectedFault(RuntimeError):
+    """Raised by `faults.kills` entries with `at: user_exception`."""
+
+
+class WorkerFaults:
+    def __init__(self, cfg: FaultsConfig, slot: str, record: Callable[[int, str, int, str], None],
+                 kill_actor: Callable[[], None] = lambda: None) -> None:
+        """`record(index, slot, step, phase)` tells the coordinator a kill fires (before it does);
+        `kill_actor` asks Ray to kill this actor (`how: actor_kill`)."""
+        self.kills = cfg.kills
+        self.slot = slot
+        self.fired: set[int] = set()
+        self._record = record
+        self._kill_actor = kill_actor
+        self.slowdown = max([s.slowdown for s in cfg.stragglers if s.slot == slot] or [1.0])
+
+    def has(self, phase: str) -> bool:
+        return any(k.slot == self.slot and k.at == phase for k in self.kills)
+
+    def due(self, phase: str, step: int) -> Optional[KillFault]:
+        """The kill entry that fires now in this phase, recorded with the coordinator (fires once)."""
+        for index, kill in enumerate(self.kills):
+            at_step = kill.step <= step if phase == "join" else kill.step == step
+            if kill.slot != self.slot or kill.at != phase or not at_step:
+                continue
+            if index in self.fired and not kill.repeat:
+                continue
+            self.fired.add(index)
+            try:
+                self._record(index, self.slot, step, phase)
+            except Exception as err:  # noqa: BLE001 - the fault fires anyway
+                log.warning("could not record fault #%d with the coordinator: %s", index, str(err).splitlines()[0][:200])
+            return kill
+        return None
+
+    def maybe_fire(self, phase: str, step: int) -> None:
+        kill = self.due(phase, step)
+        if kill is not None:
+            self.fire(kill, step)
+
+    def lose_vote(self, step: int) -> None:
+        """`at: vote`: this member loses the result of a vote the others commit (a split commit)."""
+        if self.due("vote", step) is not None:
+            raise CommError(f"injected fault: {self.slot} lost the result of the commit vote for step {step + 1}")
+
+    def straggle(self, started: float) -> None:
+        """A straggler's step takes `slowdown` times as long as it computed."""
+        if self.slowdown > 1.0:
+            time.sleep((time.perf_counter() - started) * (self.slowdown - 1.0))
+
+    def fire(self, kill: KillFault, step: int) -> None:
+        if kill.how == "raise":
+            raise InjectedFault(f"injected user exception in slot {self.slot} at step {step}")
+        if kill.how == "hang":
+            while True:  # a step that never ends; control calls still answer
+                time.sleep(1.0)
+        sys.stdout.flush()
+        if kill.how == "exit":
+            os._exit(1)
+        if kill.how == "actor_kill":
+            self._kill_actor()
+            time.sleep(10)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def wrap(self, comm: BaseCommunicator, step: Callable[[], int]) -> Any:
+        """The communicator, wrapped when an `allreduce` kill is configured for this slot."""
+        return FaultyComm(comm, self, step) if self.has("allreduce") else comm
+
+
+class FaultyComm:
+    """Wraps a communicator so a `kills` entry with `at: allreduce` fires while one is in flight."""
+
+    def __init__(self, inner: BaseCommunicator, faults: WorkerFaults, step: Callable[[], int]) -> None:
+        self._inner = inner
+        self._faults = faults
+        self._step = step
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def all_reduce(self, tensor, op: str = "sum"):
+        kill = self._faults.due("allreduce", self._step())  # recorded first: the kill lands mid-operation
+        handle = self._inner.all_reduce(tensor, op)
+        if kill is not None:
+            self._faults.fire(kill, self._step())
+        return handle
+
+
+class CoordinatorFaults:
+    """`faults.coordinator`: the coordinator's process dies at `publish` (after plan `version` reached
+    the workers, before it is saved) or at `stop` (while it receives the first report after it saved
+    a decision to stop). Each fires once; what fired is kept in the run directory."""
+
+    def __init__(self, cfg: FaultsConfig, fired: set[str], save_fired: Callable[[set[str]], None],
+                 event: Callable[[str], None]) -> None:
+        self.entries = cfg.coordinator
+        self.fired = fired
+        self._save = save_fired
+        self._event = event
+        self.die_on_report = False
+
+    def maybe_die(self, at: str, version: int = 0, delivered: list = ()) -> None:
+        for index, fault in enumerate(self.entries):
+            key = f"coordinator-{index}"
+            if fault.at != at or (at == "publish" and fault.version != version) or key in self.fired:
+                continue
+            self.fired.add(key)
+            self._save(self.fired)
+            self._event(f"injected fault: the coordinator dies at {at}" + (f" of plan {version}" if version else ""))
+            if delivered:
+                import ray
+
+                ray.wait(list(delivered), num_returns=len(delivered), timeout=5)  # the plan reaches the workers first
+            os.kill(os.getpid(), signal.SIGKILL)

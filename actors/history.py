@@ -1,0 +1,93 @@
+"""The job's history file: every commit point exactly once per reporter, in order.
+
+Who reports depends on the policy's kind (algorithms/base.py):
+- `rank0` (synchronous, periodic): rank 0 reports each commit point; the `CommittedLedger` holds
+  its newest record until the members' next commit or epoch agreement confirms it, and fills in
+  what a departed rank 0 never reported.
+- `each` (decentralized, background): every member reports its own records (`slot` set); a member's
+  step commits locally, so its records are final at once; the job's step is the minimum over the
+  live members' newest steps.
+- `server` (parameter-server kinds): the server reports each applied version; final at once.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable, Iterable, Optional
+
+from actors.ledger import CommittedLedger
+
+
+class History:
+    def __init__(self, path: Path, reporter: str, written_step: int = 0,
+                 note: Callable[[str, dict], None] = lambda reason, detail: None) -> None:
+        """`note(reason, detail)` records an event (a gap, a dropped record)."""
+        self.reporter = reporter
+        self.ledger = CommittedLedger(written_step=written_step)
+        self.member_steps: dict[str, int] = {}
+        self._file = open(path, "a", encoding="utf-8")
+        self._note = note
+
+    def offer(self, record: dict) -> Optional[dict]:
+        """A reported record; returns it when it is the job's newest (for status), else None."""
+        if self.reporter == "each":
+            slot = record.get("slot", "")
+            if record["step"] <= self.member_steps.get(slot, 0):
+                return None
+            self.member_steps[slot] = record["step"]
+            self._write([record])
+            return record
+        if self.reporter == "server":
+            if record["step"] <= self.ledger.written_step:
+                return None
+            self.ledger.written_step = record["step"]
+            self._write([record])
+            return record
+        self._write(self.ledger.offer(record))
+        return record if self.ledger.tentative is record else None
+
+    def agreed(self, epoch: int, step: int, records: Iterable[dict] = ()) -> None:
+        """Rank 0 of `epoch` says its members agreed that `step` is the newest committed step; the
+        records it keeps since the plan's history step come along (what a departed rank 0 lacked)."""
+        for record in records:
+            self.offer(record)
+        self._write(self.ledger.agreed(epoch, step))
+        for held in self.ledger.dropped:
+            self._note(f"step {held['step']} of membership epoch {held.get('membership_epoch')} was applied only by "
+                       f"members that left; the members of epoch {epoch} agreed on step {step} and redo it",
+                       {"step": held["step"], "membership_epoch": epoch})
+        self.ledger.dropped.clear()
+
+    def close(self) -> None:
+        """The job ended with every member at one step: whatever is held is final."""
+        self._write(self.ledger.close())
+
+    def step(self, live: Iterable[str] = ()) -> int:
+        """The job's step: the newest committed (lockstep and server kinds), or the slowest live
+        member's (each-member kinds)."""
+        if self.reporter == "each":
+            steps = [self.member_steps.get(s, 0) for s in live]
+            return min(steps) if steps else max(self.member_steps.values(), default=0)
+        return self.ledger.newest_step
+
+    @property
+    def written_step(self) -> int:
+        return self.ledger.written_step
+
+    def _write(self, records: list[dict]) -> None:
+        for record in records:
+            self._file.write(json.dumps(record) + "\n")
+        if records:
+            self._file.flush()
+        for first, last in self.ledger.gaps:
+            self._note(f"history lacks steps {first}..{last}: they were committed while no coordinator received "
+                       f"reports, and the members keep only their newest records", {"first_step": first, "last_step": last})
+        self.ledger.gaps.clear()
+
+    def shut(self) -> None:
+        self._file.close()
+
+
+def read_steps(records: Iterable[dict]) -> int:
+    """The newest step in a history file's records (a restarted coordinator starts after it)."""
+    return max((r.get("step", 0) for r in records), default=0)

@@ -1,0 +1,101 @@
+"""The coordinator's view of one worker, and the small Ray helpers it uses on workers."""
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import ray
+
+from algorithms.supervision import MemberState
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Member:
+    slot: str
+    handle: Any
+    pid: int = 0
+    node: str = ""
+    node_id: str = ""
+    state: MemberState = MemberState.STARTING
+    step: int = 0
+    last_report: float = 0.0
+    compute_s: float = 0.0
+    cause: str = ""
+    """Why the member is hung, retired or failed."""
+    evicted: Optional[tuple[str, str]] = None
+    """(detector, cause) when the coordinator killed it for hanging."""
+    join_reason: tuple[str, str, float] = ("", "", 0.0)
+    """(reason, detector, decided at) of the decision that started it."""
+    watch_task: Optional[asyncio.Task] = field(default=None, repr=False)
+    beat_task: Optional[asyncio.Task] = field(default=None, repr=False)
+
+
+async def ask(handle, method: str, *args: Any, timeout: float = 5.0) -> Optional[Any]:
+    """A control call to a worker; None if it is gone, on a lost node, or does not answer in time."""
+    try:
+        return await asyncio.wait_for(asyncio.wrap_future(getattr(handle, method).remote(*args).future()), timeout)
+    except Exception as err:  # noqa: BLE001 - gone, or not answering
+        log.debug("control call %s to a worker got no answer: %s", method, describe(err))
+        return None
+
+
+def kill(handle) -> None:
+    if handle is None:
+        return
+    try:
+        ray.kill(handle, no_restart=True)
+    except Exception as err:  # noqa: BLE001 - already gone
+        log.debug("ray.kill: %s", first_line(err))
+
+
+def first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return text[0][:500] if text else type(err).__name__
+
+
+def describe(err: BaseException) -> str:
+    """The cause of an error raised inside an actor, not Ray's `ray::Worker.ready() (pid=...)` header."""
+    cause = getattr(err, "cause", None)
+    if isinstance(cause, BaseException):
+        return f"{type(cause).__name__}: {first_line(cause)}"
+    return first_line(err)
+
+
+def is_placed(handle) -> Optional[bool]:
+    """Whether Ray has given this actor a process (from the GCS actor table: no dashboard needed);
+    None when that cannot be told."""
+    if handle is None:
+        return False
+    try:
+        from ray._private.state import state
+
+        info = state.actor_table(handle._actor_id.hex())
+        return bool(info and info.get("Pid"))
+    except Exception as err:  # noqa: BLE001 - a private API: unknown rather than wrong
+        log.debug("could not read the actor table: %s", err)
+        return None
+
+
+def job_is_dead(job_id: str) -> bool:
+    """Whether the Ray job (a driver) has ended; unknown counts as alive."""
+    try:
+        from ray._private.state import jobs
+
+        return any(j["JobID"] == job_id and j["IsDead"] for j in jobs())
+    except Exception as err:  # noqa: BLE001 - unknown counts as alive
+        log.debug("could not read Ray's job table: %s", err)
+        return False
+
+
+def log_to(path: Path, level: str) -> None:
+    """This process's log records go to `path` (the run directory), at `level`."""
+    handler = logging.FileHandler(path, encoding="utf-8")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.addHandler(handler)
+    root.setLevel(level)

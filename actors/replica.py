@@ -1,0 +1,538 @@
+"""One training replica: model, optimizer, data shard and the step loop. No Ray here.
+
+A replica owns a *slot* (a stable id such as `w3`); its rank changes with every membership epoch.
+`run()` trains until the plan says stop. It talks to its coordinator only through a `Link` (the
+Ray actor in actors/worker.py provides one over Ray; tests run replicas in threads with an
+in-process one), and its synchronization policy only through the seam of algorithms/base.py:
+
+    each step      forward and backward (the policy's hooks launch communication), then the
+                   policy's vote: a step whose vote fails is not applied; one that passes is
+                   applied and, when it is a commit point, becomes the committed state
+    each round     periodic policies: `sync` is the round and its vote, the commit point of the
+                   local steps before it (which stay provisional until then)
+    each epoch     a new group is formed and entered (actors/entry.py): the members agree on the
+                   newest committed state before training on
+
+Every committed state is marked (step, data cursor); history records, checkpoints, the final model
+and the state a joiner receives are all taken at a commit point. Data: every member computes each
+step's global batch from (seed, cursor) and trains its rank's share, so within a data epoch no
+sample is applied twice across any number of reshapes; a departed member's shares of periodic
+local steps that the survivors keep are counted as dropped.
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import logging
+import os
+import sys
+import threading
+import time
+import traceback
+from collections import deque
+from typing import Any, Callable, Optional, Protocol
+
+import numpy as np
+import torch
+
+from actors.comm import BaseCommunicator, CommError, GroupSpec, make_communicator
+from actors.entry import enter
+from actors.faults import WorkerFaults
+from actors.plan import Plan, PlanBook, Progress, WorkerSpec
+from actors.sampler import GlobalSampler, split_for_rank
+from algorithms.base import EpochInfo, StepVote, VoteDraft, get_algorithm
+from algorithms.optim import build_optimizer, lr_at
+from core.factory import check_factory
+from core.schema import JobConfig, parse
+
+log = logging.getLogger(__name__)
+REPORT_EVERY_S = 0.25
+KEEP_RECORDS = 2048
+"""Records each member keeps of its newest commit points, for the coordinator to catch up from
+(a departed rank 0's unreported steps, a restarted coordinator's gap)."""
+
+
+class Link(Protocol):
+    """How a replica reaches its coordinator (every call may be lost; none may block training long)."""
+
+    def report(self, progress: Progress, wait: bool) -> None: ...
+    def epoch_agreed(self, epoch: int, step: int, records: tuple[dict, ...]) -> None: ...
+    def state_received(self, slot: str, epoch: int, source: str, step: int) -> None: ...
+    def collective_failed(self, slot: str, epoch: int, error: str) -> None: ...
+    def fault_fired(self, index: int, slot: str, step: int, phase: str) -> None: ...
+    def save_checkpoint(self, step: int, blob: bytes) -> None: ...
+
+
+def checksum(tensors) -> int:
+    """A digest of the tensors' bytes (any dtype: bf16 has no numpy type, so bytes are viewed raw)."""
+    digest = hashlib.blake2b(digest_size=8)
+    for t in tensors:
+        digest.update(t.detach().reshape(-1).contiguous().view(torch.uint8).cpu().numpy().tobytes())
+    return int.from_bytes(digest.digest(), "little", signed=True)
+
+
+class Replica:
+    def __init__(self, spec: WorkerSpec, link: Link, node_ip: str, tick: Callable[[], None] = lambda: None,
+                 kill_actor: Callable[[], None] = lambda: None) -> None:
+        """`tick` runs while the replica waits (the orphan check); `kill_actor` for `how: actor_kill` faults."""
+        self.spec, self.slot, self.link, self.node_ip, self._tick = spec, spec.slot, link, node_ip, tick
+        self.cfg: JobConfig = parse(JobConfig, spec.config)
+        torch.set_num_threads(max(1, int(self.cfg.workers.cpus)))
+        torch.manual_seed(self.cfg.seed)  # identical initial replicas; verified by checksum
+        self.workload = check_factory(self.cfg.workload.factory)(**self.cfg.workload.params)
+        self.model: torch.nn.Module = self.workload.model
+        self.model.train()
+        self.optimizer = build_optimizer(self.model.parameters(), self.cfg.optimizer)
+        self.algorithm = get_algorithm(self.cfg.sync.policy)(self.cfg.sync)
+        self.impl = self.algorithm.bind(self.model, self.optimizer)
+        self.param_names = [n for n, p in self.model.named_parameters() if p.requires_grad]
+        self.sampler = GlobalSampler(len(self.workload.train_data), self.cfg.seed)
+        self._fast_index = isinstance(self.workload.train_data, torch.utils.data.TensorDataset)
+        self._cuda = self.cfg.workers.gpus > 0 and torch.cuda.is_available()
+        self.step = self.cursor = 0
+        self.mark_cursor = 0
+        """The data cursor at the newest commit point."""
+        self.rng = np.random.default_rng([self.cfg.seed, int(self.slot[1:])])
+        """Per-slot numpy stream for user augmentation; re-derived every step like torch's."""
+        self.plans = PlanBook(tick)
+        self.plan: Optional[Plan] = None
+        self.trained_plan: Optional[Plan] = None
+        """The plan under which the provisional steps since the last commit were trained."""
+        self.comm: Optional[BaseCommunicator] = None
+        self.state, self.cause = "ready", ""
+        self.phase, self.phase_since = "starting", time.monotonic()
+        self._finished = threading.Event()
+        self._outcome: dict = {}
+        self._records: list[dict] = []
+        self.kept: deque[dict] = deque(maxlen=KEEP_RECORDS)
+        """History records of this replica's newest commit points (every member keeps them)."""
+        self._last_report = 0.0
+        self.compute_s = 0.0
+        self.dropped = 0
+        """Samples handed to departed members since the last record and counted as dropped."""
+        self.max_steps = self.cfg.stop.max_steps if self.algorithm.counts_steps else None
+        self.faults = WorkerFaults(self.cfg.faults, self.slot, link.fault_fired, kill_actor)
+        self._pending_ids: list[tuple[int, np.ndarray]] = []
+        self._samples = None
+        if self.cfg.faults.record_samples:
+            os.makedirs(os.path.join(spec.run_dir, "samples"), exist_ok=True)
+            self._samples = open(os.path.join(spec.run_dir, "samples", f"{self.slot}.txt"), "a", encoding="utf-8")
+
+    # ------------------------------------------------------------------ control (any thread)
+    def ready(self, fired_faults: tuple[int, ...] = ()) -> dict:
+        self.faults.fired = set(fired_faults)
+        return {"slot": self.slot, "pid": os.getpid(), "node": self.node_ip, "checksum": checksum(self.model.parameters())}
+
+    def set_plan(self, plan: Plan) -> None:
+        self.plans.add(plan)
+
+    def abort_epoch(self, membership_epoch: int, reason: str) -> None:
+        comm, plan = self.comm, self.plan
+        if comm is not None and plan is not None and plan.membership_epoch <= membership_epoch:
+            comm.abort(reason)
+
+    def heartbeat(self) -> dict:
+        """Cheap liveness and progress: what the run thread is doing and for how long."""
+        return {"step": self.step, "phase": self.phase, "phase_age_s": time.monotonic() - self.phase_since}
+
+    def status(self) -> dict:
+        plan = self.plan
+        mark, digest = self.committed_view()
+        return {"slot": self.slot, "pid": os.getpid(), "step": mark, "checksum": digest, "state": self.state,
+                "rank": plan.rank_of(self.slot) if plan else -1, "membership_epoch": plan.membership_epoch if plan else 0,
+                "plan": self.plans.latest}
+
+    def load_checkpoint(self, data: bytes) -> int:
+        """Resume: this member starts from a disk checkpoint; the epoch start spreads it to the rest."""
+        self._load_state_bytes(data)
+        return self.step
+
+    def final_state(self) -> bytes:
+        """The committed training state (model, optimizer, step, data position, ...), as a checkpoint holds it."""
+        return self._state_bytes()
+
+    def records_after(self, step: int) -> tuple[dict, ...]:
+        """The kept history records of commit points after `step` (a restarted coordinator's catch-up)."""
+        return tuple(r for r in list(self.kept) if r["step"] > step)
+
+    def watch(self) -> dict:
+        """Returns when run() ends, with its outcome."""
+        self._finished.wait()
+        return self._outcome
+
+    # ------------------------------------------------------------------ the loop
+    def run(self) -> dict:
+        try:
+            self._loop()
+            self._outcome = {"ok": True, "step": self.step, "slot": self.slot}
+            self.state = "finished"
+        except BaseException as err:  # noqa: BLE001 - every failure goes back to the coordinator
+            self.state = "failed"
+            self._outcome = {"ok": False, "step": self.step, "slot": self.slot, "error": f"{type(err).__name__}: {err}",
+                             "traceback": traceback.format_exc()}
+        finally:
+            self._flush_report(force=True)
+            self._finished.set()
+        return self._outcome
+
+    def _loop(self) -> None:
+        self._enter_phase("waiting")
+        self.plan = self.plans.admission(self.slot)
+        while True:
+            plan = self.plan
+            if plan.rank_of(self.slot) is None:
+                return  # left the job (scale-down): finish cleanly
+            if self.comm is None or self.comm.name != plan.group_name:
+                if not self._enter_epoch(plan):
+                    self._enter_phase("waiting")
+                    self.plan = self.plans.newer_than(plan.version)
+                    continue
+            stop_at = self._stop_at(plan)
+            if self.impl.sync_due(self.step, stop_at):
+                ok = self._sync(plan)
+            elif (stop_at is not None and self.step >= stop_at) or self.impl.stop_requested():
+                self._final_eval()
+                return
+            else:
+                ok = self._train_step(plan)
+            if not ok:
+                self.state = "waiting"
+                self._flush_report(force=True)  # committed steps reach history before any teardown
+                self._enter_phase("waiting")
+                self.plan = self.plans.newer_than(plan.version)
+
+    def _stop_at(self, plan: Plan) -> Optional[int]:
+        limits = [s for s in (self.max_steps, plan.stop_step) if s is not None]
+        return min(limits) if limits else None
+
+    def _enter_phase(self, phase: str) -> None:
+        self.phase, self.phase_since = phase, time.monotonic()
+
+    # ------------------------------------------------------------------ membership epochs
+    def _enter_epoch(self, plan: Plan) -> bool:
+        if self.comm is not None:
+            self.impl.on_epoch_end(f"membership epoch {plan.membership_epoch} begins")
+            self.comm.close()
+        self.comm = None
+        rank = plan.rank_of(self.slot)
+        spec = GroupSpec(plan.store_host, plan.store_port, plan.group_name, rank, len(plan.members), plan.timeout_s,
+                         plan.backend, self.node_ip)
+        self.state = "joining"
+        self._enter_phase("joining")
+        previous = self.trained_plan
+        try:
+            comm = self._form(spec, plan)
+            if comm is None:
+                return False  # a newer membership arrived while forming: go straight to it
+            self.comm = comm
+            source = enter(self.algorithm.entry, self, comm)
+            if self.impl.commit_mark is not None and self.step > self.impl.commit_mark:
+                self._count_dropped(previous, plan)  # local steps kept: the departed members' shares are lost
+            if rank == 0 and self.algorithm.entry == "replicated":  # history takes the agreed step, and any it lacks
+                missing = tuple(r for r in self.kept if r["step"] > plan.history_step)
+                self.link.epoch_agreed(plan.membership_epoch, self.committed_view()[0], missing)
+        except CommError as err:
+            self.cause = str(err)
+            self.impl.on_epoch_end(str(err))
+            if self.comm is not None:
+                self.comm.close()
+                self.comm = None
+            return False
+        self.impl.on_membership(self.faults.wrap(comm, lambda: self.step),
+                                EpochInfo(rank, len(plan.members), plan.members, plan.global_batch))
+        self.trained_plan = plan
+        if source is not None:
+            self.link.state_received(self.slot, plan.membership_epoch, plan.members[source], self.step)
+            self.faults.maybe_fire("join", self.step)  # a joiner that has its state but has not trained yet
+        return True
+
+    def _form(self, spec: GroupSpec, plan: Plan) -> Optional[BaseCommunicator]:
+        """Form the group in a helper thread, abandoning it if a newer membership is published meanwhile.
+
+        Group construction blocks in C++ until every member arrives or the timeout; a member that
+        waited for a superseded epoch would otherwise miss the next one. Any error while forming
+        comes back here with its own text."""
+        result: dict = {}
+        done = threading.Event()
+
+        def build() -> None:
+            try:
+                result["comm"] = make_communicator(spec)
+            except BaseException as err:  # noqa: BLE001 - re-raised in the run thread, whatever it is
+                result["error"] = err
+            finally:
+                done.set()
+                if result.get("abandoned") and "comm" in result:
+                    result["comm"].close()
+
+        threading.Thread(target=build, name=f"form {spec.name}", daemon=True).start()
+        while not done.wait(0.02):
+            latest = self.plans.latest
+            if latest.version > plan.version and latest.group_name != plan.group_name:
+                result["abandoned"] = True
+                if done.is_set() and "comm" in result:
+                    result["comm"].close()
+                return None
+        if "error" in result:
+            raise result["error"]
+        return result["comm"]
+
+    # --- what actors/entry.py needs
+    def committed_view(self) -> tuple[int, int]:
+        """(step, checksum) of the newest committed state."""
+        mark = self.impl.commit_mark
+        params = self.impl.committed_parameters()
+        return (self.step if mark is None else mark), checksum(params if params is not None else self.model.parameters())
+
+    def committed_blob(self) -> torch.Tensor:
+        return torch.frombuffer(bytearray(self._state_bytes()), dtype=torch.uint8)
+
+    def load_blob(self, blob: torch.Tensor) -> None:
+        self._load_state_bytes(blob.numpy().tobytes())
+
+    def rewind(self) -> None:
+        """Back to the committed state: provisional local steps (and their samples) are discarded."""
+        self.impl.rewind()
+        self.step, self.cursor = self.committed_view()[0], self.mark_cursor
+        self._pending_ids = []
+
+    def skip_to(self, step: int) -> None:
+        """Decentralized entry: a member behind the newest step skips ahead to it; the shares it would
+        have trained in the steps it skips are counted as dropped."""
+        plan = self.trained_plan or self.plan
+        while self.step < step:
+            batch = self.sampler.global_batch(self.cursor, plan.global_batch)
+            self.dropped += len(split_for_rank(batch, plan.rank_of(self.slot) or 0, len(plan.members)))
+            self.step += 1
+            self.cursor += plan.global_batch
+        self.mark_cursor = self.cursor
+
+    def _count_dropped(self, trained: Optional[Plan], plan: Plan) -> None:
+        """The survivors keep their local steps since the last commit: the shares that departed
+        members trained in those steps died with their replicas (counted, and recorded with
+        `faults.record_samples`)."""
+        if trained is None:
+            return
+        departed = [s for s in trained.members if s not in plan.members]
+        mark = self.committed_view()[0]
+        ids = []
+        for k in range(self.step - mark):
+            batch = self.sampler.global_batch(self.mark_cursor + k * trained.global_batch, trained.global_batch)
+            ids += [split_for_rank(batch, trained.rank_of(s), len(trained.members)) for s in departed]
+        lost = np.concatenate(ids) if ids else np.empty(0, dtype=np.int64)
+        self.dropped += len(lost)
+        if self._samples is not None and plan.rank_of(self.slot) == 0 and len(lost):
+            self._samples.write(f"dropped {plan.membership_epoch} {' '.join(map(str, lost.tolist()))}\n")
+            self._samples.flush()
+
+    # ------------------------------------------------------------------ state
+    def _state_bytes(self) -> bytes:
+        """The committed state: what a joiner receives, what a checkpoint holds, the final model."""
+        model = self.model.state_dict()
+        committed = self.impl.committed_parameters()
+        if committed is not None:
+            model.update({name: t.detach().clone() for name, t in zip(self.param_names, committed)})
+        buf = io.BytesIO()
+        torch.save({"model": model, "optimizer": self.optimizer.state_dict(), "step": self.committed_view()[0],
+                    "cursor": self.mark_cursor, "algorithm": self.impl.state_dict(),
+                    "record": self.kept[-1] if self.kept else None,
+                    "rng": {"torch": torch.get_rng_state(), "numpy": self.rng.bit_generator.state}}, buf)
+        return buf.getvalue()
+
+    def _load_state_bytes(self, data: bytes) -> None:
+        state = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.impl.load_state_dict(state["algorithm"])
+        self.step, self.cursor = int(state["step"]), int(state["cursor"])
+        self.mark_cursor = self.cursor
+        self._pending_ids = []
+        record = state.get("record")
+        if record is not None and (not self.kept or self.kept[-1]["step"] < record["step"]):
+            self.kept.append(record)
+        if "rng" in state:
+            torch.set_rng_state(state["rng"]["torch"])
+            self.rng.bit_generator.state = state["rng"]["numpy"]
+
+    # ------------------------------------------------------------------ steps and rounds
+    def _micro_batches(self, plan: Plan) -> tuple[np.ndarray, list[tuple[Any, int]]]:
+        """This rank's share of the next global batch, in chunks of at most `workload.micro_batch`."""
+        ids = self.sampler.global_batch(self.cursor, plan.global_batch)
+        mine = split_for_rank(ids, plan.rank_of(self.slot), len(plan.members))
+        size = self.cfg.workload.micro_batch or max(len(mine), 1)
+        return mine, [self._collate(mine[i:i + size]) for i in range(0, len(mine), size)]
+
+    def _collate(self, ids: np.ndarray) -> tuple[Any, int]:
+        data = self.workload.train_data
+        if self._fast_index:
+            index = torch.from_numpy(ids)
+            return tuple(t[index] for t in data.tensors), len(ids)
+        return torch.utils.data.default_collate([data[int(i)] for i in ids]), len(ids)
+
+    def _seed_step(self) -> None:
+        """Randomness (dropout, augmentation) from streams derived from (seed, slot, step)."""
+        seq = np.random.SeedSequence([self.cfg.seed, int(self.slot[1:]), self.step])
+        value = int(seq.generate_state(1, np.uint64)[0] >> 1)
+        torch.default_generator.manual_seed(value)  # torch.manual_seed walks every backend: 175 us
+        if self._cuda:
+            torch.cuda.manual_seed(value)
+        self.rng = np.random.default_rng(seq)
+
+    def _train_step(self, plan: Plan) -> bool:
+        started = time.perf_counter()
+        self._enter_phase("compute")
+        self._tick()
+        self._seed_step()
+        self.faults.maybe_fire("step", self.step)
+        self.faults.maybe_fire("user_exception", self.step)
+        ids, micro = self._micro_batches(plan)
+        draft = VoteDraft(samples=len(ids), newer_plan=self.plans.latest.version > plan.version)
+        denominator = max(len(ids), 1) if self.algorithm.local_mean else plan.global_batch
+        self.impl.begin_step(self.step, draft)
+        self.impl.before_forward(self.step)
+        try:
+            for i, (batch, n) in enumerate(micro):
+                self.impl.accumulating = i < len(micro) - 1
+                weight = n / denominator  # each sample counts 1/B (shares) or 1/n_i (own mean), however split
+                loss = self.workload.loss(self.model, batch)
+                draft.loss += float(loss.detach()) * weight  # before the backward that may launch the vote
+                (loss * weight).backward()
+            self.impl.end_backward(self.step)
+            self._enter_phase("communicate")
+            spent = time.perf_counter() - started
+            self.compute_s = 0.9 * self.compute_s + 0.1 * spent if self.compute_s else spent
+            vote = self.impl.finish_step(self.step, draft)
+            self.faults.lose_vote(self.step)
+        except CommError as err:
+            return self._failed(plan, err)
+        self.faults.straggle(started)
+        if vote.communicated and self.algorithm.kind == "synchronous" and vote.samples != plan.global_batch:
+            raise RuntimeError(f"the commit vote of step {self.step + 1} counted {vote.samples} samples; the plan's "
+                               f"global batch is {plan.global_batch}")  # every member runs one plan: a bug, not a vote
+        self.impl.apply_update(self.step, lr_at(self.step, self.cfg.optimizer, self.max_steps, plan.lr_scale))
+        self.step += 1
+        self.cursor += plan.global_batch
+        if self._samples is not None:
+            self._pending_ids.append((self.step, ids))
+        if self.impl.commit_mark is None:  # every step is a commit point
+            self._commit(plan, vote, started, len(micro))
+        return self._adopt_newest_plan() if vote.newer_plan else True
+
+    def _sync(self, plan: Plan) -> bool:
+        """A periodic round: its vote is the commit point of the local steps since the last one."""
+        started = time.perf_counter()
+        self._enter_phase("communicate")
+        draft = VoteDraft(newer_plan=self.plans.latest.version > plan.version)
+        try:
+            vote = self.impl.sync(self.step, draft)
+            if vote is None:
+                return True  # launched; merged (and committed) after the overlap
+            self.faults.lose_vote(self.step)
+        except CommError as err:
+            return self._failed(plan, err)
+        self._commit(plan, vote, started, 0)
+        return self._adopt_newest_plan() if vote.newer_plan else True
+
+    def _failed(self, plan: Plan, err: CommError) -> bool:
+        self.cause = str(err)
+        self.impl.discard(self.step)
+        if not self.comm or not self.comm.aborted:  # a peer may be gone without Ray knowing (a lost node)
+            try:
+                self.link.collective_failed(self.slot, plan.membership_epoch, str(err)[:300])
+            except Exception as failure:  # noqa: BLE001 - the coordinator may be restarting; its abort comes anyway
+                log.warning("could not tell the coordinator that a collective failed: %s", failure)
+        return False
+
+    def _commit(self, plan: Plan, vote: StepVote, started: float, micro_steps: int) -> None:
+        """This step (or round) is the newest committed state: mark it, record it, save it if due."""
+        prev = self.kept[-1]["step"] if self.kept else None
+        self.impl.commit(self.step)
+        self.mark_cursor = self.cursor
+        self.trained_plan = plan
+        if self._samples is not None:
+            for step, ids in self._pending_ids:
+                self._samples.write(f"{step} {plan.membership_epoch} {' '.join(map(str, ids.tolist()))}\n")
+            self._samples.flush()
+        self._pending_ids = []
+        self._record(plan, vote, started, micro_steps, prev)
+        self._maybe_checkpoint(plan, prev)
+
+    def _adopt_newest_plan(self) -> bool:
+        """Rare path: someone saw a newer plan; agree on the newest with one MAX all-reduce, then every
+        member switches to it at this same step."""
+        version = torch.tensor([float(self.plans.latest.version)])
+        try:
+            self.comm.all_reduce(version, "max").wait()
+        except CommError as err:
+            self.cause = str(err)
+            return False
+        agreed = self.plans.agreed(int(version[0]))
+        if agreed is None:
+            return False  # superseded before it arrived: the loop takes the newest
+        self.plan = agreed
+        return True
+
+    def _maybe_checkpoint(self, plan: Plan, prev: Optional[int]) -> None:
+        every = self.cfg.checkpoint.every_steps
+        if not _crossed(every, prev, self.step):
+            return
+        self.faults.maybe_fire("checkpoint", self.step)
+        if plan.rank_of(self.slot) == 0:
+            self._flush_report(force=True)  # history up to this step precedes the checkpoint
+            self.link.save_checkpoint(self.step, self._state_bytes())
+
+    # ------------------------------------------------------------------ reporting
+    def _reports(self, plan: Plan) -> bool:
+        return self.algorithm.reporter == "each" or (self.algorithm.reporter == "rank0" and plan.rank_of(self.slot) == 0)
+
+    def _record(self, plan: Plan, vote: StepVote, started: float, micro_steps: int, prev: Optional[int]) -> None:
+        record = {"step": self.step, "time": time.time(), "loss": vote.loss, "world_size": len(plan.members),
+                  "global_batch": plan.global_batch, "micro_steps": micro_steps,
+                  "membership_epoch": plan.membership_epoch, "bytes_sent": self.impl.bytes_sent,
+                  "lr": self.optimizer.param_groups[0]["lr"], "step_time": time.perf_counter() - started}
+        if self.impl.commit_mark is not None:
+            record.update(prev=prev if prev is not None else 0, samples=vote.samples)
+        if self.algorithm.reporter == "each":
+            record["slot"] = self.slot
+        if self.dropped:
+            record["dropped_samples"], self.dropped = self.dropped, 0
+        self.kept.append(record)
+        if self._reports(plan):
+            if _crossed(self.cfg.eval_every, prev if prev is not None else self.step - 1, self.step):
+                record.update(self._evaluate())
+            self._records.append(record)
+        self._flush_report()
+
+    def _evaluate(self) -> dict:
+        evaluate = getattr(self.workload, "evaluate", None)
+        data = getattr(self.workload, "eval_data", None)
+        if evaluate is None or data is None:
+            return {}
+        return {"metrics": {k: float(v) for k, v in evaluate(self.model, data).items()}}
+
+    def _final_eval(self) -> None:
+        """The final model is evaluated once; the record updates status, not history."""
+        if self.plan is not None and self.plan.rank_of(self.slot) == 0:
+            self._records.append({"step": self.step, "time": time.time(), "final": True, **self._evaluate()})
+
+    def _flush_report(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self._last_report < REPORT_EVERY_S:
+            return
+        self._last_report = now
+        epoch = self.plan.membership_epoch if self.plan else 0
+        progress = Progress(self.slot, self.step, epoch, time.time(), tuple(self._records), self.compute_s,
+                            mark=self.committed_view()[0] if self.impl.commit_mark is not None else self.step)
+        self._records = []
+        try:
+            self.link.report(progress, wait=force)
+        except Exception as err:  # noqa: BLE001 - a lost report must not kill training (records are kept)
+            log.warning("progress report at step %d lost: %s", self.step, str(err).splitlines()[0][:200])
+
+
+def _crossed(every: Optional[int], before: Optional[int], now: int) -> bool:
+    """Whether a multiple of `every` lies in (before, now]: commit points may jump several steps."""
+    if not every:
+        return False
+    before = now - 1 if before is None else before
+    return now // every > before // every

@@ -1,0 +1,272 @@
+"""Periodic averaging: local SGD, DiLoCo and streaming DiLoCo. Pure torch; the communicator is given.
+
+Every member takes local steps with the configured (inner) optimizer, whose state stays local.
+At a *round* the members combine their replicas with one all-reduce that also carries the vote;
+a round is the commit point of the local steps since the previous one.
+
+- `local_sgd` (`h`): every `h` steps, x <- sum_i n_i x_i / sum_i n_i, with n_i the samples member i
+  trained since the last round (so with `h: 1` and SGD this is BSP on the same global batches).
+- `diloco` (`h`, `outer_lr`, `outer_momentum`, `nesterov`): every `h` steps the members average the
+  pseudo-gradient d = x_global - x_i (weighted the same way), the outer optimizer (SGD with momentum,
+  Nesterov by default) steps the global parameters with it, and every member adopts them. The
+  outer state is the same on every member; it travels to joiners and into checkpoints.
+- `streaming_diloco` (+ `fragments`, `overlap`, `alpha`): the flattened parameters are cut into
+  `fragments` equal slices, so a round sends 1 / F of them. Fragment f is synchronized after steps
+  (f + 1) h / F + k h: its pseudo-gradient's all-reduce launches after that step's update and is
+  merged `overlap` steps later as x_f <- alpha x_f(outer) + (1 - alpha) x_f(local); the local steps in
+  between overlap the communication. With `overlap: 0` nothing ran in between and the merge adopts
+  the outer parameters (so one fragment without overlap is `diloco`).
+
+Under churn (see actors/replica.py for the epoch entry): the state every member agrees on is the
+newest *committed* one, the replica as it was after the last round (`committed_parameters`,
+`commit_mark`). When a round's all-reduce fails, the local steps stay and the round is due again
+in the next membership epoch; if some member did commit that round, the others take its state.
+
+Memory beyond the model and optimizer: `local_sgd` keeps one copy of the parameters (the committed
+replica), `diloco` one (the global parameters, from which the committed replica is rebuilt) plus
+the outer momentum, `streaming_diloco` two plus the outer momentum.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from algorithms.base import Algorithm, AlgorithmImpl, EpochInfo, StepVote, VoteDraft, register
+
+
+@dataclass
+class _Launch:
+    """A fragment's round in flight: launched after step `step`, merged after step `merge_at`."""
+
+    fragment: int
+    step: int
+    merge_at: int
+    flat: torch.Tensor
+    tail: torch.Tensor
+    handles: list
+
+
+def fragment_bounds(numel: int, fragments: int) -> list[tuple[int, int]]:
+    """`fragments` equal slices [start, end) of a flat vector of `numel` elements (never empty)."""
+    count = max(1, min(fragments, numel))
+    cuts = [round(k * numel / count) for k in range(count + 1)]
+    return [(cuts[k], cuts[k + 1]) for k in range(count)]
+
+
+class PeriodicImpl(AlgorithmImpl):
+    def __init__(self, algorithm: Algorithm, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        super().__init__(algorithm, model, optimizer)
+        cfg = self.config
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        dtypes = {p.dtype for p in self.params}
+        self.dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
+        self.h = cfg.h
+        self.outer_mode = cfg.policy != "local_sgd"
+        self.streaming = cfg.policy == "streaming_diloco"
+        self.overlap = cfg.overlap if self.streaming else 0
+        self.alpha = cfg.alpha if self.streaming else 1.0
+        self.bounds = fragment_bounds(sum(p.numel() for p in self.params), cfg.fragments if self.streaming else 1)
+        self.anchor: list[torch.Tensor] = []
+        """Per fragment, the global (outer) parameters as of its last round (DiLoCo only)."""
+        self.outer = None
+        if self.outer_mode:
+            self.anchor = [self._gather(f).clone() for f in range(len(self.bounds))]
+            self.outer = torch.optim.SGD(self.anchor, lr=cfg.outer_lr, momentum=cfg.outer_momentum,
+                                         nesterov=cfg.nesterov, foreach=False)
+        self.snapshot: list[torch.Tensor] = [] if self.outer_mode and not self.streaming else [
+            p.detach().clone() for p in self.params]
+        """The replica as of the last commit (for diloco it is rebuilt from `anchor`)."""
+        self.mark = 0
+        """The step of the newest committed round."""
+        self.last_sync = [0] * len(self.bounds)
+        """Per fragment, the step of its last committed round."""
+        self.trained = 0
+        """Samples this member trained in all; `since[f]` was the count at fragment f's last round."""
+        self.since = [0] * len(self.bounds)
+        self.mark_trained = 0
+        """`trained` at the last commit (a rewind goes back to it)."""
+        self.losses: list[float] = []
+        """This member's mean loss of each local step since the last commit."""
+        self.inflight: Optional[_Launch] = None
+        self._due: Optional[int] = None
+        self._final = False
+
+    # ------------------------------------------------------------------ flat fragments
+    def _pieces(self, f: int):
+        """(parameter, start, end, offset) for the parts of each parameter inside fragment f."""
+        start, end = self.bounds[f]
+        offset = 0
+        for p in self.params:
+            a, b = max(start - offset, 0), min(end - offset, p.numel())
+            if a < b:
+                yield p, a, b, offset + a - start
+            offset += p.numel()
+
+    def _gather(self, f: int) -> torch.Tensor:
+        return torch.cat([p.detach().reshape(-1)[a:b].to(self.dtype) for p, a, b, _ in self._pieces(f)])
+
+    def _scatter(self, f: int, flat: torch.Tensor, into: Optional[list[torch.Tensor]] = None) -> None:
+        targets = dict(zip(map(id, self.params), into)) if into is not None else None
+        with torch.no_grad():
+            for p, a, b, at in self._pieces(f):
+                dest = p if targets is None else targets[id(p)]
+                dest.view(-1)[a:b].copy_(flat[at:at + b - a])
+
+    # ------------------------------------------------------------------ schedule
+    def _offset(self, f: int) -> int:
+        return (f + 1) * self.h // len(self.bounds)
+
+    def _due_fragment(self, step: int) -> Optional[int]:
+        """The fragment whose round launches after `step`, if any (at the end of the run every
+        fragment not yet synchronized at that step is)."""
+        if self._final:
+            return next((f for f, last in enumerate(self.last_sync) if last < step), None)
+        for f in range(len(self.bounds)):
+            offset = self._offset(f)
+            if step >= offset and (step - offset) % self.h == 0 and self.last_sync[f] < step:
+                return f
+        return None
+
+    def sync_due(self, step: int, stop_at: Optional[int]) -> bool:
+        self._final = stop_at is not None and step >= stop_at
+        if self.inflight is not None:
+            return step >= self.inflight.merge_at or self._final
+        self._due = self._due_fragment(step)
+        return self._due is not None
+
+    # ------------------------------------------------------------------ local steps
+    def finish_step(self, step: int, draft: VoteDraft) -> StepVote:
+        self.trained += draft.samples
+        self.losses.append(draft.loss)
+        return StepVote.local(draft)
+
+    # ------------------------------------------------------------------ rounds
+    def sync(self, step: int, draft: VoteDraft) -> Optional[StepVote]:
+        """Launch the due fragment's round (after `sync_due` said one is due) and/or merge the one in
+        flight; the merge is the commit point and returns the vote, a launch alone returns None. A
+        failed collective raises CommError."""
+        if self.inflight is None:
+            self.inflight = self._launch(self._due, step, draft)
+            if self.inflight.merge_at > step:
+                return None
+        return self._merge(step)
+
+    def _launch(self, f: int, step: int, draft: VoteDraft) -> _Launch:
+        n = float(self.trained - self.since[f])
+        local = self._gather(f)
+        flat = (self.anchor[f] - local if self.outer_mode else local) * n
+        mean_loss = sum(self.losses) / len(self.losses) if self.losses else 0.0
+        tail = torch.tensor([mean_loss * n, n, 1.0 if draft.newer_plan else 0.0], dtype=torch.float64)
+        handles = [self.comm.all_reduce(flat), self.comm.all_reduce(tail)]
+        return _Launch(f, step, step if self._final else step + self.overlap, flat, tail, handles)
+
+    def _merge(self, step: int) -> StepVote:
+        launch, f = self.inflight, self.inflight.fragment
+        for handle in launch.handles:
+            handle.wait()
+        self.inflight = None
+        total = float(launch.tail[1])
+        mean = launch.flat / max(total, 1.0)
+        if self.outer_mode:
+            for k, a in enumerate(self.anchor):
+                a.grad = mean if k == f else None
+            self.outer.step()
+            self.anchor[f].grad = None
+            mean = self.anchor[f]
+        if step > launch.step:  # local steps ran meanwhile: blend them in
+            mean = torch.lerp(self._gather(f), mean, self.alpha)
+        self._scatter(f, mean)
+        self.last_sync[f] = step
+        self.since[f] = self.trained
+        return StepVote(True, float(launch.tail[0]) / max(total, 1.0), int(round(total)), bool(launch.tail[2] > 0))
+
+    def commit(self, step: int) -> None:
+        """The round's vote passed: this is the newest committed state."""
+        self.mark = step
+        self.mark_trained = self.trained
+        self.losses = []
+        with torch.no_grad():
+            for s, p in zip(self.snapshot, self.params):
+                s.copy_(p.detach())
+
+    def on_epoch_end(self, reason: str) -> None:
+        self.inflight = None  # its buffers are abandoned with the group; the round is due again
+
+    def on_membership(self, comm, epoch: EpochInfo) -> None:
+        super().on_membership(comm, epoch)
+        self.inflight = None
+
+    @property
+    def commit_mark(self) -> Optional[int]:
+        return self.mark
+
+    def committed_parameters(self) -> list[torch.Tensor]:
+        if self.snapshot:
+            return self.snapshot
+        replica = [p.detach().clone() for p in self.params]
+        for f, flat in enumerate(self.anchor):
+            self._scatter(f, flat, into=replica)
+        return replica
+
+    def rewind(self) -> None:
+        committed = self.committed_parameters()
+        with torch.no_grad():
+            for p, c in zip(self.params, committed):
+                p.copy_(c)
+        self.trained = self.mark_trained
+        self.losses = []
+        self.inflight = None
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict:
+        return {"anchor": [a.detach().clone() for a in self.anchor],
+                "outer": copy.deepcopy(self.outer.state_dict()) if self.outer is not None else None,
+                "mark": self.mark, "last_sync": list(self.last_sync), "trained": self.mark_trained,
+                "since": list(self.since)}
+
+    def load_state_dict(self, state: dict) -> None:
+        """A joiner, or a member behind, takes a holder's committed state (the model comes with it)."""
+        if not state:
+            return
+        with torch.no_grad():
+            for a, saved in zip(self.anchor, state["anchor"]):
+                a.copy_(saved)
+        if self.outer is not None and state.get("outer") is not None:
+            self.outer.load_state_dict(state["outer"])
+        self.mark, self.last_sync = int(state["mark"]), list(state["last_sync"])
+        self.trained = self.mark_trained = int(state["trained"])
+        self.since = list(state["since"])
+        self.losses, self.inflight = [], None
+        with torch.no_grad():
+            for s, p in zip(self.snapshot, self.params):
+                s.copy_(p.detach())
+
+
+@register
+class LocalSGD(Algorithm):
+    """Local SGD: `h` local steps, then the replicas are averaged."""
+
+    name = "local_sgd"
+    kind = "periodic"
+    impl = PeriodicImpl
+
+
+@register
+class DiLoCo(Algorithm):
+    """DiLoCo: an outer optimizer on the averaged pseudo-gradient every `h` inner steps."""
+
+    name = "diloco"
+    kind = "periodic"
+    impl = PeriodicImpl
+
+
+@register
+class StreamingDiLoCo(Algorithm):
+    """Streaming DiLoCo: DiLoCo by staggered fragments whose communication overlaps local steps."""
+
+    name = "streaming_diloco"
+    kind = "periodic"
+    impl = PeriodicImpl

@@ -1,0 +1,206 @@
+"""What the coordinator does when a member ends, a stop is asked for, or it restarts. Pure: no Ray.
+
+The coordinator builds a frozen `JobView` of what it knows, hands it and the event to `decide`,
+and carries out the `Decision` it gets back (abort the epoch, publish a plan, start
+replacements, change state). Keeping the deciding apart from the doing means every rule below
+is tested in milliseconds (`tests/unit/test_supervision.py`), and each decision says why in
+one sentence.
+
+The rules:
+- A member that finishes while leaving has left; once every member of the plan has finished at
+  the same step, the job ends.
+- A member that dies, raises or hangs aborts the epoch at once. Its slot counts a failure and is
+  retired past `workers.failure_budget`. With `on_failure: fail` the survivors agree on the newest
+  committed step and stop (the job then FAILS with that state saved). Otherwise the survivors are
+  re-formed without waiting for a replacement while they are at least `workers.min`, and the job
+  PAUSES below it; a replacement is started unless a stop was decided. A stop survives every
+  reshape, and needs no minimum. With no survivor the committed state is gone: the job FAILS.
+- A stop re-forms the live members (a new membership epoch if the plan still names a dead one)
+  with a stop step: the next step, or, while PAUSED, the committed step they hold. With no live
+  member (during start-up) the job ends at once.
+- A restarted coordinator publishes a membership epoch newer than any a worker holds.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Mapping, Optional, Union
+
+
+class JobState(str, enum.Enum):
+    STARTING = "STARTING"
+    RUNNING = "RUNNING"
+    RESHAPING = "RESHAPING"
+    PAUSED = "PAUSED"
+    STOPPING = "STOPPING"
+    STOPPED = "STOPPED"
+    FINISHED = "FINISHED"
+    FAILED = "FAILED"
+
+    @property
+    def terminal(self) -> bool:
+        return self in (JobState.STOPPED, JobState.FINISHED, JobState.FAILED)
+
+    @property
+    def active(self) -> bool:
+        """Training or able to: scale requests and replacements apply."""
+        return self in (JobState.RUNNING, JobState.RESHAPING, JobState.PAUSED)
+
+
+class MemberState(str, enum.Enum):
+    STARTING = "starting"
+    """Its actor is being created (placed or waiting for room)."""
+    READY = "ready"
+    """Started (imports done, workload built), not yet in a plan."""
+    TRAINING = "training"
+    LEAVING = "leaving"
+    """Dropped by a scale-down plan; finishes cleanly."""
+    LEFT = "left"
+    FINISHED = "finished"
+    DEAD = "dead"
+    FAILED = "failed"
+    HUNG = "hung"
+    RETIRED = "retired"
+    STOPPED = "stopped"
+
+    @property
+    def departed(self) -> bool:
+        return self in DEPARTED
+
+    @property
+    def live(self) -> bool:
+        """Takes part in plans (a leaving member still gets the plan that drops it)."""
+        return self in (MemberState.TRAINING, MemberState.READY, MemberState.LEAVING)
+
+
+DEPARTED = frozenset({MemberState.DEAD, MemberState.FAILED, MemberState.HUNG, MemberState.RETIRED, MemberState.LEFT})
+
+
+@dataclass(frozen=True)
+class JobView:
+    """What the coordinator knows when it decides."""
+
+    state: JobState
+    plan_members: tuple[str, ...]
+    """The current plan's members in rank order (empty before the first plan)."""
+    members: Mapping[str, MemberState]
+    failures: Mapping[str, int] = field(default_factory=dict)
+    min_workers: int = 1
+    failure_budget: int = 3
+    on_failure: str = "reshape"
+    stop_kind: Optional[str] = None
+    """STOPPED / FINISHED / FAILED once a stop is decided."""
+
+    def training(self, *, besides: str = "") -> tuple[str, ...]:
+        """The plan's members that are training, in rank order."""
+        return tuple(s for s in self.plan_members if s != besides and self.members.get(s) == MemberState.TRAINING)
+
+
+# ------------------------------------------------------------------------------------ events
+@dataclass(frozen=True)
+class MemberEnded:
+    """A member's `run()` returned (`finished`), raised (`error`) or its process died (`died`)."""
+
+    slot: str
+    outcome: str
+    cause: str = ""
+    detector: str = ""
+    """actor death / task error / heartbeat / step progress / collective failure ..."""
+    hung: bool = False
+    """The coordinator evicted it for hanging (heartbeat, step progress)."""
+
+
+@dataclass(frozen=True)
+class StopRequested:
+    kind: str
+    """STOPPED (asked) or FINISHED (target or time limit reached)."""
+    reason: str
+
+
+Event = Union[MemberEnded, StopRequested]
+
+
+# ------------------------------------------------------------------------------------ decisions
+@dataclass(frozen=True)
+class Decision:
+    reason: str
+    member: Optional[tuple[str, MemberState]] = None
+    """The ended member's new state."""
+    abort: bool = False
+    """Abort the current membership epoch on every member (their pending collectives fail now)."""
+    publish: Optional[tuple[str, ...]] = None
+    """Publish a plan with these members (a new membership epoch when they differ)."""
+    new_epoch: bool = False
+    """Publish as a new membership epoch even if the members are the same."""
+    transition: Optional[JobState] = None
+    stop_kind: Optional[str] = None
+    """Set when this decision decides a stop."""
+    stop_step: Optional[str] = None
+    """"next" (the coordinator's step + 1) or "held" (0: the committed step the members hold)."""
+    count_failure: bool = False
+    """Count a failure against the member's slot."""
+    retire: bool = False
+    """The slot's budget is spent: retire it."""
+    replace: bool = False
+    """Start workers until the membership matches the scale target again."""
+    finish: bool = False
+    """Every member finished: keep the model and end the job."""
+    end_now: Optional[JobState] = None
+    """End the job at once in this state (nothing to save, or nothing left to save it from)."""
+    ignore: bool = False
+
+
+def decide(view: JobView, event: Event) -> Decision:
+    if isinstance(event, StopRequested):
+        return _on_stop(view, event)
+    return _on_member_ended(view, event)
+
+
+def _on_member_ended(view: JobView, e: MemberEnded) -> Decision:
+    state = view.members.get(e.slot)
+    if state is None or state.departed:
+        return Decision(f"{e.slot} was already handled", ignore=True)
+    if e.outcome == "finished":
+        if state == MemberState.LEAVING:
+            return Decision(f"{e.slot} left after the scale-down", member=(e.slot, MemberState.LEFT))
+        done = all(view.members.get(s) == MemberState.FINISHED or s == e.slot for s in view.plan_members)
+        return Decision(f"{e.slot} finished", member=(e.slot, MemberState.FINISHED), finish=done and bool(view.plan_members))
+    if state in (MemberState.LEAVING, MemberState.STOPPED):
+        return Decision(f"{e.slot} was on its way out", member=(e.slot, MemberState.LEFT))
+    ended = MemberState.HUNG if e.hung else (MemberState.DEAD if e.outcome == "died" else MemberState.FAILED)
+    survivors = view.training(besides=e.slot)
+    if not survivors:
+        why = e.cause if view.on_failure == "fail" else (
+            f"{e.cause}; no live worker holds the committed state any more (resume with --resume)")
+        return Decision(why, member=(e.slot, ended), abort=True, end_now=JobState.FAILED)
+    if view.on_failure == "fail":
+        return Decision(f"{e.cause}; workers.on_failure = fail: the survivors agree on the newest committed step "
+                        f"and stop there", member=(e.slot, ended), abort=True, publish=survivors,
+                        transition=JobState.STOPPING if view.stop_kind != "FAILED" else None,
+                        stop_kind="FAILED", stop_step="held")
+    retire = view.failures.get(e.slot, 0) + 1 >= view.failure_budget
+    stopping = view.stop_kind is not None
+    if len(survivors) >= view.min_workers or stopping:
+        return Decision(e.cause, member=(e.slot, ended), abort=True, count_failure=True, retire=retire,
+                        publish=survivors, replace=not stopping,
+                        transition=JobState.RESHAPING if view.state in (JobState.RUNNING, JobState.PAUSED) else None)
+    return Decision(f"{len(survivors)} live workers, below workers.min = {view.min_workers}: waiting for replacements",
+                    member=(e.slot, ended), abort=True, count_failure=True, retire=retire, replace=True,
+                    transition=JobState.PAUSED)
+
+
+def _on_stop(view: JobView, e: StopRequested) -> Decision:
+    if view.state.terminal or view.stop_kind is not None:
+        return Decision("a stop is already under way", ignore=True)
+    live = view.training()
+    if not view.plan_members or not live:
+        return Decision(f"{e.reason}; no worker was training", stop_kind=e.kind, end_now=JobState(e.kind))
+    held = view.state == JobState.PAUSED  # training is held: stop at the step the members hold
+    return Decision(e.reason, stop_kind=e.kind, publish=live, stop_step="held" if held else "next",
+                    transition=JobState.STOPPING if view.state.active else None)
+
+
+def recovered_epoch(saved_epoch: int, worker_epochs: list[int]) -> int:
+    """The membership epoch a restarted coordinator publishes next: newer than any a worker holds
+    (a plan published just before the crash may have been sent but never saved)."""
+    return max([saved_epoch, *worker_epochs]) + 1

@@ -1,0 +1,204 @@
+"""Policy oracles: real replicas (the worker's step loop) in threads over in-process gloo, no Ray,
+against plain-torch references written here, with their own sampler and split.
+
+The references follow the rules as a reader would implement them from the README: each member's
+share of each global batch, its mean loss, local optimizers, and at a round the replicas (local
+SGD) or the pseudo-gradients (DiLoCo) averaged with weights proportional to the samples each
+member trained since the previous round.
+"""
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from actors.testing import LocalJob
+from orchestrator.workloads.digits import mlp
+
+SEED, STEPS = 3, 12
+
+
+def config(sync: dict, optimizer: dict, steps: int = STEPS, n: int = 2) -> dict:
+    return {"name": "oracle", "seed": SEED, "workers": {"count": n, "cpus": 1},
+            "workload": {"factory": "orchestrator.workloads.digits:mlp", "params": {"hidden": 16}, "batch_size": 8},
+            "optimizer": optimizer, "sync": sync, "stop": {"max_steps": steps}, "eval_every": 0}
+
+
+def run(tmp_path, sync: dict, optimizer: dict, n: int, global_batch: int, steps: int = STEPS) -> list[torch.Tensor]:
+    slots = [f"w{i}" for i in range(n)]
+    job = LocalJob(config(sync, optimizer, steps, n), slots, str(tmp_path))
+    job.run(tuple(slots), global_batch)
+    params = job.parameters("w0")
+    for slot in slots[1:]:  # every replica ends at the committed state of the last round
+        assert all(torch.equal(a, b) for a, b in zip(params, job.parameters(slot))), f"{slot} differs from w0"
+    return params
+
+
+# ------------------------------------------------------------------ the references
+def global_batch_ids(step: int, size: int, n: int) -> list[int]:
+    out = []
+    for pos in range(step * size, (step + 1) * size):
+        epoch, i = divmod(pos, n)
+        out.append(int(np.random.default_rng([SEED, epoch]).permutation(n)[i]))
+    return out
+
+
+def share(ids: list[int], rank: int, world: int) -> list[int]:
+    base, extra = divmod(len(ids), world)
+    start = rank * base + min(rank, extra)
+    return ids[start:start + base + (1 if rank < extra else 0)]
+
+
+def make_opt(params, cfg: dict) -> torch.optim.Optimizer:
+    if cfg["name"] == "sgd":
+        return torch.optim.SGD(params, lr=cfg["lr"], momentum=cfg.get("momentum", 0), nesterov=cfg.get("nesterov", False),
+                               weight_decay=cfg.get("weight_decay", 0))
+    return torch.optim.AdamW(params, lr=cfg["lr"], weight_decay=cfg.get("weight_decay", 0))
+
+
+def start_model() -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(SEED)
+    workload = mlp(hidden=16)
+    x, y = workload.train_data.tensors
+    return workload.model, x, y
+
+
+def reference_bsp(optimizer: dict, global_batch: int, steps: int = STEPS) -> list[torch.Tensor]:
+    model, x, y = start_model()
+    opt = make_opt(model.parameters(), optimizer)
+    for step in range(steps):
+        index = torch.tensor(global_batch_ids(step, global_batch, len(x)))
+        opt.zero_grad()
+        F.cross_entropy(model(x[index]), y[index]).backward()
+        opt.step()
+    return [p.detach() for p in model.parameters()]
+
+
+def flat(params) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in params])
+
+
+def set_flat(params, vector: torch.Tensor) -> None:
+    offset = 0
+    with torch.no_grad():
+        for p in params:
+            p.copy_(vector[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
+
+
+def reference_periodic(optimizer: dict, n: int, global_batch: int, h: int, steps: int = STEPS, outer: dict | None = None,
+                       fragments: int = 1, overlap: int = 0, alpha: float = 1.0) -> list[torch.Tensor]:
+    """n replicas in one process. Without `outer`: local SGD. With it: (streaming) DiLoCo on the flat
+    parameter vector cut into `fragments` equal slices, fragment f synchronized after steps
+    (f + 1) h / fragments + k h, merged `overlap` steps later (adopted when overlap is 0)."""
+    model, x, y = start_model()
+    replicas = [copy.deepcopy(model) for _ in range(n)]
+    opts = [make_opt(m.parameters(), optimizer) for m in replicas]
+    size = flat(model.parameters()).numel()
+    cuts = [round(k * size / fragments) for k in range(fragments + 1)]
+    glob = [flat(model.parameters())[cuts[f]:cuts[f + 1]].clone().requires_grad_() for f in range(fragments)]
+    outer_opt = torch.optim.SGD(glob, lr=outer["lr"], momentum=outer["momentum"], nesterov=outer["nesterov"]) if outer else None
+    trained = [0] * n
+    since = [[0] * n for _ in range(fragments)]
+    inflight: dict[int, tuple[int, int, torch.Tensor]] = {}  # fragment -> (launched after, merge after, mean)
+    for step in range(1, steps + 1):
+        ids = global_batch_ids(step - 1, global_batch, len(x))
+        for i, (m, opt) in enumerate(zip(replicas, opts)):
+            index = torch.tensor(share(ids, i, n))
+            opt.zero_grad()
+            F.cross_entropy(m(x[index]), y[index]).backward()
+            opt.step()
+            trained[i] += len(index)
+        for f in range(fragments):
+            offset = (f + 1) * h // fragments
+            due = step == steps or (step >= offset and (step - offset) % h == 0)
+            if due and f not in inflight:
+                w = [trained[i] - since[f][i] for i in range(n)]
+                local = [flat(m.parameters())[cuts[f]:cuts[f + 1]] for m in replicas]
+                if outer is None:
+                    mean = sum(wi * li for wi, li in zip(w, local)) / sum(w)
+                else:
+                    mean = sum(wi * (glob[f].detach() - li) for wi, li in zip(w, local)) / sum(w)
+                inflight[f] = (step, step if step == steps else step + overlap, mean)
+                since[f] = list(trained)
+            if f in inflight and (step >= inflight[f][1] or step == steps):
+                launched, _, mean = inflight.pop(f)
+                if outer is not None:
+                    for k, g in enumerate(glob):
+                        g.grad = mean.clone() if k == f else None
+                    outer_opt.step()
+                    mean = glob[f].detach()
+                for m in replicas:
+                    vector = flat(m.parameters())
+                    local = vector[cuts[f]:cuts[f + 1]]
+                    vector[cuts[f]:cuts[f + 1]] = torch.lerp(local, mean, alpha) if step > launched else mean
+                    set_flat(list(m.parameters()), vector)
+    return [p.detach() for p in replicas[0].parameters()]
+
+
+def max_diff(a, b) -> float:
+    return max(float((p - q).abs().max()) for p, q in zip(a, b))
+
+
+SGD_M = {"name": "sgd", "lr": 0.1, "momentum": 0.9, "weight_decay": 0.001}
+ADAMW = {"name": "adamw", "lr": 0.01, "weight_decay": 0.01}
+OUTER = {"lr": 0.7, "momentum": 0.9, "nesterov": True}
+
+
+# ------------------------------------------------------------------ the oracles
+@pytest.mark.parametrize("n,global_batch", [(2, 32), (3, 50), (4, 64)])
+def test_bsp_in_process_equals_single_process(tmp_path, n, global_batch):
+    diff = max_diff(run(tmp_path, {"policy": "bsp", "bucket_mb": 0.004}, SGD_M, n, global_batch),
+                    reference_bsp(SGD_M, global_batch))
+    print(f"bsp n={n} B={global_batch}: {diff:.2e}")
+    assert diff < 1e-6
+
+
+@pytest.mark.parametrize("n,global_batch", [(2, 32), (3, 50), (4, 64)])
+def test_local_sgd_h1_equals_bsp(tmp_path, n, global_batch):
+    """Own mean losses and sample-weighted averaging with local momentum: h = 1 is BSP (n = 3 on a
+    global batch of 50, which 3 does not divide)."""
+    diff = max_diff(run(tmp_path, {"policy": "local_sgd", "h": 1}, SGD_M, n, global_batch), reference_bsp(SGD_M, global_batch))
+    print(f"local_sgd h=1 n={n} B={global_batch} vs bsp: {diff:.2e}")
+    assert diff < 1e-6
+
+
+@pytest.mark.parametrize("optimizer", [SGD_M, ADAMW], ids=["sgd", "adamw"])
+def test_local_sgd_h4_equals_n_replica_simulation(tmp_path, optimizer):
+    diff = max_diff(run(tmp_path, {"policy": "local_sgd", "h": 4}, optimizer, 3, 50),
+                    reference_periodic(optimizer, 3, 50, h=4))
+    print(f"local_sgd h=4 (3 rounds) {optimizer['name']}: {diff:.2e}")
+    assert diff < 1e-5
+
+
+def test_diloco_plain_outer_sgd_h1_equals_local_sgd(tmp_path):
+    plain = {"policy": "diloco", "h": 1, "outer_lr": 1.0, "outer_momentum": 0.0, "nesterov": False}
+    diff = max_diff(run(tmp_path, plain, SGD_M, 3, 50), run(tmp_path / "b", {"policy": "local_sgd", "h": 1}, SGD_M, 3, 50))
+    print(f"diloco (outer lr 1, no momentum) h=1 vs local_sgd h=1: {diff:.2e}")
+    assert diff < 1e-6
+
+
+def test_diloco_h4_nesterov_equals_reference(tmp_path):
+    diff = max_diff(run(tmp_path, {"policy": "diloco", "h": 4}, SGD_M, 3, 50),
+                    reference_periodic(SGD_M, 3, 50, h=4, outer=OUTER))
+    print(f"diloco h=4 outer nesterov (3 rounds): {diff:.2e}")
+    assert diff < 1e-5
+
+
+def test_streaming_one_fragment_without_overlap_equals_diloco(tmp_path):
+    streaming = {"policy": "streaming_diloco", "h": 4, "fragments": 1, "overlap": 0}
+    diff = max_diff(run(tmp_path, streaming, SGD_M, 3, 50), run(tmp_path / "b", {"policy": "diloco", "h": 4}, SGD_M, 3, 50))
+    print(f"streaming (1 fragment, overlap 0) vs diloco: {diff:.2e}")
+    assert diff == 0.0
+
+
+def test_streaming_four_fragments_overlap_one_equals_staggered_reference(tmp_path):
+    streaming = {"policy": "streaming_diloco", "h": 8, "fragments": 4, "overlap": 1, "alpha": 0.5}
+    mine = run(tmp_path, streaming, SGD_M, 3, 50, steps=24)
+    ref = reference_periodic(SGD_M, 3, 50, h=8, steps=24, outer=OUTER, fragments=4, overlap=1, alpha=0.5)
+    diff = max_diff(mine, ref)
+    print(f"streaming 4 fragments, overlap 1 (24 steps): {diff:.2e}")
+    assert diff < 1e-5

@@ -1,0 +1,119 @@
+"""The coordinator's decisions on deaths, finishes, stops and restarts, without Ray."""
+from __future__ import annotations
+
+from algorithms.supervision import (
+    Decision, JobState, JobView, MemberEnded, MemberState, StopRequested, decide, recovered_epoch,
+)
+
+T, R = MemberState.TRAINING, MemberState.READY
+
+
+def view(state=JobState.RUNNING, plan=("w0", "w1", "w2"), members=None, **over) -> JobView:
+    members = members or {s: T for s in plan}
+    return JobView(state=state, plan_members=plan, members=members, **over)
+
+
+def death(slot="w1", **over) -> MemberEnded:
+    return MemberEnded(slot=slot, outcome=over.pop("outcome", "died"), cause=f"worker {slot} died", detector="actor death", **over)
+
+
+def test_death_while_running_reshapes_without_waiting_and_replaces():
+    d = decide(view(), death())
+    assert d.abort and d.publish == ("w0", "w2") and d.replace and d.count_failure and not d.retire
+    assert d.transition == JobState.RESHAPING and d.member == ("w1", MemberState.DEAD)
+
+
+def test_death_while_reshaping_reshapes_again_in_the_same_state():
+    d = decide(view(JobState.RESHAPING), death("w0"))
+    assert d.publish == ("w1", "w2") and d.transition is None and d.replace
+
+
+def test_death_below_min_pauses_and_replaces():
+    d = decide(view(min_workers=3), death())
+    assert d.transition == JobState.PAUSED and d.publish is None and d.replace and d.abort
+    assert "below workers.min = 3" in d.reason
+
+
+def test_death_while_paused_stays_paused():
+    members = {"w0": T, "w1": MemberState.DEAD, "w2": T}
+    d = decide(view(JobState.PAUSED, members=members, min_workers=3), death("w2"))
+    assert d.transition == JobState.PAUSED and d.publish is None and d.member == ("w2", MemberState.DEAD)
+
+
+def test_death_while_stopping_keeps_the_stop_and_needs_no_minimum():
+    d = decide(view(JobState.STOPPING, min_workers=3, stop_kind="STOPPED"), death())
+    assert d.publish == ("w0", "w2") and not d.replace and d.transition is None
+
+
+def test_budget_exhausted_retires_the_slot():
+    d = decide(view(failures={"w1": 2}, failure_budget=3), death())
+    assert d.retire and d.count_failure and d.publish == ("w0", "w2")
+
+
+def test_last_member_dead_fails_the_job():
+    d = decide(view(plan=("w0",), members={"w0": T}), death("w0"))
+    assert d.end_now == JobState.FAILED and "no live worker holds the committed state" in d.reason
+
+
+def test_on_failure_fail_agrees_then_fails():
+    d = decide(view(on_failure="fail"), death(outcome="error"))
+    assert d.stop_kind == "FAILED" and d.stop_step == "held" and d.publish == ("w0", "w2")
+    assert d.transition == JobState.STOPPING and d.member == ("w1", MemberState.FAILED) and not d.replace
+
+
+def test_hung_member_is_recorded_as_hung():
+    d = decide(view(), MemberEnded("w2", "died", cause="no heartbeat", detector="heartbeat", hung=True))
+    assert d.member == ("w2", MemberState.HUNG)
+
+
+def test_leaving_member_that_finishes_has_left():
+    members = {"w0": T, "w1": T, "w2": MemberState.LEAVING}
+    d = decide(view(plan=("w0", "w1"), members=members), MemberEnded("w2", "finished"))
+    assert d.member == ("w2", MemberState.LEFT) and not d.finish
+
+
+def test_leaving_member_that_dies_needs_no_reshape():
+    members = {"w0": T, "w1": T, "w2": MemberState.LEAVING}
+    d = decide(view(plan=("w0", "w1"), members=members), death("w2"))
+    assert d.member == ("w2", MemberState.LEFT) and d.publish is None and not d.abort
+
+
+def test_the_last_member_to_finish_ends_the_job():
+    members = {"w0": MemberState.FINISHED, "w1": MemberState.FINISHED, "w2": T}
+    assert decide(view(members=members), MemberEnded("w2", "finished")).finish
+    assert not decide(view(), MemberEnded("w2", "finished")).finish
+
+
+def test_an_outcome_of_a_departed_member_is_ignored():
+    members = {"w0": T, "w1": MemberState.DEAD, "w2": T}
+    assert decide(view(members=members), death()).ignore
+
+
+def test_stop_while_running_stops_at_the_next_step():
+    d = decide(view(), StopRequested("STOPPED", "stop requested"))
+    assert d.publish == ("w0", "w1", "w2") and d.stop_step == "next" and d.transition == JobState.STOPPING
+
+
+def test_stop_while_paused_republishes_the_survivors_at_their_held_step():
+    members = {"w0": T, "w1": MemberState.DEAD, "w2": T}
+    d = decide(view(JobState.PAUSED, members=members), StopRequested("STOPPED", "interrupted"))
+    assert d.publish == ("w0", "w2") and d.stop_step == "held" and d.transition == JobState.STOPPING
+
+
+def test_stop_with_no_training_member_ends_now():
+    d = decide(view(JobState.PAUSED, plan=(), members={"w0": R}), StopRequested("STOPPED", "stop requested"))
+    assert d.end_now == JobState.STOPPED and d.publish is None
+
+
+def test_a_second_stop_is_ignored():
+    assert decide(view(JobState.STOPPING, stop_kind="FINISHED"), StopRequested("STOPPED", "again")).ignore
+
+
+def test_restart_publishes_an_epoch_no_worker_holds():
+    assert recovered_epoch(saved_epoch=1, worker_epochs=[2, 2, 1]) == 3
+    assert recovered_epoch(saved_epoch=4, worker_epochs=[]) == 5
+
+
+def test_decisions_are_frozen_values():
+    d = decide(view(), death())
+    assert isinstance(d, Decision) and hash(d.publish)
