@@ -98,6 +98,8 @@ class Replica:
         self.plan: Optional[Plan] = None
         self.trained_plan: Optional[Plan] = None
         """The plan under which the provisional steps since the last commit were trained."""
+        self._dropped_slots: set[str] = set()
+        """Departed members whose shares of those steps were already counted as dropped."""
         self.comm: Optional[BaseCommunicator] = None
         self.state, self.cause = "ready", ""
         self.phase, self.phase_since = "starting", time.monotonic()
@@ -226,11 +228,13 @@ class Replica:
                 return False  # a newer membership arrived while forming: go straight to it
             self.comm = comm
             source = enter(self.algorithm.entry, self, comm)
-            if self.impl.commit_mark is not None and self.step > self.impl.commit_mark:
+            if self.impl.commit_mark is None:
+                self._pending_ids = []  # a step that failed everywhere is redone: its samples were not applied
+            elif self.step > self.impl.commit_mark:
                 self._count_dropped(previous, plan)  # local steps kept: the departed members' shares are lost
             if rank == 0 and self.algorithm.entry == "replicated":  # history takes the agreed step, and any it lacks
                 missing = tuple(r for r in self.kept if r["step"] > plan.history_step)
-                self.link.epoch_agreed(plan.membership_epoch, self.committed_view()[0], missing)
+                self.link.epoch_agreed(plan.membership_epoch, self._mark(), missing)
         except CommError as err:
             self.cause = str(err)
             self.impl.on_epoch_end(str(err))
@@ -240,7 +244,8 @@ class Replica:
             return False
         self.impl.on_membership(self.faults.wrap(comm, lambda: self.step),
                                 EpochInfo(rank, len(plan.members), plan.members, plan.global_batch))
-        self.trained_plan = plan
+        if self.step == self._mark():
+            self.trained_plan = plan  # else the kept local steps were trained under the plan before
         if source is not None:
             self.link.state_received(self.slot, plan.membership_epoch, plan.members[source], self.step)
             self.faults.maybe_fire("join", self.step)  # a joiner that has its state but has not trained yet
@@ -278,22 +283,34 @@ class Replica:
         return result["comm"]
 
     # --- what actors/entry.py needs
+    def _mark(self) -> int:
+        """The step of the newest committed state (the current step, unless periodic local steps are
+        provisional)."""
+        mark = self.impl.commit_mark
+        return self.step if mark is None else mark
+
     def committed_view(self) -> tuple[int, int]:
         """(step, checksum) of the newest committed state."""
-        mark = self.impl.commit_mark
         params = self.impl.committed_parameters()
-        return (self.step if mark is None else mark), checksum(params if params is not None else self.model.parameters())
+        return self._mark(), checksum(params if params is not None else self.model.parameters())
 
     def committed_blob(self) -> torch.Tensor:
         return torch.frombuffer(bytearray(self._state_bytes()), dtype=torch.uint8)
 
     def load_blob(self, blob: torch.Tensor) -> None:
+        """Take a holder's newer committed state. If it is the very step (or round) this member
+        attempted in the same epoch (a split vote: its result was lost here, but its share was in
+        the all-reduce everyone else finished), this member's samples of it were applied."""
+        attempted, epoch = self._pending_ids, self.trained_plan.membership_epoch if self.trained_plan else None
         self._load_state_bytes(blob.numpy().tobytes())
+        record = self.kept[-1] if self.kept else None
+        if attempted and record is not None and record.get("membership_epoch") == epoch and attempted[-1][0] == self.step:
+            self._write_samples(attempted, epoch)
 
     def rewind(self) -> None:
         """Back to the committed state: provisional local steps (and their samples) are discarded."""
         self.impl.rewind()
-        self.step, self.cursor = self.committed_view()[0], self.mark_cursor
+        self.step, self.cursor = self._mark(), self.mark_cursor
         self._pending_ids = []
 
     def skip_to(self, step: int) -> None:
@@ -313,17 +330,17 @@ class Replica:
         `faults.record_samples`)."""
         if trained is None:
             return
-        departed = [s for s in trained.members if s not in plan.members]
-        mark = self.committed_view()[0]
-        ids = []
+        departed = [s for s in trained.members if s not in plan.members and s not in self._dropped_slots]
+        self._dropped_slots.update(departed)
+        mark = self._mark()
         for k in range(self.step - mark):
             batch = self.sampler.global_batch(self.mark_cursor + k * trained.global_batch, trained.global_batch)
-            ids += [split_for_rank(batch, trained.rank_of(s), len(trained.members)) for s in departed]
-        lost = np.concatenate(ids) if ids else np.empty(0, dtype=np.int64)
-        self.dropped += len(lost)
-        if self._samples is not None and plan.rank_of(self.slot) == 0 and len(lost):
-            self._samples.write(f"dropped {plan.membership_epoch} {' '.join(map(str, lost.tolist()))}\n")
-            self._samples.flush()
+            shares = [split_for_rank(batch, trained.rank_of(s), len(trained.members)) for s in departed]
+            lost = np.concatenate(shares) if shares else np.empty(0, dtype=np.int64)
+            self.dropped += len(lost)
+            if self._samples is not None and plan.rank_of(self.slot) == 0 and len(lost):
+                self._samples.write(f"dropped {plan.membership_epoch} {mark + k + 1} {' '.join(map(str, lost.tolist()))}\n")
+                self._samples.flush()
 
     # ------------------------------------------------------------------ state
     def _state_bytes(self) -> bytes:
@@ -333,7 +350,7 @@ class Replica:
         if committed is not None:
             model.update({name: t.detach().clone() for name, t in zip(self.param_names, committed)})
         buf = io.BytesIO()
-        torch.save({"model": model, "optimizer": self.optimizer.state_dict(), "step": self.committed_view()[0],
+        torch.save({"model": model, "optimizer": self.optimizer.state_dict(), "step": self._mark(),
                     "cursor": self.mark_cursor, "algorithm": self.impl.state_dict(),
                     "record": self.kept[-1] if self.kept else None,
                     "rng": {"torch": torch.get_rng_state(), "numpy": self.rng.bit_generator.state}}, buf)
@@ -385,6 +402,8 @@ class Replica:
         self._seed_step()
         self.faults.maybe_fire("step", self.step)
         self.faults.maybe_fire("user_exception", self.step)
+        if self.step == self._mark():
+            self.trained_plan = plan  # the first provisional step after a commit
         ids, micro = self._micro_batches(plan)
         draft = VoteDraft(samples=len(ids), newer_plan=self.plans.latest.version > plan.version)
         denominator = max(len(ids), 1) if self.algorithm.local_mean else plan.global_batch
@@ -404,6 +423,8 @@ class Replica:
             vote = self.impl.finish_step(self.step, draft)
             self.faults.lose_vote(self.step)
         except CommError as err:
+            if self._samples is not None and self.impl.commit_mark is None:
+                self._pending_ids = [(self.step + 1, ids)]  # applied if some member committed it (a split vote)
             return self._failed(plan, err)
         self.faults.straggle(started)
         if vote.communicated and self.algorithm.kind == "synchronous" and vote.samples != plan.global_batch:
@@ -416,7 +437,8 @@ class Replica:
             self._pending_ids.append((self.step, ids))
         if self.impl.commit_mark is None:  # every step is a commit point
             self._commit(plan, vote, started, len(micro))
-        return self._adopt_newest_plan() if vote.newer_plan else True
+        # Only a reduced vote is everyone's: members switch plans together, never on a local step's flag.
+        return self._adopt_newest_plan() if vote.newer_plan and vote.communicated else True
 
     def _sync(self, plan: Plan) -> bool:
         """A periodic round: its vote is the commit point of the local steps since the last one."""
@@ -449,13 +471,19 @@ class Replica:
         self.impl.commit(self.step)
         self.mark_cursor = self.cursor
         self.trained_plan = plan
-        if self._samples is not None:
-            for step, ids in self._pending_ids:
-                self._samples.write(f"{step} {plan.membership_epoch} {' '.join(map(str, ids.tolist()))}\n")
-            self._samples.flush()
+        self._dropped_slots = set()
+        self._write_samples(self._pending_ids, plan.membership_epoch)
         self._pending_ids = []
         self._record(plan, vote, started, micro_steps, prev)
         self._maybe_checkpoint(plan, prev)
+
+    def _write_samples(self, steps: list[tuple[int, np.ndarray]], epoch: int) -> None:
+        """`faults.record_samples`: `step membership_epoch ids...` for each step this member applied."""
+        if self._samples is None or not steps:
+            return
+        for step, ids in steps:
+            self._samples.write(f"{step} {epoch} {' '.join(map(str, ids.tolist()))}\n")
+        self._samples.flush()
 
     def _adopt_newest_plan(self) -> bool:
         """Rare path: someone saw a newer plan; agree on the newest with one MAX all-reduce, then every
@@ -522,7 +550,7 @@ class Replica:
         self._last_report = now
         epoch = self.plan.membership_epoch if self.plan else 0
         progress = Progress(self.slot, self.step, epoch, time.time(), tuple(self._records), self.compute_s,
-                            mark=self.committed_view()[0] if self.impl.commit_mark is not None else self.step)
+                            mark=self._mark())
         self._records = []
         try:
             self.link.report(progress, wait=force)
