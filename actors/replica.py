@@ -110,6 +110,8 @@ class Replica:
         """History records of this replica's newest commit points (every member keeps them)."""
         self._last_report = 0.0
         self.compute_s = 0.0
+        self.bytes_before = 0
+        """Bytes this member sent in earlier membership epochs (each epoch's communicator counts its own)."""
         self.dropped = 0
         """Samples handed to departed members since the last record and counted as dropped."""
         self.max_steps = self.cfg.stop.max_steps if self.algorithm.counts_steps else None
@@ -214,6 +216,7 @@ class Replica:
     def _enter_epoch(self, plan: Plan) -> bool:
         if self.comm is not None:
             self.impl.on_epoch_end(f"membership epoch {plan.membership_epoch} begins")
+            self.bytes_before += self.comm.bytes_sent
             self.comm.close()
         self.comm = None
         rank = plan.rank_of(self.slot)
@@ -516,7 +519,7 @@ class Replica:
     def _record(self, plan: Plan, vote: StepVote, started: float, micro_steps: int, prev: Optional[int]) -> None:
         record = {"step": self.step, "time": time.time(), "loss": vote.loss, "world_size": len(plan.members),
                   "global_batch": plan.global_batch, "micro_steps": micro_steps,
-                  "membership_epoch": plan.membership_epoch, "bytes_sent": self.impl.bytes_sent,
+                  "membership_epoch": plan.membership_epoch, "bytes_sent": self.bytes_before + self.impl.bytes_sent,
                   "lr": self.optimizer.param_groups[0]["lr"], "step_time": time.perf_counter() - started}
         if self.impl.commit_mark is not None:
             record.update(prev=prev if prev is not None else 0, samples=vote.samples)

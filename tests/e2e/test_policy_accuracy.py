@@ -1,0 +1,27 @@
+"""Accuracy of the ready configs (slow: `pytest --run-slow tests/e2e/test_policy_accuracy.py -s`):
+digits with 4 workers under bsp, local_sgd (h 8) and diloco (h 16), one after the other in one
+session, reporting steps, wall time and bytes each worker sent per step."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from orchestrator.config import load_config
+from orchestrator.job import ElasticJob
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow
+def test_periodic_policies_reach_095_on_digits_next_to_bsp(run_root):
+    rows = {}
+    for name in ("digits_bsp", "digits_local_sgd", "digits_diloco"):
+        job = ElasticJob(load_config(REPO / "configs" / f"{name}.yaml")).start()
+        result = job.wait(timeout=900)
+        last = job.history()[-1]
+        rows[name] = (result, last["bytes_sent"] / last["step"])
+        print(f"{name}: {result.state} at step {result.step}, accuracy {result.metrics.get('accuracy'):.4f}, "
+              f"{result.elapsed_s:.1f}s, {rows[name][1] / 1024:.1f} KiB sent per worker per step")
+    for name, (result, _) in rows.items():
+        assert result.state == "FINISHED" and result.metrics["accuracy"] >= 0.95, (name, result)

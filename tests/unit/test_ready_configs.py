@@ -1,0 +1,23 @@
+"""Every ready config in configs/ validates and trains: a few steps of each with two replicas in
+process (no Ray), through the policy it names. The full runs are in tests/e2e (main job) and the
+slow tier (tests/e2e/test_policy_accuracy.py)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from actors.testing import LocalJob
+from orchestrator.config import load_config
+
+CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
+def test_ready_config_trains(path, tmp_path):
+    config = load_config(path, ["workers.count=2", "workers.min=1", "stop.max_steps=20", "stop.target=null",
+                                "eval_every=0"]).to_dict()
+    job = LocalJob(config, ["w0", "w1"], str(tmp_path))
+    job.run(("w0", "w1"), 2 * config["workload"]["batch_size"])
+    steps = [r["step"] for r in job.link.records]
+    assert steps and steps[-1] == 20, steps
