@@ -39,6 +39,7 @@ class WorkerFaults:
         self._record = record
         self._kill_actor = kill_actor
         self.slowdown = max([s.slowdown for s in cfg.stragglers if s.slot == slot] or [1.0])
+        self.delay_s = max([s.delay_s for s in cfg.stragglers if s.slot == slot] or [0.0])
 
     def has(self, phase: str) -> bool:
         return any(k.slot == self.slot and k.at == phase for k in self.kills)
@@ -70,9 +71,10 @@ class WorkerFaults:
             raise CommError(f"injected fault: {self.slot} lost the result of the commit vote for step {step + 1}")
 
     def straggle(self, started: float) -> None:
-        """A straggler's step takes `slowdown` times as long as it computed."""
-        if self.slowdown > 1.0:
-            time.sleep((time.perf_counter() - started) * (self.slowdown - 1.0))
+        """A straggler's step takes `slowdown` times as long as it computed, plus `delay_s`."""
+        extra = (time.perf_counter() - started) * (self.slowdown - 1.0) + self.delay_s
+        if extra > 0:
+            time.sleep(extra)
 
     def fire(self, kill: KillFault, step: int) -> None:
         if kill.how == "raise":

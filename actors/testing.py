@@ -31,6 +31,13 @@ from actors.comm import BaseCommunicator, CommError, GroupSpec, make_communicato
 from actors.plan import Plan, Progress, WorkerSpec
 
 
+def child_env(repo, **over: str) -> dict:
+    """The environment for a `python -m orchestrator ...` child process: the repository first on
+    PYTHONPATH, ahead of what is already there (where Ray may live, as on the GPU machine)."""
+    path = os.environ.get("PYTHONPATH")
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([str(repo)] + ([path] if path else [])), **over)
+
+
 def wait_until(predicate: Callable[[], Any], timeout: float = 90, what: str = "condition", every: float = 0.05) -> Any:
     """Poll until `predicate()` is truthy and return its value; TimeoutError naming `what` after `timeout` s."""
     deadline = time.monotonic() + timeout

@@ -282,11 +282,16 @@ class StragglerFault:
     slot: str = ""
     slowdown: float = 1.0
     """Each step takes this many times as long (a sleep after compute)."""
+    delay_s: float = 0.0
+    """Each step also sleeps this long: a fixed compute time, so a run's pace is the same on fast
+    and slow machines."""
 
     def __post_init__(self) -> None:
         _check_slot(self.slot)
         if self.slowdown < 1.0:
             raise FieldError("slowdown", f"must be >= 1.0, got {self.slowdown}")
+        if self.delay_s < 0:
+            raise FieldError("delay_s", f"must not be negative, got {self.delay_s}")
 
 
 @dataclass
@@ -381,6 +386,12 @@ class JobConfig:
     (`workers/<slot>.log`) and the driver; `--log-level` on the command line sets it too."""
 
     def __post_init__(self) -> None:
+        gpus = self.workers.gpus
+        if gpus > 0 and gpus != int(gpus) and self.comm.backend != "gloo":
+            raise FieldError("comm.backend", f"NCCL needs whole GPUs (workers.gpus = {gpus:g}: one GPU cannot hold "
+                                             f"two NCCL ranks); set comm.backend: gloo to share GPUs, or whole gpus")
+        if self.comm.backend == "nccl" and gpus <= 0:
+            raise FieldError("comm.backend", "nccl needs workers.gpus >= 1")
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}", self.name or ""):
             raise FieldError("name", f"must be 1-64 characters of letters, digits, '_', '.', '-', got {self.name!r}")
         if self.eval_every < 0:

@@ -23,7 +23,7 @@ def config(name: str, kills: list) -> dict:
             "workload": {"factory": "orchestrator.workloads.digits:mlp", "params": {"hidden": 64}, "batch_size": 8},
             "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9}, "checkpoint": {"every_steps": 50},
             "stop": {"max_steps": STEPS}, "eval_every": 0,
-            "faults": {"kills": kills, "stragglers": [{"slot": "w3", "slowdown": 25.0}]}}
+            "faults": {"kills": kills, "stragglers": [{"slot": "w3", "delay_s": 0.05}]}}
 
 
 def params(job: ElasticJob) -> list[torch.Tensor]:

@@ -10,15 +10,22 @@ from pathlib import Path
 
 import ray
 
+from actors.testing import child_env
 from orchestrator.job import ElasticJob
 
 REPO = Path(__file__).resolve().parents[2]
 
 
+def without_repo(env: dict) -> None:
+    """The environment's own PYTHONPATH (where Ray may live), without the repository."""
+    if os.environ.get("PYTHONPATH"):
+        env["PYTHONPATH"] = os.environ["PYTHONPATH"]
+    else:
+        env.pop("PYTHONPATH", None)
+
+
 def _env(tmp_path: Path) -> dict:
-    env = dict(os.environ)
-    env["ORCHESTRATOR_RUN_ROOT"] = str(tmp_path / "runs")
-    env["PYTHONPATH"] = str(REPO)
+    env = child_env(REPO, ORCHESTRATOR_RUN_ROOT=str(tmp_path / "runs"))
     env.pop("RAY_ADDRESS", None)  # a `run` without --address starts its own local Ray
     return env
 
@@ -89,7 +96,7 @@ def test_status_and_stop_from_other_processes(tmp_path, run_root):
 def test_user_workload_from_working_directory(tmp_path, ray_session):
     workdir = REPO / "tests" / "workloads"
     env = _env(tmp_path)
-    env.pop("PYTHONPATH")  # the workload must come from the working directory alone
+    without_repo(env)  # the workload must come from the working directory alone
     proc = subprocess.run([sys.executable, "-m", "orchestrator", "run", "custom.yaml"], cwd=workdir, env=env,
                           capture_output=True, text=True, timeout=300)
     print(proc.stdout[-1500:], proc.stderr[-1500:])
@@ -100,7 +107,7 @@ def test_user_workload_from_working_directory(tmp_path, ray_session):
 def test_user_code_exception_fails_run_with_exit_1(tmp_path, ray_session):
     workdir = REPO / "tests" / "workloads"
     env = _env(tmp_path)
-    env.pop("PYTHONPATH")
+    without_repo(env)
     proc = subprocess.run([sys.executable, "-m", "orchestrator", "run", "custom.yaml", "--set",
                            "workload.params.fail_at_step=7"], cwd=workdir, env=env,
                           capture_output=True, text=True, timeout=300)

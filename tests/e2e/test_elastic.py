@@ -3,7 +3,6 @@ never lose or repeat a committed step or a sample."""
 from __future__ import annotations
 
 import io
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +13,7 @@ import ray
 import torch
 
 from orchestrator.config import config_from_dict
-from actors.testing import wait_until
+from actors.testing import child_env, wait_until
 from orchestrator.job import ElasticJob
 
 REPO = Path(__file__).resolve().parents[2]
@@ -52,7 +51,7 @@ def test_scale_up_by_api_then_down_by_cli(run_root):
     job.scale(4)
     wait_until(lambda: len(reshapes(job)) >= 1, what="scale-up to commit")
     address = ray.get_runtime_context().gcs_address
-    env = dict(os.environ, PYTHONPATH=str(REPO), ORCHESTRATOR_RUN_ROOT=str(run_root))
+    env = child_env(REPO, ORCHESTRATOR_RUN_ROOT=str(run_root))
     cli = subprocess.run([sys.executable, "-m", "orchestrator", "scale", "scale", "3", "--address", address],
                          cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     print(cli.stdout, cli.stderr)
@@ -106,7 +105,7 @@ def test_exactly_once_data_over_a_kill_a_join_and_a_scale_down(run_root, victim)
     cfg = make_config(f"exactly-once-{victim}", workers={"count": 3, "max": 4, "cpus": 0.5},
                       workload={"factory": "orchestrator.workloads.digits:mlp", "params": {"hidden": 32}, "batch_size": 2},
                       faults={"kills": [{"slot": victim, "step": 5, "at": "allreduce"}], "record_samples": True,
-                              "stragglers": [{"slot": "w2", "slowdown": 25.0}]},
+                              "stragglers": [{"slot": "w2", "delay_s": 0.08}]},  # data epoch 0 lasts ~19 s
                       stop={"max_steps": 300})
     job = ElasticJob(config_from_dict(cfg)).start()
     wait_until(lambda: len(reshapes(job)) >= 2, what="kill and replacement join")
@@ -145,7 +144,7 @@ def test_nothing_lost_two_kills_and_a_join_match_fault_free(run_root):
     base = dict(workers={"count": 3, "max": 4, "cpus": 0.5}, stop={"max_steps": 300},
                 workload={"factory": "orchestrator.workloads.digits:mlp", "params": {"hidden": 64},
                           "batch_size": 16, "micro_batch": 16},
-                faults={"stragglers": [{"slot": "w0", "slowdown": 6.0}]})
+                faults={"stragglers": [{"slot": "w0", "delay_s": 0.05}]})  # a replacement joins by step ~270
     clean = ElasticJob(config_from_dict(make_config("clean", **base))).start()
     assert clean.wait(timeout=180).state == "FINISHED"
     churn_cfg = make_config("churn", **base)

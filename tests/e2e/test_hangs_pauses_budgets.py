@@ -130,7 +130,7 @@ def test_slot_that_always_fails_is_retired_and_the_job_goes_on(run_root, monkeyp
     monkeypatch.chdir(REPO / "tests" / "workloads")
     cfg = config("budget", workers={"count": 3, "cpus": 0.5, "failure_budget": 2},
                  workload={"factory": "custom_workload:make", "params": {"n": 1200, "fail_slot": "w2"}, "batch_size": 8},
-                 stop={"max_steps": 400}, faults={"stragglers": [{"slot": "w0", "slowdown": 10.0}]})
+                 stop={"max_steps": 400}, faults={"stragglers": [{"slot": "w0", "delay_s": 0.07}]})  # two failed starts fit
     job = ElasticJob(config_from_dict(cfg)).start()
     result = job.wait(timeout=180)
     status = job.status()

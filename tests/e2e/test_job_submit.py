@@ -2,6 +2,7 @@
 workload shipped in the working directory; the test attaches to the job by name while it runs."""
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import signal
@@ -23,6 +24,12 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+DASHBOARD_NEEDS = ("aiohttp_cors", "opencensus", "colorful", "smart_open", "virtualenv")
+MISSING = [m for m in DASHBOARD_NEEDS if importlib.util.find_spec(m) is None]
+pytestmark = pytest.mark.skipif(bool(MISSING), reason=f"`ray job submit` needs Ray's dashboard (ray[default]); "
+                                                      f"missing: {', '.join(MISSING)}")
 
 
 @pytest.fixture

@@ -13,6 +13,7 @@ import psutil
 import torch
 import yaml
 
+from actors.testing import child_env
 from orchestrator.config import config_from_dict
 from orchestrator.job import ElasticJob
 from actors import runfiles
@@ -46,10 +47,10 @@ def test_sigkill_near_70_resumes_from_60_and_matches_uninterrupted(tmp_path, run
     expected = params_of(reference.run_dir)
 
     root = tmp_path / "runs"
-    env = dict(os.environ, ORCHESTRATOR_RUN_ROOT=str(root), PYTHONPATH=str(REPO))
+    env = child_env(REPO, ORCHESTRATOR_RUN_ROOT=str(root))
     env.pop("RAY_ADDRESS", None)  # each `run` starts (and owns) its own local Ray
     config_path = tmp_path / "resume.yaml"
-    slow = dict(CONFIG, faults={"stragglers": [{"slot": "w0", "slowdown": 15.0}]})
+    slow = dict(CONFIG, faults={"stragglers": [{"slot": "w0", "delay_s": 0.02}]})
     config_path.write_text(yaml.safe_dump(slow))
     proc = subprocess.Popen([sys.executable, "-m", "orchestrator", "run", str(config_path)], cwd=REPO, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
