@@ -16,6 +16,7 @@ timeout and takes a process-wide lock while a group forms. The GPU path drives a
 from __future__ import annotations
 
 import datetime
+import logging
 import socket
 import threading
 import time
@@ -26,6 +27,8 @@ import torch
 import torch.distributed as dist
 
 from core.schema import OrchestratorError
+
+log = logging.getLogger(__name__)
 
 
 class CommError(OrchestratorError):
@@ -75,7 +78,8 @@ class Handle:
         limit = self._comm.timeout_s if timeout is None else timeout
         finished = self._done.wait(limit)
         if self._comm.aborted:
-            raise CommAborted(f"group {self._comm.name}: membership epoch aborted ({self._comm.abort_reason})")
+            kind = CommTimeout if self._comm.timed_out else CommAborted
+            raise kind(f"group {self._comm.name}: membership epoch aborted ({self._comm.abort_reason})")
         if not finished:
             self._comm.mark_failed()
             raise CommTimeout(f"group {self._comm.name}: operation did not finish within {limit:.1f}s")
@@ -100,6 +104,7 @@ class Communicator(Protocol):
     def broadcast(self, tensor: torch.Tensor, src: int) -> Handle: ...
     def barrier(self) -> Handle: ...
     def all_gather(self, outputs: list[torch.Tensor], tensor: torch.Tensor) -> Handle: ...
+    def all_to_all(self, output: torch.Tensor, tensor: torch.Tensor) -> Handle: ...
     def send(self, tensor: torch.Tensor, dst: int) -> Handle: ...
     def recv(self, tensor: torch.Tensor, src: int) -> Handle: ...
 
@@ -110,6 +115,9 @@ _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp
 class BaseCommunicator:
     """State shared by both backends: abort flag, pending handles, byte counter."""
 
+    device = torch.device("cpu")
+    """Where this group's own small tensors (votes, agreements) live: CPU for gloo, the GPU for NCCL."""
+
     def __init__(self, spec: GroupSpec) -> None:
         self.spec = spec
         self.name = spec.name
@@ -118,6 +126,7 @@ class BaseCommunicator:
         self.timeout_s = spec.timeout_s
         self.bytes_sent = 0
         self.aborted = False
+        self.timed_out = False
         self.failed = False
         self.abort_reason = ""
         self._pending: set[Handle] = set()
@@ -188,6 +197,13 @@ class GlooCommunicator(BaseCommunicator):
         self.bytes_sent += tensor.numel() * tensor.element_size() * (self.world_size - 1)
         return Handle(work, self, (tensor, *outputs))
 
+    def all_to_all(self, output: torch.Tensor, tensor: torch.Tensor) -> Handle:
+        """Chunk i of `tensor` (split evenly by world size) goes to rank i; chunk j of `output` comes from rank j."""
+        self._check()
+        work = self._pg.alltoall_base(output, tensor, [], [], dist.AllToAllOptions())
+        self.bytes_sent += tensor.numel() * tensor.element_size() * (self.world_size - 1) // max(self.world_size, 1)
+        return Handle(work, self, (tensor, output))
+
     def send(self, tensor: torch.Tensor, dst: int) -> Handle:
         self._check()
         work = self._pg.send([tensor], dst, 0)
@@ -227,97 +243,178 @@ def _opts(op: str) -> dist.AllreduceOptions:
     return opts
 
 
-class NcclCommunicator(BaseCommunicator):
+class NcclCommunicator(BaseCommunicator):  # pragma: no cover - needs a GPU (tests/gpu)
     """NCCL through cupy's `NcclCommunicator`, one per membership epoch, on a side stream.
 
     ray.util.collective's NCCL group launches synchronously on the current stream and has no
     timeout or abort, which this interface needs; so the communicator is built directly. Rank 0
-    publishes the NCCL unique id in the group's store prefix; the others read it. Each
-    operation is enqueued on a private stream and followed by a CUDA event; `Handle.wait` polls
-    that event against the abort flag and the timeout, and on timeout or abort calls
-    `ncclCommAbort` so that the peers' kernels are released too.
+    publishes NCCL's unique id (bytes) in the group's store prefix; the others read it. Every
+    operation is enqueued on the communicator's own CUDA stream after that stream waits for an
+    event recorded on torch's current stream (so the inputs are ready without blocking the host,
+    and overlap with backward survives), and is followed by an event that one poller thread per
+    communicator watches against the abort flag and the timeout; on either, `ncclCommAbort`
+    releases the peers' kernels too. Launches and the abort hold one lock (a launch into an
+    aborted communicator is refused), buffers in flight are recorded on the side stream (the
+    caching allocator keeps them until the stream is done with them) and referenced by their
+    handles, and every NCCL error surfaces as `CommError` with its text.
     """
 
-    def __init__(self, spec: GroupSpec, store: dist.Store) -> None:  # pragma: no cover - needs a GPU
+    device: torch.device
+
+    def __init__(self, spec: GroupSpec, store: dist.Store) -> None:
         super().__init__(spec)
         import cupy
         from cupy.cuda import nccl
 
         self._cupy, self._nccl = cupy, nccl
+        self.device = torch.device("cuda", torch.cuda.current_device())
         prefix = dist.PrefixStore(spec.name + "/", store)
         if spec.rank == 0:
-            prefix.set("nccl_uid", bytes(bytearray(b % 256 for b in nccl.get_unique_id())))
-        raw = prefix.get("nccl_uid")
-        uid = tuple(b if b < 128 else b - 256 for b in raw)
-        self._comm = nccl.NcclCommunicator(spec.world_size, uid, spec.rank)
-        self._stream = cupy.cuda.Stream(non_blocking=True)
+            prefix.set("nccl_uid", _uid_bytes(nccl.get_unique_id()))
+        uid = bytes(prefix.get("nccl_uid"))
+        self._launch_lock = threading.Lock()
+        try:
+            with cupy.cuda.Device(self.device.index):
+                self._comm = _new_nccl_comm(nccl, spec.world_size, uid, spec.rank)
+        except Exception as err:  # noqa: BLE001 - NcclError or a cupy version mismatch
+            raise CommError(f"group {spec.name}: NCCL communicator did not form: {err}") from None
+        self._stream = torch.cuda.Stream(device=self.device)
+        self._poller = _EventPoller(self)
 
-    def _launch(self, fn: Callable[[int], None], keep: Sequence[torch.Tensor]) -> Handle:  # pragma: no cover
-        if self.aborted:
-            raise CommAborted(f"group {self.name}: membership epoch aborted ({self.abort_reason})")
-        torch.cuda.current_stream().synchronize()  # inputs are ready before NCCL reads them
-        fn(self._stream.ptr)
-        event = self._cupy.cuda.Event(block=False, disable_timing=True)
-        event.record(self._stream)
-        return Handle(_CudaEventWork(event, self), self, keep)
+    def _launch(self, fn: Callable[[int], None], keep: Sequence[torch.Tensor],
+                finish: Optional[Callable[[], None]] = None) -> Handle:
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(self.device))
+        with self._launch_lock:
+            if self.aborted or self._comm is None:
+                raise CommAborted(f"group {self.name}: membership epoch aborted ({self.abort_reason})")
+            self._stream.wait_event(ready)  # the inputs are ready, on the GPU: the host never waits
+            for t in keep:
+                t.record_stream(self._stream)
+            try:
+                fn(self._stream.cuda_stream)
+            except Exception as err:  # noqa: BLE001 - an NcclError (or a bad argument)
+                self.mark_failed()
+                raise CommError(f"group {self.name}: NCCL: {err}") from None
+            done = torch.cuda.Event()
+            done.record(self._stream)
+        work = _CudaWork(done, self)
+        handle = Handle(work, self, keep, finish)
+        self._poller.watch(work)
+        return handle
 
-    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> Handle:  # pragma: no cover
-        nccl_op = {"sum": self._nccl.NCCL_SUM, "max": self._nccl.NCCL_MAX, "min": self._nccl.NCCL_MIN}[op]
+    def _dtype(self, tensor: torch.Tensor) -> int:
+        return _nccl_dtype(self._nccl, tensor)
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> Handle:
+        nccl = self._nccl
+        nccl_op = {"sum": nccl.NCCL_SUM, "max": nccl.NCCL_MAX, "min": nccl.NCCL_MIN}[op]
+        dtype = self._dtype(tensor)
         self.bytes_sent += self._ring_bytes(tensor)
-        return self._launch(lambda s: self._comm.allReduce(tensor.data_ptr(), tensor.data_ptr(), tensor.numel(), _nccl_dtype(self._nccl, tensor), nccl_op, s), (tensor,))
+        return self._launch(lambda s: self._comm.allReduce(tensor.data_ptr(), tensor.data_ptr(), tensor.numel(),
+                                                           dtype, nccl_op, s), (tensor,))
 
-    def broadcast(self, tensor: torch.Tensor, src: int) -> Handle:  # pragma: no cover
+    def broadcast(self, tensor: torch.Tensor, src: int) -> Handle:
+        dtype = self._dtype(tensor)
         if self.rank == src:
             self.bytes_sent += tensor.numel() * tensor.element_size()
-        return self._launch(lambda s: self._comm.bcast(tensor.data_ptr(), tensor.numel(), _nccl_dtype(self._nccl, tensor), src, s), (tensor,))
+        return self._launch(lambda s: self._comm.bcast(tensor.data_ptr(), tensor.numel(), dtype, src, s), (tensor,))
 
-    def barrier(self) -> Handle:  # pragma: no cover
-        token = torch.zeros(1, device="cuda")
-        return self.all_reduce(token)
+    def barrier(self) -> Handle:
+        return self.all_reduce(torch.zeros(1, device=self.device))
 
-    def all_gather(self, outputs: list[torch.Tensor], tensor: torch.Tensor) -> Handle:  # pragma: no cover
+    def all_gather(self, outputs: list[torch.Tensor], tensor: torch.Tensor) -> Handle:
         flat = torch.empty(self.world_size * tensor.numel(), dtype=tensor.dtype, device=tensor.device)
+        dtype = self._dtype(tensor)
 
         def scatter_back() -> None:
             for i, out in enumerate(outputs):
                 out.copy_(flat[i * tensor.numel():(i + 1) * tensor.numel()].view_as(out))
 
         self.bytes_sent += tensor.numel() * tensor.element_size() * (self.world_size - 1)
-        handle = self._launch(lambda s: self._comm.allGather(tensor.data_ptr(), flat.data_ptr(), tensor.numel(), _nccl_dtype(self._nccl, tensor), s), (tensor, flat, *outputs))
-        handle._finish = scatter_back
-        return handle
+        return self._launch(lambda s: self._comm.allGather(tensor.data_ptr(), flat.data_ptr(), tensor.numel(), dtype, s),
+                            (tensor, flat, *outputs), scatter_back)
 
-    def send(self, tensor: torch.Tensor, dst: int) -> Handle:  # pragma: no cover
+    def all_to_all(self, output: torch.Tensor, tensor: torch.Tensor) -> Handle:
+        """Chunk i of `tensor` (split evenly by world size) goes to rank i; chunk j of `output` comes from rank j."""
+        n, chunk = self.world_size, tensor.numel() // self.world_size
+        dtype, size = self._dtype(tensor), tensor.element_size()
+
+        def run(s: int) -> None:
+            self._nccl.groupStart()
+            try:
+                for peer in range(n):
+                    self._comm.send(tensor.data_ptr() + peer * chunk * size, chunk, dtype, peer, s)
+                    self._comm.recv(output.data_ptr() + peer * chunk * size, chunk, dtype, peer, s)
+            finally:
+                self._nccl.groupEnd()
+
+        self.bytes_sent += chunk * size * (n - 1)
+        return self._launch(run, (tensor, output))
+
+    def send(self, tensor: torch.Tensor, dst: int) -> Handle:
+        dtype = self._dtype(tensor)
         self.bytes_sent += tensor.numel() * tensor.element_size()
-        return self._launch(lambda s: self._comm.send(tensor.data_ptr(), tensor.numel(), _nccl_dtype(self._nccl, tensor), dst, s), (tensor,))
+        return self._launch(lambda s: self._grouped(lambda: self._comm.send(tensor.data_ptr(), tensor.numel(), dtype, dst, s)),
+                            (tensor,))
 
-    def recv(self, tensor: torch.Tensor, src: int) -> Handle:  # pragma: no cover
-        return self._launch(lambda s: self._comm.recv(tensor.data_ptr(), tensor.numel(), _nccl_dtype(self._nccl, tensor), src, s), (tensor,))
+    def recv(self, tensor: torch.Tensor, src: int) -> Handle:
+        dtype = self._dtype(tensor)
+        return self._launch(lambda s: self._grouped(lambda: self._comm.recv(tensor.data_ptr(), tensor.numel(), dtype, src, s)),
+                            (tensor,))
 
-    def abort(self, reason: str = "aborted by coordinator") -> None:  # pragma: no cover
+    def _grouped(self, call: Callable[[], None]) -> None:
+        self._nccl.groupStart()
+        try:
+            call()
+        finally:
+            self._nccl.groupEnd()
+
+    def abort(self, reason: str = "aborted by coordinator") -> None:
+        """Fail every wait at once and abort the NCCL communicator (its peers' kernels are released).
+        The launch lock is taken when it can be; a launch blocked inside NCCL is exactly what the
+        abort must release, so after a short wait it aborts without it."""
         super().abort(reason)
-        self._comm.abort()
+        locked = self._launch_lock.acquire(timeout=0.5)
+        try:
+            comm, self._comm = self._comm, None
+            if comm is not None:
+                comm.abort()
+        except Exception as err:  # noqa: BLE001 - an abort that fails still leaves the group failed
+            log.warning("ncclCommAbort of %s: %s", self.name, err)
+        finally:
+            if locked:
+                self._launch_lock.release()
 
-    def close(self) -> None:  # pragma: no cover
+    def close(self) -> None:
+        """Release the communicator in the background: destroy it when healthy, abort it when failed;
+        kernels still in flight finish (or are aborted) before its buffers may be reused."""
+        self._poller.stop()
         comm, self._comm = self._comm, None
-        threading.Thread(target=comm.abort if self.failed else comm.destroy, daemon=True).start()
+        if comm is None:
+            return
+        stream = self._stream
+
+        def release() -> None:
+            try:
+                if self.failed:
+                    comm.abort()
+                else:
+                    stream.synchronize()
+                    comm.destroy()
+            except Exception as err:  # noqa: BLE001
+                log.warning("releasing NCCL communicator %s: %s", self.name, err)
+
+        threading.Thread(target=release, name=f"close {self.name}", daemon=True).start()
 
 
-class _CudaEventWork:  # pragma: no cover - needs a GPU
-    """Adapts a CUDA event to the subset of c10d.Work that Handle uses."""
+class _CudaWork:  # pragma: no cover - needs a GPU
+    """Adapts a CUDA event to the part of c10d.Work that Handle uses; `_EventPoller` completes it."""
 
     def __init__(self, event, comm: NcclCommunicator) -> None:
-        self._event, self._comm = event, comm
+        self.event, self.comm = event, comm
+        self.deadline = time.monotonic() + comm.timeout_s
         self._future = torch.futures.Future()
-        threading.Thread(target=self._poll, daemon=True).start()
-
-    def _poll(self) -> None:
-        deadline = time.monotonic() + self._comm.timeout_s
-        while not self._event.done and not self._comm.aborted and time.monotonic() < deadline:
-            time.sleep(0.0002)
-        if not self._event.done and not self._comm.aborted:
-            self._comm.abort("NCCL operation timed out")
-        self._future.set_result(None)
 
     def get_future(self):
         return self._future
@@ -326,15 +423,83 @@ class _CudaEventWork:  # pragma: no cover - needs a GPU
         return self._future.done()
 
     def wait(self) -> None:
-        if not self._event.done:
-            raise CommError(f"group {self._comm.name}: NCCL operation aborted")
-        self._comm._comm.check_async_error()
+        if not self.event.query():
+            raise CommError(f"group {self.comm.name}: NCCL operation did not complete (aborted)")
+        comm = self.comm._comm
+        if comm is not None:
+            try:
+                comm.check_async_error()
+            except Exception as err:  # noqa: BLE001
+                raise CommError(f"group {self.comm.name}: NCCL: {err}") from None
 
 
-def _nccl_dtype(nccl, tensor: torch.Tensor) -> int:  # pragma: no cover
-    return {torch.float32: nccl.NCCL_FLOAT32, torch.float16: nccl.NCCL_FLOAT16, torch.float64: nccl.NCCL_FLOAT64,
-            torch.int64: nccl.NCCL_INT64, torch.int32: nccl.NCCL_INT32, torch.uint8: nccl.NCCL_UINT8,
-            torch.bfloat16: getattr(nccl, "NCCL_BFLOAT16", nccl.NCCL_FLOAT16)}[tensor.dtype]
+class _EventPoller:  # pragma: no cover - needs a GPU
+    """One thread per communicator: completes each operation's work when its event fires, or when the
+    epoch is aborted, or at its deadline (then it aborts the communicator: a timeout)."""
+
+    def __init__(self, comm: NcclCommunicator) -> None:
+        self._comm = comm
+        self._works: list[_CudaWork] = []
+        self._cv = threading.Condition()
+        self._stopped = False
+        threading.Thread(target=self._run, name=f"poll {comm.name}", daemon=True).start()
+
+    def watch(self, work: _CudaWork) -> None:
+        with self._cv:
+            self._works.append(work)
+            self._cv.notify()
+
+    def stop(self) -> None:
+        with self._cv:
+            self._stopped = True
+            self._cv.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._works and not self._stopped:
+                    self._cv.wait()
+                if self._stopped and not self._works:
+                    return
+                works = list(self._works)
+            now = time.monotonic()
+            finished = [w for w in works if self._comm.aborted or w.event.query() or now > w.deadline]
+            if any(now > w.deadline and not w.event.query() for w in finished) and not self._comm.aborted:
+                self._comm.timed_out = True
+                self._comm.abort(f"NCCL operation did not finish within {self._comm.timeout_s:.1f}s")
+            with self._cv:
+                self._works = [w for w in self._works if w not in finished]
+            for work in finished:
+                work.get_future().set_result(None)
+            if not finished:
+                time.sleep(0.0002)
+
+
+def _uid_bytes(uid) -> bytes:
+    """NCCL's unique id as bytes (cupy >= 14 returns bytes, earlier versions a tuple of signed chars)."""
+    return uid if isinstance(uid, bytes) else bytes(b % 256 for b in uid)
+
+
+def _new_nccl_comm(nccl, world: int, uid: bytes, rank: int):  # pragma: no cover - needs a GPU
+    """cupy >= 14 takes the id as bytes, earlier versions as a tuple of signed chars."""
+    try:
+        return nccl.NcclCommunicator(world, uid, rank)
+    except TypeError:
+        return nccl.NcclCommunicator(world, tuple(b if b < 128 else b - 256 for b in uid), rank)
+
+
+def _nccl_dtype(nccl, tensor: torch.Tensor) -> int:  # pragma: no cover - needs a GPU
+    if tensor.dtype == torch.bfloat16:
+        if not hasattr(nccl, "NCCL_BFLOAT16") or nccl.get_version() < 21000:
+            raise CommError("bfloat16 tensors need NCCL 2.10 or newer (this one has no bf16 type); use float32 "
+                            "buckets or comm.backend: gloo")
+        return nccl.NCCL_BFLOAT16
+    table = {torch.float32: nccl.NCCL_FLOAT32, torch.float16: nccl.NCCL_FLOAT16, torch.float64: nccl.NCCL_FLOAT64,
+             torch.int64: nccl.NCCL_INT64, torch.int32: nccl.NCCL_INT32, torch.uint8: nccl.NCCL_UINT8,
+             torch.int8: nccl.NCCL_INT8}
+    if tensor.dtype not in table:
+        raise CommError(f"NCCL has no type for {tensor.dtype}")
+    return table[tensor.dtype]
 
 
 # --------------------------------------------------------------------------- store and factory

@@ -46,11 +46,12 @@ def enter(mode: str, member: Member, comm: Any) -> Optional[int]:
 
 def enter_replicated(member: Member, comm: Any) -> Optional[int]:
     mark, digest = member.committed_view()
-    mine = torch.tensor([mark, digest, member.step], dtype=torch.int64)
-    views = [torch.zeros(3, dtype=torch.int64) for _ in range(comm.world_size)]
+    mine = torch.tensor([mark, digest, member.step], dtype=torch.int64, device=comm.device)
+    views = [torch.zeros(3, dtype=torch.int64, device=comm.device) for _ in range(comm.world_size)]
     comm.all_gather(views, mine).wait()
     if all(torch.equal(v, views[0]) for v in views):
         return None  # one committed state and one step everywhere: keep it (and any local steps)
+    views = [v.cpu() for v in views]
     newest = max(int(v[0]) for v in views)
     src = min(r for r, v in enumerate(views) if int(v[0]) == newest)
     differs = [not torch.equal(v[:2], views[src][:2]) for v in views]
@@ -64,13 +65,13 @@ def enter_replicated(member: Member, comm: Any) -> Optional[int]:
 
 def _broadcast_state(member: Member, comm: Any, src: int, keep: bool = False) -> Optional[int]:
     """The committed state of `src`, to every member (a collective); loaded unless `keep`."""
-    size = torch.zeros(1, dtype=torch.int64)
-    blob = member.committed_blob() if comm.rank == src else None
+    size = torch.zeros(1, dtype=torch.int64, device=comm.device)
+    blob = member.committed_blob().to(comm.device) if comm.rank == src else None
     if blob is not None:
         size[0] = blob.numel()
     comm.broadcast(size, src).wait()
     if blob is None:
-        blob = torch.empty(int(size[0]), dtype=torch.uint8)
+        blob = torch.empty(int(size[0]), dtype=torch.uint8, device=comm.device)
     comm.broadcast(blob, src).wait()
     if keep or comm.rank == src:
         return None
@@ -80,7 +81,7 @@ def _broadcast_state(member: Member, comm: Any, src: int, keep: bool = False) ->
 
 def enter_average(member: Member, comm: Any) -> Optional[int]:
     """Decentralized entry: nobody is overwritten; the members agree on the newest step."""
-    step = torch.tensor([member.step], dtype=torch.int64)
+    step = torch.tensor([member.step], dtype=torch.int64, device=comm.device)
     comm.all_reduce(step, "max").wait()
     member.skip_to(int(step[0]))  # type: ignore[attr-defined]
     return None

@@ -25,7 +25,6 @@ import hashlib
 import io
 import logging
 import os
-import sys
 import threading
 import time
 import traceback
@@ -35,7 +34,7 @@ from typing import Any, Callable, Optional, Protocol
 import numpy as np
 import torch
 
-from actors.comm import BaseCommunicator, CommError, GroupSpec, make_communicator
+from actors.comm import BaseCommunicator, CommError, CommTimeout, GroupSpec, make_communicator
 from actors.entry import enter
 from actors.faults import WorkerFaults
 from actors.plan import Plan, PlanBook, Progress, WorkerSpec
@@ -78,9 +77,10 @@ class Replica:
         self.spec, self.slot, self.link, self.node_ip, self._tick = spec, spec.slot, link, node_ip, tick
         self.cfg: JobConfig = parse(JobConfig, spec.config)
         torch.set_num_threads(max(1, int(self.cfg.workers.cpus)))
+        self.device = _device(self.cfg.workers.gpus)
         torch.manual_seed(self.cfg.seed)  # identical initial replicas; verified by checksum
         self.workload = check_factory(self.cfg.workload.factory)(**self.cfg.workload.params)
-        self.model: torch.nn.Module = self.workload.model
+        self.model: torch.nn.Module = self.workload.model.to(self.device)
         self.model.train()
         self.optimizer = build_optimizer(self.model.parameters(), self.cfg.optimizer)
         self.algorithm = get_algorithm(self.cfg.sync.policy)(self.cfg.sync)
@@ -88,7 +88,6 @@ class Replica:
         self.param_names = [n for n, p in self.model.named_parameters() if p.requires_grad]
         self.sampler = GlobalSampler(len(self.workload.train_data), self.cfg.seed)
         self._fast_index = isinstance(self.workload.train_data, torch.utils.data.TensorDataset)
-        self._cuda = self.cfg.workers.gpus > 0 and torch.cuda.is_available()
         self.step = self.cursor = 0
         self.mark_cursor = 0
         """The data cursor at the newest commit point."""
@@ -255,35 +254,10 @@ class Replica:
         return True
 
     def _form(self, spec: GroupSpec, plan: Plan) -> Optional[BaseCommunicator]:
-        """Form the group in a helper thread, abandoning it if a newer membership is published meanwhile.
-
-        Group construction blocks in C++ until every member arrives or the timeout; a member that
-        waited for a superseded epoch would otherwise miss the next one. Any error while forming
-        comes back here with its own text."""
-        result: dict = {}
-        done = threading.Event()
-
-        def build() -> None:
-            try:
-                result["comm"] = make_communicator(spec)
-            except BaseException as err:  # noqa: BLE001 - re-raised in the run thread, whatever it is
-                result["error"] = err
-            finally:
-                done.set()
-                if result.get("abandoned") and "comm" in result:
-                    result["comm"].close()
-
-        threading.Thread(target=build, name=f"form {spec.name}", daemon=True).start()
-        while not done.wait(0.02):
+        def superseded() -> bool:
             latest = self.plans.latest
-            if latest.version > plan.version and latest.group_name != plan.group_name:
-                result["abandoned"] = True
-                if done.is_set() and "comm" in result:
-                    result["comm"].close()
-                return None
-        if "error" in result:
-            raise result["error"]
-        return result["comm"]
+            return latest.version > plan.version and latest.group_name != plan.group_name
+        return form_group(spec, superseded)
 
     # --- what actors/entry.py needs
     def _mark(self) -> int:
@@ -305,7 +279,7 @@ class Replica:
         attempted in the same epoch (a split vote: its result was lost here, but its share was in
         the all-reduce everyone else finished), this member's samples of it were applied."""
         attempted, epoch = self._pending_ids, self.trained_plan.membership_epoch if self.trained_plan else None
-        self._load_state_bytes(blob.numpy().tobytes())
+        self._load_state_bytes(blob.cpu().numpy().tobytes())
         record = self.kept[-1] if self.kept else None
         if attempted and record is not None and record.get("membership_epoch") == epoch and attempted[-1][0] == self.step:
             self._write_samples(attempted, epoch)
@@ -386,15 +360,17 @@ class Replica:
         data = self.workload.train_data
         if self._fast_index:
             index = torch.from_numpy(ids)
-            return tuple(t[index] for t in data.tensors), len(ids)
-        return torch.utils.data.default_collate([data[int(i)] for i in ids]), len(ids)
+            batch = tuple(t[index] for t in data.tensors)
+        else:
+            batch = torch.utils.data.default_collate([data[int(i)] for i in ids])
+        return (_to(batch, self.device) if self.device.type != "cpu" else batch), len(ids)
 
     def _seed_step(self) -> None:
         """Randomness (dropout, augmentation) from streams derived from (seed, slot, step)."""
         seq = np.random.SeedSequence([self.cfg.seed, int(self.slot[1:]), self.step])
         value = int(seq.generate_state(1, np.uint64)[0] >> 1)
         torch.default_generator.manual_seed(value)  # torch.manual_seed walks every backend: 175 us
-        if self._cuda:
+        if self.device.type == "cuda":
             torch.cuda.manual_seed(value)
         self.rng = np.random.default_rng(seq)
 
@@ -417,7 +393,7 @@ class Replica:
                 self.impl.accumulating = i < len(micro) - 1
                 weight = n / denominator  # each sample counts 1/B (shares) or 1/n_i (own mean), however split
                 loss = self.workload.loss(self.model, batch)
-                draft.loss += float(loss.detach()) * weight  # before the backward that may launch the vote
+                draft.loss = draft.loss + loss.detach() * weight  # before the backward that may launch the vote
                 (loss * weight).backward()
             self.impl.end_backward(self.step)
             self._enter_phase("communicate")
@@ -491,7 +467,7 @@ class Replica:
     def _adopt_newest_plan(self) -> bool:
         """Rare path: someone saw a newer plan; agree on the newest with one MAX all-reduce, then every
         member switches to it at this same step."""
-        version = torch.tensor([float(self.plans.latest.version)])
+        version = torch.tensor([float(self.plans.latest.version)], device=self.comm.device)
         try:
             self.comm.all_reduce(version, "max").wait()
         except CommError as err:
@@ -517,7 +493,7 @@ class Replica:
         return self.algorithm.reporter == "each" or (self.algorithm.reporter == "rank0" and plan.rank_of(self.slot) == 0)
 
     def _record(self, plan: Plan, vote: StepVote, started: float, micro_steps: int, prev: Optional[int]) -> None:
-        record = {"step": self.step, "time": time.time(), "loss": vote.loss, "world_size": len(plan.members),
+        record = {"step": self.step, "time": time.time(), "loss": float(vote.loss), "world_size": len(plan.members),
                   "global_batch": plan.global_batch, "micro_steps": micro_steps,
                   "membership_epoch": plan.membership_epoch, "bytes_sent": self.bytes_before + self.impl.bytes_sent,
                   "lr": self.optimizer.param_groups[0]["lr"], "step_time": time.perf_counter() - started}
@@ -559,6 +535,62 @@ class Replica:
             self.link.report(progress, wait=force)
         except Exception as err:  # noqa: BLE001 - a lost report must not kill training (records are kept)
             log.warning("progress report at step %d lost: %s", self.step, str(err).splitlines()[0][:200])
+
+
+def form_group(spec: GroupSpec, superseded: Callable[[], bool]) -> Optional[BaseCommunicator]:
+    """Form one membership epoch's group in a helper thread; None if it is `superseded()` meanwhile.
+
+    Group construction blocks in C++ until every member arrives (NCCL's init has no timeout of its
+    own): after `spec.timeout_s` (plus a margin for gloo's own) the attempt is abandoned with
+    CommTimeout, and a member that waited for a superseded epoch goes straight to the next one. Any
+    error while forming comes back here with its own text; a group that forms after it was
+    abandoned is closed."""
+    result: dict = {}
+    done = threading.Event()
+
+    def build() -> None:
+        try:
+            result["comm"] = make_communicator(spec)
+        except BaseException as err:  # noqa: BLE001 - re-raised in the caller's thread, whatever it is
+            result["error"] = err
+        finally:
+            done.set()
+            if result.get("abandoned") and "comm" in result:
+                result["comm"].close()
+
+    threading.Thread(target=build, name=f"form {spec.name}", daemon=True).start()
+    deadline = time.monotonic() + spec.timeout_s + 5.0
+    while not done.wait(0.02):
+        if superseded() or time.monotonic() > deadline:
+            result["abandoned"] = True
+            if done.is_set() and "comm" in result:
+                result["comm"].close()
+            if time.monotonic() > deadline:
+                raise CommTimeout(f"group {spec.name}: did not form within {spec.timeout_s + 5.0:.0f}s")
+            return None
+    if "error" in result:
+        raise result["error"]
+    return result["comm"]
+
+
+def _device(gpus: float) -> torch.device:
+    """The worker's device: its GPU when it asked for one (Ray makes the assigned GPU the only
+    visible one, so it is cuda:0), else the CPU."""
+    if gpus > 0 and torch.cuda.is_available():
+        torch.cuda.set_device(0)
+        return torch.device("cuda", 0)
+    return torch.device("cpu")
+
+
+def _to(batch: Any, device: torch.device) -> Any:
+    """A batch (tensors in tuples, lists or dicts) on `device`."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(_to(b, device) for b in batch)
+    if isinstance(batch, dict):
+        return {k: _to(v, device) for k, v in batch.items()}
+    return batch
 
 
 def _crossed(every: Optional[int], before: Optional[int], now: int) -> bool:

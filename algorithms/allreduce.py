@@ -76,7 +76,8 @@ class AllReduceImpl(AlgorithmImpl):
         """Fresh buffers (old ones may still be written by a stuck collective)."""
         self.buffers: list[torch.Tensor] = []
         self._ptrs: dict[int, int] = {}
-        self.tail_buf = torch.zeros(TAIL, dtype=torch.float64)
+        device = self.params[0].device if self.params else None
+        self.tail_buf = torch.zeros(TAIL, dtype=torch.float64, device=device)
         for b, members in enumerate(self.plan.buckets):
             extra = TAIL if b == len(self.plan.buckets) - 1 and self.tail_in_bucket else 0
             p0 = self.params[members[0]]
@@ -127,12 +128,12 @@ class AllReduceImpl(AlgorithmImpl):
             buf = self.buffers[b]
             last = b == len(self.buffers) - 1
             if last and self.tail_in_bucket:
-                buf[-TAIL:] = torch.tensor(self._draft.tail(), dtype=buf.dtype)
+                buf[-TAIL:] = self._draft.tail(buf.dtype, buf.device)
             if self.trace is not None:
                 self.trace.append(("launch", b))
             self.handles[b] = self.comm.all_reduce(buf)
             if last and not self.tail_in_bucket:
-                self.tail_buf.copy_(torch.tensor(self._draft.tail(), dtype=torch.float64))
+                self.tail_buf.copy_(self._draft.tail(torch.float64, self.tail_buf.device))
                 self.handles[-1] = self.comm.all_reduce(self.tail_buf)
             self.next_launch += 1
 

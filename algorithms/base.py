@@ -69,14 +69,18 @@ _REGISTRY: dict[str, type["Algorithm"]] = {}
 class VoteDraft:
     """This member's side of a vote, filled in while the step (or round) runs."""
 
-    loss: float = 0.0
-    """Its loss, weighted for the policy's kind (a share of the global batch, or its own mean)."""
+    loss: Any = 0.0
+    """Its loss, weighted for the policy's kind (a share of the global batch, or its own mean): a
+    float, or a 0-d tensor on the model's device, so that no step waits on the device to read it."""
     samples: int = 0
     newer_plan: bool = False
     """It has seen a plan newer than the one it runs: the members switch together after this vote."""
 
-    def tail(self) -> list[float]:
-        return [self.loss, float(self.samples), 1.0 if self.newer_plan else 0.0]
+    def tail(self, dtype: torch.dtype = torch.float64, device: Any = None) -> torch.Tensor:
+        """(loss, samples, newer plan) as one tensor, built on `device` without reading the loss."""
+        tail = torch.tensor([0.0, float(self.samples), 1.0 if self.newer_plan else 0.0], dtype=dtype, device=device)
+        tail[0] = self.loss.detach().reshape(()) if isinstance(self.loss, torch.Tensor) else self.loss
+        return tail
 
 
 @dataclass(frozen=True)
@@ -84,7 +88,8 @@ class StepVote:
     """The result of a vote: whether the step (or round) commits, and what the members reported."""
 
     commit: bool
-    loss: float
+    loss: Any
+    """A float, or (a local vote) the member's 0-d loss tensor, read only when recorded."""
     samples: int
     newer_plan: bool = False
     communicated: bool = True

@@ -88,8 +88,8 @@ class PeriodicImpl(AlgorithmImpl):
         self.since = [0] * len(self.bounds)
         self.mark_trained = 0
         """`trained` at the last commit (a rewind goes back to it)."""
-        self.losses: list[float] = []
-        """This member's mean loss of each local step since the last commit."""
+        self.losses: list = []
+        """This member's mean loss of each local step since the last commit (floats or 0-d tensors)."""
         self.inflight: Optional[_Launch] = None
         self._due: Optional[int] = None
         self._final = False
@@ -159,7 +159,8 @@ class PeriodicImpl(AlgorithmImpl):
         local = self._gather(f)
         flat = (self.anchor[f] - local if self.outer_mode else local) * n
         mean_loss = sum(self.losses) / len(self.losses) if self.losses else 0.0
-        tail = torch.tensor([mean_loss * n, n, 1.0 if draft.newer_plan else 0.0], dtype=torch.float64)
+        draft = VoteDraft(loss=mean_loss * n, samples=int(n), newer_plan=draft.newer_plan)
+        tail = draft.tail(torch.float64, flat.device)
         handles = [self.comm.all_reduce(flat), self.comm.all_reduce(tail)]
         return _Launch(f, step, step if self._final else step + self.overlap, flat, tail, handles)
 

@@ -232,7 +232,7 @@ class ElasticJob:
         path = self.run_dir / "model.pt" if self.run_dir else None
         if path is None or not path.exists():
             raise OrchestratorError(f"job {self.name!r} has no final model yet (state {self.status().state})")
-        state = torch.load(io.BytesIO(path.read_bytes()), weights_only=True)
+        state = torch.load(io.BytesIO(path.read_bytes()), weights_only=True, map_location="cpu")
         torch.manual_seed(self.config.seed)
         workload = check_factory(self.config.workload.factory)(**self.config.workload.params)
         workload.model.load_state_dict(state["model"])

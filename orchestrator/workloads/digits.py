@@ -57,13 +57,15 @@ def _split() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
 
 
 def _inputs(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """Inputs in the model's dtype (a bf16 or fp16 model takes bf16 or fp16 pixels)."""
-    return x.to(next(model.parameters()).dtype)
+    """Inputs on the model's device and in its dtype (a bf16 model takes bf16 pixels)."""
+    p = next(model.parameters())
+    return x.to(device=p.device, dtype=p.dtype)
 
 
 def cross_entropy(model: nn.Module, batch) -> torch.Tensor:
     x, y = batch
-    return F.cross_entropy(model(_inputs(model, x)), y)
+    logits = model(_inputs(model, x))
+    return F.cross_entropy(logits, y.to(logits.device))
 
 
 @torch.no_grad()
@@ -71,7 +73,7 @@ def accuracy(model: nn.Module, data: TensorDataset) -> dict:
     x, y = data.tensors
     was_training = model.training
     model.eval()
-    logits = model(_inputs(model, x)).float()
+    logits = model(_inputs(model, x)).float().cpu()
     model.train(was_training)
     return {"accuracy": (logits.argmax(1) == y).float().mean().item(), "eval_loss": F.cross_entropy(logits, y).item()}
 

@@ -74,3 +74,22 @@ def test_lr_schedule_warmup_then_cosine():
     assert lr_at(12, cfg, 20) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
     assert lr_at(20, cfg, 20) == pytest.approx(0.1)
     assert lr_at(7, OptimizerConfig(lr=0.3), None) == 0.3
+
+
+@pytest.mark.parametrize("over,message", [
+    ({"workers": {"gpus": 0.5}}, "comm.backend: NCCL needs whole GPUs"),
+    ({"workers": {"gpus": 0.5}, "comm": {"backend": "nccl"}}, "comm.backend: NCCL needs whole GPUs"),
+    ({"comm": {"backend": "nccl"}}, "comm.backend: nccl needs workers.gpus >= 1"),
+    ({"sync": {"policy": "local_sgd", "h": 4, "bucket_mb": 1}}, "sync.bucket_mb: is not a knob of policy 'local_sgd'"),
+    ({"sync": {"policy": "streaming_diloco", "h": 8, "fragments": 3}}, "sync.fragments: must divide h = 8"),
+    ({"sync": {"policy": "diloco", "outer_momentum": 0}}, "sync.nesterov: needs outer_momentum > 0"),
+])
+def test_bad_gpu_and_policy_settings_name_the_key(over, message):
+    with pytest.raises(ConfigError) as err:
+        config_from_dict(dict(MINIMAL, **over))
+    assert str(err.value).startswith(message), str(err.value)
+
+
+def test_fractional_gpus_over_gloo_are_allowed():
+    cfg = config_from_dict(dict(MINIMAL, workers={"gpus": 0.5}, comm={"backend": "gloo"}))
+    assert cfg.workers.gpus == 0.5

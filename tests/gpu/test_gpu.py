@@ -1,0 +1,151 @@
+"""The GPU tier (`pytest -m gpu`): skipped, with the reason, where no CUDA device is present.
+
+One GPU cannot hold two NCCL ranks (NCCL refuses a duplicate device), so NCCL runs at world size 1
+here, and several workers share the GPU over gloo with CUDA tensors; tests that need two GPUs
+are marked `gpu2` and skip on one. Replicas run in threads of the test process (no Ray) except in
+the kill-and-join run, which uses the real actors.
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from actors.comm import CommAborted, CommTimeout, GroupSpec, make_communicator
+from actors.testing import LocalJob, local_store
+
+CUDA = torch.cuda.is_available()
+GPUS = torch.cuda.device_count() if CUDA else 0
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (none is present)")]
+needs_cupy = pytest.mark.skipif(not CUDA or not __import__("importlib").util.find_spec("cupy"),
+                                reason="needs cupy with NCCL (the gpu extra)")
+needs_two = pytest.mark.skipif(GPUS < 2, reason="gpu2: needs two GPUs (one GPU cannot hold two NCCL ranks)")
+
+SGD = {"name": "sgd", "lr": 0.1, "momentum": 0.9, "weight_decay": 0.001}
+
+
+def config(n: int, gpus: float, backend: str, sync: dict | None = None, steps: int = 20) -> dict:
+    return {"name": "gpu", "seed": 3, "workers": {"count": n, "cpus": 1, "gpus": gpus},
+            "workload": {"factory": "orchestrator.workloads.digits:mlp", "params": {"hidden": 32}, "batch_size": 16},
+            "optimizer": SGD, "sync": sync or {"policy": "bsp", "bucket_mb": 0.004}, "comm": {"backend": backend},
+            "stop": {"max_steps": steps}, "eval_every": 0}
+
+
+def cpu_reference(global_batch: int, steps: int = 20) -> list[torch.Tensor]:
+    from tests.unit.test_policy_oracles import reference_bsp  # the in-process oracles' reference
+    return reference_bsp(SGD, global_batch, steps)
+
+
+def run_local(tmp_path, n: int, gpus: float, backend: str, **kw) -> LocalJob:
+    slots = [f"w{i}" for i in range(n)]
+    job = LocalJob(config(n, gpus, backend, **kw), slots, str(tmp_path))
+    job.run(tuple(slots), 16 * n, backend=backend)
+    return job
+
+
+def test_bsp_oracle_on_cuda_two_workers_sharing_one_gpu_over_gloo(tmp_path):
+    job = run_local(tmp_path, 2, 0.5, "gloo")
+    params = job.parameters("w0")
+    assert all(p.is_cuda for p in job.replicas["w0"].model.parameters())
+    diff = max(float((p.cpu() - q).abs().max()) for p, q in zip(params, cpu_reference(32)))
+    print(f"BSP on CUDA, 2 workers over gloo vs single-process CPU: {diff:.2e}")
+    assert diff < 1e-5
+
+
+@needs_cupy
+def test_bsp_oracle_on_nccl_at_world_size_1(tmp_path):
+    job = run_local(tmp_path, 1, 1, "nccl")
+    diff = max(float((p.cpu() - q).abs().max()) for p, q in zip(job.parameters("w0"), cpu_reference(16)))
+    print(f"BSP over NCCL (world size 1) vs single-process CPU: {diff:.2e}")
+    assert diff < 1e-5
+
+
+@needs_cupy
+def test_every_nccl_operation_at_world_size_1():
+    host, port = local_store()
+    comm = make_communicator(GroupSpec(host, port, "ops", 0, 1, 10.0, "nccl", "127.0.0.1"))
+    x = torch.arange(6, dtype=torch.float32, device="cuda")
+    comm.all_reduce(x).wait()
+    comm.broadcast(x, 0).wait()
+    out = [torch.empty_like(x)]
+    comm.all_gather(out, x).wait()
+    a2a = torch.empty_like(x)
+    comm.all_to_all(a2a, x).wait()
+    comm.barrier().wait()
+    assert torch.equal(out[0], x) and torch.equal(a2a, x) and comm.bytes_sent > 0
+    with pytest.raises(Exception) as err:  # bf16 either has a native NCCL type or raises; never silent fp16
+        y = torch.ones(4, dtype=torch.bfloat16, device="cuda")
+        comm.all_reduce(y).wait()
+        assert float(y[0]) == 1.0
+        raise RuntimeError("bf16 reduced natively")
+    print(f"bf16: {err.value}")
+    comm.close()
+
+
+def _pair(name: str, timeout_s: float) -> list:
+    """Both ranks of a gloo group, formed in threads of this process."""
+    host, port = local_store()
+    specs = [GroupSpec(host, port, name, r, 2, timeout_s, "gloo", "127.0.0.1") for r in range(2)]
+    comms: list = [None, None]
+    threads = [threading.Thread(target=lambda r=r: comms.__setitem__(r, make_communicator(specs[r]))) for r in range(2)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    return comms
+
+
+def test_abort_and_timeout_of_a_cuda_collective():
+    """Gloo with CUDA tensors; in each group rank 1 never enters the all-reduce rank 0 waits in."""
+    aborted = _pair("abort", 3.0)[0]
+    handle = aborted.all_reduce(torch.ones(1 << 20, device="cuda"))
+    threading.Timer(0.2, lambda: aborted.abort("peer is silent")).start()
+    started = time.monotonic()
+    with pytest.raises(CommAborted):
+        handle.wait()
+    took = time.monotonic() - started - 0.2
+    silent = _pair("timeout", 3.0)[0]
+    started = time.monotonic()
+    with pytest.raises(CommTimeout):
+        silent.all_reduce(torch.ones(1 << 20, device="cuda")).wait()
+    waited = time.monotonic() - started
+    print(f"CUDA collective: released {took:.3f}s after the abort; without one, timed out after {waited:.2f}s")
+    assert took < 1.0 and 2.5 < waited < 6.0
+
+
+@needs_cupy
+def test_nccl_group_that_never_forms_times_out():
+    """Rank 1 of a two-rank NCCL group never arrives: forming gives up after comm.timeout_s."""
+    from actors.replica import form_group
+
+    host, port = local_store()
+    started = time.monotonic()
+    with pytest.raises(CommTimeout):
+        form_group(GroupSpec(host, port, "lonely", 0, 2, 3.0, "nccl", "127.0.0.1"), superseded=lambda: False)
+    assert time.monotonic() - started < 3.0 + 10.0
+
+
+@pytest.mark.gpu2
+@needs_two
+def test_bsp_over_nccl_with_two_gpus(tmp_path):
+    job = run_local(tmp_path, 2, 1, "nccl")
+    diff = max(float((p.cpu() - q).abs().max()) for p, q in zip(job.parameters("w0"), cpu_reference(32)))
+    assert diff < 1e-5
+
+
+def test_kill_and_join_of_gpu_workers(run_root):
+    """Real actors sharing the GPU (0.3 each, gloo): a kill inside an all-reduce, the replacement joins."""
+    from orchestrator.config import config_from_dict
+    from orchestrator.job import ElasticJob
+
+    cfg = config(2, 0.3, "gloo", steps=400)
+    cfg["workers"].update(max=3)
+    cfg["faults"] = {"kills": [{"slot": "w1", "step": 20, "at": "allreduce"}],
+                     "stragglers": [{"slot": "w0", "delay_s": 0.05}]}
+    job = ElasticJob(config_from_dict(cfg)).start()
+    result = job.wait(timeout=300)
+    reshapes = [e for e in job.events() if e["kind"] == "reshape"]
+    print(f"GPU workers: {result.state} at {result.step}; reshapes {[e['detail']['detector'] for e in reshapes]}")
+    assert result.state == "FINISHED" and result.step == 400
+    assert any(e["detail"]["joiners"] == ["w1"] for e in reshapes), "the replacement must join"
+    assert [r["step"] for r in job.history()] == list(range(1, 401))
