@@ -38,7 +38,7 @@ from actors.comm import BaseCommunicator, CommError, CommTimeout, GroupSpec, mak
 from actors.entry import enter
 from actors.faults import WorkerFaults
 from actors.plan import Plan, PlanBook, Progress, WorkerSpec
-from actors.sampler import GlobalSampler, split_for_rank
+from algorithms.sampler import GlobalSampler, split_for_rank
 from algorithms.base import EpochInfo, StepVote, VoteDraft, get_algorithm
 from algorithms.optim import build_optimizer, lr_at
 from core.factory import check_factory

@@ -34,7 +34,7 @@ import psutil  # noqa: E402
 import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
-from actors.sampler import GlobalSampler, split_for_rank  # noqa: E402
+from algorithms.sampler import GlobalSampler, split_for_rank  # noqa: E402
 from orchestrator.workloads.digits import mlp  # noqa: E402
 
 WORKERS, PER_WORKER, HIDDEN, LR, MOMENTUM, BUCKET_MB, SEED = 2, 32, 128, 0.05, 0.9, 25.0, 0

@@ -31,7 +31,7 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from actors.sampler import GlobalSampler, split_for_rank  # noqa: E402
+from algorithms.sampler import GlobalSampler, split_for_rank  # noqa: E402
 from actors.testing import wait_until  # noqa: E402
 from orchestrator.workloads.digits import mlp  # noqa: E402
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from actors.sampler import GlobalSampler
+from algorithms.sampler import GlobalSampler
 from actors.testing import wait_until
 from orchestrator.config import config_from_dict
 from orchestrator.job import ElasticJob
