@@ -211,9 +211,48 @@ class StreamingDiLoCoConfig(DiLoCoConfig):
             raise FieldError("alpha", f"must be in [0, 1], got {self.alpha}")
 
 
-SYNC_POLICIES: dict[str, type] = {c.policy: c for c in (BSPConfig, LocalSGDConfig, DiLoCoConfig, StreamingDiLoCoConfig)}
-"""`sync.policy` -> its config dataclass (its knobs); algorithms/ registers one Algorithm for each."""
-SyncConfig = Union[BSPConfig, LocalSGDConfig, DiLoCoConfig, StreamingDiLoCoConfig]
+@dataclass
+class ASPConfig:
+    """`asp`: every member pushes its gradient to the server and pulls fresh parameters, never waiting
+    for the others; the server applies each push as it comes (one version each)."""
+
+    policy: Literal["asp"] = "asp"
+
+
+@dataclass
+class SSPConfig:
+    """`ssp`: as ASP, but the server applies a clock once every live member has pushed it (one step on
+    their sum), and a member may pull clock c only once the version is at least c - s."""
+
+    policy: Literal["ssp"] = "ssp"
+    s: int = 3
+    """Staleness bound in clocks: how far the fastest live member may run ahead of the slowest (0 is BSP)."""
+
+    def __post_init__(self) -> None:
+        _at_least(self, "s", 0)
+
+
+@dataclass
+class QuorumConfig:
+    """`quorum` (backup workers): the server applies a clock once `k` members have pushed it; late
+    pushes for that clock are dropped and their samples requeued."""
+
+    policy: Literal["quorum"] = "quorum"
+    k: Optional[int] = None
+    """Pushes that complete a clock; defaults to workers.count - 1 (one backup worker); k = n is BSP."""
+
+    def __post_init__(self) -> None:
+        if self.k is not None:
+            _at_least(self, "k", 1)
+
+
+SYNC_POLICIES: dict[str, type] = {c.policy: c for c in (BSPConfig, LocalSGDConfig, DiLoCoConfig, StreamingDiLoCoConfig,
+                                                        ASPConfig, SSPConfig, QuorumConfig)}
+"""`sync.policy` -> its config dataclass (its knobs); algorithms/ registers one Algorithm for each that runs."""
+SyncConfig = Union[BSPConfig, LocalSGDConfig, DiLoCoConfig, StreamingDiLoCoConfig, ASPConfig, SSPConfig, QuorumConfig]
+NOT_WIRED = frozenset({"asp", "ssp", "quorum"})
+"""Policies whose settings the schema checks and whose update rule exists (algorithms/server.py), but
+whose worker and server actors do not yet: a job naming one is refused (exit 2) rather than started."""
 
 
 def _positive(obj: Any, name: str) -> None:
@@ -224,6 +263,25 @@ def _positive(obj: Any, name: str) -> None:
 def _at_least(obj: Any, name: str, low: int) -> None:
     if getattr(obj, name) < low:
         raise FieldError(name, f"must be at least {low}, got {getattr(obj, name)}")
+
+
+@dataclass
+class ServerConfig:
+    """The parameter server of the server policies (asp, ssp, quorum)."""
+
+    shards: int = 1
+    """Server actors, each holding a contiguous range of the flat parameters and its optimizer state."""
+    cpus: float = 1.0
+    """Logical CPUs per server actor."""
+    snapshot_every: int = 50
+    """Snapshot the server's whole state to the run directory every this many versions (what a
+    restarted server resumes from)."""
+
+    def __post_init__(self) -> None:
+        _at_least(self, "shards", 1)
+        _at_least(self, "snapshot_every", 1)
+        if self.cpus < 0:
+            raise FieldError("cpus", f"must not be negative, got {self.cpus}")
 
 
 @dataclass
@@ -369,6 +427,7 @@ class JobConfig:
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     sync: SyncConfig = field(default_factory=BSPConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
     topology: TopologyConfig = field(default_factory=TopologyConfig)
     compression: CompressionConfig = field(default_factory=CompressionConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -396,10 +455,21 @@ class JobConfig:
             raise FieldError("name", f"must be 1-64 characters of letters, digits, '_', '.', '-', got {self.name!r}")
         if self.eval_every < 0:
             raise FieldError("eval_every", f"must not be negative, got {self.eval_every}")
+        self._check_server_policy()
         slots = {f"w{i}" for i in range(self.workers.max or self.workers.count)}
         for i, kill in enumerate(self.faults.kills):
             if kill.slot not in slots:
                 raise FieldError(f"faults.kills[{i}].slot", f"{kill.slot!r} is not a slot of this job (w0..w{len(slots) - 1})")
+
+    def _check_server_policy(self) -> None:
+        if isinstance(self.sync, QuorumConfig):
+            if self.sync.k is None:
+                self.sync.k = max(1, self.workers.count - 1)
+            if self.sync.k > (self.workers.max or self.workers.count):
+                raise FieldError("sync.k", f"must not exceed workers.max = {self.workers.max}, got {self.sync.k}")
+        if self.sync.policy in NOT_WIRED:
+            raise FieldError("sync.policy", f"policy {self.sync.policy!r} is not available yet: its worker and server "
+                                            f"actors are not wired (only its update rule and lease service exist)")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

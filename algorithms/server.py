@@ -1,0 +1,346 @@
+"""The update rule of the server policies (asp, ssp, quorum): pure torch, no Ray, no threads.
+
+`ServerCore` is what a parameter-server actor holds: the parameters as flat float32 buffers (one per
+shard), an optimizer per shard built from the job's optimizer config, the version (applied updates),
+the clock table, the staged pushes, the lease service (algorithms/leases.py) and counters. The actor
+only moves bytes and calls `set_members`, `pull` and `push`; every decision is made here.
+
+The rules (members weight their loss by n_i / B, their share of the global batch B, as in BSP, so a
+push carries the gradient of (1 / B) * the sum of its samples' losses):
+
+- `asp`: each push is applied as it arrives, scaled by B / n_i: a lone push is one optimizer step on
+  its own samples' mean gradient. Learning-rate convention: the configured LR (and schedule, over
+  versions) is used per *push*, unchanged; with n members ASP makes about n updates per B samples,
+  each on about B / n samples, so `max_steps` versions see about 1 / n of the samples that as many
+  BSP steps see.
+- `ssp` (`s`): clock c is applied once every live member has pushed it: one optimizer step on the sum
+  of the clock's pushes, taken in rank order, scaled by B / sum(applied n_i) (so 1 when every share
+  arrived). A member may pull clock c only once version >= c - s (`pull_ready`). `s: 0` is BSP.
+- `quorum` (`k`): clock c is applied once k members have pushed it (the same sum and scaling); a
+  push for a clock already applied is dropped and its samples requeued. `k` = n is BSP.
+
+For ssp and quorum the version is the number of applied clocks, so clock c is applied as version
+c + 1. The LR schedule and `max_steps` count versions. Staleness of an applied push = version at
+apply - version it pulled (0 under BSP settings); `staleness` is its histogram.
+
+Membership (`set_members`): clocks are kept per slot. A departed (or replaced) slot leaves the clock
+table, its open tickets are requeued, and what it already pushed stays staged, so clocks complete
+without it. A joiner starts at the minimum live clock (quorum: not below the next clock to apply).
+
+Fencing: pulls and pushes carry a `Fence` (membership epoch, slot, worker incarnation, server
+incarnation). A push from a slot that is not a member, from an incarnation the slot no longer has,
+or addressed to an older server incarnation is refused and counted; so is a pull of the first two
+kinds. The membership epoch is recorded, not compared: a live member's push from the previous epoch
+is still good work, because server kinds never redo a step.
+
+Shards are contiguous ranges of the flat parameter vector, cut at multiples of `ALIGN` elements, so
+that every element goes through the same vectorised kernel path as in one unsharded buffer: with
+elementwise optimizers (SGD, AdamW) any shard count then gives bit-identical results.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Optional, Sequence, Union
+
+import torch
+
+from algorithms.leases import LeaseService, Ticket
+from algorithms.optim import build_optimizer, lr_at, set_lr
+from core.schema import ASPConfig, OptimizerConfig, QuorumConfig, SSPConfig
+
+ServerPolicy = Union[ASPConfig, SSPConfig, QuorumConfig]
+ALIGN = 64
+"""Shard cuts fall on multiples of this many elements (a multiple of every CPU vector width)."""
+
+PullStatus = Literal["ok", "wait", "finished", "not_member", "fenced_worker"]
+PushStatus = Literal["applied", "staged", "dropped", "duplicate", "stale", "finished",
+                     "not_member", "fenced_worker", "fenced_server"]
+NOT_APPLIED = ("not_member", "fenced_worker", "fenced_server", "duplicate", "stale", "dropped", "finished")
+
+
+@dataclass(frozen=True)
+class Fence:
+    """Who sends a pull or a push, and to which server incarnation."""
+
+    membership_epoch: int
+    slot: str
+    worker_incarnation: int
+    server_incarnation: int
+
+
+@dataclass(frozen=True)
+class Pull:
+    status: PullStatus
+    ticket: Optional[Ticket] = None
+    version: int = 0
+    """The version of the parameters the puller gets (push it back as `pulled_version`)."""
+    clock: int = 0
+    server_incarnation: int = 0
+
+
+@dataclass(frozen=True)
+class Push:
+    fence: Fence
+    lease_ids: tuple[int, ...]
+    pulled_version: int
+    grad: torch.Tensor
+    """Flat float32 gradient of the loss weighted by n_i / B."""
+    loss: float = 0.0
+    """The member's loss, weighted the same way."""
+
+
+@dataclass(frozen=True)
+class Update:
+    """One applied version: what history and `record_samples` need."""
+
+    version: int
+    lr: float
+    loss: float
+    """The mean loss over the update's samples."""
+    samples: int
+    tickets: tuple[Ticket, ...]
+    staleness: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class PushResult:
+    status: PushStatus
+    version: int
+    updates: tuple[Update, ...] = ()
+    """Versions this push completed (none while staged)."""
+
+
+def shard_bounds(numel: int, shards: int) -> list[tuple[int, int]]:
+    """`shards` contiguous [start, end) ranges of `numel` elements, cut at multiples of ALIGN."""
+    blocks = -(-numel // ALIGN)
+    count = max(1, min(shards, blocks))
+    cuts = [min(numel, round(k * blocks / count) * ALIGN) for k in range(count + 1)]
+    return list(zip(cuts[:-1], cuts[1:]))
+
+
+class ServerCore:
+    def __init__(self, parameters: Sequence[torch.Tensor], optimizer: OptimizerConfig, policy: ServerPolicy, *,
+                 n_samples: int, seed: int, global_batch: int, shards: int = 1, max_steps: Optional[int] = None) -> None:
+        if isinstance(policy, QuorumConfig) and policy.k is None:
+            raise ValueError("quorum needs k (the schema fills in its default)")
+        self.policy = policy
+        self.optimizer_config = optimizer
+        self.global_batch = global_batch
+        self.max_steps = max_steps
+        flat = torch.cat([p.detach().reshape(-1).to(torch.float32) for p in parameters])
+        self.bounds = shard_bounds(flat.numel(), shards)
+        self.shards = [flat[a:b].clone().requires_grad_() for a, b in self.bounds]
+        self.optimizers = [build_optimizer([shard], optimizer) for shard in self.shards]
+        self.leases = LeaseService(n_samples, seed, global_batch)
+        self.version = 0
+        self.incarnation = 0
+        self.membership_epoch = 0
+        self.members: dict[str, int] = {}
+        """slot -> worker incarnation, in rank order."""
+        self.clocks: dict[str, int] = {}
+        """slot -> the clock it works on (the next it pushes); live members only."""
+        self.staged: dict[int, list[dict]] = {}
+        """clock -> pushes waiting for it to complete (ssp, quorum)."""
+        self.staleness: dict[int, int] = {}
+        self.rejected: dict[str, int] = dict.fromkeys(NOT_APPLIED, 0)
+        """Pushes that were not applied, by reason (fenced, duplicate, stale, dropped late, after the end)."""
+
+    # ---------------------------------------------------------------- the rule's parameters
+    @property
+    def clocked(self) -> bool:
+        """ssp and quorum apply whole clocks; asp applies single pushes."""
+        return not isinstance(self.policy, ASPConfig)
+
+    @property
+    def bound(self) -> Optional[int]:
+        """How far a pull may run ahead of the version, in clocks (None: no bound)."""
+        if isinstance(self.policy, SSPConfig):
+            return self.policy.s
+        return 0 if isinstance(self.policy, QuorumConfig) else None
+
+    @property
+    def finished(self) -> bool:
+        return self.max_steps is not None and self.version >= self.max_steps
+
+    def pull_ready(self, clock: int) -> bool:
+        """Whether a pull at `clock` may proceed: version >= clock - s (quorum: s = 0; asp: always)."""
+        return self.bound is None or self.version >= clock - self.bound
+
+    def parameters(self) -> torch.Tensor:
+        """The flat parameter vector (a copy)."""
+        return torch.cat([shard.detach() for shard in self.shards])
+
+    # ---------------------------------------------------------------- membership
+    def set_members(self, epoch: int, members: Sequence[tuple[str, int]]) -> tuple[Update, ...]:
+        """A new membership epoch: (slot, worker incarnation) in rank order. Departed and replaced slots
+        leave the clock table and their open tickets are requeued; joiners start at the minimum live
+        clock. Returns the versions that departures completed."""
+        new = dict(members)
+        for slot, incarnation in self.members.items():
+            if new.get(slot) != incarnation:
+                self.leases.requeue_holder(slot)
+                del self.clocks[slot]
+        start = self._start_clock()
+        self.members, self.membership_epoch = new, epoch
+        for slot in new:
+            self.clocks.setdefault(slot, start)
+        return self._apply_ready()
+
+    def _start_clock(self) -> int:
+        if not self.clocked:
+            return 0
+        live = min(self.clocks.values(), default=self.version)
+        return max(live, self.version)
+
+    def _refusal(self, fence: Fence, pushing: bool) -> Optional[str]:
+        if fence.slot not in self.members:
+            return "not_member"
+        if fence.worker_incarnation != self.members[fence.slot]:
+            return "fenced_worker"
+        if pushing and fence.server_incarnation != self.incarnation:
+            return "fenced_server"
+        return None
+
+    # ---------------------------------------------------------------- pull
+    def pull(self, fence: Fence) -> Pull:
+        """The ticket for the sender's clock, when `pull_ready`; the caller then sends `parameters()`."""
+        refusal = self._refusal(fence, pushing=False)
+        if refusal:
+            return Pull(refusal)  # type: ignore[arg-type]
+        if self.finished:
+            return Pull("finished", version=self.version)
+        slot = fence.slot
+        if self.clocked and self.clocks[slot] < self.version:
+            self._skip_ahead(slot)
+        clock = self.clocks[slot]
+        if not self.pull_ready(clock):
+            return Pull("wait", version=self.version, clock=clock)
+        held = self.leases.held(slot, clock)
+        ticket = held[0] if held else self._deal(slot, clock)
+        return Pull("ok", ticket, self.version, clock, self.incarnation)
+
+    def _skip_ahead(self, slot: str) -> None:
+        """Quorum: the sender's clock was applied without it; its unpushed tickets go back to the queue."""
+        for ticket in self.leases.held(slot):
+            if ticket.clock < self.version:
+                self.leases.close(ticket, "requeued")
+        self.clocks[slot] = self.version
+
+    def _deal(self, slot: str, clock: int) -> Ticket:
+        ranks = list(self.members)
+        if self.clocked and clock == self.leases.dealt:
+            return next(t for t in self.leases.deal(clock, ranks) if t.holder == slot)
+        return self.leases.deal_share(clock, slot, ranks.index(slot), len(ranks))
+
+    # ---------------------------------------------------------------- push
+    def push(self, push: Push) -> PushResult:
+        status = self._refusal(push.fence, pushing=True)
+        ticket = None if status else self.leases.find(push.lease_ids)
+        if ticket is None and not status:
+            status = "duplicate" if self.leases.was_applied(push.lease_ids) else "stale"
+        elif ticket is not None and self._is_staged(ticket):
+            status, ticket = "duplicate", None
+        elif ticket is not None and ticket.holder != push.fence.slot:
+            status, ticket = "stale", None
+        if status:
+            self.rejected[status] += 1
+            return PushResult(status, self.version)  # type: ignore[arg-type]
+        late = self.clocked and ticket.clock < self.version
+        if self.finished or late:
+            return self._drop(ticket, "finished" if self.finished else "dropped")
+        self.clocks[ticket.holder] = ticket.clock + 1
+        staged = {"clock": ticket.clock, "rank": ticket.rank, "lease": ticket.leases[0].id,
+                  "pulled": push.pulled_version, "loss": float(push.loss), "grad": push.grad.detach().to(torch.float32)}
+        if not self.clocked:
+            update = self._apply([staged])
+            return PushResult("applied", self.version, (update,))
+        self.staged.setdefault(ticket.clock, []).append(staged)
+        updates = self._apply_ready()
+        return PushResult("applied" if updates else "staged", self.version, updates)
+
+    def _is_staged(self, ticket: Ticket) -> bool:
+        """A retried push of a ticket already waiting for its clock."""
+        pushes = self.staged.get(ticket.clock, [])
+        return any(p["lease"] == ticket.leases[0].id for p in pushes)
+
+    def _drop(self, ticket: Ticket, status: PushStatus) -> PushResult:
+        self.leases.close(ticket, "dropped")
+        self.rejected[status] += 1
+        self.clocks[ticket.holder] = max(self.clocks[ticket.holder], ticket.clock + 1)
+        return PushResult(status, self.version)
+
+    def _complete(self, clock: int) -> bool:
+        pushes = self.staged.get(clock, [])
+        if not pushes:
+            return False
+        everyone = all(c > clock for c in self.clocks.values())
+        if isinstance(self.policy, QuorumConfig):
+            return everyone or len(pushes) >= min(self.policy.k, len(self.members))
+        return everyone
+
+    def _apply_ready(self) -> tuple[Update, ...]:
+        updates = []
+        while self.clocked and not self.finished and self._complete(self.version):
+            updates.append(self._apply(self.staged.pop(self.version)))
+        return tuple(updates)
+
+    def _apply(self, pushes: list[dict]) -> Update:
+        """One optimizer step on the pushes' gradients, summed in rank order, scaled by B / sum(n_i)."""
+        pushes = sorted(pushes, key=lambda p: (p["rank"], p["lease"]))
+        tickets = [self.leases.open[p["lease"]] for p in pushes]
+        samples = sum(t.samples for t in tickets)
+        total = pushes[0]["grad"].clone()
+        for p in pushes[1:]:
+            total += p["grad"]
+        scale = self.global_batch / samples
+        total *= scale
+        lr = lr_at(self.version, self.optimizer_config, self.max_steps)
+        for shard, opt, (a, b) in zip(self.shards, self.optimizers, self.bounds):
+            shard.grad = total[a:b]
+            set_lr(opt, lr)
+            opt.step()
+            shard.grad = None
+        staleness = tuple(self.version - p["pulled"] for p in pushes)
+        for value in staleness:
+            self.staleness[value] = self.staleness.get(value, 0) + 1
+        for ticket in tickets:
+            self.leases.close(ticket, "applied")
+        self.version += 1
+        return Update(self.version, lr, scale * sum(p["loss"] for p in pushes), samples, tuple(tickets), staleness)
+
+    # ---------------------------------------------------------------- restarts and snapshots
+    def new_incarnation(self) -> None:
+        """The server restarted from a snapshot: pushes to the previous incarnation are refused from now
+        on, so the tickets they would have carried are requeued (what was staged stays)."""
+        self.incarnation += 1
+        staged = {p["lease"] for pushes in self.staged.values() for p in pushes}
+        for ticket in list(self.leases.open.values()):
+            if ticket.leases[0].id not in staged:
+                self.leases.close(ticket, "requeued")
+
+    def state_dict(self) -> dict:
+        """Everything, as tensors, ints, floats, strings, lists and dicts (`torch.load(weights_only=True)`)."""
+        return {"policy": self.policy.policy, "version": self.version, "incarnation": self.incarnation,
+                "membership_epoch": self.membership_epoch, "bounds": [list(b) for b in self.bounds],
+                "shards": [s.detach().clone() for s in self.shards],
+                "optimizers": [opt.state_dict() for opt in self.optimizers],
+                "members": [[slot, inc] for slot, inc in self.members.items()], "clocks": dict(self.clocks),
+                "staged": {c: [dict(p) for p in pushes] for c, pushes in self.staged.items()},
+                "staleness": dict(self.staleness), "rejected": dict(self.rejected), "leases": self.leases.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["policy"] != self.policy.policy or [tuple(b) for b in state["bounds"]] != self.bounds:
+            raise ValueError(f"a snapshot of policy {state['policy']!r} with shards {state['bounds']} does not fit "
+                             f"this server ({self.policy.policy!r}, shards {self.bounds})")
+        with torch.no_grad():
+            for shard, saved in zip(self.shards, state["shards"]):
+                shard.copy_(saved)
+        for opt, saved in zip(self.optimizers, state["optimizers"]):
+            opt.load_state_dict(saved)
+        self.version, self.incarnation = state["version"], state["incarnation"]
+        self.membership_epoch = state["membership_epoch"]
+        self.members = {slot: inc for slot, inc in state["members"]}
+        self.clocks = dict(state["clocks"])
+        self.staged = {c: [dict(p) for p in pushes] for c, pushes in state["staged"].items()}
+        self.staleness, self.rejected = dict(state["staleness"]), dict(state["rejected"])
+        self.leases.load_state_dict(state["leases"])
