@@ -157,13 +157,6 @@ class LeaseService:
             else:
                 self.queue.append((lease.data_epoch, list(lease.ids)))
 
-    def requeue_holder(self, holder: str) -> int:
-        """A holder left or was replaced: every open ticket of it is requeued. Returns the samples."""
-        tickets = self.held(holder)
-        for ticket in tickets:
-            self.close(ticket, "requeued")
-        return sum(t.samples for t in tickets)
-
     @property
     def outstanding(self) -> int:
         return sum(t.samples for t in self.open.values())

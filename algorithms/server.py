@@ -178,7 +178,7 @@ class ServerCore:
         new = dict(members)
         for slot, incarnation in self.members.items():
             if new.get(slot) != incarnation:
-                self.leases.requeue_holder(slot)
+                self._requeue_unpushed(slot)
                 del self.clocks[slot]
         start = self._start_clock()
         self.members, self.membership_epoch = new, epoch
@@ -258,10 +258,20 @@ class ServerCore:
         updates = self._apply_ready()
         return PushResult("applied" if updates else "staged", self.version, updates)
 
+    def _staged_leases(self) -> set[int]:
+        return {p["lease"] for pushes in self.staged.values() for p in pushes}
+
     def _is_staged(self, ticket: Ticket) -> bool:
         """A retried push of a ticket already waiting for its clock."""
-        pushes = self.staged.get(ticket.clock, [])
-        return any(p["lease"] == ticket.leases[0].id for p in pushes)
+        return ticket.leases[0].id in self._staged_leases()
+
+    def _requeue_unpushed(self, holder: Optional[str] = None) -> None:
+        """Requeue the open tickets (of `holder`, or everyone's) that no staged push carries: what was
+        pushed is good work and stays for its clock."""
+        staged = self._staged_leases()
+        for ticket in list(self.leases.open.values()):
+            if ticket.leases[0].id not in staged and holder in (None, ticket.holder):
+                self.leases.close(ticket, "requeued")
 
     def _drop(self, ticket: Ticket, status: PushStatus) -> PushResult:
         self.leases.close(ticket, "dropped")
@@ -313,10 +323,7 @@ class ServerCore:
         """The server restarted from a snapshot: pushes to the previous incarnation are refused from now
         on, so the tickets they would have carried are requeued (what was staged stays)."""
         self.incarnation += 1
-        staged = {p["lease"] for pushes in self.staged.values() for p in pushes}
-        for ticket in list(self.leases.open.values()):
-            if ticket.leases[0].id not in staged:
-                self.leases.close(ticket, "requeued")
+        self._requeue_unpushed()
 
     def state_dict(self) -> dict:
         """Everything, as tensors, ints, floats, strings, lists and dicts (`torch.load(weights_only=True)`)."""

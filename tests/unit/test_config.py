@@ -83,6 +83,16 @@ def test_lr_schedule_warmup_then_cosine():
     ({"sync": {"policy": "local_sgd", "h": 4, "bucket_mb": 1}}, "sync.bucket_mb: is not a knob of policy 'local_sgd'"),
     ({"sync": {"policy": "streaming_diloco", "h": 8, "fragments": 3}}, "sync.fragments: must divide h = 8"),
     ({"sync": {"policy": "diloco", "outer_momentum": 0}}, "sync.nesterov: needs outer_momentum > 0"),
+    ({"sync": {"policy": "ssp", "s": -1}}, "sync.s: must be at least 0"),
+    ({"sync": {"policy": "ssp", "s": 1.5}}, "sync.s: expected an integer"),
+    ({"sync": {"policy": "asp", "s": 1}}, "sync.s: is not a knob of policy 'asp'"),
+    ({"sync": {"policy": "quorum", "k": 0}}, "sync.k: must be at least 1"),
+    ({"sync": {"policy": "quorum", "k": 3}}, "sync.k: must not exceed workers.max = 2"),
+    ({"sync": {"policy": "quorum", "s": 1}}, "sync.s: is not a knob of policy 'quorum'"),
+    ({"server": {"shards": 0}}, "server.shards: must be at least 1"),
+    ({"server": {"snapshot_every": 0}}, "server.snapshot_every: must be at least 1"),
+    ({"server": {"cpus": -1}}, "server.cpus: must not be negative"),
+    ({"server": {"replicas": 2}}, "server.replicas: unknown key"),
 ])
 def test_bad_gpu_and_policy_settings_name_the_key(over, message):
     with pytest.raises(ConfigError) as err:
@@ -93,3 +103,15 @@ def test_bad_gpu_and_policy_settings_name_the_key(over, message):
 def test_fractional_gpus_over_gloo_are_allowed():
     cfg = config_from_dict(dict(MINIMAL, workers={"gpus": 0.5}, comm={"backend": "gloo"}))
     assert cfg.workers.gpus == 0.5
+
+
+@pytest.mark.parametrize("sync", [{"policy": "asp"}, {"policy": "ssp", "s": 0}, {"policy": "quorum", "k": 2}])
+def test_server_policies_are_checked_but_refused_until_their_actors_are_wired(sync):
+    with pytest.raises(ConfigError) as err:
+        config_from_dict(dict(MINIMAL, sync=sync))
+    assert str(err.value).startswith(f"sync.policy: policy {sync['policy']!r} is not available yet"), str(err.value)
+
+
+def test_server_section_defaults():
+    server = config_from_dict(MINIMAL).server
+    assert (server.shards, server.cpus, server.snapshot_every) == (1, 1.0, 50)

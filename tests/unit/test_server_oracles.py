@@ -44,6 +44,8 @@ class Sim:
     pulls: list[tuple[str, int, dict[str, int]]] = field(default_factory=list)
     """(slot, clock pulled, every live member's clock then), at each successful pull."""
     results: list[PushResult] = field(default_factory=list)
+    retry: bool = False
+    """Send every push twice (a retry after a lost reply): it must be applied once."""
 
     def set_members(self, members: list[Member]) -> None:
         self.members = {m.slot: m for m in members}
@@ -77,6 +79,8 @@ class Sim:
     def push(self, m: Member) -> PushResult:
         result = self.core.push(m.pending)
         self.results.append(result)
+        if self.retry:
+            self.results.append(self.core.push(m.pending))
         m.pending, m.clock = None, m.clock + 1
         return result
 
@@ -100,11 +104,18 @@ class Sim:
         return [lease for r in self.results for u in r.updates for t in u.tickets for lease in t.leases]
 
 
-def simulate(optimizer: dict, policy, costs: list[int], global_batch: int, shards: int = 1,
-             steps: Optional[int] = STEPS) -> Sim:
+def make_core(optimizer: dict, policy, global_batch: int, shards: int = 1, steps: Optional[int] = STEPS,
+              n_samples: Optional[int] = None) -> tuple[ServerCore, torch.nn.Module, torch.Tensor, torch.Tensor]:
+    """A server core over the oracles' model, dealing from the first `n_samples` samples (all by default)."""
     model, x, y = start_model()
-    core = ServerCore(list(model.parameters()), OptimizerConfig(**optimizer), policy, n_samples=len(x), seed=SEED,
-                      global_batch=global_batch, shards=shards, max_steps=steps)
+    core = ServerCore(list(model.parameters()), OptimizerConfig(**optimizer), policy, n_samples=n_samples or len(x),
+                      seed=SEED, global_batch=global_batch, shards=shards, max_steps=steps)
+    return core, model, x, y
+
+
+def simulate(optimizer: dict, policy, costs: list[int], global_batch: int, shards: int = 1,
+             steps: Optional[int] = STEPS, n_samples: Optional[int] = None) -> Sim:
+    core, model, x, y = make_core(optimizer, policy, global_batch, shards, steps, n_samples)
     sim = Sim(core, model, x, y)
     sim.set_members([Member(f"w{i}", cost) for i, cost in enumerate(costs)])
     return sim

@@ -1,0 +1,168 @@
+"""The server core's guarantees, in process without Ray: SSP's staleness bound under a straggler, a kill
+and a join; exactly-once application of leases with kills, joins, stragglers, quorum drops and retried
+pushes; fencing; snapshots that round-trip through `torch.save` / `torch.load(weights_only=True)`."""
+from __future__ import annotations
+
+import copy
+import io
+from collections import Counter
+
+import pytest
+import torch
+
+from algorithms.server import Fence, Push, ServerCore
+from core.schema import ASPConfig, OptimizerConfig, QuorumConfig, SSPConfig
+from tests.unit.test_policy_oracles import ADAMW, SEED, SGD_M
+from tests.unit.test_server_oracles import Member, Sim, make_core, simulate
+
+SGD = {"name": "sgd", "lr": 0.05}
+
+
+def ahead(sim: Sim, since: int = 0) -> int:
+    """From the recorded pulls: how far the puller's clock was ahead of the slowest live member's."""
+    return max(clock - min(clocks.values()) for _, clock, clocks in sim.pulls[since:])
+
+
+# ------------------------------------------------------------------ SSP's bound
+def test_ssp_bound_holds_with_a_straggler_a_kill_and_a_join():
+    s = 2
+    sim = simulate(SGD, SSPConfig(s=s), [1, 1, 3], 24, steps=None)  # w2 is a 3x straggler
+    sim.run(60)
+    assert ahead(sim) == s, "the fast members run ahead, by s clocks and no more"
+    assert sim.core.staleness.keys() <= set(range(s + 1))
+
+    w0, w1, w2 = sim.members.values()
+    mark, version = len(sim.pulls), sim.core.version
+    sim.set_members([w0, w1])  # w2 is killed; its pending push never arrives
+    sim.run(30)
+    assert sim.core.version > version + 10, "clocks complete without the departed slot"
+    assert "w2" not in sim.core.clocks and ahead(sim, mark) <= s
+
+    slowest = min(m.clock for m in (w0, w1))
+    mark = len(sim.pulls)
+    sim.set_members([w0, w1, Member("w3", cost=3)])
+    assert sim.core.clocks["w3"] == slowest, "a joiner starts at the minimum live clock"
+    sim.run(60)
+    assert ahead(sim, mark) == s and any(slot == "w3" for slot, _, _ in sim.pulls[mark:])
+
+
+def test_quorum_never_waits_for_the_straggler_and_drops_its_late_pushes():
+    sim = simulate(SGD, QuorumConfig(k=2), [1, 1, 3], 24, steps=None)
+    sim.run(30)
+    assert sim.core.version >= 25, "two fast members complete every clock"
+    assert sim.core.rejected["dropped"] > 0 and sim.core.leases.counts["requeued"] > 0
+    assert set(sim.core.staleness) == {0}, "a late member skips ahead: what is applied was never stale"
+
+
+# ------------------------------------------------------------------ leases: exactly once
+N_SAMPLES, BATCH = 240, 24
+
+
+@pytest.mark.parametrize("policy", [SSPConfig(s=1), QuorumConfig(k=2), ASPConfig()], ids=["ssp1", "quorum2", "asp"])
+def test_every_sample_of_a_data_epoch_is_applied_once(policy):
+    """A 3x straggler (w2), a kill (w1, whose in-flight push arrives after its eviction), a join (w3),
+    quorum drops and every push retried once: over data epoch 0, the applied samples, the open tickets
+    and the requeue queue partition the epoch, and the counts add up."""
+    sim = simulate(SGD, policy, [1, 1, 3], BATCH, steps=None, n_samples=N_SAMPLES)
+    sim.retry = True
+    sim.run(6)
+    w0, w1, w2 = sim.members.values()
+    if w1.pending is None:
+        sim.pull(w1)
+    evicted = w1.pending
+    sim.set_members([w0, w2])
+    assert sim.core.push(evicted).status == "not_member", "a push delayed past its eviction is refused"
+    sim.run(6)
+    sim.set_members([w0, w2, Member("w3")])
+    while sim.core.leases.cursor < 2 * N_SAMPLES:
+        sim.tick()
+
+    leases = sim.core.leases
+    applied = [i for lease in sim.applied_leases() if lease.data_epoch == 0 for i in lease.ids]
+    assert len(applied) == len(set(applied)), "no sample is applied twice in a data epoch"
+    open_ids = [i for t in leases.open.values() for lease in t.leases if lease.data_epoch == 0 for i in lease.ids]
+    queued = [i for epoch, ids in leases.queue if epoch == 0 for i in ids]
+    assert sorted(applied + open_ids + queued) == list(range(N_SAMPLES)), "every sample is in exactly one place"
+    counts = leases.counts
+    assert counts["applied"] == sum(len(lease.ids) for lease in sim.applied_leases())
+    assert counts["applied"] + counts["dropped"] + counts["requeued"] + leases.outstanding == counts["leased"]
+    assert counts["requeued"] > 0, "the kill requeued w1's ticket"
+    assert sim.core.rejected["duplicate"] > 0 and sim.core.rejected["not_member"] == 1
+    if isinstance(policy, QuorumConfig):
+        assert counts["dropped"] > 0 and sim.core.rejected["dropped"] > 0
+
+
+def test_a_retried_push_is_applied_once():
+    sim = simulate(SGD, SSPConfig(s=0), [1, 1], 16, steps=None)
+    w0, w1 = sim.members.values()
+    sim.pull(w0), sim.pull(w1)
+    first = w0.pending
+    assert sim.core.push(first).status == "staged"
+    assert sim.core.push(first).status == "duplicate", "a retry while its clock waits"
+    assert sim.core.push(w1.pending).status == "applied" and sim.core.version == 1
+    assert sim.core.push(first).status == "duplicate", "a retry after its clock was applied"
+    assert sim.core.version == 1 and sim.core.rejected["duplicate"] == 2
+    assert sim.core.leases.counts["applied"] == 16
+
+
+# ------------------------------------------------------------------ fencing
+def test_pushes_from_a_replaced_worker_or_to_an_old_server_are_refused_and_counted():
+    sim = simulate(SGD, SSPConfig(s=0), [1, 1], 16, steps=None)
+    w0, w1 = sim.members.values()
+    sim.pull(w0), sim.pull(w1)
+    stale_w0 = w0.pending
+    w0_new = Member("w0", incarnation=1)
+    sim.set_members([w0_new, w1])
+    assert sim.core.push(stale_w0).status == "fenced_worker"
+    assert sim.core.pull(Fence(sim.epoch, "w0", 0, 0)).status == "fenced_worker"
+    assert sim.core.leases.counts["requeued"] == 8, "the replaced incarnation's ticket was requeued"
+
+    sim.core.new_incarnation()  # as after a restart from a snapshot
+    assert sim.core.push(w1.pending).status == "fenced_server"
+    assert sim.core.leases.counts["requeued"] == 16, "tickets issued by the old incarnation are requeued"
+    ghost = Push(Fence(sim.epoch, "w9", 0, 1), (0,), 0, torch.zeros(1))
+    assert sim.core.push(ghost).status == "not_member"
+    assert {k: v for k, v in sim.core.rejected.items() if v} == {"fenced_worker": 1, "fenced_server": 1, "not_member": 1}
+
+    sim.pull(w0_new), sim.pull(w1)
+    assert w1.pending.fence.server_incarnation == 1
+    assert sim.core.push(w0_new.pending).status == "staged" and sim.core.push(w1.pending).status == "applied"
+    assert sim.core.leases.counts["applied"] == 16 and sim.core.version == 1
+
+
+# ------------------------------------------------------------------ snapshots
+def same(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+@pytest.mark.parametrize("optimizer,policy", [(ADAMW, SSPConfig(s=2)), (SGD_M, QuorumConfig(k=2))], ids=["ssp_adamw", "quorum_sgd"])
+def test_a_snapshot_round_trips_and_training_goes_on_identically(optimizer, policy):
+    sim = simulate(optimizer, policy, [1, 1, 3], 24, shards=2, steps=None, n_samples=200)
+    sim.run(17)
+    assert sim.core.staged or isinstance(policy, QuorumConfig), "the snapshot holds staged pushes"
+    buffer = io.BytesIO()
+    torch.save(sim.core.state_dict(), buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=True)
+
+    twin = copy.deepcopy(sim)
+    twin.core, _, _, _ = make_core(optimizer, policy, 24, shards=2, steps=None, n_samples=200)
+    twin.core.load_state_dict(loaded)
+    assert same(twin.core.state_dict(), sim.core.state_dict())
+    for run in (sim, twin):
+        run.run(40)
+    assert torch.equal(sim.core.parameters(), twin.core.parameters())
+    assert same(twin.core.state_dict(), sim.core.state_dict())
+
+
+def test_a_snapshot_does_not_fit_another_policy_or_shard_count():
+    core, *_ = make_core(SGD, SSPConfig(s=1), 24, shards=2)
+    other, *_ = make_core(SGD, SSPConfig(s=1), 24, shards=1)
+    with pytest.raises(ValueError, match="does not fit"):
+        other.load_state_dict(core.state_dict())
