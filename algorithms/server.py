@@ -33,9 +33,11 @@ or addressed to an older server incarnation is refused and counted; so is a pull
 kinds. The membership epoch is recorded, not compared: a live member's push from the previous epoch
 is still good work, because server kinds never redo a step.
 
-Shards are contiguous ranges of the flat parameter vector, cut at multiples of `ALIGN` elements, so
-that every element goes through the same vectorised kernel path as in one unsharded buffer: with
-elementwise optimizers (SGD, AdamW) any shard count then gives bit-identical results.
+Shards are contiguous ranges of the flat parameter vector (not parameter boundaries: a flat buffer
+may be cut anywhere), each with its own optimizer. SGD and AdamW are elementwise, so any shard count
+gives bit-identical results (tested). Cuts fall on multiples of `ALIGN` elements, so that every
+element sits in the same vector lane as in one unsharded buffer; on the CPU build here unaligned cuts
+were identical too, so this is insurance for kernels whose scalar tail rounds differently (FMA).
 """
 from __future__ import annotations
 
@@ -84,7 +86,8 @@ class Push:
     lease_ids: tuple[int, ...]
     pulled_version: int
     grad: torch.Tensor
-    """Flat float32 gradient of the loss weighted by n_i / B."""
+    """Flat float32 gradient of the loss weighted by n_i / B. Held (not copied) until its clock is
+    applied: the sender must not reuse the buffer."""
     loss: float = 0.0
     """The member's loss, weighted the same way."""
 
