@@ -87,6 +87,7 @@ def test_every_sample_of_a_data_epoch_is_applied_once(policy):
     assert counts["applied"] == sum(len(lease.ids) for lease in sim.applied_leases())
     assert counts["applied"] + counts["dropped"] + counts["requeued"] + leases.outstanding == counts["leased"]
     assert counts["requeued"] > 0, "the kill requeued w1's ticket"
+    assert all(t.holder in sim.core.members for t in leases.open.values()), "no lease is left with the departed"
     assert sim.core.rejected["duplicate"] > 0 and sim.core.rejected["not_member"] == 1
     if isinstance(policy, QuorumConfig):
         assert counts["dropped"] > 0 and sim.core.rejected["dropped"] > 0
