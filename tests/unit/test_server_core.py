@@ -167,3 +167,32 @@ def test_a_snapshot_does_not_fit_another_policy_or_shard_count():
     other, *_ = make_core(SGD, SSPConfig(s=1), 24, shards=1)
     with pytest.raises(ValueError, match="does not fit"):
         other.load_state_dict(core.state_dict())
+
+
+# ------------------------------------------------------------------ versions: staleness, schedule, the end
+def test_staleness_is_the_version_at_apply_minus_the_version_pulled():
+    sim = simulate(SGD, ASPConfig(), [1, 1], 16, steps=None)
+    w0, w1 = sim.members.values()
+    sim.pull(w0), sim.pull(w1)
+    assert sim.push(w0).updates[0].staleness == (0,)
+    assert sim.push(w1).updates[0].staleness == (1,), "w1 pulled version 0 and was applied at version 1"
+    assert sim.core.staleness == {0: 1, 1: 1}
+
+
+def test_the_schedule_and_max_steps_count_versions():
+    warm = {"name": "sgd", "lr": 0.2, "warmup_steps": 4}
+    sim = simulate(warm, SSPConfig(s=0), [1, 2], 16, steps=6)
+    sim.run()
+    lrs = [u.lr for r in sim.results for u in r.updates]
+    assert lrs == pytest.approx([0.05, 0.1, 0.15, 0.2, 0.2, 0.2]) and sim.core.finished
+    assert sim.core.pull(sim.fence(sim.members["w0"])).status == "finished"
+
+
+def test_a_push_after_the_last_version_is_dropped_and_counted():
+    sim = simulate(SGD, ASPConfig(), [1, 1], 16, steps=1)
+    w0, w1 = sim.members.values()
+    sim.pull(w0), sim.pull(w1)
+    assert sim.push(w0).status == "applied" and sim.core.finished
+    assert sim.push(w1).status == "finished" and sim.core.version == 1
+    assert sim.core.leases.counts == {"leased": 16, "applied": 8, "dropped": 8, "requeued": 0}
+    assert sim.core.rejected["finished"] == 1
