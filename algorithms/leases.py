@@ -19,7 +19,7 @@ Where samples come from: the same global permutation per (seed, data epoch) as t
 global batch of `global_batch` samples (requeued samples first, then fresh ones from the cursor) and
 cuts it into the holders' shares exactly as BSP's `split_for_rank` does. With no requeue, clock c's
 leases are therefore BSP's global batch c, rank by rank. A member's share is a *ticket*: one lease
-per data epoch the share spans (normally one).
+per run of samples from one data epoch (normally one lease; two where a share straddles an epoch).
 """
 from __future__ import annotations
 
@@ -68,6 +68,8 @@ def share_bounds(size: int, world: int) -> list[tuple[int, int]]:
 
 
 class LeaseService:
+    """The lease table (open tickets), the requeue queue, the applied set and the outcome counts."""
+
     def __init__(self, n_samples: int, seed: int, global_batch: int) -> None:
         self.sampler = GlobalSampler(n_samples, seed)
         self.global_batch = global_batch
@@ -112,12 +114,14 @@ class LeaseService:
             self.queue[0] = (epoch, rest)
             if not rest:
                 self.queue.pop(0)
-            epochs.append(np.full(len(taken), epoch)), ids.append(np.asarray(taken, dtype=np.int64))
+            epochs.append(np.full(len(taken), epoch))
+            ids.append(np.asarray(taken, dtype=np.int64))
             size -= len(taken)
         if size:
             fresh = self.sampler.global_batch(self.cursor, size)
             positions = np.arange(self.cursor, self.cursor + size)
-            epochs.append(positions // self.sampler.n), ids.append(fresh.astype(np.int64))
+            epochs.append(positions // self.sampler.n)
+            ids.append(fresh.astype(np.int64))
             self.cursor += size
         return np.concatenate(epochs), np.concatenate(ids)
 

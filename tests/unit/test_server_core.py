@@ -96,7 +96,8 @@ def test_every_sample_of_a_data_epoch_is_applied_once(policy):
 def test_a_retried_push_is_applied_once():
     sim = simulate(SGD, SSPConfig(s=0), [1, 1], 16, steps=None)
     w0, w1 = sim.members.values()
-    sim.pull(w0), sim.pull(w1)
+    for member in (w0, w1):
+        sim.pull(member)
     first = w0.pending
     assert sim.core.push(first).status == "staged"
     assert sim.core.push(first).status == "duplicate", "a retry while its clock waits"
@@ -110,7 +111,8 @@ def test_a_retried_push_is_applied_once():
 def test_pushes_from_a_replaced_worker_or_to_an_old_server_are_refused_and_counted():
     sim = simulate(SGD, SSPConfig(s=0), [1, 1], 16, steps=None)
     w0, w1 = sim.members.values()
-    sim.pull(w0), sim.pull(w1)
+    for member in (w0, w1):
+        sim.pull(member)
     stale_w0 = w0.pending
     w0_new = Member("w0", incarnation=1)
     sim.set_members([w0_new, w1])
@@ -125,7 +127,9 @@ def test_pushes_from_a_replaced_worker_or_to_an_old_server_are_refused_and_count
     assert sim.core.push(ghost).status == "not_member"
     assert {k: v for k, v in sim.core.rejected.items() if v} == {"fenced_worker": 1, "fenced_server": 1, "not_member": 1}
 
-    sim.pull(w0_new), sim.pull(w1)
+    for member in (w0_new, w1):
+
+        sim.pull(member)
     assert w1.pending.fence.server_incarnation == 1
     assert sim.core.push(w0_new.pending).status == "staged" and sim.core.push(w1.pending).status == "applied"
     assert sim.core.leases.counts["applied"] == 16 and sim.core.version == 1
@@ -173,7 +177,8 @@ def test_a_snapshot_does_not_fit_another_policy_or_shard_count():
 def test_staleness_is_the_version_at_apply_minus_the_version_pulled():
     sim = simulate(SGD, ASPConfig(), [1, 1], 16, steps=None)
     w0, w1 = sim.members.values()
-    sim.pull(w0), sim.pull(w1)
+    for member in (w0, w1):
+        sim.pull(member)
     assert sim.push(w0).updates[0].staleness == (0,)
     assert sim.push(w1).updates[0].staleness == (1,), "w1 pulled version 0 and was applied at version 1"
     assert sim.core.staleness == {0: 1, 1: 1}
@@ -191,7 +196,8 @@ def test_the_schedule_and_max_steps_count_versions():
 def test_a_push_after_the_last_version_is_dropped_and_counted():
     sim = simulate(SGD, ASPConfig(), [1, 1], 16, steps=1)
     w0, w1 = sim.members.values()
-    sim.pull(w0), sim.pull(w1)
+    for member in (w0, w1):
+        sim.pull(member)
     assert sim.push(w0).status == "applied" and sim.core.finished
     assert sim.push(w1).status == "finished" and sim.core.version == 1
     assert sim.core.leases.counts == {"leased": 16, "applied": 8, "dropped": 8, "requeued": 0}
