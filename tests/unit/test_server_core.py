@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import copy
 import io
-from collections import Counter
+from typing import Optional
 
 import pytest
 import torch
 
-from algorithms.server import Fence, Push, ServerCore
-from core.schema import ASPConfig, OptimizerConfig, QuorumConfig, SSPConfig
-from tests.unit.test_policy_oracles import ADAMW, SEED, SGD_M
+from algorithms.server import Fence, Push
+from core.schema import ASPConfig, QuorumConfig, SSPConfig
+from tests.unit.test_policy_oracles import ADAMW, SGD_M
 from tests.unit.test_server_oracles import Member, Sim, make_core, simulate
 
 SGD = {"name": "sgd", "lr": 0.05}
@@ -21,6 +21,15 @@ SGD = {"name": "sgd", "lr": 0.05}
 def ahead(sim: Sim, since: int = 0) -> int:
     """From the recorded pulls: how far the puller's clock was ahead of the slowest live member's."""
     return max(clock - min(clocks.values()) for _, clock, clocks in sim.pulls[since:])
+
+
+def pulled_pair(policy, steps: Optional[int] = None) -> tuple[Sim, Member, Member]:
+    """Two members (global batch 16) that have both pulled their first ticket and not pushed yet."""
+    sim = simulate(SGD, policy, [1, 1], 16, steps=steps)
+    w0, w1 = sim.members.values()
+    for member in (w0, w1):
+        sim.pull(member)
+    return sim, w0, w1
 
 
 # ------------------------------------------------------------------ SSP's bound
@@ -94,10 +103,7 @@ def test_every_sample_of_a_data_epoch_is_applied_once(policy):
 
 
 def test_a_retried_push_is_applied_once():
-    sim = simulate(SGD, SSPConfig(s=0), [1, 1], 16, steps=None)
-    w0, w1 = sim.members.values()
-    for member in (w0, w1):
-        sim.pull(member)
+    sim, w0, w1 = pulled_pair(SSPConfig(s=0))
     first = w0.pending
     assert sim.core.push(first).status == "staged"
     assert sim.core.push(first).status == "duplicate", "a retry while its clock waits"
@@ -109,10 +115,7 @@ def test_a_retried_push_is_applied_once():
 
 # ------------------------------------------------------------------ fencing
 def test_pushes_from_a_replaced_worker_or_to_an_old_server_are_refused_and_counted():
-    sim = simulate(SGD, SSPConfig(s=0), [1, 1], 16, steps=None)
-    w0, w1 = sim.members.values()
-    for member in (w0, w1):
-        sim.pull(member)
+    sim, w0, w1 = pulled_pair(SSPConfig(s=0))
     stale_w0 = w0.pending
     w0_new = Member("w0", incarnation=1)
     sim.set_members([w0_new, w1])
@@ -128,7 +131,6 @@ def test_pushes_from_a_replaced_worker_or_to_an_old_server_are_refused_and_count
     assert {k: v for k, v in sim.core.rejected.items() if v} == {"fenced_worker": 1, "fenced_server": 1, "not_member": 1}
 
     for member in (w0_new, w1):
-
         sim.pull(member)
     assert w1.pending.fence.server_incarnation == 1
     assert sim.core.push(w0_new.pending).status == "staged" and sim.core.push(w1.pending).status == "applied"
@@ -175,10 +177,7 @@ def test_a_snapshot_does_not_fit_another_policy_or_shard_count():
 
 # ------------------------------------------------------------------ versions: staleness, schedule, the end
 def test_staleness_is_the_version_at_apply_minus_the_version_pulled():
-    sim = simulate(SGD, ASPConfig(), [1, 1], 16, steps=None)
-    w0, w1 = sim.members.values()
-    for member in (w0, w1):
-        sim.pull(member)
+    sim, w0, w1 = pulled_pair(ASPConfig())
     assert sim.push(w0).updates[0].staleness == (0,)
     assert sim.push(w1).updates[0].staleness == (1,), "w1 pulled version 0 and was applied at version 1"
     assert sim.core.staleness == {0: 1, 1: 1}
@@ -194,10 +193,7 @@ def test_the_schedule_and_max_steps_count_versions():
 
 
 def test_a_push_after_the_last_version_is_dropped_and_counted():
-    sim = simulate(SGD, ASPConfig(), [1, 1], 16, steps=1)
-    w0, w1 = sim.members.values()
-    for member in (w0, w1):
-        sim.pull(member)
+    sim, w0, w1 = pulled_pair(ASPConfig(), steps=1)
     assert sim.push(w0).status == "applied" and sim.core.finished
     assert sim.push(w1).status == "finished" and sim.core.version == 1
     assert sim.core.leases.counts == {"leased": 16, "applied": 8, "dropped": 8, "requeued": 0}
