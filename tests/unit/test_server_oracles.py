@@ -49,7 +49,7 @@ class Sim:
 
     def set_members(self, members: list[Member]) -> None:
         self.members = {m.slot: m for m in members}
-        self.epoch += 1
+        self.epoch += 1  # versions a departure completes are recorded with the pushes' (for applied_leases)
         self.results.append(PushResult("applied", self.core.version,
                                        self.core.set_members(self.epoch, [(m.slot, m.incarnation) for m in members])))
         for m in members:
