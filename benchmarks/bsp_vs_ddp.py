@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -77,13 +76,32 @@ class PeakRSS:
         return self.peak / 2**20
 
 
-def _ddp_rank(rank: int, port: int, steps: int, out_dir: str) -> None:
+def _ddp_store(rank: int, out_dir: str):
+    """Rank 0's TCPStore takes a port the kernel picks (no free-port race with other processes) and
+    publishes it in `out_dir`; the other ranks wait for it there."""
+    import torch.distributed as dist
+
+    path = Path(out_dir, "port")
+    if rank == 0:
+        store = dist.TCPStore("127.0.0.1", 0, WORKERS, True)
+        Path(out_dir, "port.tmp").write_text(str(store.port))
+        os.replace(Path(out_dir, "port.tmp"), path)
+        return store
+    deadline = time.monotonic() + 60
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError("rank 0 never published its store port")
+        time.sleep(0.01)
+    return dist.TCPStore("127.0.0.1", int(path.read_text()), WORKERS, False)
+
+
+def _ddp_rank(rank: int, steps: int, out_dir: str) -> None:
     import torch.distributed as dist
     import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel
 
     torch.set_num_threads(1)
-    store = dist.TCPStore("127.0.0.1", port, WORKERS, rank == 0)
+    store = _ddp_store(rank, out_dir)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=WORKERS)
     torch.manual_seed(SEED)
     workload = mlp(hidden=HIDDEN)
@@ -105,11 +123,8 @@ def _ddp_rank(rank: int, port: int, steps: int, out_dir: str) -> None:
 
 
 def run_ddp(steps: int) -> dict:
-    with tempfile.TemporaryDirectory() as out, socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-        s.close()
-        context = mp.start_processes(_ddp_rank, args=(port, steps, out), nprocs=WORKERS, join=False)
+    with tempfile.TemporaryDirectory() as out:
+        context = mp.start_processes(_ddp_rank, args=(steps, out), nprocs=WORKERS, join=False)
         rss = PeakRSS(lambda: [p.pid for p in context.processes])
         while not context.join():
             pass

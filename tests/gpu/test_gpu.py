@@ -19,9 +19,10 @@ from actors.testing import LocalJob, local_store
 CUDA = torch.cuda.is_available()
 GPUS = torch.cuda.device_count() if CUDA else 0
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (none is present)")]
-needs_cupy = pytest.mark.skipif(not CUDA or not __import__("importlib").util.find_spec("cupy"),
+needs_cupy = pytest.mark.skipif(CUDA and not __import__("importlib").util.find_spec("cupy"),
                                 reason="needs cupy with NCCL (the gpu extra)")
-needs_two = pytest.mark.skipif(GPUS < 2, reason="gpu2: needs two GPUs (one GPU cannot hold two NCCL ranks)")
+"""Without CUDA the module's own mark skips first, naming the missing GPU."""
+needs_two = pytest.mark.skipif(CUDA and GPUS < 2, reason="gpu2: needs two GPUs (one GPU cannot hold two NCCL ranks)")
 
 SGD = {"name": "sgd", "lr": 0.1, "momentum": 0.9, "weight_decay": 0.001}
 
