@@ -83,7 +83,7 @@ def _ddp_store(rank: int, out_dir: str):
 
     path = Path(out_dir, "port")
     if rank == 0:
-        store = dist.TCPStore("127.0.0.1", 0, WORKERS, True)
+        store = dist.TCPStore("127.0.0.1", 0, WORKERS, True, wait_for_workers=False)
         Path(out_dir, "port.tmp").write_text(str(store.port))
         os.replace(Path(out_dir, "port.tmp"), path)
         return store
