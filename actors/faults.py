@@ -18,10 +18,18 @@ import sys
 import time
 from typing import Any, Callable, Optional
 
+import numpy as np
+
 from actors.comm import BaseCommunicator, CommError
 from core.schema import FaultsConfig, KillFault
 
 log = logging.getLogger(__name__)
+
+
+def jitter_factor(sigma: float, seed: int, slot: str, step: int) -> float:
+    """exp(sigma * z), z standard normal from (seed, slot, step): median 1, the same on every run."""
+    z = np.random.default_rng([seed, int(slot[1:]), step]).standard_normal()
+    return float(np.exp(sigma * z))
 
 
 class InjectedFault(RuntimeError):
@@ -40,6 +48,7 @@ class WorkerFaults:
         self._kill_actor = kill_actor
         self.slowdown = max([s.slowdown for s in cfg.stragglers if s.slot == slot] or [1.0])
         self.delay_s = max([s.delay_s for s in cfg.stragglers if s.slot == slot] or [0.0])
+        self.jitter = next((s.jitter for s in cfg.stragglers if s.slot == slot and s.jitter is not None), None)
 
     def has(self, phase: str) -> bool:
         return any(k.slot == self.slot and k.at == phase for k in self.kills)
@@ -70,11 +79,18 @@ class WorkerFaults:
         if self.due("vote", step) is not None:
             raise CommError(f"injected fault: {self.slot} lost the result of the commit vote for step {step + 1}")
 
-    def straggle(self, started: float) -> None:
-        """A straggler's step takes `slowdown` times as long as it computed, plus `delay_s`."""
-        extra = (time.perf_counter() - started) * (self.slowdown - 1.0) + self.delay_s
-        if extra > 0:
-            time.sleep(extra)
+    def straggle(self, started: float, step: int = 0) -> float:
+        """A straggler's step takes `slowdown` times as long as it computed, plus `delay_s`, times the
+        jitter factor of this (slot, step) when one is configured. Returns the seconds slept (modelled
+        compute: they count in the step-time estimate the coordinator watches)."""
+        elapsed = time.perf_counter() - started
+        target = elapsed * self.slowdown + self.delay_s
+        if self.jitter is not None:
+            target *= jitter_factor(self.jitter.sigma, self.jitter.seed, self.slot, step)
+        if target - elapsed <= 0:
+            return 0.0
+        time.sleep(target - elapsed)
+        return target - elapsed
 
     def fire(self, kill: KillFault, step: int) -> None:
         if kill.how == "raise":

@@ -398,14 +398,14 @@ class Replica:
             self.impl.end_backward(self.step)
             self._enter_phase("communicate")
             spent = time.perf_counter() - started
-            self.compute_s = 0.9 * self.compute_s + 0.1 * spent if self.compute_s else spent
             vote = self.impl.finish_step(self.step, draft)
             self.faults.lose_vote(self.step)
         except CommError as err:
             if self._samples is not None and self.impl.commit_mark is None:
                 self._pending_ids = [(self.step + 1, ids)]  # applied if some member committed it (a split vote)
             return self._failed(plan, err)
-        self.faults.straggle(started)
+        spent += self.faults.straggle(started, self.step)  # a modelled straggler's sleep is compute time
+        self.compute_s = 0.9 * self.compute_s + 0.1 * spent if self.compute_s else spent
         if vote.communicated and self.algorithm.kind == "synchronous" and vote.samples != plan.global_batch:
             raise RuntimeError(f"the commit vote of step {self.step + 1} counted {vote.samples} samples; the plan's "
                                f"global batch is {plan.global_batch}")  # every member runs one plan: a bug, not a vote

@@ -336,6 +336,21 @@ class StopConfig:
 
 
 @dataclass
+class JitterSpec:
+    """A random factor on each step's time: lognormal with median 1, drawn from (seed, slot, step)."""
+
+    dist: Literal["lognormal"] = "lognormal"
+    sigma: float = 0.5
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dist != "lognormal":
+            raise FieldError("dist", f"must be lognormal, got {self.dist!r}")
+        if not 0 <= self.sigma <= 3:
+            raise FieldError("sigma", f"must be in [0, 3], got {self.sigma}")
+
+
+@dataclass
 class StragglerFault:
     slot: str = ""
     slowdown: float = 1.0
@@ -343,6 +358,9 @@ class StragglerFault:
     delay_s: float = 0.0
     """Each step also sleeps this long: a fixed compute time, so a run's pace is the same on fast
     and slow machines."""
+    jitter: Optional[JitterSpec] = None
+    """The step's time (computed x slowdown + delay_s) is multiplied by a seeded random factor; a
+    factor below 1 cannot shorten the computation itself, only the sleep."""
 
     def __post_init__(self) -> None:
         _check_slot(self.slot)
