@@ -37,6 +37,7 @@ from actors.plan import ParentWatch, Plan, Progress, WorkerSpec
 from actors.worker import WorkerActor
 from algorithms.base import get_algorithm
 from algorithms.membership import MemberView, batch_for, choose_leavers, free_slots, slot_index
+from algorithms.stragglers import StragglerWatch
 from algorithms.supervision import (
     Decision, JobState, JobView, MemberEnded, MemberState, StopRequested, decide, recovered_epoch,
 )
@@ -104,6 +105,7 @@ class Coordinator:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         log_to(self.run_dir / "coordinator.log", self.cfg.log_level)
         self._events = open(self.run_dir / "events.jsonl", "a", encoding="utf-8")
+        self.stragglers = StragglerWatch()
         self._saved: Optional[dict] = None
         written = 0
         if ray.get_runtime_context().was_current_actor_reconstructed:
@@ -168,11 +170,21 @@ class Coordinator:
         member = self.members.get(progress.slot)
         if member is not None:
             member.step, member.last_report, member.compute_s = progress.mark, time.time(), progress.compute_s
+            self._watch_stragglers()
         for record in progress.records:
             try:
                 self._accept_record(record)
             except Exception as err:  # noqa: BLE001 - one bad record must not drop the rest
                 self._event("info", f"could not record step {record.get('step')}: {type(err).__name__}: {err}")
+
+    def _watch_stragglers(self) -> None:
+        """Name the training members whose step time is well above the median (events on each change)."""
+        live = {slot: m.compute_s for slot, m in self.members.items() if m.state is MemberState.TRAINING}
+        for change in self.stragglers.update(live):
+            verb = "is a straggler" if change.straggler else "is no longer a straggler"
+            ratio = f": {change.ratio:.2f}x the median step time" if change.ratio else ""
+            self._event("straggler", f"{change.slot} {verb}{ratio}", slot=change.slot,
+                        straggler=change.straggler, ratio=round(change.ratio, 3))
 
     async def fault_fired(self, index: int, slot: str, step: int, phase: str) -> None:
         self.fired_faults.add(index)
@@ -827,7 +839,8 @@ class Coordinator:
                          loss=self.loss, throughput=throughput, cause=self.cause, run_dir=str(self.run_dir),
                          metrics=dict(self.metrics), reshapes=tuple(e for e in self.events if e.kind == "reshape"),
                          departed=tuple(self.departed), incarnation=self.incarnation, coordinator_pid=os.getpid(),
-                         started_at=self.started_at, ended_at=self.ended_at)
+                         started_at=self.started_at, ended_at=self.ended_at,
+                         stragglers={slot: round(r, 3) for slot, r in self.stragglers.current.items()})
 
 
 CoordinatorActor = ray.remote(num_cpus=0)(Coordinator)

@@ -614,7 +614,7 @@ class Event:
 
     time: float
     kind: str
-    """transition / reshape / failure / checkpoint / info"""
+    """transition / reshape / failure / checkpoint / straggler / fault / info"""
     reason: str
     state_from: Optional[str] = None
     state_to: Optional[str] = None
@@ -649,6 +649,8 @@ class JobStatus:
     """When the job started (its coordinator was created), as a Unix time."""
     ended_at: Optional[float] = None
     """When it reached STOPPED, FINISHED or FAILED."""
+    stragglers: dict = field(default_factory=dict)
+    """Training members whose step time is above 1.5x the median, with that ratio (slot -> ratio)."""
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -125,8 +125,9 @@ class ProgressPrinter:
         loss = f"{status.loss:.4f}" if status.loss is not None else "-"
         rate = f"{status.throughput:.1f}" if status.throughput else "-"
         metrics = " ".join(f"{k} {v:.4f}" for k, v in sorted(status.metrics.items()))
+        slow = " ".join(f"{slot} {ratio:.1f}x" for slot, ratio in sorted(status.stragglers.items()))
         print(f"[{status.state.lower()}] step {status.step}{total} loss {loss} steps/s {rate} world {status.world_size} "
-              f"epoch {status.membership_epoch} {metrics}".rstrip(), flush=True)
+              f"epoch {status.membership_epoch} {metrics}{' stragglers ' + slow if slow else ''}".rstrip(), flush=True)
 
     def summary(self, status: JobStatus, elapsed_s: float) -> None:
         print(f"{status.state}: {status.name} run {status.run_id} at step {status.step} in {elapsed_s:.1f}s"
