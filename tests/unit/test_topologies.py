@@ -237,6 +237,8 @@ def test_unknown_kind_names_the_valid_ones():
 def test_validate_rejects_what_is_not_a_mixing_matrix():
     with pytest.raises(TopologyError, match="row sums"):
         validate(np.array([[0.5, 0.4], [0.5, 0.6]]), symmetric=False)
+    with pytest.raises(TopologyError, match="column sums"):
+        validate(np.array([[0.5, 0.5], [1.0, 0.0]]), symmetric=False)
     with pytest.raises(TopologyError, match="negative"):
         validate(np.array([[1.5, -0.5], [-0.5, 1.5]]), symmetric=True)
     with pytest.raises(TopologyError, match="not symmetric"):
