@@ -244,3 +244,16 @@ def test_validate_rejects_what_is_not_a_mixing_matrix():
     with pytest.raises(TopologyError, match="not symmetric"):
         validate(np.eye(3)[[1, 2, 0]], symmetric=True)
     validate(np.eye(3)[[1, 2, 0]], symmetric=False)
+
+
+def test_long_period_gaps_agree_with_a_product_taken_on_the_disagreement_space():
+    """rho = ||Pi W - J/n|| subtracts J/n from a product near it; over odd shift_one's long periods
+    (n (n - 1) / 2 steps) it must agree with the product of W restricted to the space orthogonal to
+    the ones vector, which never cancels."""
+    topology = get_topology("shift_one")
+    for world in (9, 11, 13, 15):
+        basis = np.linalg.qr(np.column_stack([np.ones(world), np.eye(world)[:, 1:]]))[0][:, 1:]
+        product = np.eye(world - 1)
+        for step in range(topology.period(world)):
+            product = basis.T @ topology.matrix(world, step) @ basis @ product
+        assert contraction(topology.mixing_matrix(world)[0]) == pytest.approx(np.linalg.norm(product, 2), rel=1e-3)
