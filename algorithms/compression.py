@@ -191,15 +191,15 @@ class ErrorFeedback:
             return x.clone() if out is None else out.copy_(x)
         return torch.add(x, self._kept.view_as(x), out=out)
 
-    def buffer(self, numel: int) -> torch.Tensor:
+    def buffer(self, numel: int, device: Optional[torch.device] = None) -> torch.Tensor:
         """The float32 staging buffer: compute a new residual in it and `stage()` it without a copy."""
         if self._staged is None or self._staged.numel() != numel:
-            self._staged = torch.empty(numel, dtype=torch.float32)
+            self._staged = torch.empty(numel, dtype=torch.float32, device=device)
         return self._staged
 
     def stage(self, new_residual: torch.Tensor) -> None:
         """What this step's compression lost; it replaces the residual only on `commit()`."""
-        staged = self.buffer(new_residual.numel())
+        staged = self.buffer(new_residual.numel(), new_residual.device)
         if staged.data_ptr() != new_residual.data_ptr():
             staged.copy_(new_residual.reshape(-1))
         self._has_staged = True

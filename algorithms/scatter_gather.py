@@ -49,17 +49,19 @@ class ScatterGather:
         """Start a membership epoch on `comm`: new buffers, owner residual reset, worker residual kept."""
         self.comm = comm
         n = comm.world_size
+        device = getattr(comm, "device", torch.device("cpu"))
         self.chunk = -(-self.numel // n)
         self.payload = self.codec.payload_bytes(self.chunk)
         self.message = self.payload + self.tail_numel * _TAIL_DTYPE.itemsize
-        self._send = torch.zeros(n, self.message, dtype=torch.uint8)
-        self._recv = torch.zeros(n, self.message, dtype=torch.uint8)
-        self._gather_in = torch.zeros(self.message, dtype=torch.uint8)
-        self._gathered = torch.zeros(n, self.message, dtype=torch.uint8)
-        self._padded = torch.zeros(self.chunk)
-        self._decoded = torch.empty(self.chunk)
-        self._owned = torch.empty(self.chunk)
-        self._tail_sum = torch.empty(self.tail_numel, dtype=_TAIL_DTYPE)
+        wire = dict(dtype=torch.uint8, device=device)
+        self._send = torch.zeros(n, self.message, **wire)
+        self._recv = torch.zeros(n, self.message, **wire)
+        self._gather_in = torch.zeros(self.message, **wire)
+        self._gathered = torch.zeros(n, self.message, **wire)
+        self._padded = torch.zeros(self.chunk, device=device)
+        self._decoded = torch.empty(self.chunk, device=device)
+        self._owned = torch.empty(self.chunk, device=device)
+        self._tail_sum = torch.empty(self.tail_numel, dtype=_TAIL_DTYPE, device=device)
         if self.owner_feedback is not None:
             self.owner_feedback.reset()
         if self.worker_feedback is not None:
@@ -78,7 +80,7 @@ class ScatterGather:
         before = self.comm.bytes_sent
         try:
             flat = tensor.view(-1)
-            self._compress_chunks(flat, tail.detach().to(_TAIL_DTYPE).view(-1))
+            self._compress_chunks(flat, tail.detach().to(_TAIL_DTYPE).contiguous().view(-1))
             self.comm.all_to_all(self._recv.view(-1), self._send.view(-1)).wait()
             self._reduce_own_chunk()
             outputs = list(self._gathered.unbind(0))
@@ -119,14 +121,16 @@ class ScatterGather:
     def _compress_chunks(self, flat: torch.Tensor, tail: torch.Tensor) -> None:
         source = flat
         if self.worker_feedback is not None:
-            source = self.worker_feedback.compensate(flat, out=self.worker_feedback.buffer(self.numel))
+            staging = self.worker_feedback.buffer(self.numel, flat.device)
+            source = self.worker_feedback.compensate(flat, out=staging)
         tail_bytes = tail.view(torch.uint8)
         for i, chunk in enumerate(self._chunks(source)):
             self.codec.compress(chunk, out=self._send[i, :self.payload])
             self._send[i, self.payload:] = tail_bytes
             if self.worker_feedback is not None:
                 lost = source[i * self.chunk:(i + 1) * self.chunk]
-                lost.sub_(self.codec.decompress(self._send[i, :self.payload], self.chunk, out=self._decoded)[:lost.numel()])
+                decoded = self.codec.decompress(self._send[i, :self.payload], self.chunk, out=self._decoded)
+                lost.sub_(decoded[:lost.numel()])
         if self.worker_feedback is not None:
             self.worker_feedback.stage(source)
 
@@ -137,7 +141,7 @@ class ScatterGather:
             owned.add_(self.codec.decompress(self._recv[j, :self.payload], self.chunk, out=self._decoded))
             tail_sum.add_(self._recv[j, self.payload:].view(_TAIL_DTYPE))
         if self.owner_feedback is not None:
-            owned = self.owner_feedback.compensate(owned, out=self.owner_feedback.buffer(self.chunk))
+            owned = self.owner_feedback.compensate(owned, out=self.owner_feedback.buffer(self.chunk, owned.device))
         self.codec.compress(owned, out=self._gather_in[:self.payload])
         self._gather_in[self.payload:] = tail_sum.view(torch.uint8)
         if self.owner_feedback is not None:
