@@ -57,7 +57,7 @@ class ScatterGather:
         self._send = torch.zeros(n, self.message, **wire)
         self._recv = torch.zeros(n, self.message, **wire)
         self._gather_in = torch.zeros(self.message, **wire)
-        self._gathered = torch.zeros(n, self.message, **wire)
+        self._gathered = self._send  # the all-to-all has finished with it when the all-gather starts
         self._padded = torch.zeros(self.chunk, device=device)
         self._decoded = torch.empty(self.chunk, device=device)
         self._owned = torch.empty(self.chunk, device=device)
@@ -73,7 +73,8 @@ class ScatterGather:
 
     def all_reduce(self, tensor: torch.Tensor, tail: torch.Tensor) -> torch.Tensor:
         """Replace `tensor` (contiguous, `numel` elements) by its SUM over the group; return the SUM
-        of `tail` (float32, `tail_numel` elements) as delivered by the all-gather."""
+        of `tail` (float32, `tail_numel` elements) as delivered by the all-gather. A call that raises
+        leaves its collectives' buffers to the failed group: `bind()` a new one before the next call."""
         if tensor.numel() != self.numel or tail.numel() != self.tail_numel:
             raise ValueError(f"expected {self.numel} elements and a tail of {self.tail_numel}, "
                              f"got {tensor.numel()} and {tail.numel()}")
