@@ -19,7 +19,7 @@ Payload layouts (numel = d elements; pad = zero bytes up to a multiple of 4):
 
 Non-finite inputs give non-finite outputs (the step's loss vote is where a run notices them).
 `ErrorFeedback` keeps a residual (what compression lost) to add to the next input; a new residual
-is staged during a step and kept only when the step commits (POLICIES.md section 5).
+is staged during a step and kept only when the step commits.
 """
 from __future__ import annotations
 

@@ -35,7 +35,7 @@ class ScatterGather:
     def __init__(self, codec: Codec, numel: int, tail_numel: int = 3, feedback: bool = False) -> None:
         if codec.needs_feedback and not feedback:
             raise ValueError(f"compression.codec {codec.name!r} needs error feedback on both halves "
-                             "(POLICIES.md section 5): enable it")
+                             "(a biased codec drifts without it): enable it")
         self.codec = codec
         self.numel = numel
         self.tail_numel = tail_numel

@@ -1,6 +1,6 @@
 """Topologies: every W doubly stochastic (symmetric where claimed) for worlds 2..16 over a full period,
 rows from `peers` equal to `matrix`, pairings mutual, gaps positive, and plain-numpy references for
-the rules ALGORITHMS.md section 4 states (ring, complete, one-peer exponential, BAGUA's shift_one,
+the rules the module states (ring, complete, one-peer exponential, BAGUA's shift_one,
 the mean of random matchings). A gossip step x <- W x keeps the average and shrinks the consensus
 distance at least by the factor W's second eigenvalue (singular value) predicts."""
 from __future__ import annotations
