@@ -53,6 +53,8 @@ MAX_RESTARTS = 5
 directory and the live workers (a new incarnation)."""
 SAVED = "coordinator.json"
 S = MemberState
+STRAGGLER_WARMUP_STEPS = 20
+"""Steps a member trains before its step-time estimate is compared with the others'."""
 
 
 class Coordinator:
@@ -178,8 +180,10 @@ class Coordinator:
                 self._event("info", f"could not record step {record.get('step')}: {type(err).__name__}: {err}")
 
     def _watch_stragglers(self) -> None:
-        """Name the training members whose step time is well above the median (events on each change)."""
-        live = {slot: m.compute_s for slot, m in self.members.items() if m.state is MemberState.TRAINING}
+        """Name the training members whose step time is well above the median (events on each change).
+        A member's first steps (imports, allocation, a cold cache) say nothing about its speed."""
+        live = {slot: m.compute_s for slot, m in self.members.items()
+                if m.state is MemberState.TRAINING and m.step >= STRAGGLER_WARMUP_STEPS}
         for change in self.stragglers.update(live):
             verb = "is a straggler" if change.straggler else "is no longer a straggler"
             ratio = f": {change.ratio:.2f}x the median step time" if change.ratio else ""

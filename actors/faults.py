@@ -123,8 +123,15 @@ class FaultyComm:
         return getattr(self._inner, name)
 
     def all_reduce(self, tensor, op: str = "sum"):
+        return self._in_flight(lambda: self._inner.all_reduce(tensor, op))
+
+    def all_to_all(self, output, tensor):
+        """The first collective of a compressed scatter-gather: an `allreduce` kill lands in it."""
+        return self._in_flight(lambda: self._inner.all_to_all(output, tensor))
+
+    def _in_flight(self, launch: Callable[[], Any]):
         kill = self._faults.due("allreduce", self._step())  # recorded first: the kill lands mid-operation
-        handle = self._inner.all_reduce(tensor, op)
+        handle = launch()
         if kill is not None:
             self._faults.fire(kill, self._step())
         return handle

@@ -83,7 +83,7 @@ class Replica:
         self.model: torch.nn.Module = self.workload.model.to(self.device)
         self.model.train()
         self.optimizer = build_optimizer(self.model.parameters(), self.cfg.optimizer)
-        self.algorithm = get_algorithm(self.cfg.sync.policy)(self.cfg.sync)
+        self.algorithm = get_algorithm(self.cfg.sync.policy)(self.cfg.sync, self.cfg.compression)
         self.impl = self.algorithm.bind(self.model, self.optimizer)
         self.param_names = [n for n, p in self.model.named_parameters() if p.requires_grad]
         self.sampler = GlobalSampler(len(self.workload.train_data), self.cfg.seed)

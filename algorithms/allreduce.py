@@ -7,6 +7,12 @@ all-reduce is launched from the post-accumulate-grad hook of its last gradient, 
 bucket order (every rank must issue collectives in the same order), so communication overlaps
 the rest of the backward pass.
 
+With `compression.codec` (or the `bytegrad` policy, uint8 by default) each bucket instead travels
+through a compressed scatter-gather (algorithms/scatter_gather.py) once backward is done, in bucket
+order; the vote is the float32 tail that scatter-gather carries on every message, so it covers both
+of its collectives. Error-feedback residuals are kept when the step commits and dropped when it does
+not.
+
 The step's vote tail (loss, sample count, "I have seen a newer plan") rides at the end of the last
 bucket when that bucket is float32 or float64, so the commit vote costs no extra round trip. A
 bf16 or fp16 bucket cannot carry it exactly (3 x 111 samples sum to 332 in bf16), so then the tail
@@ -21,6 +27,8 @@ from typing import Optional
 import torch
 
 from algorithms.base import Algorithm, AlgorithmImpl, EpochInfo, StepVote, VoteDraft, register
+from algorithms.compression import get_codec
+from algorithms.scatter_gather import ScatterGather
 
 TAIL = 3
 EXACT_DTYPES = (torch.float32, torch.float64)
@@ -65,8 +73,20 @@ class AllReduceImpl(AlgorithmImpl):
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.plan = plan_buckets([(p.numel(), p.dtype) for p in self.params], int(self.config.bucket_mb * 2**20))
         self.bucket_of = {i: b for b, members in enumerate(self.plan.buckets) for i in members}
-        self.tail_in_bucket = bool(self.params) and self.params[self.plan.buckets[-1][0]].dtype in EXACT_DTYPES
+        compression = getattr(algorithm, "compression", None)
+        codec = compression.codec if compression is not None else "none"
+        if algorithm.name == "bytegrad" and codec == "none":
+            codec = "uint8"
+        self.codec = None if codec == "none" else get_codec(codec)
+        self.tail_in_bucket = (self.codec is None and bool(self.params)
+                               and self.params[self.plan.buckets[-1][0]].dtype in EXACT_DTYPES)
         """Whether the tail rides in the last bucket (exact there) or is reduced on its own."""
+        feedback = bool(compression is not None and compression.feedback)
+        self.compressed = [] if self.codec is None else [
+            ScatterGather(self.codec, sum(self.params[i].numel() for i in members), TAIL, feedback)
+            for members in self.plan.buckets]
+        """One compressed all-reduce per bucket; its error-feedback residuals outlive membership epochs."""
+        self._vote_tail: Optional[torch.Tensor] = None
         self._draft = VoteDraft()
         for index, param in enumerate(self.params):
             param.register_post_accumulate_grad_hook(self._make_hook(index))
@@ -102,6 +122,8 @@ class AllReduceImpl(AlgorithmImpl):
     def on_membership(self, comm, epoch: EpochInfo) -> None:
         super().on_membership(comm, epoch)
         self._allocate()
+        for compressed in self.compressed:
+            compressed.bind(comm)
 
     def begin_step(self, step: int, draft: VoteDraft) -> None:
         for buf in self.buffers:
@@ -115,8 +137,8 @@ class AllReduceImpl(AlgorithmImpl):
         def hook(_param: torch.Tensor) -> None:
             if self.trace is not None:
                 self.trace.append(("hook", index))
-            if self.accumulating or self.comm is None:
-                return  # an earlier micro-step: the gradient accumulates in its bucket view
+            if self.accumulating or self.comm is None or self.codec is not None:
+                return  # an earlier micro-step (the gradient accumulates in its bucket view), or compressed
             self.pending[self.bucket_of[index]] -= 1
             self._launch_ready()
 
@@ -138,17 +160,40 @@ class AllReduceImpl(AlgorithmImpl):
             self.next_launch += 1
 
     def end_backward(self, step: int) -> None:
-        if self.comm is not None:
+        if self.comm is None:
+            return
+        if self.codec is None:
             self._launch_ready(force=True)
+            return
+        device = self.buffers[-1].device
+        for b, (buf, compressed) in enumerate(zip(self.buffers, self.compressed)):
+            last = b == len(self.buffers) - 1
+            tail = self._draft.tail(torch.float32, device) if last else torch.zeros(TAIL, device=device)
+            if self.trace is not None:
+                self.trace.append(("launch", b))
+            summed = compressed.all_reduce(buf, tail)  # blocking: a failure raises CommError here
+            if last:
+                self._vote_tail = summed
 
     def finish_step(self, step: int, draft: VoteDraft) -> StepVote:
         if self.comm is None:
             return StepVote.local(draft)
+        if self.codec is not None:
+            return StepVote.reduced(self._vote_tail.to(torch.float64))
         for handle in self.handles:
             if handle is not None:
                 handle.wait()
         tail = self.buffers[-1][-TAIL:] if self.tail_in_bucket else self.tail_buf
         return StepVote.reduced(tail.to(torch.float64))
+
+
+    def commit(self, step: int) -> None:
+        for compressed in self.compressed:
+            compressed.commit()  # keep the residuals this step staged
+
+    def discard(self, step: int) -> None:
+        for compressed in self.compressed:
+            compressed.discard()
 
 
 @register
@@ -158,3 +203,10 @@ class AllReduce(Algorithm):
     name = "bsp"
     kind = "synchronous"
     impl = AllReduceImpl
+
+
+@register
+class Bytegrad(AllReduce):
+    """BAGUA's ByteGrad: BSP through a compressed scatter-gather (uint8 unless `compression.codec` says)."""
+
+    name = "bytegrad"

@@ -236,8 +236,10 @@ class Algorithm(ABC):
     kind: ClassVar[Kind]
     impl: ClassVar[type[AlgorithmImpl]] = AlgorithmImpl
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, compression: Any = None) -> None:
         self.config = config
+        self.compression = compression
+        """The job's `compression:` section (a codec for the policies that take one), or None."""
 
     @property
     def entry(self) -> Entry:

@@ -152,6 +152,19 @@ class BSPConfig:
 
 
 @dataclass
+class BytegradConfig:
+    """`bytegrad`: BSP whose buckets travel compressed through a scatter-gather (`compression.codec`,
+    uint8 when it is `none`)."""
+
+    policy: Literal["bytegrad"] = "bytegrad"
+    bucket_mb: float = 25.0
+    """Gradient bucket size in MiB."""
+
+    def __post_init__(self) -> None:
+        _positive(self, "bucket_mb")
+
+
+@dataclass
 class LocalSGDConfig:
     """`local_sgd`: every member takes `h` local steps, then the replicas are averaged (weighted by the
     samples each trained); optimizer state stays local."""
@@ -246,10 +259,11 @@ class QuorumConfig:
             _at_least(self, "k", 1)
 
 
-SYNC_POLICIES: dict[str, type] = {c.policy: c for c in (BSPConfig, LocalSGDConfig, DiLoCoConfig, StreamingDiLoCoConfig,
-                                                        ASPConfig, SSPConfig, QuorumConfig)}
+SYNC_POLICIES: dict[str, type] = {c.policy: c for c in (BSPConfig, BytegradConfig, LocalSGDConfig, DiLoCoConfig,
+                                                        StreamingDiLoCoConfig, ASPConfig, SSPConfig, QuorumConfig)}
 """`sync.policy` -> its config dataclass (its knobs); algorithms/ registers one Algorithm for each that runs."""
-SyncConfig = Union[BSPConfig, LocalSGDConfig, DiLoCoConfig, StreamingDiLoCoConfig, ASPConfig, SSPConfig, QuorumConfig]
+SyncConfig = Union[BSPConfig, BytegradConfig, LocalSGDConfig, DiLoCoConfig, StreamingDiLoCoConfig, ASPConfig, SSPConfig,
+                   QuorumConfig]
 NOT_WIRED = frozenset({"asp", "ssp", "quorum"})
 """Policies whose settings the schema checks and whose update rule exists (algorithms/server.py), but
 whose worker and server actors do not yet: a job naming one is refused (exit 2) rather than started."""
@@ -289,13 +303,26 @@ class TopologyConfig:
     kind: str = "ring"
 
 
+CODECS = ("none", "fp16", "bf16", "uint8", "onebit")
+COMPRESSING_POLICIES = ("bsp", "bytegrad")
+"""Policies whose collectives take a codec so far (the others refuse one, naming the key)."""
+
+
 @dataclass
 class CompressionConfig:
+    """How gradients travel: `none`, or a codec through a compressed scatter-gather all-reduce."""
+
     codec: str = "none"
+    """`fp16`, `bf16`, `uint8` (per-chunk min/max, 256 levels) or `onebit` (signs scaled by the mean
+    magnitude; needs `feedback`)."""
+    feedback: bool = False
+    """Error feedback on both halves of the scatter-gather (what compression lost is added back next step)."""
 
     def __post_init__(self) -> None:
-        if self.codec != "none":
-            raise FieldError("codec", f"unknown codec {self.codec!r}; available: none")
+        if self.codec not in CODECS:
+            raise FieldError("codec", f"unknown codec {self.codec!r}; valid: {', '.join(CODECS)}")
+        if self.codec == "onebit" and not self.feedback:
+            raise FieldError("feedback", "codec onebit needs feedback: true (a 1-bit code drifts without it)")
 
 
 @dataclass
@@ -463,6 +490,9 @@ class JobConfig:
     (`workers/<slot>.log`) and the driver; `--log-level` on the command line sets it too."""
 
     def __post_init__(self) -> None:
+        if self.compression.codec != "none" and self.sync.policy not in COMPRESSING_POLICIES:
+            raise FieldError("compression.codec", f"policy {self.sync.policy!r} does not compress yet; "
+                                                  f"{' and '.join(COMPRESSING_POLICIES)} do")
         gpus = self.workers.gpus
         if gpus > 0 and gpus != int(gpus) and self.comm.backend != "gloo":
             raise FieldError("comm.backend", f"NCCL needs whole GPUs (workers.gpus = {gpus:g}: one GPU cannot hold "
