@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 
 from algorithms.base import Algorithm, AlgorithmImpl, EpochInfo, StepVote, VoteDraft, register
-from algorithms.compression import get_codec
+from algorithms.compression import Codec, get_codec
 from algorithms.scatter_gather import ScatterGather
 
 TAIL = 3
@@ -73,15 +73,10 @@ class AllReduceImpl(AlgorithmImpl):
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.plan = plan_buckets([(p.numel(), p.dtype) for p in self.params], int(self.config.bucket_mb * 2**20))
         self.bucket_of = {i: b for b, members in enumerate(self.plan.buckets) for i in members}
-        compression = getattr(algorithm, "compression", None)
-        codec = compression.codec if compression is not None else "none"
-        if algorithm.name == "bytegrad" and codec == "none":
-            codec = "uint8"
-        self.codec = None if codec == "none" else get_codec(codec)
+        self.codec, feedback = self._gradient_codec()
         self.tail_in_bucket = (self.codec is None and bool(self.params)
                                and self.params[self.plan.buckets[-1][0]].dtype in EXACT_DTYPES)
         """Whether the tail rides in the last bucket (exact there) or is reduced on its own."""
-        feedback = bool(compression is not None and compression.feedback)
         self.compressed = [] if self.codec is None else [
             ScatterGather(self.codec, sum(self.params[i].numel() for i in members), TAIL, feedback)
             for members in self.plan.buckets]
@@ -91,6 +86,14 @@ class AllReduceImpl(AlgorithmImpl):
         for index, param in enumerate(self.params):
             param.register_post_accumulate_grad_hook(self._make_hook(index))
         self._allocate()
+
+    def _gradient_codec(self) -> tuple[Optional[Codec], bool]:
+        """The codec gradients travel with (None: the plain all-reduce), and whether with error feedback."""
+        compression = self.algorithm.compression
+        name = compression.codec if compression is not None else "none"
+        if self.algorithm.name == "bytegrad" and name == "none":
+            name = "uint8"
+        return (None if name == "none" else get_codec(name)), bool(compression is not None and compression.feedback)
 
     def _allocate(self) -> None:
         """Fresh buffers (old ones may still be written by a stuck collective)."""
@@ -137,12 +140,17 @@ class AllReduceImpl(AlgorithmImpl):
         def hook(_param: torch.Tensor) -> None:
             if self.trace is not None:
                 self.trace.append(("hook", index))
-            if self.accumulating or self.comm is None or self.codec is not None:
-                return  # an earlier micro-step (the gradient accumulates in its bucket view), or compressed
+            if self.accumulating or self.comm is None or self.deferred:
+                return  # an earlier micro-step (the gradient accumulates in its bucket view), or deferred
             self.pending[self.bucket_of[index]] -= 1
             self._launch_ready()
 
         return hook
+
+    @property
+    def deferred(self) -> bool:
+        """Buckets wait for the end of backward (compressed, or a policy that sends something else)."""
+        return self.codec is not None
 
     def _launch_ready(self, force: bool = False) -> None:
         while self.next_launch < len(self.buffers) and (force or self.pending[self.next_launch] <= 0):

@@ -124,7 +124,7 @@ def register(cls: type["Algorithm"]) -> type["Algorithm"]:
 
 def _load_builtin() -> None:
     # Importing the modules registers their classes; kept lazy so imports stay cheap.
-    from algorithms import allreduce, periodic  # noqa: F401
+    from algorithms import allreduce, periodic, qadam  # noqa: F401
 
 
 def known_policies() -> list[str]:

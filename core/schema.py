@@ -165,6 +165,21 @@ class BytegradConfig:
 
 
 @dataclass
+class QAdamConfig:
+    """`qadam`: AdamW in full precision for `warmup_steps`, then a frozen second moment and the first
+    moment agreed through `compression.codec` instead of the gradient."""
+
+    policy: Literal["qadam"] = "qadam"
+    warmup_steps: int = 100
+    bucket_mb: float = 25.0
+
+    def __post_init__(self) -> None:
+        _positive(self, "bucket_mb")
+        if self.warmup_steps < 1:
+            raise FieldError("warmup_steps", f"must be >= 1 (the second moment is frozen after it), got {self.warmup_steps}")
+
+
+@dataclass
 class LocalSGDConfig:
     """`local_sgd`: every member takes `h` local steps, then the replicas are averaged (weighted by the
     samples each trained); optimizer state stays local."""
@@ -259,11 +274,12 @@ class QuorumConfig:
             _at_least(self, "k", 1)
 
 
-SYNC_POLICIES: dict[str, type] = {c.policy: c for c in (BSPConfig, BytegradConfig, LocalSGDConfig, DiLoCoConfig,
-                                                        StreamingDiLoCoConfig, ASPConfig, SSPConfig, QuorumConfig)}
+SYNC_POLICIES: dict[str, type] = {c.policy: c for c in (BSPConfig, BytegradConfig, QAdamConfig, LocalSGDConfig,
+                                                        DiLoCoConfig, StreamingDiLoCoConfig, ASPConfig, SSPConfig,
+                                                        QuorumConfig)}
 """`sync.policy` -> its config dataclass (its knobs); algorithms/ registers one Algorithm for each that runs."""
-SyncConfig = Union[BSPConfig, BytegradConfig, LocalSGDConfig, DiLoCoConfig, StreamingDiLoCoConfig, ASPConfig, SSPConfig,
-                   QuorumConfig]
+SyncConfig = Union[BSPConfig, BytegradConfig, QAdamConfig, LocalSGDConfig, DiLoCoConfig, StreamingDiLoCoConfig,
+                   ASPConfig, SSPConfig, QuorumConfig]
 NOT_WIRED = frozenset({"asp", "ssp", "quorum"})
 """Policies whose settings the schema checks and whose update rule exists (algorithms/server.py), but
 whose worker and server actors do not yet: a job naming one is refused (exit 2) rather than started."""
@@ -303,8 +319,11 @@ class TopologyConfig:
     kind: str = "ring"
 
 
+_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
+"""A number written the way people write them (1e-5, 3., .5), for float fields."""
+
 CODECS = ("none", "fp16", "bf16", "uint8", "onebit")
-COMPRESSING_POLICIES = ("bsp", "bytegrad")
+COMPRESSING_POLICIES = ("bsp", "bytegrad", "qadam")
 """Policies whose collectives take a codec so far (the others refuse one, naming the key)."""
 
 
@@ -490,9 +509,11 @@ class JobConfig:
     (`workers/<slot>.log`) and the driver; `--log-level` on the command line sets it too."""
 
     def __post_init__(self) -> None:
+        if self.sync.policy == "qadam" and self.optimizer.name != "adamw":
+            raise FieldError("optimizer.name", f"qadam is Adam: set optimizer.name: adamw (got {self.optimizer.name})")
         if self.compression.codec != "none" and self.sync.policy not in COMPRESSING_POLICIES:
             raise FieldError("compression.codec", f"policy {self.sync.policy!r} does not compress yet; "
-                                                  f"{' and '.join(COMPRESSING_POLICIES)} do")
+                                                  f"{', '.join(COMPRESSING_POLICIES)} do")
         gpus = self.workers.gpus
         if gpus > 0 and gpus != int(gpus) and self.comm.backend != "gloo":
             raise FieldError("comm.backend", f"NCCL needs whole GPUs (workers.gpus = {gpus:g}: one GPU cannot hold "
@@ -605,6 +626,8 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
             raise ConfigError(f"{path}: expected an integer, got {_show(value)}")
         return value
     if tp is float:
+        if isinstance(value, str) and _FLOAT.fullmatch(value.strip()):
+            value = float(value)  # YAML 1.1 reads 1e-5 (no dot) as a string; it is a number here
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{path}: expected a number, got {_show(value)}")
         return float(value)

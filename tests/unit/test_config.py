@@ -115,3 +115,11 @@ def test_server_policies_are_checked_but_refused_until_their_actors_are_wired(sy
 def test_server_section_defaults():
     server = config_from_dict(MINIMAL).server
     assert (server.shards, server.cpus, server.snapshot_every) == (1, 1.0, 50)
+
+
+def test_numbers_written_without_a_dot_are_numbers():
+    """YAML 1.1 (safe_load) reads `1e-5` as a string; a float field takes it as the number it is."""
+    cfg = config_from_dict(dict(MINIMAL, optimizer={"name": "adamw", "lr": "3e-4", "eps": "1e-5"}))
+    assert cfg.optimizer.lr == 3e-4 and cfg.optimizer.eps == 1e-5
+    with pytest.raises(ConfigError, match="optimizer.eps: expected a number, got str 'tiny'"):
+        config_from_dict(dict(MINIMAL, optimizer={"eps": "tiny"}))
