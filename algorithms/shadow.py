@@ -242,15 +242,20 @@ class BackgroundSync:
                                            name=f"{self.name} g{self._generation}", daemon=True)
         self.thread.start()
 
-    def stop(self, timeout: Optional[float] = None) -> Lifecycle:
-        """Let the round in progress finish and end the thread; abandon it if it is not done within
-        `timeout` (default: the round's collective timeout, plus a second)."""
+    def request_stop(self) -> None:
+        """Ask the thread to end after the round in progress (returns at once)."""
         self._stop.set()
+
+    def stop(self, timeout: float = 1.0) -> Lifecycle:
+        """End the thread after the round in progress, waiting at most `timeout` s for it; past that
+        (its peers stopped first, or the collective is stuck) it is abandoned. Members that stop
+        together should `request_stop()` first, so that none starts a round the others will not join."""
+        self.request_stop()
         thread = self.thread
         if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout if timeout is not None else (self.timeout_s or getattr(self._comm, "timeout_s", 10.0)) + 1.0)
+            thread.join(timeout)
             if thread.is_alive():
-                return self.abandon("stop timed out")
+                return self.abandon("stop: the round in progress did not end in time")
         with self._state_lock:
             if self._state == Lifecycle.STARTED:
                 self._state = Lifecycle.STOPPED
@@ -295,8 +300,10 @@ class BackgroundSync:
             return False
         self._call_hook("reduced", index)
         with self.lock, self._state_lock:
-            if generation != self._generation:
-                return False  # abandoned meanwhile: the epoch's result is not ours to apply
+            if generation != self._generation:  # abandoned meanwhile: the result is not ours to apply
+                self.stats.rounds_failed += 1
+                self.stats.last_error = "abandoned during the round"
+                return False
             self._write_back(target, snapshot)
             self.stats.rounds_completed += 1
             self.stats.bytes_sent += sent
