@@ -22,9 +22,10 @@ The rules (ALGORITHMS.md section 3), on flat tensors, as pure functions:
   central copy, which applies its half atomically and returns d; the member applies x <- x - d.
 
 The foreground holds the lock (`foreground()`) only during forward, backward and the optimizer step;
-the lock is handed over in arrival order (a ticket lock), so a round waiting for its snapshot or
-write-back is never starved by a foreground that re-acquires at once, and the foreground waits at
-most one copy of the parameters, never a collective.
+the lock is handed over in arrival order (a ticket lock: threading.Lock makes no promise that a
+waiter gets it before the releasing thread re-acquires), so a round waiting for its snapshot or
+write-back is not starved by the foreground's next step, and the foreground waits at most one
+step's worth of copying, never a collective.
 
 Lifecycle (BAGUA's `_AsyncInternalState`, made explicit): NEW -> STARTED (`start(comm)`, one per
 membership epoch) -> STOPPED (`stop()`, a failed round, or `max_rounds` done) or ABANDONED
