@@ -11,7 +11,7 @@ another group). A round:
 3. only if that succeeded, writes back under the lock: x <- x + (target - s), so that the steps the
    foreground took during the round are kept (with the foreground held, x = target).
 
-The rules (ALGORITHMS.md section 3), on flat tensors, as pure functions:
+The rules (the standard forms of ShadowSync's MA, EASGD and BMUF), on flat tensors, as pure functions:
 
 - MA: target = avg = (1/n) sum_i s_i.
 - BMUF (block momentum eta, block learning rate zeta, global copy x_g and block step D, the same on
