@@ -6,9 +6,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from actors.testing import LocalJob
 from algorithms.compression import get_codec
-from tests.unit.test_policy_oracles import SEED, global_batch_ids, make_opt, max_diff, reference_bsp, share, start_model
+from tests.unit.test_policy_oracles import run_replicas, SEED, global_batch_ids, make_opt, max_diff, reference_bsp, share, start_model
 from tests.unit.test_scatter_gather import _reference
 
 SGD_M = {"name": "sgd", "lr": 0.1, "momentum": 0.9, "weight_decay": 0.001}
@@ -16,16 +15,10 @@ STEPS, N, GLOBAL_BATCH = 12, 3, 50  # 50 samples over 3 ranks: shares of 17, 17 
 
 
 def run(tmp_path, sync: dict, compression: dict) -> list[torch.Tensor]:
-    slots = [f"w{i}" for i in range(N)]
     cfg = {"name": "compressed", "seed": SEED, "workers": {"count": N, "cpus": 1},
            "workload": {"factory": "orchestrator.workloads.digits:mlp", "params": {"hidden": 16}, "batch_size": 8},
            "optimizer": SGD_M, "sync": sync, "compression": compression, "stop": {"max_steps": STEPS}, "eval_every": 0}
-    job = LocalJob(cfg, slots, str(tmp_path))
-    job.run(tuple(slots), GLOBAL_BATCH)
-    params = job.parameters("w0")
-    for slot in slots[1:]:
-        assert all(torch.equal(a, b) for a, b in zip(params, job.parameters(slot))), f"{slot} differs from w0"
-    return params
+    return run_replicas(tmp_path, cfg, N, GLOBAL_BATCH)
 
 
 def reference_compressed(codec_name: str, feedback: bool) -> list[torch.Tensor]:

@@ -28,11 +28,17 @@ def config(sync: dict, optimizer: dict, steps: int = STEPS, n: int = 2) -> dict:
 
 
 def run(tmp_path, sync: dict, optimizer: dict, n: int, global_batch: int, steps: int = STEPS) -> list[torch.Tensor]:
+    return run_replicas(tmp_path, config(sync, optimizer, steps, n), n, global_batch)
+
+
+def run_replicas(tmp_path, cfg: dict, n: int, global_batch: int) -> list[torch.Tensor]:
+    """`cfg` trained by n replicas in process; w0's parameters, after checking every replica ends
+    at the same committed state."""
     slots = [f"w{i}" for i in range(n)]
-    job = LocalJob(config(sync, optimizer, steps, n), slots, str(tmp_path))
+    job = LocalJob(cfg, slots, str(tmp_path))
     job.run(tuple(slots), global_batch)
     params = job.parameters("w0")
-    for slot in slots[1:]:  # every replica ends at the committed state of the last round
+    for slot in slots[1:]:
         assert all(torch.equal(a, b) for a, b in zip(params, job.parameters(slot))), f"{slot} differs from w0"
     return params
 

@@ -6,10 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from actors.testing import LocalJob
 from orchestrator.config import config_from_dict
 from core.schema import ConfigError
-from tests.unit.test_policy_oracles import SEED, global_batch_ids, max_diff, start_model
+from tests.unit.test_policy_oracles import run_replicas, SEED, global_batch_ids, max_diff, start_model
 
 ADAMW = {"name": "adamw", "lr": 0.01, "weight_decay": 0.01, "eps": 1e-3}
 """A larger eps than Adam's usual 1e-8: digits has pixels that are still zero in every batch of a short
@@ -18,17 +17,11 @@ STEPS, N, GLOBAL_BATCH = 12, 3, 50
 
 
 def run(tmp_path, sync: dict, compression: dict | None = None) -> list[torch.Tensor]:
-    slots = [f"w{i}" for i in range(N)]
     cfg = {"name": "qadam", "seed": SEED, "workers": {"count": N, "cpus": 1},
            "workload": {"factory": "orchestrator.workloads.digits:mlp", "params": {"hidden": 16}, "batch_size": 8},
            "optimizer": ADAMW, "sync": sync, "compression": compression or {}, "stop": {"max_steps": STEPS},
            "eval_every": 0}
-    job = LocalJob(cfg, slots, str(tmp_path))
-    job.run(tuple(slots), GLOBAL_BATCH)
-    params = job.parameters("w0")
-    for slot in slots[1:]:
-        assert all(torch.equal(a, b) for a, b in zip(params, job.parameters(slot))), f"{slot} differs from w0"
-    return params
+    return run_replicas(tmp_path, cfg, N, GLOBAL_BATCH)
 
 
 def reference_qadam(warmup: int) -> list[torch.Tensor]:
