@@ -152,16 +152,11 @@ class BSPConfig:
 
 
 @dataclass
-class BytegradConfig:
+class BytegradConfig(BSPConfig):
     """`bytegrad`: BSP whose buckets travel compressed through a scatter-gather (`compression.codec`,
     uint8 when it is `none`)."""
 
-    policy: Literal["bytegrad"] = "bytegrad"
-    bucket_mb: float = 25.0
-    """Gradient bucket size in MiB."""
-
-    def __post_init__(self) -> None:
-        _positive(self, "bucket_mb")
+    policy: Literal["bytegrad"] = "bytegrad"  # type: ignore[assignment]
 
 
 @dataclass
