@@ -81,7 +81,10 @@ class ServerHost:
         self.lock = threading.Lock()
         self.ready = threading.Condition(self.lock)
         self._snapshot_lock = threading.Lock()
+        self._model_lock = threading.Lock()
+        """The workload's model holds the parameters only while it is saved or evaluated."""
         self.closed: Optional[str] = None
+        self._ended = False
         self.kept: deque[dict] = deque(maxlen=KEEP_RECORDS)
         self.bytes_sent = 0
         self._samples = self._open_samples()
@@ -103,7 +106,14 @@ class ServerHost:
         """The job stops: every pull answers `finished` from now on."""
         with self.lock:
             self.closed = reason
+            self._end()
             self.ready.notify_all()
+
+    def _end(self) -> None:
+        """Once finished or closed: what is staged or dealt and not pushed is accounted for (under the lock)."""
+        if not self._ended:
+            self._ended = True
+            self.core.end()
 
     def summary(self) -> dict:
         """Counts for `status`: version, incarnation, staleness histogram, refused pushes, leases."""
@@ -112,7 +122,7 @@ class ServerHost:
 
     def _summary(self) -> dict:
         core = self.core
-        return {"version": core.version, "incarnation": core.incarnation, "membership_epoch": core.membership_epoch,
+        return {"pid": os.getpid(), "version": core.version, "incarnation": core.incarnation, "membership_epoch": core.membership_epoch,
                 "staleness": {str(k): v for k, v in sorted(core.staleness.items())}, "rejected": dict(core.rejected),
                 "leases": dict(core.leases.counts, outstanding=core.leases.outstanding), "clocks": dict(core.clocks)}
 
@@ -121,11 +131,29 @@ class ServerHost:
         the version, and the server's whole state (a resume needs it)."""
         with self.lock:
             flat, state, version = self.core.parameters(), self.core.state_dict(), self.core.version
+        with self._model_lock:
+            self._load_model(flat)
+            buf = io.BytesIO()
+            torch.save({"model": self.model.state_dict(), "step": version, "server": state}, buf)
+        return buf.getvalue()
+
+    def _load_model(self, flat: torch.Tensor) -> None:
         with torch.no_grad():
             torch.nn.utils.vector_to_parameters(flat, list(self.model.parameters()))
-        buf = io.BytesIO()
-        torch.save({"model": self.model.state_dict(), "step": version, "server": state}, buf)
-        return buf.getvalue()
+
+    def _evaluate(self, flat: torch.Tensor) -> dict:
+        """The workload's metrics of these parameters (the server's model is what `model()` returns)."""
+        evaluate = getattr(self.workload, "evaluate", None)
+        data = getattr(self.workload, "eval_data", None)
+        if evaluate is None or data is None:
+            return {}
+        with self._model_lock:
+            self._load_model(flat)
+            self.model.eval()
+            try:
+                return {k: float(v) for k, v in evaluate(self.model, data).items()}
+            finally:
+                self.model.train()
 
     def records_after(self, step: int) -> tuple[dict, ...]:
         return tuple(r for r in list(self.kept) if r["step"] > step)
@@ -173,12 +201,18 @@ class ServerHost:
     def _after(self, updates: tuple[Update, ...]) -> None:
         if not updates:
             return
+        every = self.cfg.eval_every
         with self.lock:
             records = tuple(self._record(u) for u in updates)
+            if self.core.finished:
+                self._end()
             summary = self._summary()
+            flat = self.core.parameters() if every and records[-1]["step"] // every > (records[0]["step"] - 1) // every else None
             for file in (self._samples, self._pulls):
                 if file is not None:
                     file.flush()
+        if flat is not None:  # evaluated at the newest version that crossed a multiple of eval_every
+            records[-1]["metrics"] = self._evaluate(flat)
         self.kept.extend(records)
         self._maybe_snapshot(updates[0].version - 1, updates[-1].version)
         try:

@@ -636,6 +636,10 @@ class JobStatus:
     """When the job started (its coordinator was created), as a Unix time."""
     ended_at: Optional[float] = None
     """When it reached STOPPED, FINISHED or FAILED."""
+    server: dict = field(default_factory=dict)
+    """Server policies: the parameter server's version, incarnation, restarts, staleness histogram
+    (updates by staleness), refused pushes by reason and lease counts (samples leased, applied,
+    dropped, requeued, outstanding)."""
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -24,7 +24,9 @@ import yaml
 from actors import runfiles
 from core.factory import check_factory
 from orchestrator.config import default_run_root
-from core.schema import TERMINAL_STATES, ConfigError, JobConfig, JobResult, JobStatus, OrchestratorError, parse
+from core.schema import (
+    SERVER_POLICIES, TERMINAL_STATES, ConfigError, JobConfig, JobResult, JobStatus, OrchestratorError, parse,
+)
 
 log = logging.getLogger(__name__)
 NAMESPACE = "orchestrator"
@@ -57,7 +59,8 @@ def connect(config: Optional[JobConfig] = None, address: Optional[str] = None, s
     if not start_local:
         raise OrchestratorError("no Ray cluster to attach to: pass --address or set RAY_ADDRESS")
     workers = config.workers if config else None
-    wanted = math.ceil((workers.max or workers.count) * workers.cpus) if workers else 1
+    server = config.server.cpus if config and config.sync.policy in SERVER_POLICIES else 0.0  # one server actor
+    wanted = math.ceil((workers.max or workers.count) * workers.cpus + server) if workers else 1
     num_cpus = max(config.ray.num_cpus or 0 if config else 0, wanted, 1)
     ray.init(num_cpus=num_cpus, namespace=NAMESPACE, log_to_driver=False, include_dashboard=False,
              logging_level="ERROR")
