@@ -269,12 +269,19 @@ class CoordinatorReports:
 
     def __init__(self, coordinator: str, namespace: str) -> None:
         self.coordinator, self.namespace = coordinator, namespace
+        self._handle = None
 
     def _coord(self):
-        return ray.get_actor(self.coordinator, namespace=self.namespace)
+        if self._handle is None:  # a restarted coordinator keeps its actor id: the handle stays good
+            self._handle = ray.get_actor(self.coordinator, namespace=self.namespace)
+        return self._handle
 
     def records(self, records: tuple[dict, ...], summary: dict) -> None:
-        self._coord().server_report.remote(records, summary)
+        try:
+            self._coord().server_report.remote(records, summary)
+        except Exception:
+            self._handle = None  # looked up again next time; these records wait in `kept`
+            raise
 
     def restarted(self, resumed_version: int, incarnation: int, snapshot: Optional[str]) -> None:
         self._coord().server_restarted.remote(resumed_version, incarnation, snapshot)

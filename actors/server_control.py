@@ -35,7 +35,7 @@ class ServerControl:
         """Create the server and wait until it holds the initial state (Ray places it when a CPU is free)."""
         handle = start_server(cfg, config, run_id, run_dir, cfg.ray.namespace)
         info = await asyncio.wrap_future(handle.ready.remote().future())
-        return cls(handle, pid=info["pid"], summary={k: v for k, v in info.items() if k not in ("pid", "node")})
+        return cls(handle, pid=info["pid"], summary={k: v for k, v in info.items() if k != "node"})
 
     @classmethod
     def attach(cls, cfg: JobConfig, run_id: str) -> Optional["ServerControl"]:
