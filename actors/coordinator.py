@@ -570,7 +570,8 @@ class Coordinator:
             self.stop_kind, self.cause = d.stop_kind, (cause if d.stop_kind == "FAILED" else d.reason)
             self.stop_step = 0 if d.stop_step == "held" else self.step + 1
             if self.server is not None:
-                self.server.close(self.cause or d.reason)  # members stop at their next pull            asyncio.get_running_loop().create_task(self._force_stop_after(self.cfg.comm.timeout_s + 10.0))
+                self.server.close(self.cause or d.reason)  # members stop at their next pull
+            asyncio.get_running_loop().create_task(self._force_stop_after(self.cfg.comm.timeout_s + 10.0))
             self.faults.die_on_report = True
         if d.transition == JobState.PAUSED:
             self.cause = d.reason
