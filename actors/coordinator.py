@@ -114,6 +114,8 @@ class Coordinator:
             written = self._load_saved()
             ray.get_actor(self.name, namespace=self.cfg.ray.namespace).start.remote()  # nobody else will
         self.algorithm = get_algorithm(self.cfg.sync.policy)(self.cfg.sync)
+        if self._saved is not None and self.algorithm.kind == "server":  # detached: it trained on without us
+            self.server = ServerControl.attach(self.cfg, self.run_id)
         self.history = History(self.run_dir / "history.jsonl", self.algorithm.reporter, written,
                                note=lambda reason, detail: self._event("info", reason, **detail))
         self._persist()
@@ -220,6 +222,8 @@ class Coordinator:
         """The parameter server applied these versions (history records) and now counts `summary`."""
         if self.server is not None:
             self.server.summary = summary
+            if records and records[0]["step"] > self.history.written_step + 1:  # reports lost in a restart
+                records = await self.server.records_after(self.history.written_step)
         for record in records:
             self._accept_record(record)
 
@@ -323,9 +327,8 @@ class Coordinator:
         self.epoch = recovered_epoch(self.epoch, epochs) - 1  # the next publication takes the one after
         self.version = max(self.version, self.plan.version if self.plan else 0)
         await self._collect_records(found)
-        if self.algorithm.kind == "server":
-            self.server = ServerControl.attach(self.cfg, self.run_id)  # detached: it trained on without us
-            for record in await self.server.records_after(self.history.written_step) if self.server else ():
+        if self.server is not None:  # what it reported while no coordinator listened
+            for record in await self.server.records_after(self.history.written_step):
                 self._accept_record(record)
         self._event("restart", f"coordinator restarted as incarnation {self.incarnation}: re-attached "
                     f"{', '.join(found) or 'no worker'}" + (f"; lost {', '.join(lost)}" if lost else ""),

@@ -78,6 +78,9 @@ def _head_resources() -> dict:
 class ElasticJob:
     def __init__(self, config: JobConfig, resume_from: Optional[str] = None) -> None:
         """`resume_from`: a checkpoint file (see `actors.checkpoints.newest_valid`)."""
+        if resume_from and config.sync.policy in SERVER_POLICIES:
+            raise ConfigError(f"--resume: policy {config.sync.policy!r} cannot resume yet (its checkpoints hold the "
+                              f"server's state, but a new run's server does not load it); start a new run")
         self.config = config
         self.resume_from = str(resume_from) if resume_from else None
         self.name = config.name
@@ -231,7 +234,8 @@ class ElasticJob:
         return runfiles.read_jsonl(self.run_dir / "events.jsonl") if self.run_dir else []
 
     def model(self) -> torch.nn.Module:
-        """The final model after `wait()` (for BSP, rank 0's replica, identical to the others)."""
+        """The final model after `wait()` (for BSP, rank 0's replica, identical to the others; for the
+        server policies, the parameter server's)."""
         path = self.run_dir / "model.pt" if self.run_dir else None
         if path is None or not path.exists():
             raise OrchestratorError(f"job {self.name!r} has no final model yet (state {self.status().state})")

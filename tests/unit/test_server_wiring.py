@@ -37,6 +37,7 @@ def test_bsp_settings_through_the_worker_loop_equal_bsp(tmp_path, policy):
     expected = torch.cat([p.reshape(-1) for p in bsp.parameters("w0")])
     got = server.server.core.parameters()
     diff = float((expected - got).abs().max())
+    print(f"{policy} through the worker loop vs BSP after {STEPS} steps, n = {N}: max abs diff {diff:.1e}")
     assert diff < 1e-5, diff
     steps = [r["step"] for r in server.link.records]
     assert steps == list(range(1, STEPS + 1)), steps
