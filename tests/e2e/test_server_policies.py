@@ -122,3 +122,25 @@ def test_server_sigkill_resumes_from_its_snapshot_and_the_job_finishes(run_root)
     assert redone == list(range(resumed + 1, steps + 1)), "the new incarnation carries on from its snapshot"
     assert [r["step"] for r in history if r.get("server_incarnation") == 0] == list(range(1, resumed + lost + 1))
     print(f"server SIGKILL at version {resumed + lost}: {event['reason']}; refused pushes {status.server['rejected']}")
+
+
+def test_coordinator_sigkill_reattaches_to_the_server_and_workers(run_root):
+    """Ray restarts the coordinator; the detached server and workers train on meanwhile; the new
+    incarnation finds the server by name and fills history from the records it kept."""
+    steps = 120
+    stragglers = [{"slot": f"w{i}", "delay_s": 0.04} for i in range(4)]
+    job = ElasticJob(config_from_dict(make_config("ps-coordinator-kill", {"policy": "ssp", "s": 2}, steps,
+                                                  faults={"stragglers": stragglers}))).start()
+    wait_until(lambda: job.status().step >= 25, timeout=120, what="25 versions")
+    before = job.status()
+    workers = pids(job, ("w0", "w1", "w2", "w3"))
+    os.kill(before.coordinator_pid, signal.SIGKILL)
+    result = job.wait(timeout=180)
+    assert result.state == "FINISHED" and result.step == steps, result
+    after = job.status()
+    assert after.incarnation == 1 and after.coordinator_pid != before.coordinator_pid
+    assert pids(job, ("w0", "w1", "w2", "w3")) == workers, "workers were restarted"
+    assert after.server["pid"] == before.server["pid"], "the server was restarted"
+    assert [r["step"] for r in job.history()] == list(range(1, steps + 1)), "history has a gap or a repeat"
+    print(f"coordinator SIGKILLed at version {before.step}: the server (pid {before.server['pid']}) and workers kept "
+          f"training; history 1..{steps}, no gap")

@@ -74,3 +74,21 @@ def test_a_push_from_a_replaced_incarnation_is_fenced_and_counted(tmp_path):
     assert summary["leases"]["requeued"] == pull.ticket.samples, "the replaced holder's lease went back to the queue"
     again, _ = host.pull(old, 0.05)
     assert again.status == "fenced_worker", "the old incarnation may not pull either"
+
+
+def test_a_server_restart_names_the_versions_lost_and_history_records_the_redone_ones(tmp_path):
+    from actors.history import History
+    from actors.server_control import restart_event
+
+    history = History(tmp_path / "history.jsonl", "server")
+    for step in range(1, 8):
+        history.offer({"step": step, "server_incarnation": 0})
+    reason, detail = restart_event(history.written_step, 5, 1, "snap", every=5)
+    assert detail["versions_lost"] == 2 and "versions 6..7 lost" in reason, reason
+    history.rewind(5)
+    for step in range(6, 9):
+        history.offer({"step": step, "server_incarnation": 1})
+    history.shut()
+    lines = [(r["step"], r["server_incarnation"]) for r in map(__import__("json").loads, (tmp_path / "history.jsonl").read_text().splitlines())]
+    assert lines == [(s, 0) for s in range(1, 8)] + [(s, 1) for s in range(6, 9)]
+    assert restart_event(3, 3, 2, None, every=5)[1]["versions_lost"] == 0
