@@ -4,11 +4,15 @@ lease, train on its samples with the loss weighted n_i / B, push), the host's lo
 `record_samples` file and its accounting are exercised exactly as the Ray actors run them."""
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
 
+from actors.history import History
 from actors.parameter_server import ServerHost
+from actors.server_control import restart_event
 from actors.testing import LocalJob, LocalServerReports, LocalLink
 from algorithms.server import Fence
 
@@ -77,9 +81,6 @@ def test_a_push_from_a_replaced_incarnation_is_fenced_and_counted(tmp_path):
 
 
 def test_a_server_restart_names_the_versions_lost_and_history_records_the_redone_ones(tmp_path):
-    from actors.history import History
-    from actors.server_control import restart_event
-
     history = History(tmp_path / "history.jsonl", "server")
     for step in range(1, 8):
         history.offer({"step": step, "server_incarnation": 0})
@@ -89,6 +90,6 @@ def test_a_server_restart_names_the_versions_lost_and_history_records_the_redone
     for step in range(6, 9):
         history.offer({"step": step, "server_incarnation": 1})
     history.shut()
-    lines = [(r["step"], r["server_incarnation"]) for r in map(__import__("json").loads, (tmp_path / "history.jsonl").read_text().splitlines())]
+    lines = [(r["step"], r["server_incarnation"]) for r in map(json.loads, (tmp_path / "history.jsonl").read_text().splitlines())]
     assert lines == [(s, 0) for s in range(1, 8)] + [(s, 1) for s in range(6, 9)]
     assert restart_event(3, 3, 2, None, every=5)[1]["versions_lost"] == 0
