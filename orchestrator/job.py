@@ -201,7 +201,8 @@ class ElasticJob:
             time.sleep(POLL_S)
         status = self.status()
         self._release()
-        _wait_actors_gone([f"{self.name}/{status.run_id}/{m.slot}" for m in status.members], timeout=30.0)
+        names = [f"{self.name}/{status.run_id}/{m.slot}" for m in status.members]
+        _wait_actors_gone(names + ([f"{self.name}/{status.run_id}/server"] if status.server else []), timeout=30.0)
         return status
 
     def scale(self, count: int) -> JobStatus:
