@@ -22,6 +22,7 @@ import torch
 import yaml
 
 from actors import runfiles
+from actors.parameter_server import server_name
 from core.factory import check_factory
 from orchestrator.config import default_run_root
 from core.schema import (
@@ -202,7 +203,7 @@ class ElasticJob:
         status = self.status()
         self._release()
         names = [f"{self.name}/{status.run_id}/{m.slot}" for m in status.members]
-        _wait_actors_gone(names + ([f"{self.name}/{status.run_id}/server"] if status.server else []), timeout=30.0)
+        _wait_actors_gone(names + ([server_name(self.name, status.run_id)] if status.server else []), timeout=30.0)
         return status
 
     def scale(self, count: int) -> JobStatus:
