@@ -25,6 +25,7 @@ from __future__ import annotations
 import io
 import logging
 import os
+import queue
 import threading
 import time
 from collections import deque
@@ -86,6 +87,8 @@ class ServerHost:
         self.closed: Optional[str] = None
         self._ended = False
         self.kept: deque[dict] = deque(maxlen=KEEP_RECORDS)
+        self._outbox: queue.Queue = queue.Queue()
+        threading.Thread(target=self._report_loop, name="server reports", daemon=True).start()
         self.bytes_sent = 0
         self._samples = self._open_samples()
         self._pulls = self._open_samples("pulls.txt")
@@ -99,8 +102,9 @@ class ServerHost:
             if epoch <= self.core.membership_epoch and self.core.members:
                 return
             updates = self.core.set_members(epoch, list(members))
+            self._applied(updates)
             self.ready.notify_all()
-        self._after(updates)
+        self._maybe_snapshot(updates)
 
     def close(self, reason: str) -> None:
         """The job stops: every pull answers `finished` from now on."""
@@ -156,6 +160,7 @@ class ServerHost:
                 self.model.train()
 
     def records_after(self, step: int) -> tuple[dict, ...]:
+        self.flush()
         return tuple(r for r in list(self.kept) if r["step"] > step)
 
     # ------------------------------------------------------------------ pull and push
@@ -192,33 +197,45 @@ class ServerHost:
             if result.status in ("dropped", "finished") and ticket is not None and self._samples is not None:
                 ids = " ".join(str(i) for lease in ticket.leases for i in lease.ids)
                 self._samples.write(f"dropped {self.core.membership_epoch} {ticket.clock + 1} {ids}\n")
+            self._applied(result.updates)
             if result.updates:
                 self.ready.notify_all()
-        self._after(result.updates)
+        self._maybe_snapshot(result.updates)
         return PushResult(result.status, result.version)
 
     # ------------------------------------------------------------------ what applying a version entails
-    def _after(self, updates: tuple[Update, ...]) -> None:
+    def _applied(self, updates: tuple[Update, ...]) -> None:
+        """Under the lock, right after the updates were applied: their records go out in version order
+        (pushes apply in several threads; the reporter thread sends what is queued here, in order)."""
         if not updates:
             return
         every = self.cfg.eval_every
-        with self.lock:
-            records = tuple(self._record(u) for u in updates)
-            if self.core.finished:
-                self._end()
-            summary = self._summary()
-            flat = self.core.parameters() if every and records[-1]["step"] // every > (records[0]["step"] - 1) // every else None
-            for file in (self._samples, self._pulls):
-                if file is not None:
-                    file.flush()
-        if flat is not None:  # evaluated at the newest version that crossed a multiple of eval_every
-            records[-1]["metrics"] = self._evaluate(flat)
-        self.kept.extend(records)
-        self._maybe_snapshot(updates[0].version - 1, updates[-1].version)
-        try:
-            self.reports.records(records, summary)
-        except Exception as err:  # noqa: BLE001 - the coordinator may be restarting: it catches up from `kept`
-            log.warning("could not report versions %s: %s", [r["step"] for r in records], str(err).splitlines()[0][:200])
+        records = tuple(self._record(u) for u in updates)
+        if self.core.finished:
+            self._end()
+        due = every and records[-1]["step"] // every > (records[0]["step"] - 1) // every
+        self._outbox.put((records, self._summary(), self.core.parameters() if due else None))
+        for file in (self._samples, self._pulls):
+            if file is not None:
+                file.flush()
+
+    def _report_loop(self) -> None:
+        """Evaluate where due, keep, and report the queued records, in version order."""
+        while True:
+            records, summary, flat = self._outbox.get()
+            try:
+                if flat is not None:  # evaluated at the newest version that crossed a multiple of eval_every
+                    records[-1]["metrics"] = self._evaluate(flat)
+                self.kept.extend(records)
+                self.reports.records(records, summary)
+            except Exception as err:  # noqa: BLE001 - the coordinator may be restarting: it catches up from `kept`
+                log.warning("could not report versions %s: %s", [r["step"] for r in records], str(err).splitlines()[0][:200])
+            finally:
+                self._outbox.task_done()
+
+    def flush(self) -> None:
+        """Wait until every queued record is kept and reported."""
+        self._outbox.join()
 
     def _record(self, update: Update) -> dict:
         """One history record (called under the lock, right after the update was applied)."""
@@ -241,9 +258,9 @@ class ServerHost:
         return open(folder / name, "a", encoding="utf-8")
 
     # ------------------------------------------------------------------ snapshots
-    def _maybe_snapshot(self, before: int, now: int) -> None:
+    def _maybe_snapshot(self, updates: tuple[Update, ...]) -> None:
         every = self.cfg.server.snapshot_every
-        if now // every <= before // every:
+        if not updates or updates[-1].version // every <= (updates[0].version - 1) // every:
             return
         with self._snapshot_lock:  # one writer; the state is taken under the main lock, written outside it
             with self.lock:

@@ -165,6 +165,8 @@ class LocalJob:
             thread.join(max(deadline - time.monotonic(), 0.0))
             if thread.is_alive():
                 raise TimeoutError(f"replica {slot} still running after {timeout:g}s")
+        if self.server is not None:
+            self.server.flush()  # its history records are reported
         return dict(self.outcomes)
 
     def run(self, members: tuple[str, ...], global_batch: int, timeout: float = 120.0, **plan: Any) -> dict[str, dict]:
