@@ -783,6 +783,7 @@ class Coordinator:
         if self.server is not None:  # its newest reports may still be on their way
             for record in await self.server.records_after(self.history.written_step):
                 self._accept_record(record)
+            await self.server.refresh_summary()
         self.history.close()
         self.step = self.history.written_step
         kind = JobState(self.stop_kind or "FINISHED")

@@ -60,6 +60,13 @@ class ServerControl:
             log.warning("could not collect the server's records after version %d: %s", step, first_line(err))
             return ()
 
+    async def refresh_summary(self) -> None:
+        """Its counts now (the last report's may predate a close, which ends the open leases)."""
+        try:
+            self.summary = await asyncio.wait_for(asyncio.wrap_future(self.handle.summary.remote().future()), CALL_TIMEOUT_S)
+        except Exception as err:  # noqa: BLE001 - status keeps the last reported counts
+            log.warning("could not read the server's counts: %s", first_line(err))
+
     def kill(self) -> None:
         kill(self.handle)
 
