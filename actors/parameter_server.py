@@ -86,6 +86,7 @@ class ServerHost:
         """The workload's model holds the parameters only while it is saved or evaluated."""
         self.closed: Optional[str] = None
         self._ended = False
+        self._flat_cache: tuple[Optional[tuple[int, int]], Optional[np.ndarray]] = (None, None)
         self.kept: deque[dict] = deque(maxlen=KEEP_RECORDS)
         self._outbox: queue.Queue = queue.Queue()
         threading.Thread(target=self._report_loop, name="server reports", daemon=True).start()
@@ -184,7 +185,12 @@ class ServerHost:
             return pull, self._flat()
 
     def _flat(self) -> np.ndarray:
-        flat = self.core.parameters().numpy()
+        """The parameters as one flat array, made once per version (under the lock) and shared by the
+        pulls of that version: it is never written after, so Ray may serialize it outside the lock."""
+        key = (self.core.incarnation, self.core.version)
+        if self._flat_cache[0] != key:
+            self._flat_cache = (key, self.core.parameters().numpy())
+        flat = self._flat_cache[1]
         self.bytes_sent += flat.nbytes
         return flat
 
