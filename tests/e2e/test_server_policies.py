@@ -7,17 +7,21 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
 
-from actors.testing import wait_until
+from actors.testing import child_env, wait_until
 from orchestrator.config import config_from_dict
 from orchestrator.job import ElasticJob
 
 PER_WORKER = 8
+REPO = Path(__file__).resolve().parents[2]
 
 
 def make_config(name: str, sync: dict, steps: int, **over) -> dict:
@@ -144,3 +148,17 @@ def test_coordinator_sigkill_reattaches_to_the_server_and_workers(run_root):
     assert [r["step"] for r in job.history()] == list(range(1, steps + 1)), "history has a gap or a repeat"
     print(f"coordinator SIGKILLed at version {before.step}: the server (pid {before.server['pid']}) and workers kept "
           f"training; history 1..{steps}, no gap")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", ["asp", "ssp", "quorum"])
+def test_ready_config_runs_from_a_fresh_shell(tmp_path, policy):
+    """`python -m orchestrator run` with no Ray running: it sizes a local Ray for the workers and the
+    server, places the server, and finishes (100 versions, a 3x straggler)."""
+    env = child_env(REPO, ORCHESTRATOR_RUN_ROOT=str(tmp_path))
+    env.pop("RAY_ADDRESS", None)
+    proc = subprocess.run([sys.executable, "-m", "orchestrator", "run", f"configs/digits_{policy}.yaml", "--set", "stop.max_steps=100",
+                           "--set", "stop.target=null", "--set", "faults.stragglers=[{slot: w3, slowdown: 3.0}]"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    print(proc.stdout[-600:], proc.stderr[-600:])
+    assert proc.returncode == 0 and f"FINISHED: digits-{policy}" in proc.stdout and "at step 100" in proc.stdout
