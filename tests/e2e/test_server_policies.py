@@ -128,6 +128,7 @@ def test_server_sigkill_resumes_from_its_snapshot_and_the_job_finishes(run_root)
     print(f"server SIGKILL at version {resumed + lost}: {event['reason']}; refused pushes {status.server['rejected']}")
 
 
+@pytest.mark.slow  # 14.5 s; beyond the default suite's budget (the server's own loss is tested there)
 def test_coordinator_sigkill_reattaches_to_the_server_and_workers(run_root):
     """Ray restarts the coordinator; the detached server and workers train on meanwhile; the new
     incarnation finds the server by name and fills history from the records it kept."""
