@@ -55,10 +55,12 @@ def verify(manifest_path: Path) -> Optional[str]:
     return None
 
 
-def newest_valid(job_root: Path, warn: Callable[[str], None] = print) -> Optional[CheckpointRef]:
-    """The newest whole checkpoint over all runs of a job (by step, then by write time)."""
+def newest_valid(job_root: Path, warn: Callable[[str], None] = print,
+                 pattern: str = "*/checkpoints/step-*.json") -> Optional[CheckpointRef]:
+    """The newest whole checkpoint over all runs of a job (by step, then by write time); `pattern`
+    under `job_root` picks other folders (a parameter server's snapshots in one run directory)."""
     manifests = []
-    for path in Path(job_root).glob("*/checkpoints/step-*.json"):
+    for path in Path(job_root).glob(pattern):
         info = runfiles.read_json(path) or {}
         manifests.append((int(info.get("step", -1)), float(info.get("time", 0.0)), path))
     for step, _, path in sorted(manifests, reverse=True):

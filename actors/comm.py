@@ -158,6 +158,15 @@ class BaseCommunicator:
         return int(2 * (n - 1) * tensor.numel() * tensor.element_size() // max(n, 1))
 
 
+class NoGroup(BaseCommunicator):
+    """A membership epoch without a group: the members of a server kind talk only to the parameter
+    server, so they form nothing (a member's death never stalls the others) and only keep the epoch's
+    name, its abort flag and a zero byte count."""
+
+    def close(self) -> None:
+        pass
+
+
 class GlooCommunicator(BaseCommunicator):
     """torch ProcessGroupGloo on a PrefixStore of the group name over the coordinator's store."""
 

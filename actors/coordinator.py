@@ -34,6 +34,7 @@ from actors.faults import CoordinatorFaults
 from actors.history import History
 from actors.members import Member, ask, describe, first_line, is_placed, job_is_dead, kill, log, log_to
 from actors.plan import ParentWatch, Plan, Progress, WorkerSpec
+from actors.server_control import ServerControl, restart_event
 from actors.worker import WorkerActor
 from algorithms.base import get_algorithm
 from algorithms.membership import MemberView, batch_for, choose_leavers, free_slots, slot_index
@@ -91,6 +92,9 @@ class Coordinator:
         self.stop_step: Optional[int] = None
         """Once a stop is decided, every plan published carries it (a reshape must not lose it)."""
         self.target_count = self.cfg.workers.count
+        self.started_workers = 0
+        """Worker starts so far: each start of a slot is a new worker incarnation (the server fences the old)."""
+        self.server: Optional[ServerControl] = None
         self.failures: dict[str, int] = {}
         self.retired: dict[str, str] = {}
         self.departed: list[MemberStatus] = []
@@ -113,23 +117,25 @@ class Coordinator:
         if ray.get_runtime_context().was_current_actor_reconstructed:
             written = self._load_saved()
             ray.get_actor(self.name, namespace=self.cfg.ray.namespace).start.remote()  # nobody else will
-        reporter = get_algorithm(self.cfg.sync.policy)(self.cfg.sync).reporter
-        self.history = History(self.run_dir / "history.jsonl", reporter, written,
+        self.algorithm = get_algorithm(self.cfg.sync.policy)(self.cfg.sync)
+        if self._saved is not None and self.algorithm.kind == "server":  # detached: it trained on without us
+            self.server = ServerControl.attach(self.cfg, self.run_id)
+        self.history = History(self.run_dir / "history.jsonl", self.algorithm.reporter, written,
                                note=lambda reason, detail: self._event("info", reason, **detail))
         self._persist()
 
     # ------------------------------------------------------------------ persistence (restarts)
     def _persist(self) -> None:
         """What a restarted coordinator cannot re-learn from the live workers."""
-        members = {slot: {"state": m.state.value, "pid": m.pid, "node": m.node, "node_id": m.node_id, "cause": m.cause}
-                   for slot, m in self.members.items()}
+        members = {slot: {"state": m.state.value, "pid": m.pid, "node": m.node, "node_id": m.node_id, "cause": m.cause,
+                          "incarnation": m.incarnation} for slot, m in self.members.items()}
         runfiles.write_json_atomic(self.run_dir / SAVED, {
             "incarnation": self.incarnation, "epoch": self.epoch, "version": self.version, "state": self.state.value,
             "plan": dataclasses.asdict(self.plan) if self.plan else None, "target_count": self.target_count,
             "failures": self.failures, "retired": self.retired, "stop_kind": self.stop_kind, "cause": self.cause,
             "stop_step": self.stop_step, "started_at": self.started_at, "running_since": self.running_since,
             "members": members, "pending": self.pending, "departed": [d.__dict__ for d in self.departed],
-            "loss": self.loss, "metrics": self.metrics})
+            "loss": self.loss, "metrics": self.metrics, "started_workers": self.started_workers})
 
     def _load_saved(self) -> int:
         """Carry on from the run directory; returns the newest step in history."""
@@ -143,6 +149,7 @@ class Coordinator:
         self.stop_kind, self.cause, self.running_since = saved["stop_kind"], saved["cause"], saved["running_since"]
         self.stop_step, self.started_at = saved["stop_step"], saved["started_at"]
         self.pending, self.loss, self.metrics = saved["pending"], saved["loss"], saved["metrics"]
+        self.started_workers = saved.get("started_workers", 0)
         self.departed = [MemberStatus(**d) for d in saved["departed"]]
         if saved["plan"]:
             self.plan = Plan(**{k: tuple(v) if k == "members" else v for k, v in saved["plan"].items()})
@@ -227,6 +234,27 @@ class Coordinator:
         self.history.agreed(epoch, step)
         self.step = self.history.step()
 
+    async def server_report(self, records: tuple[dict, ...], summary: dict) -> None:
+        """The parameter server applied these versions (history records) and now counts `summary`."""
+        if self.server is not None:
+            self.server.summary = summary
+            if records and records[0]["step"] > self.history.written_step + 1:  # reports lost in a restart
+                records = await self.server.records_after(self.history.written_step)
+        for record in records:
+            self._accept_record(record)
+
+    async def server_restarted(self, resumed: int, incarnation: int, snapshot: Optional[str]) -> None:
+        """Ray restarted the parameter server from its snapshot at version `resumed`: the versions history
+        holds after it are lost and redone (history records them again, with the new incarnation)."""
+        reason, detail = restart_event(self.history.written_step, resumed, incarnation, snapshot,
+                                       self.cfg.server.snapshot_every)
+        self.history.rewind(resumed)
+        self.step = resumed
+        self._event("server", reason, **detail)
+        if self.server is not None and self.plan is not None:  # its snapshot may predate the membership
+            self.server.restarts += 1
+            self.server.set_members(self.epoch, [(s, self.members[s].incarnation) for s in self.plan.members])
+
     async def release(self) -> None:
         """Let a terminal coordinator exit now (the driver has read the result)."""
         if self._released is not None:
@@ -269,6 +297,9 @@ class Coordinator:
             await self._linger()
 
     async def _begin(self) -> None:
+        if self.algorithm.kind == "server":  # it holds the initial parameters and the first membership before any pull
+            self.server = await ServerControl.start(self.cfg, self.config_dict, self.run_id, str(self.run_dir))
+            self._event("info", f"parameter server started (pid {self.server.pid})", pid=self.server.pid)
         self._spawn([f"w{i}" for i in range(self.cfg.workers.count)], "initial membership", "start")
         members = await self._first_members()
         if self.resume_from:
@@ -294,7 +325,8 @@ class Coordinator:
                 kill(handle)
                 continue
             info = await ask(handle, "status") if handle is not None else None
-            member = Member(slot, handle, pid=saved["pid"], node=saved["node"], node_id=saved["node_id"], state=S(saved["state"]))
+            member = Member(slot, handle, pid=saved["pid"], node=saved["node"], node_id=saved["node_id"], state=S(saved["state"]),
+                            incarnation=saved.get("incarnation", 0))
             self.members[slot] = member
             if info is None:
                 member.state, member.cause = S.DEAD, "gone while the coordinator was down"
@@ -311,6 +343,9 @@ class Coordinator:
         self.epoch = recovered_epoch(self.epoch, epochs) - 1  # the next publication takes the one after
         self.version = max(self.version, self.plan.version if self.plan else 0)
         await self._collect_records(found)
+        if self.server is not None:  # what it reported while no coordinator listened
+            for record in await self.server.records_after(self.history.written_step):
+                self._accept_record(record)
         self._event("restart", f"coordinator restarted as incarnation {self.incarnation}: re-attached "
                     f"{', '.join(found) or 'no worker'}" + (f"; lost {', '.join(lost)}" if lost else ""),
                     incarnation=self.incarnation, reattached=found, lost=lost, history_step=self.step)
@@ -419,8 +454,10 @@ class Coordinator:
         if self.state.terminal or self.stop_kind is not None or self.members.get(member.slot) is not member \
                 or member.state != S.STARTING:
             return
+        self.started_workers += 1
+        member.incarnation = self.started_workers
         spec = WorkerSpec(self.name, self.run_id, member.slot, str(self.run_dir), self.name, self.cfg.ray.namespace,
-                          self.config_dict, self.search_path)
+                          self.config_dict, self.search_path, incarnation=member.incarnation)
         member.handle = WorkerActor.options(
             name=name, namespace=self.cfg.ray.namespace, lifetime="detached",
             num_cpus=cfg.cpus, num_gpus=cfg.gpus, max_restarts=0,
@@ -551,6 +588,8 @@ class Coordinator:
         if d.stop_kind is not None and self.stop_kind is None:
             self.stop_kind, self.cause = d.stop_kind, (cause if d.stop_kind == "FAILED" else d.reason)
             self.stop_step = 0 if d.stop_step == "held" else self.step + 1
+            if self.server is not None:
+                self.server.close(self.cause or d.reason)  # members stop at their next pull
             asyncio.get_running_loop().create_task(self._force_stop_after(self.cfg.comm.timeout_s + 10.0))
             self.faults.die_on_report = True
         if d.transition == JobState.PAUSED:
@@ -741,6 +780,8 @@ class Coordinator:
             backend="nccl" if self.cfg.workers.gpus > 0 and self.cfg.comm.backend != "gloo" else "gloo",
             stop_step=self.stop_step, reason=reason, history_step=self.history.written_step)
         self.plan = plan
+        if self.server is not None:  # the server admits a membership before its members pull under it
+            self.server.set_members(self.epoch, [(s, self.members[s].incarnation) for s in members])
         sent = [m.handle.set_plan.remote(plan) for m in self.members.values()
                 if m.state in (S.TRAINING, S.READY, S.LEAVING)]  # leavers too: the plan is how they learn to leave
         self.faults.maybe_die("publish", plan.version, sent)
@@ -755,19 +796,25 @@ class Coordinator:
     # ------------------------------------------------------------------ endings
     async def _finish(self) -> None:
         """Every member of the plan finished at the same committed step: keep the model, end the job."""
+        if self.server is not None:  # its newest reports may still be on their way
+            for record in await self.server.records_after(self.history.written_step):
+                self._accept_record(record)
+            await self.server.refresh_summary()
         self.history.close()
         self.step = self.history.written_step
         kind = JobState(self.stop_kind or "FINISHED")
         rank0 = self.members.get(self.plan.members[0]) if self.plan else None
-        if rank0 is not None:
+        if rank0 is not None or self.server is not None:
             try:
-                blob = await asyncio.wait_for(asyncio.wrap_future(rank0.handle.final_state.remote().future()), 60)
+                blob = await (self.server.model_state() if self.server is not None else
+                              asyncio.wait_for(asyncio.wrap_future(rank0.handle.final_state.remote().future()), 60))
                 runfiles.write_bytes_atomic(self.run_dir / "model.pt", blob)
                 if kind != JobState.FINISHED:  # a stopped or failed job can be continued with --resume
                     await asyncio.to_thread(checkpoints.save, self.run_dir, self.step, blob, self.cfg.checkpoint.keep)
                     self._event("checkpoint", f"checkpoint at step {self.step} on {kind.value.lower()}", step=self.step)
             except Exception as err:  # noqa: BLE001
-                self._event("info", f"could not fetch the final model from {rank0.slot}: {first_line(err)}")
+                self._event("info", f"could not fetch the final model from {'the server' if self.server else rank0.slot}: "
+                                    f"{first_line(err)}")
         final = await self._member_states(self.plan.members) if kind == JobState.FAILED and self.plan else {}
         if kind == JobState.FINISHED:
             self.cause = None
@@ -789,6 +836,8 @@ class Coordinator:
             self.cause = reason
             self._event("failure", reason, **(detail or {}))
         self.history.close()
+        if self.server is not None:
+            self.server.kill()
         for member in self.members.values():
             kill(member.handle)
             if not member.state.departed:
@@ -844,7 +893,8 @@ class Coordinator:
                          metrics=dict(self.metrics), reshapes=tuple(e for e in self.events if e.kind == "reshape"),
                          departed=tuple(self.departed), incarnation=self.incarnation, coordinator_pid=os.getpid(),
                          started_at=self.started_at, ended_at=self.ended_at,
-                         stragglers={slot: round(r, 3) for slot, r in self.stragglers.current.items()})
+                         stragglers={slot: round(r, 3) for slot, r in self.stragglers.current.items()},
+                         server=dict(self.server.summary, restarts=self.server.restarts) if self.server else {})
 
 
 CoordinatorActor = ray.remote(num_cpus=0)(Coordinator)

@@ -58,6 +58,12 @@ class History:
                        {"step": held["step"], "membership_epoch": epoch})
         self.ledger.dropped.clear()
 
+    def rewind(self, step: int) -> None:
+        """The server kind's reporter restarted from an older snapshot: the versions after `step` are
+        redone, and their new records are written (after the lost ones, which the event names)."""
+        if self.reporter == "server":
+            self.ledger.written_step = min(self.ledger.written_step, step)
+
     def close(self) -> None:
         """The job ended with every member at one step: whatever is held is final."""
         self._write(self.ledger.close())

@@ -29,6 +29,8 @@ class Member:
     """Why the member is hung, retired or failed."""
     evicted: Optional[tuple[str, str]] = None
     """(detector, cause) when the coordinator killed it for hanging."""
+    incarnation: int = 0
+    """Which start of the slot this is (a parameter server fences the pushes of earlier ones)."""
     join_reason: tuple[str, str, float] = ("", "", 0.0)
     """(reason, detector, decided at) of the decision that started it."""
     watch_task: Optional[asyncio.Task] = field(default=None, repr=False)

@@ -94,6 +94,9 @@ class WorkerSpec:
     config: dict = field(default_factory=dict)
     search_path: tuple[str, ...] = ()
     """The driver's working directory: user workload modules are imported from there."""
+    incarnation: int = 0
+    """Which start of this slot this is (the coordinator counts them): a parameter server refuses the
+    pushes of a replaced incarnation."""
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ from typing import Any, Callable, Optional, Protocol
 import numpy as np
 import torch
 
-from actors.comm import BaseCommunicator, CommError, CommTimeout, GroupSpec, make_communicator
+from actors.comm import BaseCommunicator, CommError, CommTimeout, GroupSpec, NoGroup, make_communicator
 from actors.entry import enter
 from actors.faults import WorkerFaults
 from actors.plan import Plan, PlanBook, Progress, WorkerSpec
@@ -72,8 +72,9 @@ def checksum(tensors) -> int:
 
 class Replica:
     def __init__(self, spec: WorkerSpec, link: Link, node_ip: str, tick: Callable[[], None] = lambda: None,
-                 kill_actor: Callable[[], None] = lambda: None) -> None:
-        """`tick` runs while the replica waits (the orphan check); `kill_actor` for `how: actor_kill` faults."""
+                 kill_actor: Callable[[], None] = lambda: None, server: Any = None) -> None:
+        """`tick` runs while the replica waits (the orphan check); `kill_actor` for `how: actor_kill` faults;
+        `server`: the parameter server's client (algorithms/server_policies.py), for server kinds."""
         self.spec, self.slot, self.link, self.node_ip, self._tick = spec, spec.slot, link, node_ip, tick
         self.cfg: JobConfig = parse(JobConfig, spec.config)
         torch.set_num_threads(max(1, int(self.cfg.workers.cpus)))
@@ -85,6 +86,8 @@ class Replica:
         self.optimizer = build_optimizer(self.model.parameters(), self.cfg.optimizer)
         self.algorithm = get_algorithm(self.cfg.sync.policy)(self.cfg.sync, self.cfg.compression)
         self.impl = self.algorithm.bind(self.model, self.optimizer)
+        if server is not None and self.algorithm.kind == "server":
+            self.impl.connect(server, self.slot, spec.incarnation)  # fenced by (slot, worker incarnation)
         self.param_names = [n for n, p in self.model.named_parameters() if p.requires_grad]
         self.sampler = GlobalSampler(len(self.workload.train_data), self.cfg.seed)
         self._fast_index = isinstance(self.workload.train_data, torch.utils.data.TensorDataset)
@@ -117,7 +120,7 @@ class Replica:
         self.faults = WorkerFaults(self.cfg.faults, self.slot, link.fault_fired, kill_actor)
         self._pending_ids: list[tuple[int, np.ndarray]] = []
         self._samples = None
-        if self.cfg.faults.record_samples:
+        if self.cfg.faults.record_samples and self.algorithm.reporter != "server":  # the server writes what it applies
             os.makedirs(os.path.join(spec.run_dir, "samples"), exist_ok=True)
             self._samples = open(os.path.join(spec.run_dir, "samples", f"{self.slot}.txt"), "a", encoding="utf-8")
 
@@ -182,6 +185,8 @@ class Replica:
         self._enter_phase("waiting")
         self.plan = self.plans.admission(self.slot)
         while True:
+            if self.algorithm.entry == "server":
+                self.plan = self.plans.latest  # no lockstep to keep: a server kind's member takes a plan at once
             plan = self.plan
             if plan.rank_of(self.slot) is None:
                 return  # left the job (scale-down): finish cleanly
@@ -225,7 +230,7 @@ class Replica:
         self._enter_phase("joining")
         previous = self.trained_plan
         try:
-            comm = self._form(spec, plan)
+            comm = NoGroup(spec) if self.algorithm.entry == "server" else self._form(spec, plan)
             if comm is None:
                 return False  # a newer membership arrived while forming: go straight to it
             self.comm = comm
@@ -245,7 +250,7 @@ class Replica:
                 self.comm = None
             return False
         self.impl.on_membership(self.faults.wrap(comm, lambda: self.step),
-                                EpochInfo(rank, len(plan.members), plan.members, plan.global_batch))
+                                EpochInfo(rank, len(plan.members), plan.members, plan.global_batch, plan.membership_epoch))
         if self.step == self._mark():
             self.trained_plan = plan  # else the kept local steps were trained under the plan before
         if source is not None:
@@ -349,10 +354,12 @@ class Replica:
             self.rng.bit_generator.state = state["rng"]["numpy"]
 
     # ------------------------------------------------------------------ steps and rounds
-    def _micro_batches(self, plan: Plan) -> tuple[np.ndarray, list[tuple[Any, int]]]:
-        """This rank's share of the next global batch, in chunks of at most `workload.micro_batch`."""
-        ids = self.sampler.global_batch(self.cursor, plan.global_batch)
-        mine = split_for_rank(ids, plan.rank_of(self.slot), len(plan.members))
+    def _micro_batches(self, plan: Plan, mine: Optional[np.ndarray]) -> tuple[np.ndarray, list[tuple[Any, int]]]:
+        """This rank's share of the next global batch (or the ids the policy dealt), in chunks of at
+        most `workload.micro_batch`."""
+        if mine is None:
+            ids = self.sampler.global_batch(self.cursor, plan.global_batch)
+            mine = split_for_rank(ids, plan.rank_of(self.slot), len(plan.members))
         size = self.cfg.workload.micro_batch or max(len(mine), 1)
         return mine, [self._collate(mine[i:i + size]) for i in range(0, len(mine), size)]
 
@@ -375,6 +382,10 @@ class Replica:
         self.rng = np.random.default_rng(seq)
 
     def _train_step(self, plan: Plan) -> bool:
+        self._enter_phase("samples")
+        dealt = self.impl.step_samples(self.step)  # a server kind pulls here
+        if dealt is not None and not len(dealt):
+            return True  # nothing to train now (the server said wait, or finished): the loop looks again
         started = time.perf_counter()
         self._enter_phase("compute")
         self._tick()
@@ -383,7 +394,7 @@ class Replica:
         self.faults.maybe_fire("user_exception", self.step)
         if self.step == self._mark():
             self.trained_plan = plan  # the first provisional step after a commit
-        ids, micro = self._micro_batches(plan)
+        ids, micro = self._micro_batches(plan, dealt)
         draft = VoteDraft(samples=len(ids), newer_plan=self.plans.latest.version > plan.version)
         denominator = max(len(ids), 1) if self.algorithm.local_mean else plan.global_batch
         self.impl.begin_step(self.step, draft)
@@ -481,7 +492,7 @@ class Replica:
 
     def _maybe_checkpoint(self, plan: Plan, prev: Optional[int]) -> None:
         every = self.cfg.checkpoint.every_steps
-        if not _crossed(every, prev, self.step):
+        if self.algorithm.final_model == "server" or not _crossed(every, prev, self.step):  # the server's state is checkpointed
             return
         self.faults.maybe_fire("checkpoint", self.step)
         if plan.rank_of(self.slot) == 0:

@@ -102,6 +102,19 @@ class LocalLink:
         self._call("save_checkpoint", step)
 
 
+class LocalServerReports:
+    """An in-process server's reports go to the `LocalLink` as the server's progress."""
+
+    def __init__(self, link: LocalLink) -> None:
+        self.link = link
+
+    def records(self, records: tuple[dict, ...], summary: dict) -> None:
+        self.link.report(Progress("server", records[-1]["step"], records[-1]["membership_epoch"], time.time(), records), False)
+
+    def restarted(self, resumed_version: int, incarnation: int, snapshot: Optional[str]) -> None:
+        self.link._call("server_restarted", resumed_version, incarnation, snapshot)
+
+
 class LocalJob:
     """Real replicas in threads of this process; the test publishes the plans (no coordinator)."""
 
@@ -109,11 +122,19 @@ class LocalJob:
         from actors.replica import Replica
         from core.schema import JobConfig, parse
 
+        from actors.parameter_server import LocalServerClient, ServerHost
+        from core.schema import SERVER_POLICIES
+
         self.config = parse(JobConfig, config).to_dict()
         self.link = LocalLink()
         self.timeout_s = timeout_s
+        self.server: Optional[ServerHost] = None
+        """The parameter server, in process, for the server policies."""
+        if self.config["sync"]["policy"] in SERVER_POLICIES:
+            self.server = ServerHost(self.config, run_dir, LocalServerReports(self.link))
+        client = LocalServerClient(self.server) if self.server else None
         self.replicas = {s: Replica(WorkerSpec("local", "r", s, run_dir, "local", "local", self.config), self.link,
-                                    "127.0.0.1") for s in slots}
+                                    "127.0.0.1", server=client) for s in slots}
         self.version = 0
         self.outcomes: dict[str, dict] = {}
         self._threads: dict[str, threading.Thread] = {}
@@ -125,6 +146,8 @@ class LocalJob:
         plan = Plan(version=self.version, membership_epoch=epoch, members=tuple(members),
                     group_name=f"local/e{epoch}/v{self.version}", store_host=host, store_port=port,
                     timeout_s=self.timeout_s, global_batch=global_batch, **over)
+        if self.server is not None:  # as the coordinator does: the server learns a membership before its members
+            self.server.set_members(epoch, [(slot, 0) for slot in members])
         for replica in self.replicas.values():
             replica.set_plan(plan)
         return plan
@@ -142,6 +165,8 @@ class LocalJob:
             thread.join(max(deadline - time.monotonic(), 0.0))
             if thread.is_alive():
                 raise TimeoutError(f"replica {slot} still running after {timeout:g}s")
+        if self.server is not None:
+            self.server.flush()  # its history records are reported
         return dict(self.outcomes)
 
     def run(self, members: tuple[str, ...], global_batch: int, timeout: float = 120.0, **plan: Any) -> dict[str, dict]:

@@ -15,6 +15,7 @@ import sys
 
 import ray
 
+from actors.parameter_server import RayServerClient, server_name
 from actors.plan import ParentWatch, Plan, Progress, WorkerSpec
 from actors.replica import Replica
 
@@ -65,7 +66,8 @@ class Worker:
                 sys.path.insert(0, path)
         os.environ["ORCHESTRATOR_SLOT"] = spec.slot  # user code may read which slot it runs in
         self.replica = Replica(spec, RayLink(spec), ray.util.get_node_ip_address(), tick=parent.exit_if_orphaned,
-                               kill_actor=lambda: ray.kill(ray.get_runtime_context().current_actor, no_restart=True))
+                               kill_actor=lambda: ray.kill(ray.get_runtime_context().current_actor, no_restart=True),
+                               server=RayServerClient(server_name(spec.job, spec.run_id), spec.namespace))
 
     def run(self) -> dict:
         return self.replica.run()

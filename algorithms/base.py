@@ -5,6 +5,7 @@ what kind of policy it is; `bind()` makes the per-worker `AlgorithmImpl`, which 
 loop (actors/replica.py) drives through these hooks, in this order:
 
     on_membership(comm, epoch)   once per membership epoch: buffers, peers, server handles
+    step_samples(step)           a policy that deals the step's samples (server kinds: pull) names them
     begin_step(step, draft)      `draft` is this member's side of the step's vote, filled in as the
                                  step runs (the loss before each backward, so that a bucket launched
                                  from the last gradient hook can carry the vote)
@@ -46,6 +47,7 @@ from abc import ABC
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, Optional
 
+import numpy as np
 import torch
 
 Kind = Literal["synchronous", "periodic", "server", "decentralized", "background"]
@@ -115,6 +117,7 @@ class EpochInfo:
     world_size: int
     members: tuple[str, ...]
     global_batch: int
+    membership_epoch: int = 0
 
 
 def register(cls: type["Algorithm"]) -> type["Algorithm"]:
@@ -124,7 +127,7 @@ def register(cls: type["Algorithm"]) -> type["Algorithm"]:
 
 def _load_builtin() -> None:
     # Importing the modules registers their classes; kept lazy so imports stay cheap.
-    from algorithms import allreduce, periodic, qadam  # noqa: F401
+    from algorithms import allreduce, periodic, qadam, server_policies  # noqa: F401
 
 
 def known_policies() -> list[str]:
@@ -168,6 +171,12 @@ class AlgorithmImpl:
     def on_epoch_end(self, reason: str) -> None:
         """The membership epoch is over (aborted, or a new one begins): drop references to its group
         and abandon background work (never join a thread that may be stuck in a collective)."""
+
+    def step_samples(self, step: int) -> Optional[np.ndarray]:
+        """The sample ids of this step when the policy deals them (a server kind's lease), or None: the
+        member trains its rank's share of the global sampler's batch. An empty array: nothing to train
+        now (the server said wait, or finished); the worker's loop comes back."""
+        return None
 
     def begin_step(self, step: int, draft: VoteDraft) -> None:
         """A new step: gradients start from zero (BSP instead zeroes the bucket views they live in)."""

@@ -321,6 +321,17 @@ class ServerCore:
         self.version += 1
         return Update(self.version, lr, scale * sum(p["loss"] for p in pushes), samples, tuple(tickets), staleness)
 
+    def end(self) -> None:
+        """The job is over: pushes still staged for a clock that will never be applied are dropped, and
+        tickets nobody pushed are requeued, so that every leased sample is accounted for (applied +
+        dropped + requeued = leased)."""
+        for pushes in self.staged.values():
+            for p in pushes:
+                self.leases.close(self.leases.open[p["lease"]], "dropped")
+                self.rejected["finished"] += 1
+        self.staged.clear()
+        self._requeue_unpushed()
+
     # ---------------------------------------------------------------- restarts and snapshots
     def new_incarnation(self) -> None:
         """The server restarted from a snapshot: pushes to the previous incarnation are refused from now

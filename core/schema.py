@@ -275,9 +275,11 @@ SYNC_POLICIES: dict[str, type] = {c.policy: c for c in (BSPConfig, BytegradConfi
 """`sync.policy` -> its config dataclass (its knobs); algorithms/ registers one Algorithm for each that runs."""
 SyncConfig = Union[BSPConfig, BytegradConfig, QAdamConfig, LocalSGDConfig, DiLoCoConfig, StreamingDiLoCoConfig,
                    ASPConfig, SSPConfig, QuorumConfig]
-NOT_WIRED = frozenset({"asp", "ssp", "quorum"})
-"""Policies whose settings the schema checks and whose update rule exists (algorithms/server.py), but
-whose worker and server actors do not yet: a job naming one is refused (exit 2) rather than started."""
+SERVER_POLICIES = frozenset({"asp", "ssp", "quorum"})
+"""Policies run by a parameter server (actors/parameter_server.py): the `server:` section applies."""
+NOT_WIRED: frozenset[str] = frozenset()
+"""Policies whose settings the schema checks but that cannot run yet: a job naming one is refused
+(exit 2) rather than started. Empty since the server policies were wired."""
 
 
 def _positive(obj: Any, name: str) -> None:
@@ -531,6 +533,9 @@ class JobConfig:
                 self.sync.k = max(1, self.workers.count - 1)
             if self.sync.k > (self.workers.max or self.workers.count):
                 raise FieldError("sync.k", f"must not exceed workers.max = {self.workers.max}, got {self.sync.k}")
+        if self.sync.policy in SERVER_POLICIES and self.workers.batch_mode != "keep_global":
+            raise FieldError("workers.batch_mode", f"policy {self.sync.policy!r} keeps the global batch (the server "
+                                                   f"scales by it): set workers.batch_mode: keep_global")
         if self.sync.policy in NOT_WIRED:
             raise FieldError("sync.policy", f"policy {self.sync.policy!r} is not available yet: its worker and server "
                                             f"actors are not wired (only its update rule and lease service exist)")
@@ -699,6 +704,10 @@ class JobStatus:
     """When it reached STOPPED, FINISHED or FAILED."""
     stragglers: dict = field(default_factory=dict)
     """Training members whose step time is above 1.5x the median, with that ratio (slot -> ratio)."""
+    server: dict = field(default_factory=dict)
+    """Server policies: the parameter server's version, incarnation, restarts, staleness histogram
+    (updates by staleness), refused pushes by reason and lease counts (samples leased, applied,
+    dropped, requeued, outstanding)."""
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

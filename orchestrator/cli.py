@@ -161,6 +161,8 @@ def format_status(status: JobStatus) -> str:
         lines.append(f"{m.slot:<6}{m.rank:>5}  {m.state:<10}{m.pid:>8}  {m.node}" + (f"  ({m.cause})" if m.cause else ""))
     for m in status.departed:
         lines.append(f"departed: {m.slot} (pid {m.pid}) {m.state}: {m.cause}")
+    if status.server:
+        lines.append(format_server(status.server))
     for event in status.reshapes:
         d = event.detail
         lines.append(f"reshape: epoch {d.get('membership_epoch')}: {d.get('cause', event.reason)} | detector "
@@ -169,6 +171,17 @@ def format_status(status: JobStatus) -> str:
                      + (f" | state from {sorted({v['source'] for v in d['state_sources'].values()})}" if d.get("state_sources") else ""))
     lines.append(f"run dir: {status.run_dir}")
     return "\n".join(lines)
+
+
+def format_server(server: dict) -> str:
+    """The parameter server's line: version, incarnation, staleness histogram, refused pushes, leases."""
+    refused = ", ".join(f"{k} {v}" for k, v in server.get("rejected", {}).items() if v) or "none"
+    staleness = " ".join(f"{k}:{v}" for k, v in server.get("staleness", {}).items()) or "-"
+    leases = server.get("leases", {})
+    return (f"server: version {server.get('version')}, incarnation {server.get('incarnation')} (pid {server.get('pid')}); "
+            f"staleness (versions: updates) {staleness}; refused pushes: {refused}; samples leased "
+            f"{leases.get('leased')}, applied {leases.get('applied')}, dropped {leases.get('dropped')}, "
+            f"requeued {leases.get('requeued')}, outstanding {leases.get('outstanding')}")
 
 
 def cmd_scale(args: argparse.Namespace) -> int:

@@ -22,9 +22,12 @@ import torch
 import yaml
 
 from actors import runfiles
+from actors.parameter_server import server_name
 from core.factory import check_factory
 from orchestrator.config import default_run_root
-from core.schema import TERMINAL_STATES, ConfigError, JobConfig, JobResult, JobStatus, OrchestratorError, parse
+from core.schema import (
+    SERVER_POLICIES, TERMINAL_STATES, ConfigError, JobConfig, JobResult, JobStatus, OrchestratorError, parse,
+)
 
 log = logging.getLogger(__name__)
 NAMESPACE = "orchestrator"
@@ -57,7 +60,8 @@ def connect(config: Optional[JobConfig] = None, address: Optional[str] = None, s
     if not start_local:
         raise OrchestratorError("no Ray cluster to attach to: pass --address or set RAY_ADDRESS")
     workers = config.workers if config else None
-    wanted = math.ceil((workers.max or workers.count) * workers.cpus) if workers else 1
+    server = config.server.cpus if config and config.sync.policy in SERVER_POLICIES else 0.0  # one server actor
+    wanted = math.ceil((workers.max or workers.count) * workers.cpus + server) if workers else 1
     num_cpus = max(config.ray.num_cpus or 0 if config else 0, wanted, 1)
     ray.init(num_cpus=num_cpus, namespace=NAMESPACE, log_to_driver=False, include_dashboard=False,
              logging_level="ERROR")
@@ -75,6 +79,9 @@ def _head_resources() -> dict:
 class ElasticJob:
     def __init__(self, config: JobConfig, resume_from: Optional[str] = None) -> None:
         """`resume_from`: a checkpoint file (see `actors.checkpoints.newest_valid`)."""
+        if resume_from and config.sync.policy in SERVER_POLICIES:
+            raise ConfigError(f"--resume: policy {config.sync.policy!r} cannot resume yet (its checkpoints hold the "
+                              f"server's state, but a new run's server does not load it); start a new run")
         self.config = config
         self.resume_from = str(resume_from) if resume_from else None
         self.name = config.name
@@ -195,7 +202,8 @@ class ElasticJob:
             time.sleep(POLL_S)
         status = self.status()
         self._release()
-        _wait_actors_gone([f"{self.name}/{status.run_id}/{m.slot}" for m in status.members], timeout=30.0)
+        names = [f"{self.name}/{status.run_id}/{m.slot}" for m in status.members]
+        _wait_actors_gone(names + ([server_name(self.name, status.run_id)] if status.server else []), timeout=30.0)
         return status
 
     def scale(self, count: int) -> JobStatus:
@@ -228,7 +236,8 @@ class ElasticJob:
         return runfiles.read_jsonl(self.run_dir / "events.jsonl") if self.run_dir else []
 
     def model(self) -> torch.nn.Module:
-        """The final model after `wait()` (for BSP, rank 0's replica, identical to the others)."""
+        """The final model after `wait()` (for BSP, rank 0's replica, identical to the others; for the
+        server policies, the parameter server's)."""
         path = self.run_dir / "model.pt" if self.run_dir else None
         if path is None or not path.exists():
             raise OrchestratorError(f"job {self.name!r} has no final model yet (state {self.status().state})")

@@ -25,3 +25,19 @@ def test_periodic_policies_reach_095_on_digits_next_to_bsp(run_root):
               f"{result.elapsed_s:.1f}s, {rows[name][1] / 1024:.1f} KiB sent per worker per step")
     for name, (result, _) in rows.items():
         assert result.state == "FINISHED" and result.metrics["accuracy"] >= 0.95, (name, result)
+
+
+@pytest.mark.slow
+def test_server_policies_reach_093_on_digits_with_a_3x_straggler(run_root):
+    """asp, ssp (s 3) and quorum (k 3), 4 workers, w3 three times as slow per step."""
+    rows = {}
+    for name in ("digits_asp", "digits_ssp", "digits_quorum"):
+        config = load_config(REPO / "configs" / f"{name}.yaml", ["faults.stragglers=[{slot: w3, slowdown: 3.0}]"])
+        job = ElasticJob(config).start()
+        result = job.wait(timeout=900)
+        server = job.status().server
+        rows[name] = result
+        print(f"{name}: {result.state} at version {result.step}, accuracy {result.metrics.get('accuracy'):.4f}, "
+              f"{result.elapsed_s:.1f}s; staleness {server['staleness']}; refused {server['rejected']}")
+    for name, result in rows.items():
+        assert result.state == "FINISHED" and result.metrics["accuracy"] >= 0.93, (name, result)

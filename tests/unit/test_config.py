@@ -106,10 +106,11 @@ def test_fractional_gpus_over_gloo_are_allowed():
 
 
 @pytest.mark.parametrize("sync", [{"policy": "asp"}, {"policy": "ssp", "s": 0}, {"policy": "quorum", "k": 2}])
-def test_server_policies_are_checked_but_refused_until_their_actors_are_wired(sync):
+def test_server_policies_are_accepted_and_keep_the_global_batch(sync):
+    assert config_from_dict(dict(MINIMAL, sync=sync)).sync.policy == sync["policy"]
     with pytest.raises(ConfigError) as err:
-        config_from_dict(dict(MINIMAL, sync=sync))
-    assert str(err.value).startswith(f"sync.policy: policy {sync['policy']!r} is not available yet"), str(err.value)
+        config_from_dict(dict(MINIMAL, sync=sync, workers={"batch_mode": "keep_worker"}))
+    assert str(err.value).startswith("workers.batch_mode: policy"), str(err.value)
 
 
 def test_server_section_defaults():

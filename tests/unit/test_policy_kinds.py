@@ -143,8 +143,8 @@ def test_every_kind_maps_to_entry_reporter_and_loss_weighting():
 
 
 def test_the_schema_and_the_registry_know_the_same_policies():
-    """Every policy the schema accepts runs: the registry has it. The server policies (schema.NOT_WIRED)
-    have settings and an update rule but no actors yet; the schema refuses them, and they must not
-    be registered before they can run."""
+    """Every policy the schema accepts runs: the registry has it. A policy in schema.NOT_WIRED (settings
+    checked, no actors yet; none today) is refused by the schema and must not be registered before it
+    can run."""
     assert sorted(set(schema.SYNC_POLICIES) - schema.NOT_WIRED) == base.known_policies()
     assert schema.NOT_WIRED <= set(schema.SYNC_POLICIES) and not schema.NOT_WIRED & set(base.known_policies())

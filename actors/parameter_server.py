@@ -1,0 +1,418 @@
+"""The parameter server of the server policies (asp, ssp, quorum): one `ServerCore` behind a lock.
+
+`ServerHost` is Ray-free (tests run it in process, as `LocalJob` does): it holds the core
+(algorithms/server.py decides everything; `server.shards` stays inside it), one lock and a condition.
+A pull waits on the condition until `pull_ready` or a short timeout, and then answers "wait", so the
+worker's loop comes back to look at its plans; parameters go back as one flat float32 array. Where it
+applies an update it writes `faults.record_samples` (`samples/server.txt`: `version membership_epoch
+ids...`, and `dropped membership_epoch version ids...` for a late push whose samples are requeued),
+reports the version as a history record, and every `server.snapshot_every` versions writes a snapshot
+(`<run dir>/server/checkpoints/`, atomic with a sha256 manifest, as actors/checkpoints.py writes
+checkpoints; it loads with `torch.load(weights_only=True)`).
+
+`ParameterServer` is the Ray actor around it: detached and named `<job>/<run id>/server` like the
+workers (a coordinator crash does not take it down), threaded, restarted by Ray when its process dies.
+A restarted server loads its newest valid snapshot, takes a new incarnation (pushes addressed to the
+old one are fenced) and tells the coordinator from which version it resumed: the versions after it
+are lost (at most `snapshot_every`), and the coordinator states them in an event.
+
+`RayServerClient` is a worker's way to it: a call that meets a restarting server answers "wait" (a
+pull) or is retried (a push: the server recognises a retried push by its lease ids and applies it
+once).
+"""
+from __future__ import annotations
+
+import io
+import logging
+import os
+import queue
+import threading
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any, Optional, Protocol, Sequence
+
+import numpy as np
+import ray
+import torch
+
+from actors import checkpoints
+from algorithms.server import Fence, Pull, Push, PushResult, ServerCore, Update
+from core.factory import check_factory
+from core.schema import JobConfig, parse
+
+log = logging.getLogger(__name__)
+KEEP_RECORDS = 2048
+"""History records the server keeps for a restarted coordinator to catch up from."""
+MAX_RESTARTS = 5
+SNAPSHOTS_KEPT = 2
+CALL_TIMEOUT_S = 30.0
+"""Longest a worker waits for one answer of the server (beyond a pull's own wait)."""
+
+
+class ServerReports(Protocol):
+    """Where the server's history records, summary and events go (the coordinator, or a test's link)."""
+
+    def records(self, records: tuple[dict, ...], summary: dict) -> None: ...
+    def restarted(self, resumed_version: int, incarnation: int, snapshot: Optional[str]) -> None: ...
+
+
+def server_name(job: str, run_id: str) -> str:
+    return f"{job}/{run_id}/server"
+
+
+def global_batch(cfg: JobConfig) -> int:
+    """The server's B: the starting global batch (server policies keep it on a reshape)."""
+    return cfg.workload.batch_size * cfg.workers.count
+
+
+class ServerHost:
+    def __init__(self, config: dict, run_dir: str, reports: ServerReports, restarted: bool = False) -> None:
+        self.cfg: JobConfig = parse(JobConfig, config)
+        self.run_dir = Path(run_dir)
+        self.reports = reports
+        torch.set_num_threads(max(1, int(self.cfg.server.cpus)))
+        torch.manual_seed(self.cfg.seed)  # the workers' initial replicas, bit for bit
+        self.workload = check_factory(self.cfg.workload.factory)(**self.cfg.workload.params)
+        self.model: torch.nn.Module = self.workload.model
+        self.core = ServerCore(list(self.model.parameters()), self.cfg.optimizer, self.cfg.sync,
+                               n_samples=len(self.workload.train_data), seed=self.cfg.seed,
+                               global_batch=global_batch(self.cfg), shards=self.cfg.server.shards,
+                               max_steps=self.cfg.stop.max_steps)
+        self.lock = threading.Lock()
+        self.ready = threading.Condition(self.lock)
+        self._snapshot_lock = threading.Lock()
+        self._model_lock = threading.Lock()
+        """The workload's model holds the parameters only while it is saved or evaluated."""
+        self.closed: Optional[str] = None
+        self._ended = False
+        self._flat_cache: tuple[Optional[tuple[int, int]], Optional[np.ndarray]] = (None, None)
+        self.kept: deque[dict] = deque(maxlen=KEEP_RECORDS)
+        self._outbox: queue.Queue = queue.Queue()
+        threading.Thread(target=self._report_loop, name="server reports", daemon=True).start()
+        self.bytes_sent = 0
+        self._samples = self._open_samples()
+        self._pulls = self._open_samples("pulls.txt")
+        if restarted:
+            self._resume()
+
+    # ------------------------------------------------------------------ control
+    def set_members(self, epoch: int, members: Sequence[tuple[str, int]]) -> None:
+        """A membership epoch (slot, worker incarnation in rank order); an older one arriving late is ignored."""
+        with self.lock:
+            if epoch <= self.core.membership_epoch and self.core.members:
+                return
+            updates = self.core.set_members(epoch, list(members))
+            self._applied(updates)
+            self.ready.notify_all()
+        self._maybe_snapshot(updates)
+
+    def close(self, reason: str) -> None:
+        """The job stops: every pull answers `finished` from now on."""
+        with self.lock:
+            self.closed = reason
+            self._end()
+            self.ready.notify_all()
+
+    def _end(self) -> None:
+        """Once finished or closed: what is staged or dealt and not pushed is accounted for (under the lock)."""
+        if not self._ended:
+            self._ended = True
+            self.core.end()
+
+    def summary(self) -> dict:
+        """Counts for `status`: version, incarnation, staleness histogram, refused pushes, leases."""
+        with self.lock:
+            return self._summary()
+
+    def _summary(self) -> dict:
+        core = self.core
+        return {"pid": os.getpid(), "version": core.version, "incarnation": core.incarnation, "membership_epoch": core.membership_epoch,
+                "staleness": {str(k): v for k, v in sorted(core.staleness.items())}, "rejected": dict(core.rejected),
+                "leases": dict(core.leases.counts, outstanding=core.leases.outstanding), "clocks": dict(core.clocks)}
+
+    def model_state(self) -> bytes:
+        """What `model()` returns and a checkpoint holds: the parameters as the workload's state dict,
+        the version, and the server's whole state (a resume needs it)."""
+        with self.lock:
+            flat, state, version = self.core.parameters(), self.core.state_dict(), self.core.version
+        with self._model_lock:
+            self._load_model(flat)
+            buf = io.BytesIO()
+            torch.save({"model": self.model.state_dict(), "step": version, "server": state}, buf)
+        return buf.getvalue()
+
+    def _load_model(self, flat: torch.Tensor) -> None:
+        with torch.no_grad():
+            torch.nn.utils.vector_to_parameters(flat, list(self.model.parameters()))
+
+    def _evaluate(self, flat: torch.Tensor) -> dict:
+        """The workload's metrics of these parameters (the server's model is what `model()` returns)."""
+        evaluate = getattr(self.workload, "evaluate", None)
+        data = getattr(self.workload, "eval_data", None)
+        if evaluate is None or data is None:
+            return {}
+        with self._model_lock:
+            self._load_model(flat)
+            self.model.eval()
+            try:
+                return {k: float(v) for k, v in evaluate(self.model, data).items()}
+            finally:
+                self.model.train()
+
+    def records_after(self, step: int) -> tuple[dict, ...]:
+        self.flush()
+        return tuple(r for r in list(self.kept) if r["step"] > step)
+
+    # ------------------------------------------------------------------ pull and push
+    def pull(self, fence: Fence, wait_s: float) -> tuple[Pull, Optional[np.ndarray]]:
+        """The pull's answer once `pull_ready` (or "wait" after `wait_s`), with the flat parameters when
+        the answer is ok or finished."""
+        deadline = time.monotonic() + wait_s
+        with self.lock:
+            while True:
+                if self.closed or self.core.finished:
+                    return Pull("finished", version=self.core.version), self._flat()
+                pull = self.core.pull(fence)
+                left = deadline - time.monotonic()
+                if pull.status == "ok" or left <= 0:
+                    break  # else wait: for the bound, or for `set_members` to admit this incarnation
+                self.ready.wait(left)
+            if pull.status != "ok":
+                return pull, None
+            if self._pulls is not None:
+                self._pulls.write(f"{fence.slot} {pull.clock} {pull.version} {min(self.core.clocks.values())}\n")
+            return pull, self._flat()
+
+    def _flat(self) -> np.ndarray:
+        """The parameters as one flat array, made once per version (under the lock) and shared by the
+        pulls of that version: it is never written after, so Ray may serialize it outside the lock."""
+        key = (self.core.incarnation, self.core.version)
+        if self._flat_cache[0] != key:
+            self._flat_cache = (key, self.core.parameters().numpy())
+        flat = self._flat_cache[1]
+        self.bytes_sent += flat.nbytes
+        return flat
+
+    def push(self, fence: Fence, lease_ids: tuple[int, ...], pulled_version: int, grad: np.ndarray, loss: float) -> PushResult:
+        """Apply (or stage) a push; the answer carries no update details (those go to history)."""
+        tensor = torch.from_numpy(np.array(grad, dtype=np.float32, copy=True))  # the core keeps it until applied
+        with self.lock:
+            ticket = self.core.leases.find(lease_ids)
+            result = self.core.push(Push(fence, tuple(lease_ids), pulled_version, tensor, loss))
+            if result.status in ("dropped", "finished") and ticket is not None and self._samples is not None:
+                ids = " ".join(str(i) for lease in ticket.leases for i in lease.ids)
+                self._samples.write(f"dropped {self.core.membership_epoch} {ticket.clock + 1} {ids}\n")
+            self._applied(result.updates)
+            if result.updates:
+                self.ready.notify_all()
+        self._maybe_snapshot(result.updates)
+        return PushResult(result.status, result.version)
+
+    # ------------------------------------------------------------------ what applying a version entails
+    def _applied(self, updates: tuple[Update, ...]) -> None:
+        """Under the lock, right after the updates were applied: their records go out in version order
+        (pushes apply in several threads; the reporter thread sends what is queued here, in order)."""
+        if not updates:
+            return
+        every = self.cfg.eval_every
+        records = tuple(self._record(u) for u in updates)
+        if self.core.finished:
+            self._end()
+        due = every and records[-1]["step"] // every > (records[0]["step"] - 1) // every
+        self._outbox.put((records, self._summary(), self.core.parameters() if due else None))
+        for file in (self._samples, self._pulls):
+            if file is not None:
+                file.flush()
+
+    def _report_loop(self) -> None:
+        """Evaluate where due, keep, and report the queued records, in version order."""
+        while True:
+            records, summary, flat = self._outbox.get()
+            try:
+                if flat is not None:  # evaluated at the newest version that crossed a multiple of eval_every
+                    records[-1]["metrics"] = self._evaluate(flat)
+                self.kept.extend(records)
+                self.reports.records(records, summary)
+            except Exception as err:  # noqa: BLE001 - the coordinator may be restarting: it catches up from `kept`
+                log.warning("could not report versions %s: %s", [r["step"] for r in records], str(err).splitlines()[0][:200])
+            finally:
+                self._outbox.task_done()
+
+    def flush(self) -> None:
+        """Wait until every queued record is kept and reported."""
+        self._outbox.join()
+
+    def _record(self, update: Update) -> dict:
+        """One history record (called under the lock, right after the update was applied)."""
+        core = self.core
+        if self._samples is not None:
+            for ticket in update.tickets:
+                ids = " ".join(str(i) for lease in ticket.leases for i in lease.ids)
+                self._samples.write(f"{update.version} {core.membership_epoch} {ids}\n")
+        return {"step": update.version, "time": time.time(), "loss": update.loss, "lr": update.lr,
+                "samples": update.samples, "staleness": list(update.staleness), "pushes": len(update.tickets),
+                "world_size": len(core.members), "membership_epoch": core.membership_epoch,
+                "global_batch": core.global_batch, "bytes_sent": self.bytes_sent,
+                "server_incarnation": core.incarnation}
+
+    def _open_samples(self, name: str = "server.txt"):
+        if not self.cfg.faults.record_samples:
+            return None
+        folder = self.run_dir / "samples"
+        folder.mkdir(parents=True, exist_ok=True)
+        return open(folder / name, "a", encoding="utf-8")
+
+    # ------------------------------------------------------------------ snapshots
+    def _maybe_snapshot(self, updates: tuple[Update, ...]) -> None:
+        every = self.cfg.server.snapshot_every
+        if not updates or updates[-1].version // every <= (updates[0].version - 1) // every:
+            return
+        with self._snapshot_lock:  # one writer; the state is taken under the main lock, written outside it
+            with self.lock:
+                state, version = self.core.state_dict(), self.core.version
+            buf = io.BytesIO()
+            torch.save(state, buf)
+            checkpoints.save(self.run_dir / "server", version, buf.getvalue(), SNAPSHOTS_KEPT)
+
+    def _resume(self) -> None:
+        """A restart: carry on from the newest valid snapshot (or the initial state when there is none),
+        as a new incarnation."""
+        ref = checkpoints.newest_valid(self.run_dir / "server", warn=log.warning, pattern="checkpoints/step-*.json")
+        if ref is not None:
+            state = torch.load(io.BytesIO(ref.path.read_bytes()), weights_only=True, map_location="cpu")
+            self.core.load_state_dict(state)
+        self.core.new_incarnation()
+        log.warning("parameter server restarted as incarnation %d from version %d", self.core.incarnation, self.core.version)
+        self.reports.restarted(self.core.version, self.core.incarnation, str(ref.path) if ref else None)
+
+
+class CoordinatorReports:
+    """The server's reports to its coordinator, found by name (it may have been restarted)."""
+
+    def __init__(self, coordinator: str, namespace: str) -> None:
+        self.coordinator, self.namespace = coordinator, namespace
+        self._handle = None
+
+    def _coord(self):
+        if self._handle is None:  # a restarted coordinator keeps its actor id: the handle stays good
+            self._handle = ray.get_actor(self.coordinator, namespace=self.namespace)
+        return self._handle
+
+    def records(self, records: tuple[dict, ...], summary: dict) -> None:
+        try:
+            self._coord().server_report.remote(records, summary)
+        except Exception:
+            self._handle = None  # looked up again next time; these records wait in `kept`
+            raise
+
+    def restarted(self, resumed_version: int, incarnation: int, snapshot: Optional[str]) -> None:
+        self._coord().server_restarted.remote(resumed_version, incarnation, snapshot)
+
+
+class ParameterServer:
+    """The Ray actor: a `ServerHost` in a detached, threaded, restartable process."""
+
+    def __init__(self, config: dict, run_dir: str, coordinator: str, namespace: str) -> None:
+        from actors.worker import _redirect_output
+
+        _redirect_output(os.path.join(run_dir, "workers", "server.log"))
+        logging.basicConfig(level=config.get("log_level", "WARNING"), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        restarted = ray.get_runtime_context().was_current_actor_reconstructed
+        self.host = ServerHost(config, run_dir, CoordinatorReports(coordinator, namespace), restarted=restarted)
+
+    def ready(self) -> dict:
+        return {"pid": os.getpid(), "node": ray.util.get_node_ip_address(), **self.host.summary()}
+
+    def set_members(self, epoch: int, members: list[tuple[str, int]]) -> None:
+        self.host.set_members(epoch, members)
+
+    def pull(self, fence: Fence, wait_s: float) -> tuple[Pull, Optional[np.ndarray]]:
+        return self.host.pull(fence, wait_s)
+
+    def push(self, fence: Fence, lease_ids: tuple[int, ...], pulled_version: int, grad: np.ndarray, loss: float) -> PushResult:
+        return self.host.push(fence, lease_ids, pulled_version, grad, loss)
+
+    def close(self, reason: str) -> None:
+        self.host.close(reason)
+
+    def summary(self) -> dict:
+        return self.host.summary()
+
+    def model_state(self) -> bytes:
+        return self.host.model_state()
+
+    def records_after(self, step: int) -> tuple[dict, ...]:
+        return self.host.records_after(step)
+
+
+# Pulls wait at the server (up to PULL_WAIT_S each): one thread per worker and a few for control.
+ParameterServerActor = ray.remote(max_concurrency=32)(ParameterServer)
+
+
+class RayServerClient:
+    """A worker's `ServerClient` (algorithms/server_policies.py) over Ray, found by name."""
+
+    def __init__(self, name: str, namespace: str) -> None:
+        self.name, self.namespace = name, namespace
+        self._handle = None
+
+    def _server(self):
+        if self._handle is None:
+            self._handle = ray.get_actor(self.name, namespace=self.namespace)
+        return self._handle
+
+    def pull(self, fence: Fence, wait_s: float) -> tuple[Pull, Optional[torch.Tensor]]:
+        try:
+            pull, flat = ray.get(self._server().pull.remote(fence, wait_s), timeout=wait_s + CALL_TIMEOUT_S)
+        except Exception as err:  # noqa: BLE001 - restarting or unreachable: the worker asks again
+            log.warning("pull: the parameter server did not answer (%s); asking again", str(err).splitlines()[0][:200])
+            self._handle = None
+            time.sleep(wait_s)
+            return Pull("wait"), None
+        return pull, None if flat is None else torch.from_numpy(np.array(flat, copy=True))
+
+    def push(self, push: Push) -> PushResult:
+        """Sent until the server answers (a retry after a lost answer is recognised by its lease ids)."""
+        grad = push.grad.numpy()
+        deadline = time.monotonic() + CALL_TIMEOUT_S
+        while True:
+            try:
+                return ray.get(self._server().push.remote(push.fence, push.lease_ids, push.pulled_version, grad, push.loss),
+                               timeout=CALL_TIMEOUT_S)
+            except Exception as err:  # noqa: BLE001 - restarting: the push goes again (applied at most once)
+                if time.monotonic() > deadline:
+                    raise
+                log.warning("push: the parameter server did not answer (%s); sending it again", str(err).splitlines()[0][:200])
+                self._handle = None
+                time.sleep(0.5)
+
+
+class LocalServerClient:
+    """A `ServerClient` for a `ServerHost` in this process (tests)."""
+
+    def __init__(self, host: ServerHost) -> None:
+        self.host = host
+
+    def pull(self, fence: Fence, wait_s: float) -> tuple[Pull, Optional[torch.Tensor]]:
+        pull, flat = self.host.pull(fence, wait_s)
+        return pull, None if flat is None else torch.from_numpy(flat)
+
+    def push(self, push: Push) -> PushResult:
+        return self.host.push(push.fence, push.lease_ids, push.pulled_version, push.grad.numpy(), push.loss)
+
+
+def start_server(cfg: JobConfig, config: dict, run_id: str, run_dir: str, namespace: str) -> Any:
+    """Create the detached server actor of a job run (before its workers); returns its handle."""
+    return ParameterServerActor.options(
+        name=server_name(cfg.name, run_id), namespace=namespace, lifetime="detached", num_cpus=cfg.server.cpus,
+        max_restarts=MAX_RESTARTS,
+    ).remote(config, run_dir, cfg.name, namespace)
+
+
+def find_server(job: str, run_id: str, namespace: str) -> Any:
+    try:
+        return ray.get_actor(server_name(job, run_id), namespace=namespace)
+    except ValueError:
+        return None
+

@@ -1,0 +1,165 @@
+"""The server policies end to end on the shared local Ray: a parameter-server actor created by the
+coordinator, detached workers pulling leases and pushing gradients. One short run per policy; SSP under
+churn (a SIGKILLed worker and a 3x straggler) with every sample and lease accounted for and the bound
+checked from the clocks recorded at each pull; a SIGKILLed server that Ray restarts from its snapshot
+while the workers train on."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from actors.testing import child_env, wait_until
+from orchestrator.config import config_from_dict
+from orchestrator.job import ElasticJob
+
+PER_WORKER = 8
+REPO = Path(__file__).resolve().parents[2]
+
+
+def make_config(name: str, sync: dict, steps: int, **over) -> dict:
+    cfg = {"name": name, "seed": 4, "workers": {"count": 4, "cpus": 0.5},
+           "workload": {"factory": "orchestrator.workloads.digits:mlp", "params": {"hidden": 32}, "batch_size": PER_WORKER},
+           "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.5}, "sync": sync, "stop": {"max_steps": steps},
+           "server": {"cpus": 1}, "eval_every": 0}
+    cfg.update(over)
+    return cfg
+
+
+def pids(job: ElasticJob, slots) -> dict[str, int]:
+    return {m.slot: m.pid for m in job.status().members if m.slot in slots and m.pid}
+
+
+def server_events(job: ElasticJob) -> list[dict]:
+    return [e for e in job.events() if e["kind"] == "server"]
+
+
+@pytest.mark.parametrize("sync", [{"policy": "asp"}, {"policy": "ssp", "s": 2}, {"policy": "quorum", "k": 3}],
+                         ids=["asp", "ssp", "quorum"])
+def test_server_policy_finishes_at_max_steps_versions(run_root, sync):
+    steps = 40
+    started = time.monotonic()
+    job = ElasticJob(config_from_dict(make_config(f"ps-{sync['policy']}", sync, steps))).start()
+    result = job.wait(timeout=120)
+    elapsed = time.monotonic() - started
+    assert result.state == "FINISHED" and result.step == steps, result
+    history = job.history()
+    assert [r["step"] for r in history] == list(range(1, steps + 1)), "each version once, in order"
+    status = job.status()
+    server = status.server
+    assert server["version"] == steps and server["incarnation"] == 0, server
+    leases = server["leases"]
+    assert leases["applied"] + leases["dropped"] + leases["requeued"] == leases["leased"] and leases["outstanding"] == 0
+    model = job.model()
+    x = torch.zeros(2, 64)
+    assert model(x).shape == (2, 10)
+    staleness = Counter(s for r in history for s in r["staleness"])
+    print(f"{sync}: FINISHED at {steps} versions in {elapsed:.1f}s; staleness {dict(sorted(staleness.items()))}; "
+          f"refused {({k: v for k, v in server['rejected'].items() if v})}; leases {leases}")
+
+
+def test_ssp_under_churn_keeps_its_bound_and_applies_every_sample_once(run_root):
+    """w1 is SIGKILLed at its 8th push (Ray-level death; its slot restarts as a new incarnation), w3 takes
+    3x as long per step as the others; 36 versions of 32 samples stay within one data epoch (1437)."""
+    s, steps = 2, 36
+    stragglers = [{"slot": f"w{i}", "delay_s": 0.03} for i in range(3)] + [{"slot": "w3", "delay_s": 0.09}]
+    cfg = make_config("ps-ssp-churn", {"policy": "ssp", "s": s}, steps,
+                      faults={"record_samples": True, "stragglers": stragglers, "kills": [{"slot": "w1", "step": 8}]})
+    job = ElasticJob(config_from_dict(cfg)).start()
+    survivors = wait_until(lambda: (p := pids(job, ("w0", "w2", "w3"))) and len(p) == 3 and p, what="the workers' pids")
+    result = job.wait(timeout=180)
+    assert result.state == "FINISHED" and result.step == steps, result
+    assert pids(job, ("w0", "w2", "w3")) == survivors, "survivors were restarted"
+    assert any(e["kind"] == "failure" and e["detail"].get("slot") == "w1" for e in job.events()), "w1 did not die"
+
+    history = job.history()
+    assert [r["step"] for r in history] == list(range(1, steps + 1))
+    samples = (job.run_dir / "samples" / "server.txt").read_text().splitlines()
+    applied = [int(i) for line in samples if not line.startswith("dropped") for i in line.split()[2:]]
+    leases = job.status().server["leases"]
+    assert len(applied) == len(set(applied)) == leases["applied"] == sum(r["samples"] for r in history)
+    assert leases["applied"] + leases["requeued"] + leases["dropped"] == leases["leased"], leases
+    assert leases["requeued"] > 0, "the dead worker's lease was requeued"
+
+    ahead = []
+    for line in (job.run_dir / "samples" / "pulls.txt").read_text().splitlines():
+        slot, clock, version, slowest = line.split()
+        ahead.append(int(clock) - int(slowest))
+        assert int(clock) - int(version) <= s
+    assert max(ahead) <= s, f"a pull ran {max(ahead)} clocks ahead of the slowest live member (s = {s})"
+    print(f"ssp s={s} under churn: FINISHED at {steps} versions; leases {leases}; most clocks ahead at a pull "
+          f"{max(ahead)} (histogram {dict(sorted(Counter(ahead).items()))}); staleness "
+          f"{job.status().server['staleness']}")
+
+
+def test_server_sigkill_resumes_from_its_snapshot_and_the_job_finishes(run_root):
+    """ASP (nobody waits, so w3's long step keeps it holding a lease from the old incarnation when the
+    server dies: its push is fenced and counted)."""
+    every, steps = 10, 90
+    stragglers = [{"slot": f"w{i}", "delay_s": 0.05} for i in range(3)] + [{"slot": "w3", "delay_s": 1.0}]
+    cfg = make_config("ps-server-kill", {"policy": "asp"}, steps, server={"cpus": 1, "snapshot_every": every},
+                      faults={"stragglers": stragglers})
+    job = ElasticJob(config_from_dict(cfg)).start()
+    workers = wait_until(lambda: (p := pids(job, ("w0", "w1", "w2", "w3"))) and len(p) == 4 and p, what="the workers' pids")
+    wait_until(lambda: job.status().step >= 35, timeout=120, what="35 versions")
+    server_pid = job.status().server["pid"]
+    os.kill(server_pid, signal.SIGKILL)
+    result = job.wait(timeout=180)
+    assert result.state == "FINISHED" and result.step == steps, result
+    assert pids(job, ("w0", "w1", "w2", "w3")) == workers, "workers were restarted"
+    [event] = server_events(job)
+    lost = event["detail"]["versions_lost"]
+    assert 0 <= lost <= every and event["detail"]["server_incarnation"] == 1, event
+    status = job.status()
+    assert status.server["pid"] != server_pid and status.server["incarnation"] == 1
+    assert status.server["rejected"]["fenced_server"] >= 1, status.server["rejected"]
+    history = job.history()
+    resumed = event["detail"]["resumed_version"]
+    redone = [r["step"] for r in history if r.get("server_incarnation") == 1]
+    assert redone == list(range(resumed + 1, steps + 1)), "the new incarnation carries on from its snapshot"
+    assert [r["step"] for r in history if r.get("server_incarnation") == 0] == list(range(1, resumed + lost + 1))
+    print(f"server SIGKILL at version {resumed + lost}: {event['reason']}; refused pushes {status.server['rejected']}")
+
+
+@pytest.mark.slow  # 14.5 s; beyond the default suite's budget (the server's own loss is tested there)
+def test_coordinator_sigkill_reattaches_to_the_server_and_workers(run_root):
+    """Ray restarts the coordinator; the detached server and workers train on meanwhile; the new
+    incarnation finds the server by name and fills history from the records it kept."""
+    steps = 120
+    stragglers = [{"slot": f"w{i}", "delay_s": 0.04} for i in range(4)]
+    job = ElasticJob(config_from_dict(make_config("ps-coordinator-kill", {"policy": "ssp", "s": 2}, steps,
+                                                  faults={"stragglers": stragglers}))).start()
+    wait_until(lambda: job.status().step >= 25, timeout=120, what="25 versions")
+    before = job.status()
+    workers = pids(job, ("w0", "w1", "w2", "w3"))
+    os.kill(before.coordinator_pid, signal.SIGKILL)
+    result = job.wait(timeout=180)
+    assert result.state == "FINISHED" and result.step == steps, result
+    after = job.status()
+    assert after.incarnation == 1 and after.coordinator_pid != before.coordinator_pid
+    assert pids(job, ("w0", "w1", "w2", "w3")) == workers, "workers were restarted"
+    assert after.server["pid"] == before.server["pid"], "the server was restarted"
+    assert [r["step"] for r in job.history()] == list(range(1, steps + 1)), "history has a gap or a repeat"
+    print(f"coordinator SIGKILLed at version {before.step}: the server (pid {before.server['pid']}) and workers kept "
+          f"training; history 1..{steps}, no gap")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", ["asp", "ssp", "quorum"])
+def test_ready_config_runs_from_a_fresh_shell(tmp_path, policy):
+    """`python -m orchestrator run` with no Ray running: it sizes a local Ray for the workers and the
+    server, places the server, and finishes (100 versions, a 3x straggler)."""
+    env = child_env(REPO, ORCHESTRATOR_RUN_ROOT=str(tmp_path))
+    env.pop("RAY_ADDRESS", None)
+    proc = subprocess.run([sys.executable, "-m", "orchestrator", "run", f"configs/digits_{policy}.yaml", "--set", "stop.max_steps=100",
+                           "--set", "stop.target=null", "--set", "faults.stragglers=[{slot: w3, slowdown: 3.0}]"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    print(proc.stdout[-600:], proc.stderr[-600:])
+    assert proc.returncode == 0 and f"FINISHED: digits-{policy}" in proc.stdout and "at step 100" in proc.stdout

@@ -1,0 +1,95 @@
+"""The server policies through the real worker step loop, in process (no Ray): `LocalJob` runs real
+`Replica`s in threads against a `ServerHost` (actors/parameter_server.py), so the worker side (pull a
+lease, train on its samples with the loss weighted n_i / B, push), the host's lock and waits, its
+`record_samples` file and its accounting are exercised exactly as the Ray actors run them."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from actors.history import History
+from actors.parameter_server import ServerHost
+from actors.server_control import restart_event
+from actors.testing import LocalJob, LocalServerReports, LocalLink
+from algorithms.server import Fence
+
+N, PER_WORKER, STEPS = 3, 8, 10
+
+
+def config(policy: dict, **over) -> dict:
+    cfg = {"name": "wiring", "seed": 3, "workers": {"count": N, "cpus": 1},
+           "workload": {"factory": "orchestrator.workloads.digits:mlp", "params": {"hidden": 16}, "batch_size": PER_WORKER},
+           "optimizer": {"lr": 0.1, "momentum": 0.9}, "sync": policy, "stop": {"max_steps": STEPS}, "eval_every": 0}
+    cfg.update(over)
+    return cfg
+
+
+def run(tmp_path, policy: dict, **over) -> LocalJob:
+    slots = [f"w{i}" for i in range(N)]
+    job = LocalJob(config(policy, **over), slots, str(tmp_path / policy["policy"]))
+    job.run(tuple(slots), N * PER_WORKER)
+    return job
+
+
+@pytest.mark.parametrize("policy", [{"policy": "ssp", "s": 0}, {"policy": "quorum", "k": N}], ids=["ssp0", "quorum_n"])
+def test_bsp_settings_through_the_worker_loop_equal_bsp(tmp_path, policy):
+    bsp = run(tmp_path, {"policy": "bsp"})
+    server = run(tmp_path, policy)
+    expected = torch.cat([p.reshape(-1) for p in bsp.parameters("w0")])
+    got = server.server.core.parameters()
+    diff = float((expected - got).abs().max())
+    print(f"{policy} through the worker loop vs BSP after {STEPS} steps, n = {N}: max abs diff {diff:.1e}")
+    assert diff < 1e-5, diff
+    steps = [r["step"] for r in server.link.records]
+    assert steps == list(range(1, STEPS + 1)), steps
+    assert all(r["staleness"] == [0] * N for r in server.link.records)
+    losses = [r["loss"] for r in server.link.records]
+    assert np.allclose(losses, [r["loss"] for r in bsp.link.records], atol=1e-5), "the server's loss is BSP's global-batch mean"
+
+
+def test_asp_with_a_straggler_applies_every_sample_once_and_accounts_for_every_lease(tmp_path):
+    job = run(tmp_path, {"policy": "asp"}, stop={"max_steps": 30},
+              faults={"record_samples": True, "stragglers": [{"slot": "w2", "delay_s": 0.01}]})
+    lines = (tmp_path / "asp" / "samples" / "server.txt").read_text().splitlines()
+    applied = [int(i) for line in lines if not line.startswith("dropped") for i in line.split()[2:]]
+    counts = job.server.core.leases.counts
+    assert len(applied) == len(set(applied)) == counts["applied"], "every applied sample once (one data epoch)"
+    assert counts["applied"] + counts["dropped"] + counts["requeued"] == counts["leased"], counts
+    assert job.server.core.leases.outstanding == 0
+    versions = [int(line.split()[0]) for line in lines if not line.startswith("dropped")]
+    assert sorted(set(versions)) == list(range(1, 31))
+    assert all(o["ok"] for o in job.outcomes.values())
+
+
+def test_a_push_from_a_replaced_incarnation_is_fenced_and_counted(tmp_path):
+    host = ServerHost(config({"policy": "ssp", "s": 1}), str(tmp_path), LocalServerReports(LocalLink()))
+    host.set_members(1, [("w0", 1), ("w1", 2)])
+    old = Fence(1, "w1", 2, 0)
+    pull, flat = host.pull(old, 0.1)
+    assert pull.status == "ok" and flat is not None
+    host.set_members(2, [("w0", 1), ("w1", 3)])  # w1 was replaced while it trained
+    result = host.push(old, pull.ticket.lease_ids, pull.version, np.zeros_like(flat), 0.0)
+    assert result.status == "fenced_worker"
+    summary = host.summary()
+    assert summary["rejected"]["fenced_worker"] == 1 and summary["version"] == 0
+    assert summary["leases"]["requeued"] == pull.ticket.samples, "the replaced holder's lease went back to the queue"
+    again, _ = host.pull(old, 0.05)
+    assert again.status == "fenced_worker", "the old incarnation may not pull either"
+
+
+def test_a_server_restart_names_the_versions_lost_and_history_records_the_redone_ones(tmp_path):
+    history = History(tmp_path / "history.jsonl", "server")
+    for step in range(1, 8):
+        history.offer({"step": step, "server_incarnation": 0})
+    reason, detail = restart_event(history.written_step, 5, 1, "snap", every=5)
+    assert detail["versions_lost"] == 2 and "versions 6..7 lost" in reason, reason
+    history.rewind(5)
+    for step in range(6, 9):
+        history.offer({"step": step, "server_incarnation": 1})
+    history.shut()
+    lines = [(r["step"], r["server_incarnation"]) for r in map(json.loads, (tmp_path / "history.jsonl").read_text().splitlines())]
+    assert lines == [(s, 0) for s in range(1, 8)] + [(s, 1) for s in range(6, 9)]
+    assert restart_event(3, 3, 2, None, every=5)[1]["versions_lost"] == 0
