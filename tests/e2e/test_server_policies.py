@@ -128,6 +128,30 @@ def test_server_sigkill_resumes_from_its_snapshot_and_the_job_finishes(run_root)
     print(f"server SIGKILL at version {resumed + lost}: {event['reason']}; refused pushes {status.server['rejected']}")
 
 
+def test_quorum_through_a_kill_a_rejoin_and_late_drops_applies_every_sample_once(run_root):
+    """quorum k=3 of 4 with a 3x straggler (its late pushes are dropped and their samples requeued) and
+    w1 SIGKILLed at its 6th push (its slot comes back as a new incarnation and rejoins): within one
+    data epoch, every applied sample id appears once, and applied + requeued + dropped = leased."""
+    steps = 36
+    stragglers = [{"slot": f"w{i}", "delay_s": 0.03} for i in range(3)] + [{"slot": "w3", "delay_s": 0.09}]
+    cfg = make_config("ps-quorum-churn", {"policy": "quorum", "k": 3}, steps,
+                      faults={"record_samples": True, "stragglers": stragglers, "kills": [{"slot": "w1", "step": 6}]})
+    job = ElasticJob(config_from_dict(cfg)).start()
+    result = job.wait(timeout=180)
+    assert result.state == "FINISHED" and result.step == steps, result
+    history = job.history()
+    assert [r["step"] for r in history] == list(range(1, steps + 1))
+    samples = (job.run_dir / "samples" / "server.txt").read_text().splitlines()
+    applied = [int(i) for line in samples if not line.startswith("dropped") for i in line.split()[2:]]
+    leases = job.status().server["leases"]
+    assert len(applied) == len(set(applied)) == leases["applied"] == sum(r["samples"] for r in history)
+    assert leases["applied"] + leases["requeued"] + leases["dropped"] == leases["leased"], leases
+    assert leases["dropped"] > 0 and leases["requeued"] > 0, leases
+    rejoined = [e for e in job.events() if e["kind"] == "reshape" and "w1" in e["detail"].get("joiners", [])]
+    print(f"quorum k=3 under churn: FINISHED at {steps} versions; leases {leases}; w1 rejoined: {bool(rejoined)}")
+    assert rejoined, "the killed slot's new incarnation must rejoin"
+
+
 @pytest.mark.slow  # 14.5 s; beyond the default suite's budget (the server's own loss is tested there)
 def test_coordinator_sigkill_reattaches_to_the_server_and_workers(run_root):
     """Ray restarts the coordinator; the detached server and workers train on meanwhile; the new
