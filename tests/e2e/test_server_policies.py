@@ -41,6 +41,19 @@ def server_events(job: ElasticJob) -> list[dict]:
     return [e for e in job.events() if e["kind"] == "server"]
 
 
+def assert_every_sample_applied_once(job: ElasticJob, steps: int) -> dict:
+    """History holds versions 1..steps once each; the server's sample file has every applied id once,
+    as many as the lease counts and history say; applied + requeued + dropped = leased. The counts."""
+    history = job.history()
+    assert [r["step"] for r in history] == list(range(1, steps + 1))
+    samples = (job.run_dir / "samples" / "server.txt").read_text().splitlines()
+    applied = [int(i) for line in samples if not line.startswith("dropped") for i in line.split()[2:]]
+    leases = job.status().server["leases"]
+    assert len(applied) == len(set(applied)) == leases["applied"] == sum(r["samples"] for r in history)
+    assert leases["applied"] + leases["requeued"] + leases["dropped"] == leases["leased"], leases
+    return leases
+
+
 @pytest.mark.parametrize("sync", [{"policy": "asp"}, {"policy": "ssp", "s": 2}, {"policy": "quorum", "k": 3}],
                          ids=["asp", "ssp", "quorum"])
 def test_server_policy_finishes_at_max_steps_versions(run_root, sync):
@@ -79,13 +92,7 @@ def test_ssp_under_churn_keeps_its_bound_and_applies_every_sample_once(run_root)
     assert pids(job, ("w0", "w2", "w3")) == survivors, "survivors were restarted"
     assert any(e["kind"] == "failure" and e["detail"].get("slot") == "w1" for e in job.events()), "w1 did not die"
 
-    history = job.history()
-    assert [r["step"] for r in history] == list(range(1, steps + 1))
-    samples = (job.run_dir / "samples" / "server.txt").read_text().splitlines()
-    applied = [int(i) for line in samples if not line.startswith("dropped") for i in line.split()[2:]]
-    leases = job.status().server["leases"]
-    assert len(applied) == len(set(applied)) == leases["applied"] == sum(r["samples"] for r in history)
-    assert leases["applied"] + leases["requeued"] + leases["dropped"] == leases["leased"], leases
+    leases = assert_every_sample_applied_once(job, steps)
     assert leases["requeued"] > 0, "the dead worker's lease was requeued"
 
     ahead = []
@@ -139,13 +146,7 @@ def test_quorum_through_a_kill_a_rejoin_and_late_drops_applies_every_sample_once
     job = ElasticJob(config_from_dict(cfg)).start()
     result = job.wait(timeout=180)
     assert result.state == "FINISHED" and result.step == steps, result
-    history = job.history()
-    assert [r["step"] for r in history] == list(range(1, steps + 1))
-    samples = (job.run_dir / "samples" / "server.txt").read_text().splitlines()
-    applied = [int(i) for line in samples if not line.startswith("dropped") for i in line.split()[2:]]
-    leases = job.status().server["leases"]
-    assert len(applied) == len(set(applied)) == leases["applied"] == sum(r["samples"] for r in history)
-    assert leases["applied"] + leases["requeued"] + leases["dropped"] == leases["leased"], leases
+    leases = assert_every_sample_applied_once(job, steps)
     assert leases["dropped"] > 0 and leases["requeued"] > 0, leases
     rejoined = [e for e in job.events() if e["kind"] == "reshape" and "w1" in e["detail"].get("joiners", [])]
     print(f"quorum k=3 under churn: FINISHED at {steps} versions; leases {leases}; w1 rejoined: {bool(rejoined)}")
