@@ -77,9 +77,7 @@ class AllReduceImpl(AlgorithmImpl):
         self.tail_in_bucket = (self.codec is None and bool(self.params)
                                and self.params[self.plan.buckets[-1][0]].dtype in EXACT_DTYPES)
         """Whether the tail rides in the last bucket (exact there) or is reduced on its own."""
-        self.compressed = [] if self.codec is None else [
-            ScatterGather(self.codec, sum(self.params[i].numel() for i in members), TAIL, feedback)
-            for members in self.plan.buckets]
+        self.compressed = self._wires(self.codec, feedback)
         """One compressed all-reduce per bucket; its error-feedback residuals outlive membership epochs."""
         self._vote_tail: Optional[torch.Tensor] = None
         self._draft = VoteDraft()
@@ -94,6 +92,13 @@ class AllReduceImpl(AlgorithmImpl):
         if self.algorithm.name == "bytegrad" and name == "none":
             name = "uint8"
         return (None if name == "none" else get_codec(name)), bool(compression is not None and compression.feedback)
+
+    def _wires(self, codec: Optional[Codec], feedback: bool) -> list[ScatterGather]:
+        """A compressed scatter-gather per bucket (none without a codec)."""
+        if codec is None:
+            return []
+        return [ScatterGather(codec, sum(self.params[i].numel() for i in members), TAIL, feedback)
+                for members in self.plan.buckets]
 
     def _allocate(self) -> None:
         """Fresh buffers (old ones may still be written by a stuck collective)."""
@@ -170,30 +175,41 @@ class AllReduceImpl(AlgorithmImpl):
     def end_backward(self, step: int) -> None:
         if self.comm is None:
             return
-        if self.codec is None:
+        if not self.deferred:
             self._launch_ready(force=True)
             return
-        device = self.buffers[-1].device
-        for b, (buf, compressed) in enumerate(zip(self.buffers, self.compressed)):
-            last = b == len(self.buffers) - 1
+        self._reduce_deferred(self.buffers, self.compressed)
+
+    def _reduce_deferred(self, messages: list[torch.Tensor], wires: list[ScatterGather]) -> None:
+        """SUM each bucket's message in place, in bucket order, with the vote as a float32 tail on the
+        last: through the bucket's compressed scatter-gather when `wires` has them, else one plain
+        all-reduce of the message with the tail appended. Blocking: a failure raises CommError here."""
+        device = messages[-1].device
+        for b, message in enumerate(messages):
+            last = b == len(messages) - 1
             tail = self._draft.tail(torch.float32, device) if last else torch.zeros(TAIL, device=device)
             if self.trace is not None:
                 self.trace.append(("launch", b))
-            summed = compressed.all_reduce(buf, tail)  # blocking: a failure raises CommError here
+            if wires:
+                summed = wires[b].all_reduce(message, tail)
+            else:
+                wire = torch.cat([message.view(-1), tail.to(message.dtype)])
+                self.comm.all_reduce(wire).wait()
+                message.view(-1).copy_(wire[:-TAIL])
+                summed = wire[-TAIL:]
             if last:
                 self._vote_tail = summed
 
     def finish_step(self, step: int, draft: VoteDraft) -> StepVote:
         if self.comm is None:
             return StepVote.local(draft)
-        if self.codec is not None:
+        if self.deferred:
             return StepVote.reduced(self._vote_tail.to(torch.float64))
         for handle in self.handles:
             if handle is not None:
                 handle.wait()
         tail = self.buffers[-1][-TAIL:] if self.tail_in_bucket else self.tail_buf
         return StepVote.reduced(tail.to(torch.float64))
-
 
     def commit(self, step: int) -> None:
         for compressed in self.compressed:

@@ -25,24 +25,16 @@ from typing import Optional
 
 import torch
 
-from algorithms.allreduce import TAIL, AllReduce, AllReduceImpl
-from algorithms.base import Algorithm, StepVote, VoteDraft, register
-from algorithms.compression import get_codec
-from algorithms.scatter_gather import ScatterGather
+from algorithms.allreduce import AllReduce, AllReduceImpl
+from algorithms.base import Algorithm, VoteDraft, register
 
 
 class QAdamImpl(AllReduceImpl):
     def __init__(self, algorithm: Algorithm, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         super().__init__(algorithm, model, optimizer)
-        compression = algorithm.compression
-        name = compression.codec if compression is not None else "none"
-        feedback = bool(compression is not None and compression.feedback)
-        codec = None if name == "none" else get_codec(name)
         self.warmup = self.config.warmup_steps
-        self.momentum_codec = codec
-        self.momentum_wire = [] if codec is None else [
-            ScatterGather(codec, sum(self.params[i].numel() for i in members), TAIL, feedback)
-            for members in self.plan.buckets]
+        self.momentum_wire = self._wires(*super()._gradient_codec())
+        """The momentum's compressed scatter-gather per bucket (none: it travels in full precision)."""
         self.m: Optional[list[torch.Tensor]] = None
         """Per bucket, the agreed first moment (after warm-up)."""
         self.v: Optional[list[torch.Tensor]] = None
@@ -80,28 +72,13 @@ class QAdamImpl(AllReduceImpl):
     def end_backward(self, step: int) -> None:
         if self.m is None or self.comm is None:
             return super().end_backward(step)
-        beta1 = self.optimizer.param_groups[0]["betas"][0]
-        n = self.comm.world_size
-        self._sent = []
-        for b, members in enumerate(self.plan.buckets):
-            grads = self.buffers[b][:self.m[b].numel()]
-            message = self.m[b] * (beta1 / n) + grads * (1 - beta1)
-            last = b == len(self.plan.buckets) - 1
-            tail = self._draft.tail(torch.float32, message.device) if last else torch.zeros(TAIL, device=message.device)
-            if self.momentum_codec is not None:
-                summed_tail = self.momentum_wire[b].all_reduce(message, tail)
-            else:
-                wire = torch.cat([message, tail.to(message.dtype)])
-                self.comm.all_reduce(wire).wait()
-                message, summed_tail = wire[:-TAIL], wire[-TAIL:]
-            self._sent.append(message)
-            if last:
-                self._vote_tail = summed_tail
+        self._sent = self._momentum_shares(self.comm.world_size)
+        self._reduce_deferred(self._sent, self.momentum_wire)  # in place: the sums are Adam's new m
 
-    def finish_step(self, step: int, draft: VoteDraft) -> StepVote:
-        if self.m is None or self.comm is None:
-            return super().finish_step(step, draft)
-        return StepVote.reduced(self._vote_tail.to(torch.float64))
+    def _momentum_shares(self, n: int) -> list[torch.Tensor]:
+        """Per bucket, beta1 / n * m + (1 - beta1) * g: summed over n members, Adam's new first moment."""
+        beta1 = self.optimizer.param_groups[0]["betas"][0]
+        return [self.m[b] * (beta1 / n) + self.buffers[b][:self.m[b].numel()] * (1 - beta1) for b in range(len(self.m))]
 
     def apply_update(self, step: int, lr: float) -> None:
         if self.m is None:
@@ -110,8 +87,7 @@ class QAdamImpl(AllReduceImpl):
         (beta1, beta2), eps, decay = group["betas"], group["eps"], group["weight_decay"]
         self.t += 1
         if self.comm is None:  # alone: no peers to agree with, the rule on the local gradient
-            self._sent = [self.m[b] * beta1 + self.buffers[b][:self.m[b].numel()] * (1 - beta1)
-                          for b in range(len(self.m))]
+            self._sent = self._momentum_shares(1)
         with torch.no_grad():
             for b, members in enumerate(self.plan.buckets):
                 self.m[b] = self._sent[b].clone()
