@@ -253,7 +253,11 @@ class Coordinator:
         self._event("server", reason, **detail)
         if self.server is not None and self.plan is not None:  # its snapshot may predate the membership
             self.server.restarts += 1
-            self.server.set_members(self.epoch, [(s, self.members[s].incarnation) for s in self.plan.members])
+            self._tell_server(self.plan.members)
+
+    def _tell_server(self, members) -> None:
+        """The server admits this membership, as (slot, worker incarnation) in rank order."""
+        self.server.set_members(self.epoch, [(s, self.members[s].incarnation) for s in members])
 
     async def release(self) -> None:
         """Let a terminal coordinator exit now (the driver has read the result)."""
@@ -781,7 +785,7 @@ class Coordinator:
             stop_step=self.stop_step, reason=reason, history_step=self.history.written_step)
         self.plan = plan
         if self.server is not None:  # the server admits a membership before its members pull under it
-            self.server.set_members(self.epoch, [(s, self.members[s].incarnation) for s in members])
+            self._tell_server(members)
         sent = [m.handle.set_plan.remote(plan) for m in self.members.values()
                 if m.state in (S.TRAINING, S.READY, S.LEAVING)]  # leavers too: the plan is how they learn to leave
         self.faults.maybe_die("publish", plan.version, sent)
