@@ -576,6 +576,10 @@ class Coordinator:
             detail["traceback"] = outcome["traceback"]
         self._abort_epoch(cause)
         kill(member.handle)
+        if d.finish:  # the others had all finished: nothing is left to train
+            self._event("failure", d.reason, **detail)
+            await self._finish()
+            return
         if d.end_now is not None:
             await self._end(d.end_now, d.reason, detail=detail)
             return
@@ -694,8 +698,10 @@ class Coordinator:
         stuck_after = self.cfg.comm.timeout_s + 2.0
         if info["phase"] == "waiting" and info["phase_age_s"] > stuck_after and self.state in (JobState.RUNNING, JobState.RESHAPING):
             self._reform(f"worker {member.slot} has waited {info['phase_age_s']:.1f}s for a plan (its group did not form)")
-        if info["phase"] == "compute" and info["phase_age_s"] > w.hang_timeout_s:
-            await self._evict(member, "step progress", f"worker {member.slot}'s step {info['step']} has been computing "
+        # A server kind's push has no collective timeout: a push unanswered this long is a hang too.
+        waiting = {"compute": "computing", "communicate": "pushing"} if self.algorithm.kind == "server" else {"compute": "computing"}
+        if info["phase"] in waiting and info["phase_age_s"] > w.hang_timeout_s:
+            await self._evict(member, "step progress", f"worker {member.slot}'s step {info['step']} has been {waiting[info['phase']]} "
                                                        f"for {info['phase_age_s']:.1f}s (workers.hang_timeout_s = {w.hang_timeout_s:g})")
 
     def _reform(self, reason: str) -> None:

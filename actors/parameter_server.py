@@ -91,6 +91,7 @@ class ServerHost:
         self._outbox: queue.Queue = queue.Queue()
         threading.Thread(target=self._report_loop, name="server reports", daemon=True).start()
         self.bytes_sent = 0
+        self._delayed: set[int] = set()
         self._samples = self._open_samples()
         self._pulls = self._open_samples("pulls.txt")
         if restarted:
@@ -196,6 +197,7 @@ class ServerHost:
 
     def push(self, fence: Fence, lease_ids: tuple[int, ...], pulled_version: int, grad: np.ndarray, loss: float) -> PushResult:
         """Apply (or stage) a push; the answer carries no update details (those go to history)."""
+        self._maybe_delay(fence, lease_ids)
         tensor = torch.from_numpy(np.array(grad, dtype=np.float32, copy=True))  # the core keeps it until applied
         with self.lock:
             ticket = self.core.leases.find(lease_ids)
@@ -208,6 +210,18 @@ class ServerHost:
                 self.ready.notify_all()
         self._maybe_snapshot(result.updates)
         return PushResult(result.status, result.version)
+
+    def _maybe_delay(self, fence: Fence, lease_ids: tuple[int, ...]) -> None:
+        """`faults.delayed_pushes`: hold this push as a slow network would (outside the lock), once."""
+        if not self.cfg.faults.delayed_pushes:
+            return
+        with self.lock:
+            ticket = self.core.leases.find(lease_ids)
+        for index, delayed in enumerate(self.cfg.faults.delayed_pushes):
+            if ticket is not None and (delayed.slot, delayed.clock) == (fence.slot, ticket.clock) and index not in self._delayed:
+                self._delayed.add(index)
+                log.warning("injected fault: the push of %s for clock %d arrives %.1fs late", fence.slot, ticket.clock, delayed.delay_s)
+                time.sleep(delayed.delay_s)
 
     # ------------------------------------------------------------------ what applying a version entails
     def _applied(self, updates: tuple[Update, ...]) -> None:

@@ -239,8 +239,8 @@ class ServerCore:
     def push(self, push: Push) -> PushResult:
         status = self._refusal(push.fence, pushing=True)
         ticket = None if status else self.leases.find(push.lease_ids)
-        if ticket is None and not status:
-            status = "duplicate" if self.leases.was_applied(push.lease_ids) else "stale"
+        if ticket is None and not status:  # applied before; or requeued (by a departure, or by the end)
+            status = "duplicate" if self.leases.was_applied(push.lease_ids) else "finished" if self.finished else "stale"
         elif ticket is not None and self._is_staged(ticket):
             status, ticket = "duplicate", None
         elif ticket is not None and ticket.holder != push.fence.slot:

@@ -168,6 +168,9 @@ def _on_member_ended(view: JobView, e: MemberEnded) -> Decision:
     if state in (MemberState.LEAVING, MemberState.STOPPED):
         return Decision(f"{e.slot} was on its way out", member=(e.slot, MemberState.LEFT))
     ended = MemberState.HUNG if e.hung else (MemberState.DEAD if e.outcome == "died" else MemberState.FAILED)
+    others = tuple(s for s in view.plan_members if s != e.slot)
+    if others and all(view.members.get(s) == MemberState.FINISHED for s in others):
+        return Decision(f"{e.cause}; every other member had finished", member=(e.slot, ended), finish=True)
     survivors = view.training(besides=e.slot)
     if not survivors:
         why = e.cause if view.on_failure == "fail" else (

@@ -449,10 +449,31 @@ class CoordinatorFault:
 
 
 @dataclass
+class DelayedPush:
+    """A server policy's push held in flight (a slow network): the parameter server takes the first
+    push of `slot` for clock `clock` (that slot's `clock`-th push, from 0) `delay_s` seconds after it
+    was sent. The worker waits for the answer meanwhile; past `workers.hang_timeout_s` it is evicted,
+    so the push arrives from an incarnation that is no longer a member."""
+
+    slot: str = ""
+    clock: int = 0
+    delay_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        _check_slot(self.slot)
+        if self.clock < 0:
+            raise FieldError("clock", f"must not be negative, got {self.clock}")
+        if self.delay_s <= 0:
+            raise FieldError("delay_s", f"must be positive, got {self.delay_s}")
+
+
+@dataclass
 class FaultsConfig:
     stragglers: list[StragglerFault] = field(default_factory=list)
     kills: list[KillFault] = field(default_factory=list)
     coordinator: list[CoordinatorFault] = field(default_factory=list)
+    delayed_pushes: list[DelayedPush] = field(default_factory=list)
+    """Server policies only: pushes the parameter server takes late (see `DelayedPush`)."""
     record_samples: bool = False
     """Each worker appends `step membership_epoch id id ...` for every step it commits to
     `samples/<slot>.txt` (tests); a step counts in the epoch that history gives for it."""
@@ -526,6 +547,13 @@ class JobConfig:
         for i, kill in enumerate(self.faults.kills):
             if kill.slot not in slots:
                 raise FieldError(f"faults.kills[{i}].slot", f"{kill.slot!r} is not a slot of this job (w0..w{len(slots) - 1})")
+        for i, delayed in enumerate(self.faults.delayed_pushes):
+            if delayed.slot not in slots:
+                raise FieldError(f"faults.delayed_pushes[{i}].slot", f"{delayed.slot!r} is not a slot of this job "
+                                                                     f"(w0..w{len(slots) - 1})")
+            if self.sync.policy not in SERVER_POLICIES:
+                raise FieldError(f"faults.delayed_pushes[{i}]", f"policy {self.sync.policy!r} does not push to a "
+                                                                f"parameter server ({', '.join(sorted(SERVER_POLICIES))} do)")
 
     def _check_server_policy(self) -> None:
         if isinstance(self.sync, QuorumConfig):

@@ -153,6 +153,30 @@ def test_quorum_through_a_kill_a_rejoin_and_late_drops_applies_every_sample_once
     assert rejoined, "the killed slot's new incarnation must rejoin"
 
 
+def test_a_push_delayed_past_its_senders_eviction_is_fenced_and_its_samples_applied_once(run_root):
+    """ASP; w1's push for its 5th clock is held in flight for 6 s (`faults.delayed_pushes`). w1 waits for
+    the answer, the coordinator evicts it after `workers.hang_timeout_s` (2 s) and starts w1 again as a
+    new incarnation; when the old push finally arrives it names a worker incarnation that is no longer
+    a member: refused and counted, its lease already requeued, every sample applied once."""
+    steps = 150  # 4 workers at 0.2 s a step: ~9 s, past the push's arrival
+    stragglers = [{"slot": f"w{i}", "delay_s": 0.2} for i in range(4)]
+    cfg = make_config("ps-delayed-push", {"policy": "asp"}, steps,
+                      workers={"count": 4, "cpus": 0.5, "hang_timeout_s": 2.0},
+                      faults={"record_samples": True, "stragglers": stragglers,
+                              "delayed_pushes": [{"slot": "w1", "clock": 4, "delay_s": 6.0}]})
+    job = ElasticJob(config_from_dict(cfg)).start()
+    result = job.wait(timeout=180)
+    assert result.state == "FINISHED" and result.step == steps, result
+    evictions = [e for e in job.events() if e.get("detail", {}).get("detector") == "step progress"
+                 and e["detail"].get("slot") == "w1"]
+    assert evictions and "pushing" in evictions[0]["reason"], [e["reason"] for e in job.events()]
+    rejected = job.status().server["rejected"]
+    assert rejected["fenced_worker"] + rejected["not_member"] == 1, rejected
+    leases = assert_every_sample_applied_once(job, steps)
+    assert leases["requeued"] >= 1, leases
+    print(f"a push delayed past its sender's eviction: {evictions[0]['reason']}; refused {rejected}; leases {leases}")
+
+
 @pytest.mark.slow  # 14.5 s; beyond the default suite's budget (the server's own loss is tested there)
 def test_coordinator_sigkill_reattaches_to_the_server_and_workers(run_root):
     """Ray restarts the coordinator; the detached server and workers train on meanwhile; the new

@@ -84,6 +84,16 @@ def test_the_last_member_to_finish_ends_the_job():
     assert not decide(view(), MemberEnded("w2", "finished")).finish
 
 
+def test_a_member_lost_after_every_other_finished_ends_the_job_finished():
+    """A server kind's others finish at the server's last version while one is stuck in a push: its
+    eviction ends the job as finished (the model is the server's), not failed."""
+    members = {"w0": MemberState.FINISHED, "w1": MemberState.FINISHED, "w2": T}
+    d = decide(view(members=members), MemberEnded("w2", "died", "evicted", "step progress", hung=True))
+    assert d.finish and d.member == ("w2", MemberState.HUNG) and d.end_now is None
+    members["w1"] = T
+    assert not decide(view(members=members), death()).finish
+
+
 def test_an_outcome_of_a_departed_member_is_ignored():
     members = {"w0": T, "w1": MemberState.DEAD, "w2": T}
     assert decide(view(members=members), death()).ignore
