@@ -55,6 +55,17 @@ def verify(manifest_path: Path) -> Optional[str]:
     return None
 
 
+def newest_valid_of_job(job_root: Path, server: bool, warn: Callable[[str], None] = print) -> Optional[CheckpointRef]:
+    """What `--resume` continues from: the newest valid checkpoint; for a server policy, also its
+    parameter server's snapshots (a run killed as a whole leaves those, written every
+    `server.snapshot_every` versions)."""
+    refs = [newest_valid(job_root, warn)]
+    if server:
+        refs.append(newest_valid(job_root, warn, pattern="*/server/checkpoints/step-*.json"))
+    refs = [r for r in refs if r is not None]
+    return max(refs, key=lambda r: r.step) if refs else None
+
+
 def newest_valid(job_root: Path, warn: Callable[[str], None] = print,
                  pattern: str = "*/checkpoints/step-*.json") -> Optional[CheckpointRef]:
     """The newest whole checkpoint over all runs of a job (by step, then by write time); `pattern`
@@ -66,6 +77,6 @@ def newest_valid(job_root: Path, warn: Callable[[str], None] = print,
     for step, _, path in sorted(manifests, reverse=True):
         problem = verify(path)
         if problem is None:
-            return CheckpointRef(path.with_suffix(".pt"), step, path.parent.parent.name)
+            return CheckpointRef(path.with_suffix(".pt"), step, path.relative_to(job_root).parts[0])
         warn(f"warning: skipping checkpoint {path.with_suffix('.pt')}: {problem}")
     return None

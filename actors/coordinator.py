@@ -426,7 +426,10 @@ class Coordinator:
         if problem:
             raise RuntimeError(f"cannot resume from {path}: {problem}")
         data = await asyncio.to_thread(path.read_bytes)
-        step = await asyncio.wrap_future(self.members[slot].handle.load_checkpoint.remote(data).future())
+        if self.server is not None:  # a server kind: the state is the server's
+            step = await self.server.load_checkpoint(data)
+        else:
+            step = await asyncio.wrap_future(self.members[slot].handle.load_checkpoint.remote(data).future())
         self.step = step
         self.history.ledger.written_step = step
         self._event("info", f"resumed from checkpoint at step {step} ({path})", checkpoint=str(path), step=step)

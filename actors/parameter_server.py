@@ -289,6 +289,19 @@ class ServerHost:
             torch.save(state, buf)
             checkpoints.save(self.run_dir / "server", version, buf.getvalue(), SNAPSHOTS_KEPT)
 
+    def load_checkpoint(self, blob: bytes) -> int:
+        """`--resume`: take the server's state from a checkpoint (`model_state`'s) or one of its own
+        snapshots, before any member is admitted; returns the version it resumes from."""
+        state = torch.load(io.BytesIO(blob), weights_only=True, map_location="cpu")
+        state = state.get("server", state)
+        with self.lock:
+            if self.core.members or self.core.version:
+                raise RuntimeError("a checkpoint is loaded only into a new server, before the first membership")
+            self.core.load_state_dict(state)
+            self.core.begin_run()
+            self._flat_cache = (None, None)
+            return self.core.version
+
     def _resume(self) -> None:
         """A restart: carry on from the newest valid snapshot (or the initial state when there is none),
         as a new incarnation."""
@@ -358,6 +371,9 @@ class ParameterServer:
 
     def records_after(self, step: int) -> tuple[dict, ...]:
         return self.host.records_after(step)
+
+    def load_checkpoint(self, blob: bytes) -> int:
+        return self.host.load_checkpoint(blob)
 
 
 # Pulls wait at the server (up to PULL_WAIT_S each): one thread per worker and a few for control.

@@ -50,6 +50,10 @@ class ServerControl:
         """Every pull answers `finished` from now on: the members stop."""
         self.handle.close.remote(reason)
 
+    async def load_checkpoint(self, blob: bytes) -> int:
+        """`--resume`: the new server takes the checkpoint's state; the version it resumes from."""
+        return await asyncio.wait_for(asyncio.wrap_future(self.handle.load_checkpoint.remote(blob).future()), CALL_TIMEOUT_S)
+
     async def model_state(self) -> bytes:
         return await asyncio.wait_for(asyncio.wrap_future(self.handle.model_state.remote().future()), CALL_TIMEOUT_S)
 

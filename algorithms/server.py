@@ -339,6 +339,14 @@ class ServerCore:
         self.incarnation += 1
         self._requeue_unpushed()
 
+    def begin_run(self) -> None:
+        """A new run resumes from this state (`--resume`): the old run's members, clocks and staged
+        pushes are gone with it (its end requeued or dropped them; a snapshot's leftovers are requeued
+        here), so the first membership epoch of the new run is admitted."""
+        self.staged.clear()
+        self._requeue_unpushed()
+        self.members, self.clocks, self.membership_epoch, self.incarnation = {}, {}, 0, 0
+
     def state_dict(self) -> dict:
         """Everything, as tensors, ints, floats, strings, lists and dicts (`torch.load(weights_only=True)`)."""
         return {"policy": self.policy.policy, "version": self.version, "incarnation": self.incarnation,

@@ -77,9 +77,11 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     resume_from = None
     if args.resume:
-        from actors.checkpoints import newest_valid
+        from actors.checkpoints import newest_valid_of_job
+        from core.schema import SERVER_POLICIES
 
-        ref = newest_valid(job_root(config), warn=lambda text: print(text, file=sys.stderr, flush=True))
+        ref = newest_valid_of_job(job_root(config), config.sync.policy in SERVER_POLICIES,
+                                  warn=lambda text: print(text, file=sys.stderr, flush=True))
         if ref is None:
             raise ConfigError(f"--resume: no valid checkpoint for job {config.name!r} under {job_root(config)}")
         print(f"resuming from step {ref.step} of run {ref.run_id} ({ref.path})", flush=True)

@@ -79,9 +79,6 @@ def _head_resources() -> dict:
 class ElasticJob:
     def __init__(self, config: JobConfig, resume_from: Optional[str] = None) -> None:
         """`resume_from`: a checkpoint file (see `actors.checkpoints.newest_valid`)."""
-        if resume_from and config.sync.policy in SERVER_POLICIES:
-            raise ConfigError(f"--resume: policy {config.sync.policy!r} cannot resume yet (its checkpoints hold the "
-                              f"server's state, but a new run's server does not load it); start a new run")
         self.config = config
         self.resume_from = str(resume_from) if resume_from else None
         self.name = config.name

@@ -177,6 +177,32 @@ def test_a_push_delayed_past_its_senders_eviction_is_fenced_and_its_samples_appl
     print(f"a push delayed past its sender's eviction: {evictions[0]['reason']}; refused {rejected}; leases {leases}")
 
 
+def test_resume_continues_from_the_servers_newest_snapshot_without_reapplying_a_sample(run_root):
+    """ssp: a run of 20 versions (snapshots every 10), then `--resume` to 40: the new run's server loads
+    the snapshot at version 20 and carries on with its data cursor; over both runs (1280 samples, within
+    one data epoch of 1437) every applied sample id appears once."""
+    from actors.checkpoints import newest_valid_of_job
+    from orchestrator.job import job_root
+
+    base = make_config("ps-resume", {"policy": "ssp", "s": 1}, 20, server={"cpus": 1, "snapshot_every": 10},
+                       faults={"record_samples": True})
+    first = ElasticJob(config_from_dict(base)).start()
+    assert first.wait(timeout=120).state == "FINISHED"
+    config = config_from_dict(dict(base, stop={"max_steps": 40}))
+    ref = newest_valid_of_job(job_root(config), server=True)
+    assert ref is not None and ref.step == 20 and ref.run_id == first.run_id, ref
+    second = ElasticJob(config, resume_from=str(ref.path)).start()
+    result = second.wait(timeout=120)
+    assert result.state == "FINISHED" and result.step == 40, result
+    assert [r["step"] for r in second.history()] == list(range(21, 41))
+    applied = [int(i) for job in (first, second) for line in (job.run_dir / "samples" / "server.txt").read_text().splitlines()
+               if not line.startswith("dropped") for i in line.split()[2:]]
+    assert len(applied) == len(set(applied)) == 40 * 4 * PER_WORKER, "a sample was applied twice across the resume"
+    leases = second.status().server["leases"]
+    assert leases["applied"] == 40 * 4 * PER_WORKER and leases["applied"] + leases["requeued"] + leases["dropped"] == leases["leased"]
+    print(f"resumed from {ref.path.name} (version {ref.step}) to 40; leases over both runs {leases}")
+
+
 @pytest.mark.slow  # 14.5 s; beyond the default suite's budget (the server's own loss is tested there)
 def test_coordinator_sigkill_reattaches_to_the_server_and_workers(run_root):
     """Ray restarts the coordinator; the detached server and workers train on meanwhile; the new

@@ -93,3 +93,19 @@ def test_a_server_restart_names_the_versions_lost_and_history_records_the_redone
     lines = [(r["step"], r["server_incarnation"]) for r in map(json.loads, (tmp_path / "history.jsonl").read_text().splitlines())]
     assert lines == [(s, 0) for s in range(1, 8)] + [(s, 1) for s in range(6, 9)]
     assert restart_event(3, 3, 2, None, every=5)[1]["versions_lost"] == 0
+
+
+def test_a_new_server_resumes_from_a_stopped_jobs_checkpoint(tmp_path):
+    """`--resume` for a server policy: a new server loads `model_state()`'s blob (what a stopped job's
+    checkpoint holds) before any member is admitted, and takes the new run's first membership epoch."""
+    job = run(tmp_path, {"policy": "ssp", "s": 1})
+    blob = job.server.model_state()
+    fresh = ServerHost(config({"policy": "ssp", "s": 1}, stop={"max_steps": 2 * STEPS}), str(tmp_path / "new"), LocalServerReports(LocalLink()))
+    assert fresh.load_checkpoint(blob) == STEPS
+    assert torch.equal(fresh.core.parameters(), job.server.core.parameters())
+    assert fresh.core.leases.state_dict()["cursor"] == job.server.core.leases.state_dict()["cursor"]
+    fresh.set_members(1, [("w0", 1)])
+    pull, flat = fresh.pull(Fence(1, "w0", 1, 0), wait_s=0.1)
+    assert pull.status == "ok" and pull.version == STEPS and flat is not None
+    with pytest.raises(RuntimeError, match="new server"):
+        fresh.load_checkpoint(blob)
