@@ -26,7 +26,9 @@ import io
 import logging
 import os
 import queue
+import sys
 import threading
+import warnings
 import time
 from collections import deque
 from pathlib import Path
@@ -44,6 +46,10 @@ from core.schema import JobConfig, parse
 log = logging.getLogger(__name__)
 KEEP_RECORDS = 2048
 """History records the server keeps for a restarted coordinator to catch up from."""
+FLAT_POOL = 4
+"""Flat parameter arrays kept for reuse (a version's array may still be on its way to pullers)."""
+FREE_REFS = 3
+"""`sys.getrefcount` of a pooled array that nobody else holds: the pool's list, the loop's name, the call."""
 MAX_RESTARTS = 5
 SNAPSHOTS_KEPT = 2
 CALL_TIMEOUT_S = 30.0
@@ -87,6 +93,7 @@ class ServerHost:
         self.closed: Optional[str] = None
         self._ended = False
         self._flat_cache: tuple[Optional[tuple[int, int]], Optional[np.ndarray]] = (None, None)
+        self._flat_pool: list[np.ndarray] = []
         self.kept: deque[dict] = deque(maxlen=KEEP_RECORDS)
         self._outbox: queue.Queue = queue.Queue()
         threading.Thread(target=self._report_loop, name="server reports", daemon=True).start()
@@ -187,10 +194,20 @@ class ServerHost:
 
     def _flat(self) -> np.ndarray:
         """The parameters as one flat array, made once per version (under the lock) and shared by the
-        pulls of that version: it is never written after, so Ray may serialize it outside the lock."""
+        pulls of that version. Ray serializes a pull's answer outside the lock, so a version's array is
+        never written while a pull may still hold it: it is written again (for a later version) only
+        once nothing but the pool refers to it. Reusing the arrays spares a fresh 4-bytes-a-parameter
+        allocation (and its page faults, as long as a copy) per version."""
         key = (self.core.incarnation, self.core.version)
         if self._flat_cache[0] != key:
-            self._flat_cache = (key, self.core.parameters().numpy())
+            self._flat_cache = (None, None)  # the cache's reference would count as a holder
+            buffer = next((b for b in self._flat_pool if sys.getrefcount(b) <= FREE_REFS), None)
+            if buffer is None:
+                buffer = np.empty(self.core.numel, dtype=np.float32)
+                if len(self._flat_pool) < FLAT_POOL:
+                    self._flat_pool.append(buffer)
+            self.core.parameters(out=torch.from_numpy(buffer))
+            self._flat_cache = (key, buffer)
         flat = self._flat_cache[1]
         self.bytes_sent += flat.nbytes
         return flat
@@ -198,7 +215,7 @@ class ServerHost:
     def push(self, fence: Fence, lease_ids: tuple[int, ...], pulled_version: int, grad: np.ndarray, loss: float) -> PushResult:
         """Apply (or stage) a push; the answer carries no update details (those go to history)."""
         self._maybe_delay(fence, lease_ids)
-        tensor = torch.from_numpy(np.array(grad, dtype=np.float32, copy=True))  # the core keeps it until applied
+        tensor = _as_tensor(grad)
         with self.lock:
             ticket = self.core.leases.find(lease_ids)
             result = self.core.push(Push(fence, tuple(lease_ids), pulled_version, tensor, loss))
@@ -314,6 +331,16 @@ class ServerHost:
         self.reports.restarted(self.core.version, self.core.incarnation, str(ref.path) if ref else None)
 
 
+def _as_tensor(grad: np.ndarray) -> torch.Tensor:
+    """A pushed gradient (or pulled parameters) as a tensor without a copy: Ray hands it over as a
+    read-only view of the object store, which stays pinned as long as the tensor (the core holds a
+    gradient until its clock is applied; a worker copies parameters into its model) and is only read."""
+    grad = np.asarray(grad, dtype=np.float32)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(grad)
+
+
 class CoordinatorReports:
     """The server's reports to its coordinator, found by name (it may have been restarted)."""
 
@@ -400,7 +427,7 @@ class RayServerClient:
             self._handle = None
             time.sleep(wait_s)
             return Pull("wait"), None
-        return pull, None if flat is None else torch.from_numpy(np.array(flat, copy=True))
+        return pull, None if flat is None else _as_tensor(flat)  # read-only: the worker copies it into its model
 
     def push(self, push: Push) -> PushResult:
         """Sent until the server answers (a retry after a lost answer is recognised by its lease ids)."""

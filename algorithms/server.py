@@ -133,6 +133,9 @@ class ServerCore:
         flat = torch.cat([p.detach().reshape(-1).to(torch.float32) for p in parameters])
         self.bounds = shard_bounds(flat.numel(), shards)
         self.shards = [flat[a:b].clone().requires_grad_() for a, b in self.bounds]
+        self.numel = flat.numel()
+        self._total = torch.empty(self.numel)
+        """Where an update's pushes are summed and scaled."""
         self.optimizers = [build_optimizer([shard], optimizer) for shard in self.shards]
         self.leases = LeaseService(n_samples, seed, global_batch)
         self.version = 0
@@ -169,9 +172,9 @@ class ServerCore:
         """Whether a pull at `clock` may proceed: version >= clock - s (quorum: s = 0; asp: always)."""
         return self.bound is None or self.version >= clock - self.bound
 
-    def parameters(self) -> torch.Tensor:
-        """The flat parameter vector (a copy)."""
-        return torch.cat([shard.detach() for shard in self.shards])
+    def parameters(self, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The flat parameter vector (a copy; into `out` when given)."""
+        return torch.cat([shard.detach() for shard in self.shards], out=out)
 
     # ---------------------------------------------------------------- membership
     def set_members(self, epoch: int, members: Sequence[tuple[str, int]]) -> tuple[Update, ...]:
@@ -302,11 +305,14 @@ class ServerCore:
         pushes = sorted(pushes, key=lambda p: (p["rank"], p["lease"]))
         tickets = [self.leases.open[p["lease"]] for p in pushes]
         samples = sum(t.samples for t in tickets)
-        total = pushes[0]["grad"].clone()
-        for p in pushes[1:]:
-            total += p["grad"]
-        scale = self.global_batch / samples
-        total *= scale
+        total, scale = self._total, self.global_batch / samples  # one buffer, reused: no allocation per update
+        if len(pushes) == 1:
+            torch.mul(pushes[0]["grad"], scale, out=total)  # the same rounding as copy then scale, one pass
+        else:
+            total.copy_(pushes[0]["grad"])
+            for p in pushes[1:]:
+                total += p["grad"]
+            total *= scale
         lr = lr_at(self.version, self.optimizer_config, self.max_steps)
         for shard, opt, (a, b) in zip(self.shards, self.optimizers, self.bounds):
             shard.grad = total[a:b]

@@ -3,9 +3,10 @@
 4 clients (Ray actors, one CPU each) against the server actor of actors/parameter_server.py holding a
 synthetic MLP of about 10M parameters (`orchestrator.workloads.synthetic:mlp`, width 2200, depth 3:
 40 MiB as flat float32), policy asp. Each client repeats pull + push (a zero gradient: the work is the
-bytes) and times the round trip; in the same run, against an echo actor that takes the same array and
-returns another of the same size (what a push + pull moves, without the server's lock, lease table or
-optimizer step), the same clients time the raw round trip. The ratio is raw time / server time (1.0:
+bytes) and times the round trip; alternating with it (so the machine's noise falls on both alike),
+against an echo actor that takes the same array and returns another of the same size (what a push +
+pull moves, without the server's lock, lease table or optimizer step; threaded like the server, so the
+four clients' calls overlap there too), the same clients time the raw round trip. The ratio is raw time / server time (1.0:
 the server moves bytes as fast as the object store does). A push waits for its update, so the server's
 round trip includes one apply; the apply time (one ASP push: lease lookup, scale, SGD-with-momentum
 step over 10M parameters) is timed in process on `ServerCore` and reported on its own, and the ratio is
@@ -61,7 +62,7 @@ class Sink:
         pass
 
 
-@ray.remote(num_cpus=0)
+@ray.remote(num_cpus=0, max_concurrency=CLIENTS)
 class Echo:
     """A push + pull without a server: takes an array, returns one of the same size."""
 
@@ -78,25 +79,20 @@ class Client:
         self.slot = slot
         self.client = RayServerClient(server_name(NAME, "bench"), "orchestrator")
 
-    def server_rounds(self, rounds: int) -> list[float]:
-        times = []
+    def rounds(self, echo, numel: int, rounds: int) -> tuple[list[float], list[float]]:
+        """Server and raw round trips, alternating (so the machine's noise falls on both alike)."""
+        grad = torch.zeros(numel)  # made once, for both
+        served, raw = [], []
         for _ in range(rounds):
             started = time.perf_counter()
             pull, flat = self.client.pull(Fence(1, self.slot, 0, 0), 5.0)
             assert pull.status == "ok", pull
-            self.client.push(Push(Fence(1, self.slot, 0, 0), pull.ticket.lease_ids, pull.version, torch.zeros_like(flat)))
-            times.append(time.perf_counter() - started)
-        return times
-
-    def raw_rounds(self, echo, numel: int, rounds: int) -> list[float]:
-        grad = np.zeros(numel, dtype=np.float32)
-        times = []
-        for _ in range(rounds):
+            self.client.push(Push(Fence(1, self.slot, 0, 0), pull.ticket.lease_ids, pull.version, grad))
+            served.append(time.perf_counter() - started)
             started = time.perf_counter()
-            out = ray.get(echo.roundtrip.remote(grad))
-            np.array(out, copy=True)  # the client copies what it pulls, as RayServerClient does
-            times.append(time.perf_counter() - started)
-        return times
+            ray.get(echo.roundtrip.remote(grad.numpy()))  # a read-only view, as RayServerClient's pull keeps it
+            raw.append(time.perf_counter() - started)
+        return served, raw
 
 
 def apply_time(rounds: int) -> float:
@@ -133,9 +129,10 @@ def main() -> None:
     numel = sum(p.numel() for p in mlp(**PARAMS).model.parameters())
     echo = Echo.remote(numel)
     clients = [Client.remote(f"w{i}") for i in range(CLIENTS)]
-    ray.get([c.server_rounds.remote(2) for c in clients] + [c.raw_rounds.remote(echo, numel, 2) for c in clients])  # warm-up
-    served = [t for ts in ray.get([c.server_rounds.remote(args.rounds) for c in clients]) for t in ts]
-    raw = [t for ts in ray.get([c.raw_rounds.remote(echo, numel, args.rounds) for c in clients]) for t in ts]
+    ray.get([c.rounds.remote(echo, numel, 2) for c in clients])  # warm-up
+    results = ray.get([c.rounds.remote(echo, numel, args.rounds) for c in clients])
+    served = [t for ts, _ in results for t in ts]
+    raw = [t for _, ts in results for t in ts]
     apply_s = apply_time(args.rounds)
     mib = numel * 4 / 2**20
     row = {"params": numel, "mib_each_way": round(mib, 1), "clients": CLIENTS, "rounds": args.rounds,

@@ -109,3 +109,22 @@ def test_a_new_server_resumes_from_a_stopped_jobs_checkpoint(tmp_path):
     assert pull.status == "ok" and pull.version == STEPS and flat is not None
     with pytest.raises(RuntimeError, match="new server"):
         fresh.load_checkpoint(blob)
+
+
+def test_a_pulled_array_is_never_rewritten_while_held_and_reused_once_released(tmp_path):
+    """The server reuses its flat parameter arrays across versions; one a pull still holds (Ray may be
+    serializing it) keeps its version's values."""
+    host = ServerHost(config({"policy": "asp"}), str(tmp_path), LocalServerReports(LocalLink()))
+    host.set_members(1, [("w0", 1)])
+    fence = Fence(1, "w0", 1, 0)
+    pull, held = host.pull(fence, wait_s=0.1)
+    kept = held.copy()
+    for _ in range(3):
+        pull, flat = host.pull(fence, wait_s=0.1)
+        grad = np.ones_like(flat)
+        assert host.push(fence, pull.ticket.lease_ids, pull.version, grad, 1.0).status == "applied"
+        del flat
+    _, newest = host.pull(fence, wait_s=0.1)
+    assert np.array_equal(held, kept), "a held array was rewritten"
+    assert not np.array_equal(newest, kept) and newest is not held
+    assert len(host._flat_pool) == 2, "a released array is reused"
