@@ -39,10 +39,11 @@ from actors.worker import WorkerActor
 from algorithms.base import get_algorithm
 from algorithms.membership import MemberView, batch_for, choose_leavers, free_slots, slot_index
 from algorithms.stragglers import StragglerWatch
+from algorithms.zipline import BarrierPlanner
 from algorithms.supervision import (
     Decision, JobState, JobView, MemberEnded, MemberState, StopRequested, decide, recovered_epoch,
 )
-from core.schema import Event, JobConfig, JobStatus, MemberStatus, parse
+from core.schema import ElasticBSPConfig, Event, JobConfig, JobStatus, MemberStatus, parse
 
 PROBE_S = 1.0
 """How long a member may take to answer a probe after a collective failed."""
@@ -118,6 +119,8 @@ class Coordinator:
             written = self._load_saved()
             ray.get_actor(self.name, namespace=self.cfg.ray.namespace).start.remote()  # nobody else will
         self.algorithm = get_algorithm(self.cfg.sync.policy)(self.cfg.sync)
+        self.barriers = BarrierPlanner(self.cfg.sync.r, self.cfg.sync.ewma) if isinstance(self.cfg.sync, ElasticBSPConfig) else None
+        """elastic_bsp: ZipLine over each member's predicted iteration interval."""
         if self._saved is not None and self.algorithm.kind == "server":  # detached: it trained on without us
             self.server = ServerControl.attach(self.cfg, self.run_id)
         self.history = History(self.run_dir / "history.jsonl", self.algorithm.reporter, written,
@@ -242,6 +245,16 @@ class Coordinator:
                 records = await self.server.records_after(self.history.written_step)
         for record in records:
             self._accept_record(record)
+
+    async def server_barrier(self, index: int, members: tuple[str, ...], intervals: dict[str, list[float]]) -> None:
+        """elastic_bsp: round `index` began at the server; ZipLine places its barrier from the iteration
+        times measured over the last round. Without an answer (this coordinator down or slow) the server
+        keeps its fallback, a barrier after `r` iterations."""
+        if self.server is None or self.barriers is None:
+            return
+        iterations = self.barriers.plan(members, intervals)
+        if iterations is not None:
+            self.server.set_schedule(index, iterations)
 
     async def server_restarted(self, resumed: int, incarnation: int, snapshot: Optional[str]) -> None:
         """Ray restarted the parameter server from its snapshot at version `resumed`: the versions history

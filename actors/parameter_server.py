@@ -61,6 +61,10 @@ class ServerReports(Protocol):
 
     def records(self, records: tuple[dict, ...], summary: dict) -> None: ...
     def restarted(self, resumed_version: int, incarnation: int, snapshot: Optional[str]) -> None: ...
+    def barrier(self, index: int, members: tuple[str, ...], intervals: dict[str, list[float]]) -> None:
+        """elastic_bsp: round `index` (of `members`) began; `intervals` are the iteration times measured
+        over the round before (pull answered to push received, per slot)."""
+        ...
 
 
 def server_name(job: str, run_id: str) -> str:
@@ -99,6 +103,9 @@ class ServerHost:
         threading.Thread(target=self._report_loop, name="server reports", daemon=True).start()
         self.bytes_sent = 0
         self._delayed: set[int] = set()
+        self._pulled_at: dict[str, float] = {}
+        self._intervals: dict[str, list[float]] = {}
+        """elastic_bsp: each slot's iteration times this round (pull answered to push received)."""
         self._samples = self._open_samples()
         self._pulls = self._open_samples("pulls.txt")
         if restarted:
@@ -114,6 +121,11 @@ class ServerHost:
             self._applied(updates)
             self.ready.notify_all()
         self._maybe_snapshot(updates)
+
+    def set_schedule(self, index: int, iterations: dict[str, int]) -> bool:
+        """elastic_bsp: the coordinator's ZipLine schedule for round `index` (refused when late)."""
+        with self.lock:
+            return self.core.set_schedule(index, iterations)
 
     def close(self, reason: str) -> None:
         """The job stops: every pull answers `finished` from now on."""
@@ -137,7 +149,8 @@ class ServerHost:
         core = self.core
         return {"pid": os.getpid(), "version": core.version, "incarnation": core.incarnation, "membership_epoch": core.membership_epoch,
                 "staleness": {str(k): v for k, v in sorted(core.staleness.items())}, "rejected": dict(core.rejected),
-                "leases": dict(core.leases.counts, outstanding=core.leases.outstanding), "clocks": dict(core.clocks)}
+                "leases": dict(core.leases.counts, outstanding=core.leases.outstanding), "clocks": dict(core.clocks),
+                **({"barriers": core.round.index, "schedules": dict(core.schedules)} if core.elastic else {})}
 
     def model_state(self) -> bytes:
         """What `model()` returns and a checkpoint holds: the parameters as the workload's state dict,
@@ -190,6 +203,7 @@ class ServerHost:
                 return pull, None
             if self._pulls is not None:
                 self._pulls.write(f"{fence.slot} {pull.clock} {pull.version} {min(self.core.clocks.values())}\n")
+            self._pulled_at[fence.slot] = time.monotonic()
             return pull, self._flat()
 
     def _flat(self) -> np.ndarray:
@@ -219,6 +233,8 @@ class ServerHost:
         with self.lock:
             ticket = self.core.leases.find(lease_ids)
             result = self.core.push(Push(fence, tuple(lease_ids), pulled_version, tensor, loss))
+            if result.status in ("applied", "staged") and fence.slot in self._pulled_at:
+                self._intervals.setdefault(fence.slot, []).append(time.monotonic() - self._pulled_at.pop(fence.slot))
             if result.status in ("dropped", "finished") and ticket is not None and self._samples is not None:
                 ids = " ".join(str(i) for lease in ticket.leases for i in lease.ids)
                 self._samples.write(f"dropped {self.core.membership_epoch} {ticket.clock + 1} {ids}\n")
@@ -252,6 +268,9 @@ class ServerHost:
             self._end()
         due = every and records[-1]["step"] // every > (records[0]["step"] - 1) // every
         self._outbox.put((records, self._summary(), self.core.parameters() if due else None))
+        if any(u.barrier is not None for u in updates) and self.core.policy.r > 1:  # r: 1 needs no ZipLine
+            intervals, self._intervals = self._intervals, {}
+            self._outbox.put(("barrier", self.core.round.index, tuple(self.core.round.at), intervals))
         for file in (self._samples, self._pulls):
             if file is not None:
                 file.flush()
@@ -259,7 +278,16 @@ class ServerHost:
     def _report_loop(self) -> None:
         """Evaluate where due, keep, and report the queued records, in version order."""
         while True:
-            records, summary, flat = self._outbox.get()
+            item = self._outbox.get()
+            if item[0] == "barrier":
+                try:
+                    self.reports.barrier(*item[1:])
+                except Exception as err:  # noqa: BLE001 - no schedule: the server's fallback holds
+                    log.warning("could not report barrier %d: %s", item[1], str(err).splitlines()[0][:200])
+                finally:
+                    self._outbox.task_done()
+                continue
+            records, summary, flat = item
             try:
                 if flat is not None:  # evaluated at the newest version that crossed a multiple of eval_every
                     records[-1]["metrics"] = self._evaluate(flat)
@@ -285,7 +313,7 @@ class ServerHost:
                 "samples": update.samples, "staleness": list(update.staleness), "pushes": len(update.tickets),
                 "world_size": len(core.members), "membership_epoch": core.membership_epoch,
                 "global_batch": core.global_batch, "bytes_sent": self.bytes_sent,
-                "server_incarnation": core.incarnation}
+                "server_incarnation": core.incarnation, **({"barrier": update.barrier} if core.elastic else {})}
 
     def _open_samples(self, name: str = "server.txt"):
         if not self.cfg.faults.record_samples:
@@ -363,6 +391,13 @@ class CoordinatorReports:
     def restarted(self, resumed_version: int, incarnation: int, snapshot: Optional[str]) -> None:
         self._coord().server_restarted.remote(resumed_version, incarnation, snapshot)
 
+    def barrier(self, index: int, members: tuple[str, ...], intervals: dict[str, list[float]]) -> None:
+        try:
+            self._coord().server_barrier.remote(index, members, intervals)
+        except Exception:
+            self._handle = None
+            raise
+
 
 class ParameterServer:
     """The Ray actor: a `ServerHost` in a detached, threaded, restartable process."""
@@ -401,6 +436,9 @@ class ParameterServer:
 
     def load_checkpoint(self, blob: bytes) -> int:
         return self.host.load_checkpoint(blob)
+
+    def set_schedule(self, index: int, iterations: dict[str, int]) -> bool:
+        return self.host.set_schedule(index, iterations)
 
 
 # Pulls wait at the server (up to PULL_WAIT_S each): one thread per worker and a few for control.

@@ -46,6 +46,10 @@ class ServerControl:
         """Sent before the plan that names them; the server ignores an older epoch arriving late."""
         self.handle.set_members.remote(epoch, list(members))
 
+    def set_schedule(self, index: int, iterations: dict[str, int]) -> None:
+        """elastic_bsp: ZipLine's barrier for round `index` (the server refuses it if it came too late)."""
+        self.handle.set_schedule.remote(index, iterations)
+
     def close(self, reason: str) -> None:
         """Every pull answers `finished` from now on: the members stop."""
         self.handle.close.remote(reason)

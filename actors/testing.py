@@ -105,8 +105,10 @@ class LocalLink:
 class LocalServerReports:
     """An in-process server's reports go to the `LocalLink` as the server's progress."""
 
-    def __init__(self, link: LocalLink) -> None:
+    def __init__(self, link: LocalLink, planner: Any = None) -> None:
         self.link = link
+        self.planner = planner
+        self.host: Any = None
 
     def records(self, records: tuple[dict, ...], summary: dict) -> None:
         self.link.report(Progress("server", records[-1]["step"], records[-1]["membership_epoch"], time.time(), records), False)
@@ -114,12 +116,24 @@ class LocalServerReports:
     def restarted(self, resumed_version: int, incarnation: int, snapshot: Optional[str]) -> None:
         self.link._call("server_restarted", resumed_version, incarnation, snapshot)
 
+    def barrier(self, index: int, members: tuple[str, ...], intervals: dict[str, list[float]]) -> None:
+        """elastic_bsp: plan with `planner` and hand the schedule to `host`, as the coordinator does
+        (without a planner the server's fallback holds, as with a coordinator that is down)."""
+        self.link._call("server_barrier", index, members)
+        if self.planner is not None and self.host is not None:
+            iterations = self.planner.plan(members, intervals)
+            if iterations is not None:
+                self.host.set_schedule(index, iterations)
+
 
 class LocalJob:
     """Real replicas in threads of this process; the test publishes the plans (no coordinator)."""
 
-    def __init__(self, config: dict, slots: list[str], run_dir: str, timeout_s: float = 10.0) -> None:
+    def __init__(self, config: dict, slots: list[str], run_dir: str, timeout_s: float = 10.0, zipline: bool = True) -> None:
+        """`zipline`: elastic_bsp's barriers are planned as the coordinator plans them (False: the
+        server's fallback, as with a coordinator that is down)."""
         from actors.replica import Replica
+        from algorithms.zipline import BarrierPlanner
         from core.schema import JobConfig, parse
 
         from actors.parameter_server import LocalServerClient, ServerHost
@@ -131,7 +145,10 @@ class LocalJob:
         self.server: Optional[ServerHost] = None
         """The parameter server, in process, for the server policies."""
         if self.config["sync"]["policy"] in SERVER_POLICIES:
-            self.server = ServerHost(self.config, run_dir, LocalServerReports(self.link))
+            sync = self.config["sync"]
+            planner = BarrierPlanner(sync["r"], sync["ewma"]) if sync["policy"] == "elastic_bsp" and zipline else None
+            reports = LocalServerReports(self.link, planner)
+            self.server = reports.host = ServerHost(self.config, run_dir, reports)
         client = LocalServerClient(self.server) if self.server else None
         self.replicas = {s: Replica(WorkerSpec("local", "r", s, run_dir, "local", "local", self.config), self.link,
                                     "127.0.0.1", server=client) for s in slots}

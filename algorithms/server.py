@@ -1,4 +1,4 @@
-"""The update rule of the server policies (asp, ssp, quorum): pure torch, no Ray, no threads.
+"""The update rule of the server policies (asp, ssp, quorum, elastic_bsp): pure torch, no Ray, no threads.
 
 `ServerCore` is what a parameter-server actor holds: the parameters as flat float32 buffers (one per
 shard), an optimizer per shard built from the job's optimizer config, the version (applied updates),
@@ -18,6 +18,13 @@ push carries the gradient of (1 / B) * the sum of its samples' losses):
   arrived). A member may pull clock c only once version >= c - s (`pull_ready`). `s: 0` is BSP.
 - `quorum` (`k`): clock c is applied once k members have pushed it (the same sum and scaling); a
   push for a clock already applied is dropped and its samples requeued. `k` = n is BSP.
+- `elastic_bsp` (`r`): pushes are applied as in ASP, except each member's barrier push: the round
+  under way (`BarrierRound`) names, for every member in it, the clock whose push is its barrier push;
+  that push is staged, and its puller waits, until every member of the round has sent its own; then
+  they are applied as one update (the same sum and scaling) and the next round begins. A round begins
+  with each member's barrier `r` iterations ahead (the fallback), which the coordinator's ZipLine
+  schedule (`set_schedule`) replaces when it comes in time. A departure releases a barrier that waited
+  only for the departed; a joiner waits for the next round. `r: 1` is a barrier at every push: BSP.
 
 For ssp and quorum the version is the number of applied clocks, so clock c is applied as version
 c + 1. The LR schedule and `max_steps` count versions. Staleness of an applied push = version at
@@ -41,16 +48,16 @@ were identical too, so this is insurance for kernels whose scalar tail rounds di
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Literal, Optional, Sequence, Union
 
 import torch
 
 from algorithms.leases import LeaseService, Ticket
 from algorithms.optim import build_optimizer, lr_at, set_lr
-from core.schema import ASPConfig, OptimizerConfig, QuorumConfig, SSPConfig
+from core.schema import ASPConfig, ElasticBSPConfig, OptimizerConfig, QuorumConfig, SSPConfig
 
-ServerPolicy = Union[ASPConfig, SSPConfig, QuorumConfig]
+ServerPolicy = Union[ASPConfig, SSPConfig, QuorumConfig, ElasticBSPConfig]
 ALIGN = 64
 """Shard cuts fall on multiples of this many elements (a multiple of every CPU vector width)."""
 
@@ -103,6 +110,39 @@ class Update:
     samples: int
     tickets: tuple[Ticket, ...]
     staleness: tuple[int, ...]
+    barrier: Optional[int] = None
+    """elastic_bsp: the index of the barrier this update is (None: a single push applied as in ASP)."""
+
+
+@dataclass
+class BarrierRound:
+    """elastic_bsp: the barrier the live members are heading for. Each member's barrier push is the
+    push of clock `at[slot]`; it waits (staged) until every member of the round has sent its own,
+    and then they are applied as one update and the next round begins."""
+
+    index: int = 0
+    """Barriers passed before this one."""
+    at: dict[str, int] = field(default_factory=dict)
+    """slot -> the clock whose push is its barrier push (members of this round only: a joiner waits
+    for the next round)."""
+    began: dict[str, int] = field(default_factory=dict)
+    """slot -> its clock when the round began (a schedule counts iterations from there)."""
+    staged: dict[str, dict] = field(default_factory=dict)
+    """slot -> its barrier push, once sent (a departed member's stays: it is good work)."""
+    scheduled: bool = False
+    """Whether the coordinator's ZipLine schedule replaced the fallback (a barrier after `r`)."""
+
+    def complete(self) -> bool:
+        return bool(self.staged) and all(slot in self.staged for slot in self.at)
+
+    def state_dict(self) -> dict:
+        return {"index": self.index, "at": dict(self.at), "began": dict(self.began),
+                "staged": {s: dict(p) for s, p in self.staged.items()}, "scheduled": self.scheduled}
+
+    @classmethod
+    def from_state(cls, state: dict) -> "BarrierRound":
+        return cls(state["index"], dict(state["at"]), dict(state["began"]),
+                   {s: dict(p) for s, p in state["staged"].items()}, state["scheduled"])
 
 
 @dataclass(frozen=True)
@@ -147,6 +187,11 @@ class ServerCore:
         """slot -> the clock it works on (the next it pushes); live members only."""
         self.staged: dict[int, list[dict]] = {}
         """clock -> pushes waiting for it to complete (ssp, quorum)."""
+        self.round = BarrierRound()
+        """elastic_bsp: the barrier under way."""
+        self.schedules: dict[str, int] = {"zipline": 0, "fallback": 0, "late": 0}
+        """elastic_bsp: how each round's barrier was placed (a late schedule is refused: a member had
+        already passed the iteration it named)."""
         self.staleness: dict[int, int] = {}
         self.rejected: dict[str, int] = dict.fromkeys(NOT_APPLIED, 0)
         """Pushes that were not applied, by reason (fenced, duplicate, stale, dropped late, after the end)."""
@@ -154,8 +199,13 @@ class ServerCore:
     # ---------------------------------------------------------------- the rule's parameters
     @property
     def clocked(self) -> bool:
-        """ssp and quorum apply whole clocks; asp applies single pushes."""
-        return not isinstance(self.policy, ASPConfig)
+        """ssp and quorum apply whole clocks; asp and elastic_bsp apply single pushes (elastic_bsp's
+        barriers aside)."""
+        return not isinstance(self.policy, (ASPConfig, ElasticBSPConfig))
+
+    @property
+    def elastic(self) -> bool:
+        return isinstance(self.policy, ElasticBSPConfig)
 
     @property
     def bound(self) -> Optional[int]:
@@ -186,10 +236,13 @@ class ServerCore:
             if new.get(slot) != incarnation:
                 self._requeue_unpushed(slot)
                 del self.clocks[slot]
+                self.round.at.pop(slot, None)  # the barrier no longer waits for it
         start = self._start_clock()
         self.members, self.membership_epoch = new, epoch
         for slot in new:
             self.clocks.setdefault(slot, start)
+        if self.elastic:
+            return self._barrier_ready()
         return self._apply_ready()
 
     def _start_clock(self) -> int:
@@ -219,11 +272,17 @@ class ServerCore:
         if self.clocked and self.clocks[slot] < self.version:
             self._skip_ahead(slot)
         clock = self.clocks[slot]
-        if not self.pull_ready(clock):
+        if not self.pull_ready(clock) or (self.elastic and not self.barrier_open(slot)):
             return Pull("wait", version=self.version, clock=clock)
         held = self.leases.held(slot, clock)
         ticket = held[0] if held else self._deal(slot, clock)
         return Pull("ok", ticket, self.version, clock, self.incarnation)
+
+    def barrier_open(self, slot: str) -> bool:
+        """elastic_bsp: whether `slot` may pull now: it is in the round (a joiner waits for the next)
+        and has not sent its barrier push yet."""
+        at = self.round.at.get(slot)
+        return at is not None and self.clocks[slot] <= at
 
     def _skip_ahead(self, slot: str) -> None:
         """Quorum: the sender's clock was applied without it; its unpushed tickets go back to the queue."""
@@ -257,6 +316,10 @@ class ServerCore:
         self.clocks[ticket.holder] = ticket.clock + 1
         staged = {"clock": ticket.clock, "rank": ticket.rank, "lease": ticket.leases[0].id,
                   "pulled": push.pulled_version, "loss": float(push.loss), "grad": push.grad.detach().to(torch.float32)}
+        if self.elastic and self.round.at.get(ticket.holder) == ticket.clock:
+            self.round.staged[ticket.holder] = staged
+            updates = self._barrier_ready()
+            return PushResult("applied" if updates else "staged", self.version, updates)
         if not self.clocked:
             update = self._apply([staged])
             return PushResult("applied", self.version, (update,))
@@ -265,7 +328,7 @@ class ServerCore:
         return PushResult("applied" if updates else "staged", self.version, updates)
 
     def _staged_leases(self) -> set[int]:
-        return {p["lease"] for pushes in self.staged.values() for p in pushes}
+        return {p["lease"] for pushes in self.staged.values() for p in pushes} | {p["lease"] for p in self.round.staged.values()}
 
     def _is_staged(self, ticket: Ticket) -> bool:
         """A retried push of a ticket already waiting for its clock."""
@@ -300,6 +363,46 @@ class ServerCore:
             updates.append(self._apply(self.staged.pop(self.version)))
         return tuple(updates)
 
+    # ---------------------------------------------------------------- elastic_bsp's barriers
+    def _barrier_ready(self) -> tuple[Update, ...]:
+        """Apply the barrier once every member of the round has sent its barrier push (or the round
+        lost all its members), and begin the next round with every live member."""
+        rnd = self.round
+        if self.finished or not self.members or not (rnd.complete() or not rnd.at):
+            return ()
+        updates = ()
+        if rnd.staged:
+            update = self._apply(list(rnd.staged.values()))
+            updates = (replace(update, barrier=rnd.index),)
+        self.round = BarrierRound(rnd.index + bool(rnd.staged))
+        self._fallback_schedule()
+        return updates
+
+    def _fallback_schedule(self) -> None:
+        """Every live member's barrier after `r` more iterations: what holds until (unless) the
+        coordinator's ZipLine schedule replaces it."""
+        r = self.policy.r
+        self.round.began = dict(self.clocks)
+        self.round.at = {slot: clock + r - 1 for slot, clock in self.clocks.items()}
+        self.schedules["fallback"] += 1
+
+    def set_schedule(self, index: int, iterations: dict[str, int]) -> bool:
+        """The coordinator's ZipLine schedule for round `index`: after how many iterations (1..r) each
+        member synchronizes. Taken once, only for the round under way, naming exactly its members, when
+        no member has passed the iteration it names yet; otherwise the fallback stays (counted late)."""
+        rnd, r = self.round, getattr(self.policy, "r", 1)
+        if not self.elastic or index != rnd.index or rnd.scheduled or set(iterations) != set(rnd.at):
+            self.schedules["late"] += 1
+            return False
+        at = {slot: rnd.began[slot] + int(k) - 1 for slot, k in iterations.items()}
+        if any(not 1 <= k <= r for k in iterations.values()) or rnd.staged or any(at[s] < self.clocks[s] for s in at):
+            self.schedules["late"] += 1
+            return False
+        rnd.at, rnd.scheduled = at, True
+        self.schedules["zipline"] += 1
+        self.schedules["fallback"] -= 1
+        return True
+
     def _apply(self, pushes: list[dict]) -> Update:
         """One optimizer step on the pushes' gradients, summed in rank order, scaled by B / sum(n_i)."""
         pushes = sorted(pushes, key=lambda p: (p["rank"], p["lease"]))
@@ -331,11 +434,11 @@ class ServerCore:
         """The job is over: pushes still staged for a clock that will never be applied are dropped, and
         tickets nobody pushed are requeued, so that every leased sample is accounted for (applied +
         dropped + requeued = leased)."""
-        for pushes in self.staged.values():
-            for p in pushes:
-                self.leases.close(self.leases.open[p["lease"]], "dropped")
-                self.rejected["finished"] += 1
+        for p in [p for pushes in self.staged.values() for p in pushes] + list(self.round.staged.values()):
+            self.leases.close(self.leases.open[p["lease"]], "dropped")
+            self.rejected["finished"] += 1
         self.staged.clear()
+        self.round.staged.clear()
         self._requeue_unpushed()
 
     # ---------------------------------------------------------------- restarts and snapshots
@@ -350,6 +453,7 @@ class ServerCore:
         pushes are gone with it (its end requeued or dropped them; a snapshot's leftovers are requeued
         here), so the first membership epoch of the new run is admitted."""
         self.staged.clear()
+        self.round = BarrierRound(self.round.index)  # the first membership begins a round
         self._requeue_unpushed()
         self.members, self.clocks, self.membership_epoch, self.incarnation = {}, {}, 0, 0
 
@@ -361,7 +465,8 @@ class ServerCore:
                 "optimizers": [opt.state_dict() for opt in self.optimizers],
                 "members": [[slot, inc] for slot, inc in self.members.items()], "clocks": dict(self.clocks),
                 "staged": {c: [dict(p) for p in pushes] for c, pushes in self.staged.items()},
-                "staleness": dict(self.staleness), "rejected": dict(self.rejected), "leases": self.leases.state_dict()}
+                "staleness": dict(self.staleness), "rejected": dict(self.rejected), "leases": self.leases.state_dict(),
+                "round": self.round.state_dict(), "schedules": dict(self.schedules)}
 
     def load_state_dict(self, state: dict) -> None:
         if state["policy"] != self.policy.policy or [tuple(b) for b in state["bounds"]] != self.bounds:
@@ -379,3 +484,5 @@ class ServerCore:
         self.staged = {c: [dict(p) for p in pushes] for c, pushes in state["staged"].items()}
         self.staleness, self.rejected = dict(state["staleness"]), dict(state["rejected"])
         self.leases.load_state_dict(state["leases"])
+        self.round = BarrierRound.from_state(state["round"])
+        self.schedules = dict(state["schedules"])

@@ -1,4 +1,4 @@
-"""The worker side of the server policies (asp, ssp, quorum): pull, train on the lease, push. Pure: no Ray.
+"""The worker side of the server policies (asp, ssp, quorum, elastic_bsp): pull, train on the lease, push. Pure: no Ray.
 
 A member of a server kind does not cut its own share of a global batch and never talks to its peers:
 each step it pulls from the parameter server (which `ServerClient` reaches: a Ray actor in
@@ -118,3 +118,8 @@ class SSP(_ServerAlgorithm):
 @register
 class Quorum(_ServerAlgorithm):
     name = "quorum"
+
+
+@register
+class ElasticBSP(_ServerAlgorithm):
+    name = "elastic_bsp"

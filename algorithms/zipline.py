@@ -19,7 +19,7 @@ last of them). `r: 1` gives every worker one iteration: a barrier after each ste
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Optional, Protocol, Sequence
 
 import numpy as np
 
@@ -114,3 +114,25 @@ class EwmaPredictor:
     def forget(self, worker: str) -> None:
         """A departed worker's history goes with it."""
         self._mean.pop(worker, None)
+
+
+class BarrierPlanner:
+    """The coordinator's side of elastic_bsp: a predictor of each member's iteration interval, fed with
+    the intervals the server measured over each round, and ZipLine once per barrier for the next."""
+
+    def __init__(self, r: int, alpha: float = 0.3, predictor: Optional[Predictor] = None) -> None:
+        self.r = r
+        self.predictor = predictor or EwmaPredictor(alpha)
+
+    def plan(self, members: Sequence[str], intervals: dict[str, Sequence[float]]) -> Optional[dict[str, int]]:
+        """After how many iterations (1..r) each of `members` synchronizes next, all starting now; None
+        when a member has no interval to predict from yet (a joiner: the server's fallback holds)."""
+        for slot, seen in intervals.items():
+            for interval in seen:
+                self.predictor.observe(slot, interval)
+        try:
+            steps = [self.predictor.interval(slot) for slot in members]
+        except KeyError:
+            return None
+        barrier = place_barrier([0.0] * len(members), steps, self.r)
+        return dict(zip(members, barrier.iterations))

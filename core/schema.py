@@ -269,13 +269,32 @@ class QuorumConfig:
             _at_least(self, "k", 1)
 
 
+@dataclass
+class ElasticBSPConfig:
+    """`elastic_bsp`: between barriers every member runs as in ASP; at a barrier every live member's
+    push waits and the server applies them as one step, then everyone pulls. ZipLine places each
+    barrier (each member's own iteration within the next `r`) where the predicted waiting is least."""
+
+    policy: Literal["elastic_bsp"] = "elastic_bsp"
+    r: int = 16
+    """Lookahead: each barrier comes within a member's next `r` iterations; without a schedule from
+    the coordinator (down, or late) the barrier is after exactly `r`. `r: 1` is BSP."""
+    ewma: float = 0.3
+    """Weight of the newest iteration interval in each member's predicted interval."""
+
+    def __post_init__(self) -> None:
+        _at_least(self, "r", 1)
+        if not 0 < self.ewma <= 1:
+            raise FieldError("ewma", f"must be in (0, 1], got {self.ewma}")
+
+
 SYNC_POLICIES: dict[str, type] = {c.policy: c for c in (BSPConfig, BytegradConfig, QAdamConfig, LocalSGDConfig,
                                                         DiLoCoConfig, StreamingDiLoCoConfig, ASPConfig, SSPConfig,
-                                                        QuorumConfig)}
+                                                        QuorumConfig, ElasticBSPConfig)}
 """`sync.policy` -> its config dataclass (its knobs); algorithms/ registers one Algorithm for each that runs."""
 SyncConfig = Union[BSPConfig, BytegradConfig, QAdamConfig, LocalSGDConfig, DiLoCoConfig, StreamingDiLoCoConfig,
-                   ASPConfig, SSPConfig, QuorumConfig]
-SERVER_POLICIES = frozenset({"asp", "ssp", "quorum"})
+                   ASPConfig, SSPConfig, QuorumConfig, ElasticBSPConfig]
+SERVER_POLICIES = frozenset({"asp", "ssp", "quorum", "elastic_bsp"})
 """Policies run by a parameter server (actors/parameter_server.py): the `server:` section applies."""
 NOT_WIRED: frozenset[str] = frozenset()
 """Policies whose settings the schema checks but that cannot run yet: a job naming one is refused

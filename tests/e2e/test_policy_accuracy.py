@@ -29,15 +29,16 @@ def test_periodic_policies_reach_095_on_digits_next_to_bsp(run_root):
 
 @pytest.mark.slow
 def test_server_policies_reach_093_on_digits_with_a_3x_straggler(run_root):
-    """asp, ssp (s 3) and quorum (k 3), 4 workers, w3 three times as slow per step."""
+    """asp, ssp (s 3), quorum (k 3) and elastic_bsp (r 16), 4 workers, w3 three times as slow per step."""
     rows = {}
-    for name in ("digits_asp", "digits_ssp", "digits_quorum"):
+    for name in ("digits_asp", "digits_ssp", "digits_quorum", "digits_elastic_bsp"):
         config = load_config(REPO / "configs" / f"{name}.yaml", ["faults.stragglers=[{slot: w3, slowdown: 3.0}]"])
         job = ElasticJob(config).start()
         result = job.wait(timeout=900)
         server = job.status().server
         rows[name] = result
         print(f"{name}: {result.state} at version {result.step}, accuracy {result.metrics.get('accuracy'):.4f}, "
-              f"{result.elapsed_s:.1f}s; staleness {server['staleness']}; refused {server['rejected']}")
+              f"{result.elapsed_s:.1f}s; staleness {server['staleness']}; refused {server['rejected']}"
+              + (f"; barriers {server['barriers']}, schedules {server['schedules']}" if "barriers" in server else ""))
     for name, result in rows.items():
         assert result.state == "FINISHED" and result.metrics["accuracy"] >= 0.93, (name, result)

@@ -54,8 +54,8 @@ def assert_every_sample_applied_once(job: ElasticJob, steps: int) -> dict:
     return leases
 
 
-@pytest.mark.parametrize("sync", [{"policy": "asp"}, {"policy": "ssp", "s": 2}, {"policy": "quorum", "k": 3}],
-                         ids=["asp", "ssp", "quorum"])
+@pytest.mark.parametrize("sync", [{"policy": "asp"}, {"policy": "ssp", "s": 2}, {"policy": "quorum", "k": 3},
+                                  {"policy": "elastic_bsp", "r": 4}], ids=["asp", "ssp", "quorum", "elastic_bsp"])
 def test_server_policy_finishes_at_max_steps_versions(run_root, sync):
     steps = 40
     started = time.monotonic()
@@ -201,6 +201,49 @@ def test_resume_continues_from_the_servers_newest_snapshot_without_reapplying_a_
     leases = second.status().server["leases"]
     assert leases["applied"] == 40 * 4 * PER_WORKER and leases["applied"] + leases["requeued"] + leases["dropped"] == leases["leased"]
     print(f"resumed from {ref.path.name} (version {ref.step}) to 40; leases over both runs {leases}")
+
+
+def test_elastic_bsp_through_a_kill_a_rejoin_and_a_straggler_applies_every_sample_once(run_root):
+    """elastic_bsp r=4 with a 3x straggler; w1 SIGKILLed at its 5th push (a barrier that waited for it is
+    released by the departure; its new incarnation joins at the next round): within one data epoch
+    (100 versions, mostly lone pushes of 8 samples) every applied sample id appears once, and the
+    barriers are numbered without a gap. Steps of 0.12 s (0.36 s for w3) leave time for the rejoin."""
+    steps = 100
+    stragglers = [{"slot": f"w{i}", "delay_s": 0.12} for i in range(3)] + [{"slot": "w3", "delay_s": 0.36}]
+    cfg = make_config("ps-ebsp-churn", {"policy": "elastic_bsp", "r": 4}, steps,
+                      faults={"record_samples": True, "stragglers": stragglers, "kills": [{"slot": "w1", "step": 4}]})
+    job = ElasticJob(config_from_dict(cfg)).start()
+    result = job.wait(timeout=180)
+    assert result.state == "FINISHED" and result.step == steps, result
+    leases = assert_every_sample_applied_once(job, steps)
+    barriers = [r["barrier"] for r in job.history() if r.get("barrier") is not None]
+    assert barriers == list(range(len(barriers))) and len(barriers) >= 3, barriers
+    rejoined = [e for e in job.events() if e["kind"] == "reshape" and "w1" in e["detail"].get("joiners", [])]
+    server = job.status().server
+    print(f"elastic_bsp r=4 under churn: FINISHED at {steps} versions, {len(barriers)} barriers; schedules "
+          f"{server['schedules']}; leases {leases}; w1 rejoined: {bool(rejoined)}")
+    assert rejoined and server["schedules"]["zipline"] >= 1, server
+
+
+def test_elastic_bsp_keeps_its_barriers_while_the_coordinator_is_down(run_root):
+    """SIGKILL of the coordinator mid-run (r = 4): the server places its barriers without it (a barrier
+    after r iterations), the workers never block, and the restarted coordinator plans again."""
+    steps = 150
+    stragglers = [{"slot": f"w{i}", "delay_s": 0.03} for i in range(3)] + [{"slot": "w3", "delay_s": 0.09}]
+    job = ElasticJob(config_from_dict(make_config("ps-ebsp-coordinator-kill", {"policy": "elastic_bsp", "r": 4}, steps,
+                                                  faults={"stragglers": stragglers}))).start()
+    wait_until(lambda: job.status().step >= 20, timeout=120, what="20 versions")
+    before = job.status()
+    workers = pids(job, ("w0", "w1", "w2", "w3"))
+    os.kill(before.coordinator_pid, signal.SIGKILL)
+    result = job.wait(timeout=180)
+    assert result.state == "FINISHED" and result.step == steps, result
+    after = job.status()
+    assert after.incarnation == 1 and pids(job, ("w0", "w1", "w2", "w3")) == workers, "workers were restarted"
+    assert [r["step"] for r in job.history()] == list(range(1, steps + 1)), "history has a gap or a repeat"
+    schedules = after.server["schedules"]
+    print(f"coordinator SIGKILLed at version {before.step} of {steps}: barriers {after.server['barriers']}, schedules {schedules}")
+    assert schedules["fallback"] >= 2 and schedules["zipline"] >= 1, schedules
 
 
 @pytest.mark.slow  # 14.5 s; beyond the default suite's budget (the server's own loss is tested there)

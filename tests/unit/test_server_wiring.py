@@ -27,14 +27,15 @@ def config(policy: dict, **over) -> dict:
     return cfg
 
 
-def run(tmp_path, policy: dict, **over) -> LocalJob:
+def run(tmp_path, policy: dict, zipline: bool = True, **over) -> LocalJob:
     slots = [f"w{i}" for i in range(N)]
-    job = LocalJob(config(policy, **over), slots, str(tmp_path / policy["policy"]))
+    job = LocalJob(config(policy, **over), slots, str(tmp_path / policy["policy"]), zipline=zipline)
     job.run(tuple(slots), N * PER_WORKER)
     return job
 
 
-@pytest.mark.parametrize("policy", [{"policy": "ssp", "s": 0}, {"policy": "quorum", "k": N}], ids=["ssp0", "quorum_n"])
+@pytest.mark.parametrize("policy", [{"policy": "ssp", "s": 0}, {"policy": "quorum", "k": N}, {"policy": "elastic_bsp", "r": 1}],
+                         ids=["ssp0", "quorum_n", "elastic_bsp_r1"])
 def test_bsp_settings_through_the_worker_loop_equal_bsp(tmp_path, policy):
     bsp = run(tmp_path, {"policy": "bsp"})
     server = run(tmp_path, policy)
@@ -128,3 +129,28 @@ def test_a_pulled_array_is_never_rewritten_while_held_and_reused_once_released(t
     assert np.array_equal(held, kept), "a held array was rewritten"
     assert not np.array_equal(newest, kept) and newest is not held
     assert len(host._flat_pool) == 2, "a released array is reused"
+
+
+@pytest.mark.parametrize("zipline", [True, False], ids=["zipline", "coordinator_silent"])
+def test_elastic_bsp_barriers_through_the_worker_loop(tmp_path, zipline):
+    """r = 8, w2 three times as slow (a sleep): with the coordinator's ZipLine schedules the barriers
+    come where the members' predicted end times meet; with no coordinator answering, every round keeps
+    the fallback (a barrier after 8 iterations) and nobody blocks. Every sample is applied once."""
+    stragglers = [{"slot": f"w{i}", "delay_s": 0.01} for i in range(N - 1)] + [{"slot": f"w{N - 1}", "delay_s": 0.03}]
+    job = run(tmp_path, {"policy": "elastic_bsp", "r": 8}, zipline=zipline, stop={"max_steps": 60},
+              faults={"record_samples": True, "stragglers": stragglers})
+    summary = job.server.summary()
+    schedules = summary["schedules"]
+    lines = (tmp_path / "elastic_bsp" / "samples" / "server.txt").read_text().splitlines()
+    applied = [int(i) for line in lines if not line.startswith("dropped") for i in line.split()[2:]]
+    counts = job.server.core.leases.counts
+    assert summary["version"] == 60 and len(applied) == len(set(applied)) == counts["applied"]
+    assert counts["applied"] + counts["dropped"] + counts["requeued"] == counts["leased"], counts
+    barriers = [r for r in job.link.records if r.get("barrier") is not None]
+    assert barriers and [r["barrier"] for r in barriers] == list(range(len(barriers)))
+    print(f"elastic_bsp r=8 ({'ZipLine' if zipline else 'no coordinator'}): {len(barriers)} barriers in 60 versions, "
+          f"schedules {schedules}")
+    if zipline:
+        assert schedules["zipline"] >= 1, schedules
+    else:
+        assert schedules["zipline"] == 0 and schedules["fallback"] == summary["barriers"] + 1, schedules
