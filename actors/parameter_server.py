@@ -203,7 +203,8 @@ class ServerHost:
                 return pull, None
             if self._pulls is not None:
                 self._pulls.write(f"{fence.slot} {pull.clock} {pull.version} {min(self.core.clocks.values())}\n")
-            self._pulled_at[fence.slot] = time.monotonic()
+            if self.core.elastic:
+                self._pulled_at[fence.slot] = time.monotonic()
             return pull, self._flat()
 
     def _flat(self) -> np.ndarray:
@@ -256,6 +257,16 @@ class ServerHost:
                 log.warning("injected fault: the push of %s for clock %d arrives %.1fs late", fence.slot, ticket.clock, delayed.delay_s)
                 time.sleep(delayed.delay_s)
 
+    def push_pull(self, fence: Fence, lease_ids: tuple[int, ...], pulled_version: int, grad: np.ndarray, loss: float,
+                  wait_s: float) -> tuple[PushResult, Optional[Pull], Optional[np.ndarray]]:
+        """A push and the sender's next pull in one call (one round trip a step); no pull after a push
+        that was refused or came after the end."""
+        result = self.push(fence, lease_ids, pulled_version, grad, loss)
+        if result.status not in ("applied", "staged", "dropped"):
+            return result, None, None
+        pull, flat = self.pull(fence, wait_s)
+        return result, pull, flat
+
     # ------------------------------------------------------------------ what applying a version entails
     def _applied(self, updates: tuple[Update, ...]) -> None:
         """Under the lock, right after the updates were applied: their records go out in version order
@@ -276,27 +287,46 @@ class ServerHost:
                 file.flush()
 
     def _report_loop(self) -> None:
-        """Evaluate where due, keep, and report the queued records, in version order."""
+        """Evaluate where due, keep, and report the queued records, in version order: whatever queued up
+        while the last report was on its way goes in one call (ASP applies many versions a second)."""
         while True:
-            item = self._outbox.get()
+            items = [self._outbox.get()]
+            while True:
+                try:
+                    items.append(self._outbox.get_nowait())
+                except queue.Empty:
+                    break
+            try:
+                self._report(items)
+            finally:
+                for _ in items:
+                    self._outbox.task_done()
+
+    def _report(self, items: list[tuple]) -> None:
+        records: list[dict] = []
+        summary: dict = {}
+        for item in items + [("end",)]:
+            if item[0] in ("barrier", "end") and records:  # the records before it go first
+                try:
+                    self.reports.records(tuple(records), summary)
+                except Exception as err:  # noqa: BLE001 - the coordinator may be restarting: it catches up from `kept`
+                    log.warning("could not report versions %d..%d: %s", records[0]["step"], records[-1]["step"],
+                                str(err).splitlines()[0][:200])
+                records = []
             if item[0] == "barrier":
                 try:
                     self.reports.barrier(*item[1:])
                 except Exception as err:  # noqa: BLE001 - no schedule: the server's fallback holds
                     log.warning("could not report barrier %d: %s", item[1], str(err).splitlines()[0][:200])
-                finally:
-                    self._outbox.task_done()
-                continue
-            records, summary, flat = item
-            try:
+            elif item[0] != "end":
+                batch, summary, flat = item
                 if flat is not None:  # evaluated at the newest version that crossed a multiple of eval_every
-                    records[-1]["metrics"] = self._evaluate(flat)
-                self.kept.extend(records)
-                self.reports.records(records, summary)
-            except Exception as err:  # noqa: BLE001 - the coordinator may be restarting: it catches up from `kept`
-                log.warning("could not report versions %s: %s", [r["step"] for r in records], str(err).splitlines()[0][:200])
-            finally:
-                self._outbox.task_done()
+                    try:
+                        batch[-1]["metrics"] = self._evaluate(flat)
+                    except Exception as err:  # noqa: BLE001 - the record goes without metrics
+                        log.warning("could not evaluate version %d: %s", batch[-1]["step"], str(err).splitlines()[0][:200])
+                self.kept.extend(batch)
+                records.extend(batch)
 
     def flush(self) -> None:
         """Wait until every queued record is kept and reported."""
@@ -437,6 +467,10 @@ class ParameterServer:
     def load_checkpoint(self, blob: bytes) -> int:
         return self.host.load_checkpoint(blob)
 
+    def push_pull(self, fence: Fence, lease_ids: tuple[int, ...], pulled_version: int, grad: np.ndarray, loss: float,
+                  wait_s: float) -> tuple[PushResult, Optional[Pull], Optional[np.ndarray]]:
+        return self.host.push_pull(fence, lease_ids, pulled_version, grad, loss, wait_s)
+
     def set_schedule(self, index: int, iterations: dict[str, int]) -> bool:
         return self.host.set_schedule(index, iterations)
 
@@ -468,13 +502,23 @@ class RayServerClient:
         return pull, None if flat is None else _as_tensor(flat)  # read-only: the worker copies it into its model
 
     def push(self, push: Push) -> PushResult:
-        """Sent until the server answers (a retry after a lost answer is recognised by its lease ids)."""
+        return self._send(push, None)[0]
+
+    def push_pull(self, push: Push, wait_s: float) -> tuple[PushResult, Optional[Pull], Optional[torch.Tensor]]:
+        result, pull, flat = self._send(push, wait_s)
+        return result, pull, None if flat is None else _as_tensor(flat)
+
+    def _send(self, push: Push, wait_s: Optional[float]) -> tuple:
+        """Sent until the server answers (a retry after a lost answer is recognised by its lease ids);
+        with `wait_s`, the next pull comes back with the answer."""
         grad = push.grad.numpy()
         deadline = time.monotonic() + CALL_TIMEOUT_S
+        args = (push.fence, push.lease_ids, push.pulled_version, grad, push.loss)
         while True:
             try:
-                return ray.get(self._server().push.remote(push.fence, push.lease_ids, push.pulled_version, grad, push.loss),
-                               timeout=CALL_TIMEOUT_S)
+                if wait_s is None:
+                    return (ray.get(self._server().push.remote(*args), timeout=CALL_TIMEOUT_S), None, None)
+                return ray.get(self._server().push_pull.remote(*args, wait_s), timeout=wait_s + CALL_TIMEOUT_S)
             except Exception as err:  # noqa: BLE001 - restarting: the push goes again (applied at most once)
                 if time.monotonic() > deadline:
                     raise
@@ -495,6 +539,11 @@ class LocalServerClient:
 
     def push(self, push: Push) -> PushResult:
         return self.host.push(push.fence, push.lease_ids, push.pulled_version, push.grad.numpy(), push.loss)
+
+    def push_pull(self, push: Push, wait_s: float) -> tuple[PushResult, Optional[Pull], Optional[torch.Tensor]]:
+        result, pull, flat = self.host.push_pull(push.fence, push.lease_ids, push.pulled_version, push.grad.numpy(),
+                                                 push.loss, wait_s)
+        return result, pull, None if flat is None else torch.from_numpy(flat)
 
 
 def start_server(cfg: JobConfig, config: dict, run_id: str, run_dir: str, namespace: str) -> Any:

@@ -11,7 +11,7 @@ from history's timestamps; median over `--seeds` seeds, and the ratio to BSP wit
 accuracy against wall time, the first seed of each side) when matplotlib is installed (the `plot`
 extra).
 
-    python benchmarks/stragglers.py [--seeds 3] [--compute-ms 20] [--target 0.93] [--png stragglers.png]
+    python benchmarks/stragglers.py [--seeds 3] [--compute-ms 20] [--target 0.93] [--png stragglers.png] [--only asp quorum]
 
 Prints a table, then one JSON line. Figures are measurements, not gates.
 """
@@ -33,7 +33,8 @@ from orchestrator.config import config_from_dict, load_config  # noqa: E402
 from orchestrator.job import NAMESPACE, ElasticJob  # noqa: E402
 
 SIDES = [("bsp, no straggler", "bsp", False), ("bsp", "bsp", True), ("asp", "asp", True), ("ssp (s 3)", "ssp", True),
-         ("quorum (k 3)", "quorum", True), ("local_sgd (h 8)", "local_sgd", True), ("diloco (h 16)", "diloco", True)]
+         ("quorum (k 3)", "quorum", True), ("elastic_bsp (r 16)", "elastic_bsp", True), ("local_sgd (h 8)", "local_sgd", True),
+         ("diloco (h 16)", "diloco", True)]
 
 
 def run_side(policy: str, straggler: bool, seed: int, compute_s: float, target: float, root: str) -> dict:
@@ -61,11 +62,14 @@ def main() -> int:
     parser.add_argument("--compute-ms", type=float, default=20.0)
     parser.add_argument("--target", type=float, default=0.93)
     parser.add_argument("--png", default="stragglers.png")
+    parser.add_argument("--only", nargs="*", default=None, help="policies to run (bsp always runs, with and without the straggler)")
     args = parser.parse_args()
     ray.init(num_cpus=8, namespace=NAMESPACE, log_to_driver=False, logging_level="ERROR", include_dashboard=False)
     root = tempfile.mkdtemp(prefix="stragglers-bench-")
     rows = {}
     for name, policy, straggler in SIDES:
+        if args.only is not None and policy != "bsp" and policy not in args.only:
+            continue
         runs = [run_side(policy, straggler, seed, args.compute_ms / 1000, args.target, root) for seed in range(args.seeds)]
         times = [r["seconds"] for r in runs]
         reached = [t for t in times if t is not None]

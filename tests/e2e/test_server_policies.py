@@ -270,7 +270,7 @@ def test_coordinator_sigkill_reattaches_to_the_server_and_workers(run_root):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("policy", ["asp", "ssp", "quorum"])
+@pytest.mark.parametrize("policy", ["asp", "ssp", "quorum", "elastic_bsp"])
 def test_ready_config_runs_from_a_fresh_shell(tmp_path, policy):
     """`python -m orchestrator run` with no Ray running: it sizes a local Ray for the workers and the
     server, places the server, and finishes (100 versions, a 3x straggler)."""
