@@ -17,6 +17,14 @@ a round is the commit point of the local steps since the previous one.
   between overlap the communication. With `overlap: 0` nothing ran in between and the merge adopts
   the outer parameters (so one fragment without overlap is `diloco`).
 
+With `compression.codec`, a round's payload (the weighted parameters, or pseudo-gradient) travels
+through the compressed scatter-gather of algorithms/scatter_gather.py instead, one per fragment, and
+the vote rides in its float32 tail (sample counts exact up to 2**24 per round). Its two collectives
+run when the round launches (the owners' reduction needs the all-to-all's result), so with a codec
+streaming's local steps no longer hide the communication; what the merge computes is unchanged.
+Error-feedback residuals (`compression.feedback`) are staged by the round's launch and kept only when
+its vote commits; a new membership resets the owners' residuals, as for `bsp`.
+
 Under churn (see actors/replica.py for the epoch entry): the state every member agrees on is the
 newest *committed* one, the replica as it was after the last round (`committed_parameters`,
 `commit_mark`). When a round's all-reduce fails, the local steps stay and the round is due again
@@ -24,7 +32,9 @@ in the next membership epoch; if some member did commit that round, the others t
 
 Memory beyond the model and optimizer: `local_sgd` keeps one copy of the parameters (the committed
 replica), `diloco` one (the global parameters, from which the committed replica is rebuilt) plus
-the outer momentum, `streaming_diloco` two plus the outer momentum.
+the outer momentum, `streaming_diloco` two plus the outer momentum. A codec adds, per fragment, its
+scatter-gather's wire buffers (about two compressed copies) and, with feedback, two float32 copies
+for the worker residual.
 """
 from __future__ import annotations
 
@@ -35,6 +45,8 @@ from typing import Optional
 import torch
 
 from algorithms.base import Algorithm, AlgorithmImpl, EpochInfo, StepVote, VoteDraft, register
+from algorithms.compression import get_codec
+from algorithms.scatter_gather import ScatterGather
 
 
 @dataclass
@@ -76,6 +88,8 @@ class PeriodicImpl(AlgorithmImpl):
             self.anchor = [self._gather(f).clone() for f in range(len(self.bounds))]
             self.outer = torch.optim.SGD(self.anchor, lr=cfg.outer_lr, momentum=cfg.outer_momentum,
                                          nesterov=cfg.nesterov, foreach=False)
+        self.wires = self._wires()
+        """Per fragment, the compressed scatter-gather of its rounds (none without a codec)."""
         self.snapshot: list[torch.Tensor] = [] if self.outer_mode and not self.streaming else [
             p.detach().clone() for p in self.params]
         """The replica as of the last commit (for diloco it is rebuilt from `anchor`)."""
@@ -93,6 +107,13 @@ class PeriodicImpl(AlgorithmImpl):
         self.inflight: Optional[_Launch] = None
         self._due: Optional[int] = None
         self._final = False
+
+    def _wires(self) -> list[ScatterGather]:
+        compression = self.algorithm.compression
+        if compression is None or compression.codec == "none":
+            return []
+        codec = get_codec(compression.codec)
+        return [ScatterGather(codec, end - start, feedback=compression.feedback) for start, end in self.bounds]
 
     # ------------------------------------------------------------------ flat fragments
     def _pieces(self, f: int):
@@ -160,8 +181,12 @@ class PeriodicImpl(AlgorithmImpl):
         flat = (self.anchor[f] - local if self.outer_mode else local) * n
         mean_loss = sum(self.losses) / len(self.losses) if self.losses else 0.0
         draft = VoteDraft(loss=mean_loss * n, samples=int(n), newer_plan=draft.newer_plan)
-        tail = draft.tail(torch.float64, flat.device)
-        handles = [self.comm.all_reduce(flat), self.comm.all_reduce(tail)]
+        if self.wires:  # blocking: both collectives of the scatter-gather, the vote in their tail
+            tail = self.wires[f].all_reduce(flat, draft.tail(torch.float32, flat.device)).to(torch.float64)
+            handles = []
+        else:
+            tail = draft.tail(torch.float64, flat.device)
+            handles = [self.comm.all_reduce(flat), self.comm.all_reduce(tail)]
         return _Launch(f, step, step if self._final else step + self.overlap, flat, tail, handles)
 
     def _merge(self, step: int) -> StepVote:
@@ -192,6 +217,13 @@ class PeriodicImpl(AlgorithmImpl):
         with torch.no_grad():
             for s, p in zip(self.snapshot, self.params):
                 s.copy_(p.detach())
+        for wire in self.wires:
+            wire.commit()  # keep the residuals the round staged
+
+    def discard(self, step: int) -> None:
+        """The round's vote failed: its staged residuals are dropped (the round is redone)."""
+        for wire in self.wires:
+            wire.discard()
 
     def on_epoch_end(self, reason: str) -> None:
         self.inflight = None  # its buffers are abandoned with the group; the round is due again
@@ -199,6 +231,8 @@ class PeriodicImpl(AlgorithmImpl):
     def on_membership(self, comm, epoch: EpochInfo) -> None:
         super().on_membership(comm, epoch)
         self.inflight = None
+        for wire in self.wires:
+            wire.bind(comm)  # also drops what an abandoned round staged
 
     @property
     def commit_mark(self) -> Optional[int]:

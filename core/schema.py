@@ -339,19 +339,21 @@ _FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 """A number written the way people write them (1e-5, 3., .5), for float fields."""
 
 CODECS = ("none", "fp16", "bf16", "uint8", "onebit")
-COMPRESSING_POLICIES = ("bsp", "bytegrad", "qadam")
+COMPRESSING_POLICIES = ("bsp", "bytegrad", "qadam", "local_sgd", "diloco", "streaming_diloco")
 """Policies whose collectives take a codec so far (the others refuse one, naming the key)."""
 
 
 @dataclass
 class CompressionConfig:
-    """How gradients travel: `none`, or a codec through a compressed scatter-gather all-reduce."""
+    """How gradients (or a periodic round's payload) travel: `none`, or a codec through a compressed
+    scatter-gather all-reduce."""
 
     codec: str = "none"
     """`fp16`, `bf16`, `uint8` (per-chunk min/max, 256 levels) or `onebit` (signs scaled by the mean
     magnitude; needs `feedback`)."""
     feedback: bool = False
-    """Error feedback on both halves of the scatter-gather (what compression lost is added back next step)."""
+    """Error feedback on both halves of the scatter-gather (what compression lost is added back next
+    step, or next round)."""
 
     def __post_init__(self) -> None:
         if self.codec not in CODECS:

@@ -16,7 +16,9 @@ import torch
 import torch.nn.functional as F
 
 from actors.testing import LocalJob
+from algorithms.compression import get_codec
 from orchestrator.workloads.digits import mlp
+from tests.unit.test_scatter_gather import _reference
 
 SEED, STEPS = 3, 12
 
@@ -96,10 +98,13 @@ def set_flat(params, vector: torch.Tensor) -> None:
 
 
 def reference_periodic(optimizer: dict, n: int, global_batch: int, h: int, steps: int = STEPS, outer: dict | None = None,
-                       fragments: int = 1, overlap: int = 0, alpha: float = 1.0) -> list[torch.Tensor]:
+                       fragments: int = 1, overlap: int = 0, alpha: float = 1.0, codec: str | None = None,
+                       feedback: bool = False) -> list[torch.Tensor]:
     """n replicas in one process. Without `outer`: local SGD. With it: (streaming) DiLoCo on the flat
     parameter vector cut into `fragments` equal slices, fragment f synchronized after steps
-    (f + 1) h / fragments + k h, merged `overlap` steps later (adopted when overlap is 0)."""
+    (f + 1) h / fragments + k h, merged `overlap` steps later (adopted when overlap is 0). With `codec`,
+    a round's weighted payloads are summed by the literal scatter-gather reference, each fragment's
+    rounds in turn (its error-feedback residuals replay that fragment's earlier rounds)."""
     model, x, y = start_model()
     replicas = [copy.deepcopy(model) for _ in range(n)]
     opts = [make_opt(m.parameters(), optimizer) for m in replicas]
@@ -110,6 +115,7 @@ def reference_periodic(optimizer: dict, n: int, global_batch: int, h: int, steps
     trained = [0] * n
     since = [[0] * n for _ in range(fragments)]
     inflight: dict[int, tuple[int, int, torch.Tensor]] = {}  # fragment -> (launched after, merge after, mean)
+    sent: list[list[list[torch.Tensor]]] = [[] for _ in range(fragments)]  # per fragment, each round's payloads
     for step in range(1, steps + 1):
         ids = global_batch_ids(step - 1, global_batch, len(x))
         for i, (m, opt) in enumerate(zip(replicas, opts)):
@@ -125,9 +131,14 @@ def reference_periodic(optimizer: dict, n: int, global_batch: int, h: int, steps
                 w = [trained[i] - since[f][i] for i in range(n)]
                 local = [flat(m.parameters())[cuts[f]:cuts[f + 1]] for m in replicas]
                 if outer is None:
-                    mean = sum(wi * li for wi, li in zip(w, local)) / sum(w)
+                    payloads = [wi * li for wi, li in zip(w, local)]
                 else:
-                    mean = sum(wi * (glob[f].detach() - li) for wi, li in zip(w, local)) / sum(w)
+                    payloads = [wi * (glob[f].detach() - li) for wi, li in zip(w, local)]
+                if codec is None:
+                    mean = sum(payloads) / sum(w)
+                else:
+                    sent[f].append(payloads)
+                    mean = _reference(get_codec(codec), sent[f], feedback)[-1] / sum(w)
                 inflight[f] = (step, step if step == steps else step + overlap, mean)
                 since[f] = list(trained)
             if f in inflight and (step >= inflight[f][1] or step == steps):
