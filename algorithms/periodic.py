@@ -205,7 +205,9 @@ class PeriodicImpl(AlgorithmImpl):
         if step > launch.step:  # local steps ran meanwhile: blend them in
             mean = torch.lerp(self._gather(f), mean, self.alpha)
         self._scatter(f, mean)
-        self.last_sync[f] = step
+        # A blended merge synchronized the fragment as of its launch, with local steps on top: at the
+        # end of the run it is due once more, so that every replica ends at the exact average.
+        self.last_sync[f] = launch.step if step > launch.step else step
         self.since[f] = self.trained
         return StepVote(True, float(launch.tail[0]) / max(total, 1.0), int(round(total)), bool(launch.tail[2] > 0))
 

@@ -219,3 +219,12 @@ def test_streaming_four_fragments_overlap_one_equals_staggered_reference(tmp_pat
     diff = max_diff(mine, ref)
     print(f"streaming 4 fragments, overlap 1 (24 steps): {diff:.2e}")
     assert diff < 1e-5
+
+
+@pytest.mark.parametrize("steps", [7, 10])
+def test_streaming_ends_with_every_replica_equal_when_the_stop_lands_inside_an_overlap(tmp_path, steps):
+    """h 4, 2 fragments, overlap 1: fragment 0's round launched at step 6 merges at 7 blended with a
+    local step (alpha 0.5), which leaves the replicas apart; the final rounds must bring every
+    fragment to the exact average (`run` asserts every replica equals w0's)."""
+    streaming = {"policy": "streaming_diloco", "h": 4, "fragments": 2, "overlap": 1, "alpha": 0.5}
+    run(tmp_path, streaming, SGD_M, 3, 50, steps=steps)
