@@ -215,13 +215,13 @@ class GlooCommunicator(BaseCommunicator):
 
     def send(self, tensor: torch.Tensor, dst: int) -> Handle:
         self._check()
-        work = self._pg.send([tensor], dst, 0)
+        work = _WaitedWork(self._pg.send([tensor], dst, 0))
         self.bytes_sent += tensor.numel() * tensor.element_size()
         return Handle(work, self, (tensor,))
 
     def recv(self, tensor: torch.Tensor, src: int) -> Handle:
         self._check()
-        return Handle(self._pg.recv([tensor], src, 0), self, (tensor,))
+        return Handle(_WaitedWork(self._pg.recv([tensor], src, 0)), self, (tensor,))
 
     def _check(self) -> None:
         if self.aborted:
@@ -236,6 +236,34 @@ class GlooCommunicator(BaseCommunicator):
         if pg is not None:
             deadline = time.monotonic() + self.timeout_s + 5.0
             threading.Thread(target=_release, args=(pg, works, deadline), name=f"close {self.name}", daemon=True).start()
+
+
+class _WaitedWork:
+    """Gloo's send and recv works have no future (`Work::getFuture not implemented`) and are complete
+    only once waited on: a daemon thread waits (within the group's own timeout) and completes one,
+    keeping the outcome for `Handle.wait`."""
+
+    def __init__(self, work) -> None:
+        self._work, self._error = work, None
+        self._future = torch.futures.Future()
+        threading.Thread(target=self._run, name="gloo p2p", daemon=True).start()
+
+    def _run(self) -> None:
+        try:
+            self._work.wait()
+        except Exception as err:  # noqa: BLE001 - re-raised by wait(), where Handle turns it into CommError
+            self._error = err
+        self._future.set_result(None)
+
+    def get_future(self):
+        return self._future
+
+    def is_completed(self) -> bool:
+        return self._future.done()
+
+    def wait(self) -> None:
+        if self._error is not None:
+            raise self._error
 
 
 def _release(pg, works: list, deadline: float) -> None:

@@ -398,8 +398,8 @@ class Replica:
         draft = VoteDraft(samples=len(ids), newer_plan=self.plans.latest.version > plan.version)
         denominator = max(len(ids), 1) if self.algorithm.local_mean else plan.global_batch
         self.impl.begin_step(self.step, draft)
-        self.impl.before_forward(self.step)
         try:
+            self.impl.before_forward(self.step)  # a gossip exchange launches here (and may fail)
             for i, (batch, n) in enumerate(micro):
                 self.impl.accumulating = i < len(micro) - 1
                 weight = n / denominator  # each sample counts 1/B (shares) or 1/n_i (own mean), however split

@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from algorithms.gossip import consensus_distance as consensus
 from algorithms.topologies import (TOPOLOGIES, Topology, TopologyError, contraction, degree, get_topology,
                                    spectral_gap, validate)
 from core.schema import ConfigError
@@ -29,10 +30,6 @@ def each(topology: Topology):
     for world in WORLDS:
         for step in steps(topology, world):
             yield world, step, topology.matrix(world, step)
-
-
-def consensus(x: np.ndarray) -> float:
-    return float(((x - x.mean(axis=0)) ** 2).sum(axis=1).mean())
 
 
 def shift(world: int, by: int) -> np.ndarray:

@@ -1,0 +1,160 @@
+"""Gossip policies in process, without Ray: `dpsgd` (and `dadam`) run by real replicas (the worker's
+step loop) in threads over in-process gloo, against a plain-torch simulation of the n replicas that
+mixes with the literal W of algorithms/topologies.py; the consensus distance contracts as W says; the
+exchange is launched before the forward pass."""
+from __future__ import annotations
+
+import copy
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from actors.testing import LocalJob, local_group
+from algorithms import base
+from algorithms.base import EpochInfo, VoteDraft
+from algorithms.gossip import DAdam, DPSGD, consensus_distance
+from algorithms.topologies import TOPOLOGIES, contraction, get_topology
+from core import schema
+from core.schema import ConfigError, DPSGDConfig, parse
+from tests.unit.test_policy_oracles import (SEED, config, flat, global_batch_ids, make_opt, max_diff, set_flat, share,
+                                            start_model)
+
+STEPS = 10
+SGD = {"name": "sgd", "lr": 0.1}
+
+
+@pytest.fixture
+def wired(monkeypatch):
+    """The gossip policies registered and let through the schema, for this test only."""
+    base._load_builtin()
+    monkeypatch.setattr(schema, "NOT_WIRED", frozenset())
+    for algo in (DPSGD, DAdam):
+        monkeypatch.setitem(base._REGISTRY, algo.name, algo)
+
+
+def run_gossip(tmp_path, sync: dict, optimizer: dict, n: int, global_batch: int, trace: list | None = None):
+    """Every replica's parameters after STEPS steps of `sync`, run by n real replicas in process."""
+    slots = [f"w{i}" for i in range(n)]
+    job = LocalJob(config(sync, optimizer, STEPS, n), slots, str(tmp_path))
+    if trace is not None:
+        job.replicas["w0"].impl.trace = trace
+        job.replicas["w0"].model.register_forward_hook(lambda *_: trace.append(("forward", -1)))
+    job.run(tuple(slots), global_batch)
+    return [job.parameters(s) for s in slots]
+
+
+def reference_gossip(kind: str, optimizer: dict, n: int, global_batch: int) -> list[list[torch.Tensor]]:
+    """n replicas in one process: each takes the gradient of its own mean loss on its share at its own
+    x_i, then X <- W_t X (W_t the literal matrix of step t) and the optimizer steps from there."""
+    model, x, y = start_model()
+    replicas = [copy.deepcopy(model) for _ in range(n)]
+    opts = [make_opt(m.parameters(), optimizer) for m in replicas]
+    topology = get_topology(kind)
+    for step in range(STEPS):
+        ids = global_batch_ids(step, global_batch, len(x))
+        for i, (m, opt) in enumerate(zip(replicas, opts)):
+            index = torch.tensor(share(ids, i, n))
+            opt.zero_grad()
+            F.cross_entropy(m(x[index]), y[index]).backward()
+        w = torch.tensor(topology.matrix(n, step), dtype=torch.float32)
+        mixed = w @ torch.stack([flat(m.parameters()) for m in replicas])
+        for m, opt, row in zip(replicas, opts, mixed):
+            set_flat(list(m.parameters()), row)
+            opt.step()
+    return [[p.detach() for p in m.parameters()] for m in replicas]
+
+
+@pytest.mark.parametrize("kind", ["ring", "one_peer_exp"])
+@pytest.mark.parametrize("n,global_batch", [(4, 64), (5, 50)])
+def test_dpsgd_equals_n_replica_simulation_with_literal_w(tmp_path, wired, kind, n, global_batch):
+    mine = run_gossip(tmp_path, {"policy": "dpsgd", "topology": {"kind": kind}}, SGD, n, global_batch)
+    ref = reference_gossip(kind, SGD, n, global_batch)
+    diff = max(max_diff(a, b) for a, b in zip(mine, ref))
+    spread = max(max_diff(mine[0], other) for other in mine[1:])
+    print(f"dpsgd {kind} n={n}: {diff:.2e} (replicas still {spread:.2e} apart)")
+    assert diff < 1e-5
+    assert spread > 1e-4, "the replicas differ: a test that would pass for an exact all-reduce proves nothing"
+
+
+def test_dadam_equals_n_replica_simulation_with_local_adamw(tmp_path, wired):
+    adamw = {"name": "adamw", "lr": 0.01, "weight_decay": 0.01}
+    mine = run_gossip(tmp_path, {"policy": "dadam", "topology": {"kind": "ring"}}, adamw, 4, 64)
+    diff = max(max_diff(a, b) for a, b in zip(mine, reference_gossip("ring", adamw, 4, 64)))
+    print(f"dadam ring n=4: {diff:.2e}")
+    assert diff < 1e-5
+
+
+def test_exchange_launches_before_the_forward_pass_and_lands_after_backward(tmp_path, wired):
+    trace: list = []
+    run_gossip(tmp_path, {"policy": "dpsgd"}, SGD, 3, 24, trace=trace)
+    events = [kind for kind, _ in trace]
+    assert events[:3 * STEPS] == ["launch", "forward", "land"] * STEPS, events
+    assert set(events[3 * STEPS:]) <= {"forward"}, "after the last step, only the final evaluation's forward"
+    assert [step for kind, step in trace if kind != "forward"] == [s for s in range(STEPS) for _ in (0, 1)]
+
+
+# ------------------------------------------------------------------ consensus
+def one_exchange(replicas: list[torch.nn.Module], kind: str, step: int) -> None:
+    """One step of `dpsgd` at lr 0 by every replica over a real gloo group in threads (hooks driven here)."""
+    n = len(replicas)
+    comms = local_group(n, name=f"gossip-{kind}-{n}")
+    algo = DPSGD(DPSGDConfig(topology=parse(schema.TopologyConfig, {"kind": kind})))
+
+    def member(rank: int) -> None:
+        model = replicas[rank]
+        impl = algo.bind(model, torch.optim.SGD(model.parameters(), lr=0.0))
+        impl.on_membership(comms[rank], EpochInfo(rank, n, tuple(f"w{i}" for i in range(n)), 8 * n))
+        draft = VoteDraft(samples=8)
+        impl.begin_step(step, draft)
+        impl.before_forward(step)
+        model(torch.randn(8, 64)).square().mean().backward()
+        impl.end_backward(step)
+        assert impl.finish_step(step, draft).commit
+        impl.apply_update(step, 0.0)
+
+    with ThreadPoolExecutor(n) as pool:
+        list(pool.map(member, range(n)))
+
+
+@pytest.mark.parametrize("kind,step", [("ring", 0), ("one_peer_exp", 1), ("torus", 0), ("matching", 3)])
+def test_consensus_distance_contracts_as_w_predicts(kind, step):
+    n = 6
+    torch.manual_seed(SEED)
+    replicas = [torch.nn.Linear(64, 10) for _ in range(n)]  # independently initialized: far apart
+    before = torch.stack([flat(m.parameters()) for m in replicas]).double()
+    w = get_topology(kind).matrix(n, step)
+    one_exchange(replicas, kind, step)
+    after = torch.stack([flat(m.parameters()) for m in replicas]).double()
+    d0, d1 = consensus_distance(before), consensus_distance(after)
+    print(f"{kind} step {step}: consensus {d0:.4g} -> {d1:.4g} (W predicts {consensus_distance(w @ before.numpy()):.4g})")
+    assert d1 == pytest.approx(consensus_distance(w @ before.numpy()), rel=1e-5)
+    assert d1 <= contraction(w) ** 2 * d0 * (1 + 1e-6) and d1 < d0
+    assert torch.allclose(after.mean(0), before.mean(0), atol=1e-6), "a doubly stochastic W keeps the average"
+
+
+def test_consensus_distance_is_the_mean_squared_distance_to_the_average():
+    x = np.array([[0.0, 0.0], [2.0, 0.0], [1.0, 3.0]])
+    assert consensus_distance(x) == pytest.approx((2 + 2 + 4) / 3)  # mean (1, 1)
+    assert consensus_distance(torch.ones(4, 3)) == 0.0
+
+
+# ------------------------------------------------------------------ config
+def test_topology_kinds_are_the_topologies_module_s():
+    assert set(schema.TOPOLOGY_KINDS) == set(TOPOLOGIES)
+
+
+def test_unknown_topology_is_refused_listing_the_valid_ones():
+    with pytest.raises(ConfigError, match=r"sync.topology.kind: unknown topology 'star'; valid kinds: aer, complete"):
+        parse(DPSGDConfig, {"policy": "dpsgd", "topology": {"kind": "star"}}, "sync")
+
+
+@pytest.mark.parametrize("policy", ["dpsgd", "dadam"])
+def test_a_job_naming_a_gossip_policy_is_refused_until_wired(policy):
+    from orchestrator.config import config_from_dict
+    with pytest.raises(ConfigError, match=f"policy '{policy}' is not available yet"):
+        config_from_dict({"name": "m", "workload": {"factory": "orchestrator.workloads.digits:mlp"},
+                          "optimizer": {"name": "adamw"}, "sync": {"policy": policy}})
+    assert policy not in base.known_policies()
