@@ -135,18 +135,24 @@ def test_server_sigkill_resumes_from_its_snapshot_and_the_job_finishes(run_root)
     print(f"server SIGKILL at version {resumed + lost}: {event['reason']}; refused pushes {status.server['rejected']}")
 
 
+def run_through_a_kill(name: str, sync: dict, steps: int, delay_s: float, kill_step: int) -> tuple[ElasticJob, dict]:
+    """4 workers, w3 three times as slow (a modelled `delay_s` a step), w1 SIGKILLed at its
+    `kill_step`-th push: the job finishes at `steps` with every applied sample once. (job, leases)."""
+    stragglers = [{"slot": f"w{i}", "delay_s": delay_s} for i in range(3)] + [{"slot": "w3", "delay_s": 3 * delay_s}]
+    cfg = make_config(name, sync, steps, faults={"record_samples": True, "stragglers": stragglers,
+                                                 "kills": [{"slot": "w1", "step": kill_step}]})
+    job = ElasticJob(config_from_dict(cfg)).start()
+    result = job.wait(timeout=180)
+    assert result.state == "FINISHED" and result.step == steps, result
+    return job, assert_every_sample_applied_once(job, steps)
+
+
 def test_quorum_through_a_kill_a_rejoin_and_late_drops_applies_every_sample_once(run_root):
     """quorum k=3 of 4 with a 3x straggler (its late pushes are dropped and their samples requeued) and
     w1 SIGKILLed at its 6th push (its slot comes back as a new incarnation and rejoins): within one
     data epoch, every applied sample id appears once, and applied + requeued + dropped = leased."""
     steps = 36
-    stragglers = [{"slot": f"w{i}", "delay_s": 0.03} for i in range(3)] + [{"slot": "w3", "delay_s": 0.09}]
-    cfg = make_config("ps-quorum-churn", {"policy": "quorum", "k": 3}, steps,
-                      faults={"record_samples": True, "stragglers": stragglers, "kills": [{"slot": "w1", "step": 6}]})
-    job = ElasticJob(config_from_dict(cfg)).start()
-    result = job.wait(timeout=180)
-    assert result.state == "FINISHED" and result.step == steps, result
-    leases = assert_every_sample_applied_once(job, steps)
+    job, leases = run_through_a_kill("ps-quorum-churn", {"policy": "quorum", "k": 3}, steps, 0.03, 6)
     assert leases["dropped"] > 0 and leases["requeued"] > 0, leases
     rejoined = [e for e in job.events() if e["kind"] == "reshape" and "w1" in e["detail"].get("joiners", [])]
     print(f"quorum k=3 under churn: FINISHED at {steps} versions; leases {leases}; w1 rejoined: {bool(rejoined)}")
@@ -209,13 +215,7 @@ def test_elastic_bsp_through_a_kill_a_rejoin_and_a_straggler_applies_every_sampl
     (100 versions, mostly lone pushes of 8 samples) every applied sample id appears once, and the
     barriers are numbered without a gap. Steps of 0.12 s (0.36 s for w3) leave time for the rejoin."""
     steps = 100
-    stragglers = [{"slot": f"w{i}", "delay_s": 0.12} for i in range(3)] + [{"slot": "w3", "delay_s": 0.36}]
-    cfg = make_config("ps-ebsp-churn", {"policy": "elastic_bsp", "r": 4}, steps,
-                      faults={"record_samples": True, "stragglers": stragglers, "kills": [{"slot": "w1", "step": 4}]})
-    job = ElasticJob(config_from_dict(cfg)).start()
-    result = job.wait(timeout=180)
-    assert result.state == "FINISHED" and result.step == steps, result
-    leases = assert_every_sample_applied_once(job, steps)
+    job, leases = run_through_a_kill("ps-ebsp-churn", {"policy": "elastic_bsp", "r": 4}, steps, 0.12, 4)
     barriers = [r["barrier"] for r in job.history() if r.get("barrier") is not None]
     assert barriers == list(range(len(barriers))) and len(barriers) >= 3, barriers
     rejoined = [e for e in job.events() if e["kind"] == "reshape" and "w1" in e["detail"].get("joiners", [])]
@@ -225,6 +225,22 @@ def test_elastic_bsp_through_a_kill_a_rejoin_and_a_straggler_applies_every_sampl
     assert rejoined and server["schedules"]["zipline"] >= 1, server
 
 
+def sigkill_the_coordinator_midway(job: ElasticJob, steps: int, at: int):
+    """SIGKILL the coordinator once history reaches version `at`; the job must still finish at
+    `steps`, with the same worker processes and history 1..steps without a gap. (before, after)."""
+    wait_until(lambda: job.status().step >= at, timeout=120, what=f"{at} versions")
+    before = job.status()
+    workers = pids(job, ("w0", "w1", "w2", "w3"))
+    os.kill(before.coordinator_pid, signal.SIGKILL)
+    result = job.wait(timeout=180)
+    assert result.state == "FINISHED" and result.step == steps, result
+    after = job.status()
+    assert after.incarnation == 1 and after.coordinator_pid != before.coordinator_pid
+    assert pids(job, ("w0", "w1", "w2", "w3")) == workers, "workers were restarted"
+    assert [r["step"] for r in job.history()] == list(range(1, steps + 1)), "history has a gap or a repeat"
+    return before, after
+
+
 def test_elastic_bsp_keeps_its_barriers_while_the_coordinator_is_down(run_root):
     """SIGKILL of the coordinator mid-run (r = 4): the server places its barriers without it (a barrier
     after r iterations), the workers never block, and the restarted coordinator plans again."""
@@ -232,15 +248,7 @@ def test_elastic_bsp_keeps_its_barriers_while_the_coordinator_is_down(run_root):
     stragglers = [{"slot": f"w{i}", "delay_s": 0.03} for i in range(3)] + [{"slot": "w3", "delay_s": 0.09}]
     job = ElasticJob(config_from_dict(make_config("ps-ebsp-coordinator-kill", {"policy": "elastic_bsp", "r": 4}, steps,
                                                   faults={"stragglers": stragglers}))).start()
-    wait_until(lambda: job.status().step >= 20, timeout=120, what="20 versions")
-    before = job.status()
-    workers = pids(job, ("w0", "w1", "w2", "w3"))
-    os.kill(before.coordinator_pid, signal.SIGKILL)
-    result = job.wait(timeout=180)
-    assert result.state == "FINISHED" and result.step == steps, result
-    after = job.status()
-    assert after.incarnation == 1 and pids(job, ("w0", "w1", "w2", "w3")) == workers, "workers were restarted"
-    assert [r["step"] for r in job.history()] == list(range(1, steps + 1)), "history has a gap or a repeat"
+    before, after = sigkill_the_coordinator_midway(job, steps, 20)
     schedules = after.server["schedules"]
     print(f"coordinator SIGKILLed at version {before.step} of {steps}: barriers {after.server['barriers']}, schedules {schedules}")
     assert schedules["fallback"] >= 2 and schedules["zipline"] >= 1, schedules
@@ -254,17 +262,8 @@ def test_coordinator_sigkill_reattaches_to_the_server_and_workers(run_root):
     stragglers = [{"slot": f"w{i}", "delay_s": 0.04} for i in range(4)]
     job = ElasticJob(config_from_dict(make_config("ps-coordinator-kill", {"policy": "ssp", "s": 2}, steps,
                                                   faults={"stragglers": stragglers}))).start()
-    wait_until(lambda: job.status().step >= 25, timeout=120, what="25 versions")
-    before = job.status()
-    workers = pids(job, ("w0", "w1", "w2", "w3"))
-    os.kill(before.coordinator_pid, signal.SIGKILL)
-    result = job.wait(timeout=180)
-    assert result.state == "FINISHED" and result.step == steps, result
-    after = job.status()
-    assert after.incarnation == 1 and after.coordinator_pid != before.coordinator_pid
-    assert pids(job, ("w0", "w1", "w2", "w3")) == workers, "workers were restarted"
+    before, after = sigkill_the_coordinator_midway(job, steps, 25)
     assert after.server["pid"] == before.server["pid"], "the server was restarted"
-    assert [r["step"] for r in job.history()] == list(range(1, steps + 1)), "history has a gap or a repeat"
     print(f"coordinator SIGKILLed at version {before.step}: the server (pid {before.server['pid']}) and workers kept "
           f"training; history 1..{steps}, no gap")
 
