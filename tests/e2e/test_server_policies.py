@@ -151,8 +151,8 @@ def test_quorum_through_a_kill_a_rejoin_and_late_drops_applies_every_sample_once
     """quorum k=3 of 4 with a 3x straggler (its late pushes are dropped and their samples requeued) and
     w1 SIGKILLed at its 6th push (its slot comes back as a new incarnation and rejoins): within one
     data epoch, every applied sample id appears once, and applied + requeued + dropped = leased."""
-    steps = 36
-    job, leases = run_through_a_kill("ps-quorum-churn", {"policy": "quorum", "k": 3}, steps, 0.03, 6)
+    steps = 36  # steps of 0.2 s (0.6 s for w3): the run outlasts the replacement's start (~4-5 s here)
+    job, leases = run_through_a_kill("ps-quorum-churn", {"policy": "quorum", "k": 3}, steps, 0.2, 6)
     assert leases["dropped"] > 0 and leases["requeued"] > 0, leases
     rejoined = [e for e in job.events() if e["kind"] == "reshape" and "w1" in e["detail"].get("joiners", [])]
     print(f"quorum k=3 under churn: FINISHED at {steps} versions; leases {leases}; w1 rejoined: {bool(rejoined)}")
