@@ -189,6 +189,8 @@ class ServerCore:
         """clock -> pushes waiting for it to complete (ssp, quorum)."""
         self.round = BarrierRound()
         """elastic_bsp: the barrier under way."""
+        self.ended = False
+        """`end()` ran: the job is over (at `max_steps`, or stopped)."""
         self.schedules: dict[str, int] = {"zipline": 0, "fallback": 0, "late": 0}
         """elastic_bsp: how each round's barrier was placed (a late schedule is refused: a member had
         already passed the iteration it named)."""
@@ -302,7 +304,7 @@ class ServerCore:
         status = self._refusal(push.fence, pushing=True)
         ticket = None if status else self.leases.find(push.lease_ids)
         if ticket is None and not status:  # applied before; or requeued (by a departure, or by the end)
-            status = "duplicate" if self.leases.was_applied(push.lease_ids) else "finished" if self.finished else "stale"
+            status = "duplicate" if self.leases.was_applied(push.lease_ids) else "finished" if self.ended else "stale"
         elif ticket is not None and self._is_staged(ticket):
             status, ticket = "duplicate", None
         elif ticket is not None and ticket.holder != push.fence.slot:
@@ -433,7 +435,8 @@ class ServerCore:
     def end(self) -> None:
         """The job is over: pushes still staged for a clock that will never be applied are dropped, and
         tickets nobody pushed are requeued, so that every leased sample is accounted for (applied +
-        dropped + requeued = leased)."""
+        dropped + requeued = leased). A push that arrives after it is refused as `finished`."""
+        self.ended = True
         for p in [p for pushes in self.staged.values() for p in pushes] + list(self.round.staged.values()):
             self.leases.close(self.leases.open[p["lease"]], "dropped")
             self.rejected["finished"] += 1

@@ -198,3 +198,13 @@ def test_a_push_after_the_last_version_is_dropped_and_counted():
     assert sim.push(w1).status == "finished" and sim.core.version == 1
     assert sim.core.leases.counts == {"leased": 16, "applied": 8, "dropped": 8, "requeued": 0}
     assert sim.core.rejected["finished"] == 1
+
+
+def test_a_push_after_a_stop_counts_as_finished_not_stale():
+    """A stop (a target reached, or asked) ends the server before `max_steps`: the open tickets are
+    requeued, and a push that arrives afterwards is refused as `finished`."""
+    sim, w0, w1 = pulled_pair(ASPConfig(), steps=10)
+    assert sim.push(w0).status == "applied"
+    sim.core.end()
+    assert sim.push(w1).status == "finished" and sim.core.rejected["stale"] == 0
+    assert sim.core.leases.counts == {"leased": 16, "applied": 8, "dropped": 0, "requeued": 8}
