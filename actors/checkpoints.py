@@ -80,3 +80,23 @@ def newest_valid(job_root: Path, warn: Callable[[str], None] = print,
             return CheckpointRef(path.with_suffix(".pt"), step, path.relative_to(job_root).parts[0])
         warn(f"warning: skipping checkpoint {path.with_suffix('.pt')}: {problem}")
     return None
+
+
+def average_states(blobs: list[bytes]) -> bytes:
+    """The state of the kinds whose replicas differ, as the final model and a checkpoint hold it: the
+    floating-point model tensors averaged over the replicas; everything else (optimizer, step, ...)
+    from the first, and the step the smallest (the job's step is the slowest member's)."""
+    import io
+
+    import torch
+
+    states = [torch.load(io.BytesIO(b), weights_only=True, map_location="cpu") for b in blobs]
+    first = states[0]
+    for name, tensor in first["model"].items():
+        if torch.is_floating_point(tensor):
+            first["model"][name] = sum(s["model"][name].to(torch.float64) for s in states).div(len(states)).to(tensor.dtype)
+    first["step"] = min(int(s["step"]) for s in states)
+    first["replicas"] = len(states)
+    buf = io.BytesIO()
+    torch.save(first, buf)
+    return buf.getvalue()

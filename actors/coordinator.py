@@ -36,7 +36,7 @@ from actors.members import Member, ask, describe, first_line, is_placed, job_is_
 from actors.plan import ParentWatch, Plan, Progress, WorkerSpec
 from actors.server_control import ServerControl, restart_event
 from actors.worker import WorkerActor
-from algorithms.base import get_algorithm
+from algorithms.base import SERVER_KINDS, get_algorithm
 from algorithms.membership import MemberView, batch_for, choose_leavers, free_slots, slot_index
 from algorithms.stragglers import StragglerWatch
 from algorithms.zipline import BarrierPlanner
@@ -121,7 +121,7 @@ class Coordinator:
         self.algorithm = get_algorithm(self.cfg.sync.policy)(self.cfg.sync)
         self.barriers = BarrierPlanner(self.cfg.sync.r, self.cfg.sync.ewma) if isinstance(self.cfg.sync, ElasticBSPConfig) else None
         """elastic_bsp: ZipLine over each member's predicted iteration interval."""
-        if self._saved is not None and self.algorithm.kind == "server":  # detached: it trained on without us
+        if self._saved is not None and self.algorithm.kind in SERVER_KINDS:  # detached: it trained on without us
             self.server = ServerControl.attach(self.cfg, self.run_id)
         self.history = History(self.run_dir / "history.jsonl", self.algorithm.reporter, written,
                                note=lambda reason, detail: self._event("info", reason, **detail))
@@ -259,11 +259,15 @@ class Coordinator:
     async def server_restarted(self, resumed: int, incarnation: int, snapshot: Optional[str]) -> None:
         """Ray restarted the parameter server from its snapshot at version `resumed`: the versions history
         holds after it are lost and redone (history records them again, with the new incarnation)."""
-        reason, detail = restart_event(self.history.written_step, resumed, incarnation, snapshot,
-                                       self.cfg.server.snapshot_every)
-        self.history.rewind(resumed)
-        self.step = resumed
-        self._event("server", reason, **detail)
+        if self.algorithm.kind == "background":  # no versions: its lease table started over
+            self._event("server", f"lease dispenser restarted as incarnation {incarnation}: its lease table starts "
+                                  f"over (samples of the current data epoch may be dealt again)", server_incarnation=incarnation)
+        else:
+            reason, detail = restart_event(self.history.written_step, resumed, incarnation, snapshot,
+                                           self.cfg.server.snapshot_every)
+            self.history.rewind(resumed)
+            self.step = resumed
+            self._event("server", reason, **detail)
         if self.server is not None and self.plan is not None:  # its snapshot may predate the membership
             self.server.restarts += 1
             self._tell_server(self.plan.members)
@@ -314,9 +318,10 @@ class Coordinator:
             await self._linger()
 
     async def _begin(self) -> None:
-        if self.algorithm.kind == "server":  # it holds the initial parameters and the first membership before any pull
+        if self.algorithm.kind in SERVER_KINDS:  # it holds the initial state and the first membership before any pull
             self.server = await ServerControl.start(self.cfg, self.config_dict, self.run_id, str(self.run_dir))
-            self._event("info", f"parameter server started (pid {self.server.pid})", pid=self.server.pid)
+            what = "parameter server" if self.algorithm.kind == "server" else "lease dispenser"
+            self._event("info", f"{what} started (pid {self.server.pid})", pid=self.server.pid)
         self._spawn([f"w{i}" for i in range(self.cfg.workers.count)], "initial membership", "start")
         members = await self._first_members()
         if self.resume_from:
@@ -832,8 +837,11 @@ class Coordinator:
         rank0 = self.members.get(self.plan.members[0]) if self.plan else None
         if rank0 is not None or self.server is not None:
             try:
-                blob = await (self.server.model_state() if self.server is not None else
-                              asyncio.wait_for(asyncio.wrap_future(rank0.handle.final_state.remote().future()), 60))
+                if self.algorithm.final_model == "average":
+                    blob = await self._average_of_replicas()
+                else:
+                    blob = await (self.server.model_state() if self.server is not None else
+                                  asyncio.wait_for(asyncio.wrap_future(rank0.handle.final_state.remote().future()), 60))
                 runfiles.write_bytes_atomic(self.run_dir / "model.pt", blob)
                 if kind != JobState.FINISHED:  # a stopped or failed job can be continued with --resume
                     await asyncio.to_thread(checkpoints.save, self.run_dir, self.step, blob, self.cfg.checkpoint.keep)
@@ -846,6 +854,20 @@ class Coordinator:
             self.cause = None
         await self._end(kind, self.cause or f"all members reached the stop step {self.step}", quiet=True,
                         survivors=final or None)
+
+    async def _average_of_replicas(self) -> bytes:
+        """The final model of the kinds whose replicas differ: the average of the plan's members that
+        are still there (finished or training), with the first one's other state."""
+        holders = [self.members[s] for s in self.plan.members
+                   if s in self.members and self.members[s].state in (S.FINISHED, S.TRAINING)]
+        if not holders:
+            raise RuntimeError("no member holds a replica")
+        blobs = await asyncio.gather(*(asyncio.wait_for(asyncio.wrap_future(m.handle.final_state.remote().future()), 60)
+                                       for m in holders))
+        blob = await asyncio.to_thread(checkpoints.average_states, list(blobs))
+        self._event("info", f"final model: the average of {len(holders)} replicas ({', '.join(m.slot for m in holders)})",
+                    replicas=[m.slot for m in holders])
+        return blob
 
     async def _member_states(self, slots: tuple[str, ...]) -> dict:
         """Each member's committed (step, checksum), straight from the worker."""

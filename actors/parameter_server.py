@@ -39,6 +39,8 @@ import ray
 import torch
 
 from actors import checkpoints
+from algorithms.base import get_algorithm
+from algorithms.dispenser import DispenserCore
 from algorithms.server import Fence, Pull, Push, PushResult, ServerCore, Update
 from core.factory import check_factory
 from core.schema import JobConfig, parse
@@ -85,10 +87,7 @@ class ServerHost:
         torch.manual_seed(self.cfg.seed)  # the workers' initial replicas, bit for bit
         self.workload = check_factory(self.cfg.workload.factory)(**self.cfg.workload.params)
         self.model: torch.nn.Module = self.workload.model
-        self.core = ServerCore(list(self.model.parameters()), self.cfg.optimizer, self.cfg.sync,
-                               n_samples=len(self.workload.train_data), seed=self.cfg.seed,
-                               global_batch=global_batch(self.cfg), shards=self.cfg.server.shards,
-                               max_steps=self.cfg.stop.max_steps)
+        self.core = self._make_core()
         self.lock = threading.Lock()
         self.ready = threading.Condition(self.lock)
         self._snapshot_lock = threading.Lock()
@@ -110,6 +109,12 @@ class ServerHost:
         self._pulls = self._open_samples("pulls.txt")
         if restarted:
             self._resume()
+
+    def _make_core(self) -> Any:
+        return ServerCore(list(self.model.parameters()), self.cfg.optimizer, self.cfg.sync,
+                          n_samples=len(self.workload.train_data), seed=self.cfg.seed,
+                          global_batch=global_batch(self.cfg), shards=self.cfg.server.shards,
+                          max_steps=self.cfg.stop.max_steps)
 
     # ------------------------------------------------------------------ control
     def set_members(self, epoch: int, members: Sequence[tuple[str, int]]) -> None:
@@ -399,6 +404,60 @@ def _as_tensor(grad: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(grad)
 
 
+class DispenserHost(ServerHost):
+    """The background kind's server (`shadow`): the lease dispenser and EASGD's central copy
+    (algorithms/dispenser.py) behind the host's lock. It applies no versions and reports no history
+    (each member reports its own); `model_state` is the central copy. A restarted dispenser starts
+    from a fresh lease table (no snapshots): the coordinator states it in an event."""
+
+    def _make_core(self) -> Any:
+        return DispenserCore(list(self.model.parameters()), n_samples=len(self.workload.train_data), seed=self.cfg.seed,
+                             global_batch=global_batch(self.cfg))
+
+    def _summary(self) -> dict:
+        return {"pid": os.getpid(), "incarnation": self.core.incarnation, **self.core.summary()}
+
+    def lease_block(self, fence: Fence, count: int, size: int) -> tuple[Optional[str], tuple]:
+        with self.lock:
+            refusal, tickets = self.core.deal_block(fence, count, size)
+        return refusal, tickets
+
+    def applied(self, fence: Fence, keys: Sequence[int], rounds: int) -> int:
+        with self.lock:
+            return self.core.applied(fence, list(keys), rounds)
+
+    def elastic(self, fence: Fence, x: np.ndarray, alpha: float) -> tuple[Optional[str], Optional[np.ndarray]]:
+        with self.lock:
+            refusal, d = self.core.elastic(fence, _as_tensor(x), alpha)
+        return refusal, None if d is None else d.numpy()
+
+    def model_state(self) -> bytes:
+        with self.lock:
+            flat = self.core.central.clone()
+        with self._model_lock:
+            self._load_model(flat)
+            buf = io.BytesIO()
+            torch.save({"model": self.model.state_dict(), "step": 0}, buf)
+        return buf.getvalue()
+
+    def load_checkpoint(self, blob: bytes) -> int:
+        raise RuntimeError("the lease dispenser of a background policy does not resume from a checkpoint")
+
+    def _maybe_snapshot(self, updates: tuple) -> None:
+        pass
+
+    def _resume(self) -> None:
+        self.core.incarnation += 1
+        log.warning("lease dispenser restarted as incarnation %d: its lease table starts over", self.core.incarnation)
+        self.reports.restarted(0, self.core.incarnation, None)
+
+
+def make_host(config: dict, run_dir: str, reports: "ServerReports", restarted: bool = False) -> ServerHost:
+    """The host for the job's policy: a `DispenserHost` for the background kind, else a `ServerHost`."""
+    kind = get_algorithm(str(config.get("sync", {}).get("policy", "bsp"))).kind
+    return (DispenserHost if kind == "background" else ServerHost)(config, run_dir, reports, restarted=restarted)
+
+
 class CoordinatorReports:
     """The server's reports to its coordinator, found by name (it may have been restarted)."""
 
@@ -438,7 +497,7 @@ class ParameterServer:
         _redirect_output(os.path.join(run_dir, "workers", "server.log"))
         logging.basicConfig(level=config.get("log_level", "WARNING"), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         restarted = ray.get_runtime_context().was_current_actor_reconstructed
-        self.host = ServerHost(config, run_dir, CoordinatorReports(coordinator, namespace), restarted=restarted)
+        self.host = make_host(config, run_dir, CoordinatorReports(coordinator, namespace), restarted=restarted)
 
     def ready(self) -> dict:
         return {"pid": os.getpid(), "node": ray.util.get_node_ip_address(), **self.host.summary()}
@@ -473,6 +532,15 @@ class ParameterServer:
 
     def set_schedule(self, index: int, iterations: dict[str, int]) -> bool:
         return self.host.set_schedule(index, iterations)
+
+    def lease_block(self, fence: Fence, count: int, size: int) -> tuple[Optional[str], tuple]:
+        return self.host.lease_block(fence, count, size)
+
+    def applied(self, fence: Fence, keys: list[int], rounds: int) -> int:
+        return self.host.applied(fence, keys, rounds)
+
+    def elastic(self, fence: Fence, x: np.ndarray, alpha: float) -> tuple[Optional[str], Optional[np.ndarray]]:
+        return self.host.elastic(fence, x, alpha)
 
 
 # Pulls wait at the server (up to PULL_WAIT_S each): one thread per worker and a few for control.
@@ -527,6 +595,28 @@ class RayServerClient:
                 time.sleep(0.5)
 
 
+    # --- the lease dispenser (background kind)
+    def lease_block(self, fence: Fence, count: int, size: int) -> tuple[Optional[str], tuple]:
+        try:
+            return ray.get(self._server().lease_block.remote(fence, count, size), timeout=CALL_TIMEOUT_S)
+        except Exception as err:  # noqa: BLE001 - restarting or unreachable: the worker asks again
+            log.warning("lease_block: the dispenser did not answer (%s); asking again", str(err).splitlines()[0][:200])
+            self._handle = None
+            return "wait", ()
+
+    def applied(self, fence: Fence, keys: list[int], rounds: int, wait: bool = False) -> None:
+        """Sent without waiting (calls from one caller arrive in order); `wait`: the last one."""
+        ref = self._server().applied.remote(fence, list(keys), rounds)
+        if wait:
+            ray.get(ref, timeout=CALL_TIMEOUT_S)
+
+    def elastic(self, fence: Fence, x: torch.Tensor, alpha: float) -> torch.Tensor:
+        refusal, d = ray.get(self._server().elastic.remote(fence, x.numpy(), alpha), timeout=CALL_TIMEOUT_S)
+        if refusal is not None:
+            raise RuntimeError(f"the central copy refused the exchange: {refusal}")
+        return torch.from_numpy(np.array(d, dtype=np.float32))
+
+
 class LocalServerClient:
     """A `ServerClient` for a `ServerHost` in this process (tests)."""
 
@@ -546,6 +636,19 @@ class LocalServerClient:
         return result, pull, None if flat is None else torch.from_numpy(flat)
 
 
+    def lease_block(self, fence: Fence, count: int, size: int) -> tuple[Optional[str], tuple]:
+        return self.host.lease_block(fence, count, size)
+
+    def applied(self, fence: Fence, keys: list[int], rounds: int, wait: bool = False) -> None:
+        self.host.applied(fence, keys, rounds)
+
+    def elastic(self, fence: Fence, x: torch.Tensor, alpha: float) -> torch.Tensor:
+        refusal, d = self.host.elastic(fence, x.numpy(), alpha)
+        if refusal is not None:
+            raise RuntimeError(f"the central copy refused the exchange: {refusal}")
+        return torch.from_numpy(np.array(d, dtype=np.float32))
+
+
 def start_server(cfg: JobConfig, config: dict, run_id: str, run_dir: str, namespace: str) -> Any:
     """Create the detached server actor of a job run (before its workers); returns its handle."""
     return ParameterServerActor.options(
@@ -559,4 +662,3 @@ def find_server(job: str, run_id: str, namespace: str) -> Any:
         return ray.get_actor(server_name(job, run_id), namespace=namespace)
     except ValueError:
         return None
-

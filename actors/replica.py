@@ -21,6 +21,7 @@ local steps that the survivors keep are counted as dropped.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import io
 import logging
@@ -86,8 +87,10 @@ class Replica:
         self.optimizer = build_optimizer(self.model.parameters(), self.cfg.optimizer)
         self.algorithm = get_algorithm(self.cfg.sync.policy)(self.cfg.sync, self.cfg.compression)
         self.impl = self.algorithm.bind(self.model, self.optimizer)
-        if server is not None and self.algorithm.kind == "server":
+        if server is not None and self.algorithm.kind in ("server", "background"):
             self.impl.connect(server, self.slot, spec.incarnation)  # fenced by (slot, worker incarnation)
+        if self.algorithm.kind == "background":  # its own group per epoch, formed off the foreground
+            self.impl.attach(self._background_group, self._state_bytes, self._load_state_bytes, self._background_failed)
         self.param_names = [n for n, p in self.model.named_parameters() if p.requires_grad]
         self.sampler = GlobalSampler(len(self.workload.train_data), self.cfg.seed)
         self._fast_index = isinstance(self.workload.train_data, torch.utils.data.TensorDataset)
@@ -177,6 +180,7 @@ class Replica:
             self._outcome = {"ok": False, "step": self.step, "slot": self.slot, "error": f"{type(err).__name__}: {err}",
                              "traceback": traceback.format_exc()}
         finally:
+            self.impl.close()
             self._flush_report(force=True)
             self._finished.set()
         return self._outcome
@@ -185,8 +189,8 @@ class Replica:
         self._enter_phase("waiting")
         self.plan = self.plans.admission(self.slot)
         while True:
-            if self.algorithm.entry == "server":
-                self.plan = self.plans.latest  # no lockstep to keep: a server kind's member takes a plan at once
+            if self.algorithm.entry in ("server", "none"):
+                self.plan = self.plans.latest  # no lockstep to keep: such a member takes a plan at once
             plan = self.plan
             if plan.rank_of(self.slot) is None:
                 return  # left the job (scale-down): finish cleanly
@@ -230,7 +234,7 @@ class Replica:
         self._enter_phase("joining")
         previous = self.trained_plan
         try:
-            comm = NoGroup(spec) if self.algorithm.entry == "server" else self._form(spec, plan)
+            comm = NoGroup(spec) if self.algorithm.entry in ("server", "none") else self._form(spec, plan)
             if comm is None:
                 return False  # a newer membership arrived while forming: go straight to it
             self.comm = comm
@@ -263,6 +267,22 @@ class Replica:
             latest = self.plans.latest
             return latest.version > plan.version and latest.group_name != plan.group_name
         return form_group(spec, superseded)
+
+    def _background_group(self, epoch: EpochInfo) -> Optional[BaseCommunicator]:
+        """The background kind's own group of membership epoch `epoch` (`<group>/bg`), formed in the
+        policy's entry thread; None once a newer epoch superseded it."""
+        comm = self.comm
+        if comm is None or self.plan is None or self.plan.membership_epoch != epoch.membership_epoch:
+            return None
+        spec = dataclasses.replace(comm.spec, name=comm.spec.name + "/bg")
+        return form_group(spec, lambda: self.comm is not comm)
+
+    def _background_failed(self, error: str) -> None:
+        """A background round failed: the coordinator probes the members and re-forms the group."""
+        try:
+            self.link.collective_failed(self.slot, self.plan.membership_epoch if self.plan else 0, error[:300])
+        except Exception as failure:  # noqa: BLE001 - the coordinator may be restarting
+            log.warning("could not tell the coordinator that a background round failed: %s", failure)
 
     # --- what actors/entry.py needs
     def _mark(self) -> int:

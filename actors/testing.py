@@ -136,7 +136,8 @@ class LocalJob:
         from algorithms.zipline import BarrierPlanner
         from core.schema import JobConfig, parse
 
-        from actors.parameter_server import LocalServerClient, ServerHost
+        from actors.parameter_server import LocalServerClient, ServerHost, make_host
+        from algorithms.base import get_algorithm
         from core.schema import SERVER_POLICIES
 
         self.config = parse(JobConfig, config).to_dict()
@@ -144,11 +145,12 @@ class LocalJob:
         self.timeout_s = timeout_s
         self.server: Optional[ServerHost] = None
         """The parameter server, in process, for the server policies."""
-        if self.config["sync"]["policy"] in SERVER_POLICIES:
+        policy = self.config["sync"]["policy"]
+        if policy in SERVER_POLICIES or get_algorithm(policy).kind == "background":
             sync = self.config["sync"]
             planner = BarrierPlanner(sync["r"], sync["ewma"]) if sync["policy"] == "elastic_bsp" and zipline else None
             reports = LocalServerReports(self.link, planner)
-            self.server = reports.host = ServerHost(self.config, run_dir, reports)
+            self.server = reports.host = make_host(self.config, run_dir, reports)
         client = LocalServerClient(self.server) if self.server else None
         self.replicas = {s: Replica(WorkerSpec("local", "r", s, run_dir, "local", "local", self.config), self.link,
                                     "127.0.0.1", server=client) for s in slots}

@@ -19,6 +19,7 @@ loop (actors/replica.py) drives through these hooks, in this order:
     sync_due(step, stop_at) / sync(step, draft)  a periodic round, when one is due: its vote
     commit(step) / discard(step) keep or roll back what the policy staged for this step or round
     on_epoch_end(reason)         the epoch is over: abort and abandon background work
+    close()                      the member's run ended: stop background work, flush notices
     state_dict / load_state_dict what a joiner or a checkpoint needs of the policy
 
 What a step means, what commits it, who reports history and how a membership epoch is entered
@@ -60,6 +61,8 @@ REPORTER: dict[str, Reporter] = {"synchronous": "rank0", "periodic": "rank0", "s
                                  "decentralized": "each", "background": "each"}
 FINAL_MODEL: dict[str, Literal["rank0", "server", "average"]] = {
     "synchronous": "rank0", "periodic": "rank0", "server": "server", "decentralized": "average", "background": "average"}
+SERVER_KINDS = frozenset({"server", "background"})
+"""Kinds whose job runs a server actor: the parameter server, or the background kind's lease dispenser."""
 LOCAL_MEAN = frozenset({"periodic", "decentralized", "background"})
 """Kinds whose members update their own replica: each uses its mean loss. The others weight each
 member's loss by its share of the global batch, so that summing is the global-batch mean."""
@@ -127,7 +130,7 @@ def register(cls: type["Algorithm"]) -> type["Algorithm"]:
 
 def _load_builtin() -> None:
     # Importing the modules registers their classes; kept lazy so imports stay cheap.
-    from algorithms import allreduce, periodic, qadam, server_policies  # noqa: F401
+    from algorithms import allreduce, periodic, qadam, server_policies, shadow  # noqa: F401
 
 
 def known_policies() -> list[str]:
@@ -230,6 +233,9 @@ class AlgorithmImpl:
 
     def rewind(self) -> None:
         """Return the replica to its committed state (the live parameters become `committed_parameters`)."""
+
+    def close(self) -> None:
+        """The member's run ended (finished, left or failed): stop background work, flush notices."""
 
     def state_dict(self) -> dict:
         return {}

@@ -46,16 +46,23 @@ parameter server.
 from __future__ import annotations
 
 import enum
+import logging
 import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Literal, Optional, Protocol, Sequence
 
+import numpy as np
 import torch
 from torch.nn.utils import parameters_to_vector
 
-from core.schema import FieldError
+from algorithms.base import Algorithm, AlgorithmImpl, EpochInfo, VoteDraft, register
+from algorithms.leases import Ticket
+from algorithms.server import Fence
+from core.schema import ShadowConfig
+
+log = logging.getLogger(__name__)
 
 Method = Literal["ma", "easgd", "bmuf"]
 
@@ -98,35 +105,6 @@ class LocalCentral:
         with self._lock:
             moved_x, self.value = easgd_update(x, self.value, alpha)
             return x - moved_x
-
-
-# --------------------------------------------------------------------------- settings
-@dataclass
-class ShadowConfig:
-    """The `shadow` policy's knobs (to be parsed from `sync:` by core/schema.py when it is wired)."""
-
-    method: Method = "ma"
-    """ma: average the replicas; bmuf: block momentum on the average; easgd: elastic pull to the central copy."""
-    interval_s: float = 0.0
-    """Seconds from the start of one round to the start of the next; 0: back to back."""
-    alpha: float = 0.3
-    """EASGD's elastic weight, in (0, 1]."""
-    block_momentum: float = 0.0
-    """BMUF's eta, in [0, 1)."""
-    block_lr: float = 1.0
-    """BMUF's zeta, > 0."""
-
-    def __post_init__(self) -> None:
-        if self.method not in ("ma", "easgd", "bmuf"):
-            raise FieldError("method", f"must be one of ma, easgd, bmuf, got {self.method!r}")
-        if self.interval_s < 0:
-            raise FieldError("interval_s", f"must be >= 0 (0: back to back), got {self.interval_s}")
-        if not 0 < self.alpha <= 1:
-            raise FieldError("alpha", f"must lie in (0, 1], got {self.alpha}")
-        if not 0 <= self.block_momentum < 1:
-            raise FieldError("block_momentum", f"must lie in [0, 1), got {self.block_momentum}")
-        if self.block_lr <= 0:
-            raise FieldError("block_lr", f"must be > 0, got {self.block_lr}")
 
 
 # --------------------------------------------------------------------------- the thread
@@ -358,3 +336,296 @@ class BackgroundSync:
             with self.lock:
                 self.global_copy = state["global_copy"].clone()
                 self.block_step = state["block_step"].clone()
+
+
+# --------------------------------------------------------------------------- the policy
+class DispenserClient(Protocol):
+    """A member's way to the job's lease dispenser and central copy (actors/parameter_server.py)."""
+
+    def lease_block(self, fence: Fence, count: int, size: int) -> tuple[Optional[str], tuple[Ticket, ...]]:
+        """`count` tickets of `size` samples; (refusal, ()) when refused or unreachable ("wait")."""
+
+    def applied(self, fence: Fence, keys: list[int], rounds: int, wait: bool = False) -> None:
+        """These tickets (first lease ids) were applied; `wait`: return once the dispenser has them."""
+
+    def elastic(self, fence: Fence, x: torch.Tensor, alpha: float) -> torch.Tensor:
+        """EASGD's exchange with the central copy; raises when refused or unreachable."""
+
+
+GroupFactory = Callable[[EpochInfo], Any]
+"""Forms this member's background group of a membership epoch (its own gloo group, `<group>/bg`);
+returns None when a newer membership superseded it, raises when it could not form."""
+
+
+class _RemoteCentral:
+    """The central copy on the dispenser, as `BackgroundSync` sees it."""
+
+    def __init__(self, impl: "ShadowImpl") -> None:
+        self.impl = impl
+
+    def elastic(self, x: torch.Tensor, alpha: float) -> torch.Tensor:
+        return self.impl.client.elastic(self.impl._fence(), x, alpha)
+
+
+class ShadowImpl(AlgorithmImpl):
+    """One member of `shadow`: the foreground trains on leased samples and never joins a collective;
+    the background thread runs the rounds over a group of its own per membership epoch.
+
+    Entering an epoch happens in a helper thread, never in the foreground: form the epoch's background
+    group, then agree on who is new. A member that never held a live state (a joiner) receives the
+    whole state of the lowest-ranked member that did (model, optimizer, step, the policy's state);
+    BMUF's global copy and block step go from that member to everyone, so that they stay equal. At the
+    job's start every member is new and nothing moves (identical replicas from the seed). Only a new
+    member's foreground waits for this; the others train on throughout."""
+
+    def __init__(self, algorithm: Algorithm, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        super().__init__(algorithm, model, optimizer)
+        self.client: Optional[DispenserClient] = None
+        self.slot, self.incarnation = "", 0
+        self.make_group: Optional[GroupFactory] = None
+        self.save_state: Callable[[], bytes] = lambda: b""
+        self.load_state: Callable[[bytes], None] = lambda blob: None
+        self.sync = BackgroundSync(list(model.parameters()), self.config, central=None, name="shadow")
+        self.fresh = True
+        """Never held a live state: a joiner (or every member at the job's start)."""
+        self.ready = threading.Event()
+        """Set once this member holds a live state; a new member's foreground waits for it."""
+        self.closed = False
+        self.block: list[Ticket] = []
+        self.ticket: Optional[Ticket] = None
+        self._prefetch: Optional[tuple[threading.Thread, dict]] = None
+        self._applied: list[int] = []
+        self._generation = 0
+        self._group: Any = None
+        self._held: Optional[Any] = None
+        self._reported_failures = 0
+        self.on_failure: Callable[[str], None] = lambda error: None
+        """Told of a failed background round (the owner asks the coordinator to re-form)."""
+        self.entries = 0
+        self.loaded_from: Optional[int] = None
+
+    def connect(self, client: DispenserClient, slot: str, incarnation: int) -> None:
+        self.client, self.slot, self.incarnation = client, slot, incarnation
+        if self.config.method == "easgd":
+            self.sync.central = _RemoteCentral(self)
+
+    def attach(self, make_group: GroupFactory, save_state: Callable[[], bytes], load_state: Callable[[bytes], None],
+               on_failure: Callable[[str], None]) -> None:
+        """The replica's side: how to form a background group, and how to take or load its whole state."""
+        self.make_group, self.save_state, self.load_state, self.on_failure = make_group, save_state, load_state, on_failure
+
+    def _fence(self) -> Fence:
+        return Fence(self.epoch.membership_epoch if self.epoch else 0, self.slot, self.incarnation, 0)
+
+    @property
+    def bytes_sent(self) -> int:
+        return self.sync.stats.bytes_sent
+
+    # ------------------------------------------------------------------ membership epochs
+    def on_membership(self, comm: Any, epoch: EpochInfo) -> None:
+        super().on_membership(comm, epoch)
+        if self.make_group is None:
+            raise RuntimeError("shadow: the replica did not attach a background group factory")
+        self._generation += 1
+        threading.Thread(target=self._enter, args=(self._generation, epoch), daemon=True,
+                         name=f"shadow entry e{epoch.membership_epoch}").start()
+
+    def _enter(self, generation: int, epoch: EpochInfo) -> None:
+        try:
+            group = self.make_group(epoch)
+        except Exception as err:  # noqa: BLE001 - no background sync this epoch; the foreground trains on
+            log.warning("shadow: the background group of epoch %d did not form: %s", epoch.membership_epoch, err)
+            return
+        if group is None:
+            return
+        if generation != self._generation:
+            group.close()
+            return
+        self._group = group
+        try:
+            self._agree(group)
+        except Exception as err:  # noqa: BLE001 - a peer died meanwhile: the next epoch tries again
+            log.warning("shadow: entering epoch %d failed: %s", epoch.membership_epoch, err)
+            group.abort(str(err))
+            return
+        if generation != self._generation:
+            return
+        self.ready.set()
+        if epoch.world_size > 1:
+            self.sync.start(group)
+
+    def _agree(self, group: Any) -> None:
+        """Who is new; the new receive a live member's state; BMUF's global copy is made equal."""
+        fresh = torch.zeros(group.world_size, dtype=torch.float64)
+        fresh[group.rank] = 1.0 if self.fresh else 0.0
+        group.all_reduce(fresh).wait(group.timeout_s)
+        live = [r for r in range(group.world_size) if fresh[r] == 0]
+        self.entries += 1
+        if not live:  # every member is new: the job's start (identical replicas from the seed)
+            self.fresh = False
+            return
+        src = live[0]
+        if fresh.any():
+            size = torch.zeros(1, dtype=torch.int64)
+            blob = None
+            if group.rank == src:
+                with self.sync.lock:
+                    blob = torch.frombuffer(bytearray(self.save_state()), dtype=torch.uint8)
+                size[0] = blob.numel()
+            group.broadcast(size, src).wait(group.timeout_s)
+            if blob is None:
+                blob = torch.empty(int(size[0]), dtype=torch.uint8)
+            group.broadcast(blob, src).wait(group.timeout_s)
+            if self.fresh:
+                with self.sync.lock:
+                    self.load_state(blob.numpy().tobytes())
+                self.loaded_from = src
+        if self.sync.global_copy is not None:
+            with self.sync.lock:
+                both = torch.cat([self.sync.global_copy, self.sync.block_step])
+            group.broadcast(both, src).wait(group.timeout_s)
+            with self.sync.lock:
+                n = self.sync.global_copy.numel()
+                self.sync.global_copy, self.sync.block_step = both[:n].clone(), both[n:].clone()
+        self.fresh = False
+
+    def on_epoch_end(self, reason: str) -> None:
+        self._generation += 1
+        group, self._group = self._group, None
+        if self.sync.state == Lifecycle.STARTED:
+            self.sync.abandon(reason)
+        elif group is not None:
+            group.abort(reason)
+        if group is not None:
+            thread = self.sync.thread
+            threading.Thread(target=_close_when_free, args=(group, thread), daemon=True, name="shadow close").start()
+
+    # ------------------------------------------------------------------ the foreground
+    def step_samples(self, step: int) -> Optional[np.ndarray]:
+        """The next leased share; empty while this new member waits for its state, or while the
+        dispenser cannot deal (the loop comes back)."""
+        if self.client is None:
+            raise RuntimeError("policy 'shadow' needs the job's lease dispenser; none was connected")
+        if not self.ready.wait(0.2) or self.closed:
+            return np.empty(0, dtype=np.int64)
+        self._report_failures()
+        if not self.block:
+            self.block = self._take_prefetch() or self._fetch()
+            if not self.block:
+                time.sleep(0.05)
+                return np.empty(0, dtype=np.int64)
+        self.ticket = self.block.pop(0)
+        if len(self.block) <= self.config.lease_block // 2 and self._prefetch is None:
+            self._start_prefetch()
+        return np.asarray([i for lease in self.ticket.leases for i in lease.ids], dtype=np.int64)
+
+    def _share(self) -> int:
+        n, world, rank = self.epoch.global_batch, self.epoch.world_size, self.epoch.rank
+        return n // world + (1 if rank < n % world else 0)
+
+    def _fetch(self) -> list[Ticket]:
+        refusal, tickets = self.client.lease_block(self._fence(), self.config.lease_block, self._share())
+        if refusal == "finished":
+            self.closed = True
+        return list(tickets)
+
+    def _start_prefetch(self) -> None:
+        box: dict = {}
+        fence, count, size = self._fence(), self.config.lease_block, self._share()
+
+        def fetch() -> None:
+            try:
+                box["answer"] = self.client.lease_block(fence, count, size)
+            except Exception as err:  # noqa: BLE001 - fetched again in the foreground
+                box["error"] = err
+        thread = threading.Thread(target=fetch, daemon=True, name="shadow prefetch")
+        self._prefetch = (thread, box)
+        thread.start()
+
+    def _take_prefetch(self) -> list[Ticket]:
+        if self._prefetch is None:
+            return []
+        thread, box = self._prefetch
+        self._prefetch = None
+        thread.join()
+        refusal, tickets = box.get("answer", (None, ()))
+        if refusal == "finished":
+            self.closed = True
+        return list(tickets)
+
+    def _report_failures(self) -> None:
+        failed = self.sync.stats.rounds_failed
+        if failed > self._reported_failures and self.sync.state == Lifecycle.STOPPED:
+            self._reported_failures = failed
+            self.on_failure(self.sync.stats.last_error or "a background round failed")
+
+    def begin_step(self, step: int, draft: VoteDraft) -> None:
+        """The foreground holds the lock from the forward through the optimizer step: a round's
+        snapshot and write-back fall between steps (an in-place change of a parameter during a step
+        would break its backward)."""
+        self._held = self.sync.foreground()
+        self._held.__enter__()
+        super().begin_step(step, draft)
+
+    def apply_update(self, step: int, lr: float) -> None:
+        try:
+            super().apply_update(step, lr)
+        finally:
+            self._release()
+
+    def discard(self, step: int) -> None:
+        self._release()
+
+    def _release(self) -> None:
+        held, self._held = self._held, None
+        if held is not None:
+            held.__exit__(None, None, None)
+
+    def commit(self, step: int) -> None:
+        """The step is applied to this replica: its ticket is applied (the dispenser hears it without
+        the foreground waiting)."""
+        if self.ticket is not None:
+            self._applied.append(self.ticket.leases[0].id)
+            self.ticket = None
+        if self._applied:
+            self.client.applied(self._fence(), self._applied, self.sync.stats.rounds_completed)
+            self._applied = []
+
+    def stop_requested(self) -> bool:
+        return self.closed
+
+    def close(self) -> None:
+        """The run ended: the background thread stops (abandoned if stuck), the dispenser has every notice."""
+        self._release()
+        self.sync.request_stop()
+        self.on_epoch_end("the member finished")
+        if self.client is not None and self.epoch is not None:
+            try:
+                self.client.applied(self._fence(), [], self.sync.stats.rounds_completed, wait=True)
+            except Exception as err:  # noqa: BLE001 - the dispenser may be gone at the end of the job
+                log.warning("shadow: the last applied notices may be lost: %s", err)
+
+    def state_dict(self) -> dict:
+        return self.sync.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.sync.load_state_dict(state)
+
+
+def _close_when_free(group: Any, thread: Optional[threading.Thread]) -> None:
+    """Close an abandoned epoch's group once its thread is out of the collective (its timeout frees it)."""
+    if thread is not None:
+        thread.join(getattr(group, "timeout_s", 30.0) + 5.0)
+        if thread.is_alive():
+            return  # still stuck: leave the group to the garbage collector
+    try:
+        group.close()
+    except Exception:  # noqa: BLE001
+        pass
+
+
+@register
+class Shadow(Algorithm):
+    name = "shadow"
+    kind = "background"
+    impl = ShadowImpl

@@ -288,6 +288,41 @@ class ElasticBSPConfig:
             raise FieldError("ewma", f"must be in (0, 1], got {self.ewma}")
 
 
+@dataclass
+class ShadowConfig:
+    """`shadow` (background synchronization): every member trains on its own replica and never waits;
+    a background thread synchronizes the replicas, round after round, while the foreground trains."""
+
+    policy: Literal["shadow"] = "shadow"
+    method: Literal["ma", "easgd", "bmuf"] = "ma"
+    """ma: average the replicas; bmuf: block momentum on the average; easgd: elastic pull to a central
+    copy held by the job's server actor."""
+    interval_s: float = 0.0
+    """Seconds from the start of one round to the start of the next; 0: back to back."""
+    alpha: float = 0.3
+    """EASGD's elastic weight, in (0, 1]."""
+    block_momentum: float = 0.0
+    """BMUF's eta, in [0, 1)."""
+    block_lr: float = 1.0
+    """BMUF's zeta, > 0."""
+    lease_block: int = 8
+    """Steps' worth of samples a member leases per call to the dispenser (the next block is fetched
+    in the background when half of the current one is used)."""
+
+    def __post_init__(self) -> None:
+        if self.method not in ("ma", "easgd", "bmuf"):
+            raise FieldError("method", f"must be one of ma, easgd, bmuf, got {self.method!r}")
+        if self.interval_s < 0:
+            raise FieldError("interval_s", f"must be >= 0 (0: back to back), got {self.interval_s}")
+        if not 0 < self.alpha <= 1:
+            raise FieldError("alpha", f"must lie in (0, 1], got {self.alpha}")
+        if not 0 <= self.block_momentum < 1:
+            raise FieldError("block_momentum", f"must lie in [0, 1), got {self.block_momentum}")
+        if self.block_lr <= 0:
+            raise FieldError("block_lr", f"must be > 0, got {self.block_lr}")
+        _at_least(self, "lease_block", 1)
+
+
 TOPOLOGY_KINDS = ("aer", "complete", "exp", "matching", "one_peer_exp", "ring", "shift_one", "torus")
 """The gossip topologies of algorithms/topologies.py (a unit test keeps the two lists equal)."""
 
@@ -334,11 +369,11 @@ class DAdamConfig(DPSGDConfig):
 
 SYNC_POLICIES: dict[str, type] = {c.policy: c for c in (BSPConfig, BytegradConfig, QAdamConfig, LocalSGDConfig,
                                                         DiLoCoConfig, StreamingDiLoCoConfig, ASPConfig, SSPConfig,
-                                                        QuorumConfig, ElasticBSPConfig, DPSGDConfig,
+                                                        QuorumConfig, ElasticBSPConfig, ShadowConfig, DPSGDConfig,
                                                         DAdamConfig)}
 """`sync.policy` -> its config dataclass (its knobs); algorithms/ registers one Algorithm for each that runs."""
 SyncConfig = Union[BSPConfig, BytegradConfig, QAdamConfig, LocalSGDConfig, DiLoCoConfig, StreamingDiLoCoConfig,
-                   ASPConfig, SSPConfig, QuorumConfig, ElasticBSPConfig, DPSGDConfig, DAdamConfig]
+                   ASPConfig, SSPConfig, QuorumConfig, ElasticBSPConfig, ShadowConfig, DPSGDConfig, DAdamConfig]
 SERVER_POLICIES = frozenset({"asp", "ssp", "quorum", "elastic_bsp"})
 """Policies run by a parameter server (actors/parameter_server.py): the `server:` section applies."""
 NOT_WIRED: frozenset[str] = frozenset({"dpsgd", "dadam"})

@@ -80,6 +80,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         from actors.checkpoints import newest_valid_of_job
         from core.schema import SERVER_POLICIES
 
+        if config.sync.policy == "shadow":
+            raise ConfigError("--resume: policy 'shadow' does not resume from a checkpoint yet (its lease table "
+                              "lives on the dispenser and is not saved); start a new run")
+
         ref = newest_valid_of_job(job_root(config), config.sync.policy in SERVER_POLICIES,
                                   warn=lambda text: print(text, file=sys.stderr, flush=True))
         if ref is None:

@@ -72,7 +72,14 @@ class FakeGossipImpl(AlgorithmImpl):
 
 
 class FakeBackgroundImpl(AlgorithmImpl):
-    """Background: the foreground only takes local steps (its rounds would run on their own thread)."""
+    """Background: the foreground only takes local steps (its rounds would run on their own thread).
+    The kind's job has a lease dispenser and a group factory, which this fake takes and leaves unused."""
+
+    def connect(self, client, slot, incarnation):
+        pass
+
+    def attach(self, make_group, save_state, load_state, on_failure):
+        pass
 
 
 def fake(name: str, kind: str, impl: type) -> type:
