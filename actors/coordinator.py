@@ -828,11 +828,14 @@ class Coordinator:
     async def _finish(self) -> None:
         """Every member of the plan finished at the same committed step: keep the model, end the job."""
         if self.server is not None:  # its newest reports may still be on their way
+            if self.algorithm.kind == "background":
+                self.server.close("the job ended")  # the dispenser requeues what is still held (counted)
             for record in await self.server.records_after(self.history.written_step):
                 self._accept_record(record)
             await self.server.refresh_summary()
         self.history.close()
-        self.step = self.history.written_step
+        self.step = self.history.step(self.plan.members) if self.history.reporter == "each" and self.plan \
+            else self.history.written_step
         kind = JobState(self.stop_kind or "FINISHED")
         rank0 = self.members.get(self.plan.members[0]) if self.plan else None
         if rank0 is not None or self.server is not None:
@@ -856,17 +859,22 @@ class Coordinator:
                         survivors=final or None)
 
     async def _average_of_replicas(self) -> bytes:
-        """The final model of the kinds whose replicas differ: the average of the plan's members that
-        are still there (finished or training), with the first one's other state."""
-        holders = [self.members[s] for s in self.plan.members
-                   if s in self.members and self.members[s].state in (S.FINISHED, S.TRAINING)]
+        """The final model of the kinds whose replicas differ: the average over the members that finished
+        (a member that finished first is no longer in the newest plan) and those of the plan still
+        training, with the first one's other state."""
+        holders = [m for m in self.members.values()
+                   if m.state == S.FINISHED or (m.state == S.TRAINING and m.slot in self.plan.members)]
         if not holders:
             raise RuntimeError("no member holds a replica")
         blobs = await asyncio.gather(*(asyncio.wait_for(asyncio.wrap_future(m.handle.final_state.remote().future()), 60)
                                        for m in holders))
         blob = await asyncio.to_thread(checkpoints.average_states, list(blobs))
-        self._event("info", f"final model: the average of {len(holders)} replicas ({', '.join(m.slot for m in holders)})",
-                    replicas=[m.slot for m in holders])
+        metrics = await ask(holders[0].handle, "evaluate_state", blob, timeout=60) or {}
+        if metrics:
+            self.metrics.update(metrics)
+        shown = ", ".join(f"{k} {v:.4f}" for k, v in metrics.items())
+        self._event("info", f"final model: the average of {len(holders)} replicas ({', '.join(m.slot for m in holders)})"
+                            + (f": {shown}" if shown else ""), replicas=[m.slot for m in holders], metrics=metrics)
         return blob
 
     async def _member_states(self, slots: tuple[str, ...]) -> dict:

@@ -422,9 +422,10 @@ class DispenserHost(ServerHost):
             refusal, tickets = self.core.deal_block(fence, count, size)
         return refusal, tickets
 
-    def applied(self, fence: Fence, keys: Sequence[int], rounds: int) -> int:
+    def applied(self, fence: Fence, keys: Sequence[int], rounds: int, final: bool = False, upto: int = -1,
+                finished: bool = False) -> int:
         with self.lock:
-            return self.core.applied(fence, list(keys), rounds)
+            return self.core.applied(fence, list(keys), rounds, final, upto, finished)
 
     def elastic(self, fence: Fence, x: np.ndarray, alpha: float) -> tuple[Optional[str], Optional[np.ndarray]]:
         with self.lock:
@@ -536,8 +537,9 @@ class ParameterServer:
     def lease_block(self, fence: Fence, count: int, size: int) -> tuple[Optional[str], tuple]:
         return self.host.lease_block(fence, count, size)
 
-    def applied(self, fence: Fence, keys: list[int], rounds: int) -> int:
-        return self.host.applied(fence, keys, rounds)
+    def applied(self, fence: Fence, keys: list[int], rounds: int, final: bool = False, upto: int = -1,
+                finished: bool = False) -> int:
+        return self.host.applied(fence, keys, rounds, final, upto, finished)
 
     def elastic(self, fence: Fence, x: np.ndarray, alpha: float) -> tuple[Optional[str], Optional[np.ndarray]]:
         return self.host.elastic(fence, x, alpha)
@@ -604,10 +606,12 @@ class RayServerClient:
             self._handle = None
             return "wait", ()
 
-    def applied(self, fence: Fence, keys: list[int], rounds: int, wait: bool = False) -> None:
-        """Sent without waiting (calls from one caller arrive in order); `wait`: the last one."""
-        ref = self._server().applied.remote(fence, list(keys), rounds)
-        if wait:
+    def applied(self, fence: Fence, keys: list[int], rounds: int, final: bool = False, upto: int = -1,
+                finished: bool = False) -> None:
+        """Sent without waiting (the server runs calls concurrently: they may arrive out of order); the
+        `final` one is waited for."""
+        ref = self._server().applied.remote(fence, list(keys), rounds, final, upto, finished)
+        if final:
             ray.get(ref, timeout=CALL_TIMEOUT_S)
 
     def elastic(self, fence: Fence, x: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -639,8 +643,9 @@ class LocalServerClient:
     def lease_block(self, fence: Fence, count: int, size: int) -> tuple[Optional[str], tuple]:
         return self.host.lease_block(fence, count, size)
 
-    def applied(self, fence: Fence, keys: list[int], rounds: int, wait: bool = False) -> None:
-        self.host.applied(fence, keys, rounds)
+    def applied(self, fence: Fence, keys: list[int], rounds: int, final: bool = False, upto: int = -1,
+                finished: bool = False) -> None:
+        self.host.applied(fence, keys, rounds, final, upto, finished)
 
     def elastic(self, fence: Fence, x: torch.Tensor, alpha: float) -> torch.Tensor:
         refusal, d = self.host.elastic(fence, x.numpy(), alpha)

@@ -21,6 +21,7 @@ local steps that the survivors keep are counted as dropped.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import hashlib
 import io
@@ -90,7 +91,8 @@ class Replica:
         if server is not None and self.algorithm.kind in ("server", "background"):
             self.impl.connect(server, self.slot, spec.incarnation)  # fenced by (slot, worker incarnation)
         if self.algorithm.kind == "background":  # its own group per epoch, formed off the foreground
-            self.impl.attach(self._background_group, self._state_bytes, self._load_state_bytes, self._background_failed)
+            self.impl.attach(self._background_group, self._state_bytes, self._load_state_bytes, self._background_failed,
+                             lambda source, epoch: self.link.state_received(self.slot, epoch, source, self.step))
         self.param_names = [n for n, p in self.model.named_parameters() if p.requires_grad]
         self.sampler = GlobalSampler(len(self.workload.train_data), self.cfg.seed)
         self._fast_index = isinstance(self.workload.train_data, torch.utils.data.TensorDataset)
@@ -109,6 +111,7 @@ class Replica:
         self.state, self.cause = "ready", ""
         self.phase, self.phase_since = "starting", time.monotonic()
         self._finished = threading.Event()
+        self._left = False
         self._outcome: dict = {}
         self._records: list[dict] = []
         self.kept: deque[dict] = deque(maxlen=KEEP_RECORDS)
@@ -160,6 +163,16 @@ class Replica:
         """The committed training state (model, optimizer, step, data position, ...), as a checkpoint holds it."""
         return self._state_bytes()
 
+    def evaluate_state(self, blob: bytes) -> dict:
+        """The workload's metrics of a model state (the average of the replicas), on a copy of the model."""
+        evaluate, data = getattr(self.workload, "evaluate", None), getattr(self.workload, "eval_data", None)
+        if evaluate is None or data is None:
+            return {}
+        model = copy.deepcopy(self.model)
+        model.load_state_dict(torch.load(io.BytesIO(blob), weights_only=True, map_location="cpu")["model"])
+        model.eval()
+        return {k: float(v) for k, v in evaluate(model, data).items()}
+
     def records_after(self, step: int) -> tuple[dict, ...]:
         """The kept history records of commit points after `step` (a restarted coordinator's catch-up)."""
         return tuple(r for r in list(self.kept) if r["step"] > step)
@@ -180,7 +193,7 @@ class Replica:
             self._outcome = {"ok": False, "step": self.step, "slot": self.slot, "error": f"{type(err).__name__}: {err}",
                              "traceback": traceback.format_exc()}
         finally:
-            self.impl.close()
+            self.impl.close(finished=self.state == "finished" and not self._left)
             self._flush_report(force=True)
             self._finished.set()
         return self._outcome
@@ -193,6 +206,7 @@ class Replica:
                 self.plan = self.plans.latest  # no lockstep to keep: such a member takes a plan at once
             plan = self.plan
             if plan.rank_of(self.slot) is None:
+                self._left = True
                 return  # left the job (scale-down): finish cleanly
             if self.comm is None or self.comm.name != plan.group_name:
                 if not self._enter_epoch(plan):
@@ -531,7 +545,7 @@ class Replica:
         if self.impl.commit_mark is not None:
             record.update(prev=prev if prev is not None else 0, samples=vote.samples)
         if self.algorithm.reporter == "each":
-            record["slot"] = self.slot
+            record.update(slot=self.slot, samples=vote.samples)
         if self.dropped:
             record["dropped_samples"], self.dropped = self.dropped, 0
         self.kept.append(record)

@@ -105,6 +105,10 @@ class Worker:
         return self.replica.final_state()
 
     @ray.method(concurrency_group="control")
+    def evaluate_state(self, blob: bytes) -> dict:
+        return self.replica.evaluate_state(blob)
+
+    @ray.method(concurrency_group="control")
     def records_after(self, step: int) -> tuple[dict, ...]:
         return self.replica.records_after(step)
 

@@ -234,8 +234,9 @@ class AlgorithmImpl:
     def rewind(self) -> None:
         """Return the replica to its committed state (the live parameters become `committed_parameters`)."""
 
-    def close(self) -> None:
-        """The member's run ended (finished, left or failed): stop background work, flush notices."""
+    def close(self, finished: bool) -> None:
+        """The member's run ended (`finished`: it reached its stop; else it left or failed): stop
+        background work, flush notices."""
 
     def state_dict(self) -> dict:
         return {}

@@ -7,10 +7,13 @@ applied. The dispenser runs on the job's parameter-server actor (actors/paramete
 it survives a coordinator crash, and is fenced like the server: a call from a slot that is not a
 member, or from a replaced incarnation of one, is refused.
 
-Accounting (every leased sample ends exactly once, so leased = applied + requeued + outstanding):
+Accounting (every leased sample ends exactly once: leased = applied + requeued + lost + outstanding):
 - a ticket a member applied to its replica is `applied`: its samples are not dealt again within
   their data epoch (at most once);
-- a departed member's tickets it never applied are `requeued`, with their data epoch;
+- a departed member's tickets it never applied are `requeued`, with their data epoch, except the
+  first of them when it died: it may have applied that one just before, its notice still in flight
+  (members use their tickets in order and tell each one without waiting), so that ticket is `lost`:
+  counted, never dealt again within its data epoch;
 - the samples a departed member applied after its last completed background round are counted as
   `died_with_replica` (a part of `applied`): their updates lived only in the lost replica. It is an
   upper bound: a round may have carried some of them before the member died, unheard here.
@@ -48,6 +51,8 @@ class DispenserCore:
         self._next_clock: dict[str, int] = {}
         self._rounds: dict[str, int] = {}
         """Per slot: the background rounds it had completed at its newest applied notice."""
+        self._ended: set[tuple[str, int]] = set()
+        """(slot, incarnation) whose run ended with a final notice: released then, not at its departure."""
         self._since_round: dict[str, int] = {}
         """Per slot: samples it applied since the newest round count it reported (the upper bound)."""
 
@@ -73,16 +78,20 @@ class DispenserCore:
         go back to the queue; what it applied since its last round is counted as died with it."""
         new = dict(members)
         for slot, incarnation in self.members.items():
-            if new.get(slot) != incarnation:
-                self._release(slot, died=True)
+            if new.get(slot) != incarnation and (slot, incarnation) not in self._ended:
+                self._release(slot, died=True, uncertain=True)
         self.members, self.membership_epoch = new, epoch
         return ()
 
-    def _release(self, slot: str, died: bool) -> None:
-        for ticket in self.leases.held(slot):
-            self.leases.close(ticket, "requeued")
+    def _release(self, slot: str, died: bool, uncertain: bool = False) -> None:
+        """`died`: its updates since its last round died with it; `uncertain`: no final notice said which
+        tickets it applied."""
+        held = sorted(self.leases.held(slot), key=lambda t: t.clock)
+        for i, ticket in enumerate(held):  # a dead member's first open ticket may be applied, its notice lost
+            self.leases.close(ticket, "lost" if uncertain and i == 0 else "requeued")
+        since = self._since_round.pop(slot, 0)
         if died:
-            self.died_with_replica += self._since_round.pop(slot, 0)
+            self.died_with_replica += since
         self._rounds.pop(slot, None)
 
     # ---------------------------------------------------------------- blocks
@@ -103,12 +112,27 @@ class DispenserCore:
         self.blocks += 1
         return None, tuple(tickets)
 
-    def applied(self, fence: Fence, keys: Sequence[int], rounds: int) -> int:
+    def applied(self, fence: Fence, keys: Sequence[int], rounds: int, final: bool = False, upto: int = -1,
+                finished: bool = False) -> int:
         """The sender applied the tickets named by their first lease ids, having completed `rounds`
-        background rounds so far. Returns how many were still open (a repeated notice counts 0)."""
+        background rounds so far. Returns how many were still open (a repeated notice counts 0).
+        `final`: the sender's run ended and it applied every ticket it holds up to clock `upto` (it
+        uses them in order; their notices may still be on the way: the host runs calls concurrently,
+        so they may arrive after this one): those are applied, the rest go back to the queue.
+        `finished`: it reached its stop and goes into the final model, so nothing of it died (one that
+        left did not: what it applied since its last round is counted as died with it)."""
         if fence.slot not in self.members or fence.worker_incarnation != self.members[fence.slot]:
             self._refused("not_member" if fence.slot not in self.members else "fenced_worker")
             return 0
+        closed = self._close_applied(fence, keys, rounds)
+        if final:
+            closed += self._close_applied(fence, [t.leases[0].id for t in self.leases.held(fence.slot) if t.clock <= upto],
+                                          rounds)
+            self._release(fence.slot, died=not finished)
+            self._ended.add((fence.slot, fence.worker_incarnation))
+        return closed
+
+    def _close_applied(self, fence: Fence, keys: Sequence[int], rounds: int) -> int:
         closed = 0
         if rounds > self._rounds.get(fence.slot, -1):
             self._rounds[fence.slot] = rounds

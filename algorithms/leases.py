@@ -6,9 +6,11 @@ and every lease ends exactly once as
 
 - `applied`: its gradient went into an update;
 - `dropped`: its gradient arrived and was discarded (a quorum's late push, a push after the end);
-- `requeued`: it ended without a gradient (its holder left or was replaced, it skipped ahead).
+- `requeued`: it ended without a gradient (its holder left or was replaced, it skipped ahead);
+- `lost`: its holder died and may have applied it just before (a background member's notice in
+  flight): its samples are not dealt again within their data epoch (at most once), and are counted.
 
-So `leased = applied + dropped + requeued + outstanding`, in samples. The samples of a lease that was
+So `leased = applied + dropped + requeued + lost + outstanding`, in samples. The samples of a lease that was
 not applied go back to the front of the queue with their data epoch (dropped ones too: their
 gradient was never used), and are dealt again, under new lease ids, before any fresh sample: so within
 a data epoch every sample is applied once. A push is recognised by its lease ids: a lease that is no
@@ -30,8 +32,8 @@ import numpy as np
 
 from algorithms.sampler import GlobalSampler
 
-Outcome = Literal["applied", "dropped", "requeued"]
-OUTCOMES: tuple[Outcome, ...] = ("applied", "dropped", "requeued")
+Outcome = Literal["applied", "dropped", "requeued", "lost"]
+OUTCOMES: tuple[Outcome, ...] = ("applied", "dropped", "requeued", "lost")
 
 
 @dataclass(frozen=True)
@@ -156,7 +158,7 @@ class LeaseService:
         del self.open[ticket.leases[0].id]
         self.counts[outcome] += ticket.samples
         for lease in ticket.leases:
-            if outcome == "applied":
+            if outcome in ("applied", "lost"):
                 self.applied.add(lease.id)
             else:
                 self.queue.append((lease.data_epoch, list(lease.ids)))

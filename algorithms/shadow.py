@@ -345,8 +345,11 @@ class DispenserClient(Protocol):
     def lease_block(self, fence: Fence, count: int, size: int) -> tuple[Optional[str], tuple[Ticket, ...]]:
         """`count` tickets of `size` samples; (refusal, ()) when refused or unreachable ("wait")."""
 
-    def applied(self, fence: Fence, keys: list[int], rounds: int, wait: bool = False) -> None:
-        """These tickets (first lease ids) were applied; `wait`: return once the dispenser has them."""
+    def applied(self, fence: Fence, keys: list[int], rounds: int, final: bool = False, upto: int = -1,
+                finished: bool = False) -> None:
+        """These tickets (first lease ids) were applied (sent without waiting). `final`: this member's
+        run ended, every ticket up to clock `upto` applied; returns once the dispenser has it.
+        `finished`: it reached its stop (its replica goes into the final model)."""
 
     def elastic(self, fence: Fence, x: torch.Tensor, alpha: float) -> torch.Tensor:
         """EASGD's exchange with the central copy; raises when refused or unreachable."""
@@ -385,7 +388,8 @@ class ShadowImpl(AlgorithmImpl):
         self.make_group: Optional[GroupFactory] = None
         self.save_state: Callable[[], bytes] = lambda: b""
         self.load_state: Callable[[bytes], None] = lambda blob: None
-        self.sync = BackgroundSync(list(model.parameters()), self.config, central=None, name="shadow")
+        central = _RemoteCentral(self) if self.config.method == "easgd" else None  # reached once connected
+        self.sync = BackgroundSync(list(model.parameters()), self.config, central=central, name="shadow")
         self.fresh = True
         """Never held a live state: a joiner (or every member at the job's start)."""
         self.ready = threading.Event()
@@ -401,18 +405,21 @@ class ShadowImpl(AlgorithmImpl):
         self._reported_failures = 0
         self.on_failure: Callable[[str], None] = lambda error: None
         """Told of a failed background round (the owner asks the coordinator to re-form)."""
+        self.on_state: Callable[[str, int], None] = lambda source, epoch: None
         self.entries = 0
+        self._upto = -1
+        """The clock of the newest ticket applied (tickets are used in order)."""
         self.loaded_from: Optional[int] = None
 
     def connect(self, client: DispenserClient, slot: str, incarnation: int) -> None:
         self.client, self.slot, self.incarnation = client, slot, incarnation
-        if self.config.method == "easgd":
-            self.sync.central = _RemoteCentral(self)
 
     def attach(self, make_group: GroupFactory, save_state: Callable[[], bytes], load_state: Callable[[bytes], None],
-               on_failure: Callable[[str], None]) -> None:
-        """The replica's side: how to form a background group, and how to take or load its whole state."""
+               on_failure: Callable[[str], None], on_state: Callable[[str, int], None] = lambda source, epoch: None) -> None:
+        """The replica's side: how to form a background group, how to take or load its whole state, and
+        whom to tell of a failed round or of a state received (`on_state(source slot, membership epoch)`)."""
         self.make_group, self.save_state, self.load_state, self.on_failure = make_group, save_state, load_state, on_failure
+        self.on_state = on_state
 
     def _fence(self) -> Fence:
         return Fence(self.epoch.membership_epoch if self.epoch else 0, self.slot, self.incarnation, 0)
@@ -443,7 +450,7 @@ class ShadowImpl(AlgorithmImpl):
             return
         self._group = group
         try:
-            self._agree(group)
+            self._agree(group, epoch)
         except Exception as err:  # noqa: BLE001 - a peer died meanwhile: the next epoch tries again
             log.warning("shadow: entering epoch %d failed: %s", epoch.membership_epoch, err)
             group.abort(str(err))
@@ -454,7 +461,7 @@ class ShadowImpl(AlgorithmImpl):
         if epoch.world_size > 1:
             self.sync.start(group)
 
-    def _agree(self, group: Any) -> None:
+    def _agree(self, group: Any, epoch: EpochInfo) -> None:
         """Who is new; the new receive a live member's state; BMUF's global copy is made equal."""
         fresh = torch.zeros(group.world_size, dtype=torch.float64)
         fresh[group.rank] = 1.0 if self.fresh else 0.0
@@ -480,6 +487,7 @@ class ShadowImpl(AlgorithmImpl):
                 with self.sync.lock:
                     self.load_state(blob.numpy().tobytes())
                 self.loaded_from = src
+                self.on_state(epoch.members[src], epoch.membership_epoch)
         if self.sync.global_copy is not None:
             with self.sync.lock:
                 both = torch.cat([self.sync.global_copy, self.sync.block_step])
@@ -586,6 +594,7 @@ class ShadowImpl(AlgorithmImpl):
         the foreground waiting)."""
         if self.ticket is not None:
             self._applied.append(self.ticket.leases[0].id)
+            self._upto = self.ticket.clock
             self.ticket = None
         if self._applied:
             self.client.applied(self._fence(), self._applied, self.sync.stats.rounds_completed)
@@ -594,16 +603,21 @@ class ShadowImpl(AlgorithmImpl):
     def stop_requested(self) -> bool:
         return self.closed
 
-    def close(self) -> None:
-        """The run ended: the background thread stops (abandoned if stuck), the dispenser has every notice."""
+    def close(self, finished: bool) -> None:
+        """The run ended: the background thread stops (abandoned if stuck). A member that finished
+        tells the dispenser so and waits until it has every notice (its replica goes into the final
+        model: nothing of it died); one that left or failed is counted at its departure."""
         self._release()
         self.sync.request_stop()
-        self.on_epoch_end("the member finished")
-        if self.client is not None and self.epoch is not None:
+        if self.client is not None and self.epoch is not None:  # before the group goes (its end may re-form the others)
+            self.ticket = None  # dealt but not applied: it goes back with the holder's other tickets
             try:
-                self.client.applied(self._fence(), [], self.sync.stats.rounds_completed, wait=True)
+                self.client.applied(self._fence(), self._applied, self.sync.stats.rounds_completed, final=True,
+                                    upto=self._upto, finished=finished)
             except Exception as err:  # noqa: BLE001 - the dispenser may be gone at the end of the job
                 log.warning("shadow: the last applied notices may be lost: %s", err)
+            self._applied = []
+        self.on_epoch_end("the member finished" if finished else "the member left")
 
     def state_dict(self) -> dict:
         return self.sync.state_dict()

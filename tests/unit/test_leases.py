@@ -56,7 +56,7 @@ def test_outcomes_add_up_and_applied_leases_are_remembered():
         service.close(ticket, outcome)
     extra = service.deal_share(0, "w3", 3, 4)
     counts = service.counts
-    assert counts == {"leased": 30 + extra.samples, "applied": 10, "dropped": 10, "requeued": 10}
+    assert counts == {"leased": 30 + extra.samples, "applied": 10, "dropped": 10, "requeued": 10, "lost": 0}
     assert service.outstanding == extra.samples and service.find(extra.lease_ids) == extra
     assert service.was_applied(tickets[0].lease_ids) and not service.was_applied(tickets[1].lease_ids)
     unapplied = ids_of(tickets[1]) + ids_of(tickets[2])  # dropped, then requeued: both back in the queue, in order

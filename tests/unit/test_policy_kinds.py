@@ -78,7 +78,7 @@ class FakeBackgroundImpl(AlgorithmImpl):
     def connect(self, client, slot, incarnation):
         pass
 
-    def attach(self, make_group, save_state, load_state, on_failure):
+    def attach(self, make_group, save_state, load_state, on_failure, on_state=None):
         pass
 
 

@@ -196,7 +196,7 @@ def test_a_push_after_the_last_version_is_dropped_and_counted():
     sim, w0, w1 = pulled_pair(ASPConfig(), steps=1)
     assert sim.push(w0).status == "applied" and sim.core.finished
     assert sim.push(w1).status == "finished" and sim.core.version == 1
-    assert sim.core.leases.counts == {"leased": 16, "applied": 8, "dropped": 8, "requeued": 0}
+    assert sim.core.leases.counts == {"leased": 16, "applied": 8, "dropped": 8, "requeued": 0, "lost": 0}
     assert sim.core.rejected["finished"] == 1
 
 
@@ -207,4 +207,4 @@ def test_a_push_after_a_stop_counts_as_finished_not_stale():
     assert sim.push(w0).status == "applied"
     sim.core.end()
     assert sim.push(w1).status == "finished" and sim.core.rejected["stale"] == 0
-    assert sim.core.leases.counts == {"leased": 16, "applied": 8, "dropped": 0, "requeued": 8}
+    assert sim.core.leases.counts == {"leased": 16, "applied": 8, "dropped": 0, "requeued": 8, "lost": 0}
