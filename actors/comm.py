@@ -60,13 +60,14 @@ class GroupSpec:
 class Handle:
     """A pending operation. `wait()` raises CommError / CommAborted / CommTimeout."""
 
-    __slots__ = ("_work", "_comm", "_done", "_keep", "_finish")
+    __slots__ = ("_work", "_comm", "_done", "_keep", "_finish", "_launched")
 
     def __init__(self, work, comm: "BaseCommunicator", keep: Sequence[torch.Tensor], finish: Optional[Callable[[], None]] = None) -> None:
         self._work = work
         self._comm = comm
         self._keep = keep  # the buffers stay alive while the backend may write into them
         self._finish = finish
+        self._launched = time.monotonic()
         self._done = threading.Event()
         comm._track(self)
         work.get_future().add_done_callback(lambda _fut: self._done.set())
@@ -89,6 +90,8 @@ class Handle:
         except Exception as err:  # noqa: BLE001 - any backend error is a failed collective
             self._comm.mark_failed()
             raise CommError(f"group {self._comm.name}: {str(err).splitlines()[0][:300]}") from None
+        if self._comm.latency_s > 0:  # `faults.comm_latency_s`: done no sooner than this after launch
+            time.sleep(max(0.0, self._launched + self._comm.latency_s - time.monotonic()))
         if self._finish is not None:
             self._finish()
 
@@ -125,6 +128,9 @@ class BaseCommunicator:
         self.world_size = spec.world_size
         self.timeout_s = spec.timeout_s
         self.bytes_sent = 0
+        self.latency_s = 0.0
+        """A modelled network latency (`faults.comm_latency_s`): each operation's wait returns no
+        sooner than this after its launch (overlapped operations overlap their latencies)."""
         self.aborted = False
         self.timed_out = False
         self.failed = False

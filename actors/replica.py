@@ -112,6 +112,8 @@ class Replica:
         self.phase, self.phase_since = "starting", time.monotonic()
         self._finished = threading.Event()
         self._left = False
+        self._waited = 0.0
+        """Seconds the newest step waited on others: for its samples, the policy's lock, its collectives."""
         self._outcome: dict = {}
         self._records: list[dict] = []
         self.kept: deque[dict] = deque(maxlen=KEEP_RECORDS)
@@ -252,6 +254,7 @@ class Replica:
             if comm is None:
                 return False  # a newer membership arrived while forming: go straight to it
             self.comm = comm
+            comm.latency_s = self.cfg.faults.comm_latency_s
             source = enter(self.algorithm.entry, self, comm)
             if self.impl.commit_mark is None:
                 self._pending_ids = []  # a step that failed everywhere is redone: its samples were not applied
@@ -289,7 +292,10 @@ class Replica:
         if comm is None or self.plan is None or self.plan.membership_epoch != epoch.membership_epoch:
             return None
         spec = dataclasses.replace(comm.spec, name=comm.spec.name + "/bg")
-        return form_group(spec, lambda: self.comm is not comm)
+        group = form_group(spec, lambda: self.comm is not comm)
+        if group is not None:
+            group.latency_s = self.cfg.faults.comm_latency_s
+        return group
 
     def _background_failed(self, error: str) -> None:
         """A background round failed: the coordinator probes the members and re-forms the group."""
@@ -417,10 +423,12 @@ class Replica:
 
     def _train_step(self, plan: Plan) -> bool:
         self._enter_phase("samples")
+        asked = time.perf_counter()
         dealt = self.impl.step_samples(self.step)  # a server kind pulls here
         if dealt is not None and not len(dealt):
             return True  # nothing to train now (the server said wait, or finished): the loop looks again
         started = time.perf_counter()
+        waited = started - asked
         self._enter_phase("compute")
         self._tick()
         self._seed_step()
@@ -431,7 +439,9 @@ class Replica:
         ids, micro = self._micro_batches(plan, dealt)
         draft = VoteDraft(samples=len(ids), newer_plan=self.plans.latest.version > plan.version)
         denominator = max(len(ids), 1) if self.algorithm.local_mean else plan.global_batch
-        self.impl.begin_step(self.step, draft)
+        began = time.perf_counter()
+        self.impl.begin_step(self.step, draft)  # the background kind waits here for its lock
+        waited += time.perf_counter() - began
         try:
             self.impl.before_forward(self.step)  # a gossip exchange launches here (and may fail)
             for i, (batch, n) in enumerate(micro):
@@ -444,6 +454,7 @@ class Replica:
             self._enter_phase("communicate")
             spent = time.perf_counter() - started
             vote = self.impl.finish_step(self.step, draft)
+            waited += time.perf_counter() - started - spent
             self.faults.lose_vote(self.step)
         except CommError as err:
             if self._samples is not None and self.impl.commit_mark is None:
@@ -459,6 +470,7 @@ class Replica:
         self.cursor += plan.global_batch
         if self._samples is not None:
             self._pending_ids.append((self.step, ids))
+        self._waited = waited
         if self.impl.commit_mark is None:  # every step is a commit point
             self._commit(plan, vote, started, len(micro))
         # Only a reduced vote is everyone's: members switch plans together, never on a local step's flag.
@@ -476,6 +488,7 @@ class Replica:
             self.faults.lose_vote(self.step)
         except CommError as err:
             return self._failed(plan, err)
+        self._waited = time.perf_counter() - started  # a round is all communication
         self._commit(plan, vote, started, 0)
         return self._adopt_newest_plan() if vote.newer_plan else True
 
@@ -541,11 +554,13 @@ class Replica:
         record = {"step": self.step, "time": time.time(), "loss": float(vote.loss), "world_size": len(plan.members),
                   "global_batch": plan.global_batch, "micro_steps": micro_steps,
                   "membership_epoch": plan.membership_epoch, "bytes_sent": self.bytes_before + self.impl.bytes_sent,
-                  "lr": self.optimizer.param_groups[0]["lr"], "step_time": time.perf_counter() - started}
+                  "lr": self.optimizer.param_groups[0]["lr"], "step_time": time.perf_counter() - started,
+                  "wait_s": self._waited}
         if self.impl.commit_mark is not None:
             record.update(prev=prev if prev is not None else 0, samples=vote.samples)
         if self.algorithm.reporter == "each":
             record.update(slot=self.slot, samples=vote.samples)
+        record.update(self.impl.record_fields())
         if self.dropped:
             record["dropped_samples"], self.dropped = self.dropped, 0
         self.kept.append(record)

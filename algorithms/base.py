@@ -234,6 +234,10 @@ class AlgorithmImpl:
     def rewind(self) -> None:
         """Return the replica to its committed state (the live parameters become `committed_parameters`)."""
 
+    def record_fields(self) -> dict:
+        """What the policy adds to each history record of this member (a background kind: its rounds)."""
+        return {}
+
     def close(self, finished: bool) -> None:
         """The member's run ended (`finished`: it reached its stop; else it left or failed): stop
         background work, flush notices."""

@@ -603,6 +603,11 @@ class ShadowImpl(AlgorithmImpl):
     def stop_requested(self) -> bool:
         return self.closed
 
+    def record_fields(self) -> dict:
+        stats = self.sync.stats
+        return {"rounds": stats.rounds_completed, "rounds_failed": stats.rounds_failed,
+                "blocked_s": round(stats.foreground_blocked_s, 6)}
+
     def close(self, finished: bool) -> None:
         """The run ended: the background thread stops (abandoned if stuck). A member that finished
         tells the dispenser so and waits until it has every notice (its replica goes into the final

@@ -571,9 +571,18 @@ class FaultsConfig:
     coordinator: list[CoordinatorFault] = field(default_factory=list)
     delayed_pushes: list[DelayedPush] = field(default_factory=list)
     """Server policies only: pushes the parameter server takes late (see `DelayedPush`)."""
+    comm_latency_s: float = 0.0
+    """A modelled network latency: every collective of every group (the background kind's too)
+    completes no sooner than this many seconds after its launch (benchmarks: a slow network on one
+    machine). Overlapped operations overlap their latencies, as on a real network."""
     record_samples: bool = False
     """Each worker appends `step membership_epoch id id ...` for every step it commits to
     `samples/<slot>.txt` (tests); a step counts in the epoch that history gives for it."""
+
+
+    def __post_init__(self) -> None:
+        if self.comm_latency_s < 0:
+            raise FieldError("comm_latency_s", f"must not be negative, got {self.comm_latency_s}")
 
 
 @dataclass
