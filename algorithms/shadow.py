@@ -436,6 +436,8 @@ class ShadowImpl(AlgorithmImpl):
         self._generation += 1
         threading.Thread(target=self._enter, args=(self._generation, epoch), daemon=True,
                          name=f"shadow entry e{epoch.membership_epoch}").start()
+        if not self.block and self._prefetch is None and self.client is not None:
+            self._start_prefetch()  # the first block arrives while the group forms
 
     def _enter(self, generation: int, epoch: EpochInfo) -> None:
         try:
