@@ -112,6 +112,7 @@ class Replica:
         self.phase, self.phase_since = "starting", time.monotonic()
         self._finished = threading.Event()
         self._left = False
+        self._eval_model: Optional[torch.nn.Module] = None
         self._waited = 0.0
         """Seconds the newest step waited on others: for its samples, the policy's lock, its collectives."""
         self._outcome: dict = {}
@@ -565,17 +566,29 @@ class Replica:
             record["dropped_samples"], self.dropped = self.dropped, 0
         self.kept.append(record)
         if self._reports(plan):
-            if _crossed(self.cfg.eval_every, prev if prev is not None else self.step - 1, self.step):
+            if self._evaluates(plan) and _crossed(self.cfg.eval_every, prev if prev is not None else self.step - 1, self.step):
                 record.update(self._evaluate())
             self._records.append(record)
         self._flush_report()
+
+    def _evaluates(self, plan: Plan) -> bool:
+        """Who evaluates: every reporter, except that a background kind's rank 0 alone evaluates the
+        replicas' newest average (the same on every member) for the job."""
+        return self.algorithm.kind != "background" or plan.rank_of(self.slot) == 0
 
     def _evaluate(self) -> dict:
         evaluate = getattr(self.workload, "evaluate", None)
         data = getattr(self.workload, "eval_data", None)
         if evaluate is None or data is None:
             return {}
-        return {"metrics": {k: float(v) for k, v in evaluate(self.model, data).items()}}
+        model, flat = self.model, self.impl.eval_parameters()
+        if flat is not None:  # the replicas' average, on a copy of the model
+            if self._eval_model is None:
+                self._eval_model = copy.deepcopy(self.model)
+            model = self._eval_model
+            with torch.no_grad():
+                torch.nn.utils.vector_to_parameters(flat.to(self.device), [p for p in model.parameters() if p.requires_grad])
+        return {"metrics": {k: float(v) for k, v in evaluate(model, data).items()}}
 
     def _final_eval(self) -> None:
         """The final model is evaluated once; the record updates status, not history."""

@@ -234,6 +234,11 @@ class AlgorithmImpl:
     def rewind(self) -> None:
         """Return the replica to its committed state (the live parameters become `committed_parameters`)."""
 
+    def eval_parameters(self) -> Optional[torch.Tensor]:
+        """Flat parameters to evaluate instead of the live replica (a background kind: the replicas'
+        newest average), or None."""
+        return None
+
     def record_fields(self) -> dict:
         """What the policy adds to each history record of this member (a background kind: its rounds)."""
         return {}

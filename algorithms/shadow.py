@@ -183,6 +183,8 @@ class BackgroundSync:
             self.global_copy = self._flat().clone() if config.method == "bmuf" else None
             """BMUF's x_g: equal on every member (the replicas start equal; a joiner loads it)."""
             self.block_step = torch.zeros_like(self.global_copy) if config.method == "bmuf" else None
+        self.average: Optional[torch.Tensor] = None
+        """MA: the replicas' average that the newest successful round computed; BMUF: x_g after it."""
 
     @property
     def state(self) -> Lifecycle:
@@ -284,6 +286,8 @@ class BackgroundSync:
                 self.stats.last_error = "abandoned during the round"
                 return False
             self._write_back(target, snapshot)
+            if self.config.method != "easgd":  # the replicas' average as of this round (BMUF: x_g)
+                self.average = self.global_copy if self.global_copy is not None else target
             self.stats.rounds_completed += 1
             self.stats.bytes_sent += sent
             self.stats.round_s += time.perf_counter() - began
@@ -604,6 +608,11 @@ class ShadowImpl(AlgorithmImpl):
 
     def stop_requested(self) -> bool:
         return self.closed
+
+    def eval_parameters(self) -> Optional[torch.Tensor]:
+        """What an evaluation of the job's model should look at: the replicas' average as of the newest
+        round (MA; BMUF's global copy), or None (EASGD, or no round yet: the live replica)."""
+        return self.sync.average
 
     def record_fields(self) -> dict:
         stats = self.sync.stats

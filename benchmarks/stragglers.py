@@ -7,8 +7,8 @@ cannot show a straggler; the sleep frees the CPU as a slow GPU would); evaluatio
 versions, or the first round after); the target `--target` held-out accuracy. The figure: wall
 time from the first committed step (version, round) to the first evaluation at or above the target,
 from history's timestamps; median over `--seeds` seeds, and the ratio to BSP with the straggler.
-`local_sgd` and `diloco` still wait for the straggler at every round. `shadow` never waits for anyone:
-each member evaluates its own replica, and the first of those evaluations at or above the target counts. Writes a PNG (held-out
+`local_sgd` and `diloco` still wait for the straggler at every round. `shadow` never waits for anyone;
+its rank 0 evaluates the replicas' average as of the newest background round. Writes a PNG (held-out
 accuracy against wall time, the first seed of each side) when matplotlib is installed (the `plot`
 extra).
 
@@ -52,7 +52,7 @@ def run_side(policy: str, straggler: bool, seed: int, compute_s: float, target: 
     if not history:
         raise RuntimeError(f"{policy}: no history ({result.state}: {result.cause})")
     start = min(r["time"] for r in history)
-    curve = sorted((r["time"] - start, r["metrics"]["accuracy"]) for r in history  # shadow: every member's own evaluations
+    curve = sorted((r["time"] - start, r["metrics"]["accuracy"]) for r in history
                    if r.get("metrics", {}).get("accuracy") is not None)
     reached = next((t for t, acc in curve if acc >= target), None)
     return {"seconds": reached, "steps": history[-1]["step"], "state": result.state, "curve": curve}
