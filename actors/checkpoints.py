@@ -84,13 +84,16 @@ def newest_valid(job_root: Path, warn: Callable[[str], None] = print,
 
 def average_states(blobs: list[bytes]) -> bytes:
     """The state of the kinds whose replicas differ, as the final model and a checkpoint hold it: the
-    floating-point model tensors averaged over the replicas; everything else (optimizer, step, ...)
-    from the first, and the step the smallest (the job's step is the slowest member's)."""
+    floating-point model tensors averaged over the replicas that trained (step > 0, when any did);
+    everything else (optimizer, step, ...) from the first, and the step the smallest (the job's step
+    is the slowest member's)."""
     import io
 
     import torch
 
     states = [torch.load(io.BytesIO(b), weights_only=True, map_location="cpu") for b in blobs]
+    trained = [s for s in states if int(s["step"]) > 0]
+    states = trained or states  # a joiner that never received a state (step 0) would drag the average back
     first = states[0]
     for name, tensor in first["model"].items():
         if torch.is_floating_point(tensor):

@@ -448,6 +448,8 @@ class ShadowImpl(AlgorithmImpl):
             group = self.make_group(epoch)
         except Exception as err:  # noqa: BLE001 - no background sync this epoch; the foreground trains on
             log.warning("shadow: the background group of epoch %d did not form: %s", epoch.membership_epoch, err)
+            if generation == self._generation:
+                self.on_failure(f"the background group did not form: {err}")  # the coordinator re-forms it
             return
         if group is None:
             return
@@ -460,6 +462,8 @@ class ShadowImpl(AlgorithmImpl):
         except Exception as err:  # noqa: BLE001 - a peer died meanwhile: the next epoch tries again
             log.warning("shadow: entering epoch %d failed: %s", epoch.membership_epoch, err)
             group.abort(str(err))
+            if generation == self._generation:
+                self.on_failure(f"entering the background group failed: {err}")  # a joiner must not wait forever
             return
         if generation != self._generation:
             return
@@ -475,6 +479,10 @@ class ShadowImpl(AlgorithmImpl):
         live = [r for r in range(group.world_size) if fresh[r] == 0]
         self.entries += 1
         if not live:  # every member is new: the job's start (identical replicas from the seed)
+            if epoch.membership_epoch > 1:  # joiners only, everyone who held a state is gone or done
+                log.warning("shadow: no member of epoch %d holds a live state; this joiner stops without training",
+                            epoch.membership_epoch)
+                self.closed = True
             self.fresh = False
             return
         src = live[0]

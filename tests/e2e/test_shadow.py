@@ -61,7 +61,7 @@ def test_shadow_through_a_kill_a_rejoin_and_a_scale_down(run_root):
     state; then the job is scaled down to 3. The others' foreground never stops (no gap between their
     steps beyond a few step times), the background rounds go on in the newest epoch, the job finishes,
     every leased sample ended once, and no sample was applied twice (one data epoch)."""
-    steps, delay = 50, 0.1  # ~5 s of training a member: past the replacement's start (~4-5 s here)
+    steps, delay = 60, 0.2  # ~12 s of training a member: well past the replacement's start (4-8 s here)
     stragglers = [{"slot": f"w{i}", "delay_s": delay} for i in range(4)]
     cfg = make_config("shadow-churn", {"policy": "shadow", "method": "ma"}, steps,
                       faults={"record_samples": True, "stragglers": stragglers, "kills": [{"slot": "w1", "step": 15}]})
