@@ -11,7 +11,7 @@ one 2-core machine has neither real accelerators nor a real network:
   background rounds absorb it.
 
 Figures per run: throughput = samples trained / wall time (first to last history record of the job),
-the foreground's blocked-time fraction (time a step waited on others, for its samples, the policy's
+each worker's peak RSS (the largest worker process), the foreground's blocked-time fraction (time a step waited on others, for its samples, the policy's
 lock or its collectives, over the steps' wall time; from history's `wait_s`), the final model's held-out
 log loss and AUC (shadow: the average of the replicas; bsp: the committed model), and the number of
 background rounds (shadow). Scaling efficiency at n workers = throughput(n) / (n x throughput(1)) of the
@@ -28,6 +28,7 @@ import json
 import statistics
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -48,7 +49,9 @@ def run(policy: str, n: int, args: argparse.Namespace, seed: int, root: str) -> 
     cfg["faults"]["stragglers"] = [{"slot": f"w{i}", "delay_s": args.compute_ms / 1000} for i in range(n)]
     cfg["faults"]["comm_latency_s"] = args.latency_ms / 1000
     job = ElasticJob(config_from_dict(cfg)).start()
+    peak = PeakRSS(lambda: [m.pid for m in job.status().members if m.pid])
     result = job.wait(timeout=1800)
+    rss_mib = peak.stop()
     history = job.history()
     if result.state != "FINISHED" or not history:
         raise RuntimeError(f"{policy} at {n}: {result.state} ({result.cause})")
@@ -61,8 +64,38 @@ def run(policy: str, n: int, args: argparse.Namespace, seed: int, root: str) -> 
     stepped = sum(r["step_time"] for r in history)
     status = job.status()
     metrics = dict(status.metrics)
-    return {"throughput": samples / span, "seconds": span, "samples": samples, "blocked": waited / stepped,
+    return {"throughput": samples / span, "seconds": span, "samples": samples, "blocked": waited / stepped, "rss_mib": rss_mib,
             "auc": metrics.get("auc"), "log_loss": metrics.get("log_loss"), "rounds": _rounds(history) if policy == "shadow" else None}
+
+
+class PeakRSS:
+    """The largest resident set of any worker process, sampled every 0.2 s from /proc (Linux)."""
+
+    def __init__(self, pids) -> None:
+        self.peak_kib = 0
+        self._pids, self._done = pids, threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self._thread.start()
+
+    def _poll(self) -> None:
+        known: list[int] = []
+        while not self._done.wait(0.2):
+            try:
+                known = self._pids() or known
+            except Exception:  # noqa: BLE001 - the job is ending
+                pass
+            for pid in known:
+                try:
+                    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                        if line.startswith("VmRSS:"):
+                            self.peak_kib = max(self.peak_kib, int(line.split()[1]))
+                except OSError:  # ended
+                    pass
+
+    def stop(self) -> float:
+        self._done.set()
+        self._thread.join()
+        return self.peak_kib / 1024
 
 
 def _rounds(history: list[dict]) -> int:
@@ -97,14 +130,14 @@ def main() -> int:
     print()
     print(f"compute {args.compute_ms:g} ms a step (sleep), latency {args.latency_ms:g} ms a collective, batch {args.batch} "
           f"a worker, {args.steps} steps a worker, median of {args.repeats}")
-    print(f"{'policy':8s} {'n':>2s} {'samples/s':>10s} {'efficiency':>10s} {'blocked':>8s} {'AUC':>7s} {'log loss':>9s} {'rounds':>7s}")
+    print(f"{'policy':8s} {'n':>2s} {'samples/s':>10s} {'efficiency':>10s} {'blocked':>8s} {'AUC':>7s} {'log loss':>9s} {'rounds':>7s} {'RSS MiB':>8s}")
     for policy, points in results.items():
         base = points.get(1, {}).get("throughput")
         for n, p in points.items():
             p["efficiency"] = p["throughput"] / (n * base) if base else None
             eff = f"{p['efficiency']:.3f}" if p["efficiency"] is not None else "-"
             print(f"{policy:8s} {n:2d} {p['throughput']:10.1f} {eff:>10s} {p['blocked']:8.3f} {p['auc'] or 0:7.4f} "
-                  f"{p['log_loss'] or 0:9.4f} {p['rounds'] if p['rounds'] is not None else '-':>7}")
+                  f"{p['log_loss'] or 0:9.4f} {p['rounds'] if p['rounds'] is not None else '-':>7} {p['rss_mib']:8.1f}")
     top = max(args.workers)
     if "bsp" in results and "shadow" in results and top in results["bsp"]:
         s, b = results["shadow"][top], results["bsp"][top]
