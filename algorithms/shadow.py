@@ -473,9 +473,11 @@ class ShadowImpl(AlgorithmImpl):
 
     def _agree(self, group: Any, epoch: EpochInfo) -> None:
         """Who is new; the new receive a live member's state; BMUF's global copy is made equal."""
-        fresh = torch.zeros(group.world_size, dtype=torch.float64)
+        device = getattr(group, "device", torch.device("cpu"))  # NCCL: the GPU
+        fresh = torch.zeros(group.world_size, dtype=torch.float64, device=device)
         fresh[group.rank] = 1.0 if self.fresh else 0.0
         group.all_reduce(fresh).wait(group.timeout_s)
+        fresh = fresh.cpu()
         live = [r for r in range(group.world_size) if fresh[r] == 0]
         self.entries += 1
         if not live:  # every member is new: the job's start (identical replicas from the seed)
@@ -487,19 +489,19 @@ class ShadowImpl(AlgorithmImpl):
             return
         src = live[0]
         if fresh.any():
-            size = torch.zeros(1, dtype=torch.int64)
+            size = torch.zeros(1, dtype=torch.int64, device=device)
             blob = None
             if group.rank == src:
                 with self.sync.lock:
-                    blob = torch.frombuffer(bytearray(self.save_state()), dtype=torch.uint8)
+                    blob = torch.frombuffer(bytearray(self.save_state()), dtype=torch.uint8).to(device)
                 size[0] = blob.numel()
             group.broadcast(size, src).wait(group.timeout_s)
             if blob is None:
-                blob = torch.empty(int(size[0]), dtype=torch.uint8)
+                blob = torch.empty(int(size[0]), dtype=torch.uint8, device=device)
             group.broadcast(blob, src).wait(group.timeout_s)
             if self.fresh:
                 with self.sync.lock:
-                    self.load_state(blob.numpy().tobytes())
+                    self.load_state(blob.cpu().numpy().tobytes())
                 self.loaded_from = src
                 self.on_state(epoch.members[src], epoch.membership_epoch)
         if self.sync.global_copy is not None:
