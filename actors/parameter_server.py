@@ -615,10 +615,10 @@ class RayServerClient:
             ray.get(ref, timeout=CALL_TIMEOUT_S)
 
     def elastic(self, fence: Fence, x: torch.Tensor, alpha: float) -> torch.Tensor:
-        refusal, d = ray.get(self._server().elastic.remote(fence, x.numpy(), alpha), timeout=CALL_TIMEOUT_S)
+        refusal, d = ray.get(self._server().elastic.remote(fence, x.detach().cpu().numpy(), alpha), timeout=CALL_TIMEOUT_S)
         if refusal is not None:
             raise RuntimeError(f"the central copy refused the exchange: {refusal}")
-        return torch.from_numpy(np.array(d, dtype=np.float32))
+        return torch.from_numpy(np.array(d, dtype=np.float32)).to(device=x.device, dtype=x.dtype)
 
 
 class LocalServerClient:
@@ -648,10 +648,10 @@ class LocalServerClient:
         self.host.applied(fence, keys, rounds, final, upto, finished)
 
     def elastic(self, fence: Fence, x: torch.Tensor, alpha: float) -> torch.Tensor:
-        refusal, d = self.host.elastic(fence, x.numpy(), alpha)
+        refusal, d = self.host.elastic(fence, x.detach().cpu().numpy(), alpha)
         if refusal is not None:
             raise RuntimeError(f"the central copy refused the exchange: {refusal}")
-        return torch.from_numpy(np.array(d, dtype=np.float32))
+        return torch.from_numpy(np.array(d, dtype=np.float32)).to(device=x.device, dtype=x.dtype)
 
 
 def start_server(cfg: JobConfig, config: dict, run_id: str, run_dir: str, namespace: str) -> Any:
