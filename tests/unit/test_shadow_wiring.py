@@ -1,0 +1,63 @@
+"""`shadow` through the real worker loop, in process (no Ray): `LocalJob` runs real replicas in threads
+with the lease dispenser in process. Per-member history, one evaluator (rank 0, on the replicas'
+newest average), the dispenser's accounting, and a joiner that receives a live member's state."""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from actors.testing import LocalJob, wait_until
+
+PER_WORKER = 8
+
+
+def config(steps: int, **sync) -> dict:
+    return {"name": "shadow-wiring", "seed": 2, "workers": {"count": 3, "cpus": 1, "batch_mode": "keep_worker"},
+            "workload": {"factory": "orchestrator.workloads.digits:mlp", "params": {"hidden": 16}, "batch_size": PER_WORKER},
+            "optimizer": {"lr": 0.1, "momentum": 0.5}, "sync": {"policy": "shadow", **sync},
+            "stop": {"max_steps": steps}, "eval_every": 10, "faults": {"stragglers": []}}
+
+
+def test_each_member_reports_its_steps_rank0_evaluates_the_average_and_the_leases_add_up(tmp_path):
+    steps = 40
+    job = LocalJob(config(steps), ["w0", "w1", "w2"], str(tmp_path))
+    job.run(("w0", "w1", "w2"), 3 * PER_WORKER)
+    by_slot = {s: [r["step"] for r in job.link.records if r["slot"] == s] for s in ("w0", "w1", "w2")}
+    assert by_slot == {s: list(range(1, steps + 1)) for s in by_slot}
+    evaluated = {r["slot"] for r in job.link.records if "metrics" in r}
+    assert evaluated == {"w0"}, "rank 0 alone evaluates (the replicas' average, the same for everyone)"
+    rounds = [r["rounds"] for r in job.link.records if r["slot"] == "w0"]
+    assert rounds == sorted(rounds) and all("wait_s" in r for r in job.link.records)
+    impl = job.replicas["w0"].impl
+    if impl.sync.average is not None:  # a round completed: the evaluation looked at its average
+        assert impl.eval_parameters() is impl.sync.average
+    job.server.close("the test ended")
+    leases = job.server.summary()["leases"]
+    assert leases["applied"] == sum(r["samples"] for r in job.link.records) == 3 * steps * PER_WORKER
+    assert leases["applied"] + leases["requeued"] + leases["lost"] == leases["leased"] and leases["outstanding"] == 0
+
+
+def test_a_joiner_receives_a_live_members_state_and_the_others_never_wait_for_it(tmp_path):
+    steps = 400
+    cfg = config(steps)
+    cfg["faults"]["stragglers"] = [{"slot": s, "delay_s": 0.01} for s in ("w0", "w1", "w2")]
+    job = LocalJob(cfg, ["w0", "w1", "w2"], str(tmp_path))
+    job.publish(("w0", "w1"), 1, 2 * PER_WORKER)
+    job.start(["w0", "w1"])
+    wait_until(lambda: job.replicas["w0"].step >= 20, timeout=60, what="w0 at step 20")
+    job.publish(("w0", "w1", "w2"), 2, 3 * PER_WORKER)
+    job.start(["w2"])
+    received = wait_until(lambda: [c for c in job.link.calls if c[0] == "state_received"], timeout=60,
+                          what="the joiner's state")
+    slot, epoch, source, step = received[0][1]
+    assert slot == "w2" and epoch == 2 and source in ("w0", "w1") and step >= 20, received
+    w2 = job.replicas["w2"]
+    wait_until(lambda: w2.step > step, timeout=60, what="the joiner's first step")
+    first = min(r["step"] for r in job.link.records if r["slot"] == "w2")
+    assert first == step + 1, "the joiner goes on from its source's step"
+    job.publish(("w0", "w1", "w2"), 3, 3 * PER_WORKER, stop_step=0)  # everyone stops at once
+    outcomes = job.wait(timeout=60)
+    assert all(o["ok"] for o in outcomes.values()), outcomes
+    stamps = sorted(r["time"] for r in job.link.records if r["slot"] == "w0")
+    assert max(b - a for a, b in zip(stamps, stamps[1:])) < 1.0, "w0's foreground stopped while w2 joined"
