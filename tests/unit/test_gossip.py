@@ -27,12 +27,9 @@ SGD = {"name": "sgd", "lr": 0.1}
 
 
 @pytest.fixture
-def wired(monkeypatch):
-    """The gossip policies registered and let through the schema, for this test only."""
-    base._load_builtin()
-    monkeypatch.setattr(schema, "NOT_WIRED", frozenset())
-    for algo in (DPSGD, DAdam):
-        monkeypatch.setitem(base._REGISTRY, algo.name, algo)
+def wired():
+    """The gossip policies are registered and let through the schema (they run as jobs)."""
+    assert {"dpsgd", "dadam"} <= set(base.known_policies()) and not schema.NOT_WIRED & {"dpsgd", "dadam"}
 
 
 def run_gossip(tmp_path, sync: dict, optimizer: dict, n: int, global_batch: int, trace: list | None = None):
@@ -152,9 +149,15 @@ def test_unknown_topology_is_refused_listing_the_valid_ones():
 
 
 @pytest.mark.parametrize("policy", ["dpsgd", "dadam"])
-def test_a_job_naming_a_gossip_policy_is_refused_until_wired(policy):
+def test_a_job_naming_a_gossip_policy_is_accepted_and_runs_its_registered_class(policy):
     from orchestrator.config import config_from_dict
-    with pytest.raises(ConfigError, match=f"policy '{policy}' is not available yet"):
-        config_from_dict({"name": "m", "workload": {"factory": "orchestrator.workloads.digits:mlp"},
-                          "optimizer": {"name": "adamw"}, "sync": {"policy": policy}})
-    assert policy not in base.known_policies()
+    cfg = config_from_dict({"name": "m", "workload": {"factory": "orchestrator.workloads.digits:mlp"},
+                            "optimizer": {"name": "adamw"}, "sync": {"policy": policy, "consensus_every": 5}})
+    assert cfg.sync.policy == policy and cfg.sync.consensus_every == 5
+    assert base.get_algorithm(policy) is {"dpsgd": DPSGD, "dadam": DAdam}[policy]
+    assert base.get_algorithm(policy).kind == "decentralized"
+
+
+def test_consensus_every_must_not_be_negative():
+    with pytest.raises(ConfigError, match="consensus_every"):
+        parse(DPSGDConfig, {"policy": "dpsgd", "consensus_every": -1}, "sync")
