@@ -285,3 +285,16 @@ def test_a_joiner_starts_from_the_newest_live_replica_and_no_sample_is_applied_t
         lines = (tmp_path / "samples" / f"{slot}.txt").read_text().splitlines()
         ids += [int(i) for line in lines for i in line.split()[2:]]
     assert len(ids) == len(set(ids)), "a sample was applied twice within the data epoch"
+
+
+def test_status_prints_the_topology_and_its_spectral_gap():
+    from algorithms.topologies import spectral_gap
+    from core.schema import JobStatus
+    from orchestrator.cli import format_status
+
+    gap = spectral_gap(get_topology("ring"), 4)
+    status = JobStatus(name="g", run_id="r", state="RUNNING", step=3, membership_epoch=1, world_size=4, members=(),
+                       loss=None, throughput=None, cause=None, run_dir="/tmp/x",
+                       topology={"kind": "ring", "world_size": 4, "spectral_gap": gap})
+    assert "topology: ring over 4 members, spectral gap 0.6667" in format_status(status)
+    assert JobStatus.from_dict(status.to_dict()).topology == status.topology
