@@ -13,7 +13,7 @@ from actors.testing import wait_until
 from orchestrator.config import config_from_dict
 from orchestrator.job import ElasticJob
 
-PER_WORKER = 5
+PER_WORKER = 2  # 120 steps x 4 x 2 samples stay within one data epoch of digits (1437 training samples)
 
 
 def test_dpsgd_through_a_kill_mid_exchange_a_rejoin_and_a_scale_down(run_root):
