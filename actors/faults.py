@@ -5,7 +5,8 @@
   fired, so the redo of a step after a reshape does not fire it again), and makes a straggler's
   steps take `slowdown` times as long by sleeping (a slow worker frees the CPU, as a slow GPU
   would).
-- `FaultyComm` wraps a communicator so that an `allreduce` kill fires while the all-reduce is in
+- `FaultyComm` wraps a communicator so that an `allreduce` kill fires while the all-reduce (or a
+  gossip exchange's first send) is in
   flight (like torchft's fault-injecting process-group wrapper).
 - `CoordinatorFaults` kills the coordinator's own process at an exact point of the protocol.
 """
