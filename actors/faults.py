@@ -6,8 +6,7 @@
   steps take `slowdown` times as long by sleeping (a slow worker frees the CPU, as a slow GPU
   would).
 - `FaultyComm` wraps a communicator so that an `allreduce` kill fires while the all-reduce (or a
-  gossip exchange's first send) is in
-  flight (like torchft's fault-injecting process-group wrapper).
+  gossip exchange's first send) is in flight (like torchft's fault-injecting process-group wrapper).
 - `CoordinatorFaults` kills the coordinator's own process at an exact point of the protocol.
 """
 from __future__ import annotations
