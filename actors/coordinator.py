@@ -92,8 +92,9 @@ class Coordinator:
         self.running_since: Optional[float] = None
         self.stop_kind: Optional[str] = None
         self.stop_step: Optional[int] = None
-        self._gap: Optional[tuple[int, float]] = None
         """Once a stop is decided, every plan published carries it (a reshape must not lose it)."""
+        self._gap: Optional[tuple[int, float]] = None
+        """A gossip policy's (world size, spectral gap) last computed for status."""
         self.target_count = self.cfg.workers.count
         self.started_workers = 0
         """Worker starts so far: each start of a slot is a new worker incarnation (the server fences the old)."""
