@@ -22,7 +22,8 @@ also checks that its W is doubly stochastic) and asked for the step's row at eve
 time-varying ones follow the step count. A step commits when its exchanges land (kind
 `decentralized`); a failed send or receive raises CommError from `finish_step` and the step is not
 taken (the parameters are untouched until the exchange lands). Memory beyond the model and
-optimizer: one flat copy of the parameters to send and one receive buffer per peer.
+optimizer: one flat copy of the parameters to send, one receive buffer per peer, and one kept
+term per peer (below).
 
 Elastic runs (kind `decentralized`, entry `average`: actors/entry.py). A membership epoch ends on
 any failed exchange and on every new plan (the coordinator aborts the group; the members agree on
@@ -33,7 +34,7 @@ moves by that term. Each member therefore keeps, per peer, the term of the newes
 applied with that peer (one flat vector per peer), and reports at every entry which exchange it
 launched last and which it applied last. A member whose live peer launched an exchange that it did
 not apply undoes its term of that exchange. For a symmetric W (every topology but `one_peer_exp`
-and `aer` at n > 2) the two ends' terms cancel pairwise, so the undo leaves the live replicas'
+and `aer` across nodes, at n > 2) the two ends' terms cancel pairwise, so the undo leaves the live replicas'
 average exactly where it was before the split exchange; for the asymmetric ones the member that did
 not apply also misses the terms it would have received, which only it could add and it lacks (its
 receive failed), so a residual (W_ij - W_ji)(x_j - x_i) remains. The report is exchanged at entry,
