@@ -39,6 +39,7 @@ from actors.worker import WorkerActor
 from algorithms.base import SERVER_KINDS, get_algorithm
 from algorithms.membership import MemberView, batch_for, choose_leavers, free_slots, slot_index
 from algorithms.stragglers import StragglerWatch
+from algorithms.topologies import get_topology, spectral_gap
 from algorithms.zipline import BarrierPlanner
 from algorithms.supervision import (
     Decision, JobState, JobView, MemberEnded, MemberState, StopRequested, decide, recovered_epoch,
@@ -92,6 +93,8 @@ class Coordinator:
         self.stop_kind: Optional[str] = None
         self.stop_step: Optional[int] = None
         """Once a stop is decided, every plan published carries it (a reshape must not lose it)."""
+        self._gap: Optional[tuple[int, float]] = None
+        """A gossip policy's (world size, spectral gap) last computed for status."""
         self.target_count = self.cfg.workers.count
         self.started_workers = 0
         """Worker starts so far: each start of a slot is a new worker incarnation (the server fences the old)."""
@@ -801,7 +804,10 @@ class Coordinator:
         self.version += 1
         global_batch, lr_scale = batch_for(len(members), self.cfg.workload.batch_size, self.cfg.workers.count,
                                            self.cfg.workers.batch_mode)
-        if self.plan is None or self.plan.members != members or new_epoch:
+        previous = self.plan
+        # Decentralized kind: no vote is reduced over every member, so members cannot switch plans
+        # together at a step; every new plan is a new epoch, and the old one is aborted (below).
+        if previous is None or previous.members != members or new_epoch or self.algorithm.kind == "decentralized":
             self.epoch += 1
         plan = Plan(
             version=self.version, membership_epoch=self.epoch, members=members,
@@ -817,6 +823,10 @@ class Coordinator:
                 if m.state in (S.TRAINING, S.READY, S.LEAVING)]  # leavers too: the plan is how they learn to leave
         self.faults.maybe_die("publish", plan.version, sent)
         self._persist()
+        if previous is not None and self.algorithm.kind == "decentralized":
+            for member in self.members.values():  # the old epoch's number: a member already in the new one is left alone
+                if member.state in (S.TRAINING, S.READY, S.LEAVING):
+                    member.handle.abort_epoch.remote(previous.membership_epoch, f"plan {plan.version}: {reason}")
         return plan
 
     def _abort_epoch(self, reason: str) -> None:
@@ -950,7 +960,18 @@ class Coordinator:
                          departed=tuple(self.departed), incarnation=self.incarnation, coordinator_pid=os.getpid(),
                          started_at=self.started_at, ended_at=self.ended_at,
                          stragglers={slot: round(r, 3) for slot, r in self.stragglers.current.items()},
-                         server=dict(self.server.summary, restarts=self.server.restarts) if self.server else {})
+                         server=dict(self.server.summary, restarts=self.server.restarts) if self.server else {},
+                         topology=self._topology(plan))
+
+    def _topology(self, plan) -> dict:
+        """A gossip policy's topology over the plan's members and its spectral gap there."""
+        config = getattr(self.cfg.sync, "topology", None)
+        if config is None or plan is None:
+            return {}
+        n = len(plan.members)
+        if self._gap is None or self._gap[0] != n:
+            self._gap = (n, spectral_gap(get_topology(config.kind, **config.params()), n))
+        return {"kind": config.kind, "world_size": n, "spectral_gap": round(self._gap[1], 6)}
 
 
 CoordinatorActor = ray.remote(num_cpus=0)(Coordinator)

@@ -10,8 +10,9 @@ Which mode a policy uses follows from its kind (algorithms/base.py):
   missed) rewinds to it, so everyone stands at one step. When every member reports the same
   triple (a periodic round that failed everywhere), nothing moves: the local steps are kept and
   the round is redone.
-- `average` (decentralized): nobody's replica is overwritten; members agree on the newest step and
-  those behind skip ahead to it.
+- `average` (decentralized): no live replica is overwritten; the members undo the terms of split
+  exchanges (algorithms/gossip.py), a member that never held state loads the lowest-ranked holder
+  of the newest step's, and those behind skip ahead to the newest step.
 - `none` (background): nothing to reconcile.
 - `server`: the state lives on the parameter server; nothing to reconcile among the members.
 
@@ -28,11 +29,15 @@ class Member(Protocol):
     """What an entry needs of a replica (actors/replica.py)."""
 
     step: int
+    holds_state: bool
+    plan: Any
+    impl: Any
 
     def committed_view(self) -> tuple[int, int]: ...
     def committed_blob(self) -> torch.Tensor: ...
     def load_blob(self, blob: torch.Tensor) -> None: ...
     def rewind(self) -> None: ...
+    def skip_to(self, step: int) -> None: ...
 
 
 def enter(mode: str, member: Member, comm: Any) -> Optional[int]:
@@ -80,8 +85,23 @@ def _broadcast_state(member: Member, comm: Any, src: int, keep: bool = False) ->
 
 
 def enter_average(member: Member, comm: Any) -> Optional[int]:
-    """Decentralized entry: nobody is overwritten; the members agree on the newest step."""
-    step = torch.tensor([member.step], dtype=torch.int64, device=comm.device)
-    comm.all_reduce(step, "max").wait()
-    member.skip_to(int(step[0]))  # type: ignore[attr-defined]
-    return None
+    """Decentralized entry: no live replica is overwritten. The members gather (holds state, step,
+    newest exchange launched, newest applied); each undoes what split exchanges left (the policy's
+    `reconcile`); a member that never held state (a joiner; on a resume, all but the one given the
+    checkpoint) loads the state of the lowest-ranked holder of the newest step; the members behind
+    skip ahead to the newest step, counting their skipped shares as dropped."""
+    mine = torch.tensor([1 if member.holds_state else 0, member.step, *member.impl.exchange_report()],
+                        dtype=torch.int64, device=comm.device)
+    views = [torch.zeros_like(mine) for _ in range(comm.world_size)]
+    comm.all_gather(views, mine).wait()
+    views = [v.cpu().tolist() for v in views]
+    members = member.plan.members
+    member.impl.reconcile({members[r]: tuple(v[2:]) for r, v in enumerate(views)})
+    newest = max(v[1] for v in views)
+    holders = [r for r, v in enumerate(views) if v[0]]
+    loaded = None
+    if holders and len(holders) < len(views):  # someone is new and someone holds state: all take part
+        src = min(holders, key=lambda r: (-views[r][1], r))
+        loaded = _broadcast_state(member, comm, src, keep=bool(views[comm.rank][0]))
+    member.skip_to(newest)
+    return loaded

@@ -5,8 +5,8 @@
   fired, so the redo of a step after a reshape does not fire it again), and makes a straggler's
   steps take `slowdown` times as long by sleeping (a slow worker frees the CPU, as a slow GPU
   would).
-- `FaultyComm` wraps a communicator so that an `allreduce` kill fires while the all-reduce is in
-  flight (like torchft's fault-injecting process-group wrapper).
+- `FaultyComm` wraps a communicator so that an `allreduce` kill fires while the all-reduce (or a
+  gossip exchange's first send) is in flight (like torchft's fault-injecting process-group wrapper).
 - `CoordinatorFaults` kills the coordinator's own process at an exact point of the protocol.
 """
 from __future__ import annotations
@@ -128,6 +128,10 @@ class FaultyComm:
     def all_to_all(self, output, tensor):
         """The first collective of a compressed scatter-gather: an `allreduce` kill lands in it."""
         return self._in_flight(lambda: self._inner.all_to_all(output, tensor))
+
+    def send(self, tensor, dst: int):
+        """A gossip exchange's send: an `allreduce` kill lands in the step's first one."""
+        return self._in_flight(lambda: self._inner.send(tensor, dst))
 
     def _in_flight(self, launch: Callable[[], Any]):
         kill = self._faults.due("allreduce", self._step())  # recorded first: the kill lands mid-operation

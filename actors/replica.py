@@ -97,6 +97,8 @@ class Replica:
         self.sampler = GlobalSampler(len(self.workload.train_data), self.cfg.seed)
         self._fast_index = isinstance(self.workload.train_data, torch.utils.data.TensorDataset)
         self.step = self.cursor = 0
+        self.holds_state = False
+        """It trained a step or loaded a state (entry `average`: a member that never did receives one)."""
         self.mark_cursor = 0
         """The data cursor at the newest commit point."""
         self.rng = np.random.default_rng([self.cfg.seed, int(self.slot[1:])])
@@ -385,6 +387,7 @@ class Replica:
         self.optimizer.load_state_dict(state["optimizer"])
         self.impl.load_state_dict(state["algorithm"])
         self.step, self.cursor = int(state["step"]), int(state["cursor"])
+        self.holds_state = True
         self.mark_cursor = self.cursor
         self._pending_ids = []
         record = state.get("record")
@@ -468,6 +471,7 @@ class Replica:
                                f"global batch is {plan.global_batch}")  # every member runs one plan: a bug, not a vote
         self.impl.apply_update(self.step, lr_at(self.step, self.cfg.optimizer, self.max_steps, plan.lr_scale))
         self.step += 1
+        self.holds_state = True
         self.cursor += plan.global_batch
         if self._samples is not None:
             self._pending_ids.append((self.step, ids))

@@ -40,7 +40,11 @@ fresh local optimizer state).
 
 Entry `replicated`: the members exchange their newest committed state's (step, checksum); the
 lowest-ranked holder of the newest broadcasts it, and every member that differs loads it.
-`average`: nobody is overwritten. `server`: pull from the server. `none`: nothing to reconcile.
+`average`: nobody's live replica is overwritten: the members gather (holds state, step, newest exchange
+launched and applied); each undoes the terms of split exchanges (see algorithms/gossip.py); a member that
+never held state (a joiner, or every member but one on a resume) loads the state of the lowest-ranked
+holder of the newest step; those behind skip ahead to the newest step, counting the samples they skip.
+`server`: pull from the server. `none`: nothing to reconcile.
 """
 from __future__ import annotations
 
@@ -130,7 +134,7 @@ def register(cls: type["Algorithm"]) -> type["Algorithm"]:
 
 def _load_builtin() -> None:
     # Importing the modules registers their classes; kept lazy so imports stay cheap.
-    from algorithms import allreduce, periodic, qadam, server_policies, shadow  # noqa: F401
+    from algorithms import allreduce, gossip, periodic, qadam, server_policies, shadow  # noqa: F401
 
 
 def known_policies() -> list[str]:
@@ -246,6 +250,16 @@ class AlgorithmImpl:
     def close(self, finished: bool) -> None:
         """The member's run ended (`finished`: it reached its stop; else it left or failed): stop
         background work, flush notices."""
+
+    def exchange_report(self) -> tuple[int, int, int, int]:
+        """Entry `average`: (epoch, step) of the newest exchange this member launched, then of the newest
+        it applied ((-1, -1) for none); the members gather these at every entry."""
+        return (-1, -1, -1, -1)
+
+    def reconcile(self, reports: dict[str, tuple[int, int, int, int]]) -> int:
+        """Entry `average`: every live member's `exchange_report` by slot; undo what a split exchange
+        left behind (algorithms/gossip.py). Returns how many terms were undone."""
+        return 0
 
     def state_dict(self) -> dict:
         return {}

@@ -22,10 +22,30 @@ also checks that its W is doubly stochastic) and asked for the step's row at eve
 time-varying ones follow the step count. A step commits when its exchanges land (kind
 `decentralized`); a failed send or receive raises CommError from `finish_step` and the step is not
 taken (the parameters are untouched until the exchange lands). Memory beyond the model and
-optimizer: one flat copy of the parameters to send and one receive buffer per peer.
+optimizer: one flat copy of the parameters to send, one receive buffer per peer, and one kept
+term per peer (below).
 
-Neither policy is registered yet: the schema refuses a job naming them (core/schema.py `NOT_WIRED`)
-until their end-to-end runs under Ray are verified; the in-process tests register them.
+Elastic runs (kind `decentralized`, entry `average`: actors/entry.py). A membership epoch ends on
+any failed exchange and on every new plan (the coordinator aborts the group; the members agree on
+the newest step at the next entry, those behind skip ahead counting the skipped samples). An
+exchange can split: one end's receive fails while the other end's succeeded, so one member applied
+its W_ij (x_j - x_i) term and its peer did not apply the step at all, and the sum of the replicas
+moves by that term. Each member therefore keeps, per peer, the term of the newest exchange it
+applied with that peer (one flat vector per peer), and reports at every entry which exchange it
+launched last and which it applied last. A member whose live peer launched an exchange that it did
+not apply undoes its term of that exchange. For a symmetric W (every topology but `one_peer_exp`
+and `aer` across nodes, at n > 2) the two ends' terms cancel pairwise, so the undo leaves the live replicas'
+average exactly where it was before the split exchange; for the asymmetric ones the member that did
+not apply also misses the terms it would have received, which only it could add and it lacks (its
+receive failed), so a residual (W_ij - W_ji)(x_j - x_i) remains. The report is exchanged at entry,
+not inside the next exchange, because a member whose exchange fails leaves its group and never
+sends another one in it; in the next epoch its peers may differ.
+
+Consensus distance: every `sync.consensus_every` steps (0: never) the members measure
+(1/n) sum_i ||x_i - x̄||^2 of their parameters at the start of the step with two all-reduces on
+the epoch's group (the flat parameters for x̄, then the scalar ||x_i - x̄||^2), counted in the
+member's bytes sent; the next history record of each member carries it as `consensus` (with
+`consensus_step`, the step whose parameters were measured).
 """
 from __future__ import annotations
 
@@ -35,7 +55,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from algorithms.base import Algorithm, AlgorithmImpl, EpochInfo, StepVote, VoteDraft
+from algorithms.base import Algorithm, AlgorithmImpl, EpochInfo, StepVote, VoteDraft, register
 from algorithms.topologies import Row, get_topology
 
 
@@ -45,10 +65,15 @@ def consensus_distance(replicas) -> float:
     return float(((x - x.mean(axis=0)) ** 2).sum(axis=1).mean())
 
 
+NEVER = (-1, -1)
+"""(membership epoch, step) of an exchange a member never launched or applied."""
+
+
 @dataclass
 class _Exchange:
     """One step's exchange in flight: this member's row of W, what it sent and what it receives."""
 
+    step: int
     row: Row
     mine: torch.Tensor
     received: dict[int, torch.Tensor]
@@ -58,6 +83,8 @@ class _Exchange:
 class GossipImpl(AlgorithmImpl):
     trace: Optional[list[tuple[str, int]]] = None
     """When a list, the exchange appends ("launch", step) and ("land", step): for tests."""
+    undo_split: bool = True
+    """Undo the terms of a split exchange at the next entry (tests switch it off to see the drift)."""
 
     def __init__(self, algorithm: Algorithm, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         super().__init__(algorithm, model, optimizer)
@@ -68,57 +95,131 @@ class GossipImpl(AlgorithmImpl):
         self.exchange: Optional[_Exchange] = None
         self.mixed: Optional[torch.Tensor] = None
         """sum_j W_ij x_j of the step whose exchange landed, until `apply_update` takes it."""
+        self._landed: Optional[_Exchange] = None
+        self.launched: tuple[int, int] = NEVER
+        """(membership epoch, step) of the newest exchange this member launched."""
+        self.applied: tuple[int, int] = NEVER
+        """(membership epoch, step) of the newest exchange whose mix this member applied."""
+        self.terms: dict[str, tuple[tuple[int, int], torch.Tensor]] = {}
+        """Per peer slot: the newest applied exchange with it and its term W_ij (x_j - x_i)."""
+        self.undone = 0
+        """Terms undone at entries (split exchanges), for history."""
+        self._consensus: Optional[tuple[int, float]] = None
 
     def on_membership(self, comm, epoch: EpochInfo) -> None:
         super().on_membership(comm, epoch)
         self.topology.check(epoch.world_size)
-        self.exchange = self.mixed = None
+        self.exchange = self.mixed = self._landed = None
 
     def _flat(self) -> torch.Tensor:
         return torch.cat([p.detach().reshape(-1).to(self.dtype) for p in self.params])
 
+    def _set_flat(self, flat: torch.Tensor) -> None:
+        with torch.no_grad():
+            for p, chunk in zip(self.params, flat.split([p.numel() for p in self.params])):
+                p.copy_(chunk.view_as(p))
+
+    # ------------------------------------------------------------------ the step
     def before_forward(self, step: int) -> None:
-        if self.comm is None or self.epoch.world_size == 1:
+        if self.comm is None:
+            return
+        every = getattr(self.config, "consensus_every", 0)
+        if every and step % every == 0:
+            self._measure_consensus(step)
+        if self.epoch.world_size == 1:
             return
         rank, world = self.epoch.rank, self.epoch.world_size
         mine = self._flat()
         row = self.topology.peers(rank, world, step)
         received = {peer: torch.empty_like(mine) for peer, _ in row if peer != rank}
+        self.launched = (self.epoch.membership_epoch, step)
         handles = [self.comm.send(mine, dst) for dst in self.topology.sends_to(rank, world, step)]
         handles += [self.comm.recv(buf, src) for src, buf in received.items()]
-        self.exchange = _Exchange(row, mine, received, handles)
+        self.exchange = _Exchange(step, row, mine, received, handles)
         if self.trace is not None:
             self.trace.append(("launch", step))
 
+    def _measure_consensus(self, step: int) -> None:
+        """(1/n) sum_i ||x_i - x̄||^2 over the epoch's members: two all-reduces (a CommError fails the step)."""
+        n = self.epoch.world_size
+        if n == 1:
+            self._consensus = (step, 0.0)
+            return
+        mine = self._flat()
+        mean = mine.clone()
+        self.comm.all_reduce(mean).wait()
+        mean /= n
+        spread = ((mine.double() - mean.double()) ** 2).sum().reshape(1)
+        self.comm.all_reduce(spread).wait()
+        self._consensus = (step, float(spread[0]) / n)
+
     def finish_step(self, step: int, draft: VoteDraft) -> StepVote:
         exchange, self.exchange = self.exchange, None
+        # A newer plan is not switched to by a vote: no step of this kind is reduced over every member,
+        # so the coordinator aborts the epoch on every new plan and the members meet at the next entry.
         if exchange is None:
-            return StepVote.local(draft)
+            return StepVote(True, draft.loss, draft.samples, False, communicated=False)
         for handle in exchange.handles:
             handle.wait()
         rank = self.epoch.rank
         self.mixed = sum(weight * (exchange.mine if peer == rank else exchange.received[peer])
                          for peer, weight in exchange.row)
+        self._landed = exchange
         if self.trace is not None:
             self.trace.append(("land", step))
-        return StepVote(True, draft.loss, draft.samples, draft.newer_plan, communicated=True)
+        return StepVote(True, draft.loss, draft.samples, False, communicated=True)
 
     def apply_update(self, step: int, lr: float) -> None:
         """The optimizer's step from the mixed parameters, with the gradient taken at the old ones."""
         mixed, self.mixed = self.mixed, None
+        landed, self._landed = self._landed, None
         if mixed is not None:
-            with torch.no_grad():
-                for p, chunk in zip(self.params, mixed.split([p.numel() for p in self.params])):
-                    p.copy_(chunk.view_as(p))
+            rank, when = self.epoch.rank, (self.epoch.membership_epoch, landed.step)
+            for peer, weight in landed.row:
+                if peer != rank:
+                    self.terms[self.epoch.members[peer]] = (when, weight * (landed.received[peer] - landed.mine))
+            self.applied = when
+            self._set_flat(mixed)
         super().apply_update(step, lr)
 
     def discard(self, step: int) -> None:
-        self.exchange = self.mixed = None
+        self.exchange = self.mixed = self._landed = None
 
     def on_epoch_end(self, reason: str) -> None:
-        self.exchange = self.mixed = None  # its buffers are abandoned with the group
+        self.exchange = self.mixed = self._landed = None  # its buffers are abandoned with the group
+
+    def record_fields(self) -> dict:
+        out = {}
+        if self._consensus is not None:
+            (at, value), self._consensus = self._consensus, None
+            out.update(consensus=value, consensus_step=at)
+        if self.undone:
+            out["undone_terms"], self.undone = self.undone, 0
+        return out
+
+    # ------------------------------------------------------------------ entry
+    def exchange_report(self) -> tuple[int, int, int, int]:
+        """(epoch, step) of the newest exchange launched, then of the newest applied."""
+        return (*self.launched, *self.applied)
+
+    def reconcile(self, reports: dict[str, tuple[int, int, int, int]]) -> int:
+        """At an entry, with every live member's `exchange_report` by slot: undo each kept term whose
+        peer launched that very exchange as its newest and did not apply it (a split exchange).
+        Peers that left or were replaced (a fresh replica launched nothing) keep their terms: the
+        replica they mixed with is gone. Returns how many terms were undone; all are dropped."""
+        undo = []
+        for slot, (when, term) in self.terms.items():
+            report = reports.get(slot)
+            if report is not None and tuple(report[:2]) == when and tuple(report[2:]) != when:
+                undo.append(term)
+        if undo and self.undo_split:
+            self._set_flat(self._flat() - sum(undo))
+            self.undone += len(undo)
+        self.terms = {}
+        return len(undo) if self.undo_split else 0
 
 
+@register
 class DPSGD(Algorithm):
     """D-PSGD: mix parameters with the topology's peers, overlapped with the local gradient."""
 
@@ -127,6 +228,7 @@ class DPSGD(Algorithm):
     impl = GossipImpl
 
 
+@register
 class DAdam(DPSGD):
     """Decentralized Adam: `dpsgd` with AdamW moments kept locally."""
 

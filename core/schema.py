@@ -357,6 +357,13 @@ class DPSGDConfig:
 
     policy: Literal["dpsgd"] = "dpsgd"
     topology: TopologyConfig = field(default_factory=TopologyConfig)
+    consensus_every: int = 10
+    """Measure the consensus distance (1/n) sum_i ||x_i - x̄||^2 every this many steps (two all-reduces
+    on the epoch's group: a global wait for every member); it goes into each member's history record
+    as `consensus`. 0: never."""
+
+    def __post_init__(self) -> None:
+        _at_least(self, "consensus_every", 0)
 
 
 @dataclass
@@ -376,10 +383,9 @@ SyncConfig = Union[BSPConfig, BytegradConfig, QAdamConfig, LocalSGDConfig, DiLoC
                    ASPConfig, SSPConfig, QuorumConfig, ElasticBSPConfig, ShadowConfig, DPSGDConfig, DAdamConfig]
 SERVER_POLICIES = frozenset({"asp", "ssp", "quorum", "elastic_bsp"})
 """Policies run by a parameter server (actors/parameter_server.py): the `server:` section applies."""
-NOT_WIRED: frozenset[str] = frozenset({"dpsgd", "dadam"})
+NOT_WIRED: frozenset[str] = frozenset()
 """Policies whose settings the schema checks but that cannot run yet: a job naming one is refused
-(exit 2) rather than started. The gossip policies run in process (tests/unit/test_gossip.py) but
-their end-to-end runs under Ray are not verified yet."""
+(exit 2) rather than started. None today."""
 
 
 def _positive(obj: Any, name: str) -> None:
@@ -842,6 +848,9 @@ class JobStatus:
     """Server policies: the parameter server's version, incarnation, restarts, staleness histogram
     (updates by staleness), refused pushes by reason and lease counts (samples leased, applied,
     dropped, requeued, outstanding)."""
+    topology: dict = field(default_factory=dict)
+    """Gossip policies: the topology's kind, the world size it is built for, and its spectral gap there
+    (1 - rho^(1/period), algorithms/topologies.py)."""
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

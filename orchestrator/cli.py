@@ -169,6 +169,9 @@ def format_status(status: JobStatus) -> str:
         lines.append(f"departed: {m.slot} (pid {m.pid}) {m.state}: {m.cause}")
     if status.server:
         lines.append(format_server(status.server))
+    if status.topology:
+        t = status.topology
+        lines.append(f"topology: {t.get('kind')} over {t.get('world_size')} members, spectral gap {t.get('spectral_gap', 0):.4f}")
     for event in status.reshapes:
         d = event.detail
         lines.append(f"reshape: epoch {d.get('membership_epoch')}: {d.get('cause', event.reason)} | detector "

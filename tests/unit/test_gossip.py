@@ -12,7 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from actors.testing import LocalJob, local_group
+from actors.comm import CommError
+from actors.testing import LocalJob, local_group, wait_until
 from algorithms import base
 from algorithms.base import EpochInfo, VoteDraft
 from algorithms.gossip import DAdam, DPSGD, consensus_distance
@@ -27,12 +28,9 @@ SGD = {"name": "sgd", "lr": 0.1}
 
 
 @pytest.fixture
-def wired(monkeypatch):
-    """The gossip policies registered and let through the schema, for this test only."""
-    base._load_builtin()
-    monkeypatch.setattr(schema, "NOT_WIRED", frozenset())
-    for algo in (DPSGD, DAdam):
-        monkeypatch.setitem(base._REGISTRY, algo.name, algo)
+def wired():
+    """The gossip policies are registered and let through the schema (they run as jobs)."""
+    assert {"dpsgd", "dadam"} <= set(base.known_policies()) and not schema.NOT_WIRED & {"dpsgd", "dadam"}
 
 
 def run_gossip(tmp_path, sync: dict, optimizer: dict, n: int, global_batch: int, trace: list | None = None):
@@ -152,9 +150,152 @@ def test_unknown_topology_is_refused_listing_the_valid_ones():
 
 
 @pytest.mark.parametrize("policy", ["dpsgd", "dadam"])
-def test_a_job_naming_a_gossip_policy_is_refused_until_wired(policy):
+def test_a_job_naming_a_gossip_policy_is_accepted_and_runs_its_registered_class(policy):
     from orchestrator.config import config_from_dict
-    with pytest.raises(ConfigError, match=f"policy '{policy}' is not available yet"):
-        config_from_dict({"name": "m", "workload": {"factory": "orchestrator.workloads.digits:mlp"},
-                          "optimizer": {"name": "adamw"}, "sync": {"policy": policy}})
-    assert policy not in base.known_policies()
+    cfg = config_from_dict({"name": "m", "workload": {"factory": "orchestrator.workloads.digits:mlp"},
+                            "optimizer": {"name": "adamw"}, "sync": {"policy": policy, "consensus_every": 5}})
+    assert cfg.sync.policy == policy and cfg.sync.consensus_every == 5
+    assert base.get_algorithm(policy) is {"dpsgd": DPSGD, "dadam": DAdam}[policy]
+    assert base.get_algorithm(policy).kind == "decentralized"
+
+
+def test_consensus_every_must_not_be_negative():
+    with pytest.raises(ConfigError, match="consensus_every"):
+        parse(DPSGDConfig, {"policy": "dpsgd", "consensus_every": -1}, "sync")
+
+
+# ------------------------------------------------------------------ split exchanges
+class _FailingRecv:
+    """A member's communicator whose receive from rank `src` at step `step` of epoch 1 lands (so the
+    sender's exchange completes) and then reports a failure: one end fails, the other succeeds."""
+
+    def __init__(self, inner, replica, src: int, step: int) -> None:
+        self._inner, self._replica, self._src, self._step = inner, replica, src, step
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def recv(self, tensor, src: int):
+        handle = self._inner.recv(tensor, src)
+        if src != self._src or self._replica.step != self._step or self._replica.plan.membership_epoch != 1:
+            return handle
+        slot = self._replica.slot
+
+        class Failing:
+            def wait(self, timeout=None):
+                handle.wait(timeout)
+                raise CommError(f"injected: {slot}'s receive from rank {src} failed")
+
+        return Failing()
+
+
+def _replica_average(job, slots) -> torch.Tensor:
+    return torch.stack([flat(job.parameters(s)).double() for s in slots]).mean(0)
+
+
+def run_through_split(tmp_path, monkeypatch, fault: str, undo: bool, kind: str = "ring", n: int = 4):
+    """n perturbed replicas at lr 0 (only mixing moves them); w1's exchange of step 3 splits (its
+    receive from rank 0 fails after landing, or it loses the step's result), the test re-plans and
+    aborts the epoch as the coordinator does, and the job runs to the end. Returns (average before,
+    average after, the records)."""
+    import actors.replica as replica_module
+    from algorithms.gossip import GossipImpl
+
+    monkeypatch.setattr(replica_module, "lr_at", lambda *args, **kwargs: 0.0)
+    monkeypatch.setattr(GossipImpl, "undo_split", undo)
+    slots = [f"w{i}" for i in range(n)]
+    cfg = config({"policy": "dpsgd", "topology": {"kind": kind}, "consensus_every": 0}, SGD, 12, n)
+    if fault == "vote":
+        cfg["faults"] = {"kills": [{"slot": "w1", "at": "vote", "step": 3}]}
+    job = LocalJob(cfg, slots, str(tmp_path), timeout_s=10.0)
+    if fault == "recv":
+        w1 = job.replicas["w1"]
+        w1.faults.wrap = lambda comm, step: _FailingRecv(comm, w1, src=0, step=3)
+    gen = torch.Generator().manual_seed(7)
+    for slot in slots:
+        with torch.no_grad():
+            for p in job.replicas[slot].model.parameters():
+                p.add_(0.1 * torch.randn(p.shape, generator=gen))
+    before = _replica_average(job, slots)
+    job.publish(tuple(slots), 1, 8 * n)
+    job.start()
+    wait_until(lambda: any(name == "collective_failed" for name, _ in job.link.calls), 30, "w1's failed exchange")
+    # w1's peers of step 3 applied it (with w1's term) before the epoch is aborted: the split is real
+    peers = [f"w{j}" for j in get_topology(kind).sends_to(1, n, 3)]
+    wait_until(lambda: all(job.replicas[p].step >= 4 for p in peers), 30, f"{peers} past step 3")
+    job.publish(tuple(slots), 2, 8 * n)
+    for replica in job.replicas.values():
+        replica.abort_epoch(1, "test: a new plan")
+    try:
+        outcomes = job.wait(60)
+    except TimeoutError:
+        raise AssertionError({s: (r.step, r.phase, r.plan.membership_epoch, r.state, r.cause) for s, r in job.replicas.items()})
+    assert all(o["ok"] for o in outcomes.values()), outcomes
+    assert {o["step"] for o in outcomes.values()} == {12}
+    return before, _replica_average(job, slots), job.link.records
+
+
+@pytest.mark.parametrize("fault", ["recv", "vote"])
+def test_a_split_exchange_leaves_the_live_replicas_average_unchanged(tmp_path, monkeypatch, fault):
+    before, after, records = run_through_split(tmp_path, monkeypatch, fault, undo=True)
+    undone = sum(r.get("undone_terms", 0) for r in records)
+    drift = float((after - before).abs().max())
+    print(f"split by {fault}: {undone} terms undone, the average moved {drift:.2e}")
+    assert undone >= 1, "the fault split an exchange and the entry undid its terms"
+    assert drift <= 1e-6
+
+
+def test_without_the_undo_a_split_exchange_moves_the_average(tmp_path, monkeypatch):
+    """The same run with the undo switched off: the test above would fail (the average moves)."""
+    before, after, records = run_through_split(tmp_path, monkeypatch, "recv", undo=False)
+    drift = float((after - before).abs().max())
+    print(f"split without the undo: the average moved {drift:.2e}")
+    assert drift > 1e-4
+
+
+def test_a_joiner_starts_from_the_newest_live_replica_and_no_sample_is_applied_twice(tmp_path):
+    """w0..w2 train; w3 joins (a new plan, the old epoch aborted as the coordinator does): it loads the
+    state of the lowest-ranked member at the newest step instead of training from the initial
+    weights; the members behind skip ahead and count what they skip; every member ends at its stop."""
+    steps = 30
+    slots = ["w0", "w1", "w2", "w3"]
+    cfg = config({"policy": "dpsgd", "topology": {"kind": "ring"}, "consensus_every": 4}, SGD, steps, 4)
+    cfg["faults"] = {"record_samples": True}
+    job = LocalJob(cfg, slots, str(tmp_path), timeout_s=10.0)
+    job.publish(("w0", "w1", "w2"), 1, 24)
+    job.start(["w0", "w1", "w2"])
+    wait_until(lambda: any(r["step"] >= 6 for r in job.link.records), 30, "six steps")
+    job.publish(tuple(slots), 2, 32)
+    for replica in job.replicas.values():
+        replica.abort_epoch(1, "test: w3 joins")
+    job.start(["w3"])
+    try:
+        outcomes = job.wait(60)
+    except TimeoutError:
+        raise AssertionError({s: (r.step, r.phase, r.plan.membership_epoch, r.state, r.cause) for s, r in job.replicas.items()})
+    assert all(o["ok"] and o["step"] == steps for o in outcomes.values()), outcomes
+    received = [args for name, args in job.link.calls if name == "state_received"]
+    assert [a[0] for a in received] == ["w3"] and received[0][2] in ("w0", "w1", "w2") and received[0][3] >= 6, received
+    w3 = [r["step"] for r in job.link.records if r["slot"] == "w3"]
+    assert w3[0] > 6, "the joiner starts at the newest step, not from 0"
+    consensus = [r for r in job.link.records if "consensus" in r]
+    assert consensus and all(r["consensus"] >= 0 for r in consensus)
+    assert any(r["consensus"] > 0 for r in consensus), "the replicas of a ring differ"
+    ids = []
+    for slot in slots:
+        lines = (tmp_path / "samples" / f"{slot}.txt").read_text().splitlines()
+        ids += [int(i) for line in lines for i in line.split()[2:]]
+    assert len(ids) == len(set(ids)), "a sample was applied twice within the data epoch"
+
+
+def test_status_prints_the_topology_and_its_spectral_gap():
+    from algorithms.topologies import spectral_gap
+    from core.schema import JobStatus
+    from orchestrator.cli import format_status
+
+    gap = spectral_gap(get_topology("ring"), 4)
+    status = JobStatus(name="g", run_id="r", state="RUNNING", step=3, membership_epoch=1, world_size=4, members=(),
+                       loss=None, throughput=None, cause=None, run_dir="/tmp/x",
+                       topology={"kind": "ring", "world_size": 4, "spectral_gap": gap})
+    assert "topology: ring over 4 members, spectral gap 0.6667" in format_status(status)
+    assert JobStatus.from_dict(status.to_dict()).topology == status.topology
