@@ -33,3 +33,12 @@ def test_decisions_and_vocabulary_never_import_ray():
     offenders = [str(p.relative_to(REPO)) for package in ("core", "algorithms")
                  for p in (REPO / package).rglob("*.py") if "ray" in imports(p)]
     assert not offenders, offenders
+
+
+def test_test_files_have_unique_basenames():
+    """tests/ has no __init__.py: pytest imports each test file by its basename, so two files with one
+    name in different folders fail the whole collection."""
+    from collections import Counter
+
+    names = Counter(p.name for p in (REPO / "tests").rglob("test_*.py"))
+    assert not [n for n, k in names.items() if k > 1], names
