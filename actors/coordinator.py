@@ -227,10 +227,15 @@ class Coordinator:
         return self._status().to_dict()
 
     async def state_received(self, slot: str, epoch: int, source: str, step: int) -> None:
-        """A member that was behind loaded the state broadcast by `source` at epoch start."""
-        for reshape in self.pending:
-            if reshape["membership_epoch"] == epoch:
-                reshape["state_sources"][slot] = {"source": source, "step": step}
+        """A member that was behind loaded the state broadcast by `source` at epoch start. When the
+        epoch's reshape event already went out (the kinds whose other members train on), an event of
+        its own says so."""
+        pending = [r for r in self.pending if r["membership_epoch"] == epoch]
+        for reshape in pending:
+            reshape["state_sources"][slot] = {"source": source, "step": step}
+        if not pending:
+            self._event("info", f"{slot} received the state of {source} at step {step} (membership epoch {epoch})",
+                        slot=slot, state_source={"source": source, "step": step}, membership_epoch=epoch)
 
     async def epoch_agreed(self, epoch: int, step: int, records: tuple[dict, ...]) -> None:
         """Rank 0 of `epoch`: its members agreed that `step` is the newest committed step; `records`

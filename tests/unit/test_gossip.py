@@ -260,7 +260,8 @@ def test_a_joiner_starts_from_the_newest_live_replica_and_no_sample_is_applied_t
     steps = 30
     slots = ["w0", "w1", "w2", "w3"]
     cfg = config({"policy": "dpsgd", "topology": {"kind": "ring"}, "consensus_every": 4}, SGD, steps, 4)
-    cfg["faults"] = {"record_samples": True}
+    cfg["faults"] = {"record_samples": True,  # 20 ms steps: the join lands well before the others finish
+                     "stragglers": [{"slot": s, "delay_s": 0.02} for s in slots]}
     job = LocalJob(cfg, slots, str(tmp_path), timeout_s=10.0)
     job.publish(("w0", "w1", "w2"), 1, 24)
     job.start(["w0", "w1", "w2"])
