@@ -547,16 +547,18 @@ def _nccl_dtype(nccl, tensor: torch.Tensor) -> int:  # pragma: no cover - needs 
 
 # --------------------------------------------------------------------------- store and factory
 _client_stores: dict[tuple[str, int], dist.Store] = {}
-_store_lock = threading.Lock()
+"""In-process stores that tests register under made-up addresses (no TCP)."""
 
 
 def client_store(host: str, port: int, timeout_s: float) -> dist.Store:
-    """One client connection per (host, port), shared by all of a process's groups."""
-    with _store_lock:
-        key = (host, port)
-        if key not in _client_stores:
-            _client_stores[key] = dist.TCPStore(host, port, None, False, datetime.timedelta(seconds=timeout_s))
-        return _client_stores[key]
+    """A client connection of its own for one group's formation. A TCPStore client runs one operation
+    at a time: a formation abandoned for a newer epoch still blocks in C++ on its wait for peers that
+    never come (up to its timeout), and a shared connection would hold every later formation of the
+    process behind it. The group keeps its connection; it closes when the group is released."""
+    local = _client_stores.get((host, port))
+    if local is not None:
+        return local
+    return dist.TCPStore(host, port, None, False, datetime.timedelta(seconds=timeout_s))
 
 
 def make_communicator(spec: GroupSpec) -> BaseCommunicator:

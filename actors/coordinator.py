@@ -592,6 +592,10 @@ class Coordinator:
         if d.ignore:
             return
         member.state = d.member[1]
+        if member.state == S.FINISHED and outcome.get("holds_state") is False:
+            member.holds_state = False
+            self._event("info", f"{member.slot} finished without a state of its own (no live member to receive one "
+                                f"from): not one of the final model's replicas", slot=member.slot)
         if member.state in (S.LEFT, S.FINISHED):
             if member.state == S.LEFT:
                 kill(member.handle)
@@ -849,8 +853,8 @@ class Coordinator:
                 self._accept_record(record)
             await self.server.refresh_summary()
         self.history.close()
-        self.step = self.history.step(self.plan.members) if self.history.reporter == "each" and self.plan \
-            else self.history.written_step
+        self.step = self.history.step([s for s in self.plan.members if self.members[s].holds_state]) \
+            if self.history.reporter == "each" and self.plan else self.history.written_step
         kind = JobState(self.stop_kind or "FINISHED")
         rank0 = self.members.get(self.plan.members[0]) if self.plan else None
         if rank0 is not None or self.server is not None:
@@ -879,6 +883,7 @@ class Coordinator:
         training, with the first one's other state."""
         holders = [m for m in self.members.values()
                    if m.state == S.FINISHED or (m.state == S.TRAINING and m.slot in self.plan.members)]
+        holders = [m for m in holders if m.holds_state] or holders
         if not holders:
             raise RuntimeError("no member holds a replica")
         blobs = await asyncio.gather(*(asyncio.wait_for(asyncio.wrap_future(m.handle.final_state.remote().future()), 60)

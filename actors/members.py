@@ -29,6 +29,9 @@ class Member:
     """Why the member is hung, retired or failed."""
     evicted: Optional[tuple[str, str]] = None
     """(detector, cause) when the coordinator killed it for hanging."""
+    holds_state: bool = True
+    """False once it finished without ever training or loading a state (a joiner that found no live
+    member to receive one from): not a replica of the final model, and not the job's step."""
     incarnation: int = 0
     """Which start of the slot this is (a parameter server fences the pushes of earlier ones)."""
     join_reason: tuple[str, str, float] = ("", "", 0.0)

@@ -191,7 +191,7 @@ class Replica:
     def run(self) -> dict:
         try:
             self._loop()
-            self._outcome = {"ok": True, "step": self.step, "slot": self.slot}
+            self._outcome = {"ok": True, "step": self.step, "slot": self.slot, "holds_state": self.holds_state}
             self.state = "finished"
         except BaseException as err:  # noqa: BLE001 - every failure goes back to the coordinator
             self.state = "failed"

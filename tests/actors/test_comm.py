@@ -131,3 +131,28 @@ def test_store_listens_on_node_address_only(store):
     assert listening, "the store's port is not listening"
     assert {c.laddr.ip for c in listening} == {host}
     assert host not in ("0.0.0.0", "::")
+
+
+def test_a_group_forms_while_an_abandoned_formation_still_waits_in_the_same_process():
+    """A member that went on to a newer epoch while its older epoch's formation still blocks in C++
+    (waiting for peers that never come) forms the newer group at once: each formation has its own
+    store connection (one shared connection serializes them behind the stuck wait, up to its timeout)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from actors.comm import make_communicator, serve_store
+
+    timeout_s = 4.0
+    _server, port, sock = serve_store("127.0.0.1", timeout_s)
+    spec = lambda name, rank, n: GroupSpec("127.0.0.1", port, name, rank, n, timeout_s, "gloo", "127.0.0.1")  # noqa: E731
+    with ThreadPoolExecutor(3) as pool:
+        stuck = pool.submit(make_communicator, spec("abandoned/e3", 0, 2))  # rank 1 never arrives
+        time.sleep(0.5)
+        start = time.monotonic()
+        groups = list(pool.map(make_communicator, [spec("next/e4", r, 2) for r in range(2)]))
+        formed_s = time.monotonic() - start
+        assert formed_s < 1.5, f"the newer group waited {formed_s:.1f}s behind the stuck formation"
+        assert not stuck.done(), "the abandoned formation should still be waiting"
+        for g in groups:
+            g.close()
+    sock.close()
+    print(f"the newer group formed in {formed_s:.2f}s beside a stuck formation")
