@@ -1,4 +1,8 @@
-"""Decentralized (gossip) policies: `dpsgd` and `dadam`. Pure torch; the communicator is given.
+"""Decentralized (gossip) policies: `dpsgd`, `dadam` and `choco`. Pure torch; the communicator is given.
+
+With `compression.codec` (fp16, bf16, uint8), `dpsgd` and `dadam` send their parameters' payload and
+mix their own exact x_i with the peers' decoded x_j. `choco` (CHOCO-SGD, `ChocoImpl` below) sends
+compressed differences to public copies instead.
 
 Each step every member i exchanges its whole parameter vector with the peers of its topology's row
 (algorithms/topologies.py), point to point: at the start of the step (`before_forward`) it sends
@@ -56,7 +60,8 @@ import numpy as np
 import torch
 
 from algorithms.base import Algorithm, AlgorithmImpl, EpochInfo, StepVote, VoteDraft, register
-from algorithms.topologies import Row, get_topology
+from algorithms.compression import Codec, get_codec
+from algorithms.topologies import Row, TopologyError, get_topology
 
 
 def consensus_distance(replicas) -> float:
@@ -105,6 +110,30 @@ class GossipImpl(AlgorithmImpl):
         self.undone = 0
         """Terms undone at entries (split exchanges), for history."""
         self._consensus: Optional[tuple[int, float]] = None
+        compression = algorithm.compression
+        self.codec: Optional[Codec] = None if compression is None or compression.codec == "none" \
+            else get_codec(compression.codec)
+        """`compression.codec`: what goes on the wire is its payload (dpsgd: of the parameters)."""
+        self._send: Optional[torch.Tensor] = None
+        self._decoded: dict[int, torch.Tensor] = {}
+        """Per peer rank: a reused float buffer its payload is decoded into."""
+
+    def _encode(self, x: torch.Tensor) -> torch.Tensor:
+        """x as sent: itself without a codec, else its payload in a reused buffer."""
+        if self.codec is None:
+            return x
+        if self._send is None or self._send.numel() != self.codec.payload_bytes(x.numel()):
+            self._send = torch.empty(self.codec.payload_bytes(x.numel()), dtype=torch.uint8, device=x.device)
+        return self.codec.compress(x, out=self._send)
+
+    def _decode(self, peer: int, payload: torch.Tensor, numel: int) -> torch.Tensor:
+        """A received message as floats (a reused buffer per peer with a codec)."""
+        if self.codec is None:
+            return payload
+        out = self._decoded.get(peer)
+        if out is None or out.numel() != numel:
+            out = self._decoded[peer] = torch.empty(numel, dtype=torch.float32, device=payload.device)
+        return self.codec.decompress(payload, numel, out=out).to(self.dtype)
 
     def on_membership(self, comm, epoch: EpochInfo) -> None:
         super().on_membership(comm, epoch)
@@ -128,16 +157,20 @@ class GossipImpl(AlgorithmImpl):
             self._measure_consensus(step)
         if self.epoch.world_size == 1:
             return
-        rank, world = self.epoch.rank, self.epoch.world_size
         mine = self._flat()
+        self.exchange = self._launch(step, mine, self._encode(mine))
+
+    def _launch(self, step: int, mine: torch.Tensor, message: torch.Tensor) -> _Exchange:
+        """Send `message` to every rank whose row holds this member; post a receive per peer of its row."""
+        rank, world = self.epoch.rank, self.epoch.world_size
         row = self.topology.peers(rank, world, step)
-        received = {peer: torch.empty_like(mine) for peer, _ in row if peer != rank}
+        received = {peer: torch.empty_like(message) for peer, _ in row if peer != rank}
         self.launched = (self.epoch.membership_epoch, step)
-        handles = [self.comm.send(mine, dst) for dst in self.topology.sends_to(rank, world, step)]
+        handles = [self.comm.send(message, dst) for dst in self.topology.sends_to(rank, world, step)]
         handles += [self.comm.recv(buf, src) for src, buf in received.items()]
-        self.exchange = _Exchange(step, row, mine, received, handles)
         if self.trace is not None:
             self.trace.append(("launch", step))
+        return _Exchange(step, row, mine, received, handles)
 
     def _measure_consensus(self, step: int) -> None:
         """(1/n) sum_i ||x_i - x̄||^2 over the epoch's members: two all-reduces (a CommError fails the step)."""
@@ -161,7 +194,8 @@ class GossipImpl(AlgorithmImpl):
             return StepVote(True, draft.loss, draft.samples, False, communicated=False)
         for handle in exchange.handles:
             handle.wait()
-        rank = self.epoch.rank
+        rank, numel = self.epoch.rank, exchange.mine.numel()
+        exchange.received = {peer: self._decode(peer, buf, numel) for peer, buf in exchange.received.items()}
         self.mixed = sum(weight * (exchange.mine if peer == rank else exchange.received[peer])
                          for peer, weight in exchange.row)
         self._landed = exchange
@@ -233,3 +267,114 @@ class DAdam(DPSGD):
     """Decentralized Adam: `dpsgd` with AdamW moments kept locally."""
 
     name = "dadam"
+
+
+class ChocoImpl(GossipImpl):
+    """CHOCO-SGD: gossip of compressed differences to public copies (see `ChocoConfig`).
+
+    Step t of a member, once its membership epoch has had one step:
+    1. `before_forward`: q_i = Q(x_i - x̂_i) of its committed parameters x_i (the point the previous
+       step's optimizer reached), sent to every rank whose row holds it; the q_j of its peers are
+       received (no overlap: the forward pass needs the mixed point). Every copy it holds moves,
+       x̂_j += q_j (x̂_i too, by its own decoded q_i), and x_i <- x_i + gamma_c sum_j W_ij (x̂_j - x̂_i).
+    2. forward and backward at that point; `apply_update`: the configured optimizer's step.
+    So each step is CHOCO's "gossip, then gradient step", and over a run it is CHOCO's iteration
+    (gradient step; gossip) shifted by half a step: its committed state is the point before the
+    gossip. The first step of every membership epoch has nothing to gossip yet (its public copies
+    are zero, re-initialized at entry) and is a plain local step.
+
+    A failed exchange fails the step before anything moved. A step that exchanged and is then
+    discarded puts x_i back and takes every q_j off again. Each member keeps, per peer, the term
+    gamma_c W_ij (x̂_j - x̂_i) of its newest applied exchange for the entry's undo of split exchanges
+    (as `dpsgd`; for a symmetric W the two ends' terms cancel, since both ends hold the same copies).
+    Memory beyond the model and optimizer: a public copy per row member, a decoded q per row member
+    (kept for a discard), one copy of x_i, and the wire buffers; all reused from step to step."""
+
+    def __init__(self, algorithm: Algorithm, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        super().__init__(algorithm, model, optimizer)
+        self.gamma = float(self.config.consensus_lr)
+        self.public: dict[int, torch.Tensor] = {}
+        """x̂_j per rank j of this member's row (itself included), of the current membership epoch."""
+        self._q: dict[int, torch.Tensor] = {}
+        self._backup: Optional[torch.Tensor] = None
+        """x_i before this step's gossip moved it, until the step commits or is discarded."""
+        self._moved = False
+        self._terms: dict[int, torch.Tensor] = {}
+        self._due = False
+
+    def on_membership(self, comm, epoch: EpochInfo) -> None:
+        super().on_membership(comm, epoch)
+        if self.topology.period(epoch.world_size) != 1 or self.config.topology.kind == "matching":
+            raise TopologyError(f"choco needs a static topology, not {self.config.topology.kind!r}")
+        self.public, self._q = {}, {}  # re-initialized at every entry: every holder starts from zero
+        self._backup, self._moved, self._due = None, False, False
+
+    def before_forward(self, step: int) -> None:
+        if self.comm is None:
+            return
+        every = getattr(self.config, "consensus_every", 0)
+        if every and step % every == 0:
+            self._measure_consensus(step)
+        if self.epoch.world_size == 1 or not self._due:
+            return
+        rank = self.epoch.rank
+        x = self._flat()
+        numel = x.numel()
+        for peer, _ in self.topology.peers(rank, self.epoch.world_size, step):
+            if peer not in self.public:
+                self.public[peer] = torch.zeros(numel, dtype=self.dtype, device=x.device)
+        diff = x - self.public[rank]
+        message = self._encode(diff)
+        exchange = self._launch(step, x, message)
+        for handle in exchange.handles:  # before any copy moves: a failure leaves everything as it was
+            handle.wait()
+        self._q = {rank: self._decode(rank, message, numel)}  # what its holders add: the decoded q_i
+        for peer, buf in exchange.received.items():
+            self._q[peer] = self._decode(peer, buf, numel)
+        for peer, q in self._q.items():
+            self.public[peer] += q
+        own = self.public[rank]
+        terms = {peer: self.gamma * weight * (self.public[peer] - own) for peer, weight in exchange.row if peer != rank}
+        self._backup, self._moved = x, True
+        self._set_flat(x + sum(terms.values()))
+        self.exchange = exchange
+        self._terms = terms
+
+    def finish_step(self, step: int, draft: VoteDraft) -> StepVote:
+        exchange, self.exchange = self.exchange, None
+        if self.trace is not None and exchange is not None:
+            self.trace.append(("land", step))
+        return StepVote(True, draft.loss, draft.samples, False, communicated=exchange is not None)
+
+    def apply_update(self, step: int, lr: float) -> None:
+        if self._moved:
+            when = (self.epoch.membership_epoch, step)
+            for peer, term in self._terms.items():
+                self.terms[self.epoch.members[peer]] = (when, term)
+            self.applied = when
+            self._backup, self._moved, self._terms = None, False, {}
+        AlgorithmImpl.apply_update(self, step, lr)
+        self._due = True
+
+    def _take_back(self) -> None:
+        if self._moved:
+            for peer, q in self._q.items():
+                self.public[peer] -= q
+            self._set_flat(self._backup)
+            self._backup, self._moved, self._terms = None, False, {}
+
+    def discard(self, step: int) -> None:
+        super().discard(step)
+        self._take_back()
+
+    def on_epoch_end(self, reason: str) -> None:
+        super().on_epoch_end(reason)
+        self._take_back()
+
+
+@register
+class Choco(DPSGD):
+    """CHOCO-SGD: low-precision decentralized SGD with public copies (compressed differences)."""
+
+    name = "choco"
+    impl = ChocoImpl

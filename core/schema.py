@@ -374,10 +374,36 @@ class DAdamConfig(DPSGDConfig):
     policy: Literal["dadam"] = "dadam"  # type: ignore[assignment]
 
 
+STATIC_TOPOLOGIES = ("complete", "exp", "ring", "torus")
+"""Topologies whose rows never change within a membership epoch (what `choco`'s public copies need)."""
+
+
+@dataclass
+class ChocoConfig(DPSGDConfig):
+    """`choco` (CHOCO-SGD): low-precision gossip. Every member keeps public copies x̂ of itself and of
+    its topology's peers. A step: the configured optimizer's step x <- x - lr g; q_i = Q(x_i - x̂_i)
+    through `compression.codec` (exact differences when it is `none`); q_i goes to the peers, and every
+    holder of a copy adds the same q_j to x̂_j; then x_i <- x_i + consensus_lr sum_j W_ij (x̂_j - x̂_i).
+    The public copies start at zero in every membership epoch. Needs a static topology."""
+
+    policy: Literal["choco"] = "choco"  # type: ignore[assignment]
+    consensus_lr: float = 1.0
+    """The consensus step size gamma_c in (0, 1]."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 0.0 < self.consensus_lr <= 1.0:
+            raise FieldError("consensus_lr", f"must be in (0, 1], got {self.consensus_lr}")
+        if self.topology.kind not in STATIC_TOPOLOGIES:
+            raise FieldError("topology", f"choco needs a static topology (its public copies must see every message "
+                                         f"of their owner): one of {', '.join(STATIC_TOPOLOGIES)}, got "
+                                         f"{self.topology.kind!r}")
+
+
 SYNC_POLICIES: dict[str, type] = {c.policy: c for c in (BSPConfig, BytegradConfig, QAdamConfig, LocalSGDConfig,
                                                         DiLoCoConfig, StreamingDiLoCoConfig, ASPConfig, SSPConfig,
                                                         QuorumConfig, ElasticBSPConfig, ShadowConfig, DPSGDConfig,
-                                                        DAdamConfig)}
+                                                        DAdamConfig, ChocoConfig)}
 """`sync.policy` -> its config dataclass (its knobs); algorithms/ registers one Algorithm for each that runs."""
 SyncConfig = Union[BSPConfig, BytegradConfig, QAdamConfig, LocalSGDConfig, DiLoCoConfig, StreamingDiLoCoConfig,
                    ASPConfig, SSPConfig, QuorumConfig, ElasticBSPConfig, ShadowConfig, DPSGDConfig, DAdamConfig]
@@ -421,7 +447,8 @@ _FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 """A number written the way people write them (1e-5, 3., .5), for float fields."""
 
 CODECS = ("none", "fp16", "bf16", "uint8", "onebit")
-COMPRESSING_POLICIES = ("bsp", "bytegrad", "qadam", "local_sgd", "diloco", "streaming_diloco")
+COMPRESSING_POLICIES = ("bsp", "bytegrad", "qadam", "local_sgd", "diloco", "streaming_diloco", "dpsgd", "dadam",
+                        "choco")
 """Policies whose collectives take a codec so far (the others refuse one, naming the key)."""
 
 
@@ -644,6 +671,10 @@ class JobConfig:
         if self.compression.codec != "none" and self.sync.policy not in COMPRESSING_POLICIES:
             raise FieldError("compression.codec", f"policy {self.sync.policy!r} does not compress yet; "
                                                   f"{', '.join(COMPRESSING_POLICIES)} do")
+        if self.compression.codec == "onebit" and self.sync.policy in ("dpsgd", "dadam"):
+            raise FieldError("compression.codec", f"{self.sync.policy} sends the parameters themselves, and one bit "
+                                                  f"per parameter loses them; use fp16, bf16 or uint8, or policy "
+                                                  f"choco, which sends differences to public copies")
         gpus = self.workers.gpus
         if gpus > 0 and gpus != int(gpus) and self.comm.backend != "gloo":
             raise FieldError("comm.backend", f"NCCL needs whole GPUs (workers.gpus = {gpus:g}: one GPU cannot hold "

@@ -1,5 +1,5 @@
-"""Gossip (`dpsgd`) end to end on the shared local Ray: one short run through churn. w1 is SIGKILLed
-while its exchange is in flight, its slot rejoins and starts from a live replica, then the job is
+"""Gossip (`dpsgd`, and `choco` with uint8) end to end on the shared local Ray: one short run through
+churn. w1 is SIGKILLed while its exchange is in flight, its slot rejoins and starts from a live replica, then the job is
 scaled down to 3: it finishes, the members that never died keep their processes and their own
 replicas (only the joiner receives a state), the members behind skip ahead and count what they skip,
 and no sample is applied twice."""
@@ -9,6 +9,8 @@ from collections import defaultdict
 
 import torch
 
+import pytest
+
 from actors.testing import wait_until
 from orchestrator.config import config_from_dict
 from orchestrator.job import ElasticJob
@@ -16,13 +18,15 @@ from orchestrator.job import ElasticJob
 PER_WORKER = 2  # 120 steps x 4 x 2 samples stay within one data epoch of digits (1437 training samples)
 
 
-def test_dpsgd_through_a_kill_mid_exchange_a_rejoin_and_a_scale_down(run_root):
+@pytest.mark.parametrize("policy,codec", [("dpsgd", "none"), ("choco", "uint8")])
+def test_gossip_through_a_kill_mid_exchange_a_rejoin_and_a_scale_down(run_root, policy, codec):
+    """`choco` too: its public copies start again from zero in every membership epoch."""
     steps, delay = 120, 0.1  # ~12 s of training a member: past the replacement's start and a scale-down
-    cfg = {"name": "dpsgd-churn", "seed": 4,
+    cfg = {"name": f"{policy}-churn", "seed": 4, "compression": {"codec": codec},
            "workers": {"count": 4, "min": 2, "max": 4, "cpus": 0.5, "batch_mode": "keep_worker"},
            "workload": {"factory": "orchestrator.workloads.digits:mlp", "params": {"hidden": 32}, "batch_size": PER_WORKER},
            "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.5},
-           "sync": {"policy": "dpsgd", "topology": {"kind": "ring"}, "consensus_every": 5},
+           "sync": {"policy": policy, "topology": {"kind": "ring"}, "consensus_every": 5},
            "stop": {"max_steps": steps}, "eval_every": 0,
            "faults": {"record_samples": True, "stragglers": [{"slot": f"w{i}", "delay_s": delay} for i in range(4)],
                       "kills": [{"slot": "w1", "step": 12, "at": "allreduce"}]}}
@@ -68,5 +72,10 @@ def test_dpsgd_through_a_kill_mid_exchange_a_rejoin_and_a_scale_down(run_root):
     average = [e for e in events if e["reason"].startswith("final model: the average of")]
     assert average, [e["reason"] for e in events]
     assert job.model()(torch.zeros(2, 64)).shape == (2, 10)
-    print(f"dpsgd under churn: FINISHED at {result.step} in {result.elapsed_s:.1f}s; w1 got its state from "
+    if policy == "choco":
+        w0 = [r for r in history if r["slot"] == "w0"]
+        last_epoch = max(r["membership_epoch"] for r in w0)
+        before = max((r["bytes_sent"] for r in w0 if r["membership_epoch"] < last_epoch), default=0)
+        assert max(r["bytes_sent"] for r in w0) > before, "no exchange in the newest epoch"
+    print(f"{policy} under churn: FINISHED at {result.step} in {result.elapsed_s:.1f}s; w1 got its state from "
           f"{sources['w1']}; {dropped} samples skipped; max consensus {max(consensus):.3g}; {average[0]['reason']}")

@@ -96,3 +96,23 @@ def test_gossip_policies_reach_093_on_digits_with_the_consensus_distance_bounded
         assert result.state == "FINISHED" and result.metrics["accuracy"] >= 0.93, (name, result)
         assert slots == {"w0", "w1", "w2", "w3"}, (name, slots)
         assert len(consensus) >= 4 * 60 and max(consensus) < CONSENSUS_BOUND, (name, max(consensus))
+
+
+@pytest.mark.slow
+def test_compressed_sides_reach_their_uncompressed_baselines_accuracy_at_equal_steps(ray_session):
+    """Digits, 4 workers, 300 steps, the median of 3 seeds (benchmarks/compression.py's sides): bytegrad
+    and bsp + onebit within 2 points of fp32 bsp (SGD lr 0.1, momentum 0.5, both sides), qadam within 2
+    points of bsp with AdamW, choco (uint8) within 2 points of dpsgd on the same ring."""
+    from benchmarks.compression import measure
+
+    names = ["bsp (fp32)", "bytegrad (uint8, feedback)", "bsp + onebit (feedback)", "bsp + adamw (fp32)",
+             "qadam (uint8)", "dpsgd ring (fp32)", "choco ring (uint8)"]
+    rows = measure(names, steps=300, seeds=3, momentum=0.5)
+    for name, row in rows.items():
+        print(f"{name}: median accuracy {row['accuracy']:.4f} ({row.get('accuracy_delta', 0):+.4f}), "
+              f"bytes ratio {row.get('bytes_ratio', float('nan')):.3f}, seeds {row['accuracies']}")
+    for name in ("bytegrad (uint8, feedback)", "bsp + onebit (feedback)", "qadam (uint8)", "choco ring (uint8)"):
+        assert rows[name]["accuracy_delta"] >= -0.02, (name, rows[name])
+    assert rows["bytegrad (uint8, feedback)"]["bytes_ratio"] <= 0.27
+    assert rows["bsp + onebit (feedback)"]["bytes_ratio"] <= 0.05
+    assert rows["choco ring (uint8)"]["bytes_ratio"] <= 0.27

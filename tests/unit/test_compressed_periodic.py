@@ -185,4 +185,4 @@ def test_a_policy_that_does_not_compress_refuses_a_codec_naming_the_key():
         config_from_dict(dict(MINIMAL, sync={"policy": "asp"}, compression={"codec": "uint8"}))
     text = str(err.value)
     assert text == ("compression.codec: policy 'asp' does not compress yet; "
-                    "bsp, bytegrad, qadam, local_sgd, diloco, streaming_diloco do"), text
+                    "bsp, bytegrad, qadam, local_sgd, diloco, streaming_diloco, dpsgd, dadam, choco do"), text

@@ -193,7 +193,8 @@ def _replica_average(job, slots) -> torch.Tensor:
     return torch.stack([flat(job.parameters(s)).double() for s in slots]).mean(0)
 
 
-def run_through_split(tmp_path, monkeypatch, fault: str, undo: bool, kind: str = "ring", n: int = 4):
+def run_through_split(tmp_path, monkeypatch, fault: str, undo: bool, kind: str = "ring", n: int = 4,
+                      policy: str = "dpsgd", codec: str = "none"):
     """n perturbed replicas at lr 0 (only mixing moves them); w1's exchange of step 3 splits (its
     receive from rank 0 fails after landing, or it loses the step's result), the test re-plans and
     aborts the epoch as the coordinator does, and the job runs to the end. Returns (average before,
@@ -204,7 +205,8 @@ def run_through_split(tmp_path, monkeypatch, fault: str, undo: bool, kind: str =
     monkeypatch.setattr(replica_module, "lr_at", lambda *args, **kwargs: 0.0)
     monkeypatch.setattr(GossipImpl, "undo_split", undo)
     slots = [f"w{i}" for i in range(n)]
-    cfg = config({"policy": "dpsgd", "topology": {"kind": kind}, "consensus_every": 0}, SGD, 12, n)
+    cfg = config({"policy": policy, "topology": {"kind": kind}, "consensus_every": 0}, SGD, 12, n)
+    cfg["compression"] = {"codec": codec}
     if fault == "vote":
         cfg["faults"] = {"kills": [{"slot": "w1", "at": "vote", "step": 3}]}
     job = LocalJob(cfg, slots, str(tmp_path), timeout_s=10.0)
