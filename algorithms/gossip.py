@@ -149,13 +149,17 @@ class GossipImpl(AlgorithmImpl):
                 p.copy_(chunk.view_as(p))
 
     # ------------------------------------------------------------------ the step
-    def before_forward(self, step: int) -> None:
+    def _opens_exchange(self, step: int) -> bool:
+        """At the start of a step: measure the consensus distance when due; whether the step exchanges."""
         if self.comm is None:
-            return
+            return False
         every = getattr(self.config, "consensus_every", 0)
         if every and step % every == 0:
             self._measure_consensus(step)
-        if self.epoch.world_size == 1:
+        return self.epoch.world_size > 1
+
+    def before_forward(self, step: int) -> None:
+        if not self._opens_exchange(step):
             return
         mine = self._flat()
         self.exchange = self._launch(step, mine, self._encode(mine))
@@ -310,12 +314,7 @@ class ChocoImpl(GossipImpl):
         self._backup, self._moved, self._due = None, False, False
 
     def before_forward(self, step: int) -> None:
-        if self.comm is None:
-            return
-        every = getattr(self.config, "consensus_every", 0)
-        if every and step % every == 0:
-            self._measure_consensus(step)
-        if self.epoch.world_size == 1 or not self._due:
+        if not self._opens_exchange(step) or not self._due:
             return
         rank = self.epoch.rank
         x = self._flat()
