@@ -32,7 +32,7 @@ from actors import checkpoints, runfiles
 from actors.comm import serve_store
 from actors.faults import CoordinatorFaults
 from actors.history import History
-from actors.members import Member, ask, describe, first_line, is_placed, job_is_dead, kill, log, log_to
+from actors.members import Member, Spare, ask, describe, first_line, is_placed, job_is_dead, kill, log, log_to
 from actors.plan import ParentWatch, Plan, Progress, WorkerSpec
 from actors.server_control import ServerControl, restart_event
 from actors.worker import WorkerActor
@@ -97,6 +97,9 @@ class Coordinator:
         """A gossip policy's (world size, spectral gap) last computed for status."""
         self.target_count = self.cfg.workers.count
         self.started_workers = 0
+        self.spares: list[Spare] = []
+        """Hot spares (`workers.spares`), oldest first."""
+        self.started_spares = 0
         """Worker starts so far: each start of a slot is a new worker incarnation (the server fences the old)."""
         self.server: Optional[ServerControl] = None
         self.failures: dict[str, int] = {}
@@ -134,14 +137,15 @@ class Coordinator:
     def _persist(self) -> None:
         """What a restarted coordinator cannot re-learn from the live workers."""
         members = {slot: {"state": m.state.value, "pid": m.pid, "node": m.node, "node_id": m.node_id, "cause": m.cause,
-                          "incarnation": m.incarnation} for slot, m in self.members.items()}
+                          "incarnation": m.incarnation, "actor_name": m.actor_name} for slot, m in self.members.items()}
         runfiles.write_json_atomic(self.run_dir / SAVED, {
             "incarnation": self.incarnation, "epoch": self.epoch, "version": self.version, "state": self.state.value,
             "plan": dataclasses.asdict(self.plan) if self.plan else None, "target_count": self.target_count,
             "failures": self.failures, "retired": self.retired, "stop_kind": self.stop_kind, "cause": self.cause,
             "stop_step": self.stop_step, "started_at": self.started_at, "running_since": self.running_since,
             "members": members, "pending": self.pending, "departed": [d.__dict__ for d in self.departed],
-            "loss": self.loss, "metrics": self.metrics, "started_workers": self.started_workers})
+            "loss": self.loss, "metrics": self.metrics, "started_workers": self.started_workers,
+            "spares": [s.name for s in self.spares], "started_spares": self.started_spares})
 
     def _load_saved(self) -> int:
         """Carry on from the run directory; returns the newest step in history."""
@@ -156,6 +160,7 @@ class Coordinator:
         self.stop_step, self.started_at = saved["stop_step"], saved["started_at"]
         self.pending, self.loss, self.metrics = saved["pending"], saved["loss"], saved["metrics"]
         self.started_workers = saved.get("started_workers", 0)
+        self.started_spares = saved.get("started_spares", 0)
         self.departed = [MemberStatus(**d) for d in saved["departed"]]
         if saved["plan"]:
             self.plan = Plan(**{k: tuple(v) if k == "members" else v for k, v in saved["plan"].items()})
@@ -340,6 +345,7 @@ class Coordinator:
         self.running_since = time.time()
         self.cause = None
         self._transition(JobState.RUNNING, f"{len(members)} workers started and received the first plan")
+        self._fill_spares()  # only now: the first members do not compete with spares for resources
 
     async def _recover(self) -> None:
         """A restarted coordinator: re-attach to the workers that are still alive (they kept training:
@@ -349,14 +355,16 @@ class Coordinator:
         if self.state == JobState.RUNNING:
             self._transition(JobState.RESHAPING, f"coordinator restarted as incarnation {self.incarnation}: re-attaching workers")
         found, lost, epochs = [], [], []
+        for name in self._saved.get("spares", ()):  # the dead incarnation's spares: new ones start below
+            kill(self._actor_named(name))
         for slot, saved in self._saved["members"].items():
-            handle = self._worker_handle(slot)
+            handle = self._worker_handle(slot, saved.get("actor_name", ""))
             if saved["state"] not in (S.TRAINING.value, S.LEAVING.value):  # a joiner not admitted yet: started again
                 kill(handle)
                 continue
             info = await ask(handle, "status") if handle is not None else None
             member = Member(slot, handle, pid=saved["pid"], node=saved["node"], node_id=saved["node_id"], state=S(saved["state"]),
-                            incarnation=saved.get("incarnation", 0))
+                            incarnation=saved.get("incarnation", 0), actor_name=saved.get("actor_name", ""))
             self.members[slot] = member
             if info is None:
                 member.state, member.cause = S.DEAD, "gone while the coordinator was down"
@@ -388,6 +396,7 @@ class Coordinator:
             await self._converge("replace workers lost while the coordinator was down", "replacement")
         else:
             self._publish(live, self.cause or "stopping", new_epoch=True)
+        self._fill_spares()
 
     async def _collect_records(self, slots: list[str]) -> None:
         """Records the members committed while this coordinator was down (some were reported to the
@@ -399,9 +408,13 @@ class Coordinator:
         for key in sorted(kept):
             self._accept_record(kept[key])
 
-    def _worker_handle(self, slot: str):
+    def _worker_handle(self, slot: str, actor_name: str = ""):
+        """The slot's live actor: by its own name, or by the name of the spare it adopted."""
+        return self._actor_named(actor_name or f"{self.name}/{self.run_id}/{slot}")
+
+    def _actor_named(self, name: str):
         try:
-            return ray.get_actor(f"{self.name}/{self.run_id}/{slot}", namespace=self.cfg.ray.namespace)
+            return ray.get_actor(name, namespace=self.cfg.ray.namespace)
         except ValueError:
             return None
 
@@ -477,27 +490,31 @@ class Coordinator:
             if self.members.get(member.slot) is member and member.state == S.STARTING:
                 await self._slot_failed(member, "start", f"worker {member.slot} could not be started: {describe(err)}")
 
+    def _still_starting(self, member: Member) -> bool:
+        return not self.state.terminal and self.stop_kind is None and self.members.get(member.slot) is member \
+            and member.state == S.STARTING
+
     async def _start_worker(self, member: Member) -> None:
-        cfg = self.cfg.workers
-        name = f"{self.name}/{self.run_id}/{member.slot}"
-        for _ in range(200):  # a replacement waits for its slot's previous actor name to be released
-            if self._worker_handle(member.slot) is None:
-                break
-            await asyncio.sleep(0.05)
-        if self.state.terminal or self.stop_kind is not None or self.members.get(member.slot) is not member \
-                or member.state != S.STARTING:
+        if not self._still_starting(member):
             return
         self.started_workers += 1
         member.incarnation = self.started_workers
         spec = WorkerSpec(self.name, self.run_id, member.slot, str(self.run_dir), self.name, self.cfg.ray.namespace,
                           self.config_dict, self.search_path, incarnation=member.incarnation)
-        member.handle = WorkerActor.options(
-            name=name, namespace=self.cfg.ray.namespace, lifetime="detached",
-            num_cpus=cfg.cpus, num_gpus=cfg.gpus, max_restarts=0,
-            scheduling_strategy="SPREAD" if cfg.placement == "spread" else "DEFAULT",
-        ).remote(spec)
+        fired = tuple(sorted(self.fired_faults))
+        info = await self._adopt_spare(member, spec, fired)
+        if info is None:
+            name = f"{self.name}/{self.run_id}/{member.slot}"
+            for _ in range(200):  # a replacement waits for its slot's previous actor name to be released
+                if self._actor_named(name) is None:
+                    break
+                await asyncio.sleep(0.05)
+            if not self._still_starting(member):
+                return
+            member.handle = self._worker_actor(name).remote(spec)
         try:  # no timeout: Ray places the actor when there is room (the job may be PAUSED until then)
-            info = await asyncio.wrap_future(member.handle.ready.remote(tuple(sorted(self.fired_faults))).future())
+            if info is None:
+                info = await asyncio.wrap_future(member.handle.ready.remote(fired).future())
         except Exception as err:  # noqa: BLE001 - the worker could not start (user code in the factory, ...)
             if self.members.get(member.slot) is member and member.state == S.STARTING:
                 await self._slot_failed(member, "start", f"worker {member.slot} failed to start: {describe(err)}")
@@ -506,6 +523,61 @@ class Coordinator:
             return  # stopped or replaced meanwhile
         member.pid, member.node, member.node_id, member.state = info["pid"], info["node"], info["node_id"], S.READY
         await self._admit()
+
+    def _worker_actor(self, name: str):
+        cfg = self.cfg.workers
+        return WorkerActor.options(name=name, namespace=self.cfg.ray.namespace, lifetime="detached",
+                                   num_cpus=cfg.cpus, num_gpus=cfg.gpus, max_restarts=0,
+                                   scheduling_strategy="SPREAD" if cfg.placement == "spread" else "DEFAULT")
+
+    # ------------------------------------------------------------------ hot spares
+    def _fill_spares(self) -> None:
+        """Start spares until `workers.spares` are up or starting (none while stopping or ended)."""
+        if self.state.terminal or self.stop_kind is not None:
+            return
+        while len(self.spares) < self.cfg.workers.spares:
+            self.started_spares += 1
+            slot = f"spare{self.started_spares}"
+            spec = WorkerSpec(self.name, self.run_id, slot, str(self.run_dir), self.name, self.cfg.ray.namespace,
+                              self.config_dict, self.search_path)
+            name = f"{self.name}/{self.run_id}/{slot}"
+            spare = Spare(name, self._worker_actor(name).remote(spec))
+            self.spares.append(spare)
+            asyncio.get_running_loop().create_task(self._spare_up(spare))
+        self._persist()
+
+    async def _spare_up(self, spare: Spare) -> None:
+        try:  # no timeout, as for a worker: Ray places it when there is room
+            info = await asyncio.wrap_future(spare.handle.ready.remote().future())
+        except Exception as err:  # noqa: BLE001 - its start failed: another one starts after a pause
+            if spare in self.spares:
+                self.spares.remove(spare)
+                self._event("info", f"hot spare {spare.status()['name']} failed to start: {describe(err)}")
+                await asyncio.sleep(5.0)
+                self._fill_spares()
+            return
+        spare.ready, spare.pid, spare.node, spare.node_id = True, info["pid"], info["node"], info["node_id"]
+
+    async def _adopt_spare(self, member: Member, spec: WorkerSpec, fired: tuple[int, ...]) -> Optional[dict]:
+        """The oldest ready spare becomes `member`'s worker (a new spare starts behind it); None when
+        no spare is ready or the one taken is gone (the caller starts a fresh actor)."""
+        spare = next((s for s in self.spares if s.ready), None)
+        if spare is None:
+            return None
+        self.spares.remove(spare)
+        self._fill_spares()
+        member.handle, member.actor_name = spare.handle, spare.name
+        try:
+            info = await asyncio.wait_for(asyncio.wrap_future(spare.handle.adopt.remote(spec, fired).future()), 60)
+        except Exception as err:  # noqa: BLE001 - the spare died idle, or the replica could not be built
+            kill(spare.handle)
+            member.handle, member.actor_name = None, ""
+            self._event("info", f"hot spare {spare.status()['name']} could not become {member.slot}: {describe(err)}; "
+                                f"starting a new worker", slot=member.slot)
+            return None
+        self._event("info", f"{member.slot} is hot spare {spare.status()['name']} (up for "
+                            f"{time.time() - spare.started_at:.1f}s)", slot=member.slot, spare=spare.name)
+        return info
 
     async def _admit(self) -> None:
         """Admit ready workers with one plan, once there are at least `workers.min` members."""
@@ -914,6 +986,9 @@ class Coordinator:
         self.history.close()
         if self.server is not None:
             self.server.kill()
+        for spare in self.spares:
+            kill(spare.handle)
+        self.spares = []
         for member in self.members.values():
             kill(member.handle)
             if not member.state.departed:
@@ -971,7 +1046,7 @@ class Coordinator:
                          started_at=self.started_at, ended_at=self.ended_at,
                          stragglers={slot: round(r, 3) for slot, r in self.stragglers.current.items()},
                          server=dict(self.server.summary, restarts=self.server.restarts) if self.server else {},
-                         topology=self._topology(plan))
+                         topology=self._topology(plan), spares=tuple(s.status() for s in self.spares))
 
     def _topology(self, plan) -> dict:
         """A gossip policy's topology over the plan's members and its spectral gap there."""

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -29,6 +30,8 @@ class Member:
     """Why the member is hung, retired or failed."""
     evicted: Optional[tuple[str, str]] = None
     """(detector, cause) when the coordinator killed it for hanging."""
+    actor_name: str = ""
+    """The Ray actor's name when it is not the slot's own (a hot spare it adopted)."""
     holds_state: bool = True
     """False once it finished without ever training or loading a state (a joiner that found no live
     member to receive one from): not a replica of the final model, and not the job's step."""
@@ -38,6 +41,23 @@ class Member:
     """(reason, detector, decided at) of the decision that started it."""
     watch_task: Optional[asyncio.Task] = field(default=None, repr=False)
     beat_task: Optional[asyncio.Task] = field(default=None, repr=False)
+
+
+@dataclass
+class Spare:
+    """A hot spare: a worker actor started (imports done, the workload built) outside the group."""
+
+    name: str
+    handle: Any
+    ready: bool = False
+    pid: int = 0
+    node: str = ""
+    node_id: str = ""
+    started_at: float = field(default_factory=time.time)
+
+    def status(self) -> dict:
+        return {"name": self.name.rsplit("/", 1)[-1], "state": "ready" if self.ready else "starting", "pid": self.pid,
+                "node": self.node}
 
 
 async def ask(handle, method: str, *args: Any, timeout: float = 5.0) -> Optional[Any]:

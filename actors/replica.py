@@ -74,15 +74,15 @@ def checksum(tensors) -> int:
 
 class Replica:
     def __init__(self, spec: WorkerSpec, link: Link, node_ip: str, tick: Callable[[], None] = lambda: None,
-                 kill_actor: Callable[[], None] = lambda: None, server: Any = None) -> None:
+                 kill_actor: Callable[[], None] = lambda: None, server: Any = None, workload: Any = None) -> None:
         """`tick` runs while the replica waits (the orphan check); `kill_actor` for `how: actor_kill` faults;
-        `server`: the parameter server's client (algorithms/server_policies.py), for server kinds."""
+        `server`: the parameter server's client (algorithms/server_policies.py), for server kinds;
+        `workload`: one `build_workload` made earlier (a hot spare's), else it is built here."""
         self.spec, self.slot, self.link, self.node_ip, self._tick = spec, spec.slot, link, node_ip, tick
         self.cfg: JobConfig = parse(JobConfig, spec.config)
         torch.set_num_threads(max(1, int(self.cfg.workers.cpus)))
         self.device = _device(self.cfg.workers.gpus)
-        torch.manual_seed(self.cfg.seed)  # identical initial replicas; verified by checksum
-        self.workload = check_factory(self.cfg.workload.factory)(**self.cfg.workload.params)
+        self.workload = workload if workload is not None else build_workload(self.cfg)
         self.model: torch.nn.Module = self.workload.model.to(self.device)
         self.model.train()
         self.optimizer = build_optimizer(self.model.parameters(), self.cfg.optimizer)
@@ -101,8 +101,7 @@ class Replica:
         """It trained a step or loaded a state (entry `average`: a member that never did receives one)."""
         self.mark_cursor = 0
         """The data cursor at the newest commit point."""
-        self.rng = np.random.default_rng([self.cfg.seed, int(self.slot[1:])])
-        """Per-slot numpy stream for user augmentation; re-derived every step like torch's."""
+        self._slot_index = int(self.slot[1:])
         self.plans = PlanBook(tick)
         self.plan: Optional[Plan] = None
         self.trained_plan: Optional[Plan] = None
@@ -378,7 +377,7 @@ class Replica:
         torch.save({"model": model, "optimizer": self.optimizer.state_dict(), "step": self._mark(),
                     "cursor": self.mark_cursor, "algorithm": self.impl.state_dict(),
                     "record": self.kept[-1] if self.kept else None,
-                    "rng": {"torch": torch.get_rng_state(), "numpy": self.rng.bit_generator.state}}, buf)
+                    "rng": {"torch": torch.get_rng_state()}}, buf)
         return buf.getvalue()
 
     def _load_state_bytes(self, data: bytes) -> None:
@@ -395,7 +394,6 @@ class Replica:
             self.kept.append(record)
         if "rng" in state:
             torch.set_rng_state(state["rng"]["torch"])
-            self.rng.bit_generator.state = state["rng"]["numpy"]
 
     # ------------------------------------------------------------------ steps and rounds
     def _micro_batches(self, plan: Plan, mine: Optional[np.ndarray]) -> tuple[np.ndarray, list[tuple[Any, int]]]:
@@ -417,13 +415,11 @@ class Replica:
         return (_to(batch, self.device) if self.device.type != "cpu" else batch), len(ids)
 
     def _seed_step(self) -> None:
-        """Randomness (dropout, augmentation) from streams derived from (seed, slot, step)."""
-        seq = np.random.SeedSequence([self.cfg.seed, int(self.slot[1:]), self.step])
-        value = int(seq.generate_state(1, np.uint64)[0] >> 1)
+        """Randomness (dropout, augmentation in torch) from a stream derived from (seed, slot, step)."""
+        value = step_seed(self.cfg.seed, self._slot_index, self.step)
         torch.default_generator.manual_seed(value)  # torch.manual_seed walks every backend: 175 us
         if self.device.type == "cuda":
             torch.cuda.manual_seed(value)
-        self.rng = np.random.default_rng(seq)
 
     def _train_step(self, plan: Plan) -> bool:
         self._enter_phase("samples")
@@ -612,6 +608,35 @@ class Replica:
             self.link.report(progress, wait=force)
         except Exception as err:  # noqa: BLE001 - a lost report must not kill training (records are kept)
             log.warning("progress report at step %d lost: %s", self.step, str(err).splitlines()[0][:200])
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def step_seed(*values: int) -> int:
+    """A 63-bit seed from a few integers (job seed, slot, step): splitmix64 folded over them, in plain
+    integers (a numpy SeedSequence per step cost ~30 us of the hot path)."""
+    x = 0
+    for v in values:
+        x = (x ^ (v & _MASK64)) + 0x9E3779B97F4A7C15 & _MASK64
+        x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9 & _MASK64
+        x = (x ^ (x >> 27)) * 0x94D049BB133111EB & _MASK64
+        x ^= x >> 31
+    return x >> 1
+
+
+def build_workload(cfg: JobConfig) -> Any:
+    """The job's workload from its factory, after seeding: identical initial replicas everywhere
+    (verified by checksum at the first plan)."""
+    torch.manual_seed(cfg.seed)
+    return check_factory(cfg.workload.factory)(**cfg.workload.params)
+
+
+def warm_up(cfg: JobConfig, workload: Any) -> None:
+    """What a replica's first construction would import (the optimizer's first construction imports
+    torch._dynamo: 1.4 s here; the policy's modules): a hot spare pays it before it is needed."""
+    build_optimizer(workload.model.parameters(), cfg.optimizer)
+    get_algorithm(cfg.sync.policy)(cfg.sync, cfg.compression)
 
 
 def form_group(spec: GroupSpec, superseded: Callable[[], bool]) -> Optional[BaseCommunicator]:

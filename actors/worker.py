@@ -1,5 +1,8 @@
 """The worker actor: a `Replica` (actors/replica.py) in a detached Ray actor process.
 
+A hot spare (`workers.spares`; its spec's slot is `spare<k>`) starts the same way but builds only
+the workload, and holds no replica until `adopt(spec)` makes it the worker of a slot.
+
 `run()` is called exactly once and trains until the plan says stop; control methods (`set_plan`,
 `abort_epoch`, `status`, `final_state`, ...) run in their own concurrency group so they answer while
 `run()` trains, and `watch()` in a third so it never starves them. `watch()` returns when `run()`
@@ -17,7 +20,8 @@ import ray
 
 from actors.parameter_server import RayServerClient, server_name
 from actors.plan import ParentWatch, Plan, Progress, WorkerSpec
-from actors.replica import Replica
+from actors.replica import Replica, build_workload, warm_up
+from core.schema import JobConfig, parse
 
 
 class RayLink:
@@ -57,17 +61,31 @@ class Worker:
     """The Ray actor: `run()` once in the default group, control methods in their own group."""
 
     def __init__(self, spec: WorkerSpec) -> None:
-        parent = ParentWatch()
+        self._parent = ParentWatch()
+        self.spec = spec
         _redirect_output(os.path.join(spec.run_dir, "workers", f"{spec.slot}.log"))
         logging.basicConfig(level=spec.config.get("log_level", "WARNING"),
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         for path in spec.search_path:
             if os.path.isdir(path) and path not in sys.path:
                 sys.path.insert(0, path)
-        os.environ["ORCHESTRATOR_SLOT"] = spec.slot  # user code may read which slot it runs in
-        self.replica = Replica(spec, RayLink(spec), ray.util.get_node_ip_address(), tick=parent.exit_if_orphaned,
+        os.environ["ORCHESTRATOR_SLOT"] = spec.slot  # user code may read which slot it runs in ("spare<k>")
+        self.replica: Replica | None = None
+        self._workload = None
+        if is_spare(spec.slot):  # the slow part of a start, done ahead: the workload and first-use imports
+            config = parse(JobConfig, spec.config)
+            self._workload = build_workload(config)
+            warm_up(config, self._workload)
+        else:
+            self._become(spec)
+
+    def _become(self, spec: WorkerSpec, workload=None) -> None:
+        os.environ["ORCHESTRATOR_SLOT"] = spec.slot
+        self.spec = spec
+        self.replica = Replica(spec, RayLink(spec), ray.util.get_node_ip_address(), tick=self._parent.exit_if_orphaned,
                                kill_actor=lambda: ray.kill(ray.get_runtime_context().current_actor, no_restart=True),
-                               server=RayServerClient(server_name(spec.job, spec.run_id), spec.namespace))
+                               server=RayServerClient(server_name(spec.job, spec.run_id), spec.namespace),
+                               workload=workload)
 
     def run(self) -> dict:
         return self.replica.run()
@@ -78,7 +96,21 @@ class Worker:
 
     @ray.method(concurrency_group="control")
     def ready(self, fired_faults: tuple[int, ...] = ()) -> dict:
-        return dict(self.replica.ready(fired_faults), node_id=ray.get_runtime_context().get_node_id())
+        node_id = ray.get_runtime_context().get_node_id()
+        if self.replica is None:  # a spare
+            return {"slot": self.spec.slot, "pid": os.getpid(), "node": ray.util.get_node_ip_address(), "node_id": node_id}
+        return dict(self.replica.ready(fired_faults), node_id=node_id)
+
+    @ray.method(concurrency_group="control")
+    def adopt(self, spec: WorkerSpec, fired_faults: tuple[int, ...] = ()) -> dict:
+        """A hot spare becomes the worker of `spec.slot` (its replica built on the workload it holds);
+        its output goes to that slot's log from here on. Answers as `ready` does."""
+        if self.replica is not None:
+            raise RuntimeError(f"{self.spec.slot} is already the worker of a slot")
+        _redirect_output(os.path.join(spec.run_dir, "workers", f"{spec.slot}.log"))
+        workload, self._workload = self._workload, None
+        self._become(spec, workload)
+        return self.ready(fired_faults)
 
     @ray.method(concurrency_group="control")
     def set_plan(self, plan: Plan) -> None:
@@ -111,6 +143,10 @@ class Worker:
     @ray.method(concurrency_group="control")
     def records_after(self, step: int) -> tuple[dict, ...]:
         return self.replica.records_after(step)
+
+
+def is_spare(slot: str) -> bool:
+    return slot.startswith("spare")
 
 
 def _redirect_output(path: str) -> None:

@@ -9,8 +9,10 @@
     checkpoint, and the steps it redoes. Same workload (digits MLP), same world size, same
     checkpoint interval, in the same Ray, medians over `--events` kills each.
 (b) `scale()` to the joiner's first committed step, and the survivors' longest step during the join.
+With `--spares k` the job keeps k hot spares (`workers.spares`): each replacement after a kill and
+the join take a spare, and (a) also reports death -> the replacement's first committed step.
 
-    python benchmarks/recovery.py [--events 5] [--workers 3] [--checkpoint-every 50]
+    python benchmarks/recovery.py [--events 5] [--workers 3] [--checkpoint-every 50] [--spares 0]
 
 Prints a table, then one JSON line. Figures are measurements, not gates.
 """
@@ -43,19 +45,22 @@ def log(text: str) -> None:
 
 
 # --------------------------------------------------------------------------- orchestrator
-def orchestrator_side(events: int, workers: int, every: int) -> dict:
+def orchestrator_side(events: int, workers: int, every: int, spares: int = 0) -> dict:
     from orchestrator.config import config_from_dict
     from orchestrator.job import ElasticJob
 
     cfg = config_from_dict({
         "name": "bench-recovery", "seed": SEED, "workers": {"count": workers, "max": workers + 1, "cpus": 1,
-                                              "failure_budget": 100},  # kills rotate over the slots: none retires
+                                              "failure_budget": 100,  # kills rotate over the slots: none retires
+                                              "spares": spares},
         "workload": {"factory": "orchestrator.workloads.digits:mlp", "params": {"hidden": HIDDEN}, "batch_size": PER_WORKER},
         "optimizer": {"lr": LR}, "checkpoint": {"every_steps": every}, "stop": {"max_steps": 10_000_000}, "eval_every": 0,
     })
     job = ElasticJob(cfg).start()
     wait_until(lambda: job.status().step > 50, 120, "training")
-    delays, lost, ranks = [], [], []
+    ready_spares = lambda: len([s for s in job.status().spares if s["state"] == "ready"]) >= spares  # noqa: E731
+    wait_until(ready_spares, 120, "ready spares")
+    delays, lost, ranks, replaced = [], [], [], []
     for i in range(events):
         status = job.status()
         victim = sorted((m for m in status.members if m.state == "training"), key=lambda m: m.rank)[i % workers]
@@ -73,6 +78,11 @@ def orchestrator_side(events: int, workers: int, every: int) -> dict:
         log(f"orchestrator kill {i + 1}/{events} (rank {victim.rank}): next committed step {first['step']} after "
             f"{delays[-1]:.3f}s (last step in history before the kill {before})")
         wait_until(lambda: job.status().world_size == workers and job.status().state == "RUNNING", 120, "replacement")
+        back = wait_until(lambda: next((e for e in job.events() if e["kind"] == "reshape" and e["time"] > killed_at
+                                        and e["detail"]["detector"] == "replacement"), None), 60, "replacement's step")
+        replaced.append(back["time"] - killed_at)
+        log(f"  the replacement's first committed step {replaced[-1]:.3f}s after the kill")
+        wait_until(ready_spares, 120, "ready spares")
     # (b) a join
     wait_until(lambda: job.status().step > job.history()[-1]["step"] - 1, 10, "steady")
     decided = time.time()
@@ -84,8 +94,8 @@ def orchestrator_side(events: int, workers: int, every: int) -> dict:
     times = {r["step"]: r["time"] for r in history}
     around = [times[s + 1] - times[s] for s in range(first_step - 20, first_step + 20) if s in times and s + 1 in times]
     job.stop()
-    return {"death_to_next_step_s": delays, "steps_lost": lost, "victim_ranks": ranks,
-            "scale_to_first_step_s": joined["time"] - decided,
+    return {"death_to_next_step_s": delays, "steps_lost": lost, "victim_ranks": ranks, "spares": spares,
+            "death_to_replacement_step_s": replaced, "scale_to_first_step_s": joined["time"] - decided,
             "join_decided_to_first_step_s": joined["detail"]["duration_s"], "longest_step_during_join_s": max(around)}
 
 
@@ -199,6 +209,8 @@ def main() -> int:
     parser.add_argument("--events", type=int, default=5)
     parser.add_argument("--workers", type=int, default=3)
     parser.add_argument("--checkpoint-every", type=int, default=50)
+    parser.add_argument("--spares", type=int, default=0, help="hot spares the orchestrator's job keeps")
+    parser.add_argument("--no-ray-train", action="store_true", help="the orchestrator's side only")
     args = parser.parse_args()
 
     import ray
@@ -209,13 +221,16 @@ def main() -> int:
     ensure_token_env()
     # Each side runs `workers` one-CPU workers and the orchestrator's join one more; Ray Train's
     # controller and the coordinator need room too.
-    ray.init(num_cpus=max(8, args.workers + 3), namespace=NAMESPACE, log_to_driver=False, logging_level="ERROR")
-    orch = orchestrator_side(args.events, args.workers, args.checkpoint_every)
-    try:
-        rt, rt_error = ray_train_side(args.events, args.workers, args.checkpoint_every), None
-    except Exception as err:  # noqa: BLE001 - report it rather than crash the table
-        rt, rt_error = None, f"{type(err).__name__}: {err}"
-        log(f"Ray Train side failed: {rt_error}")
+    ray.init(num_cpus=max(8, args.workers + args.spares + 3), namespace=NAMESPACE, log_to_driver=False,
+             logging_level="ERROR")
+    orch = orchestrator_side(args.events, args.workers, args.checkpoint_every, args.spares)
+    rt, rt_error = None, "not run (--no-ray-train)"
+    if not args.no_ray_train:
+        try:
+            rt, rt_error = ray_train_side(args.events, args.workers, args.checkpoint_every), None
+        except Exception as err:  # noqa: BLE001 - report it rather than crash the table
+            rt, rt_error = None, f"{type(err).__name__}: {err}"
+            log(f"Ray Train side failed: {rt_error}")
     ray.shutdown()
 
     o_med = statistics.median(orch["death_to_next_step_s"])
@@ -226,9 +241,12 @@ def main() -> int:
         ("speed-up (Ray Train / orchestrator)", f"{r_med / o_med:.1f}x" if rt else "n/a"),
         ("killed ranks, orchestrator", str(orch["victim_ranks"])),
         ("committed steps lost per death, orchestrator", str(orch["steps_lost"])),
+        (f"death -> replacement's first step, {args.spares} spares (s)",
+         f"{statistics.median(orch['death_to_replacement_step_s']):.3f} [{min(orch['death_to_replacement_step_s']):.3f}-"
+         f"{max(orch['death_to_replacement_step_s']):.3f}]"),
         ("killed ranks, Ray Train", str(rt["victim_ranks"]) if rt else "n/a"),
         ("steps redone per death, Ray Train", str(rt["steps_lost"]) if rt else "n/a"),
-        ("scale() -> joiner's first committed step (s)", f"{orch['scale_to_first_step_s']:.2f}"),
+        (f"scale() -> joiner's first committed step, {args.spares} spares (s)", f"{orch['scale_to_first_step_s']:.2f}"),
         ("survivors' longest step during the join (s)", f"{orch['longest_step_during_join_s']:.3f}"),
     ]
     print(f"{'metric (median [min-max])':<48}{'value':>28}")

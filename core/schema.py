@@ -67,8 +67,14 @@ class WorkersConfig:
     """At start, wait this long for all `count` workers before starting with at least `min`."""
     pause_after_s: float = 10.0
     """At start, the job is PAUSED once fewer than `min` workers could be placed for this long."""
+    spares: int = 0
+    """Hot spares: this many extra worker actors started (process, imports, the workload built)
+    outside the group. A scale-up or a replacement takes a ready spare first and a new spare starts
+    behind it. Each spare holds `cpus` and `gpus` like a worker, for the whole run."""
 
     def __post_init__(self) -> None:
+        if self.spares < 0:
+            raise FieldError("spares", f"must not be negative, got {self.spares}")
         if self.max is None:
             self.max = self.count
         if self.count < 1:
@@ -882,6 +888,8 @@ class JobStatus:
     topology: dict = field(default_factory=dict)
     """Gossip policies: the topology's kind, the world size it is built for, and its spectral gap there
     (1 - rho^(1/period), algorithms/topologies.py)."""
+    spares: tuple[dict, ...] = ()
+    """Hot spares (`workers.spares`): name, state (starting or ready), pid and node of each."""
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

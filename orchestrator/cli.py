@@ -165,6 +165,8 @@ def format_status(status: JobStatus) -> str:
     lines.append(f"{'slot':<6}{'rank':>5}  {'state':<10}{'pid':>8}  node")
     for m in status.members:
         lines.append(f"{m.slot:<6}{m.rank:>5}  {m.state:<10}{m.pid:>8}  {m.node}" + (f"  ({m.cause})" if m.cause else ""))
+    for spare in status.spares:
+        lines.append(f"{'spare':<6}{'-':>5}  {spare['state']:<10}{spare['pid'] or '':>8}  {spare['node']}  ({spare['name']})")
     for m in status.departed:
         lines.append(f"departed: {m.slot} (pid {m.pid}) {m.state}: {m.cause}")
     if status.server:
