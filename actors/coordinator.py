@@ -54,6 +54,8 @@ LINGER_S = 600.0
 MAX_RESTARTS = 5
 """How often Ray restarts a coordinator whose process dies; each restart carries on from the run
 directory and the live workers (a new incarnation)."""
+ADMIT_HOLD_S = 1.0
+"""At most this long, joiners wait for the survivors of a departure to commit a step without it."""
 SAVED = "coordinator.json"
 S = MemberState
 STRAGGLER_WARMUP_STEPS = 20
@@ -590,10 +592,26 @@ class Coordinator:
         decisions = {self.members[s].join_reason for s in ready}
         if self.state != JobState.PAUSED and any(self.members[s].join_reason in decisions for s in self._slots_in(S.STARTING)):
             return  # joiners of one decision are admitted together: one pause for the others, not several
+        if self._departure_pending(live):
+            return  # admitted when the survivors' epoch commits (`_complete_reshapes`) or the hold ends
         reason, detector, decided = self.members[ready[0]].join_reason
         self._reshape(live + tuple(ready), reason, detector, decided, joiners=tuple(ready))
         for slot in ready:
             self._start_run(self.members[slot])
+
+    def _departure_pending(self, live: tuple[str, ...]) -> bool:
+        """Whether joiners wait for the survivors of a departure to commit their first step without it.
+        A joiner from a hot spare is ready within milliseconds of a death; admitted at once, its plan
+        would supersede the survivors' before they commit, and they would wait for its state transfer
+        too. Held for at most ADMIT_HOLD_S, and never below `workers.min` (nobody could commit)."""
+        if self.state == JobState.PAUSED or len(live) < self.cfg.workers.min or self.plan is None:
+            return False
+        newest = self.plan.membership_epoch
+        held = [r for r in self.pending if r["membership_epoch"] == newest and not r["joiners"]
+                and time.time() - r["decided_at"] < ADMIT_HOLD_S]
+        if held:
+            asyncio.get_running_loop().call_later(ADMIT_HOLD_S, lambda: asyncio.ensure_future(self._admit()))
+        return bool(held)
 
     async def _slot_failed(self, member: Member, phase: str, cause: str) -> bool:
         """Count a failure against the slot; retire it past its budget, else (a failed start) start it
@@ -848,6 +866,8 @@ class Coordinator:
         if not self.pending and self.state == JobState.RESHAPING:
             self.cause = None  # a pause, if there was one, is over
             self._transition(JobState.RUNNING, f"membership epoch {epoch} committed step {record['step']}")
+        if self._slots_in(S.READY):  # joiners held back for the survivors' first step (`_departure_pending`)
+            asyncio.get_running_loop().create_task(self._admit())
 
     # ------------------------------------------------------------------ history and limits
     def _accept_record(self, record: dict) -> None:

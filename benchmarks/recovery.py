@@ -64,11 +64,14 @@ def orchestrator_side(events: int, workers: int, every: int, spares: int = 0) ->
     for i in range(events):
         status = job.status()
         victim = sorted((m for m in status.members if m.state == "training"), key=lambda m: m.rank)[i % workers]
-        before = job.history()[-1]["step"]
+        last = job.history()[-1]
+        before, epoch = last["step"], last["membership_epoch"]
         killed_at = time.time()
         os.kill(victim.pid, signal.SIGKILL)
+        # the survivors' next step is in a newer membership epoch: without the victim, or (a spare
+        # adopted before the survivors committed one without it) already with its replacement
         first = wait_until(lambda: next((r for r in job.history() if r["time"] > killed_at
-                                         and r["world_size"] == workers - 1), None), 60, "survivors' next step")
+                                         and r["membership_epoch"] > epoch), None), 60, "survivors' next step")
         delays.append(first["time"] - killed_at)
         history = job.history()
         if [r["step"] for r in history] != list(range(1, len(history) + 1)):
