@@ -99,10 +99,10 @@ class Coordinator:
         """A gossip policy's (world size, spectral gap) last computed for status."""
         self.target_count = self.cfg.workers.count
         self.started_workers = 0
+        """Worker starts so far: each start of a slot is a new worker incarnation (the server fences the old)."""
         self.spares: list[Spare] = []
         """Hot spares (`workers.spares`), oldest first."""
         self.started_spares = 0
-        """Worker starts so far: each start of a slot is a new worker incarnation (the server fences the old)."""
         self.server: Optional[ServerControl] = None
         self.failures: dict[str, int] = {}
         self.retired: dict[str, str] = {}
