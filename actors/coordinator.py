@@ -126,6 +126,11 @@ class Coordinator:
         if ray.get_runtime_context().was_current_actor_reconstructed:
             written = self._load_saved()
             ray.get_actor(self.name, namespace=self.cfg.ray.namespace).start.remote()  # nobody else will
+        self._recovered = asyncio.Event()
+        """Set once a restarted incarnation has re-attached its workers (at once for the first one):
+        `scale` waits for it, since Ray may hand a restarted coordinator a call the dead one had taken."""
+        if self._saved is None:
+            self._recovered.set()
         self.algorithm = get_algorithm(self.cfg.sync.policy)(self.cfg.sync)
         self.barriers = BarrierPlanner(self.cfg.sync.r, self.cfg.sync.ewma) if isinstance(self.cfg.sync, ElasticBSPConfig) else None
         """elastic_bsp: ZipLine over each member's predicted iteration interval."""
@@ -223,6 +228,7 @@ class Coordinator:
 
     async def scale(self, count: int) -> dict:
         """Grow or shrink to `count` workers without restarting anyone; returns once decided."""
+        await self._recovered.wait()
         w = self.cfg.workers
         if not w.min <= count <= w.max:
             raise ValueError(f"scale: {count} workers is outside [workers.min, workers.max] = [{w.min}, {w.max}]")
@@ -322,7 +328,10 @@ class Coordinator:
     # ------------------------------------------------------------------ main task
     async def _main(self) -> None:
         try:
-            await (self._recover() if self._saved is not None else self._begin())
+            try:
+                await (self._recover() if self._saved is not None else self._begin())
+            finally:
+                self._recovered.set()
             asyncio.get_running_loop().create_task(self._heartbeats())
             await self._supervise()
         except Exception as err:  # noqa: BLE001 - the job fails with the cause, never hangs
