@@ -292,7 +292,8 @@ class ChocoImpl(GossipImpl):
     gamma_c W_ij (x̂_j - x̂_i) of its newest applied exchange for the entry's undo of split exchanges
     (as `dpsgd`; for a symmetric W the two ends' terms cancel, since both ends hold the same copies).
     Memory beyond the model and optimizer: a public copy per row member, a decoded q per row member
-    (kept for a discard), one copy of x_i, and the wire buffers; all reused from step to step."""
+    (kept for a discard), one copy of x_i, the difference, the receive buffers and a term per peer.
+    The copies, the decoded q's and the send payload are reused; the rest is allocated each step."""
 
     def __init__(self, algorithm: Algorithm, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         super().__init__(algorithm, model, optimizer)
