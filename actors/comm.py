@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import datetime
 import logging
+import os
 import socket
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -110,6 +112,7 @@ class Communicator(Protocol):
     def all_to_all(self, output: torch.Tensor, tensor: torch.Tensor) -> Handle: ...
     def send(self, tensor: torch.Tensor, dst: int) -> Handle: ...
     def recv(self, tensor: torch.Tensor, src: int) -> Handle: ...
+    def process_group(self) -> Optional[dist.ProcessGroup]: ...
 
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
@@ -135,6 +138,9 @@ class BaseCommunicator:
         self.timed_out = False
         self.failed = False
         self.abort_reason = ""
+        self.error: Optional[CommError] = None
+        """The first failed operation's error (for callers that see the failure second-hand, as a
+        RuntimeError out of torch's reducer inside backward)."""
         self._pending: set[Handle] = set()
         self._lock = threading.Lock()
 
@@ -159,6 +165,26 @@ class BaseCommunicator:
         for handle in pending:
             handle._done.set()
 
+    def failure(self) -> CommError:
+        """The error a failed or aborted operation of this group raises."""
+        if self.aborted:
+            kind = CommTimeout if self.timed_out else CommAborted
+            return kind(f"group {self.name}: membership epoch aborted ({self.abort_reason})")
+        return self.error or CommError(f"group {self.name}: a collective failed")
+
+    def process_group(self) -> Optional[dist.ProcessGroup]:
+        """This group as a torch `ProcessGroup`, for torch's C++ gradient reducer; None where the
+        backend has none (NCCL through cupy)."""
+        return None
+
+    def failed_in_backend(self, err: BaseException) -> CommError:
+        """`err`, raised by a backend operation that ran outside a `Handle` (torch's reducer inside
+        backward), as this group's CommError; the group is failed from now on."""
+        self.failed = True
+        if self.error is None and not self.aborted:
+            self.error = CommError(f"group {self.name}: {str(err).splitlines()[0][:300]}")
+        return self.failure()
+
     def _ring_bytes(self, tensor: torch.Tensor) -> int:
         n = self.world_size
         return int(2 * (n - 1) * tensor.numel() * tensor.element_size() // max(n, 1))
@@ -174,18 +200,45 @@ class NoGroup(BaseCommunicator):
 
 
 class GlooCommunicator(BaseCommunicator):
-    """torch ProcessGroupGloo on a PrefixStore of the group name over the coordinator's store."""
+    """torch ProcessGroupGloo on a PrefixStore of the group name over the coordinator's store.
+
+    An abort also shuts down the group's own TCP connections (its pairs): an operation blocked in
+    C++ on a silent peer, which no Python flag can wake (torch's reducer waiting inside backward),
+    then fails at once with "connection closed". Gloo's own `abort()` and `shutdown()` do not release
+    it. The pairs are told apart from every other socket of the process by the gloo device's
+    listening address, which each member publishes in the group's store: a pair is a connection
+    accepted on this member's listening address or made to a peer's. Only a group lent to torch
+    (`process_group()`) is shut down so: every other wait is a `Handle`, which the abort releases,
+    and tests that run several members of one group in one process would otherwise see a member's
+    abort shut down its neighbours' connections to the same peers."""
 
     def __init__(self, spec: GroupSpec, store: dist.Store) -> None:
         super().__init__(spec)
         opts = dist.ProcessGroupGloo._Options()
         opts._timeout = datetime.timedelta(seconds=spec.timeout_s)
-        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=spec.node_ip)]
+        device, self._listen = _device_and_address(spec.node_ip)
+        opts._devices = [device]
         prefix = dist.PrefixStore(spec.name + "/", store)
+        self._prefix = prefix
+        self._torch_pg: Optional[dist.ProcessGroup] = None
+        self._peers: set[tuple[str, int]] = set()
+        """The peers' gloo listening addresses (a pair is a connection to one of them, or from one)."""
         try:
+            prefix.set(f"gloo-listen/{spec.rank}", f"{self._listen[0]} {self._listen[1]}" if self._listen else "")
             self._pg = dist.ProcessGroupGloo(prefix, spec.rank, spec.world_size, opts)
+            others = [f"gloo-listen/{r}" for r in range(spec.world_size) if r != spec.rank]
+            for value in (prefix.multi_get(others) if others else []):
+                host, _, port = value.decode().partition(" ")
+                if port:
+                    self._peers.add((host, int(port)))
         except Exception as err:  # noqa: BLE001
             raise CommError(f"group {spec.name}: could not form: {str(err).splitlines()[0][:300]}") from None
+
+    def abort(self, reason: str = "aborted by coordinator") -> None:
+        super().abort(reason)
+        with self._lock:
+            if self._pg is not None and self._listen is not None and self._torch_pg is not None:
+                _shut_down_pairs(self._listen, self._peers)
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> Handle:
         self._check()
@@ -229,13 +282,27 @@ class GlooCommunicator(BaseCommunicator):
         self._check()
         return Handle(_WaitedWork(self._pg.recv([tensor], src, 0)), self, (tensor,))
 
+    def process_group(self) -> Optional[dist.ProcessGroup]:
+        """A torch ProcessGroup over this group's gloo backend that calls itself a group of one (rank
+        0 of 1): torch's reducer divides every bucket by its group's size before the all-reduce, and
+        here the gradients arrive already weighted by each member's share of the global batch, so the
+        sum is the mean. The all-reduce itself runs on the gloo backend, across the whole group."""
+        if self._torch_pg is None and self._pg is not None:
+            group = dist.ProcessGroup(self._prefix, 0, 1)
+            group._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, self._pg)
+            group._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+            self._torch_pg = group
+        return self._torch_pg
+
     def _check(self) -> None:
         if self.aborted:
             raise CommAborted(f"group {self.name}: membership epoch aborted ({self.abort_reason})")
 
     def close(self) -> None:
         """Release the group in the background once its stuck operations have timed out."""
-        pg, self._pg = self._pg, None
+        with self._lock:  # not while an abort shuts its pairs down
+            pg, self._pg = self._pg, None
+        self._torch_pg = None
         with self._lock:
             works = [h._work for h in self._pending]
             self._pending.clear()
@@ -270,6 +337,84 @@ class _WaitedWork:
     def wait(self) -> None:
         if self._error is not None:
             raise self._error
+
+
+_DEVICE_LOCK = threading.Lock()
+"""Serializes gloo device creation in this process, so that the listening socket a creation adds is
+known to be its own."""
+
+
+def _socket_fds() -> set[int]:
+    fds = set()
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
+                fds.add(int(name))
+        except OSError:  # closed meanwhile (the listing's own descriptor among them)
+            pass
+    return fds
+
+
+def _addresses(fd: int) -> Optional[tuple[tuple[str, int], Optional[tuple[str, int]]]]:
+    """(local, remote) TCP address of descriptor `fd` (remote None when not connected), read on a
+    duplicate of it; None when it is not a TCP socket (any more)."""
+    try:
+        sock = socket.socket(fileno=os.dup(fd))
+    except OSError:
+        return None
+    try:
+        if sock.type != socket.SOCK_STREAM or sock.family not in (socket.AF_INET, socket.AF_INET6):
+            return None
+        local = sock.getsockname()[:2]
+        if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+            return local, None
+        try:
+            remote = sock.getpeername()[:2]
+        except OSError:  # not connected (yet, or any more)
+            return None
+        return local, remote
+    except OSError:
+        return None
+    finally:
+        sock.close()  # the duplicate
+
+
+def _device_and_address(node_ip: str):
+    """A gloo device bound to `node_ip`, and the address it listens on (None when it cannot be told
+    apart: then an abort cannot shut its pairs down, and a stuck operation waits for its timeout)."""
+    with _DEVICE_LOCK:
+        before = _socket_fds() if sys.platform.startswith("linux") else set()
+        device = dist.ProcessGroupGloo.create_device(hostname=node_ip)
+        if not sys.platform.startswith("linux"):
+            return device, None
+        listening = []
+        for fd in _socket_fds() - before:
+            addresses = _addresses(fd)
+            if addresses is not None and addresses[1] is None:
+                listening.append(addresses[0])
+    return device, (listening[0] if len(listening) == 1 else None)
+
+
+def _shut_down_pairs(listen: tuple[str, int], peers: set[tuple[str, int]]) -> int:
+    """Shut down (both directions) every connection of this process accepted on `listen` or made to
+    one of `peers`: gloo's pairs of one group. Returns how many."""
+    count = 0
+    for fd in _socket_fds():
+        addresses = _addresses(fd)
+        if addresses is None or addresses[1] is None:
+            continue
+        local, remote = addresses
+        if local == listen or remote in peers:
+            try:
+                sock = socket.socket(fileno=os.dup(fd))
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                finally:
+                    sock.close()  # the duplicate only: gloo's descriptor stays, shut down
+                count += 1
+            except OSError:
+                pass
+    return count
 
 
 def _release(pg, works: list, deadline: float) -> None:

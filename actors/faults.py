@@ -125,6 +125,11 @@ class FaultyComm:
     def all_reduce(self, tensor, op: str = "sum"):
         return self._in_flight(lambda: self._inner.all_reduce(tensor, op))
 
+    def at_launch(self) -> None:
+        """BSP on torch's reducer launches its buckets in C++ during backward: an `allreduce` kill
+        fires as that backward begins, while the peers wait in their all-reduce."""
+        self._in_flight(lambda: None)
+
     def all_to_all(self, output, tensor):
         """The first collective of a compressed scatter-gather: an `allreduce` kill lands in it."""
         return self._in_flight(lambda: self._inner.all_to_all(output, tensor))

@@ -449,7 +449,7 @@ class Replica:
                 weight = n / denominator  # each sample counts 1/B (shares) or 1/n_i (own mean), however split
                 loss = self.workload.loss(self.model, batch)
                 draft.loss = draft.loss + loss.detach() * weight  # before the backward that may launch the vote
-                (loss * weight).backward()
+                self.impl.backward(loss * weight)
             self.impl.end_backward(self.step)
             self._enter_phase("communicate")
             spent = time.perf_counter() - started

@@ -42,6 +42,29 @@ class BucketPlan:
     buckets: tuple[tuple[int, ...], ...]
 
 
+LAST_BUCKET_BYTES = 2**20
+"""The reducer's last bucket (the first parameters, whose gradients come last) holds at most this:
+the vote's tail is appended to a copy of it, and a small last bucket is what waits after backward."""
+
+
+def plan_reducer_buckets(sizes: list[tuple[int, torch.dtype]], bucket_bytes: int) -> BucketPlan:
+    """Buckets for torch's reducer, in launch order, one dtype per bucket: filled from the first
+    parameter up, the first bucket (launched last) to at most LAST_BUCKET_BYTES and the others to
+    `bucket_bytes`, then the list reversed, as DDP does. A parameter larger than a cap is a bucket alone."""
+    forward: list[list[int]] = []
+    current_bytes = 0
+    for index, (numel, dtype) in enumerate(sizes):
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        cap = min(LAST_BUCKET_BYTES, bucket_bytes) if len(forward) == 1 else bucket_bytes
+        if forward and sizes[forward[-1][-1]][1] == dtype and current_bytes + nbytes <= cap:
+            forward[-1].append(index)
+            current_bytes += nbytes
+        else:
+            forward.append([index])
+            current_bytes = nbytes
+    return BucketPlan(tuple(tuple(b) for b in reversed(forward)))
+
+
 def plan_buckets(sizes: list[tuple[int, torch.dtype]], bucket_bytes: int) -> BucketPlan:
     """Group parameters (numel, dtype) into buckets in reverse order, one dtype per bucket."""
     buckets: list[list[int]] = []
@@ -81,8 +104,12 @@ class AllReduceImpl(AlgorithmImpl):
         """One compressed all-reduce per bucket; its error-feedback residuals outlive membership epochs."""
         self._vote_tail: Optional[torch.Tensor] = None
         self._draft = VoteDraft()
-        for index, param in enumerate(self.params):
-            param.register_post_accumulate_grad_hook(self._make_hook(index))
+        self.reducer = None
+        """torch's C++ reducer over this epoch's group, when BSP runs on it (see `_wants_reducer`)."""
+        self._vote: Optional[torch.Tensor] = None
+        self._bytes_per_step = 0
+        self._hooks: list = []
+        self._python_hooks(True)
         self._allocate()
 
     def _gradient_codec(self) -> tuple[Optional[Codec], bool]:
@@ -129,11 +156,95 @@ class AllReduceImpl(AlgorithmImpl):
 
     def on_membership(self, comm, epoch: EpochInfo) -> None:
         super().on_membership(comm, epoch)
+        self.reducer = None  # the last epoch's reducer goes, and its autograd hooks with it
+        if self._wants_reducer(comm):
+            self._start_reducer(comm)
+            return
+        self._python_hooks(True)
         self._allocate()
         for compressed in self.compressed:
             compressed.bind(comm)
 
+    def _wants_reducer(self, comm) -> bool:
+        """`sync.engine`: `reducer` always (the config refused what cannot run on it), `auto` when the
+        group offers a torch process group (gloo), the parameters are on the CPU, no codec is set and
+        no network latency is modelled; `python`, a codec, NCCL or QAdam: the bucket hooks of this class."""
+        engine = getattr(self.config, "engine", "python")
+        if engine == "python" or comm is None or self.codec is not None or not self.params:
+            return False
+        offers = getattr(comm, "process_group", None)  # in-process test groups have none
+        return engine == "reducer" or (offers is not None and offers() is not None and comm.latency_s <= 0
+                                       and all(p.device.type == "cpu" for p in self.params))
+
+    def _start_reducer(self, comm) -> None:
+        """torch's `Reducer` (the C++ core of DDP) on this epoch's group, with no Python on its path:
+        its autograd hooks fill the buckets and launch their all-reduces in C++, and backward returns
+        once every sum is in. The vote rides as one more leaf tensor of the reducer, `_vote`, placed
+        in the last bucket: its gradient is the tail (loss, samples, newer plan), so the sum of the
+        members' tails arrives with the gradients. The group the reducer sees has size 1, so it does
+        not divide (see `GlooCommunicator.process_group`). Gradients become views into its buckets;
+        this class's own buffers and hooks are dropped for the epoch."""
+        import torch.distributed as dist
+
+        offers = getattr(comm, "process_group", None)
+        group = offers() if offers is not None else None
+        if group is None:
+            raise RuntimeError(f"sync.engine: reducer needs a torch process group; the {type(comm).__name__} "
+                               f"group has none (use sync.engine: auto or python)")
+        self._python_hooks(False)
+        self.buffers = []
+        dtype = self.params[-1].dtype if self.params[-1].dtype in EXACT_DTYPES else torch.float64
+        self._vote = torch.zeros(TAIL, dtype=dtype, requires_grad=True)
+        self._vote_grad = torch.zeros(TAIL, dtype=dtype)
+        """The tail, as the gradient backward hands the vote leaf."""
+        leaves = [self._vote, *self.params]
+        cap = int(self.config.bucket_mb * 2**20)
+        plan = plan_reducer_buckets([(p.numel(), p.dtype) for p in leaves], cap)
+        self.reducer = dist.Reducer(leaves, [list(b) for b in plan.buckets], [cap] * len(plan.buckets), group,
+                                    gradient_as_bucket_view=True)
+        n = comm.world_size
+        self._bytes_per_step = sum(2 * (n - 1) * sum(leaves[i].numel() * leaves[i].element_size() for i in b) // n
+                                   for b in plan.buckets)
+
+    def _python_hooks(self, on: bool) -> None:
+        """Register (or remove) this class's gradient hooks: with the reducer, backward runs no Python."""
+        if on and not self._hooks:
+            self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(self.params)]
+        elif not on:
+            for hook in self._hooks:
+                hook.remove()
+            self._hooks = []
+
+    def backward(self, loss: torch.Tensor) -> None:
+        if self.reducer is None:
+            return loss.backward()
+        try:
+            if self.accumulating:  # the reducer does not expect this backward: gradients accumulate
+                return loss.backward()
+            fire = getattr(self.comm, "at_launch", None)
+            if fire is not None:
+                fire()  # `faults.kills` at allreduce: this member dies as its buckets go out
+            self.reducer.prepare_for_backward([])
+            self._draft.write_tail(self._vote_grad)
+            self.comm.bytes_sent += self._bytes_per_step
+            torch.autograd.backward((loss, self._vote), (None, self._vote_grad))
+        except RuntimeError as err:
+            # The epoch was aborted (its pairs shut down), a peer is gone, or the group timed out: the
+            # reducer's wait on a bucket raised gloo's error through backward.
+            if self.comm.failed or _from_gloo(err):
+                self.reducer = None  # its state is mid-step: never reused
+                raise self.comm.failed_in_backend(err) from None
+            raise
+
     def begin_step(self, step: int, draft: VoteDraft) -> None:
+        if self.reducer is not None:
+            grads = [p.grad for p in self.params if p.grad is not None]
+            if self._vote.grad is not None:
+                grads.append(self._vote.grad)
+            if grads:
+                torch._foreach_zero_(grads)
+            self._draft = draft
+            return
         for buf in self.buffers:
             buf.zero_()
         if any(p.grad is None or p.grad.data_ptr() != self._ptrs[i] for i, p in enumerate(self.params)):
@@ -143,6 +254,8 @@ class AllReduceImpl(AlgorithmImpl):
 
     def _make_hook(self, index: int):
         def hook(_param: torch.Tensor) -> None:
+            if self.reducer is not None:
+                return  # torch's reducer launches this epoch's buckets
             if self.trace is not None:
                 self.trace.append(("hook", index))
             if self.accumulating or self.comm is None or self.deferred:
@@ -173,7 +286,7 @@ class AllReduceImpl(AlgorithmImpl):
             self.next_launch += 1
 
     def end_backward(self, step: int) -> None:
-        if self.comm is None:
+        if self.comm is None or self.reducer is not None:
             return
         if not self.deferred:
             self._launch_ready(force=True)
@@ -203,6 +316,13 @@ class AllReduceImpl(AlgorithmImpl):
     def finish_step(self, step: int, draft: VoteDraft) -> StepVote:
         if self.comm is None:
             return StepVote.local(draft)
+        if self.reducer is not None:  # backward returned: every bucket's sum is in
+            try:
+                self.reducer._check_reducer_finalized()
+            except RuntimeError:
+                raise RuntimeError("the reducer did not finish this step's buckets: some parameter got no "
+                                   "gradient; sync.engine: python reduces models with unused parameters") from None
+            return StepVote.reduced(self._vote.grad.to(torch.float64))
         if self.deferred:
             return StepVote.reduced(self._vote_tail.to(torch.float64))
         for handle in self.handles:
@@ -218,6 +338,12 @@ class AllReduceImpl(AlgorithmImpl):
     def discard(self, step: int) -> None:
         for compressed in self.compressed:
             compressed.discard()
+
+
+def _from_gloo(err: RuntimeError) -> bool:
+    """Whether a RuntimeError out of backward is gloo's (a bucket's all-reduce failed), not the model's."""
+    text = str(err)
+    return "gloo" in text or "pair closure" in text or "Connection closed" in text
 
 
 @register

@@ -10,8 +10,8 @@ loop (actors/replica.py) drives through these hooks, in this order:
                                  step runs (the loss before each backward, so that a bucket launched
                                  from the last gradient hook can carry the vote)
     before_forward(step)         gossip policies launch their exchange here
-    ... forward and backward, once per micro-step (`accumulating` is true on all but the last);
-        gradient hooks may launch communication ...
+    ... forward and `backward(loss)`, once per micro-step (`accumulating` is true on all but the
+        last); gradient hooks may launch communication ...
     end_backward(step)           launch whatever is left
     finish_step(step, draft)     wait for the step's communication; return the `StepVote` (a failed
                                  collective raises CommError: the step is not committed)
@@ -84,6 +84,12 @@ class VoteDraft:
     samples: int = 0
     newer_plan: bool = False
     """It has seen a plan newer than the one it runs: the members switch together after this vote."""
+
+    def write_tail(self, out: torch.Tensor) -> None:
+        """(loss, samples, newer plan) into the 3 elements of `out`, without reading the loss."""
+        out[0] = self.loss.detach().reshape(()) if isinstance(self.loss, torch.Tensor) else self.loss
+        out[1] = float(self.samples)
+        out[2] = 1.0 if self.newer_plan else 0.0
 
     def tail(self, dtype: torch.dtype = torch.float64, device: Any = None) -> torch.Tensor:
         """(loss, samples, newer plan) as one tensor, built on `device` without reading the loss."""
@@ -191,6 +197,11 @@ class AlgorithmImpl:
 
     def before_forward(self, step: int) -> None:
         pass
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """One micro-step's backward (BSP on torch's reducer readies the reducer for the last one, and
+        turns a failed collective inside backward into CommError)."""
+        loss.backward()
 
     def end_backward(self, step: int) -> None:
         pass

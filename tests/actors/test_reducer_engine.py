@@ -1,0 +1,200 @@
+"""BSP on torch's C++ reducer (`sync.engine`), two real gloo ranks in threads of this process: the
+same sums as the Python buckets, the vote in the last bucket, micro-steps, the epoch abort inside
+backward, and the errors for what the reducer cannot run."""
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+from torch import nn
+
+from actors.comm import CommAborted, CommError, GroupSpec, make_communicator, serve_store
+from algorithms.allreduce import AllReduce, plan_reducer_buckets
+from algorithms.base import EpochInfo, VoteDraft
+from core.schema import BSPConfig, ConfigError
+from orchestrator.config import config_from_dict
+
+TIMEOUT_S = 3.0
+PER_RANK = 8
+
+
+@pytest.fixture(scope="module")
+def store_port():
+    _server, port, sock = serve_store("127.0.0.1", TIMEOUT_S)
+    yield port
+    sock.close()
+
+
+def _groups(port: int, name: str, n: int = 2):
+    spec = lambda rank: GroupSpec("127.0.0.1", port, name, rank, n, TIMEOUT_S, "gloo", "127.0.0.1")  # noqa: E731
+    with ThreadPoolExecutor(n) as pool:
+        return list(pool.map(lambda r: make_communicator(spec(r)), range(n)))
+
+
+def _model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
+
+
+def _data(rank: int, step: int):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(PER_RANK, 64, generator=g), torch.randint(0, 10, (PER_RANK,), generator=g)
+
+
+def _member(engine: str, comm, rank: int, n: int = 2, bucket_mb: float = 25.0):
+    model = _model()
+    impl = AllReduce(BSPConfig(bucket_mb=bucket_mb, engine=engine)).bind(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    impl.on_membership(comm, EpochInfo(rank=rank, world_size=n, members=tuple(f"w{i}" for i in range(n)),
+                                       global_batch=n * PER_RANK))
+    return model, impl
+
+
+def _step(impl, model, rank: int, step: int, n: int = 2, micro: int = 1):
+    """What the worker's step loop does, for one rank: losses weighted by the share of the global batch."""
+    x, y = _data(rank, step)
+    draft = VoteDraft(samples=PER_RANK)
+    impl.begin_step(step, draft)
+    size = PER_RANK // micro
+    for i in range(micro):
+        impl.accumulating = i < micro - 1
+        loss = nn.functional.cross_entropy(model(x[i * size:(i + 1) * size]), y[i * size:(i + 1) * size])
+        weight = size / (n * PER_RANK)
+        draft.loss = draft.loss + loss.detach() * weight
+        impl.backward(loss * weight)
+    impl.end_backward(step)
+    vote = impl.finish_step(step, draft)
+    impl.apply_update(step, 0.1)
+    return vote
+
+
+def _train(port: int, name: str, engine: str, steps: int = 3, micro: int = 1, bucket_mb: float = 25.0):
+    comms = _groups(port, name)
+    members = [_member(engine, c, r, bucket_mb=bucket_mb) for r, c in enumerate(comms)]
+    votes = [[] for _ in members]
+
+    def run(rank: int) -> None:
+        model, impl = members[rank]
+        for step in range(steps):
+            votes[rank].append(_step(impl, model, rank, step, micro=micro))
+
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(run, range(2)))
+    engines = [impl.reducer is not None for _, impl in members]
+    for c in comms:
+        c.close()
+    return [torch.cat([p.detach().reshape(-1) for p in m.parameters()]) for m, _ in members], votes, engines
+
+
+@pytest.mark.parametrize("bucket_mb", [25.0, 0.004])
+def test_the_reducer_sums_exactly_as_the_python_buckets_and_carries_the_vote(store_port, bucket_mb):
+    tag = str(bucket_mb).replace(".", "")
+    reduced, votes, engines = _train(store_port, f"reducer-{tag}/e1", "reducer", bucket_mb=bucket_mb)
+    python, python_votes, python_engines = _train(store_port, f"python-{tag}/e1", "python", bucket_mb=bucket_mb)
+    assert engines == [True, True] and python_engines == [False, False]
+    assert torch.equal(reduced[0], reduced[1]), "the replicas differ after committed steps"
+    diff = float((reduced[0] - python[0]).abs().max())
+    print(f"bucket_mb {bucket_mb}: reducer vs python buckets max abs diff {diff:.2e}")
+    assert diff == 0.0
+    for step in range(3):
+        assert votes[0][step] == votes[1][step] == python_votes[0][step]
+        assert votes[0][step].samples == 2 * PER_RANK and votes[0][step].commit
+
+
+def test_auto_takes_the_reducer_on_gloo_and_the_python_buckets_without_a_process_group(store_port):
+    from actors.testing import LoopbackComm
+
+    _, _, engines = _train(store_port, "auto/e1", "auto", steps=1)
+    assert engines == [True, True]
+    model = _model()
+    impl = AllReduce(BSPConfig(engine="auto")).bind(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    impl.on_membership(LoopbackComm(), EpochInfo(rank=0, world_size=1, members=("w0",), global_batch=8))
+    assert impl.reducer is None
+
+
+def test_micro_steps_accumulate_and_reduce_once(store_port):
+    whole, _, _ = _train(store_port, "micro1/e1", "reducer", micro=1)
+    split, _, _ = _train(store_port, "micro4/e1", "reducer", micro=4)
+    diff = float((whole[0] - split[0]).abs().max())
+    print(f"4 micro-steps vs the whole batch: max abs diff {diff:.2e}")
+    assert diff < 1e-6
+
+
+def _silent_peer(port: int, name: str, abort: bool) -> tuple[BaseException, float]:
+    """Rank 1 formed the group but never runs its backward; rank 0 waits inside backward (in the
+    reducer's C++ wait on its last bucket) until the abort, or the group's timeout, releases it."""
+    comms = _groups(port, name)
+    model, impl = _member("reducer", comms[0], 0)
+    outcome: dict = {}
+
+    def run() -> None:
+        try:
+            _step(impl, model, 0, 0)
+            outcome["error"] = None
+        except Exception as err:  # noqa: BLE001 - the test inspects it
+            outcome["error"] = err
+        outcome["at"] = time.monotonic()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    time.sleep(0.5)
+    assert thread.is_alive(), "rank 0's backward returned while its peer never reduced"
+    sent = time.monotonic()
+    if abort:
+        comms[0].abort("peer w1 is gone")
+    thread.join(TIMEOUT_S + 10)
+    for c in comms:
+        c.close()
+    return outcome["error"], outcome["at"] - sent
+
+
+def test_an_abort_releases_a_backward_stuck_in_the_reducer_within_1s(store_port):
+    error, after = _silent_peer(store_port, "silent-abort/e1", abort=True)
+    print(f"released {after:.3f}s after the abort: {type(error).__name__}: {error}")
+    assert isinstance(error, CommAborted)
+    assert after < 1.0
+
+
+def test_without_the_abort_the_backward_waits_for_the_group_timeout(store_port):
+    """The control case: nothing but gloo's own timeout frees it (so the test above measures the abort)."""
+    error, after = _silent_peer(store_port, "silent-noabort/e1", abort=False)
+    print(f"no abort: released {after:.2f}s after the abort would have been sent: {type(error).__name__}")
+    assert isinstance(error, CommError) and not isinstance(error, CommAborted)
+    assert after >= TIMEOUT_S - 0.5 - 0.3
+
+
+def test_a_parameter_without_a_gradient_is_a_clear_error(store_port):
+    comms = _groups(store_port, "unused/e1", n=1)
+    model = nn.ModuleDict({"used": nn.Linear(4, 2), "unused": nn.Linear(4, 2)})
+    impl = AllReduce(BSPConfig(engine="reducer")).bind(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    impl.on_membership(comms[0], EpochInfo(rank=0, world_size=1, members=("w0",), global_batch=4))
+    draft = VoteDraft(samples=4)
+    impl.begin_step(0, draft)
+    impl.backward(model["used"](torch.randn(4, 4)).sum())
+    with pytest.raises(RuntimeError, match="engine: python"):
+        impl.finish_step(0, draft)
+    comms[0].close()
+
+
+def test_the_last_bucket_is_small_and_first_parameters_go_last():
+    f32 = torch.float32
+    plan = plan_reducer_buckets([(100, f32), (300_000, f32), (10, f32), (2**20, f32), (5, torch.float16)], 25 * 2**20)
+    assert plan.buckets == ((4,), (1, 2, 3), (0,))
+    assert plan_reducer_buckets([(10, f32)] * 3, 25 * 2**20).buckets == ((0, 1, 2),)
+
+
+def _cfg(**sync) -> dict:
+    return {"name": "engine", "workload": {"factory": "orchestrator.workloads.digits:mlp"},
+            "stop": {"max_steps": 10}, "sync": {"policy": "bsp", **sync}}
+
+
+def test_the_reducer_engine_refuses_codecs_and_gpus():
+    with pytest.raises(ConfigError, match="sync.engine: the reducer sends plain gradients"):
+        config_from_dict({**_cfg(engine="reducer"), "compression": {"codec": "uint8"}})
+    with pytest.raises(ConfigError, match="sync.engine: the reducer runs on gloo"):
+        config_from_dict({**_cfg(engine="reducer"), "workers": {"count": 1, "gpus": 1}})
+    with pytest.raises(ConfigError, match="sync.engine"):
+        config_from_dict(_cfg(engine="fast"))
+    assert config_from_dict(_cfg()).sync.engine == "auto"
