@@ -88,6 +88,8 @@ class Replica:
         self.optimizer = build_optimizer(self.model.parameters(), self.cfg.optimizer)
         self.algorithm = get_algorithm(self.cfg.sync.policy)(self.cfg.sync, self.cfg.compression)
         self.impl = self.algorithm.bind(self.model, self.optimizer)
+        self.impl.on_gradients_ready = self._gradients_ready
+        self._gradients_at: Optional[float] = None
         if server is not None and self.algorithm.kind in ("server", "background"):
             self.impl.connect(server, self.slot, spec.incarnation)  # fenced by (slot, worker incarnation)
         if self.algorithm.kind == "background":  # its own group per epoch, formed off the foreground
@@ -237,6 +239,11 @@ class Replica:
 
     def _enter_phase(self, phase: str) -> None:
         self.phase, self.phase_since = phase, time.monotonic()
+
+    def _gradients_ready(self) -> None:
+        """This member's gradients are computed; its backward now waits for the sums (the reducer)."""
+        self._gradients_at = time.perf_counter()
+        self._enter_phase("communicate")
 
     # ------------------------------------------------------------------ membership epochs
     def _enter_epoch(self, plan: Plan) -> bool:
@@ -440,6 +447,7 @@ class Replica:
         draft = VoteDraft(samples=len(ids), newer_plan=self.plans.latest.version > plan.version)
         denominator = max(len(ids), 1) if self.algorithm.local_mean else plan.global_batch
         began = time.perf_counter()
+        self._gradients_at = None
         self.impl.begin_step(self.step, draft)  # the background kind waits here for its lock
         waited += time.perf_counter() - began
         try:
@@ -451,8 +459,9 @@ class Replica:
                 draft.loss = draft.loss + loss.detach() * weight  # before the backward that may launch the vote
                 self.impl.backward(loss * weight)
             self.impl.end_backward(self.step)
-            self._enter_phase("communicate")
-            spent = time.perf_counter() - started
+            if self._gradients_at is None:
+                self._enter_phase("communicate")
+            spent = (self._gradients_at or time.perf_counter()) - started  # compute: until this member's gradients are in
             vote = self.impl.finish_step(self.step, draft)
             waited += time.perf_counter() - started - spent
             self.faults.lose_vote(self.step)

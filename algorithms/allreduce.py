@@ -1,4 +1,9 @@
-"""BSP: synchronous gradient all-reduce over flat buckets launched from gradient hooks.
+"""BSP: synchronous gradient all-reduce over flat buckets, overlapped with backward.
+
+Two engines (`sync.engine`). On gloo with CPU parameters and no codec, `auto` runs BSP on torch's
+C++ `Reducer`, the core of DDP (`_start_reducer`): no Python inside backward, the vote as one more
+leaf whose gradient is the tail. Everywhere else (codecs, QAdam, NCCL, a modelled latency) it runs
+on this module's own buckets, described next.
 
 Parameters are grouped into flat buckets of about `sync.bucket_mb`, by dtype, in reverse
 registration order (the order backward usually produces gradients). Each parameter's `.grad`
@@ -108,6 +113,8 @@ class AllReduceImpl(AlgorithmImpl):
         """torch's C++ reducer over this epoch's group, when BSP runs on it (see `_wants_reducer`)."""
         self._vote: Optional[torch.Tensor] = None
         self._bytes_per_step = 0
+        self._ready_hooks: list = []
+        self._ready_total = self._ready_left = 0
         self._hooks: list = []
         self._python_hooks(True)
         self._allocate()
@@ -156,7 +163,7 @@ class AllReduceImpl(AlgorithmImpl):
 
     def on_membership(self, comm, epoch: EpochInfo) -> None:
         super().on_membership(comm, epoch)
-        self.reducer = None  # the last epoch's reducer goes, and its autograd hooks with it
+        self._drop_reducer()  # the last epoch's
         if self._wants_reducer(comm):
             self._start_reducer(comm)
             return
@@ -193,7 +200,7 @@ class AllReduceImpl(AlgorithmImpl):
                                f"group has none (use sync.engine: auto or python)")
         self._python_hooks(False)
         self.buffers = []
-        dtype = self.params[-1].dtype if self.params[-1].dtype in EXACT_DTYPES else torch.float64
+        dtype = self.params[0].dtype if self.params[0].dtype in EXACT_DTYPES else torch.float64  # its bucket: the first parameters
         self._vote = torch.zeros(TAIL, dtype=dtype, requires_grad=True)
         self._vote_grad = torch.zeros(TAIL, dtype=dtype)
         """The tail, as the gradient backward hands the vote leaf."""
@@ -202,9 +209,30 @@ class AllReduceImpl(AlgorithmImpl):
         plan = plan_reducer_buckets([(p.numel(), p.dtype) for p in leaves], cap)
         self.reducer = dist.Reducer(leaves, [list(b) for b in plan.buckets], [cap] * len(plan.buckets), group,
                                     gradient_as_bucket_view=True)
+        first = next(b for b in plan.buckets if 1 in b)  # the bucket of params[0]: launched once backward is done
+        self._ready_total = len([i for i in first if i > 0])
+        self._ready_left = self._ready_total
+        self._ready_hooks = [self.params[i - 1].register_post_accumulate_grad_hook(self._ready_hook)
+                             for i in first if i > 0]
         n = comm.world_size
         self._bytes_per_step = sum(2 * (n - 1) * sum(leaves[i].numel() * leaves[i].element_size() for i in b) // n
                                    for b in plan.buckets)
+
+    def _ready_hook(self, _param: torch.Tensor) -> None:
+        """On the gradients of the reducer's last bucket (the first parameters, computed last): once all
+        are in, this member's backward compute is done and what follows is the wait for the sums."""
+        if self.accumulating or self.reducer is None:
+            return
+        self._ready_left -= 1
+        if self._ready_left == 0 and self.on_gradients_ready is not None:
+            self.on_gradients_ready()
+
+    def _drop_reducer(self) -> None:
+        """The reducer goes (and its autograd hooks with it), with the hooks that time its backward."""
+        self.reducer = None
+        for hook in self._ready_hooks:
+            hook.remove()
+        self._ready_hooks = []
 
     def _python_hooks(self, on: bool) -> None:
         """Register (or remove) this class's gradient hooks: with the reducer, backward runs no Python."""
@@ -232,7 +260,7 @@ class AllReduceImpl(AlgorithmImpl):
             # The epoch was aborted (its pairs shut down), a peer is gone, or the group timed out: the
             # reducer's wait on a bucket raised gloo's error through backward.
             if self.comm.failed or _from_gloo(err):
-                self.reducer = None  # its state is mid-step: never reused
+                self._drop_reducer()  # its state is mid-step: never reused
                 raise self.comm.failed_in_backend(err) from None
             raise
 
@@ -244,6 +272,7 @@ class AllReduceImpl(AlgorithmImpl):
             if grads:
                 torch._foreach_zero_(grads)
             self._draft = draft
+            self._ready_left = self._ready_total
             return
         for buf in self.buffers:
             buf.zero_()

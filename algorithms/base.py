@@ -50,7 +50,7 @@ from __future__ import annotations
 
 from abc import ABC
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal, Optional
+from typing import Any, Callable, ClassVar, Literal, Optional
 
 import numpy as np
 import torch
@@ -168,6 +168,10 @@ class AlgorithmImpl:
         self.accumulating = False
         """Set by the worker during micro-steps before the last one of a step (gradient
         accumulation): gradients accumulate locally, and communication waits for the last."""
+        self.on_gradients_ready: Optional[Callable[[], None]] = None
+        """Set by the worker: a policy whose backward also waits for the step's communication (BSP on
+        torch's reducer) calls it once this member's own gradients are all computed, so the wait that
+        follows counts as communication, not compute (hang detection, `scale_down: slowest`)."""
 
     @property
     def kind(self) -> Kind:

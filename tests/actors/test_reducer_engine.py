@@ -114,6 +114,17 @@ def test_auto_takes_the_reducer_on_gloo_and_the_python_buckets_without_a_process
     assert impl.reducer is None
 
 
+def test_gradients_ready_fires_once_per_step_after_the_last_micro_step(store_port):
+    comms = _groups(store_port, "ready/e1", n=1)
+    model, impl = _member("reducer", comms[0], 0, n=1)
+    fired = []
+    impl.on_gradients_ready = lambda: fired.append(impl.accumulating)
+    for step in range(3):
+        _step(impl, model, 0, step, n=1, micro=4)
+    comms[0].close()
+    assert fired == [False, False, False]
+
+
 def test_micro_steps_accumulate_and_reduce_once(store_port):
     whole, _, _ = _train(store_port, "micro1/e1", "reducer", micro=1)
     split, _, _ = _train(store_port, "micro4/e1", "reducer", micro=4)
@@ -128,6 +139,7 @@ def _silent_peer(port: int, name: str, abort: bool) -> tuple[BaseException, floa
     comms = _groups(port, name)
     model, impl = _member("reducer", comms[0], 0)
     outcome: dict = {}
+    impl.on_gradients_ready = lambda: outcome.setdefault("gradients", time.monotonic())
 
     def run() -> None:
         try:
@@ -141,6 +153,7 @@ def _silent_peer(port: int, name: str, abort: bool) -> tuple[BaseException, floa
     thread.start()
     time.sleep(0.5)
     assert thread.is_alive(), "rank 0's backward returned while its peer never reduced"
+    assert "gradients" in outcome, "the wait inside backward must count as communication, not compute"
     sent = time.monotonic()
     if abort:
         comms[0].abort("peer w1 is gone")
