@@ -237,8 +237,14 @@ class GlooCommunicator(BaseCommunicator):
     def abort(self, reason: str = "aborted by coordinator") -> None:
         super().abort(reason)
         with self._lock:
-            if self._pg is not None and self._listen is not None and self._torch_pg is not None:
-                _shut_down_pairs(self._listen, self._peers)
+            if self._pg is None or self._torch_pg is None:
+                return
+            if self._listen is None:
+                log.warning("group %s: its gloo listening address is unknown: an operation stuck in C++ waits "
+                            "for its timeout (%.0fs)", self.name, self.timeout_s)
+                return
+            shut = _shut_down_pairs(self._listen, self._peers)
+        log.info("group %s aborted (%s): shut down %d gloo connections", self.name, reason, shut)
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> Handle:
         self._check()
@@ -299,16 +305,23 @@ class GlooCommunicator(BaseCommunicator):
             raise CommAborted(f"group {self.name}: membership epoch aborted ({self.abort_reason})")
 
     def close(self) -> None:
-        """Release the group in the background once its stuck operations have timed out."""
+        """Release the group in the background once its stuck operations have timed out.
+
+        Gloo's destructor joins its worker threads, and it runs holding the GIL: dropped while an
+        operation is stuck, it would freeze the whole process (the control thread too) until that
+        operation's timeout. The operations of a `Handle` are known and waited out first; those torch's
+        reducer launched in C++ are not, so a failed group lent to torch is held for its whole timeout."""
         with self._lock:  # not while an abort shuts its pairs down
             pg, self._pg = self._pg, None
-        self._torch_pg = None
+        lent, self._torch_pg = self._torch_pg, None
         with self._lock:
             works = [h._work for h in self._pending]
             self._pending.clear()
         if pg is not None:
             deadline = time.monotonic() + self.timeout_s + 5.0
-            threading.Thread(target=_release, args=(pg, works, deadline), name=f"close {self.name}", daemon=True).start()
+            hold = lent is not None and self.failed
+            threading.Thread(target=_release, args=((pg, lent), works, deadline, hold), name=f"close {self.name}",
+                             daemon=True).start()
 
 
 class _WaitedWork:
@@ -417,9 +430,10 @@ def _shut_down_pairs(listen: tuple[str, int], peers: set[tuple[str, int]]) -> in
     return count
 
 
-def _release(pg, works: list, deadline: float) -> None:
-    """Hold the group (and the buffers its works reference) until they finish or time out."""
-    while works and time.monotonic() < deadline:
+def _release(pg, works: list, deadline: float, hold: bool = False) -> None:
+    """Hold the group (and the buffers its works reference) until they finish or time out; with
+    `hold`, until `deadline` whatever the works (operations no one tracks may still be stuck)."""
+    while (works or hold) and time.monotonic() < deadline:
         works = [w for w in works if not w.is_completed()]
         time.sleep(0.1)
     del pg, works

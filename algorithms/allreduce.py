@@ -249,6 +249,8 @@ class AllReduceImpl(AlgorithmImpl):
         try:
             if self.accumulating:  # the reducer does not expect this backward: gradients accumulate
                 return loss.backward()
+            if self.comm.aborted:  # released already: do not launch into shut-down connections
+                raise RuntimeError("membership epoch aborted")
             fire = getattr(self.comm, "at_launch", None)
             if fire is not None:
                 fire()  # `faults.kills` at allreduce: this member dies as its buckets go out
