@@ -202,8 +202,6 @@ class AllReduceImpl(AlgorithmImpl):
         self.buffers = []
         dtype = self.params[0].dtype if self.params[0].dtype in EXACT_DTYPES else torch.float64  # its bucket: the first parameters
         self._vote = torch.zeros(TAIL, dtype=dtype, requires_grad=True)
-        self._vote_grad = torch.zeros(TAIL, dtype=dtype)
-        """The tail, as the gradient backward hands the vote leaf."""
         leaves = [self._vote, *self.params]
         cap = int(self.config.bucket_mb * 2**20)
         plan = plan_reducer_buckets([(p.numel(), p.dtype) for p in leaves], cap)
@@ -255,9 +253,11 @@ class AllReduceImpl(AlgorithmImpl):
             if fire is not None:
                 fire()  # `faults.kills` at allreduce: this member dies as its buckets go out
             self.reducer.prepare_for_backward([])
-            self._draft.write_tail(self._vote_grad)
+            draft = self._draft  # the tail, built in one call (the parameters are on the CPU: reading the loss costs nothing)
+            tail = torch.tensor([float(draft.loss), float(draft.samples), 1.0 if draft.newer_plan else 0.0],
+                                dtype=self._vote.dtype)
             self.comm.bytes_sent += self._bytes_per_step
-            torch.autograd.backward((loss, self._vote), (None, self._vote_grad))
+            torch.autograd.backward((loss, self._vote), (None, tail))
         except RuntimeError as err:
             # The epoch was aborted (its pairs shut down), a peer is gone, or the group timed out: the
             # reducer's wait on a bucket raised gloo's error through backward.
@@ -353,7 +353,7 @@ class AllReduceImpl(AlgorithmImpl):
             except RuntimeError:
                 raise RuntimeError("the reducer did not finish this step's buckets: some parameter got no "
                                    "gradient; sync.engine: python reduces models with unused parameters") from None
-            return StepVote.reduced(self._vote.grad.to(torch.float64))
+            return StepVote.reduced(self._vote.grad)  # float32 or float64: sample counts exact either way
         if self.deferred:
             return StepVote.reduced(self._vote_tail.to(torch.float64))
         for handle in self.handles:

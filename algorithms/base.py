@@ -85,12 +85,6 @@ class VoteDraft:
     newer_plan: bool = False
     """It has seen a plan newer than the one it runs: the members switch together after this vote."""
 
-    def write_tail(self, out: torch.Tensor) -> None:
-        """(loss, samples, newer plan) into the 3 elements of `out`, without reading the loss."""
-        out[0] = self.loss.detach().reshape(()) if isinstance(self.loss, torch.Tensor) else self.loss
-        out[1] = float(self.samples)
-        out[2] = 1.0 if self.newer_plan else 0.0
-
     def tail(self, dtype: torch.dtype = torch.float64, device: Any = None) -> torch.Tensor:
         """(loss, samples, newer plan) as one tensor, built on `device` without reading the loss."""
         tail = torch.tensor([0.0, float(self.samples), 1.0 if self.newer_plan else 0.0], dtype=dtype, device=device)
