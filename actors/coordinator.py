@@ -16,6 +16,7 @@ PAUSED below `workers.min`. Every transition is an `Event` with its reason, appe
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import json
 import os
@@ -81,7 +82,7 @@ class Coordinator:
         self.epoch = self.version = self.step = 0
         self.loss: Optional[float] = None
         self.metrics: dict = {}
-        self.recent: list[tuple[float, int]] = []
+        self.recent: collections.deque[tuple[float, int]] = collections.deque()  # (time, step) of the last 5 s
         self.events: list[Event] = []
         self.fired_faults: set[int] = set(runfiles.read_json(self.run_dir / "faults_fired.json", []))
         self.faults = CoordinatorFaults(
@@ -198,11 +199,12 @@ class Coordinator:
         if member is not None:
             member.step, member.last_report, member.compute_s = progress.mark, time.time(), progress.compute_s
             self._watch_stragglers()
-        for record in progress.records:
-            try:
-                self._accept_record(record)
-            except Exception as err:  # noqa: BLE001 - one bad record must not drop the rest
-                self._event("info", f"could not record step {record.get('step')}: {type(err).__name__}: {err}")
+        with self.history.batch():
+            for record in progress.records:
+                try:
+                    self._accept_record(record)
+                except Exception as err:  # noqa: BLE001 - one bad record must not drop the rest
+                    self._event("info", f"could not record step {record.get('step')}: {type(err).__name__}: {err}")
 
     def _watch_stragglers(self) -> None:
         """Name the training members whose step time is well above the median (events on each change).
@@ -885,7 +887,8 @@ class Coordinator:
             self._check_target()
             return
         newest = self.history.offer(record)
-        self.step = max(self.step, self.history.step(self._live_members()))
+        live = self._live_members() if self.history.reporter == "each" else ()  # only each-member kinds ask
+        self.step = max(self.step, self.history.step(live))
         if newest is None:
             return  # a step already in history, a stale report of a redone one, or one ahead of a gap
         if self.pending:
@@ -894,7 +897,9 @@ class Coordinator:
             self.loss = record["loss"]
         if record.get("metrics"):
             self.metrics = dict(record["metrics"])
-        self.recent = [(t, s) for t, s in self.recent if t > record["time"] - 5.0] + [(record["time"], record["step"])]
+        self.recent.append((record["time"], record["step"]))
+        while self.recent[0][0] <= record["time"] - 5.0:  # amortised O(1) per record (a rebuilt list was O(window))
+            self.recent.popleft()
         self._check_target()
 
     def _check_target(self) -> None:

@@ -11,6 +11,7 @@ Who reports depends on the policy's kind (algorithms/base.py):
 """
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 from typing import Callable, Iterable, Optional
@@ -27,6 +28,17 @@ class History:
         self.member_steps: dict[str, int] = {}
         self._file = open(path, "a", encoding="utf-8")
         self._note = note
+        self._batched = False
+
+    @contextlib.contextmanager
+    def batch(self):
+        """One flush for every record written inside (a report carries a few hundred)."""
+        self._batched = True
+        try:
+            yield
+        finally:
+            self._batched = False
+            self._file.flush()
 
     def offer(self, record: dict) -> Optional[dict]:
         """A reported record; returns it when it is the job's newest (for status), else None."""
@@ -83,7 +95,7 @@ class History:
     def _write(self, records: list[dict]) -> None:
         for record in records:
             self._file.write(json.dumps(record) + "\n")
-        if records:
+        if records and not self._batched:
             self._file.flush()
         for first, last in self.ledger.gaps:
             self._note(f"history lacks steps {first}..{last}: they were committed while no coordinator received "

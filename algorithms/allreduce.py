@@ -29,11 +29,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+import numpy as np
 import torch
 
 from algorithms.base import Algorithm, AlgorithmImpl, EpochInfo, StepVote, VoteDraft, register
 from algorithms.compression import Codec, get_codec
+from algorithms.optim import contiguous_runs, flat_view
 from algorithms.scatter_gather import ScatterGather
+
+try:  # the C++ engine call inside torch.autograd.backward (private; absent, the public call serves)
+    from torch.autograd.graph import _engine_run_backward as _run_backward
+except ImportError:  # pragma: no cover - older torch
+    _run_backward = None
 
 TAIL = 3
 EXACT_DTYPES = (torch.float32, torch.float64)
@@ -116,6 +123,9 @@ class AllReduceImpl(AlgorithmImpl):
         self._ready_hooks: list = []
         self._ready_total = self._ready_left = 0
         self._hooks: list = []
+        self._zero_key: Optional[list[int]] = None
+        self._zero_runs: list[torch.Tensor] = []
+        self._tail = self._one = None
         self._python_hooks(True)
         self._allocate()
 
@@ -202,6 +212,9 @@ class AllReduceImpl(AlgorithmImpl):
         self.buffers = []
         dtype = self.params[0].dtype if self.params[0].dtype in EXACT_DTYPES else torch.float64  # its bucket: the first parameters
         self._vote = torch.zeros(TAIL, dtype=dtype, requires_grad=True)
+        self._tail_np = np.zeros(TAIL, dtype=np.float64 if dtype == torch.float64 else np.float32)
+        self._tail = torch.from_numpy(self._tail_np)  # the vote leaf's gradient; the engine copies it into the bucket
+        self._one = torch.ones((), dtype=self.params[0].dtype)
         leaves = [self._vote, *self.params]
         cap = int(self.config.bucket_mb * 2**20)
         plan = plan_reducer_buckets([(p.numel(), p.dtype) for p in leaves], cap)
@@ -253,11 +266,16 @@ class AllReduceImpl(AlgorithmImpl):
             if fire is not None:
                 fire()  # `faults.kills` at allreduce: this member dies as its buckets go out
             self.reducer.prepare_for_backward([])
-            draft = self._draft  # the tail, built in one call (the parameters are on the CPU: reading the loss costs nothing)
-            tail = torch.tensor([float(draft.loss), float(draft.samples), 1.0 if draft.newer_plan else 0.0],
-                                dtype=self._vote.dtype)
+            draft = self._draft  # the tail, written in place (the parameters are on the CPU: reading the loss costs nothing)
+            tail = self._tail_np
+            tail[0], tail[1], tail[2] = float(draft.loss), draft.samples, 1.0 if draft.newer_plan else 0.0
             self.comm.bytes_sent += self._bytes_per_step
-            torch.autograd.backward((loss, self._vote), (None, tail))
+            if _run_backward is not None and loss.shape == () and loss.dtype == self._one.dtype:
+                # what torch.autograd.backward runs, without its per-call checks and a fresh ones_like
+                _run_backward((loss, self._vote), (self._one, self._tail), False, False, (),
+                              allow_unreachable=True, accumulate_grad=True)
+            else:
+                torch.autograd.backward((loss, self._vote), (None, self._tail))
         except RuntimeError as err:
             # The epoch was aborted (its pairs shut down), a peer is gone, or the group timed out: the
             # reducer's wait on a bucket raised gloo's error through backward.
@@ -268,11 +286,7 @@ class AllReduceImpl(AlgorithmImpl):
 
     def begin_step(self, step: int, draft: VoteDraft) -> None:
         if self.reducer is not None:
-            grads = [p.grad for p in self.params if p.grad is not None]
-            if self._vote.grad is not None:
-                grads.append(self._vote.grad)
-            if grads:
-                torch._foreach_zero_(grads)
+            self._zero_reducer_grads()
             self._draft = draft
             self._ready_left = self._ready_total
             return
@@ -282,6 +296,27 @@ class AllReduceImpl(AlgorithmImpl):
             self._allocate()  # an optimizer (or user code) replaced a .grad
         self._draft = draft
         self._reset_launches()
+
+    def _zero_reducer_grads(self) -> None:
+        """Zero the gradients in the reducer's buckets: one `zero_` per bucket once the gradients are
+        known to be its views (checked by address each step), else one call over them all."""
+        grads = [p.grad for p in self.params]
+        grads.append(self._vote.grad)
+        if any(g is None for g in grads):  # never `None in grads`: that compares tensors with ==, ~15 us each
+            grads = [g for g in grads if g is not None]
+            if grads:
+                torch._foreach_zero_(grads)
+            return
+        key = [g.data_ptr() for g in grads]
+        if key != self._zero_key:
+            runs = contiguous_runs(grads)
+            self._zero_runs = [] if runs is None else [flat_view(grads[r[0]], sum(grads[i].numel() for i in r)) for r in runs]
+            self._zero_key = key if runs is not None else None
+        if self._zero_key is None:
+            torch._foreach_zero_(grads)
+            return
+        for flat in self._zero_runs:
+            flat.zero_()
 
     def _make_hook(self, index: int):
         def hook(_param: torch.Tensor) -> None:

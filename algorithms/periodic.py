@@ -46,6 +46,7 @@ import torch
 
 from algorithms.base import Algorithm, AlgorithmImpl, EpochInfo, StepVote, VoteDraft, register
 from algorithms.compression import get_codec
+from algorithms.optim import SGD
 from algorithms.scatter_gather import ScatterGather
 
 
@@ -86,8 +87,7 @@ class PeriodicImpl(AlgorithmImpl):
         self.outer = None
         if self.outer_mode:
             self.anchor = [self._gather(f).clone() for f in range(len(self.bounds))]
-            self.outer = torch.optim.SGD(self.anchor, lr=cfg.outer_lr, momentum=cfg.outer_momentum,
-                                         nesterov=cfg.nesterov, foreach=False)
+            self.outer = SGD(self.anchor, lr=cfg.outer_lr, momentum=cfg.outer_momentum, nesterov=cfg.nesterov)
         self.wires = self._wires()
         """Per fragment, the compressed scatter-gather of its rounds (none without a codec)."""
         self.snapshot: list[torch.Tensor] = [] if self.outer_mode and not self.streaming else [
