@@ -410,13 +410,15 @@ class Replica:
             ids = self.sampler.global_batch(self.cursor, plan.global_batch)
             mine = split_for_rank(ids, plan.rank_of(self.slot), len(plan.members))
         size = self.cfg.workload.micro_batch or max(len(mine), 1)
+        if size >= len(mine):
+            return mine, [self._collate(mine)]
         return mine, [self._collate(mine[i:i + size]) for i in range(0, len(mine), size)]
 
     def _collate(self, ids: np.ndarray) -> tuple[Any, int]:
         data = self.workload.train_data
-        if self._fast_index:
+        if self._fast_index:  # a gather per tensor (index_select: the rows `t[index]` gives, without its dispatch)
             index = torch.from_numpy(ids)
-            batch = tuple(t[index] for t in data.tensors)
+            batch = tuple([torch.index_select(t, 0, index) for t in data.tensors])
         else:
             batch = torch.utils.data.default_collate([data[int(i)] for i in ids])
         return (_to(batch, self.device) if self.device.type != "cpu" else batch), len(ids)
@@ -455,9 +457,10 @@ class Replica:
             for i, (batch, n) in enumerate(micro):
                 self.impl.accumulating = i < len(micro) - 1
                 weight = n / denominator  # each sample counts 1/B (shares) or 1/n_i (own mean), however split
-                loss = self.workload.loss(self.model, batch)
-                draft.loss = draft.loss + loss.detach() * weight  # before the backward that may launch the vote
-                self.impl.backward(loss * weight)
+                scaled = self.workload.loss(self.model, batch) * weight
+                share = scaled.detach()  # before the backward that may launch the vote
+                draft.loss = share if i == 0 else draft.loss + share
+                self.impl.backward(scaled)
             self.impl.end_backward(self.step)
             if self._gradients_at is None:
                 self._enter_phase("communicate")
