@@ -145,7 +145,8 @@ class Coordinator:
     def _persist(self) -> None:
         """What a restarted coordinator cannot re-learn from the live workers."""
         members = {slot: {"state": m.state.value, "pid": m.pid, "node": m.node, "node_id": m.node_id, "cause": m.cause,
-                          "incarnation": m.incarnation, "actor_name": m.actor_name} for slot, m in self.members.items()}
+                          "incarnation": m.incarnation, "actor_name": m.actor_name, "holds_state": m.holds_state}
+                   for slot, m in self.members.items()}
         runfiles.write_json_atomic(self.run_dir / SAVED, {
             "incarnation": self.incarnation, "epoch": self.epoch, "version": self.version, "state": self.state.value,
             "plan": dataclasses.asdict(self.plan) if self.plan else None, "target_count": self.target_count,
@@ -245,6 +246,8 @@ class Coordinator:
         """A member that was behind loaded the state broadcast by `source` at epoch start. When the
         epoch's reshape event already went out (the kinds whose other members train on), an event of
         its own says so."""
+        if slot in self.members:
+            self.members[slot].holds_state = True
         pending = [r for r in self.pending if r["membership_epoch"] == epoch]
         for reshape in pending:
             reshape["state_sources"][slot] = {"source": source, "step": step}
@@ -257,6 +260,13 @@ class Coordinator:
         are those it keeps after the plan's history step (what a departed rank 0 never reported)."""
         for record in records:
             self._accept_record(record)
+        if step < self.history.written_step and epoch == self.epoch and not self.state.terminal:
+            # Below a step history holds as final: none of the epoch's members holds the committed
+            # state (joiners alone would start over). Never train on from there: end, resumable.
+            await self._end(JobState.FAILED, f"the members of membership epoch {epoch} agreed on step {step}, below the "
+                                             f"committed step {self.history.written_step}: none of them holds the "
+                                             f"committed state (resume with --resume)")
+            return
         self.history.agreed(epoch, step)
         self.step = self.history.step()
 
@@ -377,7 +387,9 @@ class Coordinator:
                 continue
             info = await ask(handle, "status") if handle is not None else None
             member = Member(slot, handle, pid=saved["pid"], node=saved["node"], node_id=saved["node_id"], state=S(saved["state"]),
-                            incarnation=saved.get("incarnation", 0), actor_name=saved.get("actor_name", ""))
+                            incarnation=saved.get("incarnation", 0), actor_name=saved.get("actor_name", ""),
+                            # a joiner waiting for the state, unless it loaded one meanwhile
+                            holds_state=saved.get("holds_state", True) or bool(info and info.get("holds_state")))
             self.members[slot] = member
             if info is None:
                 member.state, member.cause = S.DEAD, "gone while the coordinator was down"
@@ -606,6 +618,9 @@ class Coordinator:
         if self._departure_pending(live):
             return  # admitted when the survivors' epoch commits (`_complete_reshapes`) or the hold ends
         reason, detector, decided = self.members[ready[0]].join_reason
+        if self.algorithm.entry in ("replicated", "average") and self.history.step(live) > 0:
+            for slot in ready:  # until it loads the committed state (or commits in its epoch)
+                self.members[slot].holds_state = False
         self._reshape(live + tuple(ready), reason, detector, decided, joiners=tuple(ready))
         for slot in ready:
             self._start_run(self.members[slot])
@@ -680,7 +695,8 @@ class Coordinator:
         w = self.cfg.workers
         return JobView(state=self.state, plan_members=self.plan.members if self.plan else (),
                        members={s: m.state for s, m in self.members.items()}, failures=dict(self.failures),
-                       min_workers=w.min, failure_budget=w.failure_budget, on_failure=w.on_failure, stop_kind=self.stop_kind)
+                       min_workers=w.min, failure_budget=w.failure_budget, on_failure=w.on_failure, stop_kind=self.stop_kind,
+                       stateless=frozenset(s for s, m in self.members.items() if not m.holds_state))
 
     async def _on_outcome(self, member: Member, kind: str, outcome: dict, seen: float) -> None:
         if self.members.get(member.slot) is not member:
@@ -846,6 +862,8 @@ class Coordinator:
             return
         self._last_reform = time.monotonic()
         live = self._live_members()
+        if live and not any(self.members[s].holds_state for s in live):
+            return  # joiners alone cannot form an epoch: the finish or failure of the state's holders decides
         if live:
             self._abort_epoch(reason)
             self._reshape(live, reason, "collective failure", time.time(), new_epoch=True)
@@ -871,6 +889,9 @@ class Coordinator:
             self.pending.remove(reshape)
             reshape.update(first_committed_step=record["step"], first_step_at=record["time"],
                            duration_s=record["time"] - reshape["decided_at"])
+            for slot in reshape["joiners"]:  # its epoch committed: every member of it entered with the state
+                if slot in self.members:
+                    self.members[slot].holds_state = True
             detail = dict(reshape, cause=reshape.pop("reason"))
             self._event("reshape", f"{detail['cause']}: {detail['old_members']} -> {detail['new_members']} "
                         f"({detail['detector']}, {detail['duration_s']:.2f}s)", **detail)
@@ -962,11 +983,15 @@ class Coordinator:
         self.step = self.history.step([s for s in self.plan.members if self.members[s].holds_state]) \
             if self.history.reporter == "each" and self.plan else self.history.written_step
         kind = JobState(self.stop_kind or "FINISHED")
-        rank0 = self.members.get(self.plan.members[0]) if self.plan else None
-        if rank0 is not None or self.server is not None:
+        # Every holder has the committed state: rank 0 of the plan, unless it died after the others finished.
+        ranked = [self.members[s] for s in self.plan.members] + list(self.members.values()) if self.plan else []
+        rank0 = next((m for m in ranked if m.holds_state and m.state in (S.FINISHED, S.TRAINING)), None)
+        if self.plan is not None or self.server is not None:
             try:
                 if self.algorithm.final_model == "average":
                     blob = await self._average_of_replicas()
+                elif rank0 is None and self.server is None:
+                    raise RuntimeError("no live member holds the committed state")
                 else:
                     blob = await (self.server.model_state() if self.server is not None else
                                   asyncio.wait_for(asyncio.wrap_future(rank0.handle.final_state.remote().future()), 60))
@@ -975,7 +1000,7 @@ class Coordinator:
                     await asyncio.to_thread(checkpoints.save, self.run_dir, self.step, blob, self.cfg.checkpoint.keep)
                     self._event("checkpoint", f"checkpoint at step {self.step} on {kind.value.lower()}", step=self.step)
             except Exception as err:  # noqa: BLE001
-                self._event("info", f"could not fetch the final model from {'the server' if self.server else rank0.slot}: "
+                self._event("info", f"could not fetch the final model from {'the server' if self.server else getattr(rank0, 'slot', 'a member')}: "
                                     f"{first_line(err)}")
         final = await self._member_states(self.plan.members) if kind == JobState.FAILED and self.plan else {}
         if kind == JobState.FINISHED:

@@ -33,8 +33,9 @@ class Member:
     actor_name: str = ""
     """The Ray actor's name when it is not the slot's own (a hot spare it adopted)."""
     holds_state: bool = True
-    """False once it finished without ever training or loading a state (a joiner that found no live
-    member to receive one from): not a replica of the final model, and not the job's step."""
+    """False while a joiner admitted to a running job waits for the committed state, and once a member
+    finished without ever training or loading one: not a replica of the final model, not the job's
+    step, and no one to carry the job on alone (it would start over from its initial model)."""
     incarnation: int = 0
     """Which start of the slot this is (a parameter server fences the pushes of earlier ones)."""
     join_reason: tuple[str, str, float] = ("", "", 0.0)

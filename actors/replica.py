@@ -157,6 +157,7 @@ class Replica:
         plan = self.plan
         mark, digest = self.committed_view()
         return {"slot": self.slot, "pid": os.getpid(), "step": mark, "checksum": digest, "state": self.state,
+                "holds_state": self.holds_state,
                 "rank": plan.rank_of(self.slot) if plan else -1, "membership_epoch": plan.membership_epoch if plan else 0,
                 "plan": self.plans.latest}
 

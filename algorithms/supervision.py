@@ -90,10 +90,17 @@ class JobView:
     on_failure: str = "reshape"
     stop_kind: Optional[str] = None
     """STOPPED / FINISHED / FAILED once a stop is decided."""
+    stateless: frozenset = frozenset()
+    """Joiners admitted to a plan that have not received the committed state yet: they train on only
+    with a member that holds it (alone they would start over from their initial model)."""
 
     def training(self, *, besides: str = "") -> tuple[str, ...]:
         """The plan's members that are training, in rank order."""
         return tuple(s for s in self.plan_members if s != besides and self.members.get(s) == MemberState.TRAINING)
+
+    def holders(self, *, besides: str = "") -> tuple[str, ...]:
+        """The training members that hold the committed state."""
+        return tuple(s for s in self.training(besides=besides) if s not in self.stateless)
 
 
 # ------------------------------------------------------------------------------------ events
@@ -163,16 +170,22 @@ def _on_member_ended(view: JobView, e: MemberEnded) -> Decision:
     if e.outcome == "finished":
         if state == MemberState.LEAVING:
             return Decision(f"{e.slot} left after the scale-down", member=(e.slot, MemberState.LEFT))
-        done = all(view.members.get(s) == MemberState.FINISHED or s == e.slot for s in view.plan_members)
+        # A joiner still waiting for the state cannot carry the job on: once every member that holds
+        # it finished, so did the job (the joiner's plan came too late to be adopted).
+        done = all(view.members.get(s) == MemberState.FINISHED or s == e.slot or s in view.stateless
+                   for s in view.plan_members)
         return Decision(f"{e.slot} finished", member=(e.slot, MemberState.FINISHED), finish=done and bool(view.plan_members))
     if state in (MemberState.LEAVING, MemberState.STOPPED):
         return Decision(f"{e.slot} was on its way out", member=(e.slot, MemberState.LEFT))
     ended = MemberState.HUNG if e.hung else (MemberState.DEAD if e.outcome == "died" else MemberState.FAILED)
-    others = tuple(s for s in view.plan_members if s != e.slot)
+    others = tuple(s for s in view.plan_members if s != e.slot and s not in view.stateless)
     if others and all(view.members.get(s) == MemberState.FINISHED for s in others):
         return Decision(f"{e.cause}; every other member had finished", member=(e.slot, ended), finish=True)
-    survivors = view.training(besides=e.slot)
-    if not survivors:
+    survivors = view.training(besides=e.slot)  # joiners waiting for the state too: they get it in the new epoch
+    if not view.holders(besides=e.slot) and any(m == MemberState.FINISHED and s not in view.stateless
+                                                 for s, m in view.members.items()):
+        return Decision(f"{e.cause}; the members that hold the state had finished", member=(e.slot, ended), finish=True)
+    if not view.holders(besides=e.slot):
         why = e.cause if view.on_failure == "fail" else (
             f"{e.cause}; no live worker holds the committed state any more (resume with --resume)")
         return Decision(why, member=(e.slot, ended), abort=True, end_now=JobState.FAILED)

@@ -1,5 +1,5 @@
 """Periodic policies under churn, end to end: a kill inside a round's all-reduce, a kill between
-rounds, a split round that rank 0 loses, a join and a scale-down in one local-SGD run."""
+rounds, a join, a scale-down and then a split round that rank 0 loses, in one local-SGD run."""
 from __future__ import annotations
 
 from collections import defaultdict
@@ -25,7 +25,9 @@ def test_local_sgd_under_churn_applies_every_sample_once_or_counts_it_dropped(ru
            "faults": {"record_samples": True, "stragglers": [{"slot": "w2", "delay_s": 0.05}],
                       "kills": [{"slot": "w1", "step": 8, "at": "allreduce"},  # inside round 8's all-reduce
                                 {"slot": "w3", "step": 18, "at": "step"},      # between rounds 16 and 20
-                                {"slot": "w0", "step": 28, "at": "vote"}]}}    # rank 0 loses round 28's result
+                                # rank 0 loses round 300's result, once the join and the scale-down are
+                                # over: a reshape in flight would supersede the failed epoch's report
+                                {"slot": "w0", "step": 300, "at": "vote"}]}}
     job = ElasticJob(config_from_dict(cfg)).start()
     pids = wait_until(lambda: (p := {m.slot: m.pid for m in job.status().members if m.slot in ("w0", "w2")})
                       and all(p.values()) and p, what="the survivors' pids")

@@ -3,6 +3,7 @@ each take a ready spare (its process, imports and workload are already up) inste
 actor, a new spare starts behind each, `status` shows them, and the job's end removes them."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -59,6 +60,32 @@ def test_a_scale_up_and_a_replacement_take_hot_spares(run_root):
         job.stop()
     assert not job.status().spares, "the job's end removes its spares"
     wait_until(lambda: not psutil.pid_exists(third["pid"]), 30, "the last spare's process to end")
+
+
+def test_a_spare_admitted_as_the_others_finish_does_not_restart_the_job(run_root):
+    """w1 dies in the last step; a ready spare replaces it, and is admitted once the survivors
+    commit without w1: that is their last step (redone), so they finish without adopting its plan. The joiner never received the state: the job must end at the survivors' step 60, not
+    wait for it (it re-formed alone and started over from its initial model, recording "step 60"
+    at world size 1 and dropping the real step 60 from history: caught by the assertions below)."""
+    steps = 60
+    cfg = {"name": "late-spare", "seed": 4, "workers": {"count": 3, "cpus": 0.5, "spares": 1},
+           "workload": {"factory": "orchestrator.workloads.digits:mlp", "params": {"hidden": 32}, "batch_size": 8},
+           "optimizer": {"lr": 0.05, "momentum": 0.9}, "stop": {"max_steps": steps}, "eval_every": 0,
+           "comm": {"timeout_s": 3},  # the spare is up long before step 59 (0.25 s a step)
+           "faults": {"stragglers": [{"slot": "w2", "delay_s": 0.25}], "kills": [{"slot": "w1", "step": steps - 1, "at": "step"}]}}
+    job = ElasticJob(config_from_dict(cfg)).start()
+    result = job.wait(timeout=120)
+    events = job.events()
+    assert any(e["reason"].startswith("w1 is hot spare") for e in events), "the replacement was a ready spare"
+    saved = json.loads((job.run_dir / "coordinator.json").read_text())
+    assert "w1" in saved["plan"]["members"] and not saved["members"]["w1"]["holds_state"], \
+        "the spare was admitted to a plan and never received the state (the race this test is for)"
+    assert result.state == "FINISHED" and result.step == steps, result
+    history = job.history()
+    assert [r["step"] for r in history] == list(range(1, steps + 1))
+    assert min(r["world_size"] for r in history) == 2, "no epoch of the joiner alone"
+    assert not [e for e in events if "redo it" in e["reason"]], "no committed step was dropped"
+    assert not any(e["kind"] == "reshape" and e["detail"]["detector"] == "replacement" for e in events)
 
 
 def test_spares_must_not_be_negative():

@@ -127,3 +127,36 @@ def test_restart_publishes_an_epoch_no_worker_holds():
 def test_decisions_are_frozen_values():
     d = decide(view(), death())
     assert isinstance(d, Decision) and hash(d.publish)
+
+
+# A joiner admitted to a running job holds no state until its epoch's entry gives it one.
+F = MemberState.FINISHED
+
+
+def test_the_last_holder_finishing_finishes_the_job_past_a_joiner_waiting_for_the_state():
+    """The race seen in a bytegrad run: a replacement's plan [w2, w1] went out just as w0 and w2
+    finished the last step, so it was never adopted; w1 must not be waited for (it would re-form
+    alone and start over from its initial model)."""
+    members = {"w0": F, "w2": T, "w1": T}
+    d = decide(view(plan=("w2", "w1"), members=members, stateless=frozenset({"w1"})), MemberEnded("w2", "finished"))
+    assert d.finish and d.member == ("w2", F)
+    # a joiner that holds the state (it entered an epoch with the others) is still waited for
+    assert not decide(view(plan=("w2", "w1"), members=members), MemberEnded("w2", "finished")).finish
+
+
+def test_the_last_holder_dying_fails_the_job_rather_than_leave_it_to_joiners_without_state():
+    members = {"w0": T, "w1": T}
+    d = decide(view(plan=("w0", "w1"), members=members, stateless=frozenset({"w1"})), death("w0"))
+    assert d.end_now == JobState.FAILED and d.publish is None and "no live worker holds the committed state" in d.reason
+
+
+def test_a_holder_dying_after_the_others_finished_finishes_past_a_joiner_waiting_for_the_state():
+    members = {"w0": F, "w2": T, "w1": T}
+    d = decide(view(plan=("w2", "w1"), members=members, stateless=frozenset({"w1"})), death("w2"))
+    assert d.finish and d.member == ("w2", MemberState.DEAD)
+
+
+def test_a_joiner_waiting_for_the_state_stays_in_the_survivors_plan():
+    """With a holder left, the joiner is published with it and loads the state at the new epoch."""
+    d = decide(view(stateless=frozenset({"w2"})), death("w1"))
+    assert d.publish == ("w0", "w2") and d.end_now is None and not d.finish
