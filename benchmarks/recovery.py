@@ -234,7 +234,6 @@ def main() -> int:
         except Exception as err:  # noqa: BLE001 - report it rather than crash the table
             rt, rt_error = None, f"{type(err).__name__}: {err}"
             log(f"Ray Train side failed: {rt_error}")
-    ray.shutdown()
 
     o_med = statistics.median(orch["death_to_next_step_s"])
     r_med = statistics.median(rt["death_to_next_step_s"]) if rt else None
@@ -257,7 +256,10 @@ def main() -> int:
         print(f"{label:<48}{value:>28}")
     print(json.dumps({"benchmark": "recovery", "events": args.events, "workers": args.workers,
                       "checkpoint_every": args.checkpoint_every, "orchestrator": orch, "ray_train": rt,
-                      "ray_train_error": rt_error, "speedup_median": (r_med / o_med) if rt else None}))
+                      "ray_train_error": rt_error, "speedup_median": (r_med / o_med) if rt else None}), flush=True)
+    # Shut Ray down only once the results are out: Ray Train's fit() thread still calls into Ray, and a
+    # call after the shutdown makes Ray's core worker end the whole process (the table was lost so).
+    ray.shutdown()
     return 0
 
 
