@@ -29,6 +29,7 @@ import torch.distributed as dist
 from actors import comm as comm_module
 from actors.comm import BaseCommunicator, CommError, GroupSpec, make_communicator, serve_store
 from actors.plan import Plan, Progress, WorkerSpec
+from algorithms.base import VoteDraft
 
 
 def child_env(repo, **over: str) -> dict:
@@ -66,6 +67,19 @@ def local_group(n: int, name: str = "local", timeout_s: float = 10.0) -> list[Ba
     specs = [GroupSpec(host, port, name, r, n, timeout_s, "gloo", "127.0.0.1") for r in range(n)]
     with ThreadPoolExecutor(n) as pool:
         return list(pool.map(make_communicator, specs))
+
+
+def drive_step(impl, model: torch.nn.Module, step: int, batch: torch.Tensor, samples: int, lr: float) -> None:
+    """One step of a policy's hooks in the worker's order (begin, before forward, backward of
+    `model(batch).square().mean()`, end of backward, vote, update, commit); the vote must commit."""
+    draft = VoteDraft(samples=samples)
+    impl.begin_step(step, draft)
+    impl.before_forward(step)
+    model(batch).square().mean().backward()
+    impl.end_backward(step)
+    assert impl.finish_step(step, draft).commit
+    impl.apply_update(step, lr)
+    impl.commit(step)
 
 
 class LocalLink:

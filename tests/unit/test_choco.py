@@ -193,8 +193,8 @@ def test_public_copies_start_again_from_zero_at_every_entry():
     empties them, and its first step sends nothing (there is nothing to gossip yet)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from actors.testing import local_group
-    from algorithms.base import EpochInfo, VoteDraft
+    from actors.testing import drive_step, local_group
+    from algorithms.base import EpochInfo
     from core import schema
 
     algo = Choco(parse(ChocoConfig, {"policy": "choco", "consensus_every": 0}), schema.CompressionConfig(codec="uint8"))
@@ -204,15 +204,7 @@ def test_public_copies_start_again_from_zero_at_every_entry():
     members = ("w0", "w1")
 
     def step(rank: int, s: int) -> None:
-        impl, model = impls[rank], models[rank]
-        draft = VoteDraft(samples=1)
-        impl.begin_step(s, draft)
-        impl.before_forward(s)
-        model(torch.randn(3, 4)).square().mean().backward()
-        impl.end_backward(s)
-        assert impl.finish_step(s, draft).commit
-        impl.apply_update(s, 0.1)
-        impl.commit(s)
+        drive_step(impls[rank], models[rank], s, torch.randn(3, 4), samples=1, lr=0.1)
 
     for epoch in (1, 2):
         comms = local_group(2, name=f"choco-entry-{epoch}")

@@ -77,13 +77,19 @@ def test_bit_identical_to_torch_sgd_through_relayouts(cfg):
             assert torch.equal(s["momentum_buffer"], ours["state"][i]["momentum_buffer"])
 
 
-def test_state_round_trips_through_torch_save_and_torch_sgd():
-    params = _params(1)
+def _two_bucketed_steps(seed: int = 1):
+    """Parameters, and this project's SGD (momentum 0.9) after two steps on gradients in one bucket."""
+    params = _params(seed)
     opt = SGD(params, lr=0.1, momentum=0.9)
     _bucket_grads(params, order=[5, 4, 3, 2, 1, 0])
     _fill(params, 0)
     opt.step()
     opt.step()
+    return params, opt
+
+
+def test_state_round_trips_through_torch_save_and_torch_sgd():
+    params, opt = _two_bucketed_steps()
     buf = io.BytesIO()
     torch.save(opt.state_dict(), buf)
     loaded = torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
@@ -99,12 +105,7 @@ def test_state_round_trips_through_torch_save_and_torch_sgd():
 
 
 def test_parameters_and_buffers_become_views_of_the_gradient_layout():
-    params = _params(1)
-    opt = SGD(params, lr=0.1, momentum=0.9)
-    _bucket_grads(params, order=[5, 4, 3, 2, 1, 0])
-    _fill(params, 0)
-    opt.step()
-    opt.step()
+    params, opt = _two_bucketed_steps()
     assert contiguous_runs(list(reversed(params))) == [list(range(6))]
     assert contiguous_runs([opt.state[p]["momentum_buffer"] for p in reversed(params)]) == [list(range(6))]
 

@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 
 from actors.comm import CommError
-from actors.testing import LocalJob, local_group, wait_until
+from actors.testing import LocalJob, drive_step, local_group, wait_until
 from algorithms import base
-from algorithms.base import EpochInfo, VoteDraft
+from algorithms.base import EpochInfo
 from algorithms.gossip import DAdam, DPSGD, consensus_distance
 from algorithms.topologies import TOPOLOGIES, contraction, get_topology
 from core import schema
@@ -105,13 +105,7 @@ def one_exchange(replicas: list[torch.nn.Module], kind: str, step: int) -> None:
         model = replicas[rank]
         impl = algo.bind(model, torch.optim.SGD(model.parameters(), lr=0.0))
         impl.on_membership(comms[rank], EpochInfo(rank, n, tuple(f"w{i}" for i in range(n)), 8 * n))
-        draft = VoteDraft(samples=8)
-        impl.begin_step(step, draft)
-        impl.before_forward(step)
-        model(torch.randn(8, 64)).square().mean().backward()
-        impl.end_backward(step)
-        assert impl.finish_step(step, draft).commit
-        impl.apply_update(step, 0.0)
+        drive_step(impl, model, step, torch.randn(8, 64), samples=8, lr=0.0)
 
     with ThreadPoolExecutor(n) as pool:
         list(pool.map(member, range(n)))
