@@ -212,13 +212,18 @@ class GossipImpl(AlgorithmImpl):
         mixed, self.mixed = self.mixed, None
         landed, self._landed = self._landed, None
         if mixed is not None:
-            rank, when = self.epoch.rank, (self.epoch.membership_epoch, landed.step)
-            for peer, weight in landed.row:
-                if peer != rank:
-                    self.terms[self.epoch.members[peer]] = (when, weight * (landed.received[peer] - landed.mine))
-            self.applied = when
+            rank = self.epoch.rank
+            self._keep_terms(landed.step, {peer: weight * (landed.received[peer] - landed.mine)
+                                           for peer, weight in landed.row if peer != rank})
             self._set_flat(mixed)
         super().apply_update(step, lr)
+
+    def _keep_terms(self, step: int, terms: dict[int, torch.Tensor]) -> None:
+        """The exchange of `step` is applied: keep each peer's mix term (by slot) for `reconcile`."""
+        when = (self.epoch.membership_epoch, step)
+        for peer, term in terms.items():
+            self.terms[self.epoch.members[peer]] = (when, term)
+        self.applied = when
 
     def discard(self, step: int) -> None:
         self.exchange = self.mixed = self._landed = None
@@ -302,8 +307,7 @@ class ChocoImpl(GossipImpl):
         """x̂_j per rank j of this member's row (itself included), of the current membership epoch."""
         self._q: dict[int, torch.Tensor] = {}
         self._backup: Optional[torch.Tensor] = None
-        """x_i before this step's gossip moved it, until the step commits or is discarded."""
-        self._moved = False
+        """x_i before this step's gossip moved it, until the step commits or is discarded (None: not moved)."""
         self._terms: dict[int, torch.Tensor] = {}
         self._due = False
 
@@ -312,7 +316,7 @@ class ChocoImpl(GossipImpl):
         if self.topology.period(epoch.world_size) != 1 or self.config.topology.kind == "matching":
             raise TopologyError(f"choco needs a static topology, not {self.config.topology.kind!r}")
         self.public, self._q = {}, {}  # re-initialized at every entry: every holder starts from zero
-        self._backup, self._moved, self._due = None, False, False
+        self._backup, self._due = None, False
 
     def before_forward(self, step: int) -> None:
         if not self._opens_exchange(step) or not self._due:
@@ -335,7 +339,7 @@ class ChocoImpl(GossipImpl):
             self.public[peer] += q
         own = self.public[rank]
         terms = {peer: self.gamma * weight * (self.public[peer] - own) for peer, weight in exchange.row if peer != rank}
-        self._backup, self._moved = x, True
+        self._backup = x
         self._set_flat(x + sum(terms.values()))
         self.exchange = exchange
         self._terms = terms
@@ -347,21 +351,18 @@ class ChocoImpl(GossipImpl):
         return StepVote(True, draft.loss, draft.samples, False, communicated=exchange is not None)
 
     def apply_update(self, step: int, lr: float) -> None:
-        if self._moved:
-            when = (self.epoch.membership_epoch, step)
-            for peer, term in self._terms.items():
-                self.terms[self.epoch.members[peer]] = (when, term)
-            self.applied = when
-            self._backup, self._moved, self._terms = None, False, {}
+        if self._backup is not None:
+            self._keep_terms(step, self._terms)
+            self._backup, self._terms = None, {}
         AlgorithmImpl.apply_update(self, step, lr)
         self._due = True
 
     def _take_back(self) -> None:
-        if self._moved:
+        if self._backup is not None:
             for peer, q in self._q.items():
                 self.public[peer] -= q
             self._set_flat(self._backup)
-            self._backup, self._moved, self._terms = None, False, {}
+            self._backup, self._terms = None, {}
 
     def discard(self, step: int) -> None:
         super().discard(step)
