@@ -33,7 +33,7 @@ from actors import checkpoints, runfiles
 from actors.comm import serve_store
 from actors.faults import CoordinatorFaults
 from actors.history import History
-from actors.members import Member, Spare, ask, describe, first_line, is_placed, job_is_dead, kill, log, log_to
+from actors.members import Member, Spare, ask, describe, probe, first_line, is_placed, job_is_dead, kill, log, log_to
 from actors.plan import ParentWatch, Plan, Progress, WorkerSpec
 from actors.server_control import ServerControl, restart_event
 from actors.worker import WorkerActor
@@ -327,12 +327,15 @@ class Coordinator:
         self._probing = True
         try:
             members = [self.members[s] for s in self._live_members()]
-            answers = await asyncio.gather(*(ask(m.handle, "heartbeat", timeout=PROBE_S) for m in members))
-            for member, answer in zip(members, answers):
-                if answer is None:
+            answers = await asyncio.gather(*(probe(m.handle, "heartbeat", timeout=PROBE_S) for m in members))
+            for member, (answer, died) in zip(members, answers):
+                if died is not None:  # the probe learnt of a death before the member's watch() did
+                    await self._evict(member, "actor death", f"worker {member.slot} died (found when {slot}'s "
+                                                             f"collective failed): {died[:160]}")
+                elif answer is None:
                     await self._evict(member, "collective failure",
                                       f"worker {member.slot} did not answer after {slot}'s collective failed: {error[:160]}")
-            if all(a is not None for a in answers) and epoch == self.epoch:
+            if all(a is not None for a, _ in answers) and epoch == self.epoch:
                 self._reform(f"{slot}'s collective failed with every member alive: {error[:160]}")
         finally:
             self._probing = False

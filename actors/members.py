@@ -29,7 +29,8 @@ class Member:
     cause: str = ""
     """Why the member is hung, retired or failed."""
     evicted: Optional[tuple[str, str]] = None
-    """(detector, cause) when the coordinator killed it for hanging."""
+    """(detector, cause) when the coordinator evicted it before its watch() ended: killed for hanging, or
+    found dead by a probe."""
     actor_name: str = ""
     """The Ray actor's name when it is not the slot's own (a hot spare it adopted)."""
     holds_state: bool = True
@@ -63,11 +64,19 @@ class Spare:
 
 async def ask(handle, method: str, *args: Any, timeout: float = 5.0) -> Optional[Any]:
     """A control call to a worker; None if it is gone, on a lost node, or does not answer in time."""
+    return (await probe(handle, method, *args, timeout=timeout))[0]
+
+
+async def probe(handle, method: str, *args: Any, timeout: float = 5.0) -> tuple[Optional[Any], Optional[str]]:
+    """`ask`, telling a dead actor apart from a silent one: (answer, None); (None, why) when Ray says
+    the actor died; (None, None) when it did not answer in time, or answered with an error."""
     try:
-        return await asyncio.wait_for(asyncio.wrap_future(getattr(handle, method).remote(*args).future()), timeout)
-    except Exception as err:  # noqa: BLE001 - gone, or not answering
+        return await asyncio.wait_for(asyncio.wrap_future(getattr(handle, method).remote(*args).future()), timeout), None
+    except ray.exceptions.ActorDiedError as err:
+        return None, describe(err)
+    except Exception as err:  # noqa: BLE001 - not answering (hung, or on a lost node), or a failed call
         log.debug("control call %s to a worker got no answer: %s", method, describe(err))
-        return None
+        return None, None
 
 
 def kill(handle) -> None:
