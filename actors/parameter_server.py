@@ -615,10 +615,8 @@ class RayServerClient:
             ray.get(ref, timeout=CALL_TIMEOUT_S)
 
     def elastic(self, fence: Fence, x: torch.Tensor, alpha: float) -> torch.Tensor:
-        refusal, d = ray.get(self._server().elastic.remote(fence, x.detach().cpu().numpy(), alpha), timeout=CALL_TIMEOUT_S)
-        if refusal is not None:
-            raise RuntimeError(f"the central copy refused the exchange: {refusal}")
-        return torch.from_numpy(np.array(d, dtype=np.float32)).to(device=x.device, dtype=x.dtype)
+        answer = ray.get(self._server().elastic.remote(fence, x.detach().cpu().numpy(), alpha), timeout=CALL_TIMEOUT_S)
+        return _elastic_difference(answer, x)
 
 
 class LocalServerClient:
@@ -648,10 +646,15 @@ class LocalServerClient:
         self.host.applied(fence, keys, rounds, final, upto, finished)
 
     def elastic(self, fence: Fence, x: torch.Tensor, alpha: float) -> torch.Tensor:
-        refusal, d = self.host.elastic(fence, x.detach().cpu().numpy(), alpha)
-        if refusal is not None:
-            raise RuntimeError(f"the central copy refused the exchange: {refusal}")
-        return torch.from_numpy(np.array(d, dtype=np.float32)).to(device=x.device, dtype=x.dtype)
+        return _elastic_difference(self.host.elastic(fence, x.detach().cpu().numpy(), alpha), x)
+
+
+def _elastic_difference(answer: tuple[Optional[str], Optional[np.ndarray]], x: torch.Tensor) -> torch.Tensor:
+    """The host's answer to an EASGD exchange as a tensor like `x`; raises when it was refused."""
+    refusal, d = answer
+    if refusal is not None:
+        raise RuntimeError(f"the central copy refused the exchange: {refusal}")
+    return torch.from_numpy(np.array(d, dtype=np.float32)).to(device=x.device, dtype=x.dtype)
 
 
 def start_server(cfg: JobConfig, config: dict, run_id: str, run_dir: str, namespace: str) -> Any:

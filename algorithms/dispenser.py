@@ -104,10 +104,7 @@ class DispenserCore:
         if count < 1 or size < 1:
             raise ValueError(f"a block needs count >= 1 and size >= 1, got {count} and {size}")
         clock = self._next_clock.get(fence.slot, 0)
-        tickets = []
-        for k in range(count):
-            epochs, ids = self.leases._take(size)
-            tickets.append(self.leases._issue(fence.slot, clock + k, 0, epochs, ids))
+        tickets = self.leases.deal_block(fence.slot, clock, count, size)
         self._next_clock[fence.slot] = clock + count
         self.blocks += 1
         return None, tuple(tickets)

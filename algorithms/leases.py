@@ -107,6 +107,15 @@ class LeaseService:
         epochs, ids = self._take(end - start)
         return self._issue(holder, clock, rank, epochs, ids)
 
+    def deal_block(self, holder: str, first_clock: int, count: int, size: int) -> list[Ticket]:
+        """`count` tickets of `size` samples each for `holder`, at clocks `first_clock`, ... (the
+        background kind's blocks: no global batch per clock), requeued samples first."""
+        tickets = []
+        for k in range(count):
+            epochs, ids = self._take(size)
+            tickets.append(self._issue(holder, first_clock + k, 0, epochs, ids))
+        return tickets
+
     def _take(self, size: int) -> tuple[np.ndarray, np.ndarray]:
         """The next `size` samples with their data epochs: requeued ones first, then fresh."""
         epochs, ids = [], []

@@ -548,7 +548,11 @@ class ShadowImpl(AlgorithmImpl):
         return n // world + (1 if rank < n % world else 0)
 
     def _fetch(self) -> list[Ticket]:
-        refusal, tickets = self.client.lease_block(self._fence(), self.config.lease_block, self._share())
+        return self._tickets(self.client.lease_block(self._fence(), self.config.lease_block, self._share()))
+
+    def _tickets(self, answer: tuple) -> list[Ticket]:
+        """A dispenser's answer to a block request: its tickets; a "finished" refusal closes this member."""
+        refusal, tickets = answer
         if refusal == "finished":
             self.closed = True
         return list(tickets)
@@ -572,10 +576,7 @@ class ShadowImpl(AlgorithmImpl):
         thread, box = self._prefetch
         self._prefetch = None
         thread.join()
-        refusal, tickets = box.get("answer", (None, ()))
-        if refusal == "finished":
-            self.closed = True
-        return list(tickets)
+        return self._tickets(box.get("answer", (None, ())))
 
     def _report_failures(self) -> None:
         failed = self.sync.stats.rounds_failed
