@@ -20,7 +20,6 @@ import os
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -28,12 +27,12 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 # The same imports on both sides.
-import numpy as np  # noqa: E402
-import psutil  # noqa: E402
+import numpy as np  # noqa: E402,F401 - imported on both sides alike (the DDP ranks import this module)
 import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 from algorithms.sampler import GlobalSampler, split_for_rank  # noqa: E402
+from benchmarks.common import PeakRSS  # noqa: E402
 from orchestrator.workloads.digits import mlp  # noqa: E402
 
 WORKERS, PER_WORKER, HIDDEN, LR, MOMENTUM, BUCKET_MB, SEED = 2, 32, 128, 0.05, 0.9, 25.0, 0
@@ -49,33 +48,6 @@ def steps_per_s(times: dict[int, float], first: int, last: int) -> float:
 
 
 # --------------------------------------------------------------------------- torch DDP
-class PeakRSS:
-    """Samples the RSS of a set of processes every 0.1 s in a thread; the same for both sides."""
-
-    def __init__(self, pids) -> None:
-        self.peak = 0
-        self._pids = pids
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._poll, daemon=True)
-        self._thread.start()
-
-    def _poll(self) -> None:
-        procs: dict[int, psutil.Process] = {}
-        while not self._done.is_set():
-            for pid in self._pids():
-                try:
-                    proc = procs.setdefault(pid, psutil.Process(pid))
-                    self.peak = max(self.peak, proc.memory_info().rss)
-                except psutil.Error:  # the process ended mid-poll
-                    pass
-            self._done.wait(0.1)
-
-    def stop(self) -> float:
-        self._done.set()
-        self._thread.join()
-        return self.peak / 2**20
-
-
 def _ddp_store(rank: int, out_dir: str):
     """Rank 0's TCPStore takes a port the kernel picks (no free-port race with other processes) and
     publishes it in `out_dir`; the other ranks wait for it there."""
@@ -159,14 +131,7 @@ def run_orchestrator(name: str, steps: int) -> dict:
 
     before = time.time()
     job = ElasticJob(_config(name, steps)).start()
-    pids: list[int] = []
-
-    def worker_pids() -> list[int]:  # asked of the coordinator until all are known, not once per sample
-        if len(pids) < WORKERS:
-            pids[:] = [m.pid for m in job.status().members if m.pid]
-        return pids
-
-    rss = PeakRSS(worker_pids)
+    rss = PeakRSS.of_job(job, WORKERS)
     result = job.wait(timeout=600)
     peak = rss.stop()
     if result.state != "FINISHED":

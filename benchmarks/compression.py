@@ -37,7 +37,7 @@ sys.path.insert(0, str(REPO))
 
 import ray  # noqa: E402
 
-from benchmarks.bsp_vs_ddp import PeakRSS  # noqa: E402
+from benchmarks.common import PeakRSS  # noqa: E402
 from orchestrator.config import config_from_dict  # noqa: E402
 from orchestrator.job import NAMESPACE, ElasticJob  # noqa: E402
 
@@ -73,14 +73,7 @@ def run_side(name: str, side: dict, steps: int, seed: int, root: str) -> dict:
            "optimizer": side["optimizer"], "sync": side["sync"], "compression": side["compression"],
            "stop": {"max_steps": steps}, "eval_every": steps}
     job = ElasticJob(config_from_dict(cfg)).start()
-    pids: list[int] = []
-
-    def worker_pids() -> list[int]:
-        if len(pids) < WORKERS:
-            pids[:] = [m.pid for m in job.status().members if m.pid]
-        return pids
-
-    rss = PeakRSS(worker_pids)
+    rss = PeakRSS.of_job(job, WORKERS)
     result = job.wait(timeout=900)
     peak = rss.stop()
     if result.state != "FINISHED":

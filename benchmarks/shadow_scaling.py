@@ -28,7 +28,6 @@ import json
 import statistics
 import sys
 import tempfile
-import threading
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -36,6 +35,7 @@ sys.path.insert(0, str(REPO))
 
 import ray  # noqa: E402
 
+from benchmarks.common import PeakRSS  # noqa: E402
 from orchestrator.config import config_from_dict, load_config  # noqa: E402
 from orchestrator.job import NAMESPACE, ElasticJob  # noqa: E402
 
@@ -49,7 +49,7 @@ def run(policy: str, n: int, args: argparse.Namespace, seed: int, root: str) -> 
     cfg["faults"]["stragglers"] = [{"slot": f"w{i}", "delay_s": args.compute_ms / 1000} for i in range(n)]
     cfg["faults"]["comm_latency_s"] = args.latency_ms / 1000
     job = ElasticJob(config_from_dict(cfg)).start()
-    peak = PeakRSS(lambda: [m.pid for m in job.status().members if m.pid])
+    peak = PeakRSS.of_job(job)
     result = job.wait(timeout=1800)
     rss_mib = peak.stop()
     history = job.history()
@@ -66,36 +66,6 @@ def run(policy: str, n: int, args: argparse.Namespace, seed: int, root: str) -> 
     metrics = dict(status.metrics)
     return {"throughput": samples / span, "seconds": span, "samples": samples, "blocked": waited / stepped, "rss_mib": rss_mib,
             "auc": metrics.get("auc"), "log_loss": metrics.get("log_loss"), "rounds": _rounds(history) if policy == "shadow" else None}
-
-
-class PeakRSS:
-    """The largest resident set of any worker process, sampled every 0.2 s from /proc (Linux)."""
-
-    def __init__(self, pids) -> None:
-        self.peak_kib = 0
-        self._pids, self._done = pids, threading.Event()
-        self._thread = threading.Thread(target=self._poll, daemon=True)
-        self._thread.start()
-
-    def _poll(self) -> None:
-        known: list[int] = []
-        while not self._done.wait(0.2):
-            try:
-                known = self._pids() or known
-            except Exception:  # noqa: BLE001 - the job is ending
-                pass
-            for pid in known:
-                try:
-                    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-                        if line.startswith("VmRSS:"):
-                            self.peak_kib = max(self.peak_kib, int(line.split()[1]))
-                except OSError:  # ended
-                    pass
-
-    def stop(self) -> float:
-        self._done.set()
-        self._thread.join()
-        return self.peak_kib / 1024
 
 
 def _rounds(history: list[dict]) -> int:

@@ -1,0 +1,51 @@
+"""What the benchmarks share: the peak resident set of a job's worker processes, sampled the same
+way on every side of a comparison."""
+from __future__ import annotations
+
+import threading
+from typing import Callable, Optional
+
+import psutil
+
+
+class PeakRSS:
+    """The largest RSS of any process of a set (`pids()`, asked every sample), sampled every 0.1 s in
+    a thread; `stop()` returns it in MiB."""
+
+    def __init__(self, pids: Callable[[], list[int]]) -> None:
+        self.peak = 0
+        self._pids = pids
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def of_job(cls, job, workers: Optional[int] = None) -> "PeakRSS":
+        """A job's worker processes, asked of its coordinator until `workers` of them are known (every
+        sample when `workers` is None), not once per sample."""
+        known: list[int] = []
+
+        def pids() -> list[int]:
+            if workers is None or len(known) < workers:
+                try:
+                    known[:] = [m.pid for m in job.status().members if m.pid] or known
+                except Exception:  # noqa: BLE001 - the job is ending: keep sampling the ones known
+                    pass
+            return known
+        return cls(pids)
+
+    def _poll(self) -> None:
+        procs: dict[int, psutil.Process] = {}
+        while not self._done.is_set():
+            for pid in self._pids():
+                try:
+                    proc = procs.setdefault(pid, psutil.Process(pid))
+                    self.peak = max(self.peak, proc.memory_info().rss)
+                except psutil.Error:  # the process ended mid-poll
+                    pass
+            self._done.wait(0.1)
+
+    def stop(self) -> float:
+        self._done.set()
+        self._thread.join()
+        return self.peak / 2**20
