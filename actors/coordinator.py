@@ -123,6 +123,7 @@ class Coordinator:
         self._events = open(self.run_dir / "events.jsonl", "a", encoding="utf-8")
         self.stragglers = StragglerWatch()
         self._saved: Optional[dict] = None
+        self._saver = runfiles.BackgroundWriter(self.run_dir / SAVED)
         written = 0
         if ray.get_runtime_context().was_current_actor_reconstructed:
             written = self._load_saved()
@@ -142,19 +143,20 @@ class Coordinator:
         self._persist()
 
     # ------------------------------------------------------------------ persistence (restarts)
-    def _persist(self) -> None:
-        """What a restarted coordinator cannot re-learn from the live workers."""
+    def _persist(self) -> int:
+        """What a restarted coordinator cannot re-learn from the live workers, handed to the state file's
+        writer thread (fsync never blocks the event loop); returns the snapshot's number."""
         members = {slot: {"state": m.state.value, "pid": m.pid, "node": m.node, "node_id": m.node_id, "cause": m.cause,
                           "incarnation": m.incarnation, "actor_name": m.actor_name, "holds_state": m.holds_state}
                    for slot, m in self.members.items()}
-        runfiles.write_json_atomic(self.run_dir / SAVED, {
+        return self._saver.submit(runfiles.json_bytes({
             "incarnation": self.incarnation, "epoch": self.epoch, "version": self.version, "state": self.state.value,
             "plan": dataclasses.asdict(self.plan) if self.plan else None, "target_count": self.target_count,
             "failures": self.failures, "retired": self.retired, "stop_kind": self.stop_kind, "cause": self.cause,
             "stop_step": self.stop_step, "started_at": self.started_at, "running_since": self.running_since,
             "members": members, "pending": self.pending, "departed": [d.__dict__ for d in self.departed],
             "loss": self.loss, "metrics": self.metrics, "started_workers": self.started_workers,
-            "spares": [s.name for s in self.spares], "started_spares": self.started_spares})
+            "spares": [s.name for s in self.spares], "started_spares": self.started_spares}))
 
     def _load_saved(self) -> int:
         """Carry on from the run directory; returns the newest step in history."""
@@ -539,7 +541,11 @@ class Coordinator:
                 await asyncio.sleep(0.05)
             if not self._still_starting(member):
                 return
-            member.handle = self._worker_actor(name).remote(spec)
+            handle = await asyncio.to_thread(self._worker_actor(name).remote, spec)  # off the loop, as for a spare
+            if not self._still_starting(member):
+                kill(handle)
+                return
+            member.handle = handle
         try:  # no timeout: Ray places the actor when there is room (the job may be PAUSED until then)
             if info is None:
                 info = await asyncio.wrap_future(member.handle.ready.remote(fired).future())
@@ -563,19 +569,32 @@ class Coordinator:
         """Start spares until `workers.spares` are up or starting (none while stopping or ended)."""
         if self.state.terminal or self.stop_kind is not None:
             return
+        new = []
         while len(self.spares) < self.cfg.workers.spares:
             self.started_spares += 1
             slot = f"spare{self.started_spares}"
             spec = WorkerSpec(self.name, self.run_id, slot, str(self.run_dir), self.name, self.cfg.ray.namespace,
                               self.config_dict, self.search_path)
-            name = f"{self.name}/{self.run_id}/{slot}"
-            spare = Spare(name, self._worker_actor(name).remote(spec))
+            spare = Spare(f"{self.name}/{self.run_id}/{slot}")
             self.spares.append(spare)
-            asyncio.get_running_loop().create_task(self._spare_up(spare))
-        self._persist()
+            new.append((spare, spec))
+        number = self._persist()
+        for spare, spec in new:
+            asyncio.get_running_loop().create_task(self._spare_up(spare, spec, number))
 
-    async def _spare_up(self, spare: Spare) -> None:
-        try:  # no timeout, as for a worker: Ray places it when there is room
+    async def _spare_up(self, spare: Spare, spec: WorkerSpec, persisted: int) -> None:
+        try:
+            # its name on disk first: a restarted coordinator kills the spares its dead incarnation started
+            await asyncio.to_thread(self._saver.wait, persisted, 30)
+            # Creating a named detached actor waits for the GCS to register it (measured: 116 ms while the
+            # GCS handled a death), so it runs in a thread: a spare taken by a replacement starts the next
+            # one right then, and on the event loop that held up the survivors' reports and re-form.
+            handle = await asyncio.to_thread(self._worker_actor(spare.name).remote, spec)
+            if spare not in self.spares:  # the job ended (or the spare was dropped) meanwhile
+                kill(handle)
+                return
+            spare.handle = handle
+            # no timeout, as for a worker: Ray places it when there is room
             info = await asyncio.wrap_future(spare.handle.ready.remote().future())
         except Exception as err:  # noqa: BLE001 - its start failed: another one starts after a pause
             if spare in self.spares:
@@ -1067,6 +1086,7 @@ class Coordinator:
             pass
         self.history.shut()
         self._events.close()
+        self._saver.close()
         ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
 
     # ------------------------------------------------------------------ bookkeeping
@@ -1075,8 +1095,9 @@ class Coordinator:
         self.state = to
         if to.terminal:
             self.ended_at = time.time()
-        self._persist()
+        number = self._persist()
         if to.terminal:
+            self._saver.wait(number, timeout=30)  # on disk before the driver, told the job ended, reads it
             runfiles.publish_record(self.name, {"run_id": self.run_id, "run_dir": str(self.run_dir), "state": to.value})
 
     def _event(self, kind: str, reason: str, state_from: Optional[str] = None, state_to: Optional[str] = None, **detail: Any) -> None:

@@ -50,7 +50,8 @@ class Spare:
     """A hot spare: a worker actor started (imports done, the workload built) outside the group."""
 
     name: str
-    handle: Any
+    handle: Any = None
+    """None until the actor is created (off the coordinator's event loop)."""
     ready: bool = False
     pid: int = 0
     node: str = ""
