@@ -57,6 +57,8 @@ MAX_RESTARTS = 5
 directory and the live workers (a new incarnation)."""
 ADMIT_HOLD_S = 1.0
 """At most this long, joiners wait for the survivors of a departure to commit a step without it."""
+SPARE_SETTLE_S = 10.0
+"""A spare that replaces one taken starts once no reshape is pending, or after this long at most."""
 SAVED = "coordinator.json"
 S = MemberState
 STRAGGLER_WARMUP_STEPS = 20
@@ -104,6 +106,7 @@ class Coordinator:
         self.spares: list[Spare] = []
         """Hot spares (`workers.spares`), oldest first."""
         self.started_spares = 0
+        self._settling: Optional[asyncio.Task] = None
         self.server: Optional[ServerControl] = None
         self.failures: dict[str, int] = {}
         self.retired: dict[str, str] = {}
@@ -582,6 +585,23 @@ class Coordinator:
         for spare, spec in new:
             asyncio.get_running_loop().create_task(self._spare_up(spare, spec, number))
 
+    def _fill_spares_when_settled(self) -> None:
+        """Start the spares that replace those taken once the membership has settled: no reshape pending
+        and no joiner waiting (or after SPARE_SETTLE_S). A spare's start (a process, imports, the
+        workload: about a second of CPU) competes with the survivors' re-form and the replacement's join
+        for the node's cores; started at the death, it once held a survivor's plan 164 ms and a state load
+        140 ms on this 2-core machine."""
+        if self._settling is not None and not self._settling.done():
+            return
+
+        async def when_settled() -> None:
+            deadline = time.monotonic() + SPARE_SETTLE_S
+            while (self.pending or self._slots_in(S.STARTING, S.READY)) and time.monotonic() < deadline \
+                    and not self.state.terminal:
+                await asyncio.sleep(0.05)
+            self._fill_spares()
+        self._settling = asyncio.get_running_loop().create_task(when_settled())
+
     async def _spare_up(self, spare: Spare, spec: WorkerSpec, persisted: int) -> None:
         try:
             # its name on disk first: a restarted coordinator kills the spares its dead incarnation started
@@ -612,7 +632,7 @@ class Coordinator:
         if spare is None:
             return None
         self.spares.remove(spare)
-        self._fill_spares()
+        self._fill_spares_when_settled()
         member.handle, member.actor_name = spare.handle, spare.name
         try:
             info = await asyncio.wait_for(asyncio.wrap_future(spare.handle.adopt.remote(spec, fired).future()), 60)

@@ -60,7 +60,7 @@ class Spare:
 
     def status(self) -> dict:
         return {"name": self.name.rsplit("/", 1)[-1], "state": "ready" if self.ready else "starting", "pid": self.pid,
-                "node": self.node}
+                "node": self.node, "started_at": self.started_at}
 
 
 async def ask(handle, method: str, *args: Any, timeout: float = 5.0) -> Optional[Any]:

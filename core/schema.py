@@ -70,7 +70,9 @@ class WorkersConfig:
     spares: int = 0
     """Hot spares: this many extra worker actors started (process, imports, the workload built)
     outside the group. A scale-up or a replacement takes a ready spare first and a new spare starts
-    behind it. Each spare holds `cpus` and `gpus` like a worker, for the whole run."""
+    behind it once the membership has settled (no reshape pending), so that its start does not take
+    the cores from the re-forming members. Each spare holds `cpus` and `gpus` like a worker, for the
+    whole run."""
 
     def __post_init__(self) -> None:
         if self.spares < 0:
@@ -901,7 +903,8 @@ class JobStatus:
     """Gossip policies: the topology's kind, the world size it is built for, and its spectral gap there
     (1 - rho^(1/period), algorithms/topologies.py)."""
     spares: tuple[dict, ...] = ()
-    """Hot spares (`workers.spares`): name, state (starting or ready), pid and node of each."""
+    """Hot spares (`workers.spares`): name, state (starting or ready), pid, node and started_at (time.time())
+    of each."""
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

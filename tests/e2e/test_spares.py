@@ -42,6 +42,7 @@ def test_a_scale_up_and_a_replacement_take_hot_spares(run_root):
         assert w2.pid == first["pid"], "w2 is the spare's process"
         assert any(e["reason"].startswith("w2 is hot spare") for e in job.events())
         second = wait_until(lambda: ready_spare(job, (first["pid"],)), 90, "a new spare behind the taken one")
+        assert second["started_at"] >= joined["time"], "the spare behind started once the join had settled"
 
         victim = next(m for m in job.status().members if m.slot == "w1")
         killed_at = time.time()
@@ -53,6 +54,8 @@ def test_a_scale_up_and_a_replacement_take_hot_spares(run_root):
         assert w1.pid == second["pid"], "the replacement is the second spare's process"
         assert job.status().world_size == 3
         third = wait_until(lambda: ready_spare(job, (first["pid"], second["pid"])), 90, "a third spare")
+        # not at the death: its start (a process, imports) would take the cores from the survivors' re-form
+        assert third["started_at"] >= back["time"], "the third spare started once the replacement had committed"
         print(f"hot spares: scale() -> w2's first committed step {join_s:.2f}s; SIGKILL of w1 -> its replacement's "
               f"first committed step {replace_s:.2f}s")
         assert join_s < JOIN_BOUND_S and replace_s < JOIN_BOUND_S, (join_s, replace_s)
