@@ -537,6 +537,11 @@ class Coordinator:
         fired = tuple(sorted(self.fired_faults))
         info = await self._adopt_spare(member, spec, fired)
         if info is None:
+            # A fresh actor's start (a process, imports: about a second of CPU) would take the cores of a
+            # small node from the survivors of a departure: it waits for their first step without the
+            # departed member (at most ADMIT_HOLD_S; it is admitted only after that step anyway).
+            while self._held_departure(self._live_members()):
+                await asyncio.sleep(0.02)
             name = f"{self.name}/{self.run_id}/{member.slot}"
             for _ in range(200):  # a replacement waits for its slot's previous actor name to be released
                 if self._actor_named(name) is None:
@@ -672,14 +677,17 @@ class Coordinator:
         A joiner from a hot spare is ready within milliseconds of a death; admitted at once, its plan
         would supersede the survivors' before they commit, and they would wait for its state transfer
         too. Held for at most ADMIT_HOLD_S, and never below `workers.min` (nobody could commit)."""
+        held = self._held_departure(live)
+        if held:
+            asyncio.get_running_loop().call_later(ADMIT_HOLD_S, lambda: asyncio.ensure_future(self._admit()))
+        return held
+
+    def _held_departure(self, live: tuple[str, ...]) -> bool:
         if self.state == JobState.PAUSED or len(live) < self.cfg.workers.min or self.plan is None:
             return False
         newest = self.plan.membership_epoch
-        held = [r for r in self.pending if r["membership_epoch"] == newest and not r["joiners"]
-                and time.time() - r["decided_at"] < ADMIT_HOLD_S]
-        if held:
-            asyncio.get_running_loop().call_later(ADMIT_HOLD_S, lambda: asyncio.ensure_future(self._admit()))
-        return bool(held)
+        return any(r["membership_epoch"] == newest and not r["joiners"] and time.time() - r["decided_at"] < ADMIT_HOLD_S
+                   for r in self.pending)
 
     async def _slot_failed(self, member: Member, phase: str, cause: str) -> bool:
         """Count a failure against the slot; retire it past its budget, else (a failed start) start it
