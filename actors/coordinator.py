@@ -24,7 +24,7 @@ import signal
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import ray
 from ray.exceptions import ActorDiedError, RayActorError
@@ -549,11 +549,9 @@ class Coordinator:
                 await asyncio.sleep(0.05)
             if not self._still_starting(member):
                 return
-            handle = await asyncio.to_thread(self._worker_actor(name).remote, spec)  # off the loop, as for a spare
-            if not self._still_starting(member):
-                kill(handle)
+            member.handle = await self._create_actor(name, spec, lambda: self._still_starting(member))
+            if member.handle is None:
                 return
-            member.handle = handle
         try:  # no timeout: Ray places the actor when there is room (the job may be PAUSED until then)
             if info is None:
                 info = await asyncio.wrap_future(member.handle.ready.remote(fired).future())
@@ -565,6 +563,17 @@ class Coordinator:
             return  # stopped or replaced meanwhile
         member.pid, member.node, member.node_id, member.state = info["pid"], info["node"], info["node_id"], S.READY
         await self._admit()
+
+    async def _create_actor(self, name: str, spec: WorkerSpec, wanted: Callable[[], bool]) -> Optional[Any]:
+        """A worker (or spare) actor, created in a thread: registering a named detached actor waits for
+        Ray's GCS (measured: 116 ms while the GCS handled a death), and on the event loop that held up
+        the survivors' reports and re-form. None, with the actor killed, when it is no longer `wanted`
+        once created."""
+        handle = await asyncio.to_thread(self._worker_actor(name).remote, spec)
+        if not wanted():
+            kill(handle)
+            return None
+        return handle
 
     def _worker_actor(self, name: str):
         cfg = self.cfg.workers
@@ -611,14 +620,9 @@ class Coordinator:
         try:
             # its name on disk first: a restarted coordinator kills the spares its dead incarnation started
             await asyncio.to_thread(self._saver.wait, persisted, 30)
-            # Creating a named detached actor waits for the GCS to register it (measured: 116 ms while the
-            # GCS handled a death), so it runs in a thread: a spare taken by a replacement starts the next
-            # one right then, and on the event loop that held up the survivors' reports and re-form.
-            handle = await asyncio.to_thread(self._worker_actor(spare.name).remote, spec)
-            if spare not in self.spares:  # the job ended (or the spare was dropped) meanwhile
-                kill(handle)
+            spare.handle = await self._create_actor(spare.name, spec, lambda: spare in self.spares)
+            if spare.handle is None:  # the job ended (or the spare was dropped) meanwhile
                 return
-            spare.handle = handle
             # no timeout, as for a worker: Ray places it when there is room
             info = await asyncio.wrap_future(spare.handle.ready.remote().future())
         except Exception as err:  # noqa: BLE001 - its start failed: another one starts after a pause
