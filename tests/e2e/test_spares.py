@@ -15,9 +15,10 @@ from orchestrator.config import config_from_dict
 from orchestrator.job import ElasticJob
 
 JOIN_BOUND_S = 1.0
-"""scale() or a death -> the joiner's first committed step, with a spare: 0.17-0.34 s for scale() and
-0.54-0.56 s for a replacement (it waits for the survivors' first step without the dead member)
-measured here (README), where a fresh actor takes 6-7 s: the issue's bound is 1 s."""
+"""scale() or a death -> the joiner's first committed step, with a spare: 0.10-0.34 s for scale() and
+0.27-0.56 s for a replacement (it waits for the survivors' first step without the dead member)
+measured here (README, and this test's earlier runs), where a fresh actor takes 1.5-7 s: the
+issue's bound is 1 s."""
 
 
 def ready_spare(job: ElasticJob, other_than: tuple[int, ...] = ()) -> dict | None:
