@@ -23,10 +23,14 @@ def test_a_slow_fsync_does_not_block_submit_and_snapshots_coalesce(tmp_path, mon
         real_fsync(fd)
     monkeypatch.setattr(runfiles.os, "fsync", slow_fsync)
     writer = runfiles.BackgroundWriter(tmp_path / "state.json")
-    began = time.perf_counter()
-    numbers = [writer.submit(runfiles.json_bytes({"n": n})) for n in range(1, 51)]
-    submitted = time.perf_counter() - began
-    assert submitted < 0.05, f"submit waited for the disk ({submitted:.3f}s for 50 snapshots)"
+    numbers, waits = [], []
+    for n in range(1, 51):
+        began = time.perf_counter()
+        numbers.append(writer.submit(runfiles.json_bytes({"n": n})))
+        waits.append(time.perf_counter() - began)
+    # fsync is held for 5 s: a submit that waited for the disk takes that long. The bound leaves
+    # room for a loaded 2-core CI machine (50 submits once took 0.056 s there, 1 ms each).
+    assert max(waits) < 0.5, f"submit waited for the disk (worst {max(waits):.3f}s of 50 snapshots)"
     assert numbers == list(range(1, 51))
     assert not writer.wait(50, timeout=0.05), "nothing is on disk while fsync is held"
     gate.set()
