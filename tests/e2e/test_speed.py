@@ -1,0 +1,50 @@
+"""The speed figures the README states, as gates (slow: each runs a benchmark's own sides).
+
+BSP keeps torch DDP's pace at DDP's memory (`benchmarks/bsp_vs_ddp.py`); a death costs the survivors
+well under 0.1 s whichever rank dies, and no committed step; a spare makes a replacement and a
+scale-up take under a second (`benchmarks/recovery.py`). Timings on a 2-core machine are noisy:
+each gate is on a median, and each bound is the figure the issue asked for, next to the README's.
+"""
+from __future__ import annotations
+
+import statistics
+
+import pytest
+
+
+@pytest.mark.slow
+def test_bsp_keeps_ddp_pace_at_ddps_memory(ray_session):
+    """README: 1.120x DDP's steps/s (median of 7 pairs), peak worker RSS 1.069x."""
+    from benchmarks.bsp_vs_ddp import run_ddp, run_orchestrator
+
+    ratios, rss = [], []
+    for i in range(5):  # alternating pairs, the ratio taken pair by pair
+        orch, ddp = run_orchestrator(f"speed-bsp-{i}", 550), run_ddp(550)
+        ratios.append(orch["steps_per_s"] / ddp["steps_per_s"])
+        rss.append(orch["rss_mib"] / ddp["rss_mib"])
+        print(f"pair {i}: {orch['steps_per_s']:.1f} vs {ddp['steps_per_s']:.1f} steps/s, "
+              f"RSS {orch['rss_mib']:.0f} vs {ddp['rss_mib']:.0f} MiB")
+    print(f"steps/s ratio median {statistics.median(ratios):.3f}, RSS ratio median {statistics.median(rss):.3f}")
+    assert statistics.median(ratios) >= 1.0, ratios
+    assert statistics.median(rss) <= 1.2, rss
+
+
+@pytest.mark.slow
+def test_recovery_within_100ms_for_every_rank_and_a_spare_within_1s(ray_session):
+    """README: death -> the survivors' next committed step 0.046 s median over 9 kills (every rank's
+    median under 50 ms), 0 steps lost; with a spare, the replacement's first step 0.336 s and
+    scale() -> the joiner's first step 0.17 s."""
+    from benchmarks.recovery import orchestrator_side
+
+    out = orchestrator_side(events=9, workers=3, every=50, spares=1)
+    by_rank: dict[int, list[float]] = {}
+    for rank, delay in zip(out["victim_ranks"], out["death_to_next_step_s"]):
+        by_rank.setdefault(rank, []).append(delay)
+    medians = {rank: statistics.median(d) for rank, d in sorted(by_rank.items())}
+    print(f"death -> next step by rank: {by_rank}; medians {medians}; lost {out['steps_lost']}; "
+          f"replacement {out['death_to_replacement_step_s']}; scale {out['scale_to_first_step_s']:.3f}s")
+    assert sorted(by_rank) == [0, 1, 2] and all(len(d) == 3 for d in by_rank.values())
+    assert all(m <= 0.1 for m in medians.values()), medians
+    assert out["steps_lost"] == [0] * 9
+    assert statistics.median(out["death_to_replacement_step_s"]) < 1.0, out["death_to_replacement_step_s"]
+    assert out["scale_to_first_step_s"] < 1.0
