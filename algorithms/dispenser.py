@@ -17,7 +17,9 @@ Accounting (every leased sample ends exactly once: leased = applied + requeued +
 - the samples a departed member applied after its last completed background round are counted as
   `died_with_replica` (a part of `applied`): their updates lived only in the lost replica. It is an
   upper bound: a round may have carried some of them before the member died, unheard here.
-- at the end of the job, tickets still held are requeued (counted).
+- at the end of the job, tickets still held are requeued (counted);
+- a member's final notice ends its incarnation's run: a block it asked for before (a background
+  prefetch) that arrives after the notice is refused, not dealt to a member that will never use it.
 
 The central copy (EASGD): c starts as the initial parameters; `elastic(x, alpha)` applies
 c <- c + alpha (x - c) and returns d = alpha (x - c), atomically (the caller holds the host's lock).
@@ -67,6 +69,8 @@ class DispenserCore:
             return "not_member"
         if fence.worker_incarnation != self.members[fence.slot]:
             return "fenced_worker"
+        if (fence.slot, fence.worker_incarnation) in self._ended:
+            return "finished"  # its run ended: a block it asked for before its final notice is not dealt
         return None
 
     def _refused(self, why: str) -> None:
