@@ -115,14 +115,15 @@ def run_ddp(steps: int) -> dict:
 
 
 # --------------------------------------------------------------------------- orchestrator
-def _config(name: str, steps: int):
+def job_config(name: str, steps: int, engine: str = "auto"):
+    """The orchestrator side's job (also profiled by profile_step.py)."""
     from orchestrator.config import config_from_dict
 
     return config_from_dict({
         "name": name, "seed": SEED, "workers": {"count": WORKERS, "cpus": 1},
         "workload": {"factory": "orchestrator.workloads.digits:mlp", "params": {"hidden": HIDDEN}, "batch_size": PER_WORKER},
         "optimizer": {"name": "sgd", "lr": LR, "momentum": MOMENTUM},
-        "sync": {"policy": "bsp", "bucket_mb": BUCKET_MB}, "stop": {"max_steps": steps}, "eval_every": 0,
+        "sync": {"policy": "bsp", "bucket_mb": BUCKET_MB, "engine": engine}, "stop": {"max_steps": steps}, "eval_every": 0,
     })
 
 
@@ -130,7 +131,7 @@ def run_orchestrator(name: str, steps: int) -> dict:
     from orchestrator.job import ElasticJob
 
     before = time.time()
-    job = ElasticJob(_config(name, steps)).start()
+    job = ElasticJob(job_config(name, steps)).start()
     rss = PeakRSS.of_job(job, WORKERS)
     result = job.wait(timeout=600)
     peak = rss.stop()

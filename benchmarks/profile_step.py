@@ -91,25 +91,22 @@ def main() -> int:
 
     import ray
 
-    from benchmarks.bsp_vs_ddp import BUCKET_MB, HIDDEN, LR, MOMENTUM, PER_WORKER, SEED, WORKERS
+    from benchmarks.bsp_vs_ddp import job_config
     from actors.testing import wait_until
-    from orchestrator.config import config_from_dict
     from orchestrator.job import NAMESPACE, ElasticJob, ensure_token_env
 
     os.environ.setdefault("ORCHESTRATOR_RUN_ROOT", tempfile.mkdtemp(prefix="bench-runs-"))
     ensure_token_env()
     ray.init(num_cpus=8, namespace=NAMESPACE, log_to_driver=False, logging_level="ERROR")
-    job = ElasticJob(config_from_dict({
-        "name": "profile-step", "seed": SEED, "workers": {"count": WORKERS, "cpus": 1},
-        "workload": {"factory": "orchestrator.workloads.digits:mlp", "params": {"hidden": HIDDEN}, "batch_size": PER_WORKER},
-        "optimizer": {"name": "sgd", "lr": LR, "momentum": MOMENTUM},
-        "sync": {"policy": "bsp", "bucket_mb": BUCKET_MB, "engine": args.engine},
-        "stop": {"max_steps": 10_000_000}, "eval_every": 0,
-    })).start()
+    job = ElasticJob(job_config("profile-step", 10_000_000, args.engine)).start()
     try:
         wait_until(lambda: job.status().step > 200, 120, "training")
         rank0 = next(m for m in job.status().members if m.rank == 0)
-        out = args.raw or tempfile.mktemp(suffix=".txt")
+        if args.raw:
+            out = args.raw
+        else:  # mkstemp, not mktemp: the name is ours once returned
+            fd, out = tempfile.mkstemp(suffix=".txt", prefix="profile-step-")
+            os.close(fd)
         first = job.status().step
         began = time.time()
         subprocess.run([pyspy, "record", "-r", str(args.rate), "-d", str(args.seconds), "-f", "raw", "--nonblocking",
