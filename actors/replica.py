@@ -36,6 +36,7 @@ from typing import Any, Callable, Optional, Protocol
 import numpy as np
 import torch
 
+from actors import collective
 from actors.comm import BaseCommunicator, CommError, CommTimeout, GroupSpec, NoGroup, make_communicator
 from actors.entry import enter
 from actors.faults import WorkerFaults
@@ -200,6 +201,7 @@ class Replica:
             self._outcome = {"ok": False, "step": self.step, "slot": self.slot, "error": f"{type(err).__name__}: {err}",
                              "traceback": traceback.format_exc()}
         finally:
+            collective.withdraw(self.comm)
             self.impl.close(finished=self.state == "finished" and not self._left)
             self._flush_report(force=True)
             self._finished.set()
@@ -251,6 +253,7 @@ class Replica:
         if self.comm is not None:
             self.impl.on_epoch_end(f"membership epoch {plan.membership_epoch} begins")
             self.bytes_before += self.comm.bytes_sent
+            collective.withdraw(self.comm)
             self.comm.close()
         self.comm = None
         rank = plan.rank_of(self.slot)
@@ -284,6 +287,7 @@ class Replica:
                                 EpochInfo(rank, len(plan.members), plan.members, plan.global_batch, plan.membership_epoch))
         if self.step == self._mark():
             self.trained_plan = plan  # else the kept local steps were trained under the plan before
+        collective.publish(comm, self.cfg.sync.policy)  # the workload's `ray.util.collective` calls reach it
         if source is not None:
             self.link.state_received(self.slot, plan.membership_epoch, plan.members[source], self.step)
             self.faults.maybe_fire("join", self.step)  # a joiner that has its state but has not trained yet

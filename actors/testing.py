@@ -333,9 +333,37 @@ class CommPeer:
         self.comm.all_reduce(tensor).wait()
         return float(tensor[0])
 
-    def start_all_reduce(self, numel: int, die: bool = False) -> float:
+    def start_all_reduce(self, numel: int, die: bool = False, via_ray: bool = False) -> float:
+        """Launch an all-reduce of ones; `via_ray`: through `ray.util.collective.allreduce` on the
+        group published as a workload would see it (run in a thread; `wait_pending` waits for it)."""
         self.buffer = torch.ones(numel)
-        self.handle = self.comm.all_reduce(self.buffer)
+        if via_ray:
+            import ray.util.collective as col
+
+            from actors import collective
+
+            collective.publish(self.comm, "bsp")
+            name, done = collective.current_group(), threading.Event()
+
+            class Pending:
+                def wait(self) -> None:
+                    done.wait()
+                    if "error" in outcome:
+                        raise outcome["error"]
+
+            def call() -> None:
+                try:
+                    col.allreduce(self.buffer, group_name=name)
+                except CommError as err:
+                    outcome["error"] = err
+                finally:
+                    done.set()
+
+            outcome: dict = {}
+            threading.Thread(target=call, daemon=True).start()
+            self.handle = Pending()
+        else:
+            self.handle = self.comm.all_reduce(self.buffer)
         if die:
             os.kill(os.getpid(), signal.SIGKILL)
         return time.time()
@@ -343,7 +371,7 @@ class CommPeer:
     def wait_pending(self) -> dict:
         try:
             self.handle.wait()
-            return {"outcome": "ok", "at": time.time()}
+            return {"outcome": "ok", "at": time.time(), "value": float(self.buffer[0])}
         except CommError as err:
             return {"outcome": type(err).__name__, "at": time.time(), "error": str(err)}
 

@@ -81,9 +81,10 @@ def test_killed_peer_fails_survivors_within_timeout_without_abort(store):
     assert max(delays) < TIMEOUT_S
 
 
-def _silent_peer_mid_all_reduce(store, name: str, abort: bool) -> tuple[list[dict], float, float]:
+def _silent_peer_mid_all_reduce(store, name: str, abort: bool, via_ray: bool = False) -> tuple[list[dict], float, float]:
     """Three peers enter an all-reduce; the fourth is alive but SIGSTOPped, so its sockets stay
-    open and nothing resets: only the abort (or the timeout) can release the others."""
+    open and nothing resets: only the abort (or the timeout) can release the others. `via_ray`: the
+    all-reduce is a workload's `ray.util.collective.allreduce` on the published group."""
     peers = [CommPeer.remote() for _ in range(4)]
     form(peers, store, name)
     survivors, victim = peers[:3], peers[3]
@@ -92,7 +93,7 @@ def _silent_peer_mid_all_reduce(store, name: str, abort: bool) -> tuple[list[dic
     try:
         started = time.time()
         for p in survivors:
-            ray.get(p.start_all_reduce.remote(1_000_000))
+            ray.get(p.start_all_reduce.remote(1_000_000, via_ray=via_ray))
         waits = [p.wait_pending.remote() for p in survivors]
         time.sleep(0.5)
         aborted_at = time.time()
@@ -106,8 +107,10 @@ def _silent_peer_mid_all_reduce(store, name: str, abort: bool) -> tuple[list[dic
     return results, started, aborted_at
 
 
-def test_abort_releases_survivors_of_a_silent_peer_within_1s(store):
-    results, _, aborted_at = _silent_peer_mid_all_reduce(store, "silent-abort/e1", abort=True)
+@pytest.mark.parametrize("via", ["handle", "ray.util.collective"])
+def test_abort_releases_survivors_of_a_silent_peer_within_1s(store, via):
+    results, _, aborted_at = _silent_peer_mid_all_reduce(store, f"silent-abort-{via}/e1", abort=True,
+                                                         via_ray=via != "handle")
     delays = [r["at"] - aborted_at for r in results]
     print("silent peer, survivors released after the abort in:", [f"{d:.3f}s" for d in delays],
           [r["outcome"] for r in results])
@@ -115,9 +118,11 @@ def test_abort_releases_survivors_of_a_silent_peer_within_1s(store):
     assert max(delays) < 1.0
 
 
-def test_without_abort_survivors_of_a_silent_peer_wait_for_the_timeout(store):
+@pytest.mark.parametrize("via", ["handle", "ray.util.collective"])
+def test_without_abort_survivors_of_a_silent_peer_wait_for_the_timeout(store, via):
     """The control case: nothing but the timeout frees them (so the test above measures the abort)."""
-    results, started, _ = _silent_peer_mid_all_reduce(store, "silent-noabort/e1", abort=False)
+    results, started, _ = _silent_peer_mid_all_reduce(store, f"silent-noabort-{via}/e1", abort=False,
+                                                      via_ray=via != "handle")
     waited = [r["at"] - started for r in results]
     print("silent peer, no abort: survivors failed after", [f"{w:.2f}s" for w in waited], [r["outcome"] for r in results])
     assert all(r["outcome"] == "CommTimeout" for r in results)

@@ -1,0 +1,55 @@
+"""A workload's own `ray.util.collective` calls run on its membership epoch's group, across
+membership changes: every call sums over exactly the epoch's members, a new epoch is a new group
+name, and a member killed mid-run costs the survivors no timeout (their pending call fails, the
+step is redone in the next epoch). The abort and timeout of such a call on a silent peer, which no
+connection reset releases, are in tests/actors/test_comm.py."""
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+from actors.testing import wait_until
+from orchestrator.config import config_from_dict
+from orchestrator.job import ElasticJob
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_workload_allreduce_through_ray_util_collective_across_a_scale_up_and_a_kill(run_root, tmp_path, monkeypatch):
+    monkeypatch.chdir(REPO / "tests" / "workloads")
+    logs = tmp_path / "calls"
+    logs.mkdir()
+    cfg = {"name": "raycol", "seed": 5, "workers": {"count": 2, "max": 3, "cpus": 0.5},
+           "workload": {"factory": "collective_workload:make", "params": {"log_dir": str(logs)}, "batch_size": 8},
+           "optimizer": {"name": "sgd", "lr": 0.05}, "stop": {"max_steps": 1_000_000}, "eval_every": 0,
+           "comm": {"timeout_s": 10.0}}
+    job = ElasticJob(config_from_dict(cfg)).start()
+    wait_until(lambda: job.status().step > 15, what="training at world size 2")
+    job.scale(3)
+    wait_until(lambda: job.status().world_size == 3 and job.status().step > 40, what="the scale-up")
+    victim = next(m for m in job.status().members if m.slot == "w1")
+    os.kill(victim.pid, signal.SIGKILL)
+    wait_until(lambda: any(m.slot == "w1" and m.pid != victim.pid and m.rank >= 0 for m in job.status().members)
+               and job.status().step > 120, what="the replacement to train")
+    job.stop()
+
+    history = job.history()
+    assert [r["step"] for r in history] == list(range(1, len(history) + 1))
+    calls = [line.split() + [path.stem] for path in logs.iterdir() for line in path.read_text().splitlines()]
+    groups: dict[str, set] = {}
+    for name, rank, world, ones, ranks, slot in calls:
+        rank, world, ones, ranks = int(rank), int(world), int(ones), int(ranks)
+        assert 0 <= rank < world and ones == world and ranks == world * (world - 1) // 2, (name, slot, rank, world)
+        groups.setdefault(name, set()).add((slot, rank, world))
+    sizes = sorted({w for members in groups.values() for _, _, w in members})
+    print(f"{len(calls)} ray.util.collective all-reduces in {len(groups)} membership epochs' groups, world sizes {sizes}")
+    assert len(groups) >= 3 and {2, 3} <= set(sizes)
+    for name, members in groups.items():  # one name per epoch: one world size, each slot one rank of its own
+        slots = {s for s, _, _ in members}
+        assert len({w for _, _, w in members}) == 1 and len(members) == len(slots) == len({r for _, r, _ in members}), members
+    death = next(e for e in job.events() if e["kind"] == "reshape" and e["detail"].get("detector") == "actor death")
+    first = death["detail"]["first_committed_step"]
+    gap = max(b["time"] - a["time"] for a, b in zip(history, history[1:]) if first - 3 <= b["step"] <= first + 1)
+    print(f"kill -> survivors' first commit at step {first}; the longest step around it took {gap:.2f}s")
+    assert gap < 3.0, "survivors waited out the workload's all-reduce instead of being released"
