@@ -10,8 +10,10 @@ them until its own timeout), and failed groups are closed in the background.
 The CPU path builds `ProcessGroupGloo` directly on a `PrefixStore` over the coordinator's
 `TCPStore`, with its device bound to the node's address. ray.util.collective's gloo backend is
 not used: it creates torch's default process group once per process, blocks, ignores the
-timeout and takes a process-wide lock while a group forms. The GPU path drives a cupy
-`NcclCommunicator` directly on a side stream (see `NcclCommunicator` below for why).
+timeout and takes a process-wide lock while a group forms. The GPU path builds torch's
+`ProcessGroupNCCL` the same way, with a poller for its timeout and abort (see `NcclCommunicator`
+below for why torch's and not cupy's). Either group is also reachable through `ray.util.collective`
+(actors/collective.py).
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional, Protocol, Sequence
+from typing import Any, Callable, Optional, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -174,7 +176,7 @@ class BaseCommunicator:
 
     def process_group(self) -> Optional[dist.ProcessGroup]:
         """This group as a torch `ProcessGroup`, for torch's C++ gradient reducer; None where the
-        backend has none (NCCL through cupy)."""
+        group has none (no group: the server kinds)."""
         return None
 
     def failed_in_backend(self, err: BaseException) -> CommError:
@@ -445,143 +447,157 @@ def _opts(op: str) -> dist.AllreduceOptions:
     return opts
 
 
-class NcclCommunicator(BaseCommunicator):  # pragma: no cover - needs a GPU (tests/gpu)
-    """NCCL through cupy's `NcclCommunicator`, one per membership epoch, on a side stream.
+NCCL_WATCHDOG_MARGIN_S = 30.0
+"""torch's own NCCL watchdog times an operation out this long after `comm.timeout_s`: the poller of
+this module aborts first (and keeps the process); the watchdog is only the backstop."""
 
-    ray.util.collective's NCCL group launches synchronously on the current stream and has no
-    timeout or abort, which this interface needs; so the communicator is built directly. Rank 0
-    publishes NCCL's unique id (bytes) in the group's store prefix; the others read it. Every
-    operation is enqueued on the communicator's own CUDA stream after that stream waits for an
-    event recorded on torch's current stream (so the inputs are ready without blocking the host,
-    and overlap with backward survives), and is followed by an event that one poller thread per
-    communicator watches against the abort flag and the timeout; on either, `ncclCommAbort`
-    releases the peers' kernels too. Launches and the abort hold one lock (a launch into an
-    aborted communicator is refused), buffers in flight are recorded on the side stream (the
-    caching allocator keeps them until the stream is done with them) and referenced by their
-    handles, and every NCCL error surfaces as `CommError` with its text.
+
+def _nccl_environment(timeout_s: float) -> None:
+    """What torch's NCCL backend reads at a group's construction, set where the user did not:
+    on an error or a timeout, abort the communicator and keep the process (the default tears the
+    process down, which would turn a peer's death into this worker's); a non-blocking communicator's
+    initialization gives up after the group's timeout."""
+    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+    os.environ.setdefault("TORCH_NCCL_NONBLOCKING_TIMEOUT", str(int(max(1.0, timeout_s))))
+
+
+class NcclCommunicator(BaseCommunicator):  # pragma: no cover - needs a GPU (tests/gpu)
+    """torch's `ProcessGroupNCCL`, one per membership epoch, on a `PrefixStore` of the group's name
+    (as gloo's), with this interface's timeout and abort on top.
+
+    Why torch's and not cupy's `NcclCommunicator` (which an earlier version drove): torch's group is a
+    torch `ProcessGroup`, so BSP runs on torch's C++ reducer over NCCL exactly as it does over gloo
+    (`process_group()`); torch already ships the NCCL it was built with (cupy brings a second NCCL
+    library into the process, of whatever version its wheel has); it has `abort()` (ncclCommAbort),
+    a non-blocking communicator whose initialization and abort never block the host, and the stream
+    ordering with torch's caching allocator done for us (buffers are recorded on its stream). torchft
+    builds its fault-tolerant NCCL group the same way.
+
+    Every operation is launched by torch on NCCL's internal stream (which first waits for torch's
+    current stream: the inputs are ready, the host never waits), then a completion event is recorded
+    on a side stream made to wait for the operation; one poller thread per communicator completes
+    each handle when its event fires, or at once on an epoch abort, or at `comm.timeout_s` (then it
+    aborts the communicator: a timeout). A `Handle.wait()` after completion makes the caller's stream
+    wait for NCCL's (no host wait). `synchronize()` is the same wait for work torch's reducer
+    launched in C++ (no handle of ours): an event on the current stream, polled against the abort and
+    the timeout. The abort calls `ncclCommAbort`, which releases the kernels stuck on a dead peer.
     """
 
     device: torch.device
 
     def __init__(self, spec: GroupSpec, store: dist.Store) -> None:
         super().__init__(spec)
-        import cupy
-        from cupy.cuda import nccl
-
-        self._cupy, self._nccl = cupy, nccl
+        if not dist.is_nccl_available() or not torch.cuda.is_available():  # not a failed collective: no retry helps
+            raise RuntimeError(f"group {spec.name}: NCCL needs a CUDA device and a torch built with NCCL "
+                            f"(torch.cuda.is_available() = {torch.cuda.is_available()}, "
+                            f"torch.distributed.is_nccl_available() = {dist.is_nccl_available()}); "
+                            f"use comm.backend: gloo")
+        _nccl_environment(spec.timeout_s)
         self.device = torch.device("cuda", torch.cuda.current_device())
-        prefix = dist.PrefixStore(spec.name + "/", store)
-        if spec.rank == 0:
-            prefix.set("nccl_uid", _uid_bytes(nccl.get_unique_id()))
-        uid = bytes(prefix.get("nccl_uid"))
+        self._prefix = dist.PrefixStore(spec.name + "/", store)
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = datetime.timedelta(seconds=spec.timeout_s + NCCL_WATCHDOG_MARGIN_S)
+        opts.config.blocking = 0
         self._launch_lock = threading.Lock()
+        self._torch_pg: Optional[dist.ProcessGroup] = None
         try:
-            with cupy.cuda.Device(self.device.index):
-                self._comm = _new_nccl_comm(nccl, spec.world_size, uid, spec.rank)
-        except Exception as err:  # noqa: BLE001 - NcclError or a cupy version mismatch
-            raise CommError(f"group {spec.name}: NCCL communicator did not form: {err}") from None
+            self._pg = dist.ProcessGroupNCCL(self._prefix, spec.rank, spec.world_size, opts)
+            self._pg._set_sequence_number_for_group()
+            self._pg.eager_connect_single_device(self.device)  # the communicator forms now, not at the first step
+        except Exception as err:  # noqa: BLE001 - a DistBackendError, a store timeout
+            raise CommError(f"group {spec.name}: NCCL group did not form: {str(err).splitlines()[0][:300]}") from None
         self._stream = torch.cuda.Stream(device=self.device)
         self._poller = _EventPoller(self)
 
-    def _launch(self, fn: Callable[[int], None], keep: Sequence[torch.Tensor],
+    def _launch(self, run: Callable[[], Any], keep: Sequence[torch.Tensor],
                 finish: Optional[Callable[[], None]] = None) -> Handle:
-        ready = torch.cuda.Event()
-        ready.record(torch.cuda.current_stream(self.device))
         with self._launch_lock:
-            if self.aborted or self._comm is None:
+            if self.aborted or self._pg is None:
                 raise CommAborted(f"group {self.name}: membership epoch aborted ({self.abort_reason})")
-            self._stream.wait_event(ready)  # the inputs are ready, on the GPU: the host never waits
-            for t in keep:
-                t.record_stream(self._stream)
             try:
-                fn(self._stream.cuda_stream)
-            except Exception as err:  # noqa: BLE001 - an NcclError (or a bad argument)
+                work = run()
+            except Exception as err:  # noqa: BLE001 - an NCCL error (or a bad argument)
                 self.mark_failed()
-                raise CommError(f"group {self.name}: NCCL: {err}") from None
+                raise CommError(f"group {self.name}: NCCL: {str(err).splitlines()[0][:300]}") from None
             done = torch.cuda.Event()
-            done.record(self._stream)
-        work = _CudaWork(done, self)
-        handle = Handle(work, self, keep, finish)
-        self._poller.watch(work)
+            with torch.cuda.stream(self._stream):
+                work.wait()  # the side stream waits for NCCL's; the host does not
+                done.record(self._stream)
+        cuda_work = _CudaWork(done, self, work)
+        handle = Handle(cuda_work, self, keep, finish)
+        self._poller.watch(cuda_work)
         return handle
 
-    def _dtype(self, tensor: torch.Tensor) -> int:
-        return _nccl_dtype(self._nccl, tensor)
-
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> Handle:
-        nccl = self._nccl
-        nccl_op = {"sum": nccl.NCCL_SUM, "max": nccl.NCCL_MAX, "min": nccl.NCCL_MIN}[op]
-        dtype = self._dtype(tensor)
         self.bytes_sent += self._ring_bytes(tensor)
-        return self._launch(lambda s: self._comm.allReduce(tensor.data_ptr(), tensor.data_ptr(), tensor.numel(),
-                                                           dtype, nccl_op, s), (tensor,))
+        return self._launch(lambda: self._pg.allreduce([tensor], _opts(op)), (tensor,))
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> Handle:
-        dtype = self._dtype(tensor)
+        opts = dist.BroadcastOptions()
+        opts.rootRank = src
         if self.rank == src:
             self.bytes_sent += tensor.numel() * tensor.element_size()
-        return self._launch(lambda s: self._comm.bcast(tensor.data_ptr(), tensor.numel(), dtype, src, s), (tensor,))
+        return self._launch(lambda: self._pg.broadcast([tensor], opts), (tensor,))
 
     def barrier(self) -> Handle:
+        """An all-reduce of one element (torch's NCCL barrier blocks the host)."""
         return self.all_reduce(torch.zeros(1, device=self.device))
 
     def all_gather(self, outputs: list[torch.Tensor], tensor: torch.Tensor) -> Handle:
-        flat = torch.empty(self.world_size * tensor.numel(), dtype=tensor.dtype, device=tensor.device)
-        dtype = self._dtype(tensor)
-
-        def scatter_back() -> None:
-            for i, out in enumerate(outputs):
-                out.copy_(flat[i * tensor.numel():(i + 1) * tensor.numel()].view_as(out))
-
         self.bytes_sent += tensor.numel() * tensor.element_size() * (self.world_size - 1)
-        return self._launch(lambda s: self._comm.allGather(tensor.data_ptr(), flat.data_ptr(), tensor.numel(), dtype, s),
-                            (tensor, flat, *outputs), scatter_back)
+        return self._launch(lambda: self._pg.allgather([outputs], [tensor]), (tensor, *outputs))
 
     def all_to_all(self, output: torch.Tensor, tensor: torch.Tensor) -> Handle:
         """Chunk i of `tensor` (split evenly by world size) goes to rank i; chunk j of `output` comes from rank j."""
-        n, chunk = self.world_size, tensor.numel() // self.world_size
-        dtype, size = self._dtype(tensor), tensor.element_size()
-
-        def run(s: int) -> None:
-            self._nccl.groupStart()
-            try:
-                for peer in range(n):
-                    self._comm.send(tensor.data_ptr() + peer * chunk * size, chunk, dtype, peer, s)
-                    self._comm.recv(output.data_ptr() + peer * chunk * size, chunk, dtype, peer, s)
-            finally:
-                self._nccl.groupEnd()
-
-        self.bytes_sent += chunk * size * (n - 1)
-        return self._launch(run, (tensor, output))
+        self.bytes_sent += tensor.numel() * tensor.element_size() * (self.world_size - 1) // max(self.world_size, 1)
+        return self._launch(lambda: self._pg.alltoall_base(output, tensor, [], [], dist.AllToAllOptions()),
+                            (tensor, output))
 
     def send(self, tensor: torch.Tensor, dst: int) -> Handle:
-        dtype = self._dtype(tensor)
         self.bytes_sent += tensor.numel() * tensor.element_size()
-        return self._launch(lambda s: self._grouped(lambda: self._comm.send(tensor.data_ptr(), tensor.numel(), dtype, dst, s)),
-                            (tensor,))
+        return self._launch(lambda: self._pg.send([tensor], dst, 0), (tensor,))
 
     def recv(self, tensor: torch.Tensor, src: int) -> Handle:
-        dtype = self._dtype(tensor)
-        return self._launch(lambda s: self._grouped(lambda: self._comm.recv(tensor.data_ptr(), tensor.numel(), dtype, src, s)),
-                            (tensor,))
+        return self._launch(lambda: self._pg.recv([tensor], src, 0), (tensor,))
 
-    def _grouped(self, call: Callable[[], None]) -> None:
-        self._nccl.groupStart()
-        try:
-            call()
-        finally:
-            self._nccl.groupEnd()
+    def process_group(self) -> Optional[dist.ProcessGroup]:
+        """A torch ProcessGroup over this NCCL backend that calls itself a group of one, for torch's
+        reducer (see `GlooCommunicator.process_group`: the reducer must not divide)."""
+        if self._torch_pg is None and self._pg is not None:
+            group = dist.ProcessGroup(self._prefix, 0, 1)
+            group._register_backend(torch.device("cuda"), dist.ProcessGroup.BackendType.NCCL, self._pg)
+            group._set_default_backend(dist.ProcessGroup.BackendType.NCCL)
+            self._torch_pg = group
+        return self._torch_pg
+
+    def synchronize(self, timeout: Optional[float] = None) -> None:
+        """Wait, on the host, for everything queued on torch's current stream so far (the reducer's
+        buckets included), polling the abort flag and the timeout; on the timeout the communicator is
+        aborted. Raises this group's CommError when it failed or was aborted."""
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        deadline = time.monotonic() + (self.timeout_s if timeout is None else timeout)
+        while not event.query():
+            if self.aborted or self.failed:
+                raise self.failure()
+            if time.monotonic() > deadline:
+                self.timed_out = True
+                self.abort(f"NCCL operation did not finish within {self.timeout_s:.1f}s")
+                raise self.failure()
+            time.sleep(0.0002)
+        if self.aborted or self.failed:
+            raise self.failure()
 
     def abort(self, reason: str = "aborted by coordinator") -> None:
-        """Fail every wait at once and abort the NCCL communicator (its peers' kernels are released).
-        The launch lock is taken when it can be; a launch blocked inside NCCL is exactly what the
-        abort must release, so after a short wait it aborts without it."""
+        """Fail every wait at once and abort the NCCL communicator (its kernels, and the peers' waiting
+        on this one, are released). A launch blocked inside NCCL is exactly what the abort must
+        release, so after a short wait for the launch lock it aborts without it."""
         super().abort(reason)
         locked = self._launch_lock.acquire(timeout=0.5)
         try:
-            comm, self._comm = self._comm, None
-            if comm is not None:
-                comm.abort()
+            pg = self._pg
+            if pg is not None:
+                pg.abort()
         except Exception as err:  # noqa: BLE001 - an abort that fails still leaves the group failed
             log.warning("ncclCommAbort of %s: %s", self.name, err)
         finally:
@@ -589,32 +605,35 @@ class NcclCommunicator(BaseCommunicator):  # pragma: no cover - needs a GPU (tes
                 self._launch_lock.release()
 
     def close(self) -> None:
-        """Release the communicator in the background: destroy it when healthy, abort it when failed;
-        kernels still in flight finish (or are aborted) before its buffers may be reused."""
+        """Release the communicator in the background: shut down when healthy (once its stream is
+        done), abort when failed. Its buffers stay recorded on NCCL's stream until then."""
         self._poller.stop()
-        comm, self._comm = self._comm, None
-        if comm is None:
+        with self._launch_lock:
+            pg, self._pg = self._pg, None
+        self._torch_pg = None
+        if pg is None:
             return
-        stream = self._stream
+        stream, failed = self._stream, self.failed
 
         def release() -> None:
             try:
-                if self.failed:
-                    comm.abort()
+                if failed:
+                    pg.abort()
                 else:
                     stream.synchronize()
-                    comm.destroy()
+                    getattr(pg, "shutdown", pg.abort)()
             except Exception as err:  # noqa: BLE001
-                log.warning("releasing NCCL communicator %s: %s", self.name, err)
+                log.warning("releasing NCCL group %s: %s", self.name, err)
 
         threading.Thread(target=release, name=f"close {self.name}", daemon=True).start()
 
 
 class _CudaWork:  # pragma: no cover - needs a GPU
-    """Adapts a CUDA event to the part of c10d.Work that Handle uses; `_EventPoller` completes it."""
+    """Adapts a CUDA event (recorded after a torch NCCL work) to the part of c10d.Work that Handle
+    uses; `_EventPoller` completes it."""
 
-    def __init__(self, event, comm: NcclCommunicator) -> None:
-        self.event, self.comm = event, comm
+    def __init__(self, event, comm: NcclCommunicator, work) -> None:
+        self.event, self.comm, self.work = event, comm, work
         self.deadline = time.monotonic() + comm.timeout_s
         self._future = torch.futures.Future()
 
@@ -627,12 +646,10 @@ class _CudaWork:  # pragma: no cover - needs a GPU
     def wait(self) -> None:
         if not self.event.query():
             raise CommError(f"group {self.comm.name}: NCCL operation did not complete (aborted)")
-        comm = self.comm._comm
-        if comm is not None:
-            try:
-                comm.check_async_error()
-            except Exception as err:  # noqa: BLE001
-                raise CommError(f"group {self.comm.name}: NCCL: {err}") from None
+        try:
+            self.work.wait()  # the caller's stream waits for NCCL's (done already: no host wait)
+        except Exception as err:  # noqa: BLE001
+            raise CommError(f"group {self.comm.name}: NCCL: {str(err).splitlines()[0][:300]}") from None
 
 
 class _EventPoller:  # pragma: no cover - needs a GPU
@@ -675,33 +692,6 @@ class _EventPoller:  # pragma: no cover - needs a GPU
                 work.get_future().set_result(None)
             if not finished:
                 time.sleep(0.0002)
-
-
-def _uid_bytes(uid) -> bytes:
-    """NCCL's unique id as bytes (cupy >= 14 returns bytes, earlier versions a tuple of signed chars)."""
-    return uid if isinstance(uid, bytes) else bytes(b % 256 for b in uid)
-
-
-def _new_nccl_comm(nccl, world: int, uid: bytes, rank: int):  # pragma: no cover - needs a GPU
-    """cupy >= 14 takes the id as bytes, earlier versions as a tuple of signed chars."""
-    try:
-        return nccl.NcclCommunicator(world, uid, rank)
-    except TypeError:
-        return nccl.NcclCommunicator(world, tuple(b if b < 128 else b - 256 for b in uid), rank)
-
-
-def _nccl_dtype(nccl, tensor: torch.Tensor) -> int:  # pragma: no cover - needs a GPU
-    if tensor.dtype == torch.bfloat16:
-        if not hasattr(nccl, "NCCL_BFLOAT16") or nccl.get_version() < 21000:
-            raise CommError("bfloat16 tensors need NCCL 2.10 or newer (this one has no bf16 type); use float32 "
-                            "buckets or comm.backend: gloo")
-        return nccl.NCCL_BFLOAT16
-    table = {torch.float32: nccl.NCCL_FLOAT32, torch.float16: nccl.NCCL_FLOAT16, torch.float64: nccl.NCCL_FLOAT64,
-             torch.int64: nccl.NCCL_INT64, torch.int32: nccl.NCCL_INT32, torch.uint8: nccl.NCCL_UINT8,
-             torch.int8: nccl.NCCL_INT8}
-    if tensor.dtype not in table:
-        raise CommError(f"NCCL has no type for {tensor.dtype}")
-    return table[tensor.dtype]
 
 
 # --------------------------------------------------------------------------- store and factory

@@ -333,10 +333,10 @@ class CommPeer:
         self.comm.all_reduce(tensor).wait()
         return float(tensor[0])
 
-    def start_all_reduce(self, numel: int, die: bool = False, via_ray: bool = False) -> float:
+    def start_all_reduce(self, numel: int, die: bool = False, via_ray: bool = False, device: str = "cpu") -> float:
         """Launch an all-reduce of ones; `via_ray`: through `ray.util.collective.allreduce` on the
         group published as a workload would see it (run in a thread; `wait_pending` waits for it)."""
-        self.buffer = torch.ones(numel)
+        self.buffer = torch.ones(numel, device=device)
         if via_ray:
             import ray.util.collective as col
 

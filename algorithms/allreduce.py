@@ -1,9 +1,10 @@
 """BSP: synchronous gradient all-reduce over flat buckets, overlapped with backward.
 
-Two engines (`sync.engine`). On gloo with CPU parameters and no codec, `auto` runs BSP on torch's
-C++ `Reducer`, the core of DDP (`_start_reducer`): no Python inside backward, the vote as one more
-leaf whose gradient is the tail. Everywhere else (codecs, QAdam, NCCL, a modelled latency) it runs
-on this module's own buckets, described next.
+Two engines (`sync.engine`). Where the group is a torch process group on the parameters' device
+(gloo with CPU parameters, NCCL with GPU ones) and no codec is set, `auto` runs BSP on torch's C++
+`Reducer`, the core of DDP (`_start_reducer`): no Python inside backward, the vote as one more leaf
+whose gradient is the tail. Everywhere else (codecs, QAdam, gloo with CUDA tensors, a modelled
+latency) it runs on this module's own buckets, described next.
 
 Parameters are grouped into flat buckets of about `sync.bucket_mb`, by dtype, in reverse
 registration order (the order backward usually produces gradients). Each parameter's `.grad`
@@ -184,14 +185,16 @@ class AllReduceImpl(AlgorithmImpl):
 
     def _wants_reducer(self, comm) -> bool:
         """`sync.engine`: `reducer` always (the config refused what cannot run on it), `auto` when the
-        group offers a torch process group (gloo), the parameters are on the CPU, no codec is set and
-        no network latency is modelled; `python`, a codec, NCCL or QAdam: the bucket hooks of this class."""
+        group offers a torch process group for the parameters' device (gloo: CPU; NCCL: the GPU), no
+        codec is set and no network latency is modelled; `python`, a codec, QAdam or gloo with CUDA
+        tensors: the bucket hooks of this class."""
         engine = getattr(self.config, "engine", "python")
         if engine == "python" or comm is None or self.codec is not None or not self.params:
             return False
         offers = getattr(comm, "process_group", None)  # in-process test groups have none
+        served = getattr(comm, "device", torch.device("cpu")).type
         return engine == "reducer" or (offers is not None and offers() is not None and comm.latency_s <= 0
-                                       and all(p.device.type == "cpu" for p in self.params))
+                                       and all(p.device.type == served for p in self.params))
 
     def _start_reducer(self, comm) -> None:
         """torch's `Reducer` (the C++ core of DDP) on this epoch's group, with no Python on its path:
@@ -211,10 +214,14 @@ class AllReduceImpl(AlgorithmImpl):
         self._python_hooks(False)
         self.buffers = []
         dtype = self.params[0].dtype if self.params[0].dtype in EXACT_DTYPES else torch.float64  # its bucket: the first parameters
-        self._vote = torch.zeros(TAIL, dtype=dtype, requires_grad=True)
+        device = self.params[0].device
+        self._vote = torch.zeros(TAIL, dtype=dtype, device=device, requires_grad=True)
         self._tail_np = np.zeros(TAIL, dtype=np.float64 if dtype == torch.float64 else np.float32)
-        self._tail = torch.from_numpy(self._tail_np)  # the vote leaf's gradient; the engine copies it into the bucket
-        self._one = torch.ones((), dtype=self.params[0].dtype)
+        self._tail_host = torch.from_numpy(self._tail_np)
+        # The vote leaf's gradient (the engine copies it into the bucket): on the CPU the numpy array
+        # itself; on a GPU a device tensor, its loss copied on the device (no host synchronization).
+        self._tail = self._tail_host if device.type == "cpu" else torch.zeros(TAIL, dtype=dtype, device=device)
+        self._one = torch.ones((), dtype=self.params[0].dtype, device=device)
         leaves = [self._vote, *self.params]
         cap = int(self.config.bucket_mb * 2**20)
         plan = plan_reducer_buckets([(p.numel(), p.dtype) for p in leaves], cap)
@@ -266,9 +273,13 @@ class AllReduceImpl(AlgorithmImpl):
             if fire is not None:
                 fire()  # `faults.kills` at allreduce: this member dies as its buckets go out
             self.reducer.prepare_for_backward([])
-            draft = self._draft  # the tail, written in place (the parameters are on the CPU: reading the loss costs nothing)
-            tail = self._tail_np
-            tail[0], tail[1], tail[2] = float(draft.loss), draft.samples, 1.0 if draft.newer_plan else 0.0
+            draft = self._draft
+            if self._tail is self._tail_host:  # the tail, written in place (CPU parameters: reading the loss costs nothing)
+                tail = self._tail_np
+                tail[0], tail[1], tail[2] = float(draft.loss), draft.samples, 1.0 if draft.newer_plan else 0.0
+            else:  # on the GPU: the loss stays there; the two counts are copied up (staged, no device wait)
+                self._tail[:1].copy_(torch.as_tensor(draft.loss).reshape(1))
+                self._tail[1:].copy_(torch.tensor([draft.samples, 1.0 if draft.newer_plan else 0.0], dtype=self._tail.dtype))
             self.comm.bytes_sent += self._bytes_per_step
             if _run_backward is not None and loss.shape == () and loss.dtype == self._one.dtype:
                 # what torch.autograd.backward runs, without its per-call checks and a fresh ones_like
@@ -388,6 +399,9 @@ class AllReduceImpl(AlgorithmImpl):
             except RuntimeError:
                 raise RuntimeError("the reducer did not finish this step's buckets: some parameter got no "
                                    "gradient; sync.engine: python reduces models with unused parameters") from None
+            synchronize = getattr(self.comm, "synchronize", None)
+            if self._vote.is_cuda and synchronize is not None:
+                synchronize()  # the reducer's NCCL work, waited for with the epoch's abort and timeout
             return StepVote.reduced(self._vote.grad)  # float32 or float64: sample counts exact either way
         if self.deferred:
             return StepVote.reduced(self._vote_tail.to(torch.float64))
@@ -407,9 +421,10 @@ class AllReduceImpl(AlgorithmImpl):
 
 
 def _from_gloo(err: RuntimeError) -> bool:
-    """Whether a RuntimeError out of backward is gloo's (a bucket's all-reduce failed), not the model's."""
+    """Whether a RuntimeError out of backward is the backend's (a bucket's all-reduce failed: gloo's
+    or NCCL's), not the model's."""
     text = str(err)
-    return "gloo" in text or "pair closure" in text or "Connection closed" in text
+    return "gloo" in text or "pair closure" in text or "Connection closed" in text or "NCCL" in text
 
 
 @register

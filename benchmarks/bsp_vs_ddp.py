@@ -32,7 +32,7 @@ import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 from algorithms.sampler import GlobalSampler, split_for_rank  # noqa: E402
-from benchmarks.common import PeakRSS  # noqa: E402
+from benchmarks.common import PeakRSS, ddp_store  # noqa: E402
 from orchestrator.workloads.digits import mlp  # noqa: E402
 
 WORKERS, PER_WORKER, HIDDEN, LR, MOMENTUM, BUCKET_MB, SEED = 2, 32, 128, 0.05, 0.9, 25.0, 0
@@ -48,32 +48,13 @@ def steps_per_s(times: dict[int, float], first: int, last: int) -> float:
 
 
 # --------------------------------------------------------------------------- torch DDP
-def _ddp_store(rank: int, out_dir: str):
-    """Rank 0's TCPStore takes a port the kernel picks (no free-port race with other processes) and
-    publishes it in `out_dir`; the other ranks wait for it there."""
-    import torch.distributed as dist
-
-    path = Path(out_dir, "port")
-    if rank == 0:
-        store = dist.TCPStore("127.0.0.1", 0, WORKERS, True, wait_for_workers=False)
-        Path(out_dir, "port.tmp").write_text(str(store.port))
-        os.replace(Path(out_dir, "port.tmp"), path)
-        return store
-    deadline = time.monotonic() + 60
-    while not path.exists():
-        if time.monotonic() > deadline:
-            raise TimeoutError("rank 0 never published its store port")
-        time.sleep(0.01)
-    return dist.TCPStore("127.0.0.1", int(path.read_text()), WORKERS, False)
-
-
 def _ddp_rank(rank: int, steps: int, out_dir: str) -> None:
     import torch.distributed as dist
     import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel
 
     torch.set_num_threads(1)
-    store = _ddp_store(rank, out_dir)
+    store = ddp_store(rank, out_dir, WORKERS)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=WORKERS)
     torch.manual_seed(SEED)
     workload = mlp(hidden=HIDDEN)

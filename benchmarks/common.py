@@ -2,7 +2,10 @@
 way on every side of a comparison."""
 from __future__ import annotations
 
+import os
 import threading
+import time
+from pathlib import Path
 from typing import Callable, Optional
 
 import psutil
@@ -49,3 +52,22 @@ class PeakRSS:
         self._done.set()
         self._thread.join()
         return self.peak / 2**20
+
+
+def ddp_store(rank: int, out_dir: str, world: int):
+    """A plain DDP side's rendezvous: rank 0's TCPStore takes a port the kernel picks (no free-port
+    race with other processes) and publishes it in `out_dir`; the other ranks wait for it there."""
+    import torch.distributed as dist
+
+    path = Path(out_dir, "port")
+    if rank == 0:
+        store = dist.TCPStore("127.0.0.1", 0, world, True, wait_for_workers=False)
+        Path(out_dir, "port.tmp").write_text(str(store.port))
+        os.replace(Path(out_dir, "port.tmp"), path)
+        return store
+    deadline = time.monotonic() + 60
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError("rank 0 never published its store port")
+        time.sleep(0.01)
+    return dist.TCPStore("127.0.0.1", int(path.read_text()), world, False)

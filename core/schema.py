@@ -156,9 +156,9 @@ class BSPConfig:
     """Gradient bucket size in MiB."""
     engine: Literal["auto", "reducer", "python"] = "auto"
     """Who buckets and launches the gradients: `reducer` is torch's C++ reducer (DDP's core) on each
-    membership epoch's gloo group, with the vote in its communication hook; `python` is this
-    project's own bucket hooks (the only path for codecs and NCCL); `auto` takes the reducer where
-    it can run (gloo, CPU parameters, no codec) and the Python buckets elsewhere."""
+    membership epoch's group (gloo with CPU parameters, NCCL with GPU ones), with the vote as one more
+    leaf; `python` is this project's own bucket hooks (the only path for codecs and for GPUs shared
+    over gloo); `auto` takes the reducer where it can run and the Python buckets elsewhere."""
 
     def __post_init__(self) -> None:
         _positive(self, "bucket_mb")
@@ -693,9 +693,9 @@ class JobConfig:
             if self.sync.policy != "bsp" or self.compression.codec != "none":
                 raise FieldError("sync.engine", "the reducer sends plain gradients: codecs (and bytegrad) run on "
                                                 "engine: python (or auto)")
-            if gpus > 0:
-                raise FieldError("sync.engine", "the reducer runs on gloo with CPU parameters; GPU workers use "
-                                                "engine: auto or python")
+            if gpus > 0 and (gpus != int(gpus) or self.comm.backend == "gloo"):
+                raise FieldError("sync.engine", "the reducer runs on gloo with CPU parameters or on NCCL with whole "
+                                                "GPUs; GPU workers over gloo use engine: auto or python")
         if gpus > 0 and gpus != int(gpus) and self.comm.backend != "gloo":
             raise FieldError("comm.backend", f"NCCL needs whole GPUs (workers.gpus = {gpus:g}: one GPU cannot hold "
                                              f"two NCCL ranks); set comm.backend: gloo to share GPUs, or whole gpus")

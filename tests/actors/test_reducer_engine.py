@@ -203,11 +203,14 @@ def _cfg(**sync) -> dict:
             "stop": {"max_steps": 10}, "sync": {"policy": "bsp", **sync}}
 
 
-def test_the_reducer_engine_refuses_codecs_and_gpus():
+def test_the_reducer_engine_refuses_codecs_and_gpus_shared_over_gloo():
     with pytest.raises(ConfigError, match="sync.engine: the reducer sends plain gradients"):
         config_from_dict({**_cfg(engine="reducer"), "compression": {"codec": "uint8"}})
+    with pytest.raises(ConfigError, match="sync.engine: the reducer runs on gloo with CPU parameters or on NCCL"):
+        config_from_dict({**_cfg(engine="reducer"), "workers": {"count": 2, "gpus": 0.5}, "comm": {"backend": "gloo"}})
     with pytest.raises(ConfigError, match="sync.engine: the reducer runs on gloo"):
-        config_from_dict({**_cfg(engine="reducer"), "workers": {"count": 1, "gpus": 1}})
+        config_from_dict({**_cfg(engine="reducer"), "workers": {"count": 1, "gpus": 1}, "comm": {"backend": "gloo"}})
+    assert config_from_dict({**_cfg(engine="reducer"), "workers": {"count": 1, "gpus": 1}}).sync.engine == "reducer"
     with pytest.raises(ConfigError, match="sync.engine"):
         config_from_dict(_cfg(engine="fast"))
     assert config_from_dict(_cfg()).sync.engine == "auto"

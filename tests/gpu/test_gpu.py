@@ -19,8 +19,8 @@ from actors.testing import LocalJob, local_store
 CUDA = torch.cuda.is_available()
 GPUS = torch.cuda.device_count() if CUDA else 0
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (none is present)")]
-needs_cupy = pytest.mark.skipif(CUDA and not __import__("importlib").util.find_spec("cupy"),
-                                reason="needs cupy with NCCL (the gpu extra)")
+needs_nccl = pytest.mark.skipif(CUDA and not torch.distributed.is_nccl_available(),
+                                reason="needs a torch built with NCCL")
 """Without CUDA the module's own mark skips first, naming the missing GPU."""
 needs_two = pytest.mark.skipif(CUDA and GPUS < 2, reason="gpu2: needs two GPUs (one GPU cannot hold two NCCL ranks)")
 
@@ -55,15 +55,56 @@ def test_bsp_oracle_on_cuda_two_workers_sharing_one_gpu_over_gloo(tmp_path):
     assert diff < 1e-5
 
 
-@needs_cupy
-def test_bsp_oracle_on_nccl_at_world_size_1(tmp_path):
-    job = run_local(tmp_path, 1, 1, "nccl")
+@needs_nccl
+@pytest.mark.parametrize("engine", ["reducer", "python"])
+def test_bsp_oracle_on_nccl_at_world_size_1(tmp_path, engine):
+    """torch's ProcessGroupNCCL under torch's C++ reducer (the `auto` choice on whole GPUs) and under
+    the Python buckets: both equal single-process SGD on the CPU."""
+    job = run_local(tmp_path, 1, 1, "nccl", sync={"policy": "bsp", "bucket_mb": 0.004, "engine": engine})
+    impl = job.replicas["w0"].impl
+    assert (impl.reducer is not None) == (engine == "reducer")
+    assert all(p.is_cuda for p in job.replicas["w0"].model.parameters())
     diff = max(float((p.cpu() - q).abs().max()) for p, q in zip(job.parameters("w0"), cpu_reference(16)))
-    print(f"BSP over NCCL (world size 1) vs single-process CPU: {diff:.2e}")
+    print(f"BSP over NCCL (world size 1, engine {engine}) vs single-process CPU: {diff:.2e}")
     assert diff < 1e-5
 
 
-@needs_cupy
+@needs_nccl
+def test_auto_engine_takes_the_reducer_on_nccl(tmp_path):
+    job = run_local(tmp_path, 1, 1, "nccl", steps=3)
+    assert job.replicas["w0"].impl.reducer is not None
+
+
+@pytest.mark.parametrize("backend", ["gloo", "nccl"])
+def test_no_gpu_memory_left_behind_over_20_membership_changes(tmp_path, backend):
+    """20 membership epochs of one replica (each a fresh group, its buffers and, with the reducer,
+    its buckets): the GPU memory allocated after the last is what it was after the first."""
+    if backend == "nccl" and not torch.distributed.is_nccl_available():
+        pytest.skip("needs a torch built with NCCL")
+    gpus = 1 if backend == "nccl" else 0.5
+    job = LocalJob(config(1, gpus, backend, steps=1_000_000), ["w0"], str(tmp_path))
+    replica = job.replicas["w0"]
+    job.publish(("w0",), 1, 16, backend=backend)
+    job.start(["w0"])
+    allocated = []
+    for epoch in range(2, 23):
+        step = replica.step
+        deadline = time.monotonic() + 60
+        while replica.step < step + 5 or (replica.plan and replica.plan.membership_epoch != epoch - 1):
+            assert time.monotonic() < deadline, f"no progress in epoch {epoch - 1}"
+            time.sleep(0.01)
+        torch.cuda.synchronize()
+        allocated.append(torch.cuda.memory_allocated())
+        job.publish(("w0",), epoch, 16, backend=backend)
+    job.publish(("w0",), 23, 16, backend=backend, stop_step=replica.step + 5)
+    job.wait(120)
+    growth = allocated[-1] - allocated[0]
+    print(f"{backend}: GPU memory allocated after epoch 1 {allocated[0] / 2**20:.2f} MiB, after epoch 21 "
+          f"{allocated[-1] / 2**20:.2f} MiB (growth {growth / 2**10:.1f} KiB over 20 membership changes)")
+    assert growth <= 64 * 2**10, allocated
+
+
+@needs_nccl
 def test_every_nccl_operation_at_world_size_1():
     host, port = local_store()
     comm = make_communicator(GroupSpec(host, port, "ops", 0, 1, 10.0, "nccl", "127.0.0.1"))
@@ -114,16 +155,40 @@ def test_abort_and_timeout_of_a_cuda_collective():
     assert took < 1.0 and 2.5 < waited < 6.0
 
 
-@needs_cupy
-def test_nccl_group_that_never_forms_times_out():
-    """Rank 1 of a two-rank NCCL group never arrives: forming gives up after comm.timeout_s."""
+@needs_nccl
+def test_nccl_group_whose_peer_never_arrives_times_out():
+    """Rank 1 of a two-rank NCCL group never arrives: forming gives up after comm.timeout_s, or, where
+    the non-blocking communicator returns before its peers are in, the first all-reduce does."""
     from actors.replica import form_group
 
     host, port = local_store()
     started = time.monotonic()
     with pytest.raises(CommTimeout):
-        form_group(GroupSpec(host, port, "lonely", 0, 2, 3.0, "nccl", "127.0.0.1"), superseded=lambda: False)
-    assert time.monotonic() - started < 3.0 + 10.0
+        comm = form_group(GroupSpec(host, port, "lonely", 0, 2, 3.0, "nccl", "127.0.0.1"), superseded=lambda: False)
+        comm.all_reduce(torch.ones(4, device="cuda")).wait()
+    took = time.monotonic() - started
+    print(f"NCCL peer never arrived: CommTimeout after {took:.2f}s")
+    assert took < 3.0 + 10.0
+
+
+@needs_nccl
+def test_ray_util_collective_allreduce_on_an_nccl_epoch_group(ray_session):
+    """A workload's `ray.util.collective.allreduce` of a CUDA tensor on its epoch's NCCL group (world
+    size 1 on one GPU), inside a real actor as a workload runs."""
+    import ray
+
+    from actors.testing import CommPeer, StoreHost
+
+    store = StoreHost.remote(10.0)
+    host, port, _ = ray.get(store.address.remote())
+    peer = CommPeer.options(num_gpus=1).remote()
+    ray.get(peer.form.remote(GroupSpec(host, port, "raycol-nccl/e1", 0, 1, 10.0, "nccl", host)), timeout=60)
+    ray.get(peer.start_all_reduce.remote(1 << 20, via_ray=True, device="cuda"))
+    result = ray.get(peer.wait_pending.remote(), timeout=60)
+    print(f"ray.util.collective on NCCL: {result}")
+    assert result["outcome"] == "ok" and result["value"] == 1.0
+    ray.kill(peer)
+    ray.kill(store)
 
 
 @pytest.mark.gpu2
