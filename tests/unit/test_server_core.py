@@ -55,6 +55,25 @@ def test_ssp_bound_holds_with_a_straggler_a_kill_and_a_join():
     assert ahead(sim, mark) == s and any(slot == "w3" for slot, _, _ in sim.pulls[mark:])
 
 
+@pytest.mark.parametrize("s", [0, 2])
+def test_ssp_goes_on_when_a_member_ahead_is_replaced_in_its_own_slot(s):
+    """w1 pushes clocks the straggler w2 has not reached (they stay staged), dies, and a replacement
+    takes slot w1 (incarnation 1, as a hot spare or Ray's restart does): clocks keep completing and
+    the replacement's pushes are applied, never refused as the old incarnation's duplicates."""
+    sim = simulate(SGD, SSPConfig(s=s), [1, 1, 4], 24, steps=None)
+    while not any(p["lease"] in {t.leases[0].id for t in sim.core.leases.held("w1")}
+                  for pushes in sim.core.staged.values() for p in pushes):
+        sim.tick()  # until w1 has a push waiting for w2
+    w0, _, w2 = sim.members.values()
+    version = sim.core.version
+    sim.set_members([w0, Member("w1", cost=1, incarnation=1), w2])
+    sim.run(200)
+    refused = sim.core.rejected["duplicate"]
+    print(f"s={s}: version {version} -> {sim.core.version} in 200 ticks after the replacement; "
+          f"{refused} pushes refused as duplicates")
+    assert refused == 0 and sim.core.version >= version + 30
+
+
 def test_quorum_never_waits_for_the_straggler_and_drops_its_late_pushes():
     sim = simulate(SGD, QuorumConfig(k=2), [1, 1, 3], 24, steps=None)
     sim.run(30)
