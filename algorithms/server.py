@@ -32,7 +32,10 @@ apply - version it pulled (0 under BSP settings); `staleness` is its histogram.
 
 Membership (`set_members`): clocks are kept per slot. A departed (or replaced) slot leaves the clock
 table, its open tickets are requeued, and what it already pushed stays staged, so clocks complete
-without it. A joiner starts at the minimum live clock (quorum: not below the next clock to apply).
+without it. A joiner starts at the minimum live clock (quorum: not below the next clock to apply); a
+replacement in the same slot (a new worker incarnation) starts after the newest clock its slot has a
+push staged for, since that slot's share of those clocks is already in. A ticket already pushed is
+never handed out again.
 
 Fencing: pulls and pushes carry a `Fence` (membership epoch, slot, worker incarnation, server
 incarnation). A push from a slot that is not a member, from an incarnation the slot no longer has,
@@ -234,18 +237,28 @@ class ServerCore:
         leave the clock table and their open tickets are requeued; joiners start at the minimum live
         clock. Returns the versions that departures completed."""
         new = dict(members)
+        pushed: dict[str, int] = {}
         for slot, incarnation in self.members.items():
             if new.get(slot) != incarnation:
                 self._requeue_unpushed(slot)
                 del self.clocks[slot]
                 self.round.at.pop(slot, None)  # the barrier no longer waits for it
+                if slot in new:  # replaced in its own slot: the old incarnation's staged pushes stand
+                    pushed[slot] = self._pushed_through(slot)
         start = self._start_clock()
         self.members, self.membership_epoch = new, epoch
         for slot in new:
-            self.clocks.setdefault(slot, start)
+            self.clocks.setdefault(slot, max(start, pushed.get(slot, -1) + 1))
         if self.elastic:
             return self._barrier_ready()
         return self._apply_ready()
+
+    def _pushed_through(self, slot: str) -> int:
+        """The newest clock for which `slot` has a push staged (-1: none). A replacement in the same
+        slot starts after it: that slot's share of those clocks is in, and a ticket is pushed once."""
+        clocks = [p["clock"] for pushes in self.staged.values() for p in pushes
+                  if self.leases.open[p["lease"]].holder == slot]
+        return max(clocks, default=-1)
 
     def _start_clock(self) -> int:
         if not self.clocked:
@@ -276,7 +289,7 @@ class ServerCore:
         clock = self.clocks[slot]
         if not self.pull_ready(clock) or (self.elastic and not self.barrier_open(slot)):
             return Pull("wait", version=self.version, clock=clock)
-        held = self.leases.held(slot, clock)
+        held = [t for t in self.leases.held(slot, clock) if not self._is_staged(t)]  # a pushed ticket is never dealt again
         ticket = held[0] if held else self._deal(slot, clock)
         return Pull("ok", ticket, self.version, clock, self.incarnation)
 
