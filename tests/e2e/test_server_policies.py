@@ -106,6 +106,27 @@ def test_ssp_under_churn_keeps_its_bound_and_applies_every_sample_once(run_root)
           f"{job.status().server['staleness']}")
 
 
+@pytest.mark.parametrize("s", [3])
+def test_ssp_survives_a_kill_of_a_member_ahead_replaced_by_a_hot_spare(run_root, s):
+    """w1 is fast and w2 a straggler, so w1's last pushes wait staged for w2's when w1 is SIGKILLed (with
+    s > 0 it pulls ahead before they are applied); a hot
+    spare takes slot w1 at once (a new incarnation of the same slot). Before the fix its pushes were
+    refused as duplicates of the dead incarnation's staged ticket and the version never moved again."""
+    steps = 45
+    stragglers = [{"slot": "w2", "delay_s": 0.4}]  # w1's s pushes ahead of w2 stay staged for s x 0.4 s
+    cfg = make_config("ps-ssp-spare", {"policy": "ssp", "s": s}, steps, workers={"count": 3, "cpus": 0.5, "spares": 1},
+                      faults={"record_samples": True, "stragglers": stragglers, "kills": [{"slot": "w1", "step": 25}]})
+    job = ElasticJob(config_from_dict(cfg)).start()  # the kill comes once the spare is ready (~8 s)
+    result = job.wait(timeout=90)
+    refused = job.status().server["rejected"]
+    print(f"ssp s={s}, a member ahead killed and replaced by a spare: {result.state} at version {result.step}; "
+          f"refused {({k: v for k, v in refused.items() if v})}")
+    assert result.state == "FINISHED" and result.step == steps, result
+    assert any(e["kind"] == "failure" and e["detail"].get("slot") == "w1" for e in job.events()), "w1 did not die"
+    assert refused["duplicate"] == 0
+    assert_every_sample_applied_once(job, steps)
+
+
 def test_server_sigkill_resumes_from_its_snapshot_and_the_job_finishes(run_root):
     """ASP (nobody waits, so w3's long step keeps it holding a lease from the old incarnation when the
     server dies: its push is fenced and counted)."""
