@@ -187,6 +187,26 @@ def test_a_snapshot_round_trips_and_training_goes_on_identically(optimizer, poli
     assert same(twin.core.state_dict(), sim.core.state_dict())
 
 
+@pytest.mark.parametrize("optimizer", [SGD_M, ADAMW], ids=["sgd_momentum", "adamw"])
+def test_a_snapshot_taken_before_a_concurrent_push_holds_its_own_version(optimizer):
+    """The server takes `state_dict()` under its lock and serializes it outside, while pushes go on:
+    what it serializes must be the state of the version it is labelled with, not a later push's
+    momentum (or AdamW's step and moments) written into the same tensors meanwhile."""
+    sim = simulate(optimizer, ASPConfig(), [1, 1], 16, steps=None)
+    sim.run(6)
+    reference = io.BytesIO()
+    torch.save(sim.core.state_dict(), reference)  # serialized at once: the true state of this version
+    taken = sim.core.state_dict()  # taken under the lock ...
+    sim.run(3)  # ... pushes are applied while it is being written
+    assert sim.core.version > taken["version"]
+    late = io.BytesIO()
+    torch.save(taken, late)
+    for buf in (reference, late):
+        buf.seek(0)
+    expected, got = torch.load(reference, weights_only=True), torch.load(late, weights_only=True)
+    assert same(got, expected), "the snapshot labelled version %d holds a later version's optimizer state" % taken["version"]
+
+
 def test_a_snapshot_does_not_fit_another_policy_or_shard_count():
     core, *_ = make_core(SGD, SSPConfig(s=1), 24, shards=2)
     other, *_ = make_core(SGD, SSPConfig(s=1), 24, shards=1)
