@@ -474,11 +474,14 @@ class ServerCore:
         self.members, self.clocks, self.membership_epoch, self.incarnation = {}, {}, 0, 0
 
     def state_dict(self) -> dict:
-        """Everything, as tensors, ints, floats, strings, lists and dicts (`torch.load(weights_only=True)`)."""
+        """Everything, as tensors, ints, floats, strings, lists and dicts (`torch.load(weights_only=True)`).
+        Its tensors are copies: the caller serializes it outside the server's lock while pushes go on,
+        and an optimizer's own `state_dict()` holds the live tensors its next step writes into. (A staged
+        push's gradient is shared: nothing writes into it.)"""
         return {"policy": self.policy.policy, "version": self.version, "incarnation": self.incarnation,
                 "membership_epoch": self.membership_epoch, "bounds": [list(b) for b in self.bounds],
                 "shards": [s.detach().clone() for s in self.shards],
-                "optimizers": [opt.state_dict() for opt in self.optimizers],
+                "optimizers": [_owned(opt.state_dict()) for opt in self.optimizers],
                 "members": [[slot, inc] for slot, inc in self.members.items()], "clocks": dict(self.clocks),
                 "staged": {c: [dict(p) for p in pushes] for c, pushes in self.staged.items()},
                 "staleness": dict(self.staleness), "rejected": dict(self.rejected), "leases": self.leases.state_dict(),
@@ -502,3 +505,14 @@ class ServerCore:
         self.leases.load_state_dict(state["leases"])
         self.round = BarrierRound.from_state(state["round"])
         self.schedules = dict(state["schedules"])
+
+
+def _owned(value):
+    """`value` with every tensor in it (nested in dicts, lists and tuples) replaced by a copy of its own."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, dict):
+        return {k: _owned(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_owned(v) for v in value)
+    return value
