@@ -74,6 +74,29 @@ def test_a_death_requeues_the_unused_tickets_but_the_first_open_one_is_lost_and_
     assert d.rejected == {"fenced_worker": 2}
 
 
+def test_a_death_with_one_notice_in_flight_and_the_next_ticket_applied_redeals_neither():
+    """A member tells each applied ticket without waiting, and sends a notice only once the one before
+    it was acknowledged (one in flight at most). At its death ticket 1's notice is in flight and
+    ticket 2 was applied (its notice waits for ticket 1's acknowledgement): both may be in the model
+    (a background round may have carried them), so neither may be dealt again within the epoch."""
+    d = core()
+    _, tickets = d.deal_block(fence("w1"), 5, 5)
+    d.applied(fence("w1"), [tickets[0].leases[0].id], rounds=0)  # acknowledged
+    d.set_members(2, [("w0", 0)])  # w1 dies: tickets 1 and 2 applied, unheard here
+    maybe_applied = {i for t in tickets[1:3] for i in t.leases[0].ids}
+    redealt = set()
+    while True:  # the rest of data epoch 0, to the survivor
+        _, block = d.deal_block(fence("w0"), 1, 5)
+        lease = block[0].leases[0]
+        if lease.data_epoch > 0:
+            break
+        redealt |= set(lease.ids)
+    twice = sorted(redealt & maybe_applied)
+    assert not twice, f"samples of a ticket the dead member may have applied were dealt again: {twice}"
+    c = balanced(d)
+    assert (c["lost"], c["requeued"]) == (10, 10), c
+
+
 def test_a_block_asked_before_the_final_notice_but_dealt_after_it_is_refused():
     """A member asks for its next block in the background (a prefetch) and then ends; the host runs
     calls concurrently, so the block request may be dealt after the final notice. Dealt then, its
