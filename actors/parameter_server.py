@@ -40,7 +40,7 @@ import torch
 
 from actors import checkpoints
 from algorithms.base import get_algorithm
-from algorithms.dispenser import DispenserCore
+from algorithms.dispenser import NOTICES_IN_FLIGHT, DispenserCore
 from algorithms.server import Fence, Pull, Push, PushResult, ServerCore, Update
 from core.factory import check_factory
 from core.schema import JobConfig, parse
@@ -555,6 +555,8 @@ class RayServerClient:
     def __init__(self, name: str, namespace: str) -> None:
         self.name, self.namespace = name, namespace
         self._handle = None
+        self._notices: deque = deque()
+        """The applied notices sent and not yet answered (at most `NOTICES_IN_FLIGHT`)."""
 
     def _server(self):
         if self._handle is None:
@@ -608,11 +610,21 @@ class RayServerClient:
 
     def applied(self, fence: Fence, keys: list[int], rounds: int, final: bool = False, upto: int = -1,
                 finished: bool = False) -> None:
-        """Sent without waiting (the server runs calls concurrently: they may arrive out of order); the
+        """Sent without waiting for its own answer, but only once the notices before it were answered
+        (`NOTICES_IN_FLIGHT`): the dispenser counts a dead member's first `UNCERTAIN_AT_DEATH` open
+        tickets as possibly applied, which holds only while no more are unacknowledged. A step takes far
+        longer than a notice's round trip, so the wait is almost always for an answer already in. The
         `final` one is waited for."""
+        while len(self._notices) >= NOTICES_IN_FLIGHT:
+            try:
+                ray.get(self._notices.popleft(), timeout=CALL_TIMEOUT_S)
+            except Exception as err:  # noqa: BLE001 - lost with a restarting server: its tickets were requeued there
+                log.warning("an applied notice got no answer: %s", str(err).splitlines()[0][:200])
         ref = self._server().applied.remote(fence, list(keys), rounds, final, upto, finished)
         if final:
             ray.get(ref, timeout=CALL_TIMEOUT_S)
+        else:
+            self._notices.append(ref)
 
     def elastic(self, fence: Fence, x: torch.Tensor, alpha: float) -> torch.Tensor:
         answer = ray.get(self._server().elastic.remote(fence, x.detach().cpu().numpy(), alpha), timeout=CALL_TIMEOUT_S)

@@ -11,9 +11,11 @@ Accounting (every leased sample ends exactly once: leased = applied + requeued +
 - a ticket a member applied to its replica is `applied`: its samples are not dealt again within
   their data epoch (at most once);
 - a departed member's tickets it never applied are `requeued`, with their data epoch, except the
-  first of them when it died: it may have applied that one just before, its notice still in flight
-  (members use their tickets in order and tell each one without waiting), so that ticket is `lost`:
-  counted, never dealt again within its data epoch;
+  first `UNCERTAIN_AT_DEATH` of them when it died: it may have applied those (members use their
+  tickets in order and tell each one without waiting, but send a notice only once the one before it
+  was acknowledged: `NOTICES_IN_FLIGHT`; so at a death one notice may be in flight and the ticket
+  after it applied, its notice waiting), so those are `lost`: counted, never dealt again within
+  their data epoch;
 - the samples a departed member applied after its last completed background round are counted as
   `died_with_replica` (a part of `applied`): their updates lived only in the lost replica. It is an
   upper bound: a round may have carried some of them before the member died, unheard here.
@@ -34,6 +36,11 @@ from algorithms.leases import LeaseService, Ticket
 from algorithms.server import Fence
 
 BLOCK_REFUSALS = ("not_member", "fenced_worker", "finished")
+NOTICES_IN_FLIGHT = 1
+"""A member sends an applied notice only once at most this many earlier ones are unacknowledged."""
+UNCERTAIN_AT_DEATH = NOTICES_IN_FLIGHT + 1
+"""The open tickets a dead member may have applied unheard: those in flight, and the one applied after
+them whose notice waits for an acknowledgement."""
 
 
 class DispenserCore:
@@ -91,8 +98,8 @@ class DispenserCore:
         """`died`: its updates since its last round died with it; `uncertain`: no final notice said which
         tickets it applied."""
         held = sorted(self.leases.held(slot), key=lambda t: t.clock)
-        for i, ticket in enumerate(held):  # a dead member's first open ticket may be applied, its notice lost
-            self.leases.close(ticket, "lost" if uncertain and i == 0 else "requeued")
+        for i, ticket in enumerate(held):  # a dead member's first open tickets may be applied, their notices lost
+            self.leases.close(ticket, "lost" if uncertain and i < UNCERTAIN_AT_DEATH else "requeued")
         since = self._since_round.pop(slot, 0)
         if died:
             self.died_with_replica += since
