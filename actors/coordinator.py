@@ -38,7 +38,7 @@ from actors.plan import ParentWatch, Plan, Progress, WorkerSpec
 from actors.server_control import ServerControl, restart_event
 from actors.worker import WorkerActor
 from algorithms.base import SERVER_KINDS, get_algorithm
-from algorithms.membership import MemberView, batch_for, choose_leavers, free_slots, slot_index
+from algorithms.membership import MemberView, batch_for, choose_leavers, free_slots, server_members, slot_index
 from algorithms.stragglers import StragglerWatch
 from algorithms.topologies import get_topology, spectral_gap
 from algorithms.zipline import BarrierPlanner
@@ -312,7 +312,9 @@ class Coordinator:
 
     def _tell_server(self, members) -> None:
         """The server admits this membership, as (slot, worker incarnation) in rank order."""
-        self.server.set_members(self.epoch, [(s, self.members[s].incarnation) for s in members])
+        plan = tuple((s, self.members[s].incarnation) for s in members)
+        leaving = tuple((s, m.incarnation) for s, m in self.members.items() if m.state == S.LEAVING and s not in members)
+        self.server.set_members(self.epoch, list(server_members(self.algorithm.kind, plan, leaving)))
 
     async def release(self) -> None:
         """Let a terminal coordinator exit now (the driver has read the result)."""

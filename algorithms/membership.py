@@ -48,3 +48,10 @@ def batch_for(world: int, per_worker: int, initial_world: int, mode: str) -> tup
     if mode == "keep_worker":
         return per_worker * world, world / initial_world
     return per_worker * initial_world, 1.0
+
+
+def server_members(kind: str, members: tuple[tuple[str, int], ...],
+                   leaving: tuple[tuple[str, int], ...]) -> tuple[tuple[str, int], ...]:
+    """The (slot, worker incarnation) pairs the parameter server (or the lease dispenser) admits with
+    a plan of `members`, while `leaving` (live members the plan leaves out) have not left yet."""
+    return members

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from algorithms.dispenser import DispenserCore
+from algorithms.membership import server_members
 from algorithms.server import Fence
 from algorithms.shadow import easgd_update
 
@@ -95,6 +96,34 @@ def test_a_death_with_one_notice_in_flight_and_the_next_ticket_applied_redeals_n
     assert not twice, f"samples of a ticket the dead member may have applied were dealt again: {twice}"
     c = balanced(d)
     assert (c["lost"], c["requeued"]) == (10, 10), c
+
+
+def test_a_scale_down_leaver_keeps_its_tickets_until_its_plan_arrives_and_it_leaves():
+    """The coordinator tells the dispenser the new membership (`server_members`, as it sends it) before
+    the plans go out; the leaver w2 trains on its block until its plan arrives. Its notices of that
+    time must be taken, and its final notice (it left: not finished) releases it; none of its samples
+    is dealt again within the data epoch, and none is counted lost (nothing died)."""
+    d = core(("w0", "w1", "w2"))
+    _, tickets = d.deal_block(fence("w2"), 4, 5)
+    d.applied(fence("w2"), [tickets[0].leases[0].id], rounds=0)
+    members = server_members("background", (("w0", 0), ("w1", 0)), leaving=(("w2", 0),))
+    d.set_members(2, list(members))  # the scale-down, before w2's plan reaches it
+    taken = d.applied(fence("w2"), [tickets[1].leases[0].id], rounds=0)  # still training on its block
+    d.applied(fence("w2"), [], rounds=0, final=True, upto=tickets[1].clock)  # its plan came: it leaves
+    applied = {i for t in tickets[:2] for i in t.leases[0].ids}
+    redealt = set()
+    while True:
+        _, block = d.deal_block(fence("w0"), 1, 5)
+        if block[0].leases[0].data_epoch > 0:
+            break
+        redealt |= set(block[0].leases[0].ids)
+    c = balanced(d)
+    print(f"leaver's late notice took {taken}; samples it applied dealt again: {sorted(redealt & applied)}; {c}")
+    assert taken == 1, "the leaver's notice before its plan arrived was refused"
+    assert not redealt & applied, "samples the leaver applied were dealt again within the data epoch"
+    assert c["lost"] == 0 and d.rejected == {}, (c, d.rejected)
+    d.set_members(3, [("w0", 0), ("w1", 0)])  # once it left: gone without a trace
+    assert balanced(d) == dict(c, leased=c["leased"]) and d.rejected == {}
 
 
 def test_a_block_asked_before_the_final_notice_but_dealt_after_it_is_refused():
