@@ -53,5 +53,15 @@ def batch_for(world: int, per_worker: int, initial_world: int, mode: str) -> tup
 def server_members(kind: str, members: tuple[tuple[str, int], ...],
                    leaving: tuple[tuple[str, int], ...]) -> tuple[tuple[str, int], ...]:
     """The (slot, worker incarnation) pairs the parameter server (or the lease dispenser) admits with
-    a plan of `members`, while `leaving` (live members the plan leaves out) have not left yet."""
+    a plan of `members`, while `leaving` (live members the plan leaves out) have not left yet.
+
+    The background kind's dispenser keeps a leaver until it leaves: the membership reaches the
+    dispenser before the plan reaches the leaver, which trains on its block until then; its notices
+    of that time are good (its replica is live, and rounds may carry its updates), and its final
+    notice releases it (applied up to its last ticket, the rest requeued). Released at once, as a
+    death, its notices were refused and its tickets requeued while it still applied them. The server
+    kinds admit the plan's members only: a leaver's unpushed tickets go back at once, and a push of
+    one that arrives later is refused, its samples dealt again (never applied twice)."""
+    if kind == "background":
+        return members + tuple(pair for pair in leaving if pair[0] not in dict(members))
     return members
