@@ -38,7 +38,7 @@ from actors.plan import ParentWatch, Plan, Progress, WorkerSpec
 from actors.server_control import ServerControl, restart_event
 from actors.worker import WorkerActor
 from algorithms.base import SERVER_KINDS, get_algorithm
-from algorithms.membership import MemberView, batch_for, choose_leavers, free_slots, server_members, slot_index
+from algorithms.membership import MemberView, batch_for, choose_leavers, free_slots, joiners_start_stateless, server_members, slot_index
 from algorithms.stragglers import StragglerWatch
 from algorithms.topologies import get_topology, spectral_gap
 from algorithms.zipline import BarrierPlanner
@@ -671,7 +671,7 @@ class Coordinator:
         if self._departure_pending(live):
             return  # admitted when the survivors' epoch commits (`_complete_reshapes`) or the hold ends
         reason, detector, decided = self.members[ready[0]].join_reason
-        if self.algorithm.entry in ("replicated", "average") and self.history.step(live) > 0:
+        if joiners_start_stateless(self.algorithm.kind, self.history.step(live)):
             for slot in ready:  # until it loads the committed state (or commits in its epoch)
                 self.members[slot].holds_state = False
         self._reshape(live + tuple(ready), reason, detector, decided, joiners=tuple(ready))

@@ -65,3 +65,9 @@ def server_members(kind: str, members: tuple[tuple[str, int], ...],
     if kind == "background":
         return members + tuple(pair for pair in leaving if pair[0] not in dict(members))
     return members
+
+
+def joiners_start_stateless(kind: str, committed_step: int) -> bool:
+    """Whether joiners admitted now hold no state of their own until they receive one from a member
+    (they count as holders only then: alone, they would start over from their initial model)."""
+    return kind in ("synchronous", "periodic", "decentralized") and committed_step > 0

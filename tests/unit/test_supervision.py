@@ -160,3 +160,18 @@ def test_a_joiner_waiting_for_the_state_stays_in_the_survivors_plan():
     """With a holder left, the joiner is published with it and loads the state at the new epoch."""
     d = decide(view(stateless=frozenset({"w2"})), death("w1"))
     assert d.publish == ("w0", "w2") and d.end_now is None and not d.finish
+
+
+def test_the_last_holder_dying_while_a_shadow_joiner_waits_for_its_state_fails_the_job_as_for_bsp():
+    """A joiner admitted after step 0 holds no state until a member sends it one, under every kind whose
+    replicas are trained (a background joiner receives a live replica over its group). When the last
+    member holding one dies meanwhile, the job fails (resumable), as BSP's does; it must not carry on
+    with the joiner alone and end FINISHED with an untrained model."""
+    from algorithms.membership import joiners_start_stateless
+
+    for kind in ("synchronous", "periodic", "decentralized", "background"):
+        stateless = frozenset({"w1"}) if joiners_start_stateless(kind, committed_step=10) else frozenset()
+        d = decide(view(plan=("w0", "w1"), stateless=stateless), death("w0"))
+        assert d.end_now == JobState.FAILED and d.publish is None, (kind, d)
+    assert not joiners_start_stateless("background", committed_step=0), "before any step the initial model is the state"
+    assert not joiners_start_stateless("server", committed_step=10), "server kinds' members hold no state: the server does"
