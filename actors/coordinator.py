@@ -1070,9 +1070,9 @@ class Coordinator:
         training, with the first one's other state."""
         holders = [m for m in self.members.values()
                    if m.state == S.FINISHED or (m.state == S.TRAINING and m.slot in self.plan.members)]
-        holders = [m for m in holders if m.holds_state] or holders
+        holders = [m for m in holders if m.holds_state]  # never a replica that never trained or loaded a state
         if not holders:
-            raise RuntimeError("no member holds a replica")
+            raise RuntimeError("no member holds a trained replica")
         blobs = await asyncio.gather(*(asyncio.wait_for(asyncio.wrap_future(m.handle.final_state.remote().future()), 60)
                                        for m in holders))
         blob = await asyncio.to_thread(checkpoints.average_states, list(blobs))

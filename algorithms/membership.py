@@ -70,4 +70,4 @@ def server_members(kind: str, members: tuple[tuple[str, int], ...],
 def joiners_start_stateless(kind: str, committed_step: int) -> bool:
     """Whether joiners admitted now hold no state of their own until they receive one from a member
     (they count as holders only then: alone, they would start over from their initial model)."""
-    return kind in ("synchronous", "periodic", "decentralized") and committed_step > 0
+    return kind in ("synchronous", "periodic", "decentralized", "background") and committed_step > 0
