@@ -946,7 +946,7 @@ class Coordinator:
             reshape.update(first_committed_step=record["step"], first_step_at=record["time"],
                            duration_s=record["time"] - reshape["decided_at"])
             for slot in reshape["joiners"]:  # its epoch committed: every member of it entered with the state
-                if slot in self.members:
+                if slot in self.members and self.algorithm.kind != "background":  # no entry: `state_received` says
                     self.members[slot].holds_state = True
             detail = dict(reshape, cause=reshape.pop("reason"))
             self._event("reshape", f"{detail['cause']}: {detail['old_members']} -> {detail['new_members']} "
