@@ -106,3 +106,10 @@ def cnn(channels: int = 16) -> Workload:
         nn.Flatten(), nn.Linear(2 * channels * 16, 10),
     )
     return _workload(model, image=True)
+
+
+def bn_mlp(hidden: int = 64) -> Workload:
+    """An MLP with a BatchNorm layer: its running statistics (buffers, not parameters) decide what the
+    model predicts in eval mode, so a final model or checkpoint without them evaluates badly."""
+    model = nn.Sequential(nn.Linear(64, hidden), nn.BatchNorm1d(hidden), nn.ReLU(), nn.Linear(hidden, 10))
+    return _workload(model, image=False)

@@ -1,0 +1,38 @@
+"""Every policy kind's final model carries the model's buffers (a BatchNorm layer's running statistics
+and batch count), not their initial values: a BatchNorm model evaluated in eval mode depends on them.
+The server kinds keep each member's newest buffers (sent with its pushes) and the final model takes
+their floating-point ones averaged over the members, the others from the lowest-ranked member."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from orchestrator.config import config_from_dict
+from orchestrator.job import ElasticJob
+from orchestrator.workloads.digits import accuracy, bn_mlp
+
+KINDS = {"synchronous": {"policy": "bsp"}, "periodic": {"policy": "local_sgd", "h": 4},
+         "decentralized": {"policy": "dpsgd"}, "background": {"policy": "shadow", "method": "ma"},
+         "server": {"policy": "asp"}}
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_the_final_model_of_every_policy_kind_carries_its_buffers(run_root, kind):
+    steps = 60
+    cfg = {"name": f"bn-{kind}", "seed": 2, "workers": {"count": 2, "cpus": 0.5},
+           "workload": {"factory": "orchestrator.workloads.digits:bn_mlp", "batch_size": 16},
+           "optimizer": {"name": "sgd", "lr": 0.1, "momentum": 0.5}, "sync": KINDS[kind], "stop": {"max_steps": steps},
+           "server": {"cpus": 0.5}, "eval_every": 0}
+    job = ElasticJob(config_from_dict(cfg)).start()
+    result = job.wait(timeout=120)
+    assert result.state == "FINISHED", result
+    model = job.model()
+    bn = model[1]
+    tracked = int(bn.num_batches_tracked)
+    moved = float(bn.running_mean.abs().max())
+    acc = accuracy(model, bn_mlp().eval_data)["accuracy"]
+    print(f"{KINDS[kind]['policy']}: num_batches_tracked {tracked}, max |running_mean| {moved:.3f}, "
+          f"eval-mode accuracy {acc:.3f}")
+    assert tracked > 0 and moved > 0.0, "the final model's BatchNorm statistics are their initial values"
+    assert not torch.allclose(bn.running_var, torch.ones_like(bn.running_var))
+    assert acc > 0.6
