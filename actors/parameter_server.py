@@ -41,7 +41,7 @@ import torch
 from actors import checkpoints
 from algorithms.base import get_algorithm
 from algorithms.dispenser import NOTICES_IN_FLIGHT, DispenserCore
-from algorithms.server import Fence, Pull, Push, PushResult, ServerCore, Update
+from algorithms.server import Fence, Pull, Push, PushResult, ServerCore, Update, combine_buffers
 from core.factory import check_factory
 from core.schema import JobConfig, parse
 
@@ -162,24 +162,31 @@ class ServerHost:
         the version, and the server's whole state (a resume needs it)."""
         with self.lock:
             flat, state, version = self.core.parameters(), self.core.state_dict(), self.core.version
+            buffers = self.core.buffers()
         with self._model_lock:
-            self._load_model(flat)
+            self._load_model(flat, buffers)
             buf = io.BytesIO()
             torch.save({"model": self.model.state_dict(), "step": version, "server": state}, buf)
         return buf.getvalue()
 
-    def _load_model(self, flat: torch.Tensor) -> None:
+    def _load_model(self, flat: torch.Tensor, buffers: Optional[list[torch.Tensor]] = None) -> None:
+        """The server's parameters into its model, with the buffers combined from the members' newest
+        (`combine_buffers`) when any member sent them (else the model keeps its own)."""
         with torch.no_grad():
             torch.nn.utils.vector_to_parameters(flat, list(self.model.parameters()))
+            combined = combine_buffers(buffers or [], list(self.model.buffers()))
+            for target, value in zip(self.model.buffers(), combined or []):
+                target.copy_(value)
 
-    def _evaluate(self, flat: torch.Tensor) -> dict:
-        """The workload's metrics of these parameters (the server's model is what `model()` returns)."""
+    def _evaluate(self, flat: torch.Tensor, buffers: Optional[list[torch.Tensor]] = None) -> dict:
+        """The workload's metrics of these parameters and the members' buffers (the server's model is
+        what `model()` returns)."""
         evaluate = getattr(self.workload, "evaluate", None)
         data = getattr(self.workload, "eval_data", None)
         if evaluate is None or data is None:
             return {}
         with self._model_lock:
-            self._load_model(flat)
+            self._load_model(flat, buffers)
             self.model.eval()
             try:
                 return {k: float(v) for k, v in evaluate(self.model, data).items()}
@@ -232,13 +239,15 @@ class ServerHost:
         self.bytes_sent += flat.nbytes
         return flat
 
-    def push(self, fence: Fence, lease_ids: tuple[int, ...], pulled_version: int, grad: np.ndarray, loss: float) -> PushResult:
+    def push(self, fence: Fence, lease_ids: tuple[int, ...], pulled_version: int, grad: np.ndarray, loss: float,
+             buffers: Optional[np.ndarray] = None) -> PushResult:
         """Apply (or stage) a push; the answer carries no update details (those go to history)."""
         self._maybe_delay(fence, lease_ids)
         tensor = _as_tensor(grad)
+        held = None if buffers is None else torch.from_numpy(np.array(buffers, dtype=np.float64))
         with self.lock:
             ticket = self.core.leases.find(lease_ids)
-            result = self.core.push(Push(fence, tuple(lease_ids), pulled_version, tensor, loss))
+            result = self.core.push(Push(fence, tuple(lease_ids), pulled_version, tensor, loss, held))
             if result.status in ("applied", "staged") and fence.slot in self._pulled_at:
                 self._intervals.setdefault(fence.slot, []).append(time.monotonic() - self._pulled_at.pop(fence.slot))
             if result.status in ("dropped", "finished") and ticket is not None and self._samples is not None:
@@ -263,10 +272,10 @@ class ServerHost:
                 time.sleep(delayed.delay_s)
 
     def push_pull(self, fence: Fence, lease_ids: tuple[int, ...], pulled_version: int, grad: np.ndarray, loss: float,
-                  wait_s: float) -> tuple[PushResult, Optional[Pull], Optional[np.ndarray]]:
+                  wait_s: float, buffers: Optional[np.ndarray] = None) -> tuple[PushResult, Optional[Pull], Optional[np.ndarray]]:
         """A push and the sender's next pull in one call (one round trip a step); no pull after a push
         that was refused or came after the end."""
-        result = self.push(fence, lease_ids, pulled_version, grad, loss)
+        result = self.push(fence, lease_ids, pulled_version, grad, loss, buffers)
         if result.status not in ("applied", "staged", "dropped"):
             return result, None, None
         pull, flat = self.pull(fence, wait_s)
@@ -283,7 +292,7 @@ class ServerHost:
         if self.core.finished:
             self._end()
         due = every and records[-1]["step"] // every > (records[0]["step"] - 1) // every
-        self._outbox.put((records, self._summary(), self.core.parameters() if due else None))
+        self._outbox.put((records, self._summary(), (self.core.parameters(), self.core.buffers()) if due else None))
         if any(u.barrier is not None for u in updates) and self.core.policy.r > 1:  # r: 1 needs no ZipLine
             intervals, self._intervals = self._intervals, {}
             self._outbox.put(("barrier", self.core.round.index, tuple(self.core.round.at), intervals))
@@ -324,10 +333,10 @@ class ServerHost:
                 except Exception as err:  # noqa: BLE001 - no schedule: the server's fallback holds
                     log.warning("could not report barrier %d: %s", item[1], str(err).splitlines()[0][:200])
             elif item[0] != "end":
-                batch, summary, flat = item
-                if flat is not None:  # evaluated at the newest version that crossed a multiple of eval_every
+                batch, summary, state = item
+                if state is not None:  # evaluated at the newest version that crossed a multiple of eval_every
                     try:
-                        batch[-1]["metrics"] = self._evaluate(flat)
+                        batch[-1]["metrics"] = self._evaluate(*state)
                     except Exception as err:  # noqa: BLE001 - the record goes without metrics
                         log.warning("could not evaluate version %d: %s", batch[-1]["step"], str(err).splitlines()[0][:200])
                 self.kept.extend(batch)
@@ -509,8 +518,9 @@ class ParameterServer:
     def pull(self, fence: Fence, wait_s: float) -> tuple[Pull, Optional[np.ndarray]]:
         return self.host.pull(fence, wait_s)
 
-    def push(self, fence: Fence, lease_ids: tuple[int, ...], pulled_version: int, grad: np.ndarray, loss: float) -> PushResult:
-        return self.host.push(fence, lease_ids, pulled_version, grad, loss)
+    def push(self, fence: Fence, lease_ids: tuple[int, ...], pulled_version: int, grad: np.ndarray, loss: float,
+             buffers: Optional[np.ndarray] = None) -> PushResult:
+        return self.host.push(fence, lease_ids, pulled_version, grad, loss, buffers)
 
     def close(self, reason: str) -> None:
         self.host.close(reason)
@@ -528,8 +538,8 @@ class ParameterServer:
         return self.host.load_checkpoint(blob)
 
     def push_pull(self, fence: Fence, lease_ids: tuple[int, ...], pulled_version: int, grad: np.ndarray, loss: float,
-                  wait_s: float) -> tuple[PushResult, Optional[Pull], Optional[np.ndarray]]:
-        return self.host.push_pull(fence, lease_ids, pulled_version, grad, loss, wait_s)
+                  wait_s: float, buffers: Optional[np.ndarray] = None) -> tuple[PushResult, Optional[Pull], Optional[np.ndarray]]:
+        return self.host.push_pull(fence, lease_ids, pulled_version, grad, loss, wait_s, buffers)
 
     def set_schedule(self, index: int, iterations: dict[str, int]) -> bool:
         return self.host.set_schedule(index, iterations)
@@ -584,13 +594,14 @@ class RayServerClient:
         """Sent until the server answers (a retry after a lost answer is recognised by its lease ids);
         with `wait_s`, the next pull comes back with the answer."""
         grad = push.grad.numpy()
+        buffers = None if push.buffers is None else push.buffers.numpy()
         deadline = time.monotonic() + CALL_TIMEOUT_S
         args = (push.fence, push.lease_ids, push.pulled_version, grad, push.loss)
         while True:
             try:
                 if wait_s is None:
-                    return (ray.get(self._server().push.remote(*args), timeout=CALL_TIMEOUT_S), None, None)
-                return ray.get(self._server().push_pull.remote(*args, wait_s), timeout=wait_s + CALL_TIMEOUT_S)
+                    return (ray.get(self._server().push.remote(*args, buffers), timeout=CALL_TIMEOUT_S), None, None)
+                return ray.get(self._server().push_pull.remote(*args, wait_s, buffers), timeout=wait_s + CALL_TIMEOUT_S)
             except Exception as err:  # noqa: BLE001 - restarting: the push goes again (applied at most once)
                 if time.monotonic() > deadline:
                     raise
@@ -642,11 +653,12 @@ class LocalServerClient:
         return pull, None if flat is None else torch.from_numpy(flat)
 
     def push(self, push: Push) -> PushResult:
-        return self.host.push(push.fence, push.lease_ids, push.pulled_version, push.grad.numpy(), push.loss)
+        return self.host.push(push.fence, push.lease_ids, push.pulled_version, push.grad.numpy(), push.loss,
+                              None if push.buffers is None else push.buffers.numpy())
 
     def push_pull(self, push: Push, wait_s: float) -> tuple[PushResult, Optional[Pull], Optional[torch.Tensor]]:
         result, pull, flat = self.host.push_pull(push.fence, push.lease_ids, push.pulled_version, push.grad.numpy(),
-                                                 push.loss, wait_s)
+                                                 push.loss, wait_s, None if push.buffers is None else push.buffers.numpy())
         return result, pull, None if flat is None else torch.from_numpy(flat)
 
 

@@ -100,6 +100,9 @@ class Push:
     applied: the sender must not reuse the buffer."""
     loss: float = 0.0
     """The member's loss, weighted the same way."""
+    buffers: Optional[torch.Tensor] = None
+    """The member's model buffers (BatchNorm's running statistics, ...) after this step, flat, as float64
+    (integer buffers exactly); None when the model has none."""
 
 
 @dataclass(frozen=True)
@@ -197,6 +200,8 @@ class ServerCore:
         self.schedules: dict[str, int] = {"zipline": 0, "fallback": 0, "late": 0}
         """elastic_bsp: how each round's barrier was placed (a late schedule is refused: a member had
         already passed the iteration it named)."""
+        self.member_buffers: dict[str, torch.Tensor] = {}
+        """Each member's newest buffers (from its pushes): the final model's come from them."""
         self.staleness: dict[int, int] = {}
         self.rejected: dict[str, int] = dict.fromkeys(NOT_APPLIED, 0)
         """Pushes that were not applied, by reason (fenced, duplicate, stale, dropped late, after the end)."""
@@ -260,6 +265,12 @@ class ServerCore:
                   if self.leases.open[p["lease"]].holder == slot]
         return max(clocks, default=-1)
 
+    def buffers(self) -> list[torch.Tensor]:
+        """The newest buffers of the live members in rank order (of every member heard from, when none
+        of the live ones has pushed yet)."""
+        live = [self.member_buffers[s] for s in self.members if s in self.member_buffers]
+        return live or list(self.member_buffers.values())
+
     def _start_clock(self) -> int:
         if not self.clocked:
             return 0
@@ -315,6 +326,8 @@ class ServerCore:
     # ---------------------------------------------------------------- push
     def push(self, push: Push) -> PushResult:
         status = self._refusal(push.fence, pushing=True)
+        if push.buffers is not None and status is None:  # the sender's replica, whatever becomes of its gradient
+            self.member_buffers[push.fence.slot] = push.buffers.detach().to(torch.float64)
         ticket = None if status else self.leases.find(push.lease_ids)
         if ticket is None and not status:  # applied before; or requeued (by a departure, or by the end)
             status = "duplicate" if self.leases.was_applied(push.lease_ids) else "finished" if self.ended else "stale"
@@ -485,7 +498,8 @@ class ServerCore:
                 "members": [[slot, inc] for slot, inc in self.members.items()], "clocks": dict(self.clocks),
                 "staged": {c: [dict(p) for p in pushes] for c, pushes in self.staged.items()},
                 "staleness": dict(self.staleness), "rejected": dict(self.rejected), "leases": self.leases.state_dict(),
-                "round": self.round.state_dict(), "schedules": dict(self.schedules)}
+                "round": self.round.state_dict(), "schedules": dict(self.schedules),
+                "buffers": {slot: b.clone() for slot, b in self.member_buffers.items()}}
 
     def load_state_dict(self, state: dict) -> None:
         if state["policy"] != self.policy.policy or [tuple(b) for b in state["bounds"]] != self.bounds:
@@ -505,6 +519,7 @@ class ServerCore:
         self.leases.load_state_dict(state["leases"])
         self.round = BarrierRound.from_state(state["round"])
         self.schedules = dict(state["schedules"])
+        self.member_buffers = {slot: b.clone() for slot, b in state.get("buffers", {}).items()}
 
 
 def _owned(value):
@@ -516,3 +531,21 @@ def _owned(value):
     if isinstance(value, (list, tuple)):
         return type(value)(_owned(v) for v in value)
     return value
+
+
+def combine_buffers(flats: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor]) -> Optional[list[torch.Tensor]]:
+    """The model buffers a server kind's final model takes from its members' newest (`flats`, each the
+    model's buffers flattened as float64, lowest rank first): floating-point buffers averaged over
+    the members, the others (BatchNorm's batch count) the lowest-ranked member's, as the average of
+    replicas does for the kinds whose replicas differ. `buffers` gives the shapes and dtypes. None
+    when no member sent any."""
+    if not flats or not buffers:
+        return None
+    mean = torch.stack(list(flats)).mean(0)
+    out, at = [], 0
+    for b in buffers:
+        n = b.numel()
+        source = mean if torch.is_floating_point(b) else flats[0]
+        out.append(source[at:at + n].reshape(b.shape).to(b.dtype))
+        at += n
+    return out

@@ -90,9 +90,11 @@ class ServerImpl(AlgorithmImpl):
         with its own learning rate, which counts versions."""
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.model.parameters()]
         flat = torch.cat([g.detach().reshape(-1).to(torch.float32) for g in grads])
+        buffers = list(self.model.buffers())  # they travel with the push: the final model takes them from the members
+        held = torch.cat([b.detach().reshape(-1).to(torch.float64).cpu() for b in buffers]) if buffers else None
         pull, self.pulled = self.pulled, None
-        result, nxt, params = self.client.push_pull(Push(self._fence(), pull.ticket.lease_ids, pull.version, flat, self._loss),
-                                                    PULL_WAIT_S)
+        result, nxt, params = self.client.push_pull(Push(self._fence(), pull.ticket.lease_ids, pull.version, flat, self._loss,
+                                                         held), PULL_WAIT_S)
         if nxt is not None:
             self._next = (nxt, params)
         self.results[result.status] = self.results.get(result.status, 0) + 1

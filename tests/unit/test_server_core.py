@@ -247,3 +247,27 @@ def test_a_push_after_a_stop_counts_as_finished_not_stale():
     sim.core.end()
     assert sim.push(w1).status == "finished" and sim.core.rejected["stale"] == 0
     assert sim.core.leases.counts == {"leased": 16, "applied": 8, "dropped": 0, "requeued": 8, "lost": 0}
+
+
+def test_the_final_models_buffers_are_the_members_float_buffers_averaged_and_the_lowest_ranks_others():
+    """Two members push their BatchNorm buffers (running mean, running var, batch count) with their
+    gradients; the server keeps each one's newest and combines them for the final model."""
+    from algorithms.server import combine_buffers
+
+    sim = simulate(SGD, ASPConfig(), [1, 1], 16, steps=None)
+    bn = torch.nn.BatchNorm1d(3)
+    layout = list(bn.buffers())  # running_mean (3), running_var (3), num_batches_tracked ()
+    sent = {"w0": [torch.tensor([1.0, 2.0, 3.0]), torch.tensor([4.0, 4.0, 4.0]), torch.tensor(7)],
+            "w1": [torch.tensor([3.0, 2.0, 1.0]), torch.tensor([2.0, 0.0, 1.0]), torch.tensor(9)]}
+    for m in sim.members.values():
+        sim.pull(m)
+        flat = torch.cat([b.reshape(-1).to(torch.float64) for b in sent[m.slot]])
+        m.pending = Push(m.pending.fence, m.pending.lease_ids, m.pending.pulled_version, m.pending.grad, 0.0, flat)
+        sim.push(m)
+    mean, var, count = combine_buffers(sim.core.buffers(), layout)
+    assert torch.equal(mean, torch.tensor([2.0, 2.0, 2.0])) and torch.equal(var, torch.tensor([3.0, 2.0, 2.5]))
+    assert count.dtype == torch.int64 and int(count) == 7, "the batch count is the lowest-ranked member's"
+    ghost = Push(Fence(sim.epoch, "w9", 0, 0), (0,), 0, torch.zeros(1), 0.0, torch.zeros(7, dtype=torch.float64))
+    sim.core.push(ghost)
+    assert set(sim.core.member_buffers) == {"w0", "w1"}, "a refused push's buffers are not kept"
+    assert combine_buffers([], layout) is None
