@@ -109,6 +109,10 @@ class Coordinator:
         self._settling: Optional[asyncio.Task] = None
         self.server: Optional[ServerControl] = None
         self.failures: dict[str, int] = {}
+        self._checkpoint: Optional[tuple[int, str]] = None
+        """(step, path) of this run's newest checkpoint (what a loss of every member restarts from)."""
+        self._restore: Optional[tuple[int, str]] = None
+        """Set when every member was lost: the next admitted worker starts from this checkpoint."""
         self.retired: dict[str, str] = {}
         self.departed: list[MemberStatus] = []
         self.pending: list[dict] = []
@@ -325,6 +329,8 @@ class Coordinator:
         self._parent.exit_if_orphaned()
         path = await asyncio.to_thread(checkpoints.save, self.run_dir, step, blob, self.cfg.checkpoint.keep)
         self._event("checkpoint", f"checkpoint at step {step}", step=step, path=str(path), bytes=len(blob))
+        if self._checkpoint is None or step >= self._checkpoint[0]:
+            self._checkpoint = (step, str(path))
 
     async def collective_failed(self, slot: str, epoch: int, error: str) -> None:
         """A member's collective failed: probe that epoch's members and evict any that do not answer;
@@ -665,15 +671,20 @@ class Coordinator:
         live = self._live_members()
         if not ready or len(live) + len(ready) < self.cfg.workers.min:
             return
+        if self._restore is not None and not live and self._slots_in(S.STARTING):
+            return  # a restart from a checkpoint resumes at full width, as a fresh start does (admitted once all are up)
         decisions = {self.members[s].join_reason for s in ready}
         if self.state != JobState.PAUSED and any(self.members[s].join_reason in decisions for s in self._slots_in(S.STARTING)):
             return  # joiners of one decision are admitted together: one pause for the others, not several
         if self._departure_pending(live):
             return  # admitted when the survivors' epoch commits (`_complete_reshapes`) or the hold ends
         reason, detector, decided = self.members[ready[0]].join_reason
+        restore, self._restore = (self._restore, None) if not live else (None, self._restore)
+        if restore is not None:  # every member was lost: the first joiner starts from the newest checkpoint
+            await self._restore_from(ready[0], *restore)
         if joiners_start_stateless(self.algorithm.kind, self.history.step(live)):
             for slot in ready:  # until it loads the committed state (or commits in its epoch)
-                self.members[slot].holds_state = False
+                self.members[slot].holds_state = slot == ready[0] and restore is not None
         self._reshape(live + tuple(ready), reason, detector, decided, joiners=tuple(ready))
         for slot in ready:
             self._start_run(self.members[slot])
@@ -687,6 +698,22 @@ class Coordinator:
         if held:
             asyncio.get_running_loop().call_later(ADMIT_HOLD_S, lambda: asyncio.ensure_future(self._admit()))
         return held
+
+    async def _restore_from(self, slot: str, step: int, path: str) -> None:
+        """Every member was lost: `slot`'s fresh worker loads the checkpoint at `step` (the others join
+        it and receive the state at their epoch's start); history goes on from `step`, the steps after
+        it that it already holds being redone (their new records follow the lost ones)."""
+        problem = await asyncio.to_thread(checkpoints.verify, Path(path).with_suffix(".json"))
+        if problem:
+            raise RuntimeError(f"every member was lost and the checkpoint at step {step} is not whole: {problem} "
+                               f"(resume with --resume from an older one)")
+        data = await asyncio.to_thread(Path(path).read_bytes)
+        await asyncio.wait_for(asyncio.wrap_future(self.members[slot].handle.load_checkpoint.remote(data).future()), 60)
+        redone = self.history.restore(step)
+        self.step = step
+        lost = f"; steps {redone[0]}..{redone[1]} were committed by the lost members and are redone" if redone else ""
+        self._event("restore", f"every member was lost: {slot} starts from the checkpoint at step {step}{lost}",
+                    step=step, path=path, slot=slot, redone=redone)
 
     def _held_departure(self, live: tuple[str, ...]) -> bool:
         if self.state == JobState.PAUSED or len(live) < self.cfg.workers.min or self.plan is None:
@@ -752,7 +779,9 @@ class Coordinator:
         return JobView(state=self.state, plan_members=self.plan.members if self.plan else (),
                        members={s: m.state for s, m in self.members.items()}, failures=dict(self.failures),
                        min_workers=w.min, failure_budget=w.failure_budget, on_failure=w.on_failure, stop_kind=self.stop_kind,
-                       stateless=frozenset(s for s, m in self.members.items() if not m.holds_state))
+                       stateless=frozenset(s for s, m in self.members.items() if not m.holds_state),
+                       checkpoint_step=self._checkpoint[0] if self._checkpoint and self.algorithm.kind not in SERVER_KINDS
+                       else None)
 
     async def _on_outcome(self, member: Member, kind: str, outcome: dict, seen: float) -> None:
         if self.members.get(member.slot) is not member:
@@ -789,7 +818,9 @@ class Coordinator:
         if d.end_now is not None:
             await self._end(d.end_now, d.reason, detail=detail)
             return
-        self._event("failure", cause, **detail)
+        if d.restore:
+            self._restore = self._checkpoint
+        self._event("failure", d.reason if d.restore else cause, **detail)
         if d.count_failure and await self._slot_failed(member, "run", cause):
             member.state = S.RETIRED
         self._depart(member)

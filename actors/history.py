@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import sys
 from pathlib import Path
 from typing import Callable, Iterable, Optional
 
@@ -75,6 +76,22 @@ class History:
         redone, and their new records are written (after the lost ones, which the event names)."""
         if self.reporter == "server":
             self.ledger.written_step = min(self.ledger.written_step, step)
+
+    def restore(self, step: int) -> list[int]:
+        """Every member was lost and fresh ones start from the checkpoint at `step`: the steps after it
+        are redone, and their new records are written after the ones history holds (which stay, lost).
+        Returns [first, last] of the steps history holds that are redone ([] when none)."""
+        if self.reporter == "rank0":  # the checkpoint proves every step up to it committed: a record held back is final
+            self._write(self.ledger.agreed(sys.maxsize, step))
+            self.ledger.dropped.clear()
+        written = max([self.ledger.written_step, *self.member_steps.values()])
+        if written < step:
+            self._note(f"steps {written + 1}..{step} have no history record: the lost members committed them but "
+                       f"never reported them (the checkpoint at step {step} holds their result)",
+                       {"first": written + 1, "last": step})
+        self.ledger = CommittedLedger(written_step=step)
+        self.member_steps = {slot: min(s, step) for slot, s in self.member_steps.items()}
+        return [step + 1, written] if written > step else []
 
     def close(self) -> None:
         """The job ended with every member at one step: whatever is held is final."""

@@ -93,6 +93,8 @@ class JobView:
     stateless: frozenset = frozenset()
     """Joiners admitted to a plan that have not received the committed state yet: they train on only
     with a member that holds it (alone they would start over from their initial model)."""
+    checkpoint_step: Optional[int] = None
+    """The step of the run's newest checkpoint, for the kinds whose members hold the state (None: none)."""
 
     def training(self, *, besides: str = "") -> tuple[str, ...]:
         """The plan's members that are training, in rank order."""
@@ -154,6 +156,9 @@ class Decision:
     """Every member finished: keep the model and end the job."""
     end_now: Optional[JobState] = None
     """End the job at once in this state (nothing to save, or nothing left to save it from)."""
+    restore: bool = False
+    """No live member holds the state: start fresh members from the newest checkpoint (the steps since
+    it are redone)."""
     ignore: bool = False
 
 
@@ -185,6 +190,13 @@ def _on_member_ended(view: JobView, e: MemberEnded) -> Decision:
     if not view.holders(besides=e.slot) and any(m == MemberState.FINISHED and s not in view.stateless
                                                  for s, m in view.members.items()):
         return Decision(f"{e.cause}; the members that hold the state had finished", member=(e.slot, ended), finish=True)
+    if not view.holders(besides=e.slot) and view.checkpoint_step is not None and view.on_failure != "fail" \
+            and view.stop_kind is None:
+        retire = view.failures.get(e.slot, 0) + 1 >= view.failure_budget
+        return Decision(f"{e.cause}; no live worker holds the committed state: fresh workers start from the "
+                        f"checkpoint at step {view.checkpoint_step}", member=(e.slot, ended), abort=True,
+                        count_failure=True, retire=retire, replace=True, restore=True,
+                        transition=JobState.PAUSED if view.state.active else None)
     if not view.holders(besides=e.slot):
         why = e.cause if view.on_failure == "fail" else (
             f"{e.cause}; no live worker holds the committed state any more (resume with --resume)")

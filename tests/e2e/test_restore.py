@@ -32,7 +32,8 @@ def test_every_member_killed_at_once_restarts_from_the_newest_checkpoint_and_mat
     steps = [r["step"] for r in job.history()]
     lost = restores[0]["detail"]["redone"]
     assert steps[-40:] == list(range(61, 101)) and steps[:60] == list(range(1, 61)), steps
-    assert steps[60:-40] == list(range(61, 61 + len(steps) - 100)) and lost == [61, 60 + len(steps) - 100], lost
+    assert steps[60:-40] == list(range(61, 61 + len(steps) - 100)), steps  # what the lost members reported after it
+    assert lost == ([61, 60 + len(steps) - 100] if len(steps) > 100 else []), lost
 
     plain = ElasticJob(config_from_dict({**CONFIG, "name": "restore-plain"})).start()
     assert plain.wait(timeout=120).state == "FINISHED"

@@ -175,3 +175,13 @@ def test_the_last_holder_dying_while_a_shadow_joiner_waits_for_its_state_fails_t
         assert d.end_now == JobState.FAILED and d.publish is None, (kind, d)
     assert not joiners_start_stateless("background", committed_step=0), "before any step the initial model is the state"
     assert not joiners_start_stateless("server", committed_step=10), "server kinds' members hold no state: the server does"
+
+
+def test_the_last_holder_dying_restarts_from_the_newest_checkpoint_when_there_is_one():
+    dead = {"w0": MemberState.DEAD, "w1": MemberState.DEAD, "w2": T}
+    d = decide(view(members=dead, checkpoint_step=60), death("w2"))
+    assert d.restore and d.replace and d.count_failure and d.end_now is None and d.publish is None, d
+    assert d.transition == JobState.PAUSED and "checkpoint at step 60" in d.reason
+    assert decide(view(members=dead), death("w2")).end_now == JobState.FAILED, "no checkpoint: fail, resumable"
+    assert decide(view(members=dead, checkpoint_step=60, on_failure="fail"), death("w2")).end_now == JobState.FAILED
+    assert not decide(view(members=dead, checkpoint_step=60), death("w1")).restore, "a dead member's second report"
