@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from actors.history import History
-from actors.parameter_server import ServerHost
+from actors.parameter_server import ServerHost, make_host
 from actors.server_control import restart_event
 from actors.testing import LocalJob, LocalServerReports, LocalLink
 from algorithms.server import Fence
@@ -154,3 +154,15 @@ def test_elastic_bsp_barriers_through_the_worker_loop(tmp_path, zipline):
         assert schedules["zipline"] >= 1, schedules
     else:
         assert schedules["zipline"] == 0 and schedules["fallback"] == summary["barriers"] + 1, schedules
+
+
+@pytest.mark.parametrize("policy", ["ssp", "shadow"])
+def test_two_restarts_without_a_snapshot_between_take_two_incarnations(tmp_path, policy):
+    """A server (or dispenser) restarted twice from the same snapshot (here: none yet) must not come back
+    twice as incarnation 1: pushes addressed to the first restart's incarnation would pass the second's
+    fence."""
+    sync = {"policy": "ssp", "s": 1} if policy == "ssp" else {"policy": "shadow", "method": "ma"}
+    hosts = [make_host(config(sync), str(tmp_path), LocalServerReports(LocalLink()), restarted=r) for r in (False, True, True)]
+    incarnations = [h.core.incarnation for h in hosts]
+    print(f"{policy}: incarnations {incarnations}")
+    assert incarnations == [0, 1, 2]
