@@ -38,7 +38,7 @@ import numpy as np
 import ray
 import torch
 
-from actors import checkpoints
+from actors import checkpoints, runfiles
 from algorithms.base import get_algorithm
 from algorithms.dispenser import NOTICES_IN_FLIGHT, DispenserCore
 from algorithms.server import Fence, Pull, Push, PushResult, ServerCore, Update, combine_buffers
@@ -366,6 +366,16 @@ class ServerHost:
         folder.mkdir(parents=True, exist_ok=True)
         return open(folder / name, "a", encoding="utf-8")
 
+    # ------------------------------------------------------------------ incarnations
+    def _last_incarnation(self) -> int:
+        """The newest incarnation any restart of this run's server took (a snapshot may be older than
+        the last restart: two restarts from one snapshot must not both take its incarnation + 1)."""
+        return int((runfiles.read_json(self.run_dir / "server" / "incarnation.json") or {}).get("incarnation", 0))
+
+    def _claim_incarnation(self) -> None:
+        """Record this restart's incarnation before any push is fenced by it (atomic: temp, fsync, rename)."""
+        runfiles.write_json_atomic(self.run_dir / "server" / "incarnation.json", {"incarnation": self.core.incarnation})
+
     # ------------------------------------------------------------------ snapshots
     def _maybe_snapshot(self, updates: tuple[Update, ...]) -> None:
         every = self.cfg.server.snapshot_every
@@ -398,7 +408,9 @@ class ServerHost:
         if ref is not None:
             state = torch.load(io.BytesIO(ref.path.read_bytes()), weights_only=True, map_location="cpu")
             self.core.load_state_dict(state)
+        self.core.incarnation = max(self.core.incarnation, self._last_incarnation())
         self.core.new_incarnation()
+        self._claim_incarnation()
         log.warning("parameter server restarted as incarnation %d from version %d", self.core.incarnation, self.core.version)
         self.reports.restarted(self.core.version, self.core.incarnation, str(ref.path) if ref else None)
 
@@ -457,7 +469,8 @@ class DispenserHost(ServerHost):
         pass
 
     def _resume(self) -> None:
-        self.core.incarnation += 1
+        self.core.incarnation = max(self.core.incarnation, self._last_incarnation()) + 1
+        self._claim_incarnation()
         log.warning("lease dispenser restarted as incarnation %d: its lease table starts over", self.core.incarnation)
         self.reports.restarted(0, self.core.incarnation, None)
 
