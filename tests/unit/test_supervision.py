@@ -185,3 +185,11 @@ def test_the_last_holder_dying_restarts_from_the_newest_checkpoint_when_there_is
     assert decide(view(members=dead), death("w2")).end_now == JobState.FAILED, "no checkpoint: fail, resumable"
     assert decide(view(members=dead, checkpoint_step=60, on_failure="fail"), death("w2")).end_now == JobState.FAILED
     assert not decide(view(members=dead, checkpoint_step=60), death("w1")).restore, "a dead member's second report"
+
+
+def test_a_restarted_coordinator_publishes_past_the_servers_epoch_too():
+    """The crashed incarnation told the parameter server epoch 2 (sent before the plan) but no worker got
+    that plan and it was never saved: the server ignores a membership that is not newer than its own,
+    so the restarted coordinator's next epoch must be past the server's as well."""
+    assert recovered_epoch(saved_epoch=1, worker_epochs=[1, 1], server_epoch=2) == 3
+    assert recovered_epoch(saved_epoch=1, worker_epochs=[1, 1]) == 2
