@@ -419,7 +419,11 @@ class Coordinator:
                 if self.plan is None or newest.version > self.plan.version:
                     self.plan = newest  # published just before the crash, never saved
             self._start_watch(member)
-        self.epoch = recovered_epoch(self.epoch, epochs) - 1  # the next publication takes the one after
+        server_epoch = 0
+        if self.server is not None:
+            await self.server.refresh_summary()
+            server_epoch = int((self.server.summary or {}).get("membership_epoch", 0))
+        self.epoch = recovered_epoch(self.epoch, epochs, server_epoch) - 1  # the next publication takes the one after
         self.version = max(self.version, self.plan.version if self.plan else 0)
         await self._collect_records(found)
         if self.server is not None:  # what it reported while no coordinator listened

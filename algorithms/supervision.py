@@ -228,7 +228,8 @@ def _on_stop(view: JobView, e: StopRequested) -> Decision:
                     transition=JobState.STOPPING if view.state.active else None)
 
 
-def recovered_epoch(saved_epoch: int, worker_epochs: list[int]) -> int:
+def recovered_epoch(saved_epoch: int, worker_epochs: list[int], server_epoch: int = 0) -> int:
     """The membership epoch a restarted coordinator publishes next: newer than any a worker holds
-    (a plan published just before the crash may have been sent but never saved)."""
-    return max([saved_epoch, *worker_epochs]) + 1
+    (a plan published just before the crash may have been sent but never saved) and than the
+    parameter server's (told before the plan goes out; it ignores a membership that is not newer)."""
+    return max([saved_epoch, *worker_epochs, server_epoch]) + 1
