@@ -71,3 +71,24 @@ def test_clocks_are_dealt_in_order():
         service.deal(2, HOLDERS)
     with pytest.raises(ValueError, match="cannot share"):
         service.deal(1, [f"w{i}" for i in range(11)])
+
+
+def test_the_applied_set_stays_bounded_over_a_long_job_and_recent_retries_are_still_told_apart():
+    """A week-long job applies millions of leases: the set that tells a retried push from a stale one
+    must not keep every id forever (nor go whole into every snapshot under the server's lock)."""
+    from algorithms.leases import LeaseService
+
+    bound = 40_000  # ids kept, whatever the job's length (here: 100000 leases closed)
+
+    service = LeaseService(n_samples=1000, seed=0, global_batch=2)
+    for clock in range(100_000):
+        ticket = service.deal_share(clock, "w0", 0, 1)
+        service.close(ticket, "requeued" if clock % 7 == 0 else "applied")
+    snapshot = service.state_dict()
+    print(f"applied ids kept after 100000 closes: {len(service.applied)} (snapshot {len(snapshot['applied'])})")
+    assert len(service.applied) <= bound and len(snapshot["applied"]) <= bound
+    recent_applied, recent_requeued = service.next_id - 1, service.next_id - 5  # one lease a ticket: clock 99999 applied, 99995 requeued
+    assert service.was_applied((recent_applied,)) and not service.was_applied((recent_requeued,))
+    twin = LeaseService(n_samples=1000, seed=0, global_batch=2)
+    twin.load_state_dict(snapshot)
+    assert twin.was_applied((recent_applied,)) and twin.was_applied((0,)), "ids below the kept window count as closed"
