@@ -69,6 +69,12 @@ def share_bounds(size: int, world: int) -> list[tuple[int, int]]:
     return list(zip(starts[:-1], starts[1:]))
 
 
+APPLIED_KEPT = 16384
+"""Applied lease ids kept to tell a retried push (a duplicate) from a stale one: a retry comes within
+seconds, and ids are dealt in order, so only the newest are kept (between this many and twice it);
+every id below them is closed, and a push naming one is counted a duplicate."""
+
+
 class LeaseService:
     """The lease table (open tickets), the requeue queue, the applied set and the outcome counts."""
 
@@ -85,7 +91,9 @@ class LeaseService:
         self.open: dict[int, Ticket] = {}
         """Open tickets by their first lease id."""
         self.applied: set[int] = set()
-        """Ids of applied leases: a push naming one of them is a duplicate."""
+        """Ids of applied leases at or above `applied_floor`: a push naming one of them is a duplicate."""
+        self.applied_floor = 0
+        """Every lease id below this that is not open was closed (applied or not: no longer told apart)."""
         self.counts: dict[str, int] = dict.fromkeys(("leased",) + OUTCOMES, 0)
 
     # ---------------------------------------------------------------- dealing
@@ -156,7 +164,10 @@ class LeaseService:
         return ticket if ticket is not None and ticket.lease_ids == tuple(lease_ids) else None
 
     def was_applied(self, lease_ids: Sequence[int]) -> bool:
-        return bool(lease_ids) and lease_ids[0] in self.applied
+        if not lease_ids:
+            return False
+        key = lease_ids[0]
+        return key in self.applied or (key < self.applied_floor and key not in self.open)
 
     def held(self, holder: str, clock: Optional[int] = None) -> list[Ticket]:
         """Open tickets of `holder` (for one clock, or all)."""
@@ -171,6 +182,9 @@ class LeaseService:
                 self.applied.add(lease.id)
             else:
                 self.queue.append((lease.data_epoch, list(lease.ids)))
+        if len(self.applied) > 2 * APPLIED_KEPT:  # amortized: once every APPLIED_KEPT closes
+            self.applied_floor = max(self.applied_floor, self.next_id - APPLIED_KEPT)
+            self.applied = {i for i in self.applied if i >= self.applied_floor}
 
     @property
     def outstanding(self) -> int:
@@ -182,7 +196,7 @@ class LeaseService:
         return {"cursor": self.cursor, "dealt": self.dealt, "next_id": self.next_id,
                 "queue": [[epoch, list(ids)] for epoch, ids in self.queue],
                 "open": [_ticket_state(t) for t in self.open.values()],
-                "applied": sorted(self.applied), "counts": dict(self.counts)}
+                "applied": sorted(self.applied), "applied_floor": self.applied_floor, "counts": dict(self.counts)}
 
     def load_state_dict(self, state: dict) -> None:
         self.cursor, self.dealt, self.next_id = state["cursor"], state["dealt"], state["next_id"]
@@ -190,6 +204,7 @@ class LeaseService:
         tickets = [_ticket_from(t) for t in state["open"]]
         self.open = {t.leases[0].id: t for t in tickets}
         self.applied = set(state["applied"])
+        self.applied_floor = int(state.get("applied_floor", 0))
         self.counts = dict(state["counts"])
 
 
