@@ -109,6 +109,8 @@ class Coordinator:
         self._settling: Optional[asyncio.Task] = None
         self.server: Optional[ServerControl] = None
         self.failures: dict[str, int] = {}
+        self._state_file_error = ""
+        """The state file's last write failure that an event already reported."""
         self._checkpoint: Optional[tuple[int, str]] = None
         """(step, path) of this run's newest checkpoint (what a loss of every member restarts from)."""
         self._restore: Optional[tuple[int, str]] = None
@@ -156,6 +158,14 @@ class Coordinator:
         members = {slot: {"state": m.state.value, "pid": m.pid, "node": m.node, "node_id": m.node_id, "cause": m.cause,
                           "incarnation": m.incarnation, "actor_name": m.actor_name, "holds_state": m.holds_state}
                    for slot, m in self.members.items()}
+        error = self._saver.error
+        if error is not None and str(error) != self._state_file_error:
+            self._state_file_error = str(error)  # said once a failure, not at every persist
+            self._event("info", f"the state file could not be written ({error}): a coordinator restart now would "
+                                f"carry on from an older state; the newest state is written again at the next "
+                                f"change", error=str(error))
+        elif error is None:
+            self._state_file_error = ""
         return self._saver.submit(runfiles.json_bytes({
             "incarnation": self.incarnation, "epoch": self.epoch, "version": self.version, "state": self.state.value,
             "plan": dataclasses.asdict(self.plan) if self.plan else None, "target_count": self.target_count,
@@ -631,7 +641,9 @@ class Coordinator:
     async def _spare_up(self, spare: Spare, spec: WorkerSpec, persisted: int) -> None:
         try:
             # its name on disk first: a restarted coordinator kills the spares its dead incarnation started
-            await asyncio.to_thread(self._saver.wait, persisted, 30)
+            if not await asyncio.to_thread(self._saver.wait, persisted, 30):
+                raise RuntimeError("its name could not be written to the state file (a restarted coordinator "
+                                   "would not find it)")
             spare.handle = await self._create_actor(spare.name, spec, lambda: spare in self.spares)
             if spare.handle is None:  # the job ended (or the spare was dropped) meanwhile
                 return

@@ -53,9 +53,10 @@ class BackgroundWriter:
     rename, fsync of the folder) by a thread of its own, so that the caller (an event loop) never
     waits for the disk. fsync's latency is not bounded: measured here, 1 ms on a quiet disk and
     117 ms right after a checkpoint was written. Snapshots that arrive while one is being written
-    are coalesced: only the newest is written next. `submit` returns the snapshot's number and
-    raises the error of the last write if it failed; `wait(n)` blocks until snapshot n (or a newer
-    one) is on disk."""
+    are coalesced: only the newest is written next. `submit` returns the snapshot's number (it never
+    raises a failed write: its caller may be in the middle of something else); `error` is the last
+    write's failure (None once one lands), and `wait(n)` blocks until snapshot n (or a newer one) is
+    on disk, False when its write failed."""
 
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
@@ -76,9 +77,13 @@ class BackgroundWriter:
             self._submitted += 1
             self._pending = data
             self._cond.notify_all()
-            if self._error is not None:
-                raise OSError(f"could not write {self.path}: {self._error}") from self._error
             return self._submitted
+
+    @property
+    def error(self) -> Optional[BaseException]:
+        """Why the newest write attempted failed (None when it landed, or none was attempted)."""
+        with self._cond:
+            return self._error
 
     def wait(self, number: Optional[int] = None, timeout: Optional[float] = None) -> bool:
         """True once snapshot `number` (default: the newest submitted) or a newer one is on disk; False
@@ -106,7 +111,7 @@ class BackgroundWriter:
             try:
                 write_bytes_atomic(self.path, data)
                 error = None
-            except Exception as err:  # noqa: BLE001 - raised to the caller at its next submit
+            except Exception as err:  # noqa: BLE001 - reported by `error` and `wait()`; the next submit retries
                 log.error("could not write %s: %s", self.path, err)
                 error = err
             with self._cond:
