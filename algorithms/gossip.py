@@ -17,9 +17,14 @@ step from the mixed point x with gradient g, its state (momentum, Adam moments) 
 With plain SGD (no momentum, no weight decay) this is D-PSGD's x_i <- sum_j W_ij x_j - lr g_i(x_i).
 
 - `dpsgd`: any configured optimizer, under the rule above.
-- `dadam`: the same rule with AdamW as the local step (needs optimizer.name: adamw): member i keeps
-  m_i, v_i of its own gradients, and x_i <- x̄_i - lr (m̂_i / (sqrt(v̂_i) + eps) + wd x̄_i) with
-  x̄_i = sum_j W_ij x_j. Moments never travel; only parameters are mixed.
+- `dadam`: decentralized Adam with accumulation, from "From promise to practice" (`DAdamImpl`;
+  needs optimizer.name: adamw for lr, betas, eps and weight decay). Member i keeps folded moments
+  M_i, V_i and the sum of its gradients since the last fold. Step t (from 1) with gradient g:
+  m~ = M + (1 - b1) g, v~ = V + (1 - b2) g^2, c = ceil(t / k), and
+  x_i <- x̄_i (1 - lr wd) - lr (m~ / (1 - b1^c)) / (sqrt(v~ / (1 - b2^c)) + eps), x̄_i = sum_j W_ij x_j;
+  every k steps, with ḡ the mean of the window's gradients, M <- b1 (M + (1 - b1) ḡ) and
+  V <- b2 (V + (1 - b2) ḡ^2). With k = 1 that is AdamW exactly. Moments never travel; only
+  parameters are mixed.
 
 The topology is rebuilt from (rank, world size) in every membership epoch (`on_membership`, which
 also checks that its W is doubly stochastic) and asked for the step's row at every step, so the
@@ -216,6 +221,10 @@ class GossipImpl(AlgorithmImpl):
             self._keep_terms(landed.step, {peer: weight * (landed.received[peer] - landed.mine)
                                            for peer, weight in landed.row if peer != rank})
             self._set_flat(mixed)
+        self._local_step(step, lr)
+
+    def _local_step(self, step: int, lr: float) -> None:
+        """The member's own optimizer step from the mixed point (the configured optimizer)."""
         super().apply_update(step, lr)
 
     def _keep_terms(self, step: int, terms: dict[int, torch.Tensor]) -> None:
@@ -271,11 +280,59 @@ class DPSGD(Algorithm):
     impl = GossipImpl
 
 
+class DAdamImpl(GossipImpl):
+    """`dadam`: the gossip step with Adam-with-accumulation as the local step (see the module's doc).
+    Its state (t, M, V, the window's gradient sum) is the algorithm state a joiner and a checkpoint
+    carry; the configured AdamW only supplies the hyperparameters (its own state stays empty)."""
+
+    def __init__(self, algorithm: Algorithm, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        super().__init__(algorithm, model, optimizer)
+        group = optimizer.param_groups[0]
+        self.betas, self.eps, self.wd = group["betas"], group["eps"], group["weight_decay"]
+        self.k = int(self.config.k)
+        self.t = 0
+        dim = sum(p.numel() for p in self.params)
+        self.m = torch.zeros(dim, dtype=self.dtype)
+        self.v = torch.zeros(dim, dtype=self.dtype)
+        self.window = torch.zeros(dim, dtype=self.dtype)
+
+    def _local_step(self, step: int, lr: float) -> None:
+        b1, b2 = self.betas
+        g = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1).to(self.dtype)
+                       for p in self.params])
+        self.t += 1
+        c = -(-self.t // self.k)  # ceil(t / k)
+        m_t = self.m + (1 - b1) * g
+        v_t = self.v + (1 - b2) * g * g
+        x = self._flat()
+        new = x * (1 - lr * self.wd) - lr * (m_t / (1 - b1 ** c)) / ((v_t / (1 - b2 ** c)).sqrt() + self.eps)
+        self._set_flat(new)
+        self.window += g
+        if self.t % self.k == 0:
+            mean = self.window / self.k
+            self.m = b1 * (self.m + (1 - b1) * mean)
+            self.v = b2 * (self.v + (1 - b2) * mean * mean)
+            self.window.zero_()
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr  # what history records as the step's LR
+
+    def state_dict(self) -> dict:
+        return {"t": self.t, "m": self.m.clone(), "v": self.v.clone(), "window": self.window.clone()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if not state:
+            return
+        self.t = int(state["t"])
+        self.m, self.v, self.window = (state[key].to(self.dtype).clone() for key in ("m", "v", "window"))
+
+
 @register
 class DAdam(DPSGD):
-    """Decentralized Adam: `dpsgd` with AdamW moments kept locally."""
+    """Decentralized Adam with accumulation: `dpsgd` whose local step is Adam on moments folded every
+    `k` steps (`DAdamImpl`)."""
 
     name = "dadam"
+    impl = DAdamImpl
 
 
 class ChocoImpl(GossipImpl):

@@ -381,10 +381,20 @@ class DPSGDConfig:
 
 @dataclass
 class DAdamConfig(DPSGDConfig):
-    """`dadam`: `dpsgd` whose local step is AdamW (first and second moments of each member's own
-    gradients, never exchanged); needs optimizer.name: adamw."""
+    """`dadam`: decentralized Adam with accumulation ("From promise to practice"): `dpsgd` whose local
+    step is Adam on moments M, V of the member's own gradients that are folded only every `k` steps,
+    from the mean of those k gradients (small local batches are noisy); each step uses
+    M + (1 - b1) g and V + (1 - b2) g^2 with bias correction at ceil(t / k), and AdamW's decoupled
+    weight decay. `k: 1` is plain AdamW. Needs optimizer.name: adamw (its lr, betas, eps, weight
+    decay); moments never travel."""
 
     policy: Literal["dadam"] = "dadam"  # type: ignore[assignment]
+    k: int = 4
+    """Steps between folds of the running mean gradient into the moments."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _at_least(self, "k", 1)
 
 
 STATIC_TOPOLOGIES = ("complete", "exp", "ring", "torus")
