@@ -18,13 +18,15 @@ below for why torch's and not cupy's). Either group is also reachable through `r
 from __future__ import annotations
 
 import datetime
+import hashlib
+import hmac
 import logging
 import os
 import socket
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Protocol, Sequence
 
 import torch
@@ -47,6 +49,69 @@ class CommTimeout(CommError):
     """The operation did not finish within comm.timeout_s."""
 
 
+class ForgedRendezvous(CommError):
+    """A value in the group's store was not written by a member of this job (no valid signature)."""
+
+
+class SignedStore(dist.Store):
+    """A store whose values carry an HMAC-SHA256 over (key, value) under the job's secret, checked on
+    every read: the coordinator's TCPStore takes any client that reaches its port, so anything on the
+    network could otherwise rewrite the rendezvous (gloo addresses, the NCCL unique id, the listening
+    addresses the abort shuts connections to) and inject or read gradients and state. The secret
+    travels only over Ray (token-authenticated). Counters (`add`) are not signed: a forged one can
+    only stall a formation, which then times out; no value read from one is trusted as an address."""
+
+    def __init__(self, inner: dist.Store, secret: bytes) -> None:
+        super().__init__()
+        self.inner, self._secret = inner, secret
+
+    def _mac(self, key: str, value: bytes) -> bytes:
+        return hmac.new(self._secret, key.encode() + b"\0" + value, hashlib.sha256).digest()
+
+    def set(self, key: str, value) -> None:
+        data = value.encode() if isinstance(value, str) else bytes(value)
+        self.inner.set(key, self._mac(key, data) + data)
+
+    def get(self, key: str) -> bytes:
+        raw = bytes(self.inner.get(key))
+        mac, data = raw[:32], raw[32:]
+        if len(raw) < 32 or not hmac.compare_digest(mac, self._mac(key, data)):
+            raise ForgedRendezvous(f"the rendezvous value for {key!r} is not signed with this job's key: written by "
+                                   f"something outside the job; refused")
+        return data
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        return [self.get(k) for k in keys]
+
+    def multi_set(self, keys: list[str], values: list) -> None:
+        for k, v in zip(keys, values):
+            self.set(k, v)
+
+    def add(self, key: str, amount: int) -> int:
+        return self.inner.add(key, amount)
+
+    def wait(self, keys: list[str], timeout=None) -> None:
+        return self.inner.wait(keys) if timeout is None else self.inner.wait(keys, timeout)
+
+    def check(self, keys: list[str]) -> bool:
+        return self.inner.check(keys)
+
+    def delete_key(self, key: str) -> bool:
+        return self.inner.delete_key(key)
+
+    def num_keys(self) -> int:
+        return self.inner.num_keys()
+
+    def set_timeout(self, timeout) -> None:
+        self.inner.set_timeout(timeout)
+
+
+def group_store(spec: "GroupSpec", store: dist.Store) -> dist.Store:
+    """The group's own view of the coordinator's store: its name's prefix, signed when the job has a key."""
+    prefix = dist.PrefixStore(spec.name + "/", store)
+    return SignedStore(prefix, spec.secret) if spec.secret else prefix
+
+
 @dataclass(frozen=True)
 class GroupSpec:
     """Everything a member needs to join one membership epoch's group."""
@@ -59,6 +124,8 @@ class GroupSpec:
     timeout_s: float
     backend: str = "gloo"
     node_ip: str = "127.0.0.1"
+    secret: bytes = field(default=b"", repr=False)
+    """The job's rendezvous key: with one, the group's store values are signed and checked (`SignedStore`)."""
 
 
 class Handle:
@@ -220,7 +287,7 @@ class GlooCommunicator(BaseCommunicator):
         opts._timeout = datetime.timedelta(seconds=spec.timeout_s)
         device, self._listen = _device_and_address(spec.node_ip)
         opts._devices = [device]
-        prefix = dist.PrefixStore(spec.name + "/", store)
+        prefix = group_store(spec, store)
         self._prefix = prefix
         self._torch_pg: Optional[dist.ProcessGroup] = None
         self._peers: set[tuple[str, int]] = set()
@@ -233,7 +300,11 @@ class GlooCommunicator(BaseCommunicator):
                 host, _, port = value.decode().partition(" ")
                 if port:
                     self._peers.add((host, int(port)))
+        except ForgedRendezvous as err:
+            raise ForgedRendezvous(f"group {spec.name}: {err}") from None
         except Exception as err:  # noqa: BLE001
+            if "not signed with this job's key" in str(err):  # raised inside gloo's own rendezvous
+                raise ForgedRendezvous(f"group {spec.name}: {_forged_text(err)}") from None
             raise CommError(f"group {spec.name}: could not form: {str(err).splitlines()[0][:300]}") from None
 
     def abort(self, reason: str = "aborted by coordinator") -> None:
@@ -432,6 +503,13 @@ def _shut_down_pairs(listen: tuple[str, int], peers: set[tuple[str, int]]) -> in
     return count
 
 
+def _forged_text(err: BaseException) -> str:
+    """The refusal's own sentence out of the error gloo wrapped it in."""
+    text = str(err)
+    start = text.find("the rendezvous value")
+    return text[start:].splitlines()[0][:300] if start >= 0 else text.splitlines()[0][:300]
+
+
 def _release(pg, works: list, deadline: float, hold: bool = False) -> None:
     """Hold the group (and the buffers its works reference) until they finish or time out; with
     `hold`, until `deadline` whatever the works (operations no one tracks may still be stuck)."""
@@ -494,7 +572,7 @@ class NcclCommunicator(BaseCommunicator):  # pragma: no cover - needs a GPU (tes
                             f"use comm.backend: gloo")
         _nccl_environment(spec.timeout_s)
         self.device = torch.device("cuda", torch.cuda.current_device())
-        self._prefix = dist.PrefixStore(spec.name + "/", store)
+        self._prefix = group_store(spec, store)
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = datetime.timedelta(seconds=spec.timeout_s + NCCL_WATCHDOG_MARGIN_S)
         opts.config.blocking = 0

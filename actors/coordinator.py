@@ -16,6 +16,7 @@ PAUSED below `workers.min`. Every transition is an `Event` with its reason, appe
 from __future__ import annotations
 
 import asyncio
+import secrets
 import collections
 import dataclasses
 import json
@@ -76,6 +77,9 @@ class Coordinator:
         self.config_dict = config
         self.name, self.run_id, self.run_dir, self.incarnation = self.cfg.name, run_id, Path(run_dir), incarnation
         self.node_ip = ray.util.get_node_ip_address()
+        self.secret = secrets.token_bytes(32)
+        """The job's rendezvous key: its workers sign what they write to the group store (actors/comm.py);
+        a restarted coordinator keeps the one on disk (its live workers have it)."""
         self.store, self.store_port, self._store_socket = serve_store(self.node_ip, self.cfg.comm.timeout_s)
         self.state = JobState.STARTING
         self.cause: Optional[str] = None
@@ -173,7 +177,8 @@ class Coordinator:
             "stop_step": self.stop_step, "started_at": self.started_at, "running_since": self.running_since,
             "members": members, "pending": self.pending, "departed": [d.__dict__ for d in self.departed],
             "loss": self.loss, "metrics": self.metrics, "started_workers": self.started_workers,
-            "spares": [s.name for s in self.spares], "started_spares": self.started_spares}))
+            "spares": [s.name for s in self.spares], "started_spares": self.started_spares,
+            "secret": self.secret.hex()}))
 
     def _load_saved(self) -> int:
         """Carry on from the run directory; returns the newest step in history."""
@@ -182,6 +187,7 @@ class Coordinator:
             raise RuntimeError(f"restarted, but {self.run_dir / SAVED} is missing: cannot carry on")
         self._saved = saved
         self.incarnation = saved["incarnation"] + 1
+        self.secret = bytes.fromhex(saved["secret"]) if saved.get("secret") else self.secret
         self.epoch, self.version, self.state = saved["epoch"], saved["version"], JobState(saved["state"])
         self.target_count, self.failures, self.retired = saved["target_count"], saved["failures"], saved["retired"]
         self.stop_kind, self.cause, self.running_since = saved["stop_kind"], saved["cause"], saved["running_since"]
@@ -555,7 +561,7 @@ class Coordinator:
         self.started_workers += 1
         member.incarnation = self.started_workers
         spec = WorkerSpec(self.name, self.run_id, member.slot, str(self.run_dir), self.name, self.cfg.ray.namespace,
-                          self.config_dict, self.search_path, incarnation=member.incarnation)
+                          self.config_dict, self.search_path, incarnation=member.incarnation, secret=self.secret)
         fired = tuple(sorted(self.fired_faults))
         info = await self._adopt_spare(member, spec, fired)
         if info is None:
@@ -613,7 +619,7 @@ class Coordinator:
             self.started_spares += 1
             slot = f"spare{self.started_spares}"
             spec = WorkerSpec(self.name, self.run_id, slot, str(self.run_dir), self.name, self.cfg.ray.namespace,
-                              self.config_dict, self.search_path)
+                              self.config_dict, self.search_path, secret=self.secret)
             spare = Spare(f"{self.name}/{self.run_id}/{slot}")
             self.spares.append(spare)
             new.append((spare, spec))

@@ -97,6 +97,9 @@ class WorkerSpec:
     incarnation: int = 0
     """Which start of this slot this is (the coordinator counts them): a parameter server refuses the
     pushes of a replaced incarnation."""
+    secret: bytes = field(default=b"", repr=False)
+    """The job's rendezvous key (travels only over Ray): every value a member writes to the group store
+    is signed with it, and one without a valid signature is refused (actors/comm.py `SignedStore`)."""
 
 
 @dataclass(frozen=True)

@@ -258,7 +258,7 @@ class Replica:
         self.comm = None
         rank = plan.rank_of(self.slot)
         spec = GroupSpec(plan.store_host, plan.store_port, plan.group_name, rank, len(plan.members), plan.timeout_s,
-                         plan.backend, self.node_ip)
+                         plan.backend, self.node_ip, secret=self.spec.secret)
         self.state = "joining"
         self._enter_phase("joining")
         previous = self.trained_plan

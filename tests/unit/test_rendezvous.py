@@ -1,0 +1,77 @@
+"""The group store takes only what the job's own members wrote: values are signed with the job's key
+(it travels over Ray only), and one written by anything else is refused with a clear error. In
+process (no Ray): members of one gloo group formed in threads over an in-memory store."""
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from actors import comm as comm_module
+from actors.comm import CommError, ForgedRendezvous, GroupSpec, make_communicator
+from actors.testing import local_store
+
+KEY = b"k" * 32
+
+
+def spec(host, port, rank: int, secret: bytes, name: str = "job/r/c0/e1", timeout_s: float = 4.0) -> GroupSpec:
+    return GroupSpec(host, port, name, rank, 2, timeout_s, "gloo", "127.0.0.1", secret=secret)
+
+
+def test_members_with_the_jobs_key_form_and_reduce():
+    host, port = local_store()
+    with ThreadPoolExecutor(2) as pool:
+        comms = list(pool.map(make_communicator, [spec(host, port, r, KEY) for r in range(2)]))
+    tensors = [torch.full((3,), float(r + 1)) for r in range(2)]
+    handles = [c.all_reduce(t) for c, t in zip(comms, tensors)]
+    for h in handles:
+        h.wait()
+    assert all(torch.equal(t, torch.full((3,), 3.0)) for t in tensors)
+    raw = bytes(dist.PrefixStore("job/r/c0/e1/", comm_module._client_stores[(host, port)]).get("gloo-listen/0"))
+    assert len(raw) > 32 and raw[:32] != raw[32:64], "what reaches the store is signed"
+
+
+@pytest.mark.parametrize("outsider", [b"", b"x" * 32], ids=["no key", "another key"])
+def test_a_rendezvous_value_written_outside_the_job_is_refused(outsider):
+    """Rank 1 of the epoch's group is played by something without the job's key: it writes its gloo
+    address and listening address like a member would. The member refuses them, naming the key."""
+    host, port = local_store()
+    threading.Thread(target=lambda: _try(make_communicator, spec(host, port, 1, outsider, timeout_s=2.0)),
+                     daemon=True).start()
+    started = time.monotonic()
+    with pytest.raises(ForgedRendezvous) as err:
+        make_communicator(spec(host, port, 0, KEY))
+    print(f"refused after {time.monotonic() - started:.2f}s: {err.value}")
+    assert "not signed with this job's key" in str(err.value) and "job/r/c0/e1" in str(err.value)
+
+
+def test_a_forged_listening_address_is_refused_by_the_signed_store():
+    """The abort shuts down the connections to the peers' published gloo listening addresses: a forged
+    one (here written straight into the store, after the member's own) would aim it at the worker's
+    own Ray connections. Read through the group's signed view, it is refused."""
+    from actors.comm import SignedStore
+
+    raw = dist.HashStore()
+    view = SignedStore(dist.PrefixStore("job/r/c0/e1/", raw), KEY)
+    view.set("gloo-listen/1", "127.0.0.1 40000")
+    assert view.get("gloo-listen/1") == b"127.0.0.1 40000"
+    signed = bytes(raw.get("job/r/c0/e1//gloo-listen/1"))
+    dist.PrefixStore("job/r/c0/e1/", raw).set("gloo-listen/1", "127.0.0.1 6379")  # the forger
+    with pytest.raises(ForgedRendezvous, match="'gloo-listen/1' is not signed with this job's key"):
+        view.get("gloo-listen/1")
+    with pytest.raises(ForgedRendezvous):
+        view.multi_get(["gloo-listen/1"])
+    dist.PrefixStore("job/r/c0/e1/", raw).set("gloo-listen/0", signed)  # a member's signed value moved to another key
+    with pytest.raises(ForgedRendezvous):
+        view.get("gloo-listen/0")
+
+
+def _try(fn, *args):
+    try:
+        return fn(*args)
+    except CommError as err:
+        return err
