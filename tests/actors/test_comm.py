@@ -65,15 +65,10 @@ def _kill_one_mid_all_reduce(store, name: str, abort: bool) -> tuple[list[dict],
     return results, seen, aborted_at
 
 
-def test_killed_peer_fails_survivors_within_1s_of_abort(store):
-    results, _, aborted_at = _kill_one_mid_all_reduce(store, "kill-abort/e1", abort=True)
-    delays = [r["at"] - aborted_at for r in results]
-    print("survivor failure delays after abort:", [f"{d:.3f}s" for d in delays], [r["outcome"] for r in results])
-    assert all(r["outcome"] != "ok" for r in results)
-    assert max(delays) < 1.0
-
-
 def test_killed_peer_fails_survivors_within_timeout_without_abort(store):
+    """A SIGKILLed peer's sockets are reset, so gloo fails the survivors connected to it on its own (an
+    abort is not what releases them here: a test of the abort with a killed peer passed with an abort
+    that did nothing, and was dropped). The abort's own tests use a silent (SIGSTOPped) peer below."""
     results, seen, _ = _kill_one_mid_all_reduce(store, "kill-noabort/e1", abort=False)
     delays = [r["at"] - seen for r in results]
     print("survivor failure delays without abort:", [f"{d:.3f}s" for d in delays], [r["outcome"] for r in results])

@@ -91,7 +91,7 @@ def test_shadow_through_a_kill_a_rejoin_and_a_scale_down(run_root):
         steps_seen = [s for s, _ in times[slot]]
         assert steps_seen == sorted(set(steps_seen)), f"{slot} reported a step twice"
         gaps = [b - a for (_, a), (_, b) in zip(times[slot], times[slot][1:])]
-        assert max(gaps) < 10 * delay + 0.5, f"{slot}'s foreground stopped for {max(gaps):.2f}s"
+        assert max(gaps) < 3 * delay + 0.3, f"{slot}'s foreground stopped for {max(gaps):.2f}s (a step is {delay}s)"
     rejoined = [s for s, _ in times["w1"] if s > 15]
     assert rejoined and rejoined[0] > 15, "the joiner starts from the live member's step, not from 0"
     last_epoch = max(r["membership_epoch"] for r in history)

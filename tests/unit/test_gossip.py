@@ -44,21 +44,39 @@ def run_gossip(tmp_path, sync: dict, optimizer: dict, n: int, global_batch: int,
     return [job.parameters(s) for s in slots]
 
 
+def literal_w(kind: str, n: int, step: int) -> torch.Tensor:
+    """The mixing matrix from the topologies' definitions, written here (not taken from
+    algorithms/topologies.py): `ring`, self and both neighbours at 1/3 (n >= 3); `one_peer_exp`, rank i
+    averages with (i + 2^(t mod ceil(log2 n))) mod n at 1/2."""
+    import math
+
+    w = torch.zeros(n, n)
+    for i in range(n):
+        if kind == "ring":
+            for j in (i - 1, i, i + 1):
+                w[i, j % n] += 1.0 / 3.0
+        elif kind == "one_peer_exp":
+            peer = (i + 2 ** (step % math.ceil(math.log2(n)))) % n
+            w[i, i] += 0.5
+            w[i, peer] += 0.5
+        else:
+            raise ValueError(kind)
+    return w
+
+
 def reference_gossip(kind: str, optimizer: dict, n: int, global_batch: int) -> list[list[torch.Tensor]]:
     """n replicas in one process: each takes the gradient of its own mean loss on its share at its own
     x_i, then X <- W_t X (W_t the literal matrix of step t) and the optimizer steps from there."""
     model, x, y = start_model()
     replicas = [copy.deepcopy(model) for _ in range(n)]
     opts = [make_opt(m.parameters(), optimizer) for m in replicas]
-    topology = get_topology(kind)
     for step in range(STEPS):
         ids = global_batch_ids(step, global_batch, len(x))
         for i, (m, opt) in enumerate(zip(replicas, opts)):
             index = torch.tensor(share(ids, i, n))
             opt.zero_grad()
             F.cross_entropy(m(x[index]), y[index]).backward()
-        w = torch.tensor(topology.matrix(n, step), dtype=torch.float32)
-        mixed = w @ torch.stack([flat(m.parameters()) for m in replicas])
+        mixed = literal_w(kind, n, step) @ torch.stack([flat(m.parameters()) for m in replicas])
         for m, opt, row in zip(replicas, opts, mixed):
             set_flat(list(m.parameters()), row)
             opt.step()
@@ -313,7 +331,6 @@ def reference_accum_adam(optimizer: dict, n: int, global_batch: int, k: int, ste
     lr, wd = optimizer["lr"], optimizer.get("weight_decay", 0.0)
     dim = flat(model.parameters()).numel()
     moments = [[torch.zeros(dim), torch.zeros(dim), torch.zeros(dim)] for _ in range(n)]  # M, V, window sum
-    topology = get_topology("ring")
     for step in range(steps):
         t = step + 1
         ids = global_batch_ids(step, global_batch, len(x))
@@ -323,8 +340,7 @@ def reference_accum_adam(optimizer: dict, n: int, global_batch: int, k: int, ste
             m.zero_grad()
             F.cross_entropy(m(x[index]), y[index]).backward()
             grads.append(flat(p.grad for p in m.parameters()))
-        w = torch.tensor(topology.matrix(n, step), dtype=torch.float32)
-        mixed = w @ torch.stack([flat(m.parameters()) for m in replicas])
+        mixed = literal_w("ring", n, step) @ torch.stack([flat(m.parameters()) for m in replicas])
         c = math.ceil(t / k)
         for i, (m, g) in enumerate(zip(replicas, grads)):
             big_m, big_v, window = moments[i]

@@ -30,8 +30,8 @@ def test_each_member_reports_its_steps_rank0_evaluates_the_average_and_the_lease
     rounds = [r["rounds"] for r in job.link.records if r["slot"] == "w0"]
     assert rounds == sorted(rounds) and all("wait_s" in r for r in job.link.records)
     impl = job.replicas["w0"].impl
-    if impl.sync.average is not None:  # a round completed: the evaluation looked at its average
-        assert impl.eval_parameters() is impl.sync.average
+    assert rounds[-1] >= 1 and impl.sync.average is not None, "no background round completed in 40 steps"
+    assert impl.eval_parameters() is impl.sync.average, "the evaluation looks at the newest round's average"
     job.server.close("the test ended")
     leases = job.server.summary()["leases"]
     assert leases["applied"] == sum(r["samples"] for r in job.link.records) == 3 * steps * PER_WORKER
@@ -60,4 +60,6 @@ def test_a_joiner_receives_a_live_members_state_and_the_others_never_wait_for_it
     outcomes = job.wait(timeout=60)
     assert all(o["ok"] for o in outcomes.values()), outcomes
     stamps = sorted(r["time"] for r in job.link.records if r["slot"] == "w0")
-    assert max(b - a for a, b in zip(stamps, stamps[1:])) < 1.0, "w0's foreground stopped while w2 joined"
+    gaps = [b - a for a, b in zip(stamps, stamps[1:])]
+    print(f"w0's steps while w2 joined: median {sorted(gaps)[len(gaps) // 2] * 1000:.1f} ms, largest {max(gaps) * 1000:.1f} ms")
+    assert max(gaps) < 0.25, "w0's foreground stopped while w2 joined (steps take ~0.01 s)"
