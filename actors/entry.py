@@ -5,7 +5,9 @@ Which mode a policy uses follows from its kind (algorithms/base.py):
 - `replicated` (synchronous and periodic kinds): the members exchange (committed step, checksum
   of the committed state, current step). Gloo can finish a vote on some ranks and fail it on
   others, so members may hold different committed states: the newest wins, and its lowest-ranked
-  holder broadcasts it to every member whose committed state differs. A member whose committed
+  holder broadcasts it to every member whose committed state differs (for a policy whose replicas
+  differ at a commit point by design, streaming DiLoCo with several fragments or alpha < 1: every
+  member at an older committed step; the others keep their own progress). A member whose committed
   state is the newest but that trained past it (periodic local steps after a round some others
   missed) rewinds to it, so everyone stands at one step. When every member reports the same
   triple (a periodic round that failed everywhere), nothing moves: the local steps are kept and
@@ -59,7 +61,10 @@ def enter_replicated(member: Member, comm: Any) -> Optional[int]:
     views = [v.cpu() for v in views]
     newest = max(int(v[0]) for v in views)
     src = min(r for r, v in enumerate(views) if int(v[0]) == newest)
-    differs = [not torch.equal(v[:2], views[src][:2]) for v in views]
+    if getattr(member.impl, "replicas_agree_at_commit", True):
+        differs = [not torch.equal(v[:2], views[src][:2]) for v in views]
+    else:  # replicas differ at a commit point by design (streaming fragments): only those behind load
+        differs = [int(v[0]) != newest for v in views]
     loaded = None
     if any(differs):  # every member computes the same `differs`: all take part in the broadcast
         loaded = _broadcast_state(member, comm, src) if differs[comm.rank] else _broadcast_state(member, comm, src, keep=True)

@@ -270,6 +270,10 @@ class AlgorithmImpl:
         left behind (algorithms/gossip.py). Returns how many terms were undone."""
         return 0
 
+    replicas_agree_at_commit = True
+    """Whether every member holds the same state at a commit point (the `replicated` entry then treats
+    a difference at the same step as a split commit and spreads the newest holder's)."""
+
     def state_dict(self) -> dict:
         return {}
 

@@ -240,6 +240,12 @@ class PeriodicImpl(AlgorithmImpl):
     def commit_mark(self) -> Optional[int]:
         return self.mark
 
+    @property
+    def replicas_agree_at_commit(self) -> bool:
+        """Streaming with several fragments (a round merges one; the others hold each member's own
+        progress) or alpha < 1 (a merge blends in the local steps): members differ at a commit point."""
+        return not (self.streaming and (len(self.bounds) > 1 or self.alpha < 1))
+
     def committed_parameters(self) -> list[torch.Tensor]:
         if self.snapshot:
             return self.snapshot

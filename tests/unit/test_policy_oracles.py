@@ -102,7 +102,10 @@ def reference_periodic(optimizer: dict, n: int, global_batch: int, h: int, steps
                        feedback: bool = False) -> list[torch.Tensor]:
     """n replicas in one process. Without `outer`: local SGD. With it: (streaming) DiLoCo on the flat
     parameter vector cut into `fragments` equal slices, fragment f synchronized after steps
-    (f + 1) h / fragments + k h, merged `overlap` steps later (adopted when overlap is 0). With `codec`,
+    (f + 1) h / fragments + k h, merged `overlap` steps later (adopted when overlap is 0); a round's
+    pseudo-gradient weighs each member by the samples it trained since that fragment's previous
+    launch. At the stop a round in flight lands (blended), then every fragment has a final round
+    merged at once, so every replica ends at the outer parameters. With `codec`,
     a round's weighted payloads are summed by the literal scatter-gather reference, each fragment's
     rounds in turn (its error-feedback residuals replay that fragment's earlier rounds)."""
     model, x, y = start_model()
@@ -116,6 +119,22 @@ def reference_periodic(optimizer: dict, n: int, global_batch: int, h: int, steps
     since = [[0] * n for _ in range(fragments)]
     inflight: dict[int, tuple[int, int, torch.Tensor]] = {}  # fragment -> (launched after, merge after, mean)
     sent: list[list[list[torch.Tensor]]] = [[] for _ in range(fragments)]  # per fragment, each round's payloads
+
+    def merge(f: int, step: int) -> None:
+        """The outer step on fragment f's mean pseudo-gradient; every replica adopts the outer fragment,
+        or blends it in (alpha) when local steps ran since the round's launch."""
+        launched, _, mean = inflight.pop(f)
+        if outer is not None:
+            for k, g in enumerate(glob):
+                g.grad = mean.clone() if k == f else None
+            outer_opt.step()
+            mean = glob[f].detach()
+        for m in replicas:
+            vector = flat(m.parameters())
+            local = vector[cuts[f]:cuts[f + 1]]
+            vector[cuts[f]:cuts[f + 1]] = torch.lerp(local, mean, alpha) if step > launched else mean
+            set_flat(list(m.parameters()), vector)
+
     for step in range(1, steps + 1):
         ids = global_batch_ids(step - 1, global_batch, len(x))
         for i, (m, opt) in enumerate(zip(replicas, opts)):
@@ -127,7 +146,9 @@ def reference_periodic(optimizer: dict, n: int, global_batch: int, h: int, steps
         for f in range(fragments):
             offset = (f + 1) * h // fragments
             due = step == steps or (step >= offset and (step - offset) % h == 0)
-            if due and f not in inflight:
+            if step == steps and f in inflight:  # the stop: a round in flight lands first (blended) ...
+                merge(f, step)
+            if due and f not in inflight:  # ... and every fragment has a final round, adopted at once
                 w = [trained[i] - since[f][i] for i in range(n)]
                 local = [flat(m.parameters())[cuts[f]:cuts[f + 1]] for m in replicas]
                 if outer is None:
@@ -142,17 +163,7 @@ def reference_periodic(optimizer: dict, n: int, global_batch: int, h: int, steps
                 inflight[f] = (step, step if step == steps else step + overlap, mean)
                 since[f] = list(trained)
             if f in inflight and (step >= inflight[f][1] or step == steps):
-                launched, _, mean = inflight.pop(f)
-                if outer is not None:
-                    for k, g in enumerate(glob):
-                        g.grad = mean.clone() if k == f else None
-                    outer_opt.step()
-                    mean = glob[f].detach()
-                for m in replicas:
-                    vector = flat(m.parameters())
-                    local = vector[cuts[f]:cuts[f + 1]]
-                    vector[cuts[f]:cuts[f + 1]] = torch.lerp(local, mean, alpha) if step > launched else mean
-                    set_flat(list(m.parameters()), vector)
+                merge(f, step)
     return [p.detach() for p in replicas[0].parameters()]
 
 
@@ -219,6 +230,27 @@ def test_streaming_four_fragments_overlap_one_equals_staggered_reference(tmp_pat
     diff = max_diff(mine, ref)
     print(f"streaming 4 fragments, overlap 1 (24 steps): {diff:.2e}")
     assert diff < 1e-5
+
+
+def test_streaming_stop_on_a_blended_merge_step_ends_at_the_reference_and_counts_every_sample_once(tmp_path):
+    """h 4, 2 fragments, overlap 1, alpha 0.5, stop at step 11: fragment 0's round launched after step
+    10 merges blended at the stop, then every fragment has its final round. The final model is the
+    reference's, and each fragment's rounds together count every sample trained exactly once (the
+    overlap steps' samples belong to that fragment's next round, the final one included)."""
+    streaming = {"policy": "streaming_diloco", "h": 4, "fragments": 2, "overlap": 1, "alpha": 0.5}
+    slots = ["w0", "w1", "w2"]
+    job = LocalJob(config(streaming, SGD_M, 11, 3), slots, str(tmp_path))
+    job.run(tuple(slots), 50)
+    mine = job.parameters("w0")
+    assert all(torch.equal(a, b) for s in slots[1:] for a, b in zip(mine, job.parameters(s)))
+    diff = max_diff(mine, reference_periodic(SGD_M, 3, 50, h=4, steps=11, outer=OUTER, fragments=2, overlap=1,
+                                             alpha=0.5))
+    counted = [r["samples"] for r in job.link.records]
+    print(f"streaming, stop on a blended merge (11 steps): {diff:.2e} from the reference; rounds' samples "
+          f"{counted} (sum {sum(counted)} of {2 * 11 * 50}); losses {[round(r['loss'], 3) for r in job.link.records]}")
+    assert diff < 1e-5
+    assert sum(counted) == 2 * 11 * 50 and 0 not in counted, "a sample counted twice or never in a fragment's rounds"
+    assert all(r["loss"] > 0 for r in job.link.records), "a round reported loss 0.0"
 
 
 @pytest.mark.parametrize("steps", [7, 10])
