@@ -60,6 +60,9 @@ class _Launch:
     flat: torch.Tensor
     tail: torch.Tensor
     handles: list
+    trained: int = 0
+    """The member's `trained` at the launch: the fragment's next round counts the samples after it
+    (the overlap steps' included)."""
 
 
 def fragment_bounds(numel: int, fragments: int) -> list[tuple[int, int]]:
@@ -102,8 +105,9 @@ class PeriodicImpl(AlgorithmImpl):
         self.since = [0] * len(self.bounds)
         self.mark_trained = 0
         """`trained` at the last commit (a rewind goes back to it)."""
-        self.losses: list = []
-        """This member's mean loss of each local step since the last commit (floats or 0-d tensors)."""
+        self.step_losses: list[tuple[int, object]] = []
+        """(`trained` after the step, its mean loss) of the local steps a round may still cover: a round
+        reports the mean loss of the steps it covers (those since its fragment's previous launch)."""
         self.inflight: Optional[_Launch] = None
         self._due: Optional[int] = None
         self._final = False
@@ -161,7 +165,7 @@ class PeriodicImpl(AlgorithmImpl):
     # ------------------------------------------------------------------ local steps
     def finish_step(self, step: int, draft: VoteDraft) -> StepVote:
         self.trained += draft.samples
-        self.losses.append(draft.loss)
+        self.step_losses.append((self.trained, draft.loss))
         return StepVote.local(draft)
 
     # ------------------------------------------------------------------ rounds
@@ -179,7 +183,8 @@ class PeriodicImpl(AlgorithmImpl):
         n = float(self.trained - self.since[f])
         local = self._gather(f)
         flat = (self.anchor[f] - local if self.outer_mode else local) * n
-        mean_loss = sum(self.losses) / len(self.losses) if self.losses else 0.0
+        covered = [loss for after, loss in self.step_losses if after > self.since[f]]
+        mean_loss = sum(covered) / len(covered) if covered else 0.0
         draft = VoteDraft(loss=mean_loss * n, samples=int(n), newer_plan=draft.newer_plan)
         if self.wires:  # blocking: both collectives of the scatter-gather, the vote in their tail
             tail = self.wires[f].all_reduce(flat, draft.tail(torch.float32, flat.device)).to(torch.float64)
@@ -187,7 +192,7 @@ class PeriodicImpl(AlgorithmImpl):
         else:
             tail = draft.tail(torch.float64, flat.device)
             handles = [self.comm.all_reduce(flat), self.comm.all_reduce(tail)]
-        return _Launch(f, step, step if self._final else step + self.overlap, flat, tail, handles)
+        return _Launch(f, step, step if self._final else step + self.overlap, flat, tail, handles, self.trained)
 
     def _merge(self, step: int) -> StepVote:
         launch, f = self.inflight, self.inflight.fragment
@@ -208,14 +213,15 @@ class PeriodicImpl(AlgorithmImpl):
         # A blended merge synchronized the fragment as of its launch, with local steps on top: at the
         # end of the run it is due once more, so that every replica ends at the exact average.
         self.last_sync[f] = launch.step if step > launch.step else step
-        self.since[f] = self.trained
+        self.since[f] = launch.trained  # what the round covered; the overlap steps belong to the next
+        oldest = min(self.since)
+        self.step_losses = [(after, loss) for after, loss in self.step_losses if after > oldest]
         return StepVote(True, float(launch.tail[0]) / max(total, 1.0), int(round(total)), bool(launch.tail[2] > 0))
 
     def commit(self, step: int) -> None:
         """The round's vote passed: this is the newest committed state."""
         self.mark = step
         self.mark_trained = self.trained
-        self.losses = []
         with torch.no_grad():
             for s, p in zip(self.snapshot, self.params):
                 s.copy_(p.detach())
@@ -260,7 +266,7 @@ class PeriodicImpl(AlgorithmImpl):
             for p, c in zip(self.params, committed):
                 p.copy_(c)
         self.trained = self.mark_trained
-        self.losses = []
+        self.step_losses = [(after, loss) for after, loss in self.step_losses if after <= self.trained]
         self.inflight = None
 
     # ------------------------------------------------------------------ state
@@ -282,7 +288,7 @@ class PeriodicImpl(AlgorithmImpl):
         self.mark, self.last_sync = int(state["mark"]), list(state["last_sync"])
         self.trained = self.mark_trained = int(state["trained"])
         self.since = list(state["since"])
-        self.losses, self.inflight = [], None
+        self.step_losses, self.inflight = [], None
         with torch.no_grad():
             for s, p in zip(self.snapshot, self.params):
                 s.copy_(p.detach())
