@@ -367,10 +367,7 @@ class GlooCommunicator(BaseCommunicator):
         here the gradients arrive already weighted by each member's share of the global batch, so the
         sum is the mean. The all-reduce itself runs on the gloo backend, across the whole group."""
         if self._torch_pg is None and self._pg is not None:
-            group = dist.ProcessGroup(self._prefix, 0, 1)
-            group._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, self._pg)
-            group._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
-            self._torch_pg = group
+            self._torch_pg = _group_of_one(self._prefix, "cpu", dist.ProcessGroup.BackendType.GLOO, self._pg)
         return self._torch_pg
 
     def _check(self) -> None:
@@ -501,6 +498,15 @@ def _shut_down_pairs(listen: tuple[str, int], peers: set[tuple[str, int]]) -> in
             except OSError:
                 pass
     return count
+
+
+def _group_of_one(store: dist.Store, device: str, kind, backend) -> dist.ProcessGroup:
+    """A torch ProcessGroup that calls itself rank 0 of 1 over `backend` (the whole group's), for
+    torch's reducer: it divides by its group's size, and the gradients arrive already weighted."""
+    group = dist.ProcessGroup(store, 0, 1)
+    group._register_backend(torch.device(device), kind, backend)
+    group._set_default_backend(kind)
+    return group
 
 
 def _forged_text(err: BaseException) -> str:
@@ -642,10 +648,7 @@ class NcclCommunicator(BaseCommunicator):  # pragma: no cover - needs a GPU (tes
         """A torch ProcessGroup over this NCCL backend that calls itself a group of one, for torch's
         reducer (see `GlooCommunicator.process_group`: the reducer must not divide)."""
         if self._torch_pg is None and self._pg is not None:
-            group = dist.ProcessGroup(self._prefix, 0, 1)
-            group._register_backend(torch.device("cuda"), dist.ProcessGroup.BackendType.NCCL, self._pg)
-            group._set_default_backend(dist.ProcessGroup.BackendType.NCCL)
-            self._torch_pg = group
+            self._torch_pg = _group_of_one(self._prefix, "cuda", dist.ProcessGroup.BackendType.NCCL, self._pg)
         return self._torch_pg
 
     def synchronize(self, timeout: Optional[float] = None) -> None:
