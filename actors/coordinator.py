@@ -16,11 +16,11 @@ PAUSED below `workers.min`. Every transition is an `Event` with its reason, appe
 from __future__ import annotations
 
 import asyncio
-import secrets
 import collections
 import dataclasses
 import json
 import os
+import secrets
 import signal
 import time
 import traceback
@@ -701,8 +701,9 @@ class Coordinator:
         if self._departure_pending(live):
             return  # admitted when the survivors' epoch commits (`_complete_reshapes`) or the hold ends
         reason, detector, decided = self.members[ready[0]].join_reason
-        restore, self._restore = (self._restore, None) if not live else (None, self._restore)
-        if restore is not None:  # every member was lost: the first joiner starts from the newest checkpoint
+        restore = None
+        if self._restore is not None and not live:  # every member was lost: the first joiner starts from the checkpoint
+            restore, self._restore = self._restore, None
             await self._restore_from(ready[0], *restore)
         if joiners_start_stateless(self.algorithm.kind, self.history.step(live)):
             for slot in ready:  # until it loads the committed state (or commits in its epoch)

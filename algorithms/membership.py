@@ -62,12 +62,13 @@ def server_members(kind: str, members: tuple[tuple[str, int], ...],
     death, its notices were refused and its tickets requeued while it still applied them. The server
     kinds admit the plan's members only: a leaver's unpushed tickets go back at once, and a push of
     one that arrives later is refused, its samples dealt again (never applied twice)."""
-    if kind == "background":
-        return members + tuple(pair for pair in leaving if pair[0] not in dict(members))
-    return members
+    if kind != "background":
+        return members
+    admitted = {slot for slot, _ in members}
+    return members + tuple(pair for pair in leaving if pair[0] not in admitted)
 
 
 def joiners_start_stateless(kind: str, committed_step: int) -> bool:
     """Whether joiners admitted now hold no state of their own until they receive one from a member
     (they count as holders only then: alone, they would start over from their initial model)."""
-    return kind in ("synchronous", "periodic", "decentralized", "background") and committed_step > 0
+    return kind != "server" and committed_step > 0  # a server kind's members hold no state: the server does

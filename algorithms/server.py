@@ -51,6 +51,7 @@ were identical too, so this is insurance for kernels whose scalar tail rounds di
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field, replace
 from typing import Literal, Optional, Sequence, Union
 
@@ -494,7 +495,7 @@ class ServerCore:
         return {"policy": self.policy.policy, "version": self.version, "incarnation": self.incarnation,
                 "membership_epoch": self.membership_epoch, "bounds": [list(b) for b in self.bounds],
                 "shards": [s.detach().clone() for s in self.shards],
-                "optimizers": [_owned(opt.state_dict()) for opt in self.optimizers],
+                "optimizers": [copy.deepcopy(opt.state_dict()) for opt in self.optimizers],
                 "members": [[slot, inc] for slot, inc in self.members.items()], "clocks": dict(self.clocks),
                 "staged": {c: [dict(p) for p in pushes] for c, pushes in self.staged.items()},
                 "staleness": dict(self.staleness), "rejected": dict(self.rejected), "leases": self.leases.state_dict(),
@@ -520,17 +521,6 @@ class ServerCore:
         self.round = BarrierRound.from_state(state["round"])
         self.schedules = dict(state["schedules"])
         self.member_buffers = {slot: b.clone() for slot, b in state.get("buffers", {}).items()}
-
-
-def _owned(value):
-    """`value` with every tensor in it (nested in dicts, lists and tuples) replaced by a copy of its own."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().clone()
-    if isinstance(value, dict):
-        return {k: _owned(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_owned(v) for v in value)
-    return value
 
 
 def combine_buffers(flats: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor]) -> Optional[list[torch.Tensor]]:
