@@ -131,13 +131,12 @@ class GroupSpec:
 class Handle:
     """A pending operation. `wait()` raises CommError / CommAborted / CommTimeout."""
 
-    __slots__ = ("_work", "_comm", "_done", "_keep", "_finish", "_launched")
+    __slots__ = ("_work", "_comm", "_done", "_keep", "_launched")
 
-    def __init__(self, work, comm: "BaseCommunicator", keep: Sequence[torch.Tensor], finish: Optional[Callable[[], None]] = None) -> None:
+    def __init__(self, work, comm: "BaseCommunicator", keep: Sequence[torch.Tensor]) -> None:
         self._work = work
         self._comm = comm
         self._keep = keep  # the buffers stay alive while the backend may write into them
-        self._finish = finish
         self._launched = time.monotonic()
         self._done = threading.Event()
         comm._track(self)
@@ -163,8 +162,6 @@ class Handle:
             raise CommError(f"group {self._comm.name}: {str(err).splitlines()[0][:300]}") from None
         if self._comm.latency_s > 0:  # `faults.comm_latency_s`: done no sooner than this after launch
             time.sleep(max(0.0, self._launched + self._comm.latency_s - time.monotonic()))
-        if self._finish is not None:
-            self._finish()
 
 
 class Communicator(Protocol):
@@ -268,7 +265,54 @@ class NoGroup(BaseCommunicator):
         pass
 
 
-class GlooCommunicator(BaseCommunicator):
+class _TorchBackendCommunicator(BaseCommunicator):
+    """The operations gloo and NCCL run alike: torch's c10d backend API on the group's `_pg`, with the
+    bytes each sends counted the same way. How a launched work becomes a `Handle` is the backend's
+    (`_submit`, and `_submit_p2p` for send and recv)."""
+
+    _pg: Any
+
+    def _submit(self, launch: Callable[[], Any], keep: Sequence[torch.Tensor]) -> Handle:
+        raise NotImplementedError
+
+    def _submit_p2p(self, launch: Callable[[], Any], keep: Sequence[torch.Tensor]) -> Handle:
+        return self._submit(launch, keep)
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> Handle:
+        handle = self._submit(lambda: self._pg.allreduce([tensor], _opts(op)), (tensor,))
+        self.bytes_sent += self._ring_bytes(tensor)
+        return handle
+
+    def broadcast(self, tensor: torch.Tensor, src: int) -> Handle:
+        opts = dist.BroadcastOptions()
+        opts.rootRank = src
+        handle = self._submit(lambda: self._pg.broadcast([tensor], opts), (tensor,))
+        if self.rank == src:
+            self.bytes_sent += tensor.numel() * tensor.element_size()
+        return handle
+
+    def all_gather(self, outputs: list[torch.Tensor], tensor: torch.Tensor) -> Handle:
+        handle = self._submit(lambda: self._pg.allgather([outputs], [tensor]), (tensor, *outputs))
+        self.bytes_sent += tensor.numel() * tensor.element_size() * (self.world_size - 1)
+        return handle
+
+    def all_to_all(self, output: torch.Tensor, tensor: torch.Tensor) -> Handle:
+        """Chunk i of `tensor` (split evenly by world size) goes to rank i; chunk j of `output` comes from rank j."""
+        handle = self._submit(lambda: self._pg.alltoall_base(output, tensor, [], [], dist.AllToAllOptions()),
+                              (tensor, output))
+        self.bytes_sent += tensor.numel() * tensor.element_size() * (self.world_size - 1) // max(self.world_size, 1)
+        return handle
+
+    def send(self, tensor: torch.Tensor, dst: int) -> Handle:
+        handle = self._submit_p2p(lambda: self._pg.send([tensor], dst, 0), (tensor,))
+        self.bytes_sent += tensor.numel() * tensor.element_size()
+        return handle
+
+    def recv(self, tensor: torch.Tensor, src: int) -> Handle:
+        return self._submit_p2p(lambda: self._pg.recv([tensor], src, 0), (tensor,))
+
+
+class GlooCommunicator(_TorchBackendCommunicator):
     """torch ProcessGroupGloo on a PrefixStore of the group name over the coordinator's store.
 
     An abort also shuts down the group's own TCP connections (its pairs): an operation blocked in
@@ -300,12 +344,8 @@ class GlooCommunicator(BaseCommunicator):
                 host, _, port = value.decode().partition(" ")
                 if port:
                     self._peers.add((host, int(port)))
-        except ForgedRendezvous as err:
-            raise ForgedRendezvous(f"group {spec.name}: {err}") from None
         except Exception as err:  # noqa: BLE001
-            if "not signed with this job's key" in str(err):  # raised inside gloo's own rendezvous
-                raise ForgedRendezvous(f"group {spec.name}: {_forged_text(err)}") from None
-            raise CommError(f"group {spec.name}: could not form: {str(err).splitlines()[0][:300]}") from None
+            raise _formation_error(spec, err, "could not form") from None
 
     def abort(self, reason: str = "aborted by coordinator") -> None:
         super().abort(reason)
@@ -319,47 +359,18 @@ class GlooCommunicator(BaseCommunicator):
             shut = _shut_down_pairs(self._listen, self._peers)
         log.info("group %s aborted (%s): shut down %d gloo connections", self.name, reason, shut)
 
-    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> Handle:
+    def _submit(self, launch: Callable[[], Any], keep: Sequence[torch.Tensor]) -> Handle:
         self._check()
-        work = self._pg.allreduce([tensor], dist.AllreduceOptions() if op == "sum" else _opts(op))
-        self.bytes_sent += self._ring_bytes(tensor)
-        return Handle(work, self, (tensor,))
+        return Handle(launch(), self, keep)
 
-    def broadcast(self, tensor: torch.Tensor, src: int) -> Handle:
+    def _submit_p2p(self, launch: Callable[[], Any], keep: Sequence[torch.Tensor]) -> Handle:
+        """Gloo's send and recv works have no future: a thread waits for each (`_WaitedWork`)."""
         self._check()
-        opts = dist.BroadcastOptions()
-        opts.rootRank = src
-        work = self._pg.broadcast([tensor], opts)
-        if self.rank == src:
-            self.bytes_sent += tensor.numel() * tensor.element_size()
-        return Handle(work, self, (tensor,))
+        return Handle(_WaitedWork(launch()), self, keep)
 
     def barrier(self) -> Handle:
         self._check()
         return Handle(self._pg.barrier(), self, ())
-
-    def all_gather(self, outputs: list[torch.Tensor], tensor: torch.Tensor) -> Handle:
-        self._check()
-        work = self._pg.allgather([outputs], [tensor])
-        self.bytes_sent += tensor.numel() * tensor.element_size() * (self.world_size - 1)
-        return Handle(work, self, (tensor, *outputs))
-
-    def all_to_all(self, output: torch.Tensor, tensor: torch.Tensor) -> Handle:
-        """Chunk i of `tensor` (split evenly by world size) goes to rank i; chunk j of `output` comes from rank j."""
-        self._check()
-        work = self._pg.alltoall_base(output, tensor, [], [], dist.AllToAllOptions())
-        self.bytes_sent += tensor.numel() * tensor.element_size() * (self.world_size - 1) // max(self.world_size, 1)
-        return Handle(work, self, (tensor, output))
-
-    def send(self, tensor: torch.Tensor, dst: int) -> Handle:
-        self._check()
-        work = _WaitedWork(self._pg.send([tensor], dst, 0))
-        self.bytes_sent += tensor.numel() * tensor.element_size()
-        return Handle(work, self, (tensor,))
-
-    def recv(self, tensor: torch.Tensor, src: int) -> Handle:
-        self._check()
-        return Handle(_WaitedWork(self._pg.recv([tensor], src, 0)), self, (tensor,))
 
     def process_group(self) -> Optional[dist.ProcessGroup]:
         """A torch ProcessGroup over this group's gloo backend that calls itself a group of one (rank
@@ -509,11 +520,15 @@ def _group_of_one(store: dist.Store, device: str, kind, backend) -> dist.Process
     return group
 
 
-def _forged_text(err: BaseException) -> str:
-    """The refusal's own sentence out of the error gloo wrapped it in."""
+def _formation_error(spec: GroupSpec, err: BaseException, what: str) -> CommError:
+    """A group's formation error as this module's: a rendezvous value the group's signed store refused
+    stays `ForgedRendezvous` (with the refusal's own sentence, even where the backend wrapped it), any
+    other is a CommError with its first line."""
     text = str(err)
     start = text.find("the rendezvous value")
-    return text[start:].splitlines()[0][:300] if start >= 0 else text.splitlines()[0][:300]
+    if isinstance(err, ForgedRendezvous) or (start >= 0 and "not signed with this job's key" in text):
+        return ForgedRendezvous(f"group {spec.name}: {text[max(start, 0):].splitlines()[0][:300]}")
+    return CommError(f"group {spec.name}: {what}: {text.splitlines()[0][:300]}")
 
 
 def _release(pg, works: list, deadline: float, hold: bool = False) -> None:
@@ -545,7 +560,7 @@ def _nccl_environment(timeout_s: float) -> None:
     os.environ.setdefault("TORCH_NCCL_NONBLOCKING_TIMEOUT", str(int(max(1.0, timeout_s))))
 
 
-class NcclCommunicator(BaseCommunicator):  # pragma: no cover - needs a GPU (tests/gpu)
+class NcclCommunicator(_TorchBackendCommunicator):  # pragma: no cover - needs a GPU (tests/gpu)
     """torch's `ProcessGroupNCCL`, one per membership epoch, on a `PrefixStore` of the group's name
     (as gloo's), with this interface's timeout and abort on top.
 
@@ -588,18 +603,17 @@ class NcclCommunicator(BaseCommunicator):  # pragma: no cover - needs a GPU (tes
             self._pg = dist.ProcessGroupNCCL(self._prefix, spec.rank, spec.world_size, opts)
             self._pg._set_sequence_number_for_group()
             self._pg.eager_connect_single_device(self.device)  # the communicator forms now, not at the first step
-        except Exception as err:  # noqa: BLE001 - a DistBackendError, a store timeout
-            raise CommError(f"group {spec.name}: NCCL group did not form: {str(err).splitlines()[0][:300]}") from None
+        except Exception as err:  # noqa: BLE001 - a DistBackendError, a store timeout, a forged value
+            raise _formation_error(spec, err, "NCCL group did not form") from None
         self._stream = torch.cuda.Stream(device=self.device)
         self._poller = _EventPoller(self)
 
-    def _launch(self, run: Callable[[], Any], keep: Sequence[torch.Tensor],
-                finish: Optional[Callable[[], None]] = None) -> Handle:
+    def _submit(self, launch: Callable[[], Any], keep: Sequence[torch.Tensor]) -> Handle:
         with self._launch_lock:
             if self.aborted or self._pg is None:
                 raise CommAborted(f"group {self.name}: membership epoch aborted ({self.abort_reason})")
             try:
-                work = run()
+                work = launch()
             except Exception as err:  # noqa: BLE001 - an NCCL error (or a bad argument)
                 self.mark_failed()
                 raise CommError(f"group {self.name}: NCCL: {str(err).splitlines()[0][:300]}") from None
@@ -608,41 +622,13 @@ class NcclCommunicator(BaseCommunicator):  # pragma: no cover - needs a GPU (tes
                 work.wait()  # the side stream waits for NCCL's; the host does not
                 done.record(self._stream)
         cuda_work = _CudaWork(done, self, work)
-        handle = Handle(cuda_work, self, keep, finish)
+        handle = Handle(cuda_work, self, keep)
         self._poller.watch(cuda_work)
         return handle
-
-    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> Handle:
-        self.bytes_sent += self._ring_bytes(tensor)
-        return self._launch(lambda: self._pg.allreduce([tensor], _opts(op)), (tensor,))
-
-    def broadcast(self, tensor: torch.Tensor, src: int) -> Handle:
-        opts = dist.BroadcastOptions()
-        opts.rootRank = src
-        if self.rank == src:
-            self.bytes_sent += tensor.numel() * tensor.element_size()
-        return self._launch(lambda: self._pg.broadcast([tensor], opts), (tensor,))
 
     def barrier(self) -> Handle:
         """An all-reduce of one element (torch's NCCL barrier blocks the host)."""
         return self.all_reduce(torch.zeros(1, device=self.device))
-
-    def all_gather(self, outputs: list[torch.Tensor], tensor: torch.Tensor) -> Handle:
-        self.bytes_sent += tensor.numel() * tensor.element_size() * (self.world_size - 1)
-        return self._launch(lambda: self._pg.allgather([outputs], [tensor]), (tensor, *outputs))
-
-    def all_to_all(self, output: torch.Tensor, tensor: torch.Tensor) -> Handle:
-        """Chunk i of `tensor` (split evenly by world size) goes to rank i; chunk j of `output` comes from rank j."""
-        self.bytes_sent += tensor.numel() * tensor.element_size() * (self.world_size - 1) // max(self.world_size, 1)
-        return self._launch(lambda: self._pg.alltoall_base(output, tensor, [], [], dist.AllToAllOptions()),
-                            (tensor, output))
-
-    def send(self, tensor: torch.Tensor, dst: int) -> Handle:
-        self.bytes_sent += tensor.numel() * tensor.element_size()
-        return self._launch(lambda: self._pg.send([tensor], dst, 0), (tensor,))
-
-    def recv(self, tensor: torch.Tensor, src: int) -> Handle:
-        return self._launch(lambda: self._pg.recv([tensor], src, 0), (tensor,))
 
     def process_group(self) -> Optional[dist.ProcessGroup]:
         """A torch ProcessGroup over this NCCL backend that calls itself a group of one, for torch's
