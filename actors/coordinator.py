@@ -495,14 +495,16 @@ class Coordinator:
             await asyncio.sleep(0.1)
 
     async def _explain_start(self, up: int) -> None:
-        """Below workers.min after pause_after_s: PAUSED if some worker cannot be placed (naming the
-        resources it lacks), else STARTING with how many are placed and up (imports, data)."""
+        """Below workers.min after pause_after_s: PAUSED if some worker cannot be placed (no process yet
+        and the cluster lacks the resources it asks for: named), else STARTING with how many are placed
+        and up (imports, data). A worker with no process yet while its resources are free is being
+        placed (Ray's worker start can take seconds on a loaded machine), not stuck."""
         w = self.cfg.workers
         starting = [self.members[s] for s in self._slots_in(S.STARTING)]
         placed = await asyncio.to_thread(lambda: [is_placed(m.handle) for m in starting])
         unplaced = sum(1 for p in placed if p is False)
-        if unplaced:
-            free = await asyncio.to_thread(ray.available_resources)
+        free = await asyncio.to_thread(ray.available_resources) if unplaced else {}
+        if unplaced and (free.get("CPU", 0) < w.cpus or (w.gpus and free.get("GPU", 0) < w.gpus)):
             cause = (f"waiting for resources: {up} of workers.min = {w.min} workers up; {unplaced} cannot be placed: "
                      f"each needs {w.cpus:g} CPUs" + (f" and {w.gpus:g} GPUs" if w.gpus else "")
                      + f", the cluster has {free.get('CPU', 0):g} CPUs" + (f" and {free.get('GPU', 0):g} GPUs" if w.gpus else "")

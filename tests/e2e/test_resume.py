@@ -50,7 +50,9 @@ def test_sigkill_near_70_resumes_from_60_and_matches_uninterrupted(tmp_path, run
     env = child_env(REPO, ORCHESTRATOR_RUN_ROOT=str(root))
     env.pop("RAY_ADDRESS", None)  # each `run` starts (and owns) its own local Ray
     config_path = tmp_path / "resume.yaml"
-    slow = dict(CONFIG, faults={"stragglers": [{"slot": "w0", "delay_s": 0.02}]})
+    # 20 steps/s: history reaches the file in reports every 0.25 s, so the kill lands a few steps after
+    # the 70 it saw, before the checkpoint at 80 (at 50 steps/s a loaded machine passed 80 first)
+    slow = dict(CONFIG, faults={"stragglers": [{"slot": "w0", "delay_s": 0.05}]})
     config_path.write_text(yaml.safe_dump(slow))
     proc = subprocess.Popen([sys.executable, "-m", "orchestrator", "run", str(config_path)], cwd=REPO, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
