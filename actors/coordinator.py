@@ -36,6 +36,7 @@ from actors.faults import CoordinatorFaults
 from actors.history import History
 from actors.members import Member, Spare, ask, describe, probe, first_line, is_placed, job_is_dead, kill, log, log_to
 from actors.plan import ParentWatch, Plan, Progress, WorkerSpec
+from actors.sequencer import Order, Sequencer
 from actors.server_control import ServerControl, restart_event
 from actors.worker import WorkerActor
 from algorithms.base import SERVER_KINDS, get_algorithm
@@ -77,6 +78,8 @@ class Coordinator:
         self.config_dict = config
         self.name, self.run_id, self.run_dir, self.incarnation = self.cfg.name, run_id, Path(run_dir), incarnation
         self.node_ip = ray.util.get_node_ip_address()
+        self.sequencer = Sequencer()
+        """Runs each worker's messages in the order it sent them (Ray does not, for an asyncio actor)."""
         self.secret = secrets.token_bytes(32)
         """The job's rendezvous key: its workers sign what they write to the group store (actors/comm.py);
         a restarted coordinator keeps the one on disk (its live workers have it)."""
@@ -187,6 +190,7 @@ class Coordinator:
             raise RuntimeError(f"restarted, but {self.run_dir / SAVED} is missing: cannot carry on")
         self._saved = saved
         self.incarnation = saved["incarnation"] + 1
+        self.sequencer.trust_first = True  # the live workers numbered their messages to the dead incarnation
         self.secret = bytes.fromhex(saved["secret"]) if saved.get("secret") else self.secret
         self.epoch, self.version, self.state = saved["epoch"], saved["version"], JobState(saved["state"])
         self.target_count, self.failures, self.retired = saved["target_count"], saved["failures"], saved["retired"]
@@ -218,7 +222,8 @@ class Coordinator:
     async def list_events(self) -> list[dict]:
         return [e.to_dict() for e in self.events]
 
-    async def report(self, progress: Progress) -> None:
+    async def report(self, progress: Progress, order: Optional[Order] = None) -> None:
+        await self.sequencer.turn(order)
         if self.faults.die_on_report and progress.records:
             self.faults.maybe_die("stop")
         member = self.members.get(progress.slot)
@@ -243,7 +248,8 @@ class Coordinator:
             self._event("straggler", f"{change.slot} {verb}{ratio}", slot=change.slot,
                         straggler=change.straggler, ratio=round(change.ratio, 3))
 
-    async def fault_fired(self, index: int, slot: str, step: int, phase: str) -> None:
+    async def fault_fired(self, index: int, slot: str, step: int, phase: str, order: Optional[Order] = None) -> None:
+        await self.sequencer.turn(order)
         self.fired_faults.add(index)
         runfiles.write_json_atomic(self.run_dir / "faults_fired.json", sorted(self.fired_faults))
         self._event("fault", f"injected fault #{index} fires in {slot} at step {step} during {phase}",
@@ -267,10 +273,12 @@ class Coordinator:
         await self._converge(f"scale to {count} requested", "scale request")
         return self._status().to_dict()
 
-    async def state_received(self, slot: str, epoch: int, source: str, step: int) -> None:
+    async def state_received(self, slot: str, epoch: int, source: str, step: int,
+                             order: Optional[Order] = None) -> None:
         """A member that was behind loaded the state broadcast by `source` at epoch start. When the
         epoch's reshape event already went out (the kinds whose other members train on), an event of
         its own says so."""
+        await self.sequencer.turn(order)
         if slot in self.members:
             self.members[slot].holds_state = True
         pending = [r for r in self.pending if r["membership_epoch"] == epoch]
@@ -280,9 +288,10 @@ class Coordinator:
             self._event("info", f"{slot} received the state of {source} at step {step} (membership epoch {epoch})",
                         slot=slot, state_source={"source": source, "step": step}, membership_epoch=epoch)
 
-    async def epoch_agreed(self, epoch: int, step: int, records: tuple[dict, ...]) -> None:
+    async def epoch_agreed(self, epoch: int, step: int, records: tuple[dict, ...], order: Optional[Order] = None) -> None:
         """Rank 0 of `epoch`: its members agreed that `step` is the newest committed step; `records`
         are those it keeps after the plan's history step (what a departed rank 0 never reported)."""
+        await self.sequencer.turn(order)
         for record in records:
             self._accept_record(record)
         if step < self.history.written_step and epoch == self.epoch and not self.state.terminal:
@@ -341,16 +350,18 @@ class Coordinator:
         if self._released is not None:
             self._released.set()
 
-    async def save_checkpoint(self, step: int, blob: bytes) -> None:
+    async def save_checkpoint(self, step: int, blob: bytes, order: Optional[Order] = None) -> None:
+        await self.sequencer.turn(order)
         self._parent.exit_if_orphaned()
         path = await asyncio.to_thread(checkpoints.save, self.run_dir, step, blob, self.cfg.checkpoint.keep)
         self._event("checkpoint", f"checkpoint at step {step}", step=step, path=str(path), bytes=len(blob))
         if self._checkpoint is None or step >= self._checkpoint[0]:
             self._checkpoint = (step, str(path))
 
-    async def collective_failed(self, slot: str, epoch: int, error: str) -> None:
+    async def collective_failed(self, slot: str, epoch: int, error: str, order: Optional[Order] = None) -> None:
         """A member's collective failed: probe that epoch's members and evict any that do not answer;
         if every one answers, the group itself is broken: re-form it at once as a new epoch."""
+        await self.sequencer.turn(order)
         if epoch != self.epoch or self.state not in (JobState.RUNNING, JobState.RESHAPING) or self._probing:
             return
         self._probing = True

@@ -289,22 +289,22 @@ class FakeCoordinator:
     def add_plan(self, plan) -> None:
         self.plans[plan.version] = plan
 
-    def report(self, progress) -> None:
+    def report(self, progress, order=None) -> None:
         self.calls.append(("report", progress.step))
 
-    def epoch_agreed(self, epoch: int, step: int, *rest: Any) -> None:
+    def epoch_agreed(self, epoch: int, step: int, *rest: Any, order=None) -> None:
         self.calls.append(("epoch_agreed", (epoch, step)))
 
-    def state_received(self, slot: str, epoch: int, source: str, step: int) -> None:
+    def state_received(self, slot: str, epoch: int, source: str, step: int, order=None) -> None:
         self.calls.append(("state_received", (slot, source, step)))
 
-    def collective_failed(self, slot: str, epoch: int, error: str) -> None:
+    def collective_failed(self, slot: str, epoch: int, error: str, order=None) -> None:
         self.calls.append(("collective_failed", slot))
 
-    def fault_fired(self, index: int, slot: str, step: int, phase: str) -> None:
+    def fault_fired(self, index: int, slot: str, step: int, phase: str, order=None) -> None:
         self.calls.append(("fault_fired", (index, slot, step, phase)))
 
-    def save_checkpoint(self, step: int, blob: bytes) -> None:
+    def save_checkpoint(self, step: int, blob: bytes, order=None) -> None:
         self.calls.append(("save_checkpoint", step))
 
     def recorded(self) -> list[tuple[str, Any]]:

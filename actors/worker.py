@@ -12,9 +12,13 @@ a worker whose raylet is gone exits at once (`ParentWatch`).
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import sys
+import threading
+import uuid
+from typing import Any
 
 import ray
 
@@ -25,36 +29,44 @@ from core.schema import JobConfig, parse
 
 
 class RayLink:
-    """The replica's `Link` to its coordinator actor, found by name (it may have been restarted)."""
+    """The replica's `Link` to its coordinator actor, found by name (it may have been restarted). Every
+    message is numbered, so that the coordinator runs them in the order sent (actors/sequencer.py)."""
 
     def __init__(self, spec: WorkerSpec) -> None:
         self.spec = spec
         self._handle = None
+        self._sender = f"{spec.slot}/{uuid.uuid4().hex[:12]}"
+        self._seq = itertools.count()
+        self._lock = threading.Lock()
 
     def _coord(self):
         if self._handle is None:
             self._handle = ray.get_actor(self.spec.coordinator, namespace=self.spec.namespace)
         return self._handle
 
+    def _send(self, method: str, *args: Any) -> "ray.ObjectRef":
+        with self._lock:  # numbers in the order submitted
+            return getattr(self._coord(), method).remote(*args, order=(self._sender, next(self._seq)))
+
     def report(self, progress: Progress, wait: bool) -> None:
-        ref = self._coord().report.remote(progress)
+        ref = self._send("report", progress)
         if wait:
             ray.get(ref, timeout=10)
 
     def epoch_agreed(self, epoch: int, step: int, records: tuple[dict, ...]) -> None:
-        self._coord().epoch_agreed.remote(epoch, step, records)
+        self._send("epoch_agreed", epoch, step, records)
 
     def state_received(self, slot: str, epoch: int, source: str, step: int) -> None:
-        self._coord().state_received.remote(slot, epoch, source, step)
+        self._send("state_received", slot, epoch, source, step)
 
     def collective_failed(self, slot: str, epoch: int, error: str) -> None:
-        self._coord().collective_failed.remote(slot, epoch, error)
+        self._send("collective_failed", slot, epoch, error)
 
     def fault_fired(self, index: int, slot: str, step: int, phase: str) -> None:
-        ray.get(self._coord().fault_fired.remote(index, slot, step, phase), timeout=5)
+        ray.get(self._send("fault_fired", index, slot, step, phase), timeout=5)
 
     def save_checkpoint(self, step: int, blob: bytes) -> None:
-        self._coord().save_checkpoint.remote(step, blob)
+        self._send("save_checkpoint", step, blob)
 
 
 class Worker:
