@@ -63,3 +63,23 @@ def test_a_joiner_receives_a_live_members_state_and_the_others_never_wait_for_it
     gaps = [b - a for a, b in zip(stamps, stamps[1:])]
     print(f"w0's steps while w2 joined: median {sorted(gaps)[len(gaps) // 2] * 1000:.1f} ms, largest {max(gaps) * 1000:.1f} ms")
     assert max(gaps) < 0.25, "w0's foreground stopped while w2 joined (steps take ~0.01 s)"
+
+
+def test_a_failed_background_round_is_reported_again_while_no_re_form_comes(tmp_path):
+    """The coordinator may drop a re-form request (its rate limit, a probe under way); here the link
+    never re-forms at all. A member whose background group broke must keep asking, once per
+    collective timeout, rather than train on without background sync for the rest of the epoch."""
+    cfg = config(100_000)
+    cfg["faults"]["stragglers"] = [{"slot": s, "delay_s": 0.01} for s in ("w0", "w1")]
+    job = LocalJob(cfg, ["w0", "w1"], str(tmp_path), timeout_s=1.0)
+    job.publish(("w0", "w1"), 1, 2 * PER_WORKER)
+    job.start(["w0", "w1"])
+    w0 = job.replicas["w0"].impl
+    wait_until(lambda: w0.sync.stats.rounds_completed >= 1, timeout=60, what="a first background round")
+    w0._group.abort("test: the background group breaks")
+    reports = lambda: [c for c in job.link.calls if c[0] == "collective_failed" and c[1][0] == "w0"]  # noqa: E731
+    wait_until(lambda: len(reports()) >= 3, timeout=20, what="w0 asking again for a re-form")
+    assert all(c[1][1] == 1 for c in reports()), "each request names the broken epoch"
+    job.publish(("w0", "w1"), 2, 2 * PER_WORKER, stop_step=0)
+    outcomes = job.wait(timeout=60)
+    assert all(o["ok"] for o in outcomes.values()), outcomes
