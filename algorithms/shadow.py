@@ -407,6 +407,11 @@ class ShadowImpl(AlgorithmImpl):
         self._group: Any = None
         self._held: Optional[Any] = None
         self._reported_failures = 0
+        self._broken: Optional[str] = None
+        """Why this epoch's background group is broken (None while it works): asked again to re-form
+        every `_retry_s` until a new epoch comes, since the coordinator may drop a request."""
+        self._asked_at = 0.0
+        self._retry_s = 5.0
         self.on_failure: Callable[[str], None] = lambda error: None
         """Told of a failed background round (the owner asks the coordinator to re-form)."""
         self.on_state: Callable[[str, int], None] = lambda source, epoch: None
@@ -438,6 +443,8 @@ class ShadowImpl(AlgorithmImpl):
         if self.make_group is None:
             raise RuntimeError("shadow: the replica did not attach a background group factory")
         self._generation += 1
+        self._broken = None
+        self._retry_s = float(getattr(comm, "timeout_s", None) or self._retry_s)  # the coordinator's re-form rate
         threading.Thread(target=self._enter, args=(self._generation, epoch), daemon=True,
                          name=f"shadow entry e{epoch.membership_epoch}").start()
         if not self.block and self._prefetch is None and self.client is not None:
@@ -448,8 +455,7 @@ class ShadowImpl(AlgorithmImpl):
             group = self.make_group(epoch)
         except Exception as err:  # noqa: BLE001 - no background sync this epoch; the foreground trains on
             log.warning("shadow: the background group of epoch %d did not form: %s", epoch.membership_epoch, err)
-            if generation == self._generation:
-                self.on_failure(f"the background group did not form: {err}")  # the coordinator re-forms it
+            self._group_broken(generation, f"the background group did not form: {err}")  # the coordinator re-forms it
             return
         if group is None:
             return
@@ -462,8 +468,7 @@ class ShadowImpl(AlgorithmImpl):
         except Exception as err:  # noqa: BLE001 - a peer died meanwhile: the next epoch tries again
             log.warning("shadow: entering epoch %d failed: %s", epoch.membership_epoch, err)
             group.abort(str(err))
-            if generation == self._generation:
-                self.on_failure(f"entering the background group failed: {err}")  # a joiner must not wait forever
+            self._group_broken(generation, f"entering the background group failed: {err}")  # a joiner must not wait forever
             return
         if generation != self._generation:
             return
@@ -515,6 +520,7 @@ class ShadowImpl(AlgorithmImpl):
 
     def on_epoch_end(self, reason: str) -> None:
         self._generation += 1
+        self._broken = None
         group, self._group = self._group, None
         if self.sync.state == Lifecycle.STARTED:
             self.sync.abandon(reason)
@@ -530,9 +536,10 @@ class ShadowImpl(AlgorithmImpl):
         dispenser cannot deal (the loop comes back)."""
         if self.client is None:
             raise RuntimeError("policy 'shadow' needs the job's lease dispenser; none was connected")
+        if not self.closed:
+            self._report_failures()  # a joiner whose entry failed waits here: it asks again too
         if not self.ready.wait(0.2) or self.closed:
             return np.empty(0, dtype=np.int64)
-        self._report_failures()
         if not self.block:
             self.block = self._take_prefetch() or self._fetch()
             if not self.block:
@@ -579,10 +586,21 @@ class ShadowImpl(AlgorithmImpl):
         return self._tickets(box.get("answer", (None, ())))
 
     def _report_failures(self) -> None:
+        """A round that failed stopped this epoch's background sync: ask the coordinator to re-form,
+        and ask again every `_retry_s` while no new epoch comes."""
         failed = self.sync.stats.rounds_failed
         if failed > self._reported_failures and self.sync.state == Lifecycle.STOPPED:
             self._reported_failures = failed
-            self.on_failure(self.sync.stats.last_error or "a background round failed")
+            self._group_broken(self._generation, self.sync.stats.last_error or "a background round failed")
+        elif self._broken is not None and time.monotonic() - self._asked_at >= self._retry_s:
+            self._asked_at = time.monotonic()
+            self.on_failure(self._broken)
+
+    def _group_broken(self, generation: int, error: str) -> None:
+        if generation != self._generation:
+            return  # an older epoch's group: the new epoch re-formed it already
+        self._broken, self._asked_at = error, time.monotonic()
+        self.on_failure(error)
 
     def begin_step(self, step: int, draft: VoteDraft) -> None:
         """The foreground holds the lock from the forward through the optimizer step: a round's
