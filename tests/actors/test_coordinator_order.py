@@ -48,3 +48,19 @@ def test_reports_sent_later_but_arriving_first_still_reach_history_in_order(ray_
         assert steps == [1, 2], steps
     finally:
         ray.kill(coord)
+
+
+def test_the_coordinator_keeps_a_bounded_tail_of_its_events_and_the_file_keeps_all(ray_session, tmp_path):
+    coord, run_dir = _coordinator(tmp_path, "bounded-events")
+    try:
+        ray.get(coord.status.remote(), timeout=60)
+        n = 2500
+        ray.get([coord._event.remote("reshape", f"reshape {i}", membership_epoch=i) for i in range(n)], timeout=120)
+        kept = ray.get(coord.list_events.remote(), timeout=30)
+        status = ray.get(coord.status.remote(), timeout=30)
+        assert len(kept) <= 1000 and kept[-1]["reason"] == f"reshape {n - 1}", len(kept)
+        assert len(status["reshapes"]) <= 20 and status["reshapes"][-1]["reason"] == f"reshape {n - 1}"
+        on_disk = [e for e in runfiles.read_jsonl(run_dir / "events.jsonl") if e["kind"] == "reshape"]
+        assert len(on_disk) == n
+    finally:
+        ray.kill(coord)
