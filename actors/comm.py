@@ -112,6 +112,44 @@ def group_store(spec: "GroupSpec", store: dist.Store) -> dist.Store:
     return SignedStore(prefix, spec.secret) if spec.secret else prefix
 
 
+GROUP_SUFFIXES = ("", "/bg")
+"""The groups of one membership epoch: the epoch's own, and the background kind's (actors/replica.py)."""
+
+
+def group_keys(name: str, world_size: int, backend: str) -> list[str]:
+    """The store keys a formed group leaves behind, as written through `group_store` (whose prefix adds
+    a "/"): each rank's abort address, and gloo's per-rank address under its device "0". NCCL's
+    unique-id key is not listed (not measured: no GPU here), so an NCCL job still leaves one small
+    key per epoch."""
+    keys = []
+    for rank in range(world_size):
+        keys.append(f"{name}//gloo-listen/{rank}")
+        if backend == "gloo":
+            keys.append(f"{name}//0/{rank}")
+    return keys
+
+
+class EpochKeys:
+    """Releases the store keys of past membership epochs. A worker reads its group's keys only while
+    it forms the group; a member still forming the previous epoch is superseded, but may be reading,
+    so the keys of the newest two epochs stay and older ones are deleted."""
+
+    def __init__(self, store: dist.Store) -> None:
+        self.store = store
+        self._live: list[tuple[str, int, str]] = []
+
+    def entered(self, name: str, world_size: int, backend: str) -> None:
+        self._live.append((name, world_size, backend))
+        while len(self._live) > 2:
+            old, size, kind = self._live.pop(0)
+            for suffix in GROUP_SUFFIXES:
+                for key in group_keys(old + suffix, size, kind):
+                    try:
+                        self.store.delete_key(key)
+                    except Exception as err:  # noqa: BLE001 - a key never written (a group that never formed)
+                        log.debug("store key %s: %s", key, err)
+
+
 @dataclass(frozen=True)
 class GroupSpec:
     """Everything a member needs to join one membership epoch's group."""

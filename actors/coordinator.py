@@ -31,7 +31,7 @@ import ray
 from ray.exceptions import ActorDiedError, RayActorError
 
 from actors import checkpoints, runfiles
-from actors.comm import serve_store
+from actors.comm import EpochKeys, serve_store
 from actors.faults import CoordinatorFaults
 from actors.history import History
 from actors.members import Member, Spare, ask, describe, probe, first_line, is_placed, job_is_dead, kill, log, log_to
@@ -65,6 +65,10 @@ SAVED = "coordinator.json"
 S = MemberState
 STRAGGLER_WARMUP_STEPS = 20
 """Steps a member trains before its step-time estimate is compared with the others'."""
+EVENTS_KEPT = 1000
+"""Events kept in memory (events.jsonl keeps every one)."""
+RESHAPES_SHOWN = 20
+"""The newest reshapes in status (as with departed members)."""
 
 
 class Coordinator:
@@ -84,6 +88,7 @@ class Coordinator:
         """The job's rendezvous key: its workers sign what they write to the group store (actors/comm.py);
         a restarted coordinator keeps the one on disk (its live workers have it)."""
         self.store, self.store_port, self._store_socket = serve_store(self.node_ip, self.cfg.comm.timeout_s)
+        self.epoch_keys = EpochKeys(self.store)
         self.state = JobState.STARTING
         self.cause: Optional[str] = None
         self.members: dict[str, Member] = {}
@@ -92,7 +97,8 @@ class Coordinator:
         self.loss: Optional[float] = None
         self.metrics: dict = {}
         self.recent: collections.deque[tuple[float, int]] = collections.deque()  # (time, step) of the last 5 s
-        self.events: list[Event] = []
+        self.events: collections.deque[Event] = collections.deque(maxlen=EVENTS_KEPT)
+        """The newest events (events.jsonl holds them all)."""
         self.fired_faults: set[int] = set(runfiles.read_json(self.run_dir / "faults_fired.json", []))
         self.faults = CoordinatorFaults(
             self.cfg.faults, set(runfiles.read_json(self.run_dir / "coordinator_faults_fired.json", [])),
@@ -202,7 +208,8 @@ class Coordinator:
         self.departed = [MemberStatus(**d) for d in saved["departed"]]
         if saved["plan"]:
             self.plan = Plan(**{k: tuple(v) if k == "members" else v for k, v in saved["plan"].items()})
-        self.events = [Event(**e) for e in runfiles.read_jsonl(self.run_dir / "events.jsonl")]
+        self.events = collections.deque((Event(**e) for e in runfiles.read_jsonl(self.run_dir / "events.jsonl")),
+                                        maxlen=EVENTS_KEPT)
         history = runfiles.read_jsonl(self.run_dir / "history.jsonl")
         self.step = history[-1]["step"] if history else 0
         return self.step
@@ -1075,6 +1082,8 @@ class Coordinator:
             global_batch=global_batch, lr_scale=lr_scale,
             backend="nccl" if self.cfg.workers.gpus > 0 and self.cfg.comm.backend != "gloo" else "gloo",
             stop_step=self.stop_step, reason=reason, history_step=self.history.written_step)
+        if previous is None or plan.membership_epoch != previous.membership_epoch:
+            self.epoch_keys.entered(plan.group_name, len(members), plan.backend)  # older epochs' keys go
         self.plan = plan
         if self.server is not None:  # the server admits a membership before its members pull under it
             self._tell_server(members)
@@ -1213,6 +1222,15 @@ class Coordinator:
                             pid=m.pid, state=m.state.value, cause=m.cause, node_id=m.node_id,
                             actor_id=m.handle._actor_id.hex() if m.handle is not None else "")
 
+    def _recent_reshapes(self) -> tuple[Event, ...]:
+        recent: list[Event] = []
+        for event in reversed(self.events):
+            if event.kind == "reshape":
+                recent.append(event)
+                if len(recent) == RESHAPES_SHOWN:
+                    break
+        return tuple(reversed(recent))
+
     def _depart(self, member: Member) -> None:
         self.departed = (self.departed + [self._member_status(member)])[-20:]
 
@@ -1225,7 +1243,7 @@ class Coordinator:
                          membership_epoch=self.epoch, world_size=len(plan.members) if plan else 0,
                          members=tuple(self._member_status(m) for m in self.members.values()),
                          loss=self.loss, throughput=throughput, cause=self.cause, run_dir=str(self.run_dir),
-                         metrics=dict(self.metrics), reshapes=tuple(e for e in self.events if e.kind == "reshape"),
+                         metrics=dict(self.metrics), reshapes=self._recent_reshapes(),
                          departed=tuple(self.departed), incarnation=self.incarnation, coordinator_pid=os.getpid(),
                          started_at=self.started_at, ended_at=self.ended_at,
                          stragglers={slot: round(r, 3) for slot, r in self.stragglers.current.items()},

@@ -48,15 +48,20 @@ class PlanBook:
 
     def __init__(self, tick: Callable[[], None] = lambda: None) -> None:
         self.plans: dict[int, Plan] = {}
+        """Only the newest plan is kept: a vote agrees on the maximum of the members' newest versions,
+        so no older one is ever asked for (the plan a worker trains under is its own copy)."""
+        self.named: set[str] = set()
+        """Every slot any plan so far named (admission asks; bounded by the job's slots)."""
         self.latest: Optional[Plan] = None
         self._cv = threading.Condition()
         self._tick = tick
 
     def add(self, plan: Plan) -> None:
         with self._cv:
-            self.plans[plan.version] = plan
+            self.named.update(plan.members)
             if self.latest is None or plan.version > self.latest.version:
                 self.latest = plan
+                self.plans = {plan.version: plan}
             self._cv.notify_all()
 
     def _wait(self, done: Callable[[], bool]) -> None:
@@ -68,7 +73,7 @@ class PlanBook:
     def admission(self, slot: str) -> Plan:
         """The newest plan once some plan names `slot`: the plan that admits a worker and its `run()`
         travel on different channels, so `run()` may start first (a later plan may drop it again)."""
-        self._wait(lambda: any(slot in p.members for p in self.plans.values()))
+        self._wait(lambda: slot in self.named)
         return self.latest
 
     def newer_than(self, version: int) -> Plan:

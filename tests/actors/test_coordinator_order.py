@@ -56,11 +56,11 @@ def test_the_coordinator_keeps_a_bounded_tail_of_its_events_and_the_file_keeps_a
         ray.get(coord.status.remote(), timeout=60)
         n = 2500
         ray.get([coord._event.remote("reshape", f"reshape {i}", membership_epoch=i) for i in range(n)], timeout=120)
-        kept = ray.get(coord.list_events.remote(), timeout=30)
-        status = ray.get(coord.status.remote(), timeout=30)
-        assert len(kept) <= 1000 and kept[-1]["reason"] == f"reshape {n - 1}", len(kept)
-        assert len(status["reshapes"]) <= 20 and status["reshapes"][-1]["reason"] == f"reshape {n - 1}"
-        on_disk = [e for e in runfiles.read_jsonl(run_dir / "events.jsonl") if e["kind"] == "reshape"]
-        assert len(on_disk) == n
+        kept = [e["reason"] for e in ray.get(coord.list_events.remote(), timeout=30)]
+        shown = [e["reason"] for e in ray.get(coord.status.remote(), timeout=30)["reshapes"]]
+        on_disk = [e["reason"] for e in runfiles.read_jsonl(run_dir / "events.jsonl") if e["kind"] == "reshape"]
+        assert len(on_disk) == n and len(set(on_disk)) == n, "the file keeps every event"
+        assert kept == on_disk[-1000:], "memory keeps the newest 1000, in the file's order"
+        assert shown == on_disk[-20:], "status shows the newest 20 reshapes"
     finally:
         ray.kill(coord)
