@@ -42,6 +42,8 @@ class Sim:
     members: dict[str, Member] = field(default_factory=dict)
     epoch: int = 0
     pulls: list[tuple[str, int, dict[str, int]]] = field(default_factory=list)
+    samples: dict[tuple[str, int], list[int]] = field(default_factory=dict)
+    """(slot, clock) -> the sample ids of the ticket pulled for it."""
     """(slot, clock pulled, every live member's clock then), at each successful pull."""
     results: list[PushResult] = field(default_factory=list)
     retry: bool = False
@@ -67,6 +69,7 @@ class Sim:
         self.pulls.append((m.slot, pulled.clock, {s: o.clock for s, o in self.members.items()}))
         set_flat(list(self.model.parameters()), self.core.parameters())
         index = torch.tensor([i for lease in pulled.ticket.leases for i in lease.ids])
+        self.samples[(m.slot, pulled.clock)] = index.tolist()
         self.model.zero_grad()
         loss = F.cross_entropy(self.model(self.x[index]), self.y[index]) * len(index) / self.core.global_batch
         loss.backward()
@@ -181,3 +184,96 @@ def test_asp_lone_push_is_a_full_mean_gradient_step():
     F.cross_entropy(model(x[ids]), y[ids]).backward()
     expected = [b - 0.1 * p.grad for b, p in zip(before, model.parameters())]
     assert max_diff(server_params(sim), expected) < 1e-6
+
+
+# ------------------------------------------------------------------ ssp s > 0 and quorum k < n, by value
+def reference_clocked(rule: str, bound: int, costs: list[int], samples: dict, global_batch: int, steps: int,
+                      lr: float, momentum: float) -> tuple[torch.Tensor, dict[int, int], int]:
+    """SSP(s) and quorum(k) written from their rules, in the harness's tick order (each tick, in rank
+    order: an idle member starts its clock if allowed, on the parameters of that moment; a member whose
+    ticks are spent pushes). The data a member trains for a clock is an input (the dispenser's business,
+    tested on its own). Returns the final flat parameters, the staleness histogram and the drops.
+
+    - ssp: a member may start clock c once the applied version >= c - s; clock c is applied once every
+      member pushed it.
+    - quorum: a member starts at the next clock to apply when it fell behind (version > its clock),
+      and only once version >= c; clock c is applied once k members pushed it; a push for a clock
+      already applied is dropped.
+    - apply: one SGD-with-momentum step on the sum of the clock's pushes (each the gradient of the sum
+      of its samples' losses / B), scaled by B / (samples pushed): buf = momentum * buf + g,
+      w = w - lr * buf; the version is the number of applied clocks.
+    """
+    model, x, y = start_model()
+    w = flat(model.parameters()).clone()
+    buf = torch.zeros_like(w)
+    n = len(costs)
+    version, drops = 0, 0
+    clock = [0] * n
+    busy: list[Optional[list]] = [None] * n  # [clock, gradient, samples, version pulled, ticks left]
+    staged: dict[int, dict[int, tuple[torch.Tensor, int, int]]] = {}
+    staleness: dict[int, int] = {}
+
+    def gradient(rank: int, c: int) -> tuple[torch.Tensor, int]:
+        ids = torch.tensor(samples[(f"w{rank}", c)])
+        set_flat(list(model.parameters()), w)
+        model.zero_grad()
+        (F.cross_entropy(model(x[ids]), y[ids], reduction="sum") / global_batch).backward()
+        return flat(p.grad for p in model.parameters()).clone(), len(ids)
+
+    while version < steps:
+        for r in range(n):
+            if version >= steps:
+                break
+            if busy[r] is None:
+                if rule == "quorum" and clock[r] < version:
+                    clock[r] = version
+                allowed = version >= clock[r] - (bound if rule == "ssp" else 0)
+                if not allowed:
+                    continue
+                g, count = gradient(r, clock[r])
+                busy[r] = [clock[r], g, count, version, costs[r]]
+            busy[r][4] -= 1
+            if busy[r][4]:
+                continue
+            c, g, count, pulled, _ = busy[r]
+            busy[r], clock[r] = None, c + 1
+            if c < version:  # quorum: applied without it
+                drops += 1
+                continue
+            staged.setdefault(c, {})[r] = (g, count, pulled)
+            need = n if rule == "ssp" else bound
+            while len(staged.get(version, {})) >= need and version < steps:
+                pushes = [staged[version][k] for k in sorted(staged[version])]
+                total = torch.stack([p[0] for p in pushes]).sum(0) * global_batch / sum(p[1] for p in pushes)
+                buf = momentum * buf + total
+                w = w - lr * buf
+                for p in pushes:  # version at apply minus version pulled
+                    staleness[version - p[2]] = staleness.get(version - p[2], 0) + 1
+                del staged[version]
+                version += 1
+    return w, staleness, drops
+
+
+SGD_PLAIN_M = {"name": "sgd", "lr": 0.1, "momentum": 0.9}
+
+
+@pytest.mark.parametrize("rule,bound,costs", [("ssp", 2, [1, 3, 1]), ("ssp", 1, [2, 1, 3, 1]),
+                                              ("quorum", 2, [1, 3, 1]), ("quorum", 3, [2, 1, 4, 1])])
+def test_ssp_with_slack_and_quorum_below_n_equal_their_rules_by_value(rule, bound, costs):
+    """Stragglers make the slack and the quorum matter: some pushes are stale, some dropped."""
+    global_batch = 48
+    policy = SSPConfig(s=bound) if rule == "ssp" else QuorumConfig(k=bound)
+    sim = simulate(SGD_PLAIN_M, policy, costs, global_batch)
+    sim.run()
+    assert sim.core.version == STEPS
+    want, staleness, drops = reference_clocked(rule, bound, costs, sim.samples, global_batch, STEPS,
+                                               SGD_PLAIN_M["lr"], SGD_PLAIN_M["momentum"])
+    diff = float((sim.core.parameters() - want).abs().max())
+    dropped = sum(1 for r in sim.results if r.status == "dropped")
+    print(f"{rule} {bound} costs {costs}: max |server - rule| = {diff:.2e}; staleness {staleness}; drops {drops}")
+    if rule == "ssp":
+        assert any(k > 0 for k in staleness), "the case must exercise stale pushes"
+    else:
+        assert drops > 0 and set(staleness) == {0}, "quorum drops late pushes; what it applies is never stale"
+    assert sim.core.staleness == staleness and dropped == drops
+    assert diff < 1e-6
