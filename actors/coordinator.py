@@ -84,7 +84,7 @@ class Coordinator:
         self.node_ip = ray.util.get_node_ip_address()
         self.sequencer = Sequencer()
         """Runs each worker's messages in the order it sent them (Ray does not, for an asyncio actor)."""
-        self.secret = secrets.token_bytes(32)
+        self.secret = secrets.token_bytes(32) if self.cfg.comm.sign_rendezvous else b""
         """The job's rendezvous key: its workers sign what they write to the group store (actors/comm.py);
         a restarted coordinator keeps the one on disk (its live workers have it)."""
         self.store, self.store_port, self._store_socket = serve_store(self.node_ip, self.cfg.comm.timeout_s)

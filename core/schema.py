@@ -646,6 +646,10 @@ class CommConfig:
     timeout_s: float = 10.0
     """One timeout for every collective, the store and group construction."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
+    sign_rendezvous: bool = True
+    """Each job's rendezvous values are signed with a secret only its actors hold, and a value without
+    that signature is refused. `false` exists to measure what signing costs (benchmarks/startup.py);
+    without it, anything that reaches the coordinator's store port can steer a job's groups."""
 
     def __post_init__(self) -> None:
         if self.timeout_s <= 0:

@@ -47,6 +47,7 @@ def test_a_joiner_receives_a_live_members_state_and_the_others_never_wait_for_it
     job.start(["w0", "w1"])
     wait_until(lambda: job.replicas["w0"].step >= 20, timeout=60, what="w0 at step 20")
     job.publish(("w0", "w1", "w2"), 2, 3 * PER_WORKER)
+    time.sleep(0.5)  # the joiner's process is slow to come up: the members of the new epoch train meanwhile
     job.start(["w2"])
     received = wait_until(lambda: [c for c in job.link.calls if c[0] == "state_received"], timeout=60,
                           what="the joiner's state")
