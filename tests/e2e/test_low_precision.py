@@ -16,7 +16,7 @@ from orchestrator.job import ElasticJob
 from core.schema import TERMINAL_STATES
 
 
-@pytest.mark.parametrize("dtype,per_worker", [("bfloat16", 111), ("float16", 701)])
+@pytest.mark.parametrize("dtype,per_worker", [pytest.param("bfloat16", 111, marks=pytest.mark.slow), ("float16", 701)])
 def test_low_precision_model_trains(run_root, dtype, per_worker):
     cfg = config_from_dict({
         "name": f"low-precision-{dtype}", "seed": 1, "workers": {"count": 3, "cpus": 0.5},

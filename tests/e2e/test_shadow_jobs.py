@@ -34,7 +34,10 @@ def check_leases(job: ElasticJob) -> dict:
     return leases
 
 
-@pytest.mark.parametrize("method", ["ma", "bmuf", "easgd"])
+@pytest.mark.parametrize("method", ["ma", pytest.param("bmuf", marks=pytest.mark.slow),
+                                    pytest.param("easgd", marks=pytest.mark.slow)])
+# bmuf's and easgd's rules are checked by value in process (tests/unit/test_shadow.py); one method end to end
+# covers the wiring in the default tier, the others run in the slow tier
 def test_shadow_finishes_with_every_member_at_its_own_stop_and_the_average_as_model(run_root, method):
     steps = 30
     sync = {"policy": "shadow", "method": method, "block_momentum": 0.5 if method == "bmuf" else 0.0}
