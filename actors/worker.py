@@ -12,7 +12,6 @@ a worker whose raylet is gone exits at once (`ParentWatch`).
 """
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 import sys
@@ -36,7 +35,7 @@ class RayLink:
         self.spec = spec
         self._handle = None
         self._sender = f"{spec.slot}/{uuid.uuid4().hex[:12]}"
-        self._seq = itertools.count()
+        self._next = 0
         self._lock = threading.Lock()
 
     def _coord(self):
@@ -45,8 +44,10 @@ class RayLink:
         return self._handle
 
     def _send(self, method: str, *args: Any) -> "ray.ObjectRef":
-        with self._lock:  # numbers in the order submitted
-            return getattr(self._coord(), method).remote(*args, order=(self._sender, next(self._seq)))
+        with self._lock:  # numbers in the order submitted; a call that could not be sent uses no number
+            ref = getattr(self._coord(), method).remote(*args, order=(self._sender, self._next))
+            self._next += 1
+            return ref
 
     def report(self, progress: Progress, wait: bool) -> None:
         ref = self._send("report", progress)
