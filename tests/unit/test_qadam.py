@@ -25,19 +25,29 @@ def run(tmp_path, sync: dict, compression: dict | None = None) -> list[torch.Ten
     return run_replicas(tmp_path, cfg, N, GLOBAL_BATCH)
 
 
-def reference_qadam(warmup: int) -> list[torch.Tensor]:
-    """AdamW on the global batch for `warmup` steps, then Adam with the second moment frozen."""
+def warmed_up(warmup: int) -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor, torch.optim.AdamW]:
+    """The oracles' model and data, and AdamW after `warmup` steps on the global batch (QAdam's warm-up
+    is BSP with AdamW, exactly)."""
     model, x, y = start_model()
-    params = list(model.parameters())
-    (beta1, beta2), eps, lr, decay = (0.9, 0.999), ADAMW["eps"], ADAMW["lr"], ADAMW["weight_decay"]
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=decay, eps=eps, foreach=False)
-    for step in range(STEPS):
+    opt = torch.optim.AdamW(model.parameters(), lr=ADAMW["lr"], weight_decay=ADAMW["weight_decay"], eps=ADAMW["eps"],
+                            foreach=False)
+    for step in range(warmup):
         index = torch.tensor(global_batch_ids(step, GLOBAL_BATCH, len(x)))
         opt.zero_grad()
         F.cross_entropy(model(x[index]), y[index]).backward()
-        if step < warmup:
-            opt.step()
-            continue
+        opt.step()
+    return model, x, y, opt
+
+
+def reference_qadam(warmup: int) -> list[torch.Tensor]:
+    """AdamW on the global batch for `warmup` steps, then Adam with the second moment frozen."""
+    model, x, y, opt = warmed_up(warmup)
+    params = list(model.parameters())
+    (beta1, beta2), eps, lr, decay = (0.9, 0.999), ADAMW["eps"], ADAMW["lr"], ADAMW["weight_decay"]
+    for step in range(warmup, STEPS):
+        index = torch.tensor(global_batch_ids(step, GLOBAL_BATCH, len(x)))
+        opt.zero_grad()
+        F.cross_entropy(model(x[index]), y[index]).backward()
         with torch.no_grad():
             for p in params:
                 state = opt.state[p]
@@ -71,8 +81,9 @@ def test_qadam_with_compressed_momentum_keeps_replicas_identical(tmp_path):
     assert 0 < fp16 < 1e-3 and 0 < uint8  # how far uint8 may drift is checked step by step below
 
 
-def _state_after(tmp_path, steps: int) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """w0's parameters and agreed momentum (flat, all buckets) after `steps` steps of qadam with uint8."""
+def _state_after(tmp_path, steps: int) -> tuple[list[torch.Tensor], torch.Tensor, list[int]]:
+    """w0's parameters, agreed momentum (flat, all buckets) and the parameters' order in it, after
+    `steps` steps of qadam with uint8."""
     cfg = {"name": "qadam", "seed": SEED, "workers": {"count": N, "cpus": 1},
            "workload": {"factory": "orchestrator.workloads.digits:mlp", "params": {"hidden": 16}, "batch_size": 8},
            "optimizer": ADAMW, "sync": {"policy": "qadam", "warmup_steps": 4}, "compression": {"codec": "uint8"},
@@ -97,15 +108,9 @@ def test_qadam_uint8_agrees_on_a_momentum_within_the_codecs_bound_and_applies_th
       corrections at t and at the warm-up's end)."""
     before, m_prev, order = _state_after(tmp_path / "a", step) if step > 4 else (None, None, None)
     after, m_new, order = _state_after(tmp_path / "b", step + 1)
-    model, x, y = start_model()
+    model, x, y, opt = warmed_up(4)
     params = list(model.parameters())
     (beta1, beta2), eps, lr, decay = (0.9, 0.999), ADAMW["eps"], ADAMW["lr"], ADAMW["weight_decay"]
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=decay, eps=eps, foreach=False)
-    for s in range(4):  # the warm-up, exact: AdamW on the global batch
-        index = torch.tensor(global_batch_ids(s, GLOBAL_BATCH, len(x)))
-        opt.zero_grad()
-        F.cross_entropy(model(x[index]), y[index]).backward()
-        opt.step()
     v = torch.cat([opt.state[params[i]]["exp_avg_sq"].reshape(-1) for i in order])
     if before is None:  # the first compressed step starts from the warm-up's own state
         before = [p.detach().clone() for p in params]
