@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import dataclasses
 import json
 import os
 import secrets
 import signal
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -31,15 +33,15 @@ import ray
 from ray.exceptions import ActorDiedError, RayActorError
 
 from actors import checkpoints, runfiles
-from actors.comm import EpochKeys, serve_store
 from actors.faults import CoordinatorFaults
 from actors.history import History
 from actors.members import Member, Spare, ask, describe, probe, first_line, is_placed, job_is_dead, kill, log, log_to
 from actors.plan import ParentWatch, Plan, Progress, WorkerSpec
 from actors.sequencer import Order, Sequencer
 from actors.server_control import ServerControl, restart_event
+from actors.store import EpochKeys, serve_store
 from actors.worker import WorkerActor
-from algorithms.base import SERVER_KINDS, get_algorithm
+from algorithms.kinds import SERVER_KINDS, PolicyTraits
 from algorithms.membership import MemberView, batch_for, choose_leavers, free_slots, joiners_start_stateless, server_members, slot_index
 from algorithms.stragglers import StragglerWatch
 from algorithms.topologies import get_topology, spectral_gap
@@ -87,8 +89,12 @@ class Coordinator:
         self.secret = secrets.token_bytes(32) if self.cfg.comm.sign_rendezvous else b""
         """The job's rendezvous key: its workers sign what they write to the group store (actors/comm.py);
         a restarted coordinator keeps the one on disk (its live workers have it)."""
-        self.store, self.store_port, self._store_socket = serve_store(self.node_ip, self.cfg.comm.timeout_s)
-        self.epoch_keys = EpochKeys(self.store)
+        self._store_up = _in_thread(serve_store, self.node_ip, self.cfg.comm.timeout_s)
+        """The job's group store, served once torch.distributed has loaded in that thread: the first
+        workers start meanwhile (this module imports no torch; `_serve_store` waits for it)."""
+        self.store: Any = None
+        self.store_port = 0
+        self.epoch_keys: Optional[EpochKeys] = None
         self.state = JobState.STARTING
         self.cause: Optional[str] = None
         self.members: dict[str, Member] = {}
@@ -155,7 +161,8 @@ class Coordinator:
         `scale` waits for it, since Ray may hand a restarted coordinator a call the dead one had taken."""
         if self._saved is None:
             self._recovered.set()
-        self.algorithm = get_algorithm(self.cfg.sync.policy)(self.cfg.sync)
+        self.algorithm = PolicyTraits(self.cfg.sync.policy)
+        """What the coordinator needs of the policy: its kind's answers (algorithms/kinds.py)."""
         self.barriers = BarrierPlanner(self.cfg.sync.r, self.cfg.sync.ewma) if isinstance(self.cfg.sync, ElasticBSPConfig) else None
         """elastic_bsp: ZipLine over each member's predicted iteration interval."""
         if self._saved is not None and self.algorithm.kind in SERVER_KINDS:  # detached: it trained on without us
@@ -221,7 +228,7 @@ class Coordinator:
             self._released = asyncio.Event()
             self._reshape_lock = asyncio.Lock()
             self._main_task = asyncio.get_running_loop().create_task(self._main())
-        return {"store_port": self.store_port, "node": self.node_ip, "pid": os.getpid()}
+        return {"node": self.node_ip, "pid": os.getpid()}
 
     async def status(self) -> dict:
         return self._status().to_dict()
@@ -403,6 +410,17 @@ class Coordinator:
         finally:
             await self._linger()
 
+    async def _serve_store(self) -> None:
+        """Wait for the job's group store (needed from the first plan on)."""
+        if self.store is None:
+            await asyncio.wrap_future(self._store_up)
+            self._take_store()
+
+    def _take_store(self) -> None:
+        if self.store is None:  # `_publish` before `_serve_store` (not expected) waits here, off no await
+            self.store, self.store_port, self._store_socket = self._store_up.result()
+            self.epoch_keys = EpochKeys(self.store)
+
     async def _begin(self) -> None:
         if self.algorithm.kind in SERVER_KINDS:  # it holds the initial state and the first membership before any pull
             self.server = await ServerControl.start(self.cfg, self.config_dict, self.run_id, str(self.run_dir))
@@ -410,6 +428,7 @@ class Coordinator:
             self._event("info", f"{what} started (pid {self.server.pid})", pid=self.server.pid)
         self._spawn([f"w{i}" for i in range(self.cfg.workers.count)], "initial membership", "start")
         members = await self._first_members()
+        await self._serve_store()
         if self.resume_from:
             await self._resume(members[0])
         self._publish(members, "initial membership")
@@ -425,6 +444,7 @@ class Coordinator:
         a formed group needs no coordinator), collect the records they committed meanwhile, and
         publish a membership epoch newer than any they hold, on this incarnation's store."""
         decided = time.time()
+        await self._serve_store()
         if self.state == JobState.RUNNING:
             self._transition(JobState.RESHAPING, f"coordinator restarted as incarnation {self.incarnation}: re-attaching workers")
         found, lost, epochs = [], [], []
@@ -1067,6 +1087,7 @@ class Coordinator:
         return tuple(s for s in self.plan.members if self.members[s].state == S.TRAINING) if self.plan else ()
 
     def _publish(self, members: tuple[str, ...], reason: str, new_epoch: bool = False) -> Plan:
+        self._take_store()
         self.version += 1
         global_batch, lr_scale = batch_for(len(members), self.cfg.workload.batch_size, self.cfg.workers.count,
                                            self.cfg.workers.batch_mode)
@@ -1262,3 +1283,17 @@ class Coordinator:
 
 
 CoordinatorActor = ray.remote(num_cpus=0)(Coordinator)
+
+
+def _in_thread(fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future:
+    """`fn(*args)` in a daemon thread of its own; its result (or exception) in the returned future."""
+    future: concurrent.futures.Future = concurrent.futures.Future()
+
+    def run() -> None:
+        try:
+            future.set_result(fn(*args))
+        except BaseException as err:  # noqa: BLE001 - handed to whoever waits for it
+            future.set_exception(err)
+
+    threading.Thread(target=run, name=getattr(fn, "__name__", "in_thread"), daemon=True).start()
+    return future

@@ -16,14 +16,18 @@ import os
 import signal
 import sys
 import time
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import numpy as np
 
-from actors.comm import BaseCommunicator, CommError
 from core.schema import FaultsConfig, KillFault
 
+if TYPE_CHECKING:  # pragma: no cover
+    from actors.comm import BaseCommunicator
+
 log = logging.getLogger(__name__)
+# No torch at import (the coordinator imports `CoordinatorFaults`): the worker's side imports
+# actors/comm.py where it raises.
 
 
 def jitter_factor(sigma: float, seed: int, slot: str, step: int) -> float:
@@ -77,6 +81,8 @@ class WorkerFaults:
     def lose_vote(self, step: int) -> None:
         """`at: vote`: this member loses the result of a vote the others commit (a split commit)."""
         if self.due("vote", step) is not None:
+            from actors.comm import CommError  # noqa: PLC0415 - see the imports
+
             raise CommError(f"injected fault: {self.slot} lost the result of the commit vote for step {step + 1}")
 
     def straggle(self, started: float, step: int = 0) -> float:

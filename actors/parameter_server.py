@@ -39,6 +39,7 @@ import ray
 import torch
 
 from actors import checkpoints, runfiles
+from actors.plan import server_name
 from algorithms.base import get_algorithm
 from algorithms.dispenser import NOTICES_IN_FLIGHT, DispenserCore
 from algorithms.server import Fence, Pull, Push, PushResult, ServerCore, Update, combine_buffers
@@ -67,10 +68,6 @@ class ServerReports(Protocol):
         """elastic_bsp: round `index` (of `members`) began; `intervals` are the iteration times measured
         over the round before (pull answered to push received, per slot)."""
         ...
-
-
-def server_name(job: str, run_id: str) -> str:
-    return f"{job}/{run_id}/server"
 
 
 def global_batch(cfg: JobConfig) -> int:

@@ -12,6 +12,11 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 
+def server_name(job: str, run_id: str) -> str:
+    """The Ray actor name of a job's parameter server (or lease dispenser)."""
+    return f"{job}/{run_id}/server"
+
+
 @dataclass(frozen=True)
 class Plan:
     """What every member runs from the step at which the commit vote adopts it."""

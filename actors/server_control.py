@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 from actors.members import first_line, kill
-from actors.parameter_server import find_server, start_server
 from core.schema import JobConfig
 
 log = logging.getLogger(__name__)
@@ -33,12 +32,16 @@ class ServerControl:
     @classmethod
     async def start(cls, cfg: JobConfig, config: dict, run_id: str, run_dir: str) -> "ServerControl":
         """Create the server and wait until it holds the initial state (Ray places it when a CPU is free)."""
+        from actors.parameter_server import start_server  # noqa: PLC0415 - torch: not in the coordinator's start
+
         handle = start_server(cfg, config, run_id, run_dir, cfg.ray.namespace)
         info = await asyncio.wrap_future(handle.ready.remote().future())
         return cls(handle, pid=info["pid"], summary={k: v for k, v in info.items() if k != "node"})
 
     @classmethod
     def attach(cls, cfg: JobConfig, run_id: str) -> Optional["ServerControl"]:
+        from actors.parameter_server import find_server  # noqa: PLC0415
+
         handle = find_server(cfg.name, run_id, cfg.ray.namespace)
         return cls(handle) if handle is not None else None
 

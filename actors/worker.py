@@ -17,14 +17,19 @@ import os
 import sys
 import threading
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 
-from actors.parameter_server import RayServerClient, server_name
 from actors.plan import ParentWatch, Plan, Progress, WorkerSpec
-from actors.replica import Replica, build_workload, warm_up
 from core.schema import JobConfig, parse
+
+if TYPE_CHECKING:  # pragma: no cover
+    from actors.replica import Replica
+
+# This module imports no torch: the coordinator imports it for the actor class, and its process
+# starts workers sooner without torch's two seconds of import (actors/store.py). The worker's
+# process imports the training side (actors/replica.py, torch) in `__init__`.
 
 
 class RayLink:
@@ -86,6 +91,8 @@ class Worker:
         self.replica: Replica | None = None
         self._workload = None
         if is_spare(spec.slot):  # the slow part of a start, done ahead: the workload and first-use imports
+            from actors.replica import build_workload, warm_up  # noqa: PLC0415 - see the imports
+
             config = parse(JobConfig, spec.config)
             self._workload = build_workload(config)
             warm_up(config, self._workload)
@@ -93,6 +100,9 @@ class Worker:
             self._become(spec)
 
     def _become(self, spec: WorkerSpec, workload=None) -> None:
+        from actors.parameter_server import RayServerClient, server_name  # noqa: PLC0415 - see the imports
+        from actors.replica import Replica  # noqa: PLC0415
+
         os.environ["ORCHESTRATOR_SLOT"] = spec.slot
         self.spec = spec
         self.replica = Replica(spec, RayLink(spec), ray.util.get_node_ip_address(), tick=self._parent.exit_if_orphaned,

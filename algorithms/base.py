@@ -55,21 +55,8 @@ from typing import Any, Callable, ClassVar, Literal, Optional
 import numpy as np
 import torch
 
-Kind = Literal["synchronous", "periodic", "server", "decentralized", "background"]
-Entry = Literal["replicated", "average", "server", "none"]
-Reporter = Literal["rank0", "each", "server"]
-
-ENTRY: dict[str, Entry] = {"synchronous": "replicated", "periodic": "replicated", "server": "server",
-                           "decentralized": "average", "background": "none"}
-REPORTER: dict[str, Reporter] = {"synchronous": "rank0", "periodic": "rank0", "server": "server",
-                                 "decentralized": "each", "background": "each"}
-FINAL_MODEL: dict[str, Literal["rank0", "server", "average"]] = {
-    "synchronous": "rank0", "periodic": "rank0", "server": "server", "decentralized": "average", "background": "average"}
-SERVER_KINDS = frozenset({"server", "background"})
-"""Kinds whose job runs a server actor: the parameter server, or the background kind's lease dispenser."""
-LOCAL_MEAN = frozenset({"periodic", "decentralized", "background"})
-"""Kinds whose members update their own replica: each uses its mean loss. The others weight each
-member's loss by its share of the global batch, so that summing is the global-batch mean."""
+from algorithms.kinds import (ENTRY, FINAL_MODEL, LOCAL_MEAN, REPORTER, SERVER_KINDS, Entry, Kind,  # noqa: F401
+                              KindTraits, Reporter)
 
 _REGISTRY: dict[str, type["Algorithm"]] = {}
 
@@ -281,8 +268,9 @@ class AlgorithmImpl:
         pass
 
 
-class Algorithm(ABC):
-    """Settings of one policy; `bind()` makes the per-worker implementation."""
+class Algorithm(KindTraits, ABC):
+    """Settings of one policy; `bind()` makes the per-worker implementation. Its kind's answers
+    (`entry`, `reporter`, `final_model`, ...) come from `algorithms/kinds.py`."""
 
     name: ClassVar[str]
     kind: ClassVar[Kind]
@@ -292,27 +280,6 @@ class Algorithm(ABC):
         self.config = config
         self.compression = compression
         """The job's `compression:` section (a codec for the policies that take one), or None."""
-
-    @property
-    def entry(self) -> Entry:
-        return ENTRY[self.kind]
-
-    @property
-    def reporter(self) -> Reporter:
-        return REPORTER[self.kind]
-
-    @property
-    def local_mean(self) -> bool:
-        return self.kind in LOCAL_MEAN
-
-    @property
-    def final_model(self) -> str:
-        return FINAL_MODEL[self.kind]
-
-    @property
-    def counts_steps(self) -> bool:
-        """Whether a worker's own step counts toward `stop.max_steps` (server kinds count versions)."""
-        return self.kind != "server"
 
     def bind(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> AlgorithmImpl:
         return self.impl(self, model, optimizer)

@@ -15,14 +15,16 @@ import os
 import secrets
 import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import ray
-import torch
 import yaml
 
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
 from actors import runfiles
-from actors.parameter_server import server_name
+from actors.plan import server_name
 from core.factory import check_factory
 from orchestrator.config import default_run_root
 from core.schema import (
@@ -232,9 +234,10 @@ class ElasticJob:
     def events(self) -> list[dict]:
         return runfiles.read_jsonl(self.run_dir / "events.jsonl") if self.run_dir else []
 
-    def model(self) -> torch.nn.Module:
+    def model(self) -> "torch.nn.Module":
         """The final model after `wait()` (for BSP, rank 0's replica, identical to the others; for the
         server policies, the parameter server's)."""
+        import torch  # noqa: PLC0415 - the CLI's status, scale and stop import this module and need no torch
         path = self.run_dir / "model.pt" if self.run_dir else None
         if path is None or not path.exists():
             raise OrchestratorError(f"job {self.name!r} has no final model yet (state {self.status().state})")
