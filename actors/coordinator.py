@@ -169,7 +169,10 @@ class Coordinator:
             self.server = ServerControl.attach(self.cfg, self.run_id)
         self.history = History(self.run_dir / "history.jsonl", self.algorithm.reporter, written,
                                note=lambda reason, detail: self._event("info", reason, **detail))
-        self._persist()
+        if self._saved is not None and self.state == JobState.RUNNING:  # status() never says RUNNING before re-attaching
+            self._transition(JobState.RESHAPING, f"coordinator restarted as incarnation {self.incarnation}: re-attaching workers")
+        else:
+            self._persist()
 
     # ------------------------------------------------------------------ persistence (restarts)
     def _persist(self) -> int:
@@ -178,6 +181,9 @@ class Coordinator:
         members = {slot: {"state": m.state.value, "pid": m.pid, "node": m.node, "node_id": m.node_id, "cause": m.cause,
                           "incarnation": m.incarnation, "actor_name": m.actor_name, "holds_state": m.holds_state}
                    for slot, m in self.members.items()}
+        spares = [s.name for s in self.spares]
+        if not self._recovered.is_set():  # restarted, not re-attached yet: the dead incarnation's workers stand
+            members, spares = self._saved["members"], [*self._saved.get("spares", ()), *spares]
         error = self._saver.error
         if error is not None and str(error) != self._state_file_error:
             self._state_file_error = str(error)  # said once a failure, not at every persist
@@ -193,7 +199,7 @@ class Coordinator:
             "stop_step": self.stop_step, "started_at": self.started_at, "running_since": self.running_since,
             "members": members, "pending": self.pending, "departed": [d.__dict__ for d in self.departed],
             "loss": self.loss, "metrics": self.metrics, "started_workers": self.started_workers,
-            "spares": [s.name for s in self.spares], "started_spares": self.started_spares,
+            "spares": spares, "started_spares": self.started_spares,
             "secret": self.secret.hex()}))
 
     def _load_saved(self) -> int:
@@ -401,6 +407,7 @@ class Coordinator:
                 await (self._recover() if self._saved is not None else self._begin())
             finally:
                 self._recovered.set()
+                self._persist()  # the members it re-attached (saved before as the dead incarnation left them)
             asyncio.get_running_loop().create_task(self._heartbeats())
             await self._supervise()
         except Exception as err:  # noqa: BLE001 - the job fails with the cause, never hangs
@@ -444,9 +451,8 @@ class Coordinator:
         a formed group needs no coordinator), collect the records they committed meanwhile, and
         publish a membership epoch newer than any they hold, on this incarnation's store."""
         decided = time.time()
+        self.faults.maybe_die("recover")
         await self._serve_store()
-        if self.state == JobState.RUNNING:
-            self._transition(JobState.RESHAPING, f"coordinator restarted as incarnation {self.incarnation}: re-attaching workers")
         found, lost, epochs = [], [], []
         for name in self._saved.get("spares", ()):  # the dead incarnation's spares: new ones start below
             kill(self._actor_named(name))

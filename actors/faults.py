@@ -154,8 +154,9 @@ class FaultyComm:
 
 class CoordinatorFaults:
     """`faults.coordinator`: the coordinator's process dies at `publish` (after plan `version` reached
-    the workers, before it is saved) or at `stop` (while it receives the first report after it saved
-    a decision to stop). Each fires once; what fired is kept in the run directory."""
+    the workers, before it is saved), at `stop` (while it receives the first report after it saved
+    a decision to stop) or at `recover` (a restarted incarnation, before it re-attached a worker).
+    Each fires once; what fired is kept in the run directory."""
 
     def __init__(self, cfg: FaultsConfig, fired: set[str], save_fired: Callable[[set[str]], None],
                  event: Callable[[str], None]) -> None:

@@ -590,10 +590,11 @@ class KillFault:
 class CoordinatorFault:
     """Kill the coordinator's process at an exact point of the protocol (Ray restarts it)."""
 
-    at: Literal["publish", "stop"] = "publish"
+    at: Literal["publish", "stop", "recover"] = "publish"
     """`publish`: right after plan `version` has reached the workers, before the coordinator has
     saved it; `stop`: after it has saved a decision to stop (state STOPPING), while it receives the
-    next progress report (whose records are lost with it)."""
+    next progress report (whose records are lost with it); `recover`: a restarted coordinator, as it
+    begins to re-attach its workers (it dies again before it has seen any of them)."""
     version: int = 0
 
     def __post_init__(self) -> None:

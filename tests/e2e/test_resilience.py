@@ -267,11 +267,12 @@ def _history_is_complete(job: ElasticJob, last: int) -> list[dict]:
 
 def test_coordinator_dies_right_after_publishing_a_plan(run_root):
     """The coordinator publishes a scale-down (plan 2: a new membership epoch) and dies before it
-    has saved it. The workers already formed that epoch's group; the new incarnation must take the
-    epoch from them, re-form everyone in a newer one, and history must lose nothing."""
+    has saved it; its first restart dies too, as it begins to re-attach. The workers already formed
+    that epoch's group; the third incarnation must still know them, take the epoch from them,
+    re-form everyone in a newer one, and history must lose nothing."""
     steps = 500
     cfg = job_config("coordinator-publish", workers={"count": 3, "cpus": 0.5}, stop={"max_steps": steps},
-                     faults={"coordinator": [{"at": "publish", "version": 2}],
+                     faults={"coordinator": [{"at": "publish", "version": 2}, {"at": "recover"}],
                              "stragglers": [{"slot": "w0", "delay_s": 0.02}]})
     job = ElasticJob(config_from_dict(cfg)).start()
     wait_until(lambda: job.status().step > 30, what="training")
@@ -285,6 +286,7 @@ def test_coordinator_dies_right_after_publishing_a_plan(run_root):
     print(f"{result.state} at {result.step}; epochs in history {sorted(set(epochs))}; the restarted coordinator "
           f"published epoch {recovered['detail']['membership_epoch']}")
     assert result.state == "FINISHED" and result.step == steps
+    assert [e["detail"]["incarnation"] for e in job.events() if e["kind"] == "restart"] == [2]
     _history_is_complete(job, steps)
     assert recovered["detail"]["membership_epoch"] > 2, "plan 2's epoch was taken: the restart must publish a newer one"
     assert epochs == sorted(epochs) and epochs[-1] == recovered["detail"]["membership_epoch"]
