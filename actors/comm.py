@@ -132,13 +132,15 @@ class GroupSpec:
 class Handle:
     """A pending operation. `wait()` raises CommError / CommAborted / CommTimeout."""
 
-    __slots__ = ("_work", "_comm", "_done", "_keep", "_launched")
+    __slots__ = ("_work", "_comm", "_done", "_keep", "_launched", "latency_s")
 
     def __init__(self, work, comm: "BaseCommunicator", keep: Sequence[torch.Tensor]) -> None:
         self._work = work
         self._comm = comm
         self._keep = keep  # the buffers stay alive while the backend may write into them
         self._launched = time.monotonic()
+        self.latency_s = comm.latency_s
+        """Modelled latency of this operation (`BaseCommunicator.op_latency`): its wait returns no sooner."""
         self._done = threading.Event()
         comm._track(self)
         work.get_future().add_done_callback(lambda _fut: self._done.set())
@@ -161,8 +163,8 @@ class Handle:
         except Exception as err:  # noqa: BLE001 - any backend error is a failed collective
             self._comm.mark_failed()
             raise CommError(f"group {self._comm.name}: {str(err).splitlines()[0][:300]}") from None
-        if self._comm.latency_s > 0:  # `faults.comm_latency_s`: done no sooner than this after launch
-            time.sleep(max(0.0, self._launched + self._comm.latency_s - time.monotonic()))
+        if self.latency_s > 0:  # modelled latency: done no sooner than this after launch
+            time.sleep(max(0.0, self._launched + self.latency_s - time.monotonic()))
 
 
 class Communicator(Protocol):
@@ -201,6 +203,9 @@ class BaseCommunicator:
         self.latency_s = 0.0
         """A modelled network latency (`faults.comm_latency_s`): each operation's wait returns no
         sooner than this after its launch (overlapped operations overlap their latencies)."""
+        self.link_latency_s: Optional[list[list[float]]] = None
+        """The lab's modelled one-way latency between ranks (`network:`; orchestrator/lab.py), added per
+        operation by its sequential message rounds (`op_latency`)."""
         self.aborted = False
         self.timed_out = False
         self.failed = False
@@ -210,6 +215,29 @@ class BaseCommunicator:
         RuntimeError out of torch's reducer inside backward)."""
         self._pending: set[Handle] = set()
         self._lock = threading.Lock()
+
+    @property
+    def models_latency(self) -> bool:
+        return self.latency_s > 0 or bool(self.link_latency_s and any(any(row) for row in self.link_latency_s))
+
+    def op_latency(self, op: str, peer: Optional[int] = None) -> float:
+        """The modelled latency of one operation: `latency_s`, plus, in the lab, its sequential message
+        rounds times the slowest link among the members (a ring all-reduce 2(n-1), an all-gather or a
+        broadcast n-1, an all-to-all 1; each round waits for its slowest hop), or the link to `peer`."""
+        matrix = self.link_latency_s
+        if not matrix:
+            return self.latency_s
+        if peer is not None:
+            return self.latency_s + matrix[self.rank][peer]
+        n = self.world_size
+        rounds = {"all_reduce": 2 * (n - 1), "all_gather": n - 1, "broadcast": n - 1, "all_to_all": 1,
+                  "barrier": 2 * (n - 1)}[op]
+        return self.latency_s + rounds * max(max(row) for row in matrix)
+
+    def _timed(self, handle: Handle, op: str, peer: Optional[int] = None) -> Handle:
+        if self.link_latency_s:
+            handle.latency_s = self.op_latency(op, peer)
+        return handle
 
     def _track(self, handle: Handle) -> None:
         with self._lock:
@@ -280,37 +308,38 @@ class _TorchBackendCommunicator(BaseCommunicator):
         return self._submit(launch, keep)
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> Handle:
-        handle = self._submit(lambda: self._pg.allreduce([tensor], _opts(op)), (tensor,))
+        handle = self._timed(self._submit(lambda: self._pg.allreduce([tensor], _opts(op)), (tensor,)), "all_reduce")
         self.bytes_sent += self._ring_bytes(tensor)
         return handle
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> Handle:
         opts = dist.BroadcastOptions()
         opts.rootRank = src
-        handle = self._submit(lambda: self._pg.broadcast([tensor], opts), (tensor,))
+        handle = self._timed(self._submit(lambda: self._pg.broadcast([tensor], opts), (tensor,)), "broadcast")
         if self.rank == src:
             self.bytes_sent += tensor.numel() * tensor.element_size()
         return handle
 
     def all_gather(self, outputs: list[torch.Tensor], tensor: torch.Tensor) -> Handle:
-        handle = self._submit(lambda: self._pg.allgather([outputs], [tensor]), (tensor, *outputs))
+        handle = self._timed(self._submit(lambda: self._pg.allgather([outputs], [tensor]), (tensor, *outputs)),
+                             "all_gather")
         self.bytes_sent += tensor.numel() * tensor.element_size() * (self.world_size - 1)
         return handle
 
     def all_to_all(self, output: torch.Tensor, tensor: torch.Tensor) -> Handle:
         """Chunk i of `tensor` (split evenly by world size) goes to rank i; chunk j of `output` comes from rank j."""
-        handle = self._submit(lambda: self._pg.alltoall_base(output, tensor, [], [], dist.AllToAllOptions()),
-                              (tensor, output))
+        handle = self._timed(self._submit(lambda: self._pg.alltoall_base(output, tensor, [], [], dist.AllToAllOptions()),
+                                          (tensor, output)), "all_to_all")
         self.bytes_sent += tensor.numel() * tensor.element_size() * (self.world_size - 1) // max(self.world_size, 1)
         return handle
 
     def send(self, tensor: torch.Tensor, dst: int) -> Handle:
-        handle = self._submit_p2p(lambda: self._pg.send([tensor], dst, 0), (tensor,))
+        handle = self._timed(self._submit_p2p(lambda: self._pg.send([tensor], dst, 0), (tensor,)), "send", dst)
         self.bytes_sent += tensor.numel() * tensor.element_size()
         return handle
 
     def recv(self, tensor: torch.Tensor, src: int) -> Handle:
-        return self._submit_p2p(lambda: self._pg.recv([tensor], src, 0), (tensor,))
+        return self._timed(self._submit_p2p(lambda: self._pg.recv([tensor], src, 0), (tensor,)), "recv", src)
 
 
 class GlooCommunicator(_TorchBackendCommunicator):
@@ -371,7 +400,7 @@ class GlooCommunicator(_TorchBackendCommunicator):
 
     def barrier(self) -> Handle:
         self._check()
-        return Handle(self._pg.barrier(), self, ())
+        return self._timed(Handle(self._pg.barrier(), self, ()), "barrier")
 
     def process_group(self) -> Optional[dist.ProcessGroup]:
         """A torch ProcessGroup over this group's gloo backend that calls itself a group of one (rank

@@ -220,7 +220,7 @@ class Coordinator:
         self.started_spares = saved.get("started_spares", 0)
         self.departed = [MemberStatus(**d) for d in saved["departed"]]
         if saved["plan"]:
-            self.plan = Plan(**{k: tuple(v) if k == "members" else v for k, v in saved["plan"].items()})
+            self.plan = Plan(**{k: tuple(v) if k in ("members", "nodes") else v for k, v in saved["plan"].items()})
         self.events = collections.deque((Event(**e) for e in runfiles.read_jsonl(self.run_dir / "events.jsonl")),
                                         maxlen=EVENTS_KEPT)
         history = runfiles.read_jsonl(self.run_dir / "history.jsonl")
@@ -429,6 +429,8 @@ class Coordinator:
             self.epoch_keys = EpochKeys(self.store)
 
     async def _begin(self) -> None:
+        if self.cfg.policy_choice:  # sync.policy: auto, resolved by the driver (orchestrator/planner.py)
+            self._event("info", self.cfg.policy_choice, policy=self.cfg.sync.policy)
         if self.algorithm.kind in SERVER_KINDS:  # it holds the initial state and the first membership before any pull
             self.server = await ServerControl.start(self.cfg, self.config_dict, self.run_id, str(self.run_dir))
             what = "parameter server" if self.algorithm.kind == "server" else "lease dispenser"
@@ -651,9 +653,14 @@ class Coordinator:
 
     def _worker_actor(self, name: str):
         cfg = self.cfg.workers
+        lab = {}
+        if self.cfg.network.enabled:  # the lab: its connect() shim preloaded (orchestrator/lab.py)
+            from actors.lab_shim import worker_env  # noqa: PLC0415 - only lab jobs need it
+
+            lab = {"runtime_env": {"env_vars": worker_env(self.cfg.network)}}
         return WorkerActor.options(name=name, namespace=self.cfg.ray.namespace, lifetime="detached",
                                    num_cpus=cfg.cpus, num_gpus=cfg.gpus, max_restarts=0,
-                                   scheduling_strategy="SPREAD" if cfg.placement == "spread" else "DEFAULT")
+                                   scheduling_strategy="SPREAD" if cfg.placement == "spread" else "DEFAULT", **lab)
 
     # ------------------------------------------------------------------ hot spares
     def _fill_spares(self) -> None:
@@ -1092,6 +1099,13 @@ class Coordinator:
     def _live_members(self) -> tuple[str, ...]:
         return tuple(s for s in self.plan.members if self.members[s].state == S.TRAINING) if self.plan else ()
 
+    def _node_of(self, slot: str) -> str:
+        """The node a member runs on, for the plan: the lab's virtual node, else its Ray node."""
+        if self.cfg.network.enabled:
+            return f"lab{self.cfg.network.node_of(slot)}"
+        member = self.members.get(slot)
+        return member.node_id if member is not None else ""
+
     def _publish(self, members: tuple[str, ...], reason: str, new_epoch: bool = False) -> Plan:
         self._take_store()
         self.version += 1
@@ -1108,7 +1122,8 @@ class Coordinator:
             store_host=self.node_ip, store_port=self.store_port, timeout_s=self.cfg.comm.timeout_s,
             global_batch=global_batch, lr_scale=lr_scale,
             backend="nccl" if self.cfg.workers.gpus > 0 and self.cfg.comm.backend != "gloo" else "gloo",
-            stop_step=self.stop_step, reason=reason, history_step=self.history.written_step)
+            stop_step=self.stop_step, reason=reason, history_step=self.history.written_step,
+            nodes=tuple(self._node_of(slot) for slot in members))
         if previous is None or plan.membership_epoch != previous.membership_epoch:
             self.epoch_keys.entered(plan.group_name, len(members), plan.backend)  # older epochs' keys go
         self.plan = plan

@@ -40,6 +40,9 @@ class Plan:
     """The newest step in the job's history when the plan was published: at the epoch agreement,
     rank 0 sends the coordinator the records it keeps after this step (see actors/ledger.py)."""
     reason: str = ""
+    nodes: tuple[str, ...] = ()
+    """Where each member runs, in rank order (the lab's virtual node, else its Ray node; "" unknown):
+    what hierarchical all-reduce groups by."""
 
     def rank_of(self, slot: str) -> Optional[int]:
         return self.members.index(slot) if slot in self.members else None

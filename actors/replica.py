@@ -81,6 +81,13 @@ class Replica:
         `workload`: one `build_workload` made earlier (a hot spare's), else it is built here."""
         self.spec, self.slot, self.link, self.node_ip, self._tick = spec, spec.slot, link, node_ip, tick
         self.cfg: JobConfig = parse(JobConfig, spec.config)
+        self.comm_address = node_ip
+        """Where this member's group traffic leaves from: the node's address, or in the lab its virtual
+        node's (orchestrator/lab.py; the preloaded shim binds its connections there too)."""
+        network = self.cfg.network
+        if network.enabled and not spec.slot.startswith("spare"):
+            self.comm_address = network.address(network.node_of(spec.slot))
+            os.environ["ORCHESTRATOR_LAB_SOURCE"] = self.comm_address
         torch.set_num_threads(max(1, int(self.cfg.workers.cpus)))
         self.device = _device(self.cfg.workers.gpus)
         self.workload = workload if workload is not None else build_workload(self.cfg)
@@ -258,7 +265,7 @@ class Replica:
         self.comm = None
         rank = plan.rank_of(self.slot)
         spec = GroupSpec(plan.store_host, plan.store_port, plan.group_name, rank, len(plan.members), plan.timeout_s,
-                         plan.backend, self.node_ip, secret=self.spec.secret)
+                         plan.backend, self.comm_address, secret=self.spec.secret)
         self.state = "joining"
         self._enter_phase("joining")
         previous = self.trained_plan
@@ -267,7 +274,7 @@ class Replica:
             if comm is None:
                 return False  # a newer membership arrived while forming: go straight to it
             self.comm = comm
-            comm.latency_s = self.cfg.faults.comm_latency_s
+            self._model_latency(comm, plan)
             source = enter(self.algorithm.entry, self, comm)
             if self.impl.commit_mark is None:
                 self._pending_ids = []  # a step that failed everywhere is redone: its samples were not applied
@@ -284,7 +291,8 @@ class Replica:
                 self.comm = None
             return False
         self.impl.on_membership(self.faults.wrap(comm, lambda: self.step),
-                                EpochInfo(rank, len(plan.members), plan.members, plan.global_batch, plan.membership_epoch))
+                                EpochInfo(rank, len(plan.members), plan.members, plan.global_batch, plan.membership_epoch,
+                                          plan.nodes))
         if self.step == self._mark():
             self.trained_plan = plan  # else the kept local steps were trained under the plan before
         collective.publish(comm, self.cfg.sync.policy)  # the workload's `ray.util.collective` calls reach it
@@ -307,9 +315,18 @@ class Replica:
             return None
         spec = dataclasses.replace(comm.spec, name=comm.spec.name + "/bg")
         group = form_group(spec, lambda: self.comm is not comm)
-        if group is not None:
-            group.latency_s = self.cfg.faults.comm_latency_s
+        if group is not None and self.plan is not None:
+            self._model_latency(group, self.plan)
         return group
+
+    def _model_latency(self, comm: BaseCommunicator, plan: Plan) -> None:
+        """`faults.comm_latency_s` on every operation, and in the lab each link's modelled latency."""
+        comm.latency_s = self.cfg.faults.comm_latency_s
+        network = self.cfg.network
+        if network.enabled:
+            nodes = [network.node_of(slot) for slot in plan.members]
+            matrix = [[network.link(a, b).latency_ms / 1e3 for b in nodes] for a in nodes]
+            comm.link_latency_s = matrix if any(any(row) for row in matrix) else None
 
     def _background_failed(self, error: str) -> None:
         """A background round failed: the coordinator probes the members and re-forms the group."""

@@ -36,6 +36,7 @@ import torch
 from algorithms.base import Algorithm, AlgorithmImpl, EpochInfo, StepVote, VoteDraft, register
 from algorithms.compression import Codec, get_codec
 from algorithms.optim import contiguous_runs, flat_view
+from algorithms.hierarchical import HierarchicalAllReduce
 from algorithms.scatter_gather import ScatterGather
 
 try:  # the C++ engine call inside torch.autograd.backward (private; absent, the public call serves)
@@ -127,6 +128,8 @@ class AllReduceImpl(AlgorithmImpl):
         self._zero_key: Optional[list[int]] = None
         self._zero_runs: list[torch.Tensor] = []
         self._tail = self._one = None
+        self.hierarchy: Optional[HierarchicalAllReduce] = None
+        """`sync.hierarchical` over an epoch that spans nodes: the buckets are reduced through it."""
         self._python_hooks(True)
         self._allocate()
 
@@ -175,7 +178,10 @@ class AllReduceImpl(AlgorithmImpl):
     def on_membership(self, comm, epoch: EpochInfo) -> None:
         super().on_membership(comm, epoch)
         self._drop_reducer()  # the last epoch's
-        if self._wants_reducer(comm):
+        self.hierarchy = None
+        if getattr(self.config, "hierarchical", False) and comm is not None and len(set(epoch.nodes)) > 1:
+            self.hierarchy = HierarchicalAllReduce(comm, epoch.rank, epoch.nodes)
+        if self.hierarchy is None and self._wants_reducer(comm):
             self._start_reducer(comm)
             return
         self._python_hooks(True)
@@ -193,7 +199,8 @@ class AllReduceImpl(AlgorithmImpl):
             return False
         offers = getattr(comm, "process_group", None)  # in-process test groups have none
         served = getattr(comm, "device", torch.device("cpu")).type
-        return engine == "reducer" or (offers is not None and offers() is not None and comm.latency_s <= 0
+        return engine == "reducer" or (offers is not None and offers() is not None
+                                       and not getattr(comm, "models_latency", comm.latency_s > 0)
                                        and all(p.device.type == served for p in self.params))
 
     def _start_reducer(self, comm) -> None:
@@ -344,8 +351,9 @@ class AllReduceImpl(AlgorithmImpl):
 
     @property
     def deferred(self) -> bool:
-        """Buckets wait for the end of backward (compressed, or a policy that sends something else)."""
-        return self.codec is not None
+        """Buckets wait for the end of backward (compressed, hierarchical, or a policy that sends
+        something else)."""
+        return self.codec is not None or self.hierarchy is not None
 
     def _launch_ready(self, force: bool = False) -> None:
         while self.next_launch < len(self.buffers) and (force or self.pending[self.next_launch] <= 0):
@@ -384,7 +392,10 @@ class AllReduceImpl(AlgorithmImpl):
                 summed = wires[b].all_reduce(message, tail)
             else:
                 wire = torch.cat([message.view(-1), tail.to(message.dtype)])
-                self.comm.all_reduce(wire).wait()
+                if self.hierarchy is not None:
+                    self.hierarchy.all_reduce(wire)
+                else:
+                    self.comm.all_reduce(wire).wait()
                 message.view(-1).copy_(wire[:-TAIL])
                 summed = wire[-TAIL:]
             if last:

@@ -112,6 +112,8 @@ class EpochInfo:
     members: tuple[str, ...]
     global_batch: int
     membership_epoch: int = 0
+    nodes: tuple[str, ...] = ()
+    """Each member's node, in rank order (empty or "" where unknown)."""
 
 
 def register(cls: type["Algorithm"]) -> type["Algorithm"]:

@@ -159,9 +159,17 @@ class BSPConfig:
     membership epoch's group (gloo with CPU parameters, NCCL with GPU ones), with the vote as one more
     leaf; `python` is this project's own bucket hooks (the only path for codecs and for GPUs shared
     over gloo); `auto` takes the reducer where it can run and the Python buckets elsewhere."""
+    hierarchical: bool = False
+    """BAGUA's hierarchical all-reduce: reduce within each node to a leader, ring all-reduce among the
+    leaders over the links between nodes, send the sum back within the node (on the Python buckets)."""
 
     def __post_init__(self) -> None:
         _positive(self, "bucket_mb")
+        if self.hierarchical and self.engine == "reducer":
+            raise FieldError("hierarchical", "runs on the Python buckets: set engine: auto or python")
+        if self.hierarchical and self.policy == "bytegrad":
+            raise FieldError("hierarchical", "the compressed leaders' ring is not built yet: hierarchical runs "
+                                             "with policy bsp and no codec")
 
 
 @dataclass
@@ -423,13 +431,27 @@ class ChocoConfig(DPSGDConfig):
                                          f"{self.topology.kind!r}")
 
 
+@dataclass
+class AutoConfig:
+    """`auto`: the runtime model picks the policy when the job starts (orchestrator/planner.py): every
+    applicable policy's predicted time to the target on `network:` (time per step where no convergence
+    factor was measured), from the compute time of one step measured on the workload; the job's first
+    event and its start line say what was picked and why. `python -m orchestrator plan` prints the same
+    table without starting anything."""
+
+    policy: Literal["auto"] = "auto"
+    candidates: list[str] = field(default_factory=list)
+    """Policies (or the plan table's labels, e.g. `bsp hierarchical`) to choose among; empty: all that apply."""
+
+
 SYNC_POLICIES: dict[str, type] = {c.policy: c for c in (BSPConfig, BytegradConfig, QAdamConfig, LocalSGDConfig,
                                                         DiLoCoConfig, StreamingDiLoCoConfig, ASPConfig, SSPConfig,
                                                         QuorumConfig, ElasticBSPConfig, ShadowConfig, DPSGDConfig,
                                                         DAdamConfig, ChocoConfig)}
 """`sync.policy` -> its config dataclass (its knobs); algorithms/ registers one Algorithm for each that runs."""
 SyncConfig = Union[BSPConfig, BytegradConfig, QAdamConfig, LocalSGDConfig, DiLoCoConfig, StreamingDiLoCoConfig,
-                   ASPConfig, SSPConfig, QuorumConfig, ElasticBSPConfig, ShadowConfig, DPSGDConfig, DAdamConfig]
+                   ASPConfig, SSPConfig, QuorumConfig, ElasticBSPConfig, ShadowConfig, DPSGDConfig, DAdamConfig,
+                   AutoConfig]
 SERVER_POLICIES = frozenset({"asp", "ssp", "quorum", "elastic_bsp"})
 """Policies run by a parameter server (actors/parameter_server.py): the `server:` section applies."""
 NOT_WIRED: frozenset[str] = frozenset()
@@ -643,6 +665,82 @@ class FaultsConfig:
 
 
 @dataclass
+class LinkConfig:
+    """One kind of link of the lab's emulated network."""
+
+    mbit: Optional[float] = None
+    """Bandwidth in Mbit/s, each direction, shaped by the kernel (`tc` htb); none: unshaped loopback."""
+    latency_ms: float = 0.0
+    """One-way latency, modelled in the transport (no netem here): every collective whose members span
+    the link completes no sooner than its sequential message rounds times this after its launch."""
+
+    def __post_init__(self) -> None:
+        if self.mbit is not None and self.mbit <= 0:
+            raise FieldError("mbit", f"must be positive (or unset for unshaped), got {self.mbit}")
+        if self.latency_ms < 0:
+            raise FieldError("latency_ms", f"must not be negative, got {self.latency_ms}")
+
+
+@dataclass
+class PairLink(LinkConfig):
+    """A per-pair override: the link between virtual nodes `a` and `b` (both directions)."""
+
+    a: int = 0
+    b: int = 1
+
+
+@dataclass
+class NetworkConfig:
+    """An emulated multi-node network on one machine (the lab; orchestrator/lab.py). Slot `w<i>` runs on
+    virtual node `i // workers_per_node` (modulo `nodes`), whose address is the `i`-th host of `subnet`
+    (127.77.0.1 for node 0 by default); the kernel shapes traffic between different nodes' addresses.
+    `nodes: 0` (the default) is no lab."""
+
+    nodes: int = 0
+    workers_per_node: int = 1
+    intra: LinkConfig = field(default_factory=LinkConfig)
+    """Links between workers of one node (unshaped unless set)."""
+    inter: LinkConfig = field(default_factory=lambda: LinkConfig(mbit=1000.0, latency_ms=0.1))
+    """Links between nodes, unless `links` names the pair."""
+    links: list[PairLink] = field(default_factory=list)
+    subnet: str = "127.77.0.0/24"
+    """Loopback addresses of the virtual nodes (all of 127/8 is this machine); nothing outside is shaped."""
+
+    def __post_init__(self) -> None:
+        _at_least(self, "nodes", 0)
+        _at_least(self, "workers_per_node", 1)
+        match = re.fullmatch(r"127\.(\d{1,3})\.(\d{1,3})\.0/24", self.subnet)
+        if not match or any(int(g) > 255 for g in match.groups()) or self.subnet.startswith("127.0.0."):
+            raise FieldError("subnet", f"must be a /24 inside 127.0.0.0/8 other than 127.0.0.0/24 (e.g. "
+                                       f"127.77.0.0/24), got {self.subnet!r}")
+        if self.nodes > 250:
+            raise FieldError("nodes", f"at most 250 virtual nodes fit a /24, got {self.nodes}")
+        for i, link in enumerate(self.links):
+            if not (0 <= link.a < self.nodes and 0 <= link.b < self.nodes) or link.a == link.b:
+                raise FieldError(f"links[{i}]", f"a and b must be two different nodes of 0..{self.nodes - 1}, "
+                                                f"got {link.a} and {link.b}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.nodes > 0
+
+    def address(self, node: int) -> str:
+        return self.subnet.rsplit(".", 1)[0] + f".{node + 1}"
+
+    def node_of(self, slot: str) -> int:
+        return (int(slot[1:]) // self.workers_per_node) % self.nodes
+
+    def link(self, a: int, b: int) -> LinkConfig:
+        """The link between nodes `a` and `b` (`intra` when they are the same node)."""
+        if a == b:
+            return self.intra
+        for pair in self.links:
+            if {pair.a, pair.b} == {a, b}:
+                return pair
+        return self.inter
+
+
+@dataclass
 class CommConfig:
     timeout_s: float = 10.0
     """One timeout for every collective, the store and group construction."""
@@ -682,12 +780,15 @@ class JobConfig:
     stop: StopConfig = field(default_factory=lambda: StopConfig(max_steps=100))
     faults: FaultsConfig = field(default_factory=FaultsConfig)
     comm: CommConfig = field(default_factory=CommConfig)
+    network: NetworkConfig = field(default_factory=NetworkConfig)
     ray: RayConfig = field(default_factory=RayConfig)
     eval_every: int = 50
     """Evaluate (rank 0, on workload.eval_data) every this many steps; 0 disables."""
     run_dir: Optional[str] = None
     """Absolute run directory root; default ~/orchestrator-runs. Relative paths are resolved at load."""
     progress_every_s: float = 5.0
+    policy_choice: str = ""
+    """Set by `sync.policy: auto` when the job starts: the pick and its reason (the job's first event)."""
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "WARNING"
     """Python logging level of the coordinator (`coordinator.log` in the run directory), the workers
     (`workers/<slot>.log`) and the driver; `--log-level` on the command line sets it too."""
@@ -696,6 +797,9 @@ class JobConfig:
         if self.sync.policy in ("qadam", "dadam") and self.optimizer.name != "adamw":
             raise FieldError("optimizer.name", f"{self.sync.policy} is Adam: set optimizer.name: adamw "
                                                f"(got {self.optimizer.name})")
+        if getattr(self.sync, "hierarchical", False) and self.compression.codec != "none":
+            raise FieldError("sync.hierarchical", "the compressed leaders' ring is not built yet: hierarchical "
+                                                  "runs with policy bsp and no codec")
         if self.compression.codec != "none" and self.sync.policy not in COMPRESSING_POLICIES:
             raise FieldError("compression.codec", f"policy {self.sync.policy!r} does not compress yet; "
                                                   f"{', '.join(COMPRESSING_POLICIES)} do")
@@ -721,6 +825,8 @@ class JobConfig:
         if self.eval_every < 0:
             raise FieldError("eval_every", f"must not be negative, got {self.eval_every}")
         self._check_server_policy()
+        if self.network.enabled:
+            self._check_network()
         slots = {f"w{i}" for i in range(self.workers.max or self.workers.count)}
         for i, kill in enumerate(self.faults.kills):
             if kill.slot not in slots:
@@ -745,6 +851,14 @@ class JobConfig:
         if self.sync.policy in NOT_WIRED:
             raise FieldError("sync.policy", f"policy {self.sync.policy!r} is not available yet: it runs in process "
                                             f"only, its end-to-end runs under Ray are not verified")
+
+    def _check_network(self) -> None:
+        if self.sync.policy in SERVER_POLICIES:
+            raise FieldError("network", f"policy {self.sync.policy!r} pushes and pulls through Ray's object "
+                                        f"transport, which the lab does not shape; the lab runs the policies "
+                                        f"whose traffic is their group's (all but {', '.join(sorted(SERVER_POLICIES))})")
+        if self.workers.gpus > 0 or self.comm.backend == "nccl":
+            raise FieldError("network", "the lab shapes TCP on loopback: it runs gloo workers on CPU")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -783,9 +897,10 @@ def _parse_sync(data: Any, path: str) -> Any:
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping, got {_show(data)}")
     policy = data.get("policy", "bsp")
-    if policy not in SYNC_POLICIES:
-        raise ConfigError(f"{path}.policy: unknown policy {policy!r}; available: {', '.join(sorted(SYNC_POLICIES))}")
-    cls = SYNC_POLICIES[policy]
+    if policy not in SYNC_POLICIES and policy != "auto":
+        raise ConfigError(f"{path}.policy: unknown policy {policy!r}; available: {', '.join(sorted(SYNC_POLICIES))}, "
+                          f"or auto")
+    cls = AutoConfig if policy == "auto" else SYNC_POLICIES[policy]
     knobs = [f.name for f in dataclasses.fields(cls)]
     for key in data:
         if key not in knobs:

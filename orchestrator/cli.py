@@ -7,6 +7,7 @@ written. Progress goes to stdout as plain lines (works without a terminal).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -43,6 +44,19 @@ def build_parser() -> argparse.ArgumentParser:
         cmd.add_argument("--address", default=None)
         if name == "status":
             cmd.add_argument("--json", action="store_true")
+    lab = sub.add_parser("lab", help="the emulated network on this machine: up CONFIG | down | show [CONFIG --probe]")
+    lab.add_argument("action", choices=["up", "down", "show"])
+    lab.add_argument("config", nargs="?", help="a job config (or a file with just a network: section)")
+    lab.add_argument("--probe", action="store_true", help="show: measure each link against what was asked")
+    lab.add_argument("--json", action="store_true")
+    plan = sub.add_parser("plan", help="predict every applicable policy's time per step and to the target; recommend one")
+    plan.add_argument("config")
+    plan.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    where = plan.add_mutually_exclusive_group()
+    where.add_argument("--network", default=None, metavar="FILE", help="a file with a network: section (else the config's)")
+    where.add_argument("--probe", action="store_true", help="measure the lab's links instead of taking them as asked")
+    plan.add_argument("--compute-ms", type=float, default=None, help="one step's compute (else measured here)")
+    plan.add_argument("--json", action="store_true")
     for cmd in sub.choices.values():
         cmd.error = parser.error  # type: ignore[method-assign]
         cmd.add_argument("--log-level", default=None, choices=["DEBUG", "INFO", "WARNING", "ERROR"],
@@ -54,7 +68,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         logging.basicConfig(level=args.log_level or "WARNING", format="%(levelname)s %(name)s: %(message)s")
-        return {"run": cmd_run, "status": cmd_status, "stop": cmd_stop, "scale": cmd_scale}[args.command](args)
+        return {"run": cmd_run, "status": cmd_status, "stop": cmd_stop, "scale": cmd_scale,
+                "lab": cmd_lab, "plan": cmd_plan}[args.command](args)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -73,7 +88,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.detach and not (config.ray.address or os.environ.get("RAY_ADDRESS")):
         raise ConfigError("--detach: a local Ray ends with this process; pass --address (or set RAY_ADDRESS) "
                           "to run the job on a cluster that outlives it")
-    from orchestrator.job import ElasticJob, job_root
+    from orchestrator.job import job_root
 
     resume_from = None
     if args.resume:
@@ -90,8 +105,34 @@ def cmd_run(args: argparse.Namespace) -> int:
             raise ConfigError(f"--resume: no valid checkpoint for job {config.name!r} under {job_root(config)}")
         print(f"resuming from step {ref.step} of run {ref.run_id} ({ref.path})", flush=True)
         resume_from = str(ref.path)
+    with contextlib.ExitStack() as lab:
+        if config.network.enabled:
+            _enter_lab(config, lab, keep_up=args.detach)
+        return _run(config, args, resume_from)
+
+
+def _enter_lab(config, stack: contextlib.ExitStack, keep_up: bool) -> None:
+    """`network:` set: bring the lab up for this run (down again when it ends), or, for a detached job
+    that outlives this process, require the one `lab up` brought up."""
+    from orchestrator import lab
+
+    try:
+        if keep_up:
+            lab.require(config.network)
+        else:
+            stack.enter_context(lab.Lab(config.network))
+    except lab.LabUnavailable as err:
+        raise ConfigError(f"network: {err}") from None
+
+
+def _run(config, args: argparse.Namespace, resume_from: Optional[str]) -> int:
+    from orchestrator.job import ElasticJob
+
     job = ElasticJob(config, resume_from=resume_from).start(owned=not args.detach)
-    print(f"job {job.name} run {job.run_id}: {config.workers.count} workers, policy {config.sync.policy}; run dir {job.run_dir}", flush=True)
+    print(f"job {job.name} run {job.run_id}: {config.workers.count} workers, policy {job.config.sync.policy}; "
+          f"run dir {job.run_dir}", flush=True)
+    if job.policy_choice:
+        print(f"policy auto: {job.policy_choice}", flush=True)
     if args.detach:
         print(f"detached; follow with: python -m orchestrator status {job.name}", flush=True)
         return EXIT_OK
@@ -209,4 +250,109 @@ def cmd_stop(args: argparse.Namespace) -> int:
 
     status = ElasticJob.attach(args.name, args.address).stop("stopped from the command line")
     print(f"{status.name}: {status.state} at step {status.step}")
+    return EXIT_OK
+
+
+def cmd_lab(args: argparse.Namespace) -> int:
+    """`lab up CONFIG` shapes `lo` for the config's `network:` (idempotent), `lab down` removes it,
+    `lab show` says what is up; `--probe` measures every link. Exit 2 where the lab cannot run."""
+    from orchestrator import lab
+
+    net = None
+    if args.config:
+        net = _network_of(args.config)
+    elif args.action == "up" or args.probe:
+        raise ConfigError(f"lab {args.action}{' --probe' if args.probe else ''}: needs a CONFIG with a network: section")
+    try:
+        if args.action == "up":
+            brought = lab.up(net)
+            print(f"lab {'up' if brought else 'already up'}: {net.nodes} nodes at {net.address(0)}.."
+                  f"{net.address(net.nodes - 1)}, inter-node {_link_text(net.inter)}, intra-node {_link_text(net.intra)}")
+        elif args.action == "down":
+            print("lab down" if lab.down() else "lab was not up; nothing changed")
+        else:
+            state = lab.current()
+            print(json.dumps(state) if args.json else (f"lab up since {time.ctime(state['since'])}" if state and state.get("since")
+                                                       else ("lab up" if state else "lab not up")))
+        if args.probe and net is not None:
+            rows = lab.probe(net)
+            if args.json:
+                print(json.dumps(rows))
+            for row in rows:
+                asked = f"{row['asked_mbit']:.0f}" if row["asked_mbit"] else "unshaped"
+                print(f"node {row['a']} -> {row['b']}: asked {asked} Mbit/s, measured {row['measured_mbit']:.1f} Mbit/s, "
+                      f"rtt {row['rtt_ms']:.3f} ms (kernel) + {row['modelled_latency_ms']:g} ms modelled one way")
+    except lab.LabUnavailable as err:
+        print(f"error: lab: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    return EXIT_OK
+
+
+def _link_text(link) -> str:
+    rate = f"{link.mbit:g} Mbit/s" if link.mbit else "unshaped"
+    return f"{rate}{f' + {link.latency_ms:g} ms modelled latency' if link.latency_ms else ''}"
+
+
+def _network_of(path: str):
+    """The `network:` section of a job config, or of a file that holds only that section."""
+    import yaml
+
+    from core.schema import NetworkConfig, parse
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except OSError as err:
+        raise ConfigError(f"{path}: {err.strerror}") from None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: not valid YAML ({str(err).splitlines()[0]})") from None
+    section = data.get("network") if isinstance(data, dict) else None
+    if not isinstance(section, dict):
+        raise ConfigError(f"{path}: no network: section")
+    net = parse(NetworkConfig, section, "network")
+    if not net.enabled:
+        raise ConfigError(f"{path}: network.nodes must be at least 1 for a lab")
+    return net
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    """Every applicable policy's predicted time per step, bytes and time to the target on the config's
+    network (or `--network FILE`'s, or the lab's links as `--probe` measures them), best first, and the
+    recommendation in one line. Starts nothing."""
+    import dataclasses
+
+    from orchestrator import lab, planner
+    from orchestrator.config import load_config
+
+    config = load_config(args.config, args.overrides)
+    if args.network:
+        config = dataclasses.replace(config, network=_network_of(args.network))
+    probed = None
+    if args.probe:
+        if not config.network.enabled:
+            raise ConfigError("plan --probe: the config has no network: section to probe (or pass --network FILE)")
+        try:
+            lab.require(config.network)
+            probed = lab.probe(config.network)
+        except lab.LabUnavailable as err:
+            print(f"error: plan --probe: {err}", file=sys.stderr)
+            return EXIT_BAD_INPUT
+    compute_s, model_bytes = planner.measure_compute(config)
+    if args.compute_ms is not None:
+        compute_s = args.compute_ms / 1e3
+    factors = planner.load_factors()
+    cands = planner.candidates(config)
+    rows = planner.rank(cands, planner.network_for(config.network, config.workers.count, probed),
+                        planner.compute_spread(config, compute_s), model_bytes, factors["factors"], factors["bsp_steps"])
+    line = planner.recommendation(rows)
+    if args.json:
+        print(json.dumps({"compute_s": compute_s, "model_bytes": model_bytes, "recommendation": line,
+                          "rows": [{"policy": r.candidate.label, "step_s": r.step_s, "bytes_per_step": r.bytes_per_step,
+                                    "factor": r.factor, "to_target_s": r.to_target_s, "basis": r.basis} for r in rows]}))
+        return EXIT_OK
+    where = "probed" if probed else ("as asked" if config.network.enabled else "one node, unshaped")
+    print(f"{config.workers.count} workers, network {where}; one step's compute {compute_s * 1e3:.2f} ms, "
+          f"model {model_bytes / 1e6:.3f} MB")
+    print(planner.table(rows, factors["source"]))
+    print(f"recommended: {line}")
     return EXIT_OK

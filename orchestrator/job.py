@@ -82,6 +82,8 @@ class ElasticJob:
     def __init__(self, config: JobConfig, resume_from: Optional[str] = None) -> None:
         """`resume_from`: a checkpoint file (see `actors.checkpoints.newest_valid`)."""
         self.config = config
+        self.policy_choice = ""
+        """`sync.policy: auto`: what `start()` picked and why (the config then names the pick)."""
         self.resume_from = str(resume_from) if resume_from else None
         self.name = config.name
         self.run_id: Optional[str] = None
@@ -99,6 +101,14 @@ class ElasticJob:
         from actors.coordinator import MAX_RESTARTS, CoordinatorActor
 
         started_at = time.time()
+        if self.config.network.enabled:  # the lab must be up as the config says (orchestrator/lab.py)
+            from orchestrator.lab import require
+
+            require(self.config.network)
+        if self.config.sync.policy == "auto":  # the runtime model picks, on this job's workload and network
+            from orchestrator.planner import choose
+
+            self.config, self.policy_choice, _ = choose(self.config)
         connect(self.config)
         old = _find_coordinator(self.name)
         if old is not None:

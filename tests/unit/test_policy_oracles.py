@@ -260,3 +260,26 @@ def test_streaming_ends_with_every_replica_equal_when_the_stop_lands_inside_an_o
     fragment to the exact average (`run` asserts every replica equals w0's)."""
     streaming = {"policy": "streaming_diloco", "h": 4, "fragments": 2, "overlap": 1, "alpha": 0.5}
     run(tmp_path, streaming, SGD_M, 3, 50, steps=steps)
+
+
+@pytest.mark.parametrize("nodes", [("a", "a", "b", "b"), ("a", "b", "a", "b")], ids=["2x2", "interleaved"])
+def test_hierarchical_bsp_equals_single_process_and_sends_once_per_node(tmp_path, nodes):
+    """`sync.hierarchical`: reduce to each node's leader, ring among leaders, back to the members. The
+    same model as the single-process reference (and so as flat BSP), and a member that is not its
+    node's leader sends its gradients once per step (the flat ring sends 2(n-1)/n of them)."""
+    slots = ["w0", "w1", "w2", "w3"]
+    job = LocalJob(config({"policy": "bsp", "hierarchical": True, "bucket_mb": 0.004}, SGD_M, n=4), slots, str(tmp_path))
+    job.run(tuple(slots), 64, nodes=nodes)
+    params = job.parameters("w0")
+    for slot in slots[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(params, job.parameters(slot))), f"{slot} differs from w0"
+    diff = max_diff(params, reference_bsp(SGD_M, 64))
+    member = job.replicas["w2" if nodes[1] != nodes[0] else "w1"]  # not a leader
+    grad_bytes = sum(p.numel() * p.element_size() for p in member.model.parameters())
+    sent = member.comm.bytes_sent / STEPS
+    print(f"hierarchical bsp {nodes}: {diff:.2e} from the reference; a member sends {sent:.0f} B/step "
+          f"(gradients {grad_bytes} B)")
+    assert diff < 1e-6
+    assert sent <= 1.05 * grad_bytes  # once, with the vote's tail; a flat ring member sends 1.5x (2(n-1)/n)
+    assert member.impl.hierarchy is not None and not member.impl.hierarchy.is_leader
+    assert grad_bytes <= sent < 1.2 * grad_bytes

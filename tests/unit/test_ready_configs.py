@@ -16,7 +16,13 @@ CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
 def test_ready_config_trains(path, tmp_path):
     config = load_config(path, ["workers.count=2", "workers.min=1", "stop.max_steps=20", "stop.target=null",
-                                "eval_every=0"]).to_dict()
+                                "eval_every=0"])
+    if config.sync.policy == "auto":  # resolved as ElasticJob.start resolves it
+        from orchestrator.planner import choose
+
+        config = choose(config)[0]
+        assert config.sync.policy != "auto" and config.policy_choice
+    config = config.to_dict()
     job = LocalJob(config, ["w0", "w1"], str(tmp_path))
     job.run(("w0", "w1"), 2 * config["workload"]["batch_size"])
     steps = [r["step"] for r in job.link.records]

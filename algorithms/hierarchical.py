@@ -1,0 +1,82 @@
+"""BAGUA's hierarchical all-reduce over one group, by point-to-point messages. Pure: the communicator
+is injected (algorithms/ never imports a backend).
+
+Where the links between nodes are the slow ones, a flat ring all-reduce sends 2(n-1)/n of the payload
+across them for every rank; reducing within each node first sends it once per node:
+
+1. each member sends its tensor to its node's leader (the node's lowest rank), which sums its node's
+   tensors in rank order;
+2. the leaders run a ring all-reduce among themselves (reduce-scatter, then all-gather, each k-1
+   rounds of one chunk to the next leader), over the slow links;
+3. each leader sends the sum back to its node's members.
+
+Every rank ends with the same SUM, which equals the flat all-reduce's up to the order of the float
+additions. Nodes come from the membership epoch (`EpochInfo.nodes`: the lab's virtual node of each
+member, or the Ray node it runs on). Blocking; a failed message raises the communicator's CommError.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+
+class HierarchicalAllReduce:
+    def __init__(self, comm: Any, rank: int, nodes: Sequence[str]) -> None:
+        self.comm, self.rank = comm, rank
+        order: dict[str, list[int]] = {}
+        for r, node in enumerate(nodes):
+            order.setdefault(node, []).append(r)
+        self.members = order[nodes[rank]]
+        """This rank's node's ranks, in rank order; the first is its leader."""
+        self.leader = self.members[0]
+        self.leaders = [ranks[0] for ranks in sorted(order.values())]
+        self.bytes_sent = 0
+
+    @property
+    def is_leader(self) -> bool:
+        return self.rank == self.leader
+
+    def all_reduce(self, tensor: torch.Tensor) -> None:
+        """SUM `tensor` over every rank of the group, in place."""
+        flat = tensor.view(-1)
+        if not self.is_leader:
+            self._send(flat, self.leader)
+            self.comm.recv(flat, self.leader).wait()
+            return
+        incoming = torch.empty_like(flat)
+        for member in self.members[1:]:
+            self.comm.recv(incoming, member).wait()
+            flat.add_(incoming)
+        self._ring(flat)
+        for member in self.members[1:]:
+            self._send(flat, member)
+
+    def _send(self, flat: torch.Tensor, dst: int) -> None:
+        self.comm.send(flat, dst).wait()
+        self.bytes_sent += flat.numel() * flat.element_size()
+
+    def _ring(self, flat: torch.Tensor) -> None:
+        """Ring all-reduce (SUM) of `flat` among the leaders: k-1 reduce-scatter rounds, k-1 all-gather rounds."""
+        k = len(self.leaders)
+        if k <= 1:
+            return
+        me = self.leaders.index(self.rank)
+        after, before = self.leaders[(me + 1) % k], self.leaders[(me - 1) % k]
+        bounds = [flat.numel() * i // k for i in range(k + 1)]
+        chunk = lambda c: flat[bounds[c]:bounds[c + 1]]  # noqa: E731
+        scratch = torch.empty(bounds[1] - bounds[0] + 1, dtype=flat.dtype, device=flat.device)
+        for r in range(k - 1):  # reduce-scatter: after it, leader `me` holds the sum of chunk (me + 1) % k
+            out, into = chunk((me - r) % k), chunk((me - r - 1) % k)
+            recv = scratch[:into.numel()]
+            handles = [self.comm.send(out, after), self.comm.recv(recv, before)]
+            for handle in handles:
+                handle.wait()
+            self.bytes_sent += out.numel() * out.element_size()
+            into.add_(recv)
+        for r in range(k - 1):  # all-gather the summed chunks
+            out, into = chunk((me + 1 - r) % k), chunk((me - r) % k)
+            handles = [self.comm.send(out, after), self.comm.recv(into, before)]
+            for handle in handles:
+                handle.wait()
+            self.bytes_sent += out.numel() * out.element_size()

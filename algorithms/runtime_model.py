@@ -1,0 +1,282 @@
+"""The runtime model: each policy's time per step and bytes per step on a given network. Pure.
+
+Written from the communication patterns, not fitted to measurements. The inputs are what a probe
+can measure: the compute time of one step (forward, backward, update; `Compute`), the model's size
+in bytes, and the links between nodes (bandwidth each direction and one-way latency; `Network`).
+Compute and communication do not overlap except where the policy launches its traffic before the
+step's compute (gossip launches its exchange before the forward pass; background rounds run beside
+the training thread; streaming DiLoCo's fragments overlap `overlap` steps), the same order the
+workers run them in (actors/replica.py).
+
+The collectives are gloo's on CPU (what the workers run; actors/comm.py):
+- all-reduce: a ring, 2(n-1) rounds; each round every rank sends P/n bytes to the next rank.
+- all-gather: a ring, n-1 rounds of one chunk each.
+- all-to-all: every rank sends its chunk for every other rank at once (one round).
+- point-to-point (gossip): each rank sends P to each of its topology peers at once.
+Each round lasts as long as its most loaded link: a kernel-shaped link (one direction between two
+nodes) is shared by every flow that crosses it in that round, and pays the link's latency once per
+round. Links between workers of one node are loopback, at `Network.loopback_bytes_per_s` per flow;
+where the nodes are emulated on one machine, a round also takes at least its total bytes at
+`Network.host_bytes_per_s` (the machine's cores copy every byte).
+
+The compute side: a step's compute on rank i is `fixed_s + seconds * factors[i] * exp(sigma * z)` with z
+standard normal, independent across ranks and steps (`Compute`). A step that waits for every member
+waits for the maximum over members (its expectation by a fixed-seed sample, so the model is a pure
+function); a gossip step waits for its topology neighbours; the background kind never waits.
+
+Each prediction says which formula gave it (`Prediction.basis`), so a reader can check it.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+
+INF = float("inf")
+
+
+@dataclass(frozen=True)
+class Network:
+    """Where each rank runs and what each link between nodes gives.
+
+    `bandwidth[a][b]`: bytes/s from node a to node b (INF where unshaped: same node, loopback);
+    `latency[a][b]`: one-way seconds (the lab's modelled latency plus the kernel's)."""
+
+    node_of_rank: tuple[int, ...]
+    bandwidth: tuple[tuple[float, ...], ...]
+    latency: tuple[tuple[float, ...], ...]
+    loopback_bytes_per_s: float = 2.0e9
+    """What one unshaped flow on this machine moves (a loopback TCP stream between two processes)."""
+    host_bytes_per_s: float = INF
+    """What all flows of a round move together at most: INF for real nodes (each has its own CPUs and
+    NIC); in the lab every emulated node shares one machine's cores, which copy every byte of every
+    flow (the probe's unshaped stream, which keeps a sender and a receiver busy, measures it)."""
+
+    @property
+    def n(self) -> int:
+        return len(self.node_of_rank)
+
+    def flow_rate(self, i: int, j: int, sharing: int) -> float:
+        """Bytes/s of one flow from rank i to rank j when `sharing` flows cross the same link."""
+        a, b = self.node_of_rank[i], self.node_of_rank[j]
+        shaped = self.bandwidth[a][b]
+        if shaped == INF:
+            return self.loopback_bytes_per_s
+        return min(shaped / max(sharing, 1), self.loopback_bytes_per_s)
+
+    def hop_latency(self, i: int, j: int) -> float:
+        return self.latency[self.node_of_rank[i]][self.node_of_rank[j]]
+
+    @classmethod
+    def uniform(cls, nodes: int, per_node: int, inter_bytes_per_s: float, inter_latency_s: float = 0.0,
+                intra_bytes_per_s: float = INF, intra_latency_s: float = 0.0,
+                loopback_bytes_per_s: float = 2.0e9, host_bytes_per_s: float = INF) -> "Network":
+        ranks = tuple(r // per_node for r in range(nodes * per_node))
+        bw = tuple(tuple(intra_bytes_per_s if a == b else inter_bytes_per_s for b in range(nodes)) for a in range(nodes))
+        lat = tuple(tuple(intra_latency_s if a == b else inter_latency_s for b in range(nodes)) for a in range(nodes))
+        return cls(ranks, bw, lat, loopback_bytes_per_s, host_bytes_per_s)
+
+
+@dataclass(frozen=True)
+class Compute:
+    seconds: float
+    """One step's compute on an unslowed rank (median): the part that stragglers and jitter scale."""
+    fixed_s: float = 0.0
+    """Per-step time no straggler or jitter scales (the framework's own work around the compute)."""
+    factors: tuple[float, ...] = ()
+    """Per rank slowdown (empty: all 1); a 3x straggler is a 3.0."""
+    jitter_sigma: float = 0.0
+    """Lognormal jitter of each step on each rank (median factor 1)."""
+    samples: int = 4000
+    seed: int = 0
+
+    def factor(self, rank: int) -> float:
+        return self.factors[rank] if rank < len(self.factors) else 1.0
+
+    def draws(self, ranks: Sequence[int], steps: int = 1) -> np.ndarray:
+        """Sampled compute times, shape (samples, len(ranks)): each the sum over `steps` steps."""
+        rng = np.random.default_rng(self.seed)
+        base = np.array([self.seconds * self.factor(r) for r in ranks])
+        if self.jitter_sigma <= 0:
+            return np.broadcast_to((base + self.fixed_s) * steps, (1, len(ranks)))
+        z = rng.standard_normal((self.samples, steps, len(ranks)))
+        return (base * np.exp(self.jitter_sigma * z) + self.fixed_s).sum(axis=1)
+
+    def expected_max(self, ranks: Sequence[int], steps: int = 1) -> float:
+        """E[max over `ranks` of their compute over `steps` steps]."""
+        return float(self.draws(ranks, steps).max(axis=1).mean())
+
+    def expected(self, rank: int) -> float:
+        mean_jitter = math.exp(self.jitter_sigma ** 2 / 2)
+        return self.fixed_s + self.seconds * self.factor(rank) * mean_jitter
+
+
+@dataclass(frozen=True)
+class Prediction:
+    policy: str
+    step_s: float
+    """Time per committed step (periodic kinds: per local step, rounds amortized)."""
+    comm_s: float
+    """Communication time per step that the step waits for (amortized)."""
+    bytes_per_step: float
+    """Bytes each rank sends per step (mean over ranks, rounds amortized)."""
+    basis: str
+    notes: str = ""
+
+
+# --------------------------------------------------------------------------- collectives
+def _round_time(net: Network, flows: Sequence[tuple[int, int, float]]) -> float:
+    """One round of concurrent flows (src rank, dst rank, bytes): the slowest flow, where flows that
+    cross the same shaped link share its rate, or all the round's bytes at the host's rate if that is
+    longer (the lab's nodes share one machine); plus the slowest hop's latency."""
+    if not flows:
+        return 0.0
+    sharing: dict[tuple[int, int], int] = {}
+    for i, j, _ in flows:
+        key = (net.node_of_rank[i], net.node_of_rank[j])
+        sharing[key] = sharing.get(key, 0) + 1
+    slowest = 0.0
+    for i, j, size in flows:
+        key = (net.node_of_rank[i], net.node_of_rank[j])
+        slowest = max(slowest, size / net.flow_rate(i, j, sharing[key]))
+    slowest = max(slowest, sum(size for _, _, size in flows) / net.host_bytes_per_s)
+    return slowest + max(net.hop_latency(i, j) for i, j, _ in flows)
+
+
+def ring_allreduce(net: Network, ranks: Sequence[int], size: float) -> float:
+    n = len(ranks)
+    if n <= 1:
+        return 0.0
+    ring = [(ranks[k], ranks[(k + 1) % n], size / n) for k in range(n)]
+    return 2 * (n - 1) * _round_time(net, ring)
+
+
+def ring_allgather(net: Network, ranks: Sequence[int], chunk: float) -> float:
+    n = len(ranks)
+    if n <= 1:
+        return 0.0
+    return (n - 1) * _round_time(net, [(ranks[k], ranks[(k + 1) % n], chunk) for k in range(n)])
+
+
+def all_to_all(net: Network, ranks: Sequence[int], size: float) -> float:
+    """Each rank's `size` bytes split evenly, one chunk to every rank (its own stays)."""
+    n = len(ranks)
+    if n <= 1:
+        return 0.0
+    return _round_time(net, [(i, j, size / n) for i in ranks for j in ranks if i != j])
+
+
+def exchange(net: Network, peers: Callable[[int], Sequence[int]], size: float) -> float:
+    """Every rank sends `size` bytes to each of its peers at once."""
+    return _round_time(net, [(i, j, size) for i in range(net.n) for j in peers(i) if j != i])
+
+
+def hierarchical_allreduce(net: Network, size: float) -> float:
+    """BAGUA's hierarchical all-reduce (algorithms/allreduce.py): each non-leader sends its gradients
+    to its node's leader (its lowest rank), the leaders run a ring all-reduce over the links between
+    nodes, and each leader sends the sum back to its node's members; the intra-node parts run on
+    every node at once."""
+    nodes = sorted(set(net.node_of_rank))
+    members = {a: [r for r in range(net.n) if net.node_of_rank[r] == a] for a in nodes}
+    leaders = [members[a][0] for a in nodes]
+    gather = _round_time(net, [(r, members[a][0], size) for a in nodes for r in members[a][1:]])
+    scatter = _round_time(net, [(members[a][0], r, size) for a in nodes for r in members[a][1:]])
+    return gather + ring_allreduce(net, leaders, size) + scatter
+
+
+# --------------------------------------------------------------------------- policies
+@dataclass(frozen=True)
+class PolicySpec:
+    """The policy as the model needs it (from a job config: `policy_spec`)."""
+
+    name: str
+    codec_ratio: float = 1.0
+    """Bytes on the wire per byte of float32 payload (fp16/bf16 0.5, uint8 about 0.25, onebit 1/32)."""
+    hierarchical: bool = False
+    h: int = 1
+    """Local steps per round (periodic kinds)."""
+    fragments: int = 1
+    overlap: int = 0
+    warmup_steps: int = 0
+    """qadam: full-precision steps before the compressed momentum."""
+    total_steps: int = 0
+    peers: Optional[Callable[[int, int], Sequence[int]]] = None
+    """Gossip: rank -> its topology peers at a world size (default: the ring's two neighbours)."""
+
+
+def ring_peers(rank: int, n: int) -> list[int]:
+    return sorted({(rank - 1) % n, (rank + 1) % n} - {rank})
+
+
+def predict(spec: PolicySpec, net: Network, compute: Compute, model_bytes: float) -> Prediction:
+    """The time per step and bytes per step of `spec` on `net` (see the module docstring)."""
+    n = net.n
+    ranks = list(range(n))
+    everyone = compute.expected_max(ranks)
+    name = spec.name
+    if name in ("bsp", "bytegrad", "qadam"):
+        return _synchronous(spec, net, compute, model_bytes, everyone)
+    if name in ("local_sgd", "diloco", "streaming_diloco"):
+        h = max(spec.h, 1)
+        waits = compute.expected_max(ranks, steps=h) / h
+        if name == "streaming_diloco" and spec.fragments > 1:
+            per_fragment = ring_allreduce(net, ranks, model_bytes * spec.codec_ratio / spec.fragments)
+            hidden = spec.overlap * (compute.fixed_s + compute.seconds)
+            exposed = max(0.0, per_fragment - hidden) * spec.fragments / h
+            return Prediction(name, waits + exposed, exposed, _ring_bytes(n, model_bytes * spec.codec_ratio) / h,
+                              f"E[max_i sum of {h} steps]/{h} + {spec.fragments} fragment all-reduces per {h} steps, "
+                              f"each less {spec.overlap} overlapped steps")
+        comm = ring_allreduce(net, ranks, model_bytes * spec.codec_ratio) / h
+        return Prediction(name, waits + comm, comm, _ring_bytes(n, model_bytes * spec.codec_ratio) / h,
+                          f"E[max_i sum of {h} steps]/{h} + ring all-reduce/{h}")
+    if name in ("dpsgd", "dadam", "choco"):
+        peers = (lambda r: spec.peers(r, n)) if spec.peers else (lambda r: ring_peers(r, n))
+        size = model_bytes * spec.codec_ratio
+        comm = exchange(net, peers, size)
+        neighbourhood = max(compute.expected_max([r, *peers(r)]) for r in ranks)
+        step = max(neighbourhood, comm + 0.0)
+        sent = float(np.mean([len(peers(r)) * size for r in ranks]))
+        return Prediction(name, step, max(0.0, step - neighbourhood), sent,
+                          "max(E[max over a rank and its peers of compute], exchange with the peers): the exchange "
+                          "launches before the forward pass and overlaps it")
+    if name == "shadow":
+        own = float(np.median([compute.expected(r) for r in ranks]))
+        return Prediction(name, own, 0.0, 0.0, "each member at its own pace (rounds run beside training)",
+                          notes="background rounds share the links and CPU; not counted")
+    raise KeyError(f"the runtime model has no pattern for policy {name!r}")
+
+
+def _ring_bytes(n: int, size: float) -> float:
+    return 2 * (n - 1) / n * size if n > 1 else 0.0
+
+
+def _synchronous(spec: PolicySpec, net: Network, compute: Compute, model_bytes: float, everyone: float) -> Prediction:
+    n = net.n
+    ranks = list(range(n))
+    if spec.name == "bsp":
+        if spec.hierarchical:
+            comm = hierarchical_allreduce(net, model_bytes)
+            basis = "E[max_i compute] + intra-node all-reduce + leaders' ring all-reduce"
+        else:
+            comm = ring_allreduce(net, ranks, model_bytes)
+            basis = "E[max_i compute] + ring all-reduce of the gradients"
+        return Prediction("bsp", everyone + comm, comm, _ring_bytes(n, model_bytes), basis)
+    size = model_bytes * spec.codec_ratio
+    scatter_gather = all_to_all(net, ranks, size) + ring_allgather(net, ranks, size / n)
+    sg_bytes = 2 * (n - 1) / n * size
+    if spec.name == "bytegrad":
+        return Prediction("bytegrad", everyone + scatter_gather, scatter_gather, sg_bytes,
+                          "E[max_i compute] + all-to-all of compressed chunks + ring all-gather of the sums")
+    # qadam: full-precision ring all-reduce during warm-up, then the compressed momentum's scatter-gather
+    full = ring_allreduce(net, ranks, model_bytes)
+    total = max(spec.total_steps, 1)
+    warm = min(spec.warmup_steps, total) / total
+    comm = warm * full + (1 - warm) * scatter_gather
+    return Prediction("qadam", everyone + comm, comm, warm * _ring_bytes(n, model_bytes) + (1 - warm) * sg_bytes,
+                      f"E[max_i compute] + {warm:.0%} ring all-reduce (warm-up) + {1 - warm:.0%} compressed scatter-gather")
+
+
+CODEC_RATIO = {"none": 1.0, "fp16": 0.5, "bf16": 0.5, "uint8": 0.25, "onebit": 1 / 32}
+"""Wire bytes per float32 byte (uint8 adds its per-chunk min and max, negligible at these sizes)."""

@@ -1,0 +1,278 @@
+"""The network lab: an emulated multi-node network on one machine.
+
+On one machine every link is loopback and communication is nearly free, so nothing shows when a
+relaxed policy beats BSP. The lab gives each virtual node of `network:` its own loopback address
+(all of 127/8 is this machine; node k is the k+1-th host of `network.subnet`, 127.77.0.1 for node 0)
+and lets the kernel shape the traffic between different nodes' addresses: an `htb` root qdisc on
+`lo` with one class per shaped (source node, destination node) pair and a `u32` filter on both
+addresses. Unclassified traffic (everything outside the lab's addresses, and unshaped pairs) takes
+htb's direct path, unshaped. Latency is not the kernel's (no netem on these machines): the transport
+adds it per operation (`network.*.latency_ms`; actors/comm.py), labelled as modelled.
+
+Workers bind their gloo device to their node's address. gloo connects without binding, which would
+give every connection the source 127.0.0.1, so lab workers preload a small connect() shim
+(actors/native/lab_bind.c, compiled here by `up`; actors/lab_shim.py) that binds connections into the lab's
+subnet to the worker's own node address first.
+
+`Lab(network)` is a context manager; `python -m orchestrator lab up CONFIG | down | show` does the
+same from a shell. Both are idempotent, and neither touches a root qdisc on `lo` that is not the
+lab's. Without root or without `tc`, `LabUnavailable` says why (the CLI exits 2; lab tests skip).
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import Optional
+
+from actors.lab_shim import LabUnavailable, shim_path, worker_env
+from core.schema import NetworkConfig
+
+DEV = "lo"
+HANDLE = "7a6"
+"""The lab's root qdisc handle on `lo` (how `down` knows the qdisc is the lab's)."""
+STATE = Path(os.environ.get("ORCHESTRATOR_LAB_STATE", "/tmp/orchestrator-lab.json"))
+"""What the lab that is up was brought up with (its network), for `require` and `show`."""
+
+
+def fingerprint(net: NetworkConfig) -> str:
+    return hashlib.sha256(json.dumps(dataclasses.asdict(net), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _rate(mbit: float) -> str:
+    return f"{mbit * 1000:.0f}kbit"
+
+
+def _burst_bytes(mbit: float) -> int:
+    """htb's bucket: at least a few 64 KiB loopback segments, and about 1 ms of the rate (htb's default
+    bucket, sized for a 1.5 KB MTU, caps a fast class well below its rate on loopback's 64 KiB one)."""
+    return max(4 * 65536, int(mbit * 1e6 / 8 * 0.001))
+
+
+def tc_commands(net: NetworkConfig) -> list[list[str]]:
+    """The `tc` commands that bring the lab up on an unshaped `lo` (pure; tested)."""
+    cmds = [["tc", "qdisc", "add", "dev", DEV, "root", "handle", f"{HANDLE}:", "htb", "default", "0"]]
+    classid = 0
+    for a in range(net.nodes):
+        for b in range(net.nodes):
+            link = net.link(a, b)
+            if link.mbit is None:
+                continue
+            classid += 1
+            burst = _burst_bytes(link.mbit)
+            cmds.append(["tc", "class", "add", "dev", DEV, "parent", f"{HANDLE}:", "classid", f"{HANDLE}:{classid:x}",
+                         "htb", "rate", _rate(link.mbit), "ceil", _rate(link.mbit), "burst", str(burst),
+                         "cburst", str(burst), "quantum", "65536"])
+            cmds.append(["tc", "filter", "add", "dev", DEV, "parent", f"{HANDLE}:", "protocol", "ip", "prio", "1",
+                         "u32", "match", "ip", "src", f"{net.address(a)}/32", "match", "ip", "dst",
+                         f"{net.address(b)}/32", "flowid", f"{HANDLE}:{classid:x}"])
+    return cmds
+
+
+def _tc(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    out = subprocess.run(["tc", *args], capture_output=True, text=True, timeout=30)
+    if check and out.returncode != 0:
+        raise LabUnavailable(f"`tc {' '.join(args)}` failed: {(out.stderr or out.stdout).strip()[:300]}")
+    return out
+
+
+def root_qdisc() -> str:
+    """The root qdisc line of `tc qdisc show dev lo` ("" when tc shows none)."""
+    out = _tc("qdisc", "show", "dev", DEV)
+    return next((line.strip() for line in out.stdout.splitlines() if " root " in f" {line} "), "")
+
+
+def is_lab_qdisc(line: str) -> bool:
+    return line.startswith("qdisc htb ") and line.split()[2] == f"{HANDLE}:"
+
+
+def check_privileges() -> None:
+    """Raise `LabUnavailable` with the reason when this process cannot shape `lo`."""
+    if not hasattr(os, "geteuid") or os.geteuid() != 0:
+        raise LabUnavailable("the lab shapes loopback traffic with tc and needs root (run as root, or skip lab runs)")
+    if shutil.which("tc") is None:
+        raise LabUnavailable("the lab needs Linux `tc` (iproute2), which is not installed")
+    if shutil.which("cc") is None and shutil.which("gcc") is None:
+        raise LabUnavailable("the lab compiles a small connect() shim and needs a C compiler (cc)")
+
+
+def read_state() -> Optional[dict]:
+    try:
+        return json.loads(STATE.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def current() -> Optional[dict]:
+    """The lab that is up: its state (network, since) when `lo`'s root qdisc is the lab's, else None."""
+    try:
+        line = root_qdisc()
+    except (LabUnavailable, OSError):
+        return None
+    if not is_lab_qdisc(line):
+        return None
+    return read_state() or {"network": None, "fingerprint": None, "since": None}
+
+
+def up(net: NetworkConfig) -> bool:
+    """Bring the lab up for `net`; True when this call shaped `lo`, False when the same lab was up.
+    A different lab that is up, or a root qdisc on `lo` that is not the lab's, is an error."""
+    if not net.enabled:
+        raise LabUnavailable("network.nodes is 0: there is no lab to bring up")
+    check_privileges()
+    shim_path(build=True)
+    line = root_qdisc()
+    if is_lab_qdisc(line):
+        state = read_state()
+        if state and state.get("fingerprint") == fingerprint(net):
+            return False
+        raise LabUnavailable("a lab with another network is up: run `python -m orchestrator lab down` first")
+    if line and not line.startswith("qdisc noqueue"):
+        raise LabUnavailable(f"`lo` has a root qdisc that is not the lab's ({line}): the lab leaves it alone")
+    try:
+        for cmd in tc_commands(net):
+            _tc(*cmd[1:])
+    except BaseException:
+        down()
+        raise
+    tmp = STATE.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"network": dataclasses.asdict(net), "fingerprint": fingerprint(net),
+                               "since": time.time()}))
+    os.replace(tmp, STATE)
+    return True
+
+
+def down() -> bool:
+    """Remove the lab's qdisc from `lo` (True) or do nothing when it is not up (False)."""
+    check_privileges()
+    removed = False
+    if is_lab_qdisc(root_qdisc()):
+        _tc("qdisc", "del", "dev", DEV, "root")
+        removed = True
+    STATE.unlink(missing_ok=True)
+    return removed
+
+
+def require(net: NetworkConfig) -> None:
+    """A job with `network:` starts only on the lab it names (raises `LabUnavailable` naming the fix)."""
+    state = current()
+    if state is None:
+        raise LabUnavailable("network: is set but the lab is not up: run `python -m orchestrator lab up CONFIG` "
+                             "as root (`orchestrator run` brings it up itself)")
+    if state.get("fingerprint") != fingerprint(net):
+        raise LabUnavailable("network: differs from the lab that is up: `python -m orchestrator lab down`, then up "
+                             "with this config")
+    worker_env(net)
+
+
+class Lab:
+    """`with Lab(network):` the lab is up inside, and down after if this block brought it up."""
+
+    def __init__(self, net: NetworkConfig) -> None:
+        self.net = net
+        self.brought_up = False
+
+    def __enter__(self) -> "Lab":
+        self.brought_up = up(self.net)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.brought_up:
+            down()
+
+
+# --------------------------------------------------------------------------- the probe
+def _free_port_listener(host: str) -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, 0))
+    sock.listen(1)
+    return sock
+
+
+def probe_link(src: str, dst: str, seconds: float = 1.0, pings: int = 30) -> dict:
+    """What one direction of a link delivers: a TCP stream from `src` to `dst` for `seconds` (bytes/s
+    at the receiver over the last 80% of the stream, after htb's initial bucket), and the median
+    round trip of 1-byte messages on the same addresses (the kernel's; the lab's latency is modelled
+    in the transport and is not in it)."""
+    listener = _free_port_listener(dst)
+    port = listener.getsockname()[1]
+    marks: list[tuple[float, int]] = []
+
+    def receive() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            total = 0
+            while True:
+                chunk = conn.recv(1 << 20)
+                if not chunk:
+                    break
+                total += len(chunk)
+                marks.append((time.perf_counter(), total))
+
+    thread = threading.Thread(target=receive, daemon=True)
+    thread.start()
+    client = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    client.bind((src, 0))
+    client.connect((dst, port))
+    block = b"\0" * (1 << 20)
+    end = time.perf_counter() + seconds
+    with client:
+        while time.perf_counter() < end:
+            client.sendall(block)
+    thread.join(timeout=seconds + 30)
+    listener.close()
+    start_at = marks[0][0] + 0.2 * (marks[-1][0] - marks[0][0]) if marks else 0.0
+    window = [m for m in marks if m[0] >= start_at]
+    rate = (window[-1][1] - window[0][1]) / (window[-1][0] - window[0][0]) if len(window) > 1 and \
+        window[-1][0] > window[0][0] else 0.0
+    return {"src": src, "dst": dst, "bytes_per_s": rate, "rtt_s": _ping(src, dst, pings)}
+
+
+def _ping(src: str, dst: str, count: int) -> float:
+    listener = _free_port_listener(dst)
+
+    def echo() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            while data := conn.recv(1):
+                conn.sendall(data)
+
+    thread = threading.Thread(target=echo, daemon=True)
+    thread.start()
+    client = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    client.bind((src, 0))
+    client.connect((dst, listener.getsockname()[1]))
+    client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    times = []
+    with client:
+        for _ in range(count):
+            began = time.perf_counter()
+            client.sendall(b"x")
+            client.recv(1)
+            times.append(time.perf_counter() - began)
+    thread.join(timeout=5)
+    listener.close()
+    return statistics.median(times)
+
+
+def probe(net: NetworkConfig, seconds: float = 1.0) -> list[dict]:
+    """Every shaped direction of `net` (and one intra-node pair), measured, next to what was asked."""
+    rows = []
+    pairs = [(a, b) for a in range(net.nodes) for b in range(net.nodes) if a != b] + [(0, 0)]
+    for a, b in pairs:
+        link = net.link(a, b)
+        src, dst = net.address(a), net.address(b)
+        measured = probe_link(src, dst, seconds)
+        rows.append({"a": a, "b": b, "asked_mbit": link.mbit, "measured_mbit": measured["bytes_per_s"] * 8 / 1e6,
+                     "rtt_ms": measured["rtt_s"] * 1e3, "modelled_latency_ms": link.latency_ms})
+    return rows

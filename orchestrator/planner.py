@@ -1,0 +1,217 @@
+"""Choosing a policy: every applicable policy's predicted time per step, bytes per step and time to
+the target on a network, from the runtime model (algorithms/runtime_model.py), and a recommendation.
+
+The inputs are a job config (its workload, optimizer, world size and stragglers), a network (the
+`network:` section as asked, or the lab's links as probed) and the compute time of one step, measured
+here on the workload (`measure_compute`). Time to the target multiplies the predicted step time by
+the steps BSP needs and the policy's convergence factor (steps to the target relative to BSP), where
+one was measured (`orchestrator/convergence.json`, written by `benchmarks/tradeoffs.py`, which names
+its workload and date); without a factor a policy is ranked by its step time and the table says so.
+
+`python -m orchestrator plan CONFIG [--network FILE | --probe]` prints the table; `sync.policy: auto`
+resolves through `choose` before the job starts (`ElasticJob.start`), and the job's first event says
+what was picked and why.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+from algorithms.runtime_model import CODEC_RATIO, INF, Compute, Network, PolicySpec, predict
+from core.schema import ConfigError, JobConfig, NetworkConfig, parse
+
+FACTORS_PATH = Path(__file__).with_name("convergence.json")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One policy as `plan` weighs it: a label, its `sync:`/`compression:` sections, the model's view."""
+
+    label: str
+    sync: dict
+    compression: dict
+    spec: PolicySpec
+
+
+@dataclass(frozen=True)
+class Row:
+    candidate: Candidate
+    step_s: float
+    bytes_per_step: float
+    factor: Optional[float]
+    """Steps to the target relative to BSP (measured), or None."""
+    to_target_s: Optional[float]
+    basis: str
+
+
+def candidates(cfg: JobConfig) -> list[Candidate]:
+    """The policies this job could run with, each with the knobs the comparison uses. Adam-based ones
+    (`qadam`, `dadam`) with an AdamW optimizer, the others with SGD; hierarchical BSP where the
+    network has more than one node. The server kinds are left out: their pushes and pulls travel on
+    Ray's own transport, which the lab does not shape, so the model would compare them on other terms."""
+    adam = cfg.optimizer.name == "adamw"
+    ring = {"kind": "ring"}
+    out = [("bsp", {"policy": "bsp"}, {}, PolicySpec("bsp"))]
+    if cfg.network.nodes > 1:
+        out.append(("bsp hierarchical", {"policy": "bsp", "hierarchical": True}, {},
+                    PolicySpec("bsp", hierarchical=True)))
+    out.append(("bytegrad uint8", {"policy": "bytegrad"}, {"codec": "uint8"},
+                PolicySpec("bytegrad", codec_ratio=CODEC_RATIO["uint8"])))
+    if adam:
+        steps = cfg.stop.max_steps or 0
+        out.append(("qadam uint8", {"policy": "qadam", "warmup_steps": 100}, {"codec": "uint8"},
+                    PolicySpec("qadam", codec_ratio=CODEC_RATIO["uint8"], warmup_steps=100, total_steps=steps)))
+    out.append(("local_sgd h=8", {"policy": "local_sgd", "h": 8}, {}, PolicySpec("local_sgd", h=8)))
+    out.append(("diloco h=16", {"policy": "diloco", "h": 16}, {}, PolicySpec("diloco", h=16)))
+    out.append(("streaming_diloco h=16 f=4", {"policy": "streaming_diloco", "h": 16, "fragments": 4, "overlap": 1},
+                {}, PolicySpec("streaming_diloco", h=16, fragments=4, overlap=1)))
+    out.append(("dpsgd ring", {"policy": "dpsgd", "topology": ring}, {}, PolicySpec("dpsgd")))
+    out.append(("dpsgd ring uint8", {"policy": "dpsgd", "topology": ring}, {"codec": "uint8"},
+                PolicySpec("dpsgd", codec_ratio=CODEC_RATIO["uint8"])))
+    if adam:
+        out.append(("dadam ring k=4", {"policy": "dadam", "topology": ring, "k": 4}, {}, PolicySpec("dadam")))
+    else:
+        out.append(("choco ring uint8", {"policy": "choco", "topology": ring}, {"codec": "uint8"},
+                    PolicySpec("choco", codec_ratio=CODEC_RATIO["uint8"])))
+    out.append(("shadow ma", {"policy": "shadow", "method": "ma"}, {}, PolicySpec("shadow")))
+    return [Candidate(label, sync, comp, spec) for label, sync, comp, spec in out]
+
+
+def network_for(net: NetworkConfig, world: int, probed: Optional[Sequence[dict]] = None) -> Network:
+    """The model's network for `world` members placed as the job places them (`NetworkConfig.node_of`):
+    the links as asked, or as `lab.probe` measured them (`probed` rows). Without a lab (`nodes: 0`)
+    every member shares one unshaped node."""
+    if not net.enabled:
+        return Network(tuple(0 for _ in range(world)), ((INF,),), ((0.0,),))
+    nodes = net.nodes
+    bandwidth = [[INF if net.link(a, b).mbit is None else net.link(a, b).mbit * 1e6 / 8 for b in range(nodes)]
+                 for a in range(nodes)]
+    latency = [[net.link(a, b).latency_ms / 1e3 for b in range(nodes)] for a in range(nodes)]
+    loopback, host = Network.loopback_bytes_per_s, INF
+    for row in probed or ():
+        a, b = row["a"], row["b"]
+        if row.get("asked_mbit"):
+            bandwidth[a][b] = row["measured_mbit"] * 1e6 / 8
+        elif a == b:  # an unshaped stream: what a loopback flow moves, and what this machine's cores copy at most
+            loopback = host = row["measured_mbit"] * 1e6 / 8
+        latency[a][b] = row["modelled_latency_ms"] / 1e3 + row["rtt_ms"] / 2e3
+    return Network(tuple(net.node_of(f"w{i}") for i in range(world)), tuple(map(tuple, bandwidth)),
+                   tuple(map(tuple, latency)), loopback, host)
+
+
+def compute_spread(cfg: JobConfig, seconds: float) -> Compute:
+    """The compute side: `seconds` per step, times each slot's `faults.stragglers` slowdown, with the
+    largest jitter sigma configured (the model draws it on every rank)."""
+    world = cfg.workers.count
+    factors = tuple(max([s.slowdown for s in cfg.faults.stragglers if s.slot == f"w{i}"] or [1.0]) for i in range(world))
+    sigma = max([s.jitter.sigma for s in cfg.faults.stragglers if s.jitter is not None] or [0.0])
+    return Compute(seconds, factors=factors, jitter_sigma=sigma)
+
+
+def measure_compute(cfg: JobConfig, steps: int = 12, warmup: int = 3) -> tuple[float, float]:
+    """(median seconds of one step's forward, backward and update on one worker's batch, the model's
+    parameter bytes), measured in this process on the job's workload."""
+    import torch  # noqa: PLC0415 - only `plan` and `auto` measure
+
+    from actors.replica import build_workload  # noqa: PLC0415
+    from algorithms.optim import build_optimizer  # noqa: PLC0415
+
+    workload = build_workload(cfg)
+    model = workload.model
+    optimizer = build_optimizer(model.parameters(), cfg.optimizer)
+    loader = torch.utils.data.DataLoader(workload.train_data, batch_size=cfg.workload.batch_size, shuffle=False)
+    batches = iter(loader)
+    times = []
+    for i in range(steps + warmup):
+        try:
+            batch = next(batches)
+        except StopIteration:
+            batches = iter(loader)
+            batch = next(batches)
+        began = time.perf_counter()
+        optimizer.zero_grad()
+        workload.loss(model, batch).backward()
+        optimizer.step()
+        if i >= warmup:
+            times.append(time.perf_counter() - began)
+    model_bytes = float(sum(p.numel() * p.element_size() for p in model.parameters()))
+    return statistics.median(times), model_bytes
+
+
+def load_factors(path: Path = FACTORS_PATH) -> dict:
+    """{"factors": {label: steps to the target relative to BSP}, "bsp_steps": BSP's steps to the target,
+    "source": "..."} as `benchmarks/tradeoffs.py` wrote them; empty factors when none were measured."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        data = {}
+    return {"factors": {k: float(v) for k, v in data.get("factors", {}).items()},
+            "bsp_steps": int(data.get("bsp_steps") or 0) or None, "source": str(data.get("source", ""))}
+
+
+def rank(cands: Sequence[Candidate], net: Network, compute: Compute, model_bytes: float,
+         factors: dict[str, float], bsp_steps: Optional[int] = None) -> list[Row]:
+    """Every candidate's prediction, best first: by time to the target where every candidate has a
+    factor, else by time per step (a policy without a factor is never ranked ahead by a guess)."""
+    rows = []
+    for cand in cands:
+        p = predict(cand.spec, net, compute, model_bytes)
+        factor = factors.get(cand.label)
+        to_target = p.step_s * bsp_steps * factor if factor is not None and bsp_steps else None
+        rows.append(Row(cand, p.step_s, p.bytes_per_step, factor, to_target, p.basis))
+    by_target = all(r.to_target_s is not None for r in rows)
+    return sorted(rows, key=lambda r: (r.to_target_s if by_target else r.step_s, r.candidate.label))
+
+
+def recommendation(rows: Sequence[Row]) -> str:
+    """One line: the pick and why (against BSP when BSP was a candidate)."""
+    best = rows[0]
+    bsp = next((r for r in rows if r.candidate.label == "bsp"), None)
+    if bsp is None:
+        return f"{best.candidate.label}: predicted {best.step_s * 1e3:.1f} ms/step, the fastest of the candidates"
+    if best.to_target_s is not None:
+        why = (f"predicted {best.to_target_s:.1f} s to the target ({best.step_s * 1e3:.1f} ms/step x "
+               f"{best.factor:.2f} of BSP's steps) against BSP's {bsp.to_target_s:.1f} s")
+    else:
+        why = (f"predicted {best.step_s * 1e3:.1f} ms/step against BSP's {bsp.step_s * 1e3:.1f} ms "
+               f"(no measured convergence factors: ranked by step time)")
+    return f"{best.candidate.label}: {why}"
+
+
+def table(rows: Sequence[Row], source: str) -> str:
+    lines = [f"{'policy':<28} {'ms/step':>9} {'MB/step':>9} {'steps/BSP':>10} {'s to target':>12}"]
+    for r in rows:
+        factor = f"{r.factor:.2f}" if r.factor is not None else "-"
+        target = f"{r.to_target_s:.1f}" if r.to_target_s is not None else "-"
+        lines.append(f"{r.candidate.label:<28} {r.step_s * 1e3:>9.2f} {r.bytes_per_step / 1e6:>9.3f} {factor:>10} {target:>12}")
+    lines.append(f"convergence factors: {source or 'none measured'}")
+    return "\n".join(lines)
+
+
+def choose(cfg: JobConfig, compute_s: Optional[float] = None, model_bytes: Optional[float] = None,
+           probed: Optional[Sequence[dict]] = None) -> tuple[JobConfig, str, list[Row]]:
+    """`sync.policy: auto`: the config with the recommended policy's `sync:` and `compression:`, the
+    recommendation line, and the ranked rows (`sync.candidates` narrows the choice)."""
+    if compute_s is None or model_bytes is None:
+        compute_s, model_bytes = measure_compute(cfg)
+    data = load_factors()
+    allowed = set(getattr(cfg.sync, "candidates", ()) or ())
+    every = candidates(cfg)
+    cands = [c for c in every if not allowed or c.sync["policy"] in allowed or c.label in allowed]
+    if not cands:
+        raise ConfigError(f"sync.candidates: none of {sorted(allowed)} applies to this job; applicable: "
+                          f"{', '.join(c.label for c in every)}")
+    rows = rank(cands, network_for(cfg.network, cfg.workers.count, probed), compute_spread(cfg, compute_s),
+                model_bytes, data["factors"], data["bsp_steps"])
+    line = recommendation(rows)
+    pick = rows[0].candidate
+    raw = cfg.to_dict()
+    raw["sync"] = copy.deepcopy(pick.sync)
+    raw["compression"] = {**raw["compression"], "codec": pick.compression.get("codec", "none")}
+    raw["policy_choice"] = f"sync.policy auto picked {line}"
+    return parse(JobConfig, raw), line, rows

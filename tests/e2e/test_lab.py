@@ -1,0 +1,103 @@
+"""The network lab on this machine's `lo` (orchestrator/lab.py): what it delivers against what was asked,
+that it leaves every other address alone, that it comes and goes cleanly, and that a lab worker's
+connections leave from its virtual node's address. Skipped, with the reason, where this process
+cannot shape `lo` (not root, no `tc`, no C compiler)."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from core.schema import NetworkConfig, parse
+from orchestrator import lab
+
+try:
+    lab.check_privileges()
+    REASON = ""
+except lab.LabUnavailable as err:
+    REASON = str(err)
+
+pytestmark = pytest.mark.skipif(bool(REASON), reason=f"the lab cannot run here: {REASON}")
+
+SUBNET = "127.79.0.0/24"
+
+
+def network(mbit: float, **over) -> NetworkConfig:
+    return parse(NetworkConfig, {"nodes": 2, "workers_per_node": 2, "subnet": SUBNET,
+                                 "inter": {"mbit": mbit, "latency_ms": 0.5}, **over}, "network")
+
+
+def qdisc() -> str:
+    return subprocess.run(["tc", "qdisc", "show", "dev", "lo"], capture_output=True, text=True, check=True).stdout
+
+
+@pytest.fixture(autouse=True)
+def _lo_as_found():
+    """Every test leaves `lo` as it found it (and takes the lab down if an assertion left it up)."""
+    before = qdisc()
+    yield
+    if lab.is_lab_qdisc(lab.root_qdisc()):
+        lab.down()
+    assert qdisc() == before
+
+
+@pytest.mark.parametrize("mbit", [100.0, 1000.0, 10000.0], ids=["100m", "1g", "10g"])
+def test_each_shaped_link_delivers_its_rate_and_a_node_to_itself_is_untouched(mbit):
+    net = network(mbit)
+    alone = lab.probe_link(net.address(0), net.address(0), seconds=0.6)["bytes_per_s"] * 8 / 1e6
+    with lab.Lab(net) as up:
+        assert up.brought_up and lab.is_lab_qdisc(lab.root_qdisc())
+        rows = lab.probe(net, seconds=1.0)
+    for row in rows:
+        print(f"{mbit:g} Mbit/s asked: node {row['a']} -> {row['b']} measured {row['measured_mbit']:.1f} Mbit/s, "
+              f"rtt {row['rtt_ms']:.3f} ms (intra-node alone {alone:.0f} Mbit/s)")
+    shaped = [r for r in rows if r["a"] != r["b"]]
+    assert len(shaped) == 2 and all(abs(r["measured_mbit"] - mbit) <= 0.15 * mbit for r in shaped), shaped
+    intra = next(r for r in rows if r["a"] == r["b"])
+    assert intra["asked_mbit"] is None and intra["measured_mbit"] >= 0.5 * alone, (intra, alone)
+
+
+def test_up_and_down_are_idempotent_and_a_foreign_qdisc_is_left_alone():
+    net = network(100.0)
+    assert lab.up(net) is True
+    assert lab.up(net) is False  # the same lab: nothing to do
+    assert lab.current()["fingerprint"] == lab.fingerprint(net)
+    lab.require(net)
+    with pytest.raises(lab.LabUnavailable, match="another network"):
+        lab.up(network(1000.0))
+    with pytest.raises(lab.LabUnavailable, match="differs"):
+        lab.require(network(1000.0))
+    assert lab.down() is True and lab.down() is False
+    with pytest.raises(lab.LabUnavailable, match="not up"):
+        lab.require(net)
+    subprocess.run(["tc", "qdisc", "add", "dev", "lo", "root", "handle", "1:", "htb"], check=True)  # not the lab's handle
+    try:
+        with pytest.raises(lab.LabUnavailable, match="not the lab's"):
+            lab.up(net)
+        assert lab.down() is False and "qdisc htb 1:" in qdisc()  # not ours: untouched
+    finally:
+        subprocess.run(["tc", "qdisc", "del", "dev", "lo", "root"], check=True)
+
+
+def test_a_lab_workers_connections_leave_from_its_nodes_address():
+    """gloo connects without binding; the preloaded shim binds connections into the lab's subnet to the
+    worker's node address, and leaves a connection to any other address alone."""
+    net = network(100.0)
+    with lab.Lab(net):
+        env = {**os.environ, **lab.worker_env(net), "ORCHESTRATOR_LAB_SOURCE": net.address(0)}
+        seen = []
+        for host in (net.address(1), "127.0.0.1"):
+            listener = socket.socket()
+            listener.bind((host, 0))
+            listener.listen(1)
+            accepted = threading.Thread(target=lambda: seen.append(listener.accept()[1][0]), daemon=True)
+            accepted.start()
+            code = f"import socket; s = socket.socket(); s.connect(({host!r}, {listener.getsockname()[1]})); s.close()"
+            subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=30)
+            accepted.join(10)
+            listener.close()
+    assert seen == [net.address(0), "127.0.0.1"]

@@ -1,0 +1,108 @@
+"""`plan` and `sync.policy: auto` (orchestrator/planner.py): the candidates a job gets, the network the
+model sees, the ranking rule, the choice written into the config, and the CLI's table. The predictions
+themselves are the runtime model's (tests/unit/test_runtime_model.py)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from algorithms.runtime_model import INF, Compute, Network, PolicySpec, predict
+from core.schema import ConfigError
+from orchestrator import planner
+from orchestrator.config import config_from_dict
+
+BASE = {"name": "plan", "workers": {"count": 4}, "stop": {"max_steps": 200},
+        "workload": {"factory": "orchestrator.workloads.digits:mlp", "params": {"hidden": 64}, "batch_size": 16}}
+LAB = {"nodes": 2, "workers_per_node": 2, "inter": {"mbit": 100, "latency_ms": 1.0}}
+
+
+def cfg(**over):
+    return config_from_dict({**BASE, **over})
+
+
+def labels(c) -> list[str]:
+    return [x.label for x in planner.candidates(c)]
+
+
+def test_candidates_follow_the_optimizer_and_the_network():
+    sgd = labels(cfg())
+    assert "bsp" in sgd and "choco ring uint8" in sgd and "dpsgd ring" in sgd
+    assert not any(x.startswith(("qadam", "dadam", "bsp hierarchical")) for x in sgd)
+    assert not any(x.split()[0] in ("asp", "ssp", "quorum", "elastic_bsp") for x in sgd)  # not on the lab's links
+    adam = labels(cfg(optimizer={"name": "adamw", "lr": 0.003}, network=LAB))
+    assert "qadam uint8" in adam and "dadam ring k=4" in adam and "bsp hierarchical" in adam
+    for c in planner.candidates(cfg(optimizer={"name": "adamw", "lr": 0.003}, network=LAB)):
+        config_from_dict({**BASE, "optimizer": {"name": "adamw", "lr": 0.003}, "network": LAB, "sync": c.sync,
+                          "compression": c.compression})  # every candidate is a valid job
+
+
+def test_the_network_places_slots_as_the_job_does_and_takes_probed_links():
+    c = cfg(network=LAB)
+    net = planner.network_for(c.network, 4)
+    assert net.node_of_rank == (0, 0, 1, 1)
+    assert net.bandwidth[0][1] == pytest.approx(100e6 / 8) and net.bandwidth[0][0] == INF
+    assert net.latency[1][0] == pytest.approx(1e-3)
+    probed = planner.network_for(c.network, 4, [{"a": 0, "b": 1, "asked_mbit": 100, "measured_mbit": 90.0,
+                                                  "rtt_ms": 0.2, "modelled_latency_ms": 1.0}])
+    assert probed.bandwidth[0][1] == pytest.approx(90e6 / 8) and probed.bandwidth[1][0] == pytest.approx(100e6 / 8)
+    assert probed.latency[0][1] == pytest.approx(1.1e-3)
+    assert probed.host_bytes_per_s == INF  # no unshaped stream was probed
+    intra = planner.network_for(c.network, 4, [{"a": 0, "b": 0, "asked_mbit": None, "measured_mbit": 20000.0,
+                                                 "rtt_ms": 0.04, "modelled_latency_ms": 0.0}])
+    assert intra.host_bytes_per_s == intra.loopback_bytes_per_s == pytest.approx(20e9 / 8)
+    assert planner.network_for(cfg().network, 3).node_of_rank == (0, 0, 0)
+
+
+def test_stragglers_and_jitter_reach_the_compute_side():
+    c = cfg(faults={"stragglers": [{"slot": "w1", "slowdown": 3.0}, {"slot": "w2", "jitter": {"sigma": 0.4}}]})
+    compute = planner.compute_spread(c, 0.01)
+    assert compute.factors == (1.0, 3.0, 1.0, 1.0) and compute.jitter_sigma == 0.4
+
+
+def test_rank_orders_by_time_to_target_when_every_candidate_has_a_factor():
+    c = cfg(network=LAB)
+    cands = [x for x in planner.candidates(c) if x.label in ("bsp", "local_sgd h=8", "dpsgd ring")]
+    net, compute, size = planner.network_for(c.network, 4), Compute(0.01), 1.2e6
+    step = {x.label: predict(x.spec, net, compute, size).step_s for x in cands}
+    factors = {"bsp": 1.0, "local_sgd h=8": 1.5, "dpsgd ring": 10.0}
+    rows = planner.rank(cands, net, compute, size, factors, bsp_steps=200)
+    assert [r.candidate.label for r in rows] == sorted(step, key=lambda k: step[k] * factors[k])
+    assert rows[0].to_target_s == pytest.approx(step[rows[0].candidate.label] * 200 * factors[rows[0].candidate.label])
+    partial = planner.rank(cands, net, compute, size, {"bsp": 1.0}, bsp_steps=200)  # a factor missing: by step time
+    assert [r.candidate.label for r in partial] == sorted(step, key=step.get)
+    assert "no measured convergence factors" in planner.recommendation(partial)
+
+
+def test_auto_writes_the_pick_into_the_config_with_its_reason(monkeypatch):
+    monkeypatch.setattr(planner, "load_factors", lambda: {"factors": {}, "bsp_steps": None, "source": ""})
+    c = cfg(network=LAB, sync={"policy": "auto", "candidates": ["bsp", "bytegrad"]})
+    chosen, line, rows = planner.choose(c, compute_s=0.01, model_bytes=1.2e6)
+    assert {r.candidate.label for r in rows} == {"bsp", "bsp hierarchical", "bytegrad uint8"}
+    assert chosen.sync.policy == rows[0].candidate.sync["policy"] and chosen.policy_choice.endswith(line)
+    assert chosen.compression.codec == rows[0].candidate.compression.get("codec", "none")
+    with pytest.raises(ConfigError, match="sync.candidates"):
+        planner.choose(cfg(sync={"policy": "auto", "candidates": ["asp"]}), compute_s=0.01, model_bytes=1e6)
+
+
+def test_auto_is_a_policy_the_schema_knows():
+    assert cfg(sync={"policy": "auto"}).sync.policy == "auto"
+    with pytest.raises(ConfigError, match="or auto"):
+        cfg(sync={"policy": "fastest"})
+
+
+def test_plan_prints_the_table_and_one_recommendation(tmp_path, capsys):
+    from orchestrator.cli import main
+
+    path = tmp_path / "job.yaml"
+    path.write_text(json.dumps({**BASE, "network": LAB}))
+    assert main(["plan", str(path), "--compute-ms", "5", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["compute_s"] == pytest.approx(0.005) and out["model_bytes"] > 0
+    assert out["recommendation"].startswith(out["rows"][0]["policy"])
+    assert main(["plan", str(path), "--probe"]) == 2  # probing needs the lab up (and root)
+    err = capsys.readouterr().err
+    assert "lab is not up" in err or "needs root" in err
+    assert main(["plan", str(path), "--compute-ms", "5"]) == 0
+    text = capsys.readouterr().out
+    assert "recommended:" in text and "bsp hierarchical" in text

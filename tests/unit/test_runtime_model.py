@@ -1,0 +1,92 @@
+"""The runtime model (algorithms/runtime_model.py) against the communication patterns written out by
+hand: ring all-reduce 2(n-1) rounds of M/n, a shaped link shared by the flows that cross it, gossip
+overlapped with compute, periodic rounds amortized over h steps."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from algorithms.runtime_model import (Compute, Network, PolicySpec, all_to_all, exchange, hierarchical_allreduce,
+                                      predict, ring_allreduce, ring_peers)
+
+M = 1.2e6            # model bytes
+B = 100e6 / 8        # 100 Mbit/s in bytes/s
+L = 0.001            # 1 ms one way
+LO = 2e9             # loopback per flow
+NET = Network.uniform(2, 2, B, L, loopback_bytes_per_s=LO)  # ranks 0, 1 on node 0; 2, 3 on node 1
+
+
+def test_flat_ring_all_reduce_is_bound_by_its_two_crossing_edges():
+    # ring 0->1->2->3->0: edges 1->2 and 3->0 cross, one flow each way; 6 rounds of M/4 at B, each + L
+    assert ring_allreduce(NET, [0, 1, 2, 3], M) == pytest.approx(6 * (M / 4 / B + L))
+
+
+def test_an_interleaved_ring_shares_each_link_between_two_flows():
+    net = Network(node_of_rank=(0, 1, 0, 1), bandwidth=NET.bandwidth, latency=NET.latency, loopback_bytes_per_s=LO)
+    # every edge crosses; 0->1 and 2->3 share node0->node1, so each flow gets B/2
+    assert ring_allreduce(net, [0, 1, 2, 3], M) == pytest.approx(6 * (M / 4 / (B / 2) + L))
+
+
+def test_hierarchical_sends_the_gradients_across_once_per_node():
+    # intra-node gather and scatter on loopback (M / LO each), the two leaders' ring: 2 rounds of M/2
+    assert hierarchical_allreduce(NET, M) == pytest.approx(2 * (M / LO) + 2 * (M / 2 / B + L))
+    assert hierarchical_allreduce(NET, M) < ring_allreduce(NET, [0, 1, 2, 3], M)
+
+
+def test_all_to_all_and_gossip_load_the_link_with_every_crossing_flow():
+    # all-to-all of M: each of the 2 ranks on node 0 sends M/4 to each of the 2 on node 1: 4 flows share B
+    assert all_to_all(NET, [0, 1, 2, 3], M) == pytest.approx(M / 4 / (B / 4) + L)
+    # ring gossip: 1->2 and 0->3 cross node0->node1 with M each
+    assert exchange(NET, lambda r: ring_peers(r, 4), M) == pytest.approx(M / (B / 2) + L)
+
+
+def test_bsp_adds_communication_to_the_slowest_compute_and_gossip_hides_it_behind_compute():
+    compute = Compute(0.05)
+    bsp = predict(PolicySpec("bsp"), NET, compute, M)
+    assert bsp.step_s == pytest.approx(0.05 + 6 * (M / 4 / B + L))
+    assert bsp.bytes_per_step == pytest.approx(1.5 * M)
+    slow_gossip = predict(PolicySpec("dpsgd"), NET, compute, M)
+    assert slow_gossip.step_s == pytest.approx(max(0.05, M / (B / 2) + L))  # the exchange is the longer
+    fast_gossip = predict(PolicySpec("dpsgd", codec_ratio=0.25), Network.uniform(2, 2, 10 * B, L), compute, M)
+    assert fast_gossip.step_s == pytest.approx(0.05)  # hidden behind compute
+    assert fast_gossip.bytes_per_step == pytest.approx(2 * 0.25 * M)
+
+
+def test_periodic_rounds_are_amortized_and_wait_for_the_slowest_sum_of_h_steps():
+    compute = Compute(0.01, factors=(1, 3, 1, 1))
+    local = predict(PolicySpec("local_sgd", h=8), NET, compute, M)
+    assert local.step_s == pytest.approx(0.03 + 6 * (M / 4 / B + L) / 8)
+    bsp = predict(PolicySpec("bsp"), NET, compute, M)
+    assert bsp.step_s == pytest.approx(0.03 + 6 * (M / 4 / B + L))
+
+
+def test_jitter_makes_a_synchronous_step_wait_for_the_expected_maximum():
+    sigma = 0.5
+    compute = Compute(0.02, jitter_sigma=sigma, samples=20000)
+    # E[max of 4 iid lognormals] by numeric integration of 1 - F(x)^4
+    def cdf(x: float) -> float:
+        return 0.5 * (1 + math.erf(math.log(x / 0.02) / (sigma * math.sqrt(2))))
+    xs = [0.02 * math.exp(sigma * (-6 + 12 * k / 4000)) for k in range(4001)]
+    expected = sum((1 - cdf(0.5 * (a + b)) ** 4) * (b - a) for a, b in zip(xs, xs[1:])) + xs[0]
+    assert compute.expected_max([0, 1, 2, 3]) == pytest.approx(expected, rel=0.02)
+
+
+def test_the_background_kind_runs_at_each_members_own_pace():
+    shadow = predict(PolicySpec("shadow"), NET, Compute(0.02, factors=(1, 3, 1, 1)), M)
+    assert shadow.step_s == pytest.approx(0.02)
+
+
+def test_an_unknown_pattern_is_named():
+    with pytest.raises(KeyError, match="asp"):
+        predict(PolicySpec("asp"), NET, Compute(0.01), M)
+
+
+def test_emulated_nodes_on_one_machine_share_its_copying_rate():
+    """The lab's nodes share one machine: a round moves at most `host_bytes_per_s` in all. The flat
+    ring's round has 4 flows of M/4 (M in all); at a host rate below the link's, the host bounds it."""
+    host = B / 2
+    net = Network.uniform(2, 2, B, L, loopback_bytes_per_s=LO, host_bytes_per_s=host)
+    assert ring_allreduce(net, [0, 1, 2, 3], M) == pytest.approx(6 * (M / host + L))
+    assert ring_allreduce(Network.uniform(2, 2, B, L, loopback_bytes_per_s=LO, host_bytes_per_s=100 * B),
+                          [0, 1, 2, 3], M) == pytest.approx(6 * (M / 4 / B + L))  # the link is slower
