@@ -106,9 +106,12 @@ class ElasticJob:
 
             require(self.config.network)
         if self.config.sync.policy == "auto":  # the runtime model picks, on this job's workload and network
-            from orchestrator.planner import choose
+            from orchestrator.planner import choose, resumed_choice
 
-            self.config, self.policy_choice, _ = choose(self.config)
+            if self.resume_from:  # the checkpoint's state is the policy its run picked: keep that pick
+                self.config, self.policy_choice = resumed_choice(self.config, Path(self.resume_from))
+            else:
+                self.config, self.policy_choice, _ = choose(self.config)
         connect(self.config)
         old = _find_coordinator(self.name)
         if old is not None:

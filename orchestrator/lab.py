@@ -52,9 +52,11 @@ def _rate(mbit: float) -> str:
 
 
 def _burst_bytes(mbit: float) -> int:
-    """htb's bucket: at least a few 64 KiB loopback segments, and about 1 ms of the rate (htb's default
-    bucket, sized for a 1.5 KB MTU, caps a fast class well below its rate on loopback's 64 KiB one)."""
-    return max(4 * 65536, int(mbit * 1e6 / 8 * 0.001))
+    """htb's bucket: one 64 KiB loopback segment (htb cannot send a packet larger than its bucket), or
+    0.1 ms of the rate where that is more (a fast class needs it to reach its rate). Any more lets a
+    short transfer after an idle moment through at loopback speed: with 256 KiB, a step's 75 KiB
+    chunks crossed a 100 Mbit/s link in no time, which no real 100 Mbit/s link does."""
+    return max(65536, int(mbit * 1e6 / 8 * 0.0001))
 
 
 def tc_commands(net: NetworkConfig) -> list[list[str]]:

@@ -215,3 +215,22 @@ def choose(cfg: JobConfig, compute_s: Optional[float] = None, model_bytes: Optio
     raw["compression"] = {**raw["compression"], "codec": pick.compression.get("codec", "none")}
     raw["policy_choice"] = f"sync.policy auto picked {line}"
     return parse(JobConfig, raw), line, rows
+
+
+def resumed_choice(cfg: JobConfig, checkpoint: Path) -> tuple[JobConfig, str]:
+    """`auto` on `--resume`: the policy the checkpoint's run picked (its run directory's config.yaml,
+    written once `auto` was resolved), since the checkpoint holds that policy's state."""
+    import yaml  # noqa: PLC0415
+
+    path = checkpoint.parent.parent / "config.yaml"
+    try:
+        ran = yaml.safe_load(path.read_text())
+        sync, codec = ran["sync"], ran["compression"]["codec"]
+    except (OSError, yaml.YAMLError, KeyError, TypeError) as err:
+        raise ConfigError(f"sync.policy: auto with --resume needs the policy the checkpoint's run picked, from "
+                          f"{path}: {err}") from None
+    raw = cfg.to_dict()
+    raw["sync"], raw["compression"] = sync, {**raw["compression"], "codec": codec}
+    line = f"{sync['policy']}: the policy the resumed run picked ({path})"
+    raw["policy_choice"] = f"sync.policy auto kept {line}"
+    return parse(JobConfig, raw), line

@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 
@@ -61,6 +62,42 @@ def test_each_shaped_link_delivers_its_rate_and_a_node_to_itself_is_untouched(mb
     assert intra["asked_mbit"] is None and intra["measured_mbit"] >= 0.5 * alone, (intra, alone)
 
 
+def test_a_short_transfer_after_an_idle_moment_is_not_let_through_by_the_bucket():
+    """A step's messages are short and come after compute: a link must hold them to its rate too,
+    not let them through at loopback speed from a bucket filled while idle (htb's burst)."""
+    net = network(100.0)
+    size = 512 * 1024
+    with lab.Lab(net):
+        listener = socket.socket()
+        listener.bind((net.address(1), 0))
+        listener.listen(1)
+        done = threading.Event()
+
+        def receive() -> None:
+            conn, _ = listener.accept()
+            got = 0
+            while got < size:
+                got += len(conn.recv(1 << 20))
+            done.set()
+            conn.close()
+
+        threading.Thread(target=receive, daemon=True).start()
+        client = socket.socket()
+        client.bind((net.address(0), 0))
+        client.connect(listener.getsockname())
+        client.sendall(b"x")
+        time.sleep(0.2)  # idle: the bucket fills
+        began = time.perf_counter()
+        client.sendall(b"\0" * (size - 1))
+        assert done.wait(10)
+        elapsed = time.perf_counter() - began
+        client.close()
+        listener.close()
+    at_rate = (size - 65536) / (100e6 / 8)  # what is left after one segment's bucket, at 100 Mbit/s
+    print(f"512 KiB after 0.2 s idle: {elapsed * 1e3:.1f} ms (at the rate, less one segment: {at_rate * 1e3:.1f} ms)")
+    assert elapsed >= 0.8 * at_rate
+
+
 def test_up_and_down_are_idempotent_and_a_foreign_qdisc_is_left_alone():
     net = network(100.0)
     assert lab.up(net) is True
@@ -101,3 +138,28 @@ def test_a_lab_workers_connections_leave_from_its_nodes_address():
             accepted.join(10)
             listener.close()
     assert seen == [net.address(0), "127.0.0.1"]
+
+
+@pytest.mark.slow
+def test_auto_runs_on_the_lab_and_picks_what_plan_prints(tmp_path):
+    """`sync.policy: auto` end to end: `run` brings the lab up, the runtime model picks, the job trains
+    the pick to its target; `plan` on the same config recommends the same policy."""
+    import json
+    import re
+
+    from actors.testing import child_env
+
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = child_env(repo, ORCHESTRATOR_RUN_ROOT=str(tmp_path))
+    config = os.path.join(repo, "configs", "lab_digits.yaml")
+    plan = subprocess.run([sys.executable, "-m", "orchestrator", "plan", config, "--json"], cwd=repo, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert plan.returncode == 0, plan.stderr
+    planned = json.loads(plan.stdout)["rows"][0]["policy"]
+    run = subprocess.run([sys.executable, "-m", "orchestrator", "run", config, "--set", "stop.max_steps=300"],
+                         cwd=repo, env=env, capture_output=True, text=True, timeout=600)
+    print(plan.stdout[-400:], run.stdout[-1500:])
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    picked = re.search(r"policy auto: ([^:]+):", run.stdout)
+    assert picked and picked.group(1).strip() == planned, (picked and picked.group(1), planned)
+    assert not lab.is_lab_qdisc(lab.root_qdisc())  # `run` took its lab down

@@ -91,8 +91,11 @@ def test_auto_is_a_policy_the_schema_knows():
         cfg(sync={"policy": "fastest"})
 
 
-def test_plan_prints_the_table_and_one_recommendation(tmp_path, capsys):
+def test_plan_prints_the_table_and_one_recommendation(tmp_path, capsys, monkeypatch):
+    from orchestrator import lab
     from orchestrator.cli import main
+
+    monkeypatch.setattr(lab, "current", lambda: None)  # whatever this machine's lo holds: no lab is up
 
     path = tmp_path / "job.yaml"
     path.write_text(json.dumps({**BASE, "network": LAB}))
@@ -101,8 +104,19 @@ def test_plan_prints_the_table_and_one_recommendation(tmp_path, capsys):
     assert out["compute_s"] == pytest.approx(0.005) and out["model_bytes"] > 0
     assert out["recommendation"].startswith(out["rows"][0]["policy"])
     assert main(["plan", str(path), "--probe"]) == 2  # probing needs the lab up (and root)
-    err = capsys.readouterr().err
-    assert "lab is not up" in err or "needs root" in err
+    assert "the lab is not up" in capsys.readouterr().err
     assert main(["plan", str(path), "--compute-ms", "5"]) == 0
     text = capsys.readouterr().out
     assert "recommended:" in text and "bsp hierarchical" in text
+
+
+def test_auto_on_resume_keeps_the_policy_the_checkpoints_run_picked(tmp_path):
+    import yaml
+
+    ran = cfg(sync={"policy": "dpsgd"}, compression={"codec": "uint8"}).to_dict()
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(ran))
+    kept, line = planner.resumed_choice(cfg(sync={"policy": "auto"}), tmp_path / "checkpoints" / "step-10.pt")
+    assert kept.sync.policy == "dpsgd" and kept.compression.codec == "uint8" and line.startswith("dpsgd")
+    with pytest.raises(ConfigError, match="--resume"):
+        planner.resumed_choice(cfg(sync={"policy": "auto"}), tmp_path / "elsewhere" / "checkpoints" / "step-1.pt")
