@@ -237,6 +237,8 @@ def report(rows: list[dict], args) -> dict:
               f"{' (within 10%)' if good else ''}")
         summary_cells[f"{network}/{condition}"] = {"fastest": fastest, "plan": pick, "plan_within_10pct": good,
                                                    "policies": cell}
+    if args.markdown:
+        markdown(summary_cells, policies)
     picks_good = [v["plan_within_10pct"] for v in summary_cells.values() if v["plan"]]
     print(f"\nmodel error: worst {worst[0]:+.0%} ({worst[1]}); plan within 10% of the fastest in "
           f"{sum(picks_good)} of {len(picks_good)} cells")
@@ -246,6 +248,31 @@ def report(rows: list[dict], args) -> dict:
             "factors": factors, "bsp_steps": bsp_base and bsp_base.get("steps_to_target"),
             "worst_model_error": worst[0], "worst_model_cell": worst[1],
             "plan_within_10pct": f"{sum(picks_good)}/{len(picks_good)}", "cells": summary_cells}
+
+
+def markdown(cells: dict, policies: list[str]) -> None:
+    """The README's tables: time to the target relative to BSP, and time per step measured (model)."""
+    names = list(cells)
+    head = "| policy | " + " | ".join(names) + " |\n|---|" + "---|" * len(names)
+    print("\ntime to the target, relative to BSP in the same cell (BSP's seconds in its row):\n" + head)
+    for p in policies:
+        row = []
+        for cell in names:
+            v = cells[cell]["policies"].get(p)
+            if v is None:
+                row.append("")
+            elif p == "bsp":
+                row.append(f"{v['to_target_s']:.1f} s" if v["to_target_s"] is not None else "missed")
+            else:
+                row.append(f"{v['vs_bsp']:.2f}" if v["vs_bsp"] is not None else "missed")
+            if v is not None and cells[cell]["fastest"] == p:
+                row[-1] = f"**{row[-1]}**"
+        print(f"| {p} | " + " | ".join(row) + " |")
+    print("\ntime per step in ms, measured (the model's prediction):\n" + head)
+    for p in policies:
+        row = [f"{v['step_s'] * 1e3:.1f} ({v['predicted_step_s'] * 1e3:.1f})" if (v := cells[c]["policies"].get(p)) else ""
+               for c in names]
+        print(f"| {p} | " + " | ".join(row) + " |")
 
 
 def heat_map(cells: dict, policies: list[str], path: Path) -> None:
@@ -293,6 +320,7 @@ def main() -> int:
     parser.add_argument("--resume", action="store_true", help="skip the cells already in --out")
     parser.add_argument("--report", action="store_true", help="only print the report from --out")
     parser.add_argument("--png", default=None)
+    parser.add_argument("--markdown", action="store_true", help="also print the README's tables")
     parser.add_argument("--write-factors", action="store_true",
                         help="write the measured convergence factors to orchestrator/convergence.json for plan and auto")
     args = parser.parse_args()
