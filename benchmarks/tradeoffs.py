@@ -224,9 +224,7 @@ def report(rows: list[dict], args) -> dict:
         fastest = min(reached, key=reached.get) if reached else None
         pick = None
         if factors and rows[0].get("model_bytes"):
-            cfg = config_from_dict({"name": "x", "workers": {"count": WORKERS}, "workload": {"factory": "orchestrator.workloads.digits:mlp"},
-                                    "network": {"nodes": 2, "workers_per_node": 2}})
-            cands = [c for c in planner.candidates(cfg) if c.label in cell and c.label in factors]
+            cands = [c for label, c in by_label.items() if label in cell and label in factors]
             probed = next(r["probed"] for r in rows if r["network"] == network)
             net = cell_network(network, probed)
             compute = cell_compute(condition, rows[0]["compute_s"], rows[0]["modelled_s"])

@@ -340,10 +340,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     compute_s, model_bytes = planner.measure_compute(config)
     if args.compute_ms is not None:
         compute_s = args.compute_ms / 1e3
-    factors = planner.load_factors()
-    cands = planner.candidates(config)
-    rows = planner.rank(cands, planner.network_for(config.network, config.workers.count, probed),
-                        planner.compute_spread(config, compute_s), model_bytes, factors["factors"], factors["bsp_steps"])
+    rows = planner.ranked(config, planner.candidates(config), compute_s, model_bytes, probed)
     line = planner.recommendation(rows)
     if args.json:
         print(json.dumps({"compute_s": compute_s, "model_bytes": model_bytes, "recommendation": line,
@@ -353,6 +350,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
     where = "probed" if probed else ("as asked" if config.network.enabled else "one node, unshaped")
     print(f"{config.workers.count} workers, network {where}; one step's compute {compute_s * 1e3:.2f} ms, "
           f"model {model_bytes / 1e6:.3f} MB")
-    print(planner.table(rows, factors["source"]))
+    print(planner.table(rows, planner.load_factors()["source"]))
     print(f"recommended: {line}")
     return EXIT_OK

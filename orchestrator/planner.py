@@ -168,6 +168,15 @@ def rank(cands: Sequence[Candidate], net: Network, compute: Compute, model_bytes
     return sorted(rows, key=lambda r: (r.to_target_s if by_target else r.step_s, r.candidate.label))
 
 
+def ranked(cfg: JobConfig, cands: Sequence[Candidate], compute_s: float, model_bytes: float,
+           probed: Optional[Sequence[dict]] = None) -> list[Row]:
+    """`rank` on the job's own network (as asked, or `probed`) and stragglers, with the shipped
+    convergence factors: what `plan` prints and `auto` picks from."""
+    data = load_factors()
+    return rank(cands, network_for(cfg.network, cfg.workers.count, probed), compute_spread(cfg, compute_s),
+                model_bytes, data["factors"], data["bsp_steps"])
+
+
 def recommendation(rows: Sequence[Row]) -> str:
     """One line: the pick and why (against BSP when BSP was a candidate)."""
     best = rows[0]
@@ -199,15 +208,13 @@ def choose(cfg: JobConfig, compute_s: Optional[float] = None, model_bytes: Optio
     recommendation line, and the ranked rows (`sync.candidates` narrows the choice)."""
     if compute_s is None or model_bytes is None:
         compute_s, model_bytes = measure_compute(cfg)
-    data = load_factors()
     allowed = set(getattr(cfg.sync, "candidates", ()) or ())
     every = candidates(cfg)
     cands = [c for c in every if not allowed or c.sync["policy"] in allowed or c.label in allowed]
     if not cands:
         raise ConfigError(f"sync.candidates: none of {sorted(allowed)} applies to this job; applicable: "
                           f"{', '.join(c.label for c in every)}")
-    rows = rank(cands, network_for(cfg.network, cfg.workers.count, probed), compute_spread(cfg, compute_s),
-                model_bytes, data["factors"], data["bsp_steps"])
+    rows = ranked(cfg, cands, compute_s, model_bytes, probed)
     line = recommendation(rows)
     pick = rows[0].candidate
     raw = cfg.to_dict()
