@@ -17,6 +17,7 @@ below for why torch's and not cupy's). Either group is also reachable through `r
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import hashlib
 import hmac
@@ -182,6 +183,7 @@ class Communicator(Protocol):
     def send(self, tensor: torch.Tensor, dst: int) -> Handle: ...
     def recv(self, tensor: torch.Tensor, src: int) -> Handle: ...
     def process_group(self) -> Optional[dist.ProcessGroup]: ...
+    def subgroup(self, ranks: Sequence[int], tag: str) -> Optional["Communicator"]: ...
 
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
@@ -270,6 +272,11 @@ class BaseCommunicator:
     def process_group(self) -> Optional[dist.ProcessGroup]:
         """This group as a torch `ProcessGroup`, for torch's C++ gradient reducer; None where the
         group has none (no group: the server kinds)."""
+        return None
+
+    def subgroup(self, ranks: Sequence[int], tag: str) -> Optional["BaseCommunicator"]:
+        """A group of this group's `ranks` (ranked in that order) for collectives among them alone, or
+        None where the backend forms none (callers fall back to point-to-point messages)."""
         return None
 
     def failed_in_backend(self, err: BaseException) -> CommError:
@@ -363,6 +370,9 @@ class GlooCommunicator(_TorchBackendCommunicator):
         opts._devices = [device]
         prefix = group_store(spec, store)
         self._prefix = prefix
+        self._store = store
+        self._children: list[GlooCommunicator] = []
+        """Subgroups formed from this group (`subgroup`): aborted and released with it."""
         self._torch_pg: Optional[dist.ProcessGroup] = None
         self._peers: set[tuple[str, int]] = set()
         """The peers' gloo listening addresses (a pair is a connection to one of them, or from one)."""
@@ -377,7 +387,7 @@ class GlooCommunicator(_TorchBackendCommunicator):
         except Exception as err:  # noqa: BLE001
             raise _formation_error(spec, err, "could not form") from None
 
-    def abort(self, reason: str = "aborted by coordinator") -> None:
+    def _abort_pairs(self, reason: str) -> None:
         super().abort(reason)
         with self._lock:
             if self._pg is None or self._torch_pg is None:
@@ -388,6 +398,65 @@ class GlooCommunicator(_TorchBackendCommunicator):
                 return
             shut = _shut_down_pairs(self._listen, self._peers)
         log.info("group %s aborted (%s): shut down %d gloo connections", self.name, reason, shut)
+
+    def subgroup(self, ranks: Sequence[int], tag: str) -> Optional["GlooCommunicator"]:
+        """A gloo group of `ranks` (this group's ranks; rank k of the subgroup is `ranks[k]`), formed
+        over this group's store under `<name>/<tag>`: every rank in `ranks` calls it at the same point
+        (it blocks until all arrive, within the group's timeout); the others get None. It has this
+        group's timeout, modelled latencies and key, and is aborted and released with it."""
+        ranks = list(ranks)
+        if self.rank not in ranks:
+            return None
+        self._check()
+        spec = dataclasses.replace(self.spec, name=f"{self.name}/{tag}", rank=ranks.index(self.rank),
+                                   world_size=len(ranks))
+        child = self._form_child(spec)
+        child.latency_s = self.latency_s
+        if self.link_latency_s:
+            child.link_latency_s = [[self.link_latency_s[a][b] for b in ranks] for a in ranks]
+        with self._lock:
+            self._children.append(child)
+            aborted = self.aborted
+        if aborted:  # an abort that raced the formation
+            child.abort(self.abort_reason)
+        return child
+
+    def _form_child(self, spec: GroupSpec) -> "GlooCommunicator":
+        """Form a subgroup in a helper thread (construction blocks in C++ until its members arrive),
+        waiting at most the group's timeout; an abort of this group meanwhile abandons it at once."""
+        result: dict = {}
+        done = threading.Event()
+
+        def build() -> None:
+            try:
+                result["comm"] = GlooCommunicator(spec, self._store)
+            except BaseException as err:  # noqa: BLE001 - re-raised in the caller's thread
+                result["error"] = err
+            finally:
+                done.set()
+                if result.get("abandoned") and "comm" in result:
+                    result["comm"].close()
+
+        threading.Thread(target=build, name=f"form {spec.name}", daemon=True).start()
+        deadline = time.monotonic() + spec.timeout_s + 5.0
+        while not done.wait(0.02):
+            if self.aborted or time.monotonic() > deadline:
+                result["abandoned"] = True
+                if done.is_set() and "comm" in result:
+                    result["comm"].close()
+                if self.aborted:
+                    raise self.failure()
+                raise CommTimeout(f"group {spec.name}: did not form within {spec.timeout_s + 5.0:.0f}s")
+        if "error" in result:
+            raise result["error"]
+        return result["comm"]
+
+    def abort(self, reason: str = "aborted by coordinator") -> None:
+        self._abort_pairs(reason)
+        with self._lock:
+            children = list(self._children)
+        for child in children:
+            child.abort(reason)
 
     def _submit(self, launch: Callable[[], Any], keep: Sequence[torch.Tensor]) -> Handle:
         self._check()
@@ -424,6 +493,9 @@ class GlooCommunicator(_TorchBackendCommunicator):
         reducer launched in C++ are not, so a failed group lent to torch is held for its whole timeout."""
         with self._lock:  # not while an abort shuts its pairs down
             pg, self._pg = self._pg, None
+            children, self._children = self._children, []
+        for child in children:
+            child.close()
         lent, self._torch_pg = self._torch_pg, None
         with self._lock:
             works = [h._work for h in self._pending]

@@ -128,6 +128,14 @@ class FaultyComm:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
 
+    @property
+    def bytes_sent(self) -> int:
+        return self._inner.bytes_sent
+
+    @bytes_sent.setter
+    def bytes_sent(self, value: int) -> None:  # the count is the wrapped group's (the job reads it there)
+        self._inner.bytes_sent = value
+
     def all_reduce(self, tensor, op: str = "sum"):
         return self._in_flight(lambda: self._inner.all_reduce(tensor, op))
 

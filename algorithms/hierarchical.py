@@ -6,8 +6,10 @@ across them for every rank; reducing within each node first sends it once per no
 
 1. each member sends its tensor to its node's leader (the node's lowest rank), which sums its node's
    tensors in rank order;
-2. the leaders run a ring all-reduce among themselves (reduce-scatter, then all-gather, each k-1
-   rounds of one chunk to the next leader), over the slow links;
+2. the leaders all-reduce among themselves over the slow links: on a group of the leaders alone
+   (`comm.subgroup`, formed at the epoch's first all-reduce; gloo's ring), or, where the backend
+   forms no subgroup, a ring of point-to-point messages (reduce-scatter, then all-gather, each k-1
+   rounds of one chunk to the next leader);
 3. each leader sends the sum back to its node's members.
 
 Every rank ends with the same SUM, which equals the flat all-reduce's up to the order of the float
@@ -32,6 +34,8 @@ class HierarchicalAllReduce:
         self.leader = self.members[0]
         self.leaders = [ranks[0] for ranks in sorted(order.values())]
         self.bytes_sent = 0
+        self._leader_group: Any = None
+        """The leaders' own group (`comm.subgroup`), once formed; False where the backend has none."""
 
     @property
     def is_leader(self) -> bool:
@@ -48,13 +52,29 @@ class HierarchicalAllReduce:
         for member in self.members[1:]:
             self.comm.recv(incoming, member).wait()
             flat.add_(incoming)
-        self._ring(flat)
+        self._among_leaders(flat)
         for member in self.members[1:]:
             self._send(flat, member)
 
     def _send(self, flat: torch.Tensor, dst: int) -> None:
         self.comm.send(flat, dst).wait()
         self.bytes_sent += flat.numel() * flat.element_size()
+
+    def _among_leaders(self, flat: torch.Tensor) -> None:
+        k = len(self.leaders)
+        if k <= 1:
+            return
+        if self._leader_group is None:
+            subgroup = getattr(self.comm, "subgroup", None)
+            group = subgroup(self.leaders, "leaders") if subgroup is not None else None
+            self._leader_group = group if group is not None else False
+        if self._leader_group is False:
+            self._ring(flat)
+            return
+        self._leader_group.all_reduce(flat).wait()
+        sent = 2 * (k - 1) * (flat.numel() // k) * flat.element_size()
+        self.bytes_sent += sent
+        self.comm.bytes_sent += sent  # the job counts what the epoch's group sent
 
     def _ring(self, flat: torch.Tensor) -> None:
         """Ring all-reduce (SUM) of `flat` among the leaders: k-1 reduce-scatter rounds, k-1 all-gather rounds."""

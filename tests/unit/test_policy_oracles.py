@@ -262,11 +262,15 @@ def test_streaming_ends_with_every_replica_equal_when_the_stop_lands_inside_an_o
     run(tmp_path, streaming, SGD_M, 3, 50, steps=steps)
 
 
+@pytest.mark.parametrize("leaders", ["subgroup", "point-to-point"])
 @pytest.mark.parametrize("nodes", [("a", "a", "b", "b"), ("a", "b", "a", "b")], ids=["2x2", "interleaved"])
-def test_hierarchical_bsp_equals_single_process_and_sends_once_per_node(tmp_path, nodes):
+def test_hierarchical_bsp_equals_single_process_and_sends_once_per_node(tmp_path, nodes, leaders, monkeypatch):
     """`sync.hierarchical`: reduce to each node's leader, ring among leaders, back to the members. The
     same model as the single-process reference (and so as flat BSP), and a member that is not its
     node's leader sends its gradients once per step (the flat ring sends 2(n-1)/n of them)."""
+    if leaders == "point-to-point":  # a backend that forms no subgroup: the leaders' ring of messages
+        from actors.comm import GlooCommunicator
+        monkeypatch.setattr(GlooCommunicator, "subgroup", lambda self, ranks, tag: None)
     slots = ["w0", "w1", "w2", "w3"]
     job = LocalJob(config({"policy": "bsp", "hierarchical": True, "bucket_mb": 0.004}, SGD_M, n=4), slots, str(tmp_path))
     job.run(tuple(slots), 64, nodes=nodes)
@@ -282,4 +286,6 @@ def test_hierarchical_bsp_equals_single_process_and_sends_once_per_node(tmp_path
     assert diff < 1e-6
     assert sent <= 1.05 * grad_bytes  # once, with the vote's tail; a flat ring member sends 1.5x (2(n-1)/n)
     assert member.impl.hierarchy is not None and not member.impl.hierarchy.is_leader
+    leader = job.replicas["w0"].impl.hierarchy
+    assert leader.is_leader and bool(leader._leader_group) == (leaders == "subgroup")
     assert grad_bytes <= sent < 1.2 * grad_bytes
