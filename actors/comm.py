@@ -21,12 +21,14 @@ import dataclasses
 import datetime
 import hashlib
 import hmac
+import itertools
 import logging
 import os
 import socket
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Protocol, Sequence
 
@@ -877,6 +879,25 @@ def client_store(host: str, port: int, timeout_s: float) -> dist.Store:
     if local is not None:
         return local
     return dist.TCPStore(host, port, None, False, datetime.timedelta(seconds=timeout_s))
+
+
+_in_process_stores = itertools.count()
+
+
+def in_process_store() -> tuple[str, int]:
+    """A `HashStore` that this process's communicators reach under a made-up address (no TCP)."""
+    key = ("local-store", next(_in_process_stores) + 1)
+    _client_stores[key] = dist.HashStore()
+    return key
+
+
+def in_process_group(n: int, name: str = "local", timeout_s: float = 10.0) -> list[BaseCommunicator]:
+    """n members of one gloo group, formed in threads of this process (tests, and the planner's
+    measurement of what a synchronization costs this machine)."""
+    host, port = in_process_store()
+    specs = [GroupSpec(host, port, name, r, n, timeout_s, "gloo", "127.0.0.1") for r in range(n)]
+    with ThreadPoolExecutor(n) as pool:
+        return list(pool.map(make_communicator, specs))
 
 
 def make_communicator(spec: GroupSpec) -> BaseCommunicator:

@@ -14,20 +14,17 @@ stands in for the coordinator of worker actors under test.
 """
 from __future__ import annotations
 
-import itertools
 import os
 import signal
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Optional
 
 import ray
 import torch
-import torch.distributed as dist
 
-from actors import comm as comm_module
 from actors.comm import BaseCommunicator, CommError, GroupSpec, make_communicator, serve_store
+from actors.comm import in_process_group as local_group, in_process_store as local_store  # noqa: F401 - tests import them here
 from actors.plan import Plan, Progress, WorkerSpec
 from algorithms.base import VoteDraft
 
@@ -49,24 +46,6 @@ def wait_until(predicate: Callable[[], Any], timeout: float = 90, what: str = "c
         if time.monotonic() > deadline:
             raise TimeoutError(f"timed out after {timeout:g}s waiting for {what}")
         time.sleep(every)
-
-
-_local_stores = itertools.count()
-
-
-def local_store() -> tuple[str, int]:
-    """A `HashStore` that this process's communicators reach under a made-up address (no TCP)."""
-    key = ("local-store", next(_local_stores) + 1)
-    comm_module._client_stores[key] = dist.HashStore()
-    return key
-
-
-def local_group(n: int, name: str = "local", timeout_s: float = 10.0) -> list[BaseCommunicator]:
-    """n members of one gloo group, formed in threads of this process."""
-    host, port = local_store()
-    specs = [GroupSpec(host, port, name, r, n, timeout_s, "gloo", "127.0.0.1") for r in range(n)]
-    with ThreadPoolExecutor(n) as pool:
-        return list(pool.map(make_communicator, specs))
 
 
 def drive_step(impl, model: torch.nn.Module, step: int, batch: torch.Tensor, samples: int, lr: float) -> None:

@@ -19,6 +19,14 @@ round. Links between workers of one node are loopback, at `Network.loopback_byte
 where the nodes are emulated on one machine, a round also takes at least its total bytes at
 `Network.host_bytes_per_s` (the machine's cores copy every byte).
 
+Every synchronization a step waits for also costs a fixed `Network.sync_overhead_s` beyond moving its
+bytes: launching it, waking each rank when its data lands, and applying what arrived (the alpha of the
+alpha-beta model, at the level of a whole synchronization). Periodic kinds pay it once per round
+(amortized over h), gossip once per exchange, the background kind never. On real nodes it is small and
+defaults to 0; in the lab, where every emulated node shares one machine's cores, it is measured
+(`orchestrator/planner.measure_sync_overhead`: an all-reduce among as many ranks on this machine, less
+what the model says its bytes take).
+
 The compute side: a step's compute on rank i is `fixed_s + seconds * factors[i] * exp(sigma * z)` with z
 standard normal, independent across ranks and steps (`Compute`). A step that waits for every member
 waits for the maximum over members (its expectation by a fixed-seed sample, so the model is a pure
@@ -53,6 +61,9 @@ class Network:
     """What all flows of a round move together at most: INF for real nodes (each has its own CPUs and
     NIC); in the lab every emulated node shares one machine's cores, which copy every byte of every
     flow (the probe's unshaped stream, which keeps a sender and a receiver busy, measures it)."""
+    sync_overhead_s: float = 0.0
+    """The fixed cost of one synchronization that a step waits for, beyond moving its bytes (see the
+    module docstring)."""
 
     @property
     def n(self) -> int:
@@ -72,11 +83,12 @@ class Network:
     @classmethod
     def uniform(cls, nodes: int, per_node: int, inter_bytes_per_s: float, inter_latency_s: float = 0.0,
                 intra_bytes_per_s: float = INF, intra_latency_s: float = 0.0,
-                loopback_bytes_per_s: float = 2.0e9, host_bytes_per_s: float = INF) -> "Network":
+                loopback_bytes_per_s: float = 2.0e9, host_bytes_per_s: float = INF,
+                sync_overhead_s: float = 0.0) -> "Network":
         ranks = tuple(r // per_node for r in range(nodes * per_node))
         bw = tuple(tuple(intra_bytes_per_s if a == b else inter_bytes_per_s for b in range(nodes)) for a in range(nodes))
         lat = tuple(tuple(intra_latency_s if a == b else inter_latency_s for b in range(nodes)) for a in range(nodes))
-        return cls(ranks, bw, lat, loopback_bytes_per_s, host_bytes_per_s)
+        return cls(ranks, bw, lat, loopback_bytes_per_s, host_bytes_per_s, sync_overhead_s)
 
 
 @dataclass(frozen=True)
@@ -221,26 +233,36 @@ def predict(spec: PolicySpec, net: Network, compute: Compute, model_bytes: float
     if name in ("local_sgd", "diloco", "streaming_diloco"):
         h = max(spec.h, 1)
         waits = compute.expected_max(ranks, steps=h) / h
+        alpha = net.sync_overhead_s
         if name == "streaming_diloco" and spec.fragments > 1:
             per_fragment = ring_allreduce(net, ranks, model_bytes * spec.codec_ratio / spec.fragments)
             hidden = spec.overlap * (compute.fixed_s + compute.seconds)
-            exposed = max(0.0, per_fragment - hidden) * spec.fragments / h
+            exposed = (max(0.0, per_fragment - hidden) + alpha) * spec.fragments / h
             return Prediction(name, waits + exposed, exposed, _ring_bytes(n, model_bytes * spec.codec_ratio) / h,
                               f"E[max_i sum of {h} steps]/{h} + {spec.fragments} fragment all-reduces per {h} steps, "
-                              f"each less {spec.overlap} overlapped steps")
-        comm = ring_allreduce(net, ranks, model_bytes * spec.codec_ratio) / h
+                              f"each less {spec.overlap} overlapped steps, + alpha each")
+        comm = (ring_allreduce(net, ranks, model_bytes * spec.codec_ratio) + alpha) / h
         return Prediction(name, waits + comm, comm, _ring_bytes(n, model_bytes * spec.codec_ratio) / h,
-                          f"E[max_i sum of {h} steps]/{h} + ring all-reduce/{h}")
+                          f"E[max_i sum of {h} steps]/{h} + (ring all-reduce + alpha)/{h}")
     if name in ("dpsgd", "dadam", "choco"):
         peers = (lambda r: spec.peers(r, n)) if spec.peers else (lambda r: ring_peers(r, n))
         size = model_bytes * spec.codec_ratio
         comm = exchange(net, peers, size)
         neighbourhood = max(compute.expected_max([r, *peers(r)]) for r in ranks)
-        step = max(neighbourhood, comm + 0.0)
         sent = float(np.mean([len(peers(r)) * size for r in ranks]))
+        if name == "choco":  # the forward pass needs the mixed point: a rank waits for its peers' messages
+            # Nothing overlaps a rank's own wait, but ranks that are not in lockstep do not send at once:
+            # a rank waits for its slowest incoming message at the link's full rate, and the links carry
+            # every step's traffic (the exchange with every flow sharing) at least.
+            incoming = max(_round_time(net, [(j, r, size)]) for r in ranks for j in peers(r) if j != r)
+            step = max(comm, neighbourhood + incoming) + net.sync_overhead_s
+            return Prediction(name, step, step - neighbourhood, sent,
+                              "max(exchange with every flow sharing, E[max over a rank and its peers of compute] + "
+                              "its slowest incoming message alone) + alpha: CHOCO mixes before its forward pass")
+        step = max(neighbourhood, comm) + net.sync_overhead_s
         return Prediction(name, step, max(0.0, step - neighbourhood), sent,
-                          "max(E[max over a rank and its peers of compute], exchange with the peers): the exchange "
-                          "launches before the forward pass and overlaps it")
+                          "max(E[max over a rank and its peers of compute], exchange with the peers) + alpha: the "
+                          "exchange launches before the forward pass and overlaps it")
     if name == "shadow":
         own = float(np.median([compute.expected(r) for r in ranks]))
         return Prediction(name, own, 0.0, 0.0, "each member at its own pace (rounds run beside training)",
@@ -255,22 +277,23 @@ def _ring_bytes(n: int, size: float) -> float:
 def _synchronous(spec: PolicySpec, net: Network, compute: Compute, model_bytes: float, everyone: float) -> Prediction:
     n = net.n
     ranks = list(range(n))
+    alpha = net.sync_overhead_s
     if spec.name == "bsp":
         if spec.hierarchical:
-            comm = hierarchical_allreduce(net, model_bytes)
-            basis = "E[max_i compute] + intra-node all-reduce + leaders' ring all-reduce"
+            comm = hierarchical_allreduce(net, model_bytes) + alpha
+            basis = "E[max_i compute] + intra-node reduce + leaders' ring all-reduce + intra-node broadcast + alpha"
         else:
-            comm = ring_allreduce(net, ranks, model_bytes)
-            basis = "E[max_i compute] + ring all-reduce of the gradients"
+            comm = ring_allreduce(net, ranks, model_bytes) + alpha
+            basis = "E[max_i compute] + ring all-reduce of the gradients + alpha"
         return Prediction("bsp", everyone + comm, comm, _ring_bytes(n, model_bytes), basis)
     size = model_bytes * spec.codec_ratio
-    scatter_gather = all_to_all(net, ranks, size) + ring_allgather(net, ranks, size / n)
+    scatter_gather = all_to_all(net, ranks, size) + ring_allgather(net, ranks, size / n) + alpha
     sg_bytes = 2 * (n - 1) / n * size
     if spec.name == "bytegrad":
         return Prediction("bytegrad", everyone + scatter_gather, scatter_gather, sg_bytes,
-                          "E[max_i compute] + all-to-all of compressed chunks + ring all-gather of the sums")
+                          "E[max_i compute] + all-to-all of compressed chunks + ring all-gather of the sums + alpha")
     # qadam: full-precision ring all-reduce during warm-up, then the compressed momentum's scatter-gather
-    full = ring_allreduce(net, ranks, model_bytes)
+    full = ring_allreduce(net, ranks, model_bytes) + alpha
     total = max(spec.total_steps, 1)
     warm = min(spec.warmup_steps, total) / total
     comm = warm * full + (1 - warm) * scatter_gather

@@ -15,14 +15,16 @@ what was picked and why.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import statistics
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
-from algorithms.runtime_model import CODEC_RATIO, INF, Compute, Network, PolicySpec, predict
+from algorithms.runtime_model import CODEC_RATIO, INF, Compute, Network, PolicySpec, predict, ring_allreduce
 from core.schema import ConfigError, JobConfig, NetworkConfig, parse
 
 FACTORS_PATH = Path(__file__).with_name("convergence.json")
@@ -82,10 +84,13 @@ def candidates(cfg: JobConfig) -> list[Candidate]:
     return [Candidate(label, sync, comp, spec) for label, sync, comp, spec in out]
 
 
-def network_for(net: NetworkConfig, world: int, probed: Optional[Sequence[dict]] = None) -> Network:
+def network_for(net: NetworkConfig, world: int, probed: Optional[Sequence[dict]] = None,
+                host_allreduce_s: Optional[float] = None, model_bytes: float = 0.0) -> Network:
     """The model's network for `world` members placed as the job places them (`NetworkConfig.node_of`):
-    the links as asked, or as `lab.probe` measured them (`probed` rows). Without a lab (`nodes: 0`)
-    every member shares one unshaped node."""
+    the links as asked, or as `lab.probe` measured them (`probed` rows), with the synchronization
+    overhead `sync_overhead` derives from `host_allreduce_s` (this machine's all-reduce of `model_bytes`,
+    `measure_host_allreduce`) where given. Without a lab (`nodes: 0`) every member shares one unshaped
+    node."""
     if not net.enabled:
         return Network(tuple(0 for _ in range(world)), ((INF,),), ((0.0,),))
     nodes = net.nodes
@@ -100,8 +105,49 @@ def network_for(net: NetworkConfig, world: int, probed: Optional[Sequence[dict]]
         elif a == b:  # an unshaped stream: what a loopback flow moves, and what this machine's cores copy at most
             loopback = host = row["measured_mbit"] * 1e6 / 8
         latency[a][b] = row["modelled_latency_ms"] / 1e3 + row["rtt_ms"] / 2e3
-    return Network(tuple(net.node_of(f"w{i}") for i in range(world)), tuple(map(tuple, bandwidth)),
-                   tuple(map(tuple, latency)), loopback, host)
+    model = Network(tuple(net.node_of(f"w{i}") for i in range(world)), tuple(map(tuple, bandwidth)),
+                    tuple(map(tuple, latency)), loopback, host)
+    if host_allreduce_s is None:
+        return model
+    return dataclasses.replace(model, sync_overhead_s=sync_overhead(host_allreduce_s, model, model_bytes))
+
+
+def measure_host_allreduce(world: int, model_bytes: float, rounds: int = 15, warmup: int = 5) -> float:
+    """Median seconds of one all-reduce of `model_bytes` among `world` gloo ranks on this machine
+    (threads of this process over loopback): what the lab's emulated nodes, which share this machine,
+    pay for one synchronization with no link shaped."""
+    from actors.comm import in_process_group  # noqa: PLC0415 - only plan and auto measure
+
+    import torch  # noqa: PLC0415
+
+    comms = in_process_group(world, name=f"planner-probe-{time.monotonic_ns()}", timeout_s=30.0)
+    numel = max(int(model_bytes // 4), 1)
+
+    def run(comm) -> float:
+        tensor = torch.ones(numel)
+        times = []
+        for i in range(warmup + rounds):
+            began = time.perf_counter()
+            comm.all_reduce(tensor).wait()
+            if i >= warmup:
+                times.append(time.perf_counter() - began)
+        return statistics.median(times)
+
+    try:
+        with ThreadPoolExecutor(world) as pool:
+            return statistics.median(pool.map(run, comms))
+    finally:
+        for comm in comms:
+            comm.close()
+
+
+def sync_overhead(host_allreduce_s: float, net: Network, model_bytes: float) -> float:
+    """The runtime model's `sync_overhead_s`: this machine's measured all-reduce (`measure_host_allreduce`)
+    less what the model says its bytes take with every rank on one node of `net` (its loopback and
+    host rates); never below 0."""
+    one_node = Network(tuple(0 for _ in range(net.n)), ((INF,),), ((0.0,),), net.loopback_bytes_per_s,
+                       net.host_bytes_per_s)
+    return max(0.0, host_allreduce_s - ring_allreduce(one_node, list(range(net.n)), model_bytes))
 
 
 def compute_spread(cfg: JobConfig, seconds: float) -> Compute:
@@ -169,12 +215,16 @@ def rank(cands: Sequence[Candidate], net: Network, compute: Compute, model_bytes
 
 
 def ranked(cfg: JobConfig, cands: Sequence[Candidate], compute_s: float, model_bytes: float,
-           probed: Optional[Sequence[dict]] = None) -> list[Row]:
+           probed: Optional[Sequence[dict]] = None, host_allreduce_s: Optional[float] = None) -> list[Row]:
     """`rank` on the job's own network (as asked, or `probed`) and stragglers, with the shipped
-    convergence factors: what `plan` prints and `auto` picks from."""
+    convergence factors: what `plan` prints and `auto` picks from. In the lab, whose nodes share this
+    machine, the synchronization overhead is this machine's (`host_allreduce_s`, measured here when not
+    given); elsewhere it is 0."""
     data = load_factors()
-    return rank(cands, network_for(cfg.network, cfg.workers.count, probed), compute_spread(cfg, compute_s),
-                model_bytes, data["factors"], data["bsp_steps"])
+    if host_allreduce_s is None and cfg.network.enabled:
+        host_allreduce_s = measure_host_allreduce(cfg.workers.count, model_bytes)
+    net = network_for(cfg.network, cfg.workers.count, probed, host_allreduce_s, model_bytes)
+    return rank(cands, net, compute_spread(cfg, compute_s), model_bytes, data["factors"], data["bsp_steps"])
 
 
 def recommendation(rows: Sequence[Row]) -> str:
