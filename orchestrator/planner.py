@@ -112,7 +112,7 @@ def network_for(net: NetworkConfig, world: int, probed: Optional[Sequence[dict]]
     return dataclasses.replace(model, sync_overhead_s=sync_overhead(host_allreduce_s, model, model_bytes))
 
 
-def measure_host_allreduce(world: int, model_bytes: float, rounds: int = 15, warmup: int = 5) -> float:
+def measure_host_allreduce(world: int, model_bytes: float, rounds: int = 60, warmup: int = 5) -> float:
     """Median seconds of one all-reduce of `model_bytes` among `world` gloo ranks on this machine
     (threads of this process over loopback): what the lab's emulated nodes, which share this machine,
     pay for one synchronization with no link shaped."""

@@ -54,6 +54,29 @@ def test_the_network_places_slots_as_the_job_does_and_takes_probed_links():
     assert planner.network_for(cfg().network, 3).node_of_rank == (0, 0, 0)
 
 
+def test_the_labs_synchronization_overhead_is_this_machines_all_reduce_less_its_bytes(monkeypatch):
+    """alpha = a measured all-reduce among the job's ranks on this machine, less the model's time for its
+    bytes on one unshaped node; measured by `ranked` in the lab only (its nodes share this machine)."""
+    from algorithms.runtime_model import ring_allreduce
+
+    c = cfg(network=LAB)
+    size = 1.2e6
+    one_node = Network((0, 0, 0, 0), ((INF,),), ((0.0,),), 2e9)
+    net = planner.network_for(c.network, 4, None, 0.006, size)
+    assert net.sync_overhead_s == pytest.approx(0.006 - ring_allreduce(one_node, [0, 1, 2, 3], size))
+    assert planner.network_for(c.network, 4, None, 1e-6, size).sync_overhead_s == 0.0  # never below 0
+    measured = planner.measure_host_allreduce(4, 4096, rounds=3, warmup=1)
+    assert 0 < measured < 1.0
+    calls = []
+    monkeypatch.setattr(planner, "measure_host_allreduce", lambda world, nbytes: calls.append(world) or 0.006)
+    bsp = [x for x in planner.candidates(c) if x.label == "bsp"]
+    with_alpha = planner.ranked(c, bsp, 0.01, size)[0].step_s
+    assert calls == [4]
+    assert with_alpha == pytest.approx(predict(bsp[0].spec, net, Compute(0.01), size).step_s)
+    planner.ranked(cfg(), [x for x in planner.candidates(cfg()) if x.label == "bsp"], 0.01, size)
+    assert calls == [4], "no lab: nothing measured (alpha 0)"
+
+
 def test_stragglers_and_jitter_reach_the_compute_side():
     c = cfg(faults={"stragglers": [{"slot": "w1", "slowdown": 3.0}, {"slot": "w2", "jitter": {"sigma": 0.4}}]})
     compute = planner.compute_spread(c, 0.01)

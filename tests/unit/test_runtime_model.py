@@ -90,3 +90,31 @@ def test_emulated_nodes_on_one_machine_share_its_copying_rate():
     assert ring_allreduce(net, [0, 1, 2, 3], M) == pytest.approx(6 * (M / host + L))
     assert ring_allreduce(Network.uniform(2, 2, B, L, loopback_bytes_per_s=LO, host_bytes_per_s=100 * B),
                           [0, 1, 2, 3], M) == pytest.approx(6 * (M / 4 / B + L))  # the link is slower
+
+
+def test_every_synchronization_a_step_waits_for_pays_the_overhead_once():
+    """alpha (`sync_overhead_s`): once per synchronous step, once per round of a periodic kind (over h
+    steps), once per gossip exchange, never for the background kind."""
+    alpha = 0.004
+    net = Network.uniform(2, 2, B, L, loopback_bytes_per_s=LO, sync_overhead_s=alpha)
+    compute = Compute(0.05)
+    ring = 6 * (M / 4 / B + L)
+    assert predict(PolicySpec("bsp"), net, compute, M).step_s == pytest.approx(0.05 + ring + alpha)
+    assert predict(PolicySpec("local_sgd", h=8), net, compute, M).step_s == pytest.approx(0.05 + (ring + alpha) / 8)
+    gossip = predict(PolicySpec("dpsgd", codec_ratio=0.25), Network.uniform(2, 2, 10 * B, L, sync_overhead_s=alpha),
+                     compute, M)
+    assert gossip.step_s == pytest.approx(0.05 + alpha)
+    assert predict(PolicySpec("shadow"), net, compute, M).step_s == pytest.approx(0.05)
+
+
+def test_choco_waits_for_its_peers_messages_before_its_forward_pass():
+    """CHOCO mixes before the forward pass: nothing hides its exchange. A rank waits for its slowest
+    incoming message (one flow on the link: M/4 at B, uint8), and the links must carry every step's
+    traffic (two flows of M/4 share each direction)."""
+    size = 0.25 * M
+    slow = predict(PolicySpec("choco", codec_ratio=0.25), NET, Compute(0.005), M)
+    assert slow.step_s == pytest.approx(max(2 * size / B + L, 0.005 + size / B + L))  # the links bound it
+    busy = predict(PolicySpec("choco", codec_ratio=0.25), NET, Compute(0.05), M)
+    assert busy.step_s == pytest.approx(0.05 + size / B + L)  # compute, then the wait
+    dpsgd = predict(PolicySpec("dpsgd", codec_ratio=0.25), NET, Compute(0.05), M)
+    assert dpsgd.step_s == pytest.approx(max(0.05, 2 * size / B + L))  # D-PSGD hides it behind compute
