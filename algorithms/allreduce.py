@@ -186,8 +186,8 @@ class AllReduceImpl(AlgorithmImpl):
             return
         self._python_hooks(True)
         self._allocate()
-        for compressed in self.compressed:
-            compressed.bind(comm)
+        for compressed in self.compressed:  # hierarchical: bound to the leaders' group when it forms
+            compressed.bind(comm) if self.hierarchy is None else compressed.discard()
 
     def _wants_reducer(self, comm) -> bool:
         """`sync.engine`: `reducer` always (the config refused what cannot run on it), `auto` when the
@@ -388,18 +388,29 @@ class AllReduceImpl(AlgorithmImpl):
             tail = self._draft.tail(torch.float32, device) if last else torch.zeros(TAIL, device=device)
             if self.trace is not None:
                 self.trace.append(("launch", b))
-            if wires:
+            if wires and self.hierarchy is None:
                 summed = wires[b].all_reduce(message, tail)
             else:
                 wire = torch.cat([message.view(-1), tail.to(message.dtype)])
                 if self.hierarchy is not None:
-                    self.hierarchy.all_reduce(wire)
+                    self.hierarchy.all_reduce(wire, self._leaders_compressed(wires[b]) if wires else None)
                 else:
                     self.comm.all_reduce(wire).wait()
                 message.view(-1).copy_(wire[:-TAIL])
                 summed = wire[-TAIL:]
             if last:
                 self._vote_tail = summed
+
+    def _leaders_compressed(self, wire: ScatterGather):
+        """Hierarchical with a codec: the leaders' part, the bucket's compressed scatter-gather on the
+        leaders' own group (bound to it at its first use in the membership epoch); the vote's tail is
+        summed alongside, as in the flat path."""
+        def among(flat: torch.Tensor, group) -> None:
+            if wire.comm is not group:
+                wire.bind(group)
+            flat[-TAIL:] = wire.all_reduce(flat[:-TAIL], flat[-TAIL:].to(torch.float32)).to(flat.dtype)
+            self.comm.bytes_sent += wire.bytes_sent  # the job counts what the epoch's members sent
+        return among
 
     def finish_step(self, step: int, draft: VoteDraft) -> StepVote:
         if self.comm is None:

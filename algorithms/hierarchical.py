@@ -18,7 +18,7 @@ member, or the Ray node it runs on). Blocking; a failed message raises the commu
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -41,8 +41,10 @@ class HierarchicalAllReduce:
     def is_leader(self) -> bool:
         return self.rank == self.leader
 
-    def all_reduce(self, tensor: torch.Tensor) -> None:
-        """SUM `tensor` over every rank of the group, in place."""
+    def all_reduce(self, tensor: torch.Tensor, among: Optional[Callable[[torch.Tensor, Any], None]] = None) -> None:
+        """SUM `tensor` over every rank of the group, in place. `among(flat, leaders_group)`, where given,
+        replaces the leaders' plain all-reduce of their nodes' sums (a compressed scatter-gather on the
+        leaders' own group; it needs a backend that forms one)."""
         flat = tensor.view(-1)
         if not self.is_leader:
             self._send(flat, self.leader)
@@ -52,7 +54,13 @@ class HierarchicalAllReduce:
         for member in self.members[1:]:
             self.comm.recv(incoming, member).wait()
             flat.add_(incoming)
-        self._among_leaders(flat)
+        if among is not None and len(self.leaders) > 1:
+            group = self.leader_group()
+            if group is None:
+                raise RuntimeError("sync.hierarchical with a codec needs a backend that forms subgroups (gloo)")
+            among(flat, group)
+        else:
+            self._among_leaders(flat)
         for member in self.members[1:]:
             self._send(flat, member)
 
@@ -60,15 +68,20 @@ class HierarchicalAllReduce:
         self.comm.send(flat, dst).wait()
         self.bytes_sent += flat.numel() * flat.element_size()
 
-    def _among_leaders(self, flat: torch.Tensor) -> None:
-        k = len(self.leaders)
-        if k <= 1:
-            return
+    def leader_group(self) -> Any:
+        """The leaders' own group (formed on the first call, by every leader at once), or None where the
+        backend forms no subgroup."""
         if self._leader_group is None:
             subgroup = getattr(self.comm, "subgroup", None)
             group = subgroup(self.leaders, "leaders") if subgroup is not None else None
             self._leader_group = group if group is not None else False
-        if self._leader_group is False:
+        return self._leader_group or None
+
+    def _among_leaders(self, flat: torch.Tensor) -> None:
+        k = len(self.leaders)
+        if k <= 1:
+            return
+        if self.leader_group() is None:
             self._ring(flat)
             return
         self._leader_group.all_reduce(flat).wait()

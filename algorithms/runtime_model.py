@@ -185,17 +185,22 @@ def exchange(net: Network, peers: Callable[[int], Sequence[int]], size: float) -
     return _round_time(net, [(i, j, size) for i in range(net.n) for j in peers(i) if j != i])
 
 
-def hierarchical_allreduce(net: Network, size: float) -> float:
-    """BAGUA's hierarchical all-reduce (algorithms/allreduce.py): each non-leader sends its gradients
-    to its node's leader (its lowest rank), the leaders run a ring all-reduce over the links between
-    nodes, and each leader sends the sum back to its node's members; the intra-node parts run on
-    every node at once."""
+def hierarchical_allreduce(net: Network, size: float, codec_ratio: Optional[float] = None) -> float:
+    """BAGUA's hierarchical all-reduce (algorithms/hierarchical.py): each non-leader sends its gradients
+    to its node's leader (its lowest rank), the leaders all-reduce over the links between nodes (a ring;
+    with a codec, the compressed scatter-gather: an all-to-all of chunks at `codec_ratio`, then a ring
+    all-gather of the sums), and each leader sends the sum back to its node's members; the intra-node
+    parts run on every node at once, in full precision."""
     nodes = sorted(set(net.node_of_rank))
     members = {a: [r for r in range(net.n) if net.node_of_rank[r] == a] for a in nodes}
     leaders = [members[a][0] for a in nodes]
     gather = _round_time(net, [(r, members[a][0], size) for a in nodes for r in members[a][1:]])
     scatter = _round_time(net, [(members[a][0], r, size) for a in nodes for r in members[a][1:]])
-    return gather + ring_allreduce(net, leaders, size) + scatter
+    if codec_ratio is None:
+        among = ring_allreduce(net, leaders, size)
+    else:
+        among = all_to_all(net, leaders, size * codec_ratio) + ring_allgather(net, leaders, size * codec_ratio / len(leaders))
+    return gather + among + scatter
 
 
 # --------------------------------------------------------------------------- policies
@@ -289,6 +294,15 @@ def _synchronous(spec: PolicySpec, net: Network, compute: Compute, model_bytes: 
     size = model_bytes * spec.codec_ratio
     scatter_gather = all_to_all(net, ranks, size) + ring_allgather(net, ranks, size / n) + alpha
     sg_bytes = 2 * (n - 1) / n * size
+    if spec.name == "bytegrad" and spec.hierarchical:
+        comm = hierarchical_allreduce(net, model_bytes, spec.codec_ratio) + alpha
+        k = len(set(net.node_of_rank))
+        # members send their gradients to the leader and leaders the sums back, in full precision; the
+        # leaders' scatter-gather sends 2(k-1)/k of the compressed size from each leader
+        sent = (2 * (n - k) * model_bytes + k * 2 * (k - 1) / k * size) / n
+        return Prediction("bytegrad", everyone + comm, comm, sent,
+                          "E[max_i compute] + intra-node reduce + leaders' compressed scatter-gather + intra-node "
+                          "broadcast + alpha")
     if spec.name == "bytegrad":
         return Prediction("bytegrad", everyone + scatter_gather, scatter_gather, sg_bytes,
                           "E[max_i compute] + all-to-all of compressed chunks + ring all-gather of the sums + alpha")

@@ -160,16 +160,15 @@ class BSPConfig:
     leaf; `python` is this project's own bucket hooks (the only path for codecs and for GPUs shared
     over gloo); `auto` takes the reducer where it can run and the Python buckets elsewhere."""
     hierarchical: bool = False
-    """BAGUA's hierarchical all-reduce: reduce within each node to a leader, ring all-reduce among the
-    leaders over the links between nodes, send the sum back within the node (on the Python buckets)."""
+    """BAGUA's hierarchical all-reduce: reduce within each node to a leader in full precision, all-reduce
+    among the leaders over the links between nodes (compressed through `compression.codec`'s
+    scatter-gather where there is one: `bytegrad`, or `bsp` with a codec), send the sum back within the
+    node (on the Python buckets)."""
 
     def __post_init__(self) -> None:
         _positive(self, "bucket_mb")
         if self.hierarchical and self.engine == "reducer":
             raise FieldError("hierarchical", "runs on the Python buckets: set engine: auto or python")
-        if self.hierarchical and self.policy == "bytegrad":
-            raise FieldError("hierarchical", "the compressed leaders' ring is not built yet: hierarchical runs "
-                                             "with policy bsp and no codec")
 
 
 @dataclass
@@ -797,9 +796,6 @@ class JobConfig:
         if self.sync.policy in ("qadam", "dadam") and self.optimizer.name != "adamw":
             raise FieldError("optimizer.name", f"{self.sync.policy} is Adam: set optimizer.name: adamw "
                                                f"(got {self.optimizer.name})")
-        if getattr(self.sync, "hierarchical", False) and self.compression.codec != "none":
-            raise FieldError("sync.hierarchical", "the compressed leaders' ring is not built yet: hierarchical "
-                                                  "runs with policy bsp and no codec")
         if self.compression.codec != "none" and self.sync.policy not in COMPRESSING_POLICIES:
             raise FieldError("compression.codec", f"policy {self.sync.policy!r} does not compress yet; "
                                                   f"{', '.join(COMPRESSING_POLICIES)} do")

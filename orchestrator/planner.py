@@ -64,6 +64,9 @@ def candidates(cfg: JobConfig) -> list[Candidate]:
                     PolicySpec("bsp", hierarchical=True)))
     out.append(("bytegrad uint8", {"policy": "bytegrad"}, {"codec": "uint8"},
                 PolicySpec("bytegrad", codec_ratio=CODEC_RATIO["uint8"])))
+    if cfg.network.nodes > 1:
+        out.append(("bytegrad hierarchical uint8", {"policy": "bytegrad", "hierarchical": True}, {"codec": "uint8"},
+                    PolicySpec("bytegrad", codec_ratio=CODEC_RATIO["uint8"], hierarchical=True)))
     if adam:
         steps = cfg.stop.max_steps or 0
         out.append(("qadam uint8", {"policy": "qadam", "warmup_steps": 100}, {"codec": "uint8"},

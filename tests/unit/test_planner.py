@@ -101,7 +101,7 @@ def test_auto_writes_the_pick_into_the_config_with_its_reason(monkeypatch):
     monkeypatch.setattr(planner, "load_factors", lambda: {"factors": {}, "bsp_steps": None, "source": ""})
     c = cfg(network=LAB, sync={"policy": "auto", "candidates": ["bsp", "bytegrad"]})
     chosen, line, rows = planner.choose(c, compute_s=0.01, model_bytes=1.2e6)
-    assert {r.candidate.label for r in rows} == {"bsp", "bsp hierarchical", "bytegrad uint8"}
+    assert {r.candidate.label for r in rows} == {"bsp", "bsp hierarchical", "bytegrad uint8", "bytegrad hierarchical uint8"}
     assert chosen.sync.policy == rows[0].candidate.sync["policy"] and chosen.policy_choice.endswith(line)
     assert chosen.compression.codec == rows[0].candidate.compression.get("codec", "none")
     with pytest.raises(ConfigError, match="sync.candidates"):

@@ -118,3 +118,17 @@ def test_choco_waits_for_its_peers_messages_before_its_forward_pass():
     assert busy.step_s == pytest.approx(0.05 + size / B + L)  # compute, then the wait
     dpsgd = predict(PolicySpec("dpsgd", codec_ratio=0.25), NET, Compute(0.05), M)
     assert dpsgd.step_s == pytest.approx(max(0.05, 2 * size / B + L))  # D-PSGD hides it behind compute
+
+
+def test_hierarchical_bytegrad_compresses_only_the_leaders_exchange():
+    """Full precision within a node (gather and scatter of M on loopback); between the two leaders the
+    compressed scatter-gather: an all-to-all of half the uint8 payload each way, then one all-gather
+    round of the summed half."""
+    q = 0.25 * M
+    expected = 2 * (M / LO) + (q / 2 / B + L) + (q / 2 / B + L)
+    assert hierarchical_allreduce(NET, M, 0.25) == pytest.approx(expected)
+    spec = PolicySpec("bytegrad", codec_ratio=0.25, hierarchical=True)
+    p = predict(spec, NET, Compute(0.05), M)
+    assert p.step_s == pytest.approx(0.05 + expected)
+    assert p.bytes_per_step == pytest.approx((2 * 2 * M + 2 * q) / 4)  # members' M up, M back down; leaders' q
+    assert p.step_s < predict(PolicySpec("bytegrad", codec_ratio=0.25), NET, Compute(0.05), M).step_s
