@@ -424,34 +424,12 @@ class GlooCommunicator(_TorchBackendCommunicator):
         return child
 
     def _form_child(self, spec: GroupSpec) -> "GlooCommunicator":
-        """Form a subgroup in a helper thread (construction blocks in C++ until its members arrive),
-        waiting at most the group's timeout; an abort of this group meanwhile abandons it at once."""
-        result: dict = {}
-        done = threading.Event()
-
-        def build() -> None:
-            try:
-                result["comm"] = GlooCommunicator(spec, self._store)
-            except BaseException as err:  # noqa: BLE001 - re-raised in the caller's thread
-                result["error"] = err
-            finally:
-                done.set()
-                if result.get("abandoned") and "comm" in result:
-                    result["comm"].close()
-
-        threading.Thread(target=build, name=f"form {spec.name}", daemon=True).start()
-        deadline = time.monotonic() + spec.timeout_s + 5.0
-        while not done.wait(0.02):
-            if self.aborted or time.monotonic() > deadline:
-                result["abandoned"] = True
-                if done.is_set() and "comm" in result:
-                    result["comm"].close()
-                if self.aborted:
-                    raise self.failure()
-                raise CommTimeout(f"group {spec.name}: did not form within {spec.timeout_s + 5.0:.0f}s")
-        if "error" in result:
-            raise result["error"]
-        return result["comm"]
+        """Form a subgroup in a helper thread (`form_in_thread`); an abort of this group meanwhile
+        abandons it at once."""
+        child = form_in_thread(spec, lambda: GlooCommunicator(spec, self._store), lambda: self.aborted)
+        if child is None:
+            raise self.failure()
+        return child
 
     def abort(self, reason: str = "aborted by coordinator") -> None:
         self._abort_pairs(reason)
@@ -879,6 +857,42 @@ def client_store(host: str, port: int, timeout_s: float) -> dist.Store:
     if local is not None:
         return local
     return dist.TCPStore(host, port, None, False, datetime.timedelta(seconds=timeout_s))
+
+
+def form_in_thread(spec: GroupSpec, build: Callable[[], BaseCommunicator],
+                   stop: Callable[[], bool]) -> Optional[BaseCommunicator]:
+    """`build()` a group in a helper thread; None if `stop()` turns true meanwhile.
+
+    Group construction blocks in C++ until every member arrives (NCCL's init has no timeout of its
+    own): after `spec.timeout_s` (plus a margin for gloo's own) the attempt is abandoned with
+    CommTimeout. Any error while forming comes back here with its own text; a group that forms after
+    it was abandoned is closed."""
+    result: dict = {}
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            result["comm"] = build()
+        except BaseException as err:  # noqa: BLE001 - re-raised in the caller's thread, whatever it is
+            result["error"] = err
+        finally:
+            done.set()
+            if result.get("abandoned") and "comm" in result:
+                result["comm"].close()
+
+    threading.Thread(target=run, name=f"form {spec.name}", daemon=True).start()
+    deadline = time.monotonic() + spec.timeout_s + 5.0
+    while not done.wait(0.02):
+        if stop() or time.monotonic() > deadline:
+            result["abandoned"] = True
+            if done.is_set() and "comm" in result:
+                result["comm"].close()
+            if time.monotonic() > deadline:
+                raise CommTimeout(f"group {spec.name}: did not form within {spec.timeout_s + 5.0:.0f}s")
+            return None
+    if "error" in result:
+        raise result["error"]
+    return result["comm"]
 
 
 _in_process_stores = itertools.count()

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from actors import collective
-from actors.comm import BaseCommunicator, CommError, CommTimeout, GroupSpec, NoGroup, make_communicator
+from actors.comm import BaseCommunicator, CommError, GroupSpec, NoGroup, form_in_thread, make_communicator
 from actors.entry import enter
 from actors.faults import WorkerFaults
 from actors.plan import Plan, PlanBook, Progress, WorkerSpec
@@ -674,39 +674,10 @@ def warm_up(cfg: JobConfig, workload: Any) -> None:
 
 
 def form_group(spec: GroupSpec, superseded: Callable[[], bool]) -> Optional[BaseCommunicator]:
-    """Form one membership epoch's group in a helper thread; None if it is `superseded()` meanwhile.
-
-    Group construction blocks in C++ until every member arrives (NCCL's init has no timeout of its
-    own): after `spec.timeout_s` (plus a margin for gloo's own) the attempt is abandoned with
-    CommTimeout, and a member that waited for a superseded epoch goes straight to the next one. Any
-    error while forming comes back here with its own text; a group that forms after it was
-    abandoned is closed."""
-    result: dict = {}
-    done = threading.Event()
-
-    def build() -> None:
-        try:
-            result["comm"] = make_communicator(spec)
-        except BaseException as err:  # noqa: BLE001 - re-raised in the caller's thread, whatever it is
-            result["error"] = err
-        finally:
-            done.set()
-            if result.get("abandoned") and "comm" in result:
-                result["comm"].close()
-
-    threading.Thread(target=build, name=f"form {spec.name}", daemon=True).start()
-    deadline = time.monotonic() + spec.timeout_s + 5.0
-    while not done.wait(0.02):
-        if superseded() or time.monotonic() > deadline:
-            result["abandoned"] = True
-            if done.is_set() and "comm" in result:
-                result["comm"].close()
-            if time.monotonic() > deadline:
-                raise CommTimeout(f"group {spec.name}: did not form within {spec.timeout_s + 5.0:.0f}s")
-            return None
-    if "error" in result:
-        raise result["error"]
-    return result["comm"]
+    """Form one membership epoch's group in a helper thread (`form_in_thread`); None if it is
+    `superseded()` meanwhile: a member that waited for a superseded epoch goes straight to the next
+    one. After `spec.timeout_s` (plus a margin) the attempt fails with CommTimeout."""
+    return form_in_thread(spec, lambda: make_communicator(spec), superseded)
 
 
 def _device(gpus: float) -> torch.device:
