@@ -30,8 +30,11 @@ relative to BSP (`--png`); one JSON line. Results are appended to `--out` as eac
 a run that stops can be continued (`--resume`); `--report` re-prints from that file alone.
 
     python benchmarks/tradeoffs.py [--networks 10g,1g,100m] [--conditions none,straggler,jitter]
-        [--only bsp,dpsgd] [--compute-ms 15] [--target 0.96] [--out tradeoffs.jsonl] [--resume]
-        [--png docs/tradeoffs.png] [--write-factors] [--report]
+        [--only bsp,dpsgd] [--seeds 0,1,2] [--compute-ms 15] [--target 0.96] [--out tradeoffs.jsonl]
+        [--resume] [--png docs/tradeoffs.png] [--write-factors] [--report]
+
+With several `--seeds`, each cell runs once per seed (the workload's initialization and the data order
+change) and the tables take the medians (`by_seed`).
 
 Needs root and `tc` (the lab); exits 2 with the reason otherwise. Figures are measurements, not gates.
 """
@@ -103,11 +106,11 @@ def bytes_per_step(history: list[dict]) -> float:
     return statistics.median(rates) if rates else float("nan")
 
 
-def run_cell(label, cand, network, condition, args, root) -> dict:
+def run_cell(label, cand, network, condition, args, root, seed: int = 0) -> dict:
     from orchestrator.config import config_from_dict
     from orchestrator.job import ElasticJob
 
-    job = ElasticJob(config_from_dict(job_dict(label, cand, network, condition, args, 0, root))).start()
+    job = ElasticJob(config_from_dict(job_dict(label, cand, network, condition, args, seed, root))).start()
     result = job.wait(timeout=1200)
     history = job.history()
     if not history:
@@ -116,7 +119,7 @@ def run_cell(label, cand, network, condition, args, root) -> dict:
     evals = sorted((r["time"] - start, r["step"], r["metrics"]["accuracy"]) for r in history
                    if r.get("metrics", {}).get("accuracy") is not None)
     hit = next(((t, s) for t, s, acc in evals if acc >= args.target), (None, None))
-    return {"policy": label, "network": network, "condition": condition, "state": result.state,
+    return {"policy": label, "network": network, "condition": condition, "seed": seed, "state": result.state,
             "step_s": per_step(history), "bytes_per_step": bytes_per_step(history),
             "to_target_s": hit[0], "steps_to_target": hit[1], "steps": max(r["step"] for r in history),
             "best_accuracy": max((acc for _, _, acc in evals), default=None)}
@@ -181,10 +184,40 @@ def load(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def by_seed(rows: list[dict]) -> list[dict]:
+    """One row per (policy, network, condition): with several seeds, the medians of the time per step,
+    the bytes per step and, over the seeds that reached the target, the time and steps to it (a cell
+    whose target most seeds missed counts as missed); `seeds` says how many."""
+    cells: dict[tuple, list[dict]] = {}
+    for r in rows:
+        cells.setdefault((r["policy"], r["network"], r["condition"]), []).append(r)
+    out = []
+    for group in cells.values():
+        row = dict(group[0])
+        row["seeds"] = len(group)
+        if len(group) > 1:
+            row["step_s"] = statistics.median(r["step_s"] for r in group)
+            row["bytes_per_step"] = statistics.median(r["bytes_per_step"] for r in group)
+            reached = [r for r in group if r.get("to_target_s") is not None]
+            if 2 * len(reached) > len(group):
+                row["to_target_s"] = statistics.median(r["to_target_s"] for r in reached)
+                row["steps_to_target"] = statistics.median(r["steps_to_target"] for r in reached)
+            else:
+                row["to_target_s"] = row["steps_to_target"] = None
+        out.append(row)
+    return out
+
+
 def report(rows: list[dict], args) -> dict:
     """The tables, the fastest policy and `plan`'s pick per cell, the heat map; returns the JSON summary."""
     from orchestrator import planner
     from orchestrator.config import config_from_dict
+
+    seeds = max(sum(1 for s in rows if (s["policy"], s["network"], s["condition"]) == (r["policy"], r["network"], r["condition"]))
+                for r in rows)
+    rows = by_seed(rows)
+    if seeds > 1:
+        print(f"medians over up to {seeds} seeds a cell")
 
     cells = [(n, c) for n in NETWORKS for c in CONDITIONS if any(r["network"] == n and r["condition"] == c for r in rows)]
     by_label = {c.label: c for c in planner.candidates(config_from_dict({
@@ -245,9 +278,14 @@ def report(rows: list[dict], args) -> dict:
     if args.png:
         heat_map(summary_cells, policies, Path(args.png))
     return {"benchmark": "tradeoffs", "compute_ms": args.compute_ms, "target": args.target, "hidden": args.hidden,
+            "seeds": seeds,
             "factors": factors, "bsp_steps": bsp_base and bsp_base.get("steps_to_target"),
             "worst_model_error": worst[0], "worst_model_cell": worst[1],
             "plan_within_10pct": f"{sum(picks_good)}/{len(picks_good)}", "cells": summary_cells}
+
+
+def seeds_text(seeds: int) -> str:
+    return "one seed" if seeds == 1 else f"the median of {seeds} seeds"
 
 
 def markdown(cells: dict, policies: list[str]) -> None:
@@ -316,6 +354,7 @@ def main() -> int:
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--target", type=float, default=0.96)
     parser.add_argument("--max-steps", type=int, default=600)
+    parser.add_argument("--seeds", default="0", help="comma-separated seeds: each cell runs once per seed (medians)")
     parser.add_argument("--out", default="tradeoffs.jsonl")
     parser.add_argument("--resume", action="store_true", help="skip the cells already in --out")
     parser.add_argument("--report", action="store_true", help="only print the report from --out")
@@ -339,7 +378,7 @@ def main() -> int:
             "factors": summary["factors"], "bsp_steps": summary["bsp_steps"],
             "source": f"benchmarks/tradeoffs.py, {time.strftime('%Y-%m-%d')}: digits MLP ({args.hidden} hidden), "
                       f"4 workers, SGD momentum 0.9, steps to {args.target} held-out accuracy relative to BSP "
-                      f"(10 Gbit/s, no straggler, one seed)"}, indent=1) + "\n")
+                      f"(10 Gbit/s, no straggler, {seeds_text(summary['seeds'])})"}, indent=1) + "\n")
         print("wrote orchestrator/convergence.json")
     print(json.dumps(summary))
     return 0
@@ -358,7 +397,8 @@ def measure(args, out: Path) -> int:
     except lab.LabUnavailable as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    done = {(r["policy"], r["network"], r["condition"]) for r in load(out)} if args.resume else set()
+    done = {(r["policy"], r["network"], r["condition"], r.get("seed", 0)) for r in load(out)} if args.resume else set()
+    seeds = [int(x) for x in args.seeds.split(",") if x.strip()]
     if not args.resume:
         out.write_text("")
     only = {s.strip() for s in args.only.split(",") if s.strip()}
@@ -383,18 +423,18 @@ def measure(args, out: Path) -> int:
                 print(f"[{network}] link {row['a']}->{row['b']}: asked {row['asked_mbit'] or 'unshaped'} Mbit/s, "
                       f"measured {row['measured_mbit']:.0f}, rtt {row['rtt_ms']:.3f} ms", flush=True)
             for condition in [c.strip() for c in args.conditions.split(",") if c.strip()]:
-                for cand in cands:
-                    if (cand.label, network, condition) in done:
+                for cand, seed in [(c, s) for s in seeds for c in cands]:
+                    if (cand.label, network, condition, seed) in done:
                         continue
                     began = time.time()
-                    row = run_cell(cand.label, cand, network, condition, args, root)
+                    row = run_cell(cand.label, cand, network, condition, args, root, seed)
                     row.update(predicted_step_s=predict_cell(cand, network, condition, probed, compute_s, modelled_s,
                                                              model_bytes, host_allreduce_s),
                                compute_s=compute_s, modelled_s=modelled_s, model_bytes=model_bytes, probed=probed,
                                host_allreduce_s=host_allreduce_s)
                     with open(out, "a") as f:
                         f.write(json.dumps(row) + "\n")
-                    print(f"[{network}/{condition}] {cand.label}: {row['state']}, {row['step_s'] * 1e3:.1f} ms/step "
+                    print(f"[{network}/{condition}, seed {seed}] {cand.label}: {row['state']}, {row['step_s'] * 1e3:.1f} ms/step "
                           f"(model {row['predicted_step_s'] * 1e3:.1f}), to target {row['to_target_s']} s "
                           f"at step {row['steps_to_target']} ({time.time() - began:.0f} s)", flush=True)
     ray.shutdown()
