@@ -186,8 +186,11 @@ class AllReduceImpl(AlgorithmImpl):
             return
         self._python_hooks(True)
         self._allocate()
-        for compressed in self.compressed:  # hierarchical: bound to the leaders' group when it forms
-            compressed.bind(comm) if self.hierarchy is None else compressed.discard()
+        for compressed in self.compressed:
+            if self.hierarchy is None:
+                compressed.bind(comm)
+            else:  # bound to the leaders' group when it forms (`_leaders_compressed`)
+                compressed.discard()
 
     def _wants_reducer(self, comm) -> bool:
         """`sync.engine`: `reducer` always (the config refused what cannot run on it), `auto` when the

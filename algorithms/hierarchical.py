@@ -84,10 +84,12 @@ class HierarchicalAllReduce:
         if self.leader_group() is None:
             self._ring(flat)
             return
-        self._leader_group.all_reduce(flat).wait()
-        sent = 2 * (k - 1) * (flat.numel() // k) * flat.element_size()
+        group = self._leader_group
+        before = group.bytes_sent
+        group.all_reduce(flat).wait()
+        sent = group.bytes_sent - before  # the leaders' group counts its own; the job reads the epoch's group
         self.bytes_sent += sent
-        self.comm.bytes_sent += sent  # the job counts what the epoch's group sent
+        self.comm.bytes_sent += sent
 
     def _ring(self, flat: torch.Tensor) -> None:
         """Ring all-reduce (SUM) of `flat` among the leaders: k-1 reduce-scatter rounds, k-1 all-gather rounds."""

@@ -24,8 +24,8 @@ bytes: launching it, waking each rank when its data lands, and applying what arr
 alpha-beta model, at the level of a whole synchronization). Periodic kinds pay it once per round
 (amortized over h), gossip once per exchange, the background kind never. On real nodes it is small and
 defaults to 0; in the lab, where every emulated node shares one machine's cores, it is measured
-(`orchestrator/planner.measure_sync_overhead`: an all-reduce among as many ranks on this machine, less
-what the model says its bytes take).
+(`orchestrator/planner.py`: `measure_host_allreduce` times an all-reduce among as many ranks on this
+machine, and `sync_overhead` subtracts what the model says its bytes take).
 
 The compute side: a step's compute on rank i is `fixed_s + seconds * factors[i] * exp(sigma * z)` with z
 standard normal, independent across ranks and steps (`Compute`). A step that waits for every member
