@@ -155,7 +155,7 @@ class Coordinator:
         written = 0
         if ray.get_runtime_context().was_current_actor_reconstructed:
             written = self._load_saved()
-            ray.get_actor(self.name, namespace=self.cfg.ray.namespace).start.remote()  # nobody else will
+            call_self_when_alive(self.name, self.cfg.ray.namespace, "start")  # nobody else will
         self._recovered = asyncio.Event()
         """Set once a restarted incarnation has re-attached its workers (at once for the first one):
         `scale` waits for it, since Ray may hand a restarted coordinator a call the dead one had taken."""
@@ -1304,6 +1304,45 @@ class Coordinator:
 
 
 CoordinatorActor = ray.remote(num_cpus=0)(Coordinator)
+
+
+SELF_CALL_DEADLINE_S = 60.0
+"""A restarted coordinator whose own `start` is not taken within this long kills itself (Ray restarts it)."""
+
+
+def call_self_when_alive(name: str, namespace: str, method: str, deadline_s: float = SELF_CALL_DEADLINE_S,
+                         call: Optional[Callable[[], Any]] = None,
+                         give_up: Optional[Callable[[], None]] = None) -> threading.Thread:
+    """Call `method` of this restarted actor once it accepts calls, from a thread of its own.
+
+    A call an actor sends itself from `__init__` during a restart can reach Ray's submitter while
+    the actor is still RESTARTING; Ray then fails it ("the actor is restarting") and does not retry
+    it, and a coordinator whose `start` is lost never runs (seen in CI as a job that hung after a
+    coordinator restart). So the call is made again until it returns (`start` is idempotent). Past
+    `deadline_s`, `give_up` runs: by default the process kills itself, Ray restarts it, and the next
+    incarnation tries again. `call` replaces the Ray call (tests)."""
+
+    def ray_call() -> Any:
+        return ray.get(getattr(ray.get_actor(name, namespace=namespace), method).remote(), timeout=30)
+
+    def kill_self() -> None:
+        log.error("%s.%s was not taken within %.0fs: this incarnation exits and Ray restarts it", name, method, deadline_s)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def run() -> None:
+        end = time.monotonic() + deadline_s
+        while time.monotonic() < end:
+            try:
+                (call or ray_call)()
+                return
+            except (RayActorError, ray.exceptions.GetTimeoutError, ValueError) as err:  # not accepting calls yet
+                log.warning("%s.%s not taken yet (%s); asking again", name, method, first_line(err))
+                time.sleep(0.2)
+        (give_up or kill_self)()
+
+    thread = threading.Thread(target=run, name=f"call-self-{method}", daemon=True)
+    thread.start()
+    return thread
 
 
 def _in_thread(fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future:
