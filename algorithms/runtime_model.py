@@ -19,13 +19,15 @@ round. Links between workers of one node are loopback, at `Network.loopback_byte
 where the nodes are emulated on one machine, a round also takes at least its total bytes at
 `Network.host_bytes_per_s` (the machine's cores copy every byte).
 
-Every synchronization a step waits for also costs a fixed `Network.sync_overhead_s` beyond moving its
-bytes: launching it, waking each rank when its data lands, and applying what arrived (the alpha of the
-alpha-beta model, at the level of a whole synchronization). Periodic kinds pay it once per round
-(amortized over h), gossip once per exchange, the background kind never. On real nodes it is small and
-defaults to 0; in the lab, where every emulated node shares one machine's cores, it is measured
-(`orchestrator/planner.py`: `measure_host_allreduce` times an all-reduce among as many ranks on this
-machine, and `sync_overhead` subtracts what the model says its bytes take).
+A synchronization also costs the machine's own work: launching it, copying, encoding and decoding,
+waking each rank when its data lands, and the policy's arithmetic on what arrived. Where the nodes are
+real, that work is small beside the links and the model leaves it out. In the lab every emulated node
+shares one machine's cores, and there it is measured (`Network.host_s`): each pattern a policy runs
+(`host_patterns`) is timed among as many ranks on this machine, with no link shaped, by the project's
+own code for it (`orchestrator/planner.py`: `measure_host`). A synchronization then takes the longer of
+its links' time and its host time, as a roofline takes the slower of two resources: ranks that wait on
+a slow link leave the cores free, and on a fast link the cores are the bottleneck. Periodic kinds pay it
+once per round (amortized over h), gossip once per exchange, the background kind never.
 
 The compute side: a step's compute on rank i is `fixed_s + seconds * factors[i] * exp(sigma * z)` with z
 standard normal, independent across ranks and steps (`Compute`). A step that waits for every member
@@ -61,9 +63,9 @@ class Network:
     """What all flows of a round move together at most: INF for real nodes (each has its own CPUs and
     NIC); in the lab every emulated node shares one machine's cores, which copy every byte of every
     flow (the probe's unshaped stream, which keeps a sender and a receiver busy, measures it)."""
-    sync_overhead_s: float = 0.0
-    """The fixed cost of one synchronization that a step waits for, beyond moving its bytes (see the
-    module docstring)."""
+    host_s: tuple[tuple[str, float], ...] = ()
+    """(pattern, seconds): each synchronization pattern's time on this machine's cores with no link
+    shaped (`host_patterns` names them; see the module docstring). Empty for real nodes."""
 
     @property
     def n(self) -> int:
@@ -77,6 +79,10 @@ class Network:
             return self.loopback_bytes_per_s
         return min(shaped / max(sharing, 1), self.loopback_bytes_per_s)
 
+    def host(self, pattern: str) -> float:
+        """The measured host time of `pattern` (0 where none was measured)."""
+        return dict(self.host_s).get(pattern, 0.0)
+
     def hop_latency(self, i: int, j: int) -> float:
         return self.latency[self.node_of_rank[i]][self.node_of_rank[j]]
 
@@ -84,11 +90,11 @@ class Network:
     def uniform(cls, nodes: int, per_node: int, inter_bytes_per_s: float, inter_latency_s: float = 0.0,
                 intra_bytes_per_s: float = INF, intra_latency_s: float = 0.0,
                 loopback_bytes_per_s: float = 2.0e9, host_bytes_per_s: float = INF,
-                sync_overhead_s: float = 0.0) -> "Network":
+                host_s: tuple[tuple[str, float], ...] = ()) -> "Network":
         ranks = tuple(r // per_node for r in range(nodes * per_node))
         bw = tuple(tuple(intra_bytes_per_s if a == b else inter_bytes_per_s for b in range(nodes)) for a in range(nodes))
         lat = tuple(tuple(intra_latency_s if a == b else inter_latency_s for b in range(nodes)) for a in range(nodes))
-        return cls(ranks, bw, lat, loopback_bytes_per_s, host_bytes_per_s, sync_overhead_s)
+        return cls(ranks, bw, lat, loopback_bytes_per_s, host_bytes_per_s, host_s)
 
 
 @dataclass(frozen=True)
@@ -211,6 +217,8 @@ class PolicySpec:
     name: str
     codec_ratio: float = 1.0
     """Bytes on the wire per byte of float32 payload (fp16/bf16 0.5, uint8 about 0.25, onebit 1/32)."""
+    codec: str = "none"
+    """The codec's name (it names the host pattern: `host_patterns`)."""
     hierarchical: bool = False
     h: int = 1
     """Local steps per round (periodic kinds)."""
@@ -227,6 +235,29 @@ def ring_peers(rank: int, n: int) -> list[int]:
     return sorted({(rank - 1) % n, (rank + 1) % n} - {rank})
 
 
+def host_patterns(spec: PolicySpec) -> tuple[str, ...]:
+    """The synchronizations a step of `spec` runs, as keys of `Network.host_s`: "allreduce" (a round's
+    all-reduce of the model in float32), "allreduce/F" (one of F fragments), "scatter_gather/CODEC"
+    (qadam's compressed momentum), and for the policies that synchronize in every step, the step's own
+    synchronization: "POLICY/CODEC" with "/hierarchical" where it applies (the gradients' all-reduce, or
+    the gossip exchange and its mixing). None for the background kind."""
+    name = spec.name
+    if name in ("local_sgd", "diloco") or (name == "streaming_diloco" and spec.fragments <= 1):
+        return ("allreduce",)
+    if name == "streaming_diloco":
+        return (f"allreduce/{spec.fragments}",)
+    if name == "qadam":
+        return ("allreduce", f"scatter_gather/{spec.codec}")
+    if name in ("bsp", "bytegrad", "dpsgd", "dadam", "choco"):
+        return (f"{name}/{spec.codec}" + ("/hierarchical" if spec.hierarchical else ""),)
+    return ()
+
+
+def _sync(net: Network, pattern: str, links_s: float) -> float:
+    """One synchronization: the longer of its links' time and its host time (the module docstring)."""
+    return max(links_s, net.host(pattern))
+
+
 def predict(spec: PolicySpec, net: Network, compute: Compute, model_bytes: float) -> Prediction:
     """The time per step and bytes per step of `spec` on `net` (see the module docstring)."""
     n = net.n
@@ -238,36 +269,41 @@ def predict(spec: PolicySpec, net: Network, compute: Compute, model_bytes: float
     if name in ("local_sgd", "diloco", "streaming_diloco"):
         h = max(spec.h, 1)
         waits = compute.expected_max(ranks, steps=h) / h
-        alpha = net.sync_overhead_s
+        pattern = host_patterns(spec)[0]
         if name == "streaming_diloco" and spec.fragments > 1:
-            per_fragment = ring_allreduce(net, ranks, model_bytes * spec.codec_ratio / spec.fragments)
+            per_fragment = _sync(net, pattern, ring_allreduce(net, ranks, model_bytes * spec.codec_ratio / spec.fragments))
             hidden = spec.overlap * (compute.fixed_s + compute.seconds)
-            exposed = (max(0.0, per_fragment - hidden) + alpha) * spec.fragments / h
+            exposed = max(0.0, per_fragment - hidden) * spec.fragments / h
             return Prediction(name, waits + exposed, exposed, _ring_bytes(n, model_bytes * spec.codec_ratio) / h,
-                              f"E[max_i sum of {h} steps]/{h} + {spec.fragments} fragment all-reduces per {h} steps, "
-                              f"each less {spec.overlap} overlapped steps, + alpha each")
-        comm = (ring_allreduce(net, ranks, model_bytes * spec.codec_ratio) + alpha) / h
+                              f"E[max_i sum of {h} steps]/{h} + {spec.fragments} fragment all-reduces per {h} steps "
+                              f"(each the longer of its links and its host time), each less {spec.overlap} "
+                              f"overlapped steps")
+        comm = _sync(net, pattern, ring_allreduce(net, ranks, model_bytes * spec.codec_ratio)) / h
         return Prediction(name, waits + comm, comm, _ring_bytes(n, model_bytes * spec.codec_ratio) / h,
-                          f"E[max_i sum of {h} steps]/{h} + (ring all-reduce + alpha)/{h}")
+                          f"E[max_i sum of {h} steps]/{h} + max(ring all-reduce, host)/{h}")
     if name in ("dpsgd", "dadam", "choco"):
         peers = (lambda r: spec.peers(r, n)) if spec.peers else (lambda r: ring_peers(r, n))
         size = model_bytes * spec.codec_ratio
         comm = exchange(net, peers, size)
         neighbourhood = max(compute.expected_max([r, *peers(r)]) for r in ranks)
         sent = float(np.mean([len(peers(r)) * size for r in ranks]))
+        host = net.host(host_patterns(spec)[0])
+        cpu = net.host(host_patterns(spec)[0] + ":cpu")
         if name == "choco":  # the forward pass needs the mixed point: a rank waits for its peers' messages
             # Nothing overlaps a rank's own wait, but ranks that are not in lockstep do not send at once:
             # a rank waits for its slowest incoming message at the link's full rate, and the links carry
             # every step's traffic (the exchange with every flow sharing) at least.
             incoming = max(_round_time(net, [(j, r, size)]) for r in ranks for j in peers(r) if j != r)
-            step = max(comm, neighbourhood + incoming) + net.sync_overhead_s
+            step = max(comm, neighbourhood + max(incoming, host))
             return Prediction(name, step, step - neighbourhood, sent,
                               "max(exchange with every flow sharing, E[max over a rank and its peers of compute] + "
-                              "its slowest incoming message alone) + alpha: CHOCO mixes before its forward pass")
-        step = max(neighbourhood, comm) + net.sync_overhead_s
+                              "the longer of its slowest incoming message alone and the host time): CHOCO mixes "
+                              "before its forward pass")
+        step = max(neighbourhood + cpu, comm)
         return Prediction(name, step, max(0.0, step - neighbourhood), sent,
-                          "max(E[max over a rank and its peers of compute], exchange with the peers) + alpha: the "
-                          "exchange launches before the forward pass and overlaps it")
+                          "max(E[max over a rank and its peers of compute] + the host time, exchange with the "
+                          "peers): the exchange launches before the forward pass and overlaps it; encoding, "
+                          "decoding and mixing do not")
     if name == "shadow":
         own = float(np.median([compute.expected(r) for r in ranks]))
         return Prediction(name, own, 0.0, 0.0, "each member at its own pace (rounds run beside training)",
@@ -282,37 +318,38 @@ def _ring_bytes(n: int, size: float) -> float:
 def _synchronous(spec: PolicySpec, net: Network, compute: Compute, model_bytes: float, everyone: float) -> Prediction:
     n = net.n
     ranks = list(range(n))
-    alpha = net.sync_overhead_s
     if spec.name == "bsp":
         if spec.hierarchical:
-            comm = hierarchical_allreduce(net, model_bytes) + alpha
-            basis = "E[max_i compute] + intra-node reduce + leaders' ring all-reduce + intra-node broadcast + alpha"
+            comm = _sync(net, host_patterns(spec)[0], hierarchical_allreduce(net, model_bytes))
+            basis = "E[max_i compute] + max(intra-node reduce + leaders' ring all-reduce + intra-node broadcast, host)"
         else:
-            comm = ring_allreduce(net, ranks, model_bytes) + alpha
-            basis = "E[max_i compute] + ring all-reduce of the gradients + alpha"
+            comm = _sync(net, host_patterns(spec)[0], ring_allreduce(net, ranks, model_bytes))
+            basis = "E[max_i compute] + max(ring all-reduce of the gradients, host)"
         return Prediction("bsp", everyone + comm, comm, _ring_bytes(n, model_bytes), basis)
     size = model_bytes * spec.codec_ratio
-    scatter_gather = all_to_all(net, ranks, size) + ring_allgather(net, ranks, size / n) + alpha
+    compressed = host_patterns(spec)[-1]
+    scatter_gather = _sync(net, compressed, all_to_all(net, ranks, size) + ring_allgather(net, ranks, size / n))
     sg_bytes = 2 * (n - 1) / n * size
     if spec.name == "bytegrad" and spec.hierarchical:
-        comm = hierarchical_allreduce(net, model_bytes, spec.codec_ratio) + alpha
+        comm = _sync(net, compressed, hierarchical_allreduce(net, model_bytes, spec.codec_ratio))
         k = len(set(net.node_of_rank))
         # members send their gradients to the leader and leaders the sums back, in full precision; the
         # leaders' scatter-gather sends 2(k-1)/k of the compressed size from each leader
         sent = (2 * (n - k) * model_bytes + k * 2 * (k - 1) / k * size) / n
         return Prediction("bytegrad", everyone + comm, comm, sent,
-                          "E[max_i compute] + intra-node reduce + leaders' compressed scatter-gather + intra-node "
-                          "broadcast + alpha")
+                          "E[max_i compute] + max(intra-node reduce + leaders' compressed scatter-gather + "
+                          "intra-node broadcast, host)")
     if spec.name == "bytegrad":
         return Prediction("bytegrad", everyone + scatter_gather, scatter_gather, sg_bytes,
-                          "E[max_i compute] + all-to-all of compressed chunks + ring all-gather of the sums + alpha")
+                          "E[max_i compute] + max(all-to-all of compressed chunks + ring all-gather of the sums, host)")
     # qadam: full-precision ring all-reduce during warm-up, then the compressed momentum's scatter-gather
-    full = ring_allreduce(net, ranks, model_bytes) + alpha
+    full = _sync(net, "allreduce", ring_allreduce(net, ranks, model_bytes))
     total = max(spec.total_steps, 1)
     warm = min(spec.warmup_steps, total) / total
     comm = warm * full + (1 - warm) * scatter_gather
     return Prediction("qadam", everyone + comm, comm, warm * _ring_bytes(n, model_bytes) + (1 - warm) * sg_bytes,
-                      f"E[max_i compute] + {warm:.0%} ring all-reduce (warm-up) + {1 - warm:.0%} compressed scatter-gather")
+                      f"E[max_i compute] + {warm:.0%} ring all-reduce (warm-up) + {1 - warm:.0%} compressed "
+                      f"scatter-gather, each the longer of its links and its host time")
 
 
 CODEC_RATIO = {"none": 1.0, "fp16": 0.5, "bf16": 0.5, "uint8": 0.25, "onebit": 1 / 32}

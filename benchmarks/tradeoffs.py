@@ -125,17 +125,17 @@ def run_cell(label, cand, network, condition, args, root, seed: int = 0) -> dict
             "best_accuracy": max((acc for _, _, acc in evals), default=None)}
 
 
-def cell_network(network: str, probed: list[dict], host_allreduce_s=None, model_bytes: float = 0.0):
-    """The model's view of a cell's network: the lab's links as probed, and the synchronization overhead
-    from this machine's measured all-reduce (`planner.measure_host_allreduce`; None in rows written
-    before it was measured: 0)."""
+def cell_network(network: str, probed: list[dict], host_s=None):
+    """The model's view of a cell's network: the lab's links as probed, and each synchronization
+    pattern's host time on this machine (`planner.measure_host`; None in rows written before it was
+    measured: none counted)."""
     from orchestrator.config import config_from_dict
     from orchestrator.planner import network_for
 
     mbit, latency = NETWORKS[network]
     cfg = config_from_dict({"name": "x", "workers": {"count": WORKERS}, "workload": {"factory": "orchestrator.workloads.digits:mlp"},
                             "network": {"nodes": 2, "workers_per_node": 2, "inter": {"mbit": mbit, "latency_ms": latency}}})
-    return network_for(cfg.network, WORKERS, probed, host_allreduce_s, model_bytes)
+    return network_for(cfg.network, WORKERS, probed, host_s)
 
 
 def cell_compute(condition: str, step_s: float, modelled_s: float):
@@ -171,10 +171,10 @@ def placed_compute(args, root: str) -> float:
 
 
 def predict_cell(cand, network: str, condition: str, probed: list[dict], step_s: float, modelled_s: float,
-                 model_bytes: float, host_allreduce_s=None) -> float:
+                 model_bytes: float, host_s=None) -> float:
     from algorithms.runtime_model import predict
 
-    return predict(cand.spec, cell_network(network, probed, host_allreduce_s, model_bytes),
+    return predict(cand.spec, cell_network(network, probed, host_s),
                    cell_compute(condition, step_s, modelled_s), model_bytes).step_s
 
 
@@ -225,7 +225,7 @@ def report(rows: list[dict], args) -> dict:
         "network": {"nodes": 2, "workers_per_node": 2}}))}
     for r in rows:  # the model's prediction, again from the measured inputs kept with each row
         r["predicted_step_s"] = predict_cell(by_label[r["policy"]], r["network"], r["condition"], r["probed"],
-                                             r["compute_s"], r["modelled_s"], r["model_bytes"], r.get("host_allreduce_s"))
+                                             r["compute_s"], r["modelled_s"], r["model_bytes"], r.get("host_s"))
     get = {(r["policy"], r["network"], r["condition"]): r for r in rows}
     policies = list(dict.fromkeys(r["policy"] for r in rows))
     base = [r for r in rows if r["network"] == "10g" and r["condition"] == "none"]
@@ -260,10 +260,11 @@ def report(rows: list[dict], args) -> dict:
         pick = None
         if factors and rows[0].get("model_bytes"):
             cands = [c for label, c in by_label.items() if label in cell and label in factors]
-            probed = next(r["probed"] for r in rows if r["network"] == network)
-            net = cell_network(network, probed, rows[0].get("host_allreduce_s"), rows[0]["model_bytes"])
-            compute = cell_compute(condition, rows[0]["compute_s"], rows[0]["modelled_s"])
-            ranked = planner.rank(cands, net, compute, rows[0]["model_bytes"], factors, bsp_base["steps_to_target"])
+            # the inputs measured with this cell's rows (a resumed run measures them again for the rows it adds)
+            measured = next(r for r in rows if r["network"] == network and r["condition"] == condition)
+            net = cell_network(network, measured["probed"], measured.get("host_s"))
+            compute = cell_compute(condition, measured["compute_s"], measured["modelled_s"])
+            ranked = planner.rank(cands, net, compute, measured["model_bytes"], factors, bsp_base["steps_to_target"])
             pick = ranked[0].candidate.label
         good = bool(fastest and pick and reached.get(pick) is not None and reached[pick] <= 1.10 * reached[fastest])
         print(f"fastest to the target: {fastest} ({reached.get(fastest, float('nan')):.1f} s); plan's pick: {pick}"
@@ -411,10 +412,11 @@ def measure(args, out: Path) -> int:
     ray.init(num_cpus=8, namespace=NAMESPACE, log_to_driver=False, include_dashboard=False, logging_level="ERROR")
     root = tempfile.mkdtemp(prefix="tradeoffs-")
     compute_s, modelled_s = placed_compute(args, root), args.compute_ms / 1e3
-    host_allreduce_s = planner.measure_host_allreduce(WORKERS, model_bytes)
+    host_s = planner.measure_host(measured, cands, model_bytes)
     print(f"one step's compute: {alone_s * 1e3:.2f} ms in one process, {compute_s * 1e3:.2f} ms among the 4 placed "
-          f"workers (modelled sleep {args.compute_ms} ms of it); model {model_bytes / 1e6:.3f} MB; one all-reduce of "
-          f"it among {WORKERS} ranks on this machine {host_allreduce_s * 1e3:.2f} ms", flush=True)
+          f"workers (modelled sleep {args.compute_ms} ms of it); model {model_bytes / 1e6:.3f} MB; each pattern's "
+          f"synchronization among {WORKERS} ranks on this machine: "
+          + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in sorted(host_s.items())), flush=True)
     for network in [n.strip() for n in args.networks.split(",") if n.strip()]:
         net_cfg = config_from_dict(job_dict("bsp", cands[0], network, "none", args, 0, root)).network
         with lab.Lab(net_cfg):
@@ -429,9 +431,9 @@ def measure(args, out: Path) -> int:
                     began = time.time()
                     row = run_cell(cand.label, cand, network, condition, args, root, seed)
                     row.update(predicted_step_s=predict_cell(cand, network, condition, probed, compute_s, modelled_s,
-                                                             model_bytes, host_allreduce_s),
+                                                             model_bytes, host_s),
                                compute_s=compute_s, modelled_s=modelled_s, model_bytes=model_bytes, probed=probed,
-                               host_allreduce_s=host_allreduce_s)
+                               host_s=host_s)
                     with open(out, "a") as f:
                         f.write(json.dumps(row) + "\n")
                     print(f"[{network}/{condition}, seed {seed}] {cand.label}: {row['state']}, {row['step_s'] * 1e3:.1f} ms/step "

@@ -15,16 +15,14 @@ what was picked and why.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import json
 import statistics
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
-from algorithms.runtime_model import CODEC_RATIO, INF, Compute, Network, PolicySpec, predict, ring_allreduce
+from algorithms.runtime_model import CODEC_RATIO, INF, Compute, Network, PolicySpec, host_patterns, predict
 from core.schema import ConfigError, JobConfig, NetworkConfig, parse
 
 FACTORS_PATH = Path(__file__).with_name("convergence.json")
@@ -63,37 +61,37 @@ def candidates(cfg: JobConfig) -> list[Candidate]:
         out.append(("bsp hierarchical", {"policy": "bsp", "hierarchical": True}, {},
                     PolicySpec("bsp", hierarchical=True)))
     out.append(("bytegrad uint8", {"policy": "bytegrad"}, {"codec": "uint8"},
-                PolicySpec("bytegrad", codec_ratio=CODEC_RATIO["uint8"])))
+                PolicySpec("bytegrad", codec_ratio=CODEC_RATIO["uint8"], codec="uint8")))
     if cfg.network.nodes > 1:
         out.append(("bytegrad hierarchical uint8", {"policy": "bytegrad", "hierarchical": True}, {"codec": "uint8"},
-                    PolicySpec("bytegrad", codec_ratio=CODEC_RATIO["uint8"], hierarchical=True)))
+                    PolicySpec("bytegrad", codec_ratio=CODEC_RATIO["uint8"], codec="uint8", hierarchical=True)))
     if adam:
         steps = cfg.stop.max_steps or 0
         out.append(("qadam uint8", {"policy": "qadam", "warmup_steps": 100}, {"codec": "uint8"},
-                    PolicySpec("qadam", codec_ratio=CODEC_RATIO["uint8"], warmup_steps=100, total_steps=steps)))
+                    PolicySpec("qadam", codec_ratio=CODEC_RATIO["uint8"], codec="uint8", warmup_steps=100,
+                               total_steps=steps)))
     out.append(("local_sgd h=8", {"policy": "local_sgd", "h": 8}, {}, PolicySpec("local_sgd", h=8)))
     out.append(("diloco h=16", {"policy": "diloco", "h": 16}, {}, PolicySpec("diloco", h=16)))
     out.append(("streaming_diloco h=16 f=4", {"policy": "streaming_diloco", "h": 16, "fragments": 4, "overlap": 1},
                 {}, PolicySpec("streaming_diloco", h=16, fragments=4, overlap=1)))
     out.append(("dpsgd ring", {"policy": "dpsgd", "topology": ring}, {}, PolicySpec("dpsgd")))
     out.append(("dpsgd ring uint8", {"policy": "dpsgd", "topology": ring}, {"codec": "uint8"},
-                PolicySpec("dpsgd", codec_ratio=CODEC_RATIO["uint8"])))
+                PolicySpec("dpsgd", codec_ratio=CODEC_RATIO["uint8"], codec="uint8")))
     if adam:
         out.append(("dadam ring k=4", {"policy": "dadam", "topology": ring, "k": 4}, {}, PolicySpec("dadam")))
     else:
         out.append(("choco ring uint8", {"policy": "choco", "topology": ring}, {"codec": "uint8"},
-                    PolicySpec("choco", codec_ratio=CODEC_RATIO["uint8"])))
+                    PolicySpec("choco", codec_ratio=CODEC_RATIO["uint8"], codec="uint8")))
     out.append(("shadow ma", {"policy": "shadow", "method": "ma"}, {}, PolicySpec("shadow")))
     return [Candidate(label, sync, comp, spec) for label, sync, comp, spec in out]
 
 
 def network_for(net: NetworkConfig, world: int, probed: Optional[Sequence[dict]] = None,
-                host_allreduce_s: Optional[float] = None, model_bytes: float = 0.0) -> Network:
+                host_s: Optional[dict[str, float]] = None) -> Network:
     """The model's network for `world` members placed as the job places them (`NetworkConfig.node_of`):
-    the links as asked, or as `lab.probe` measured them (`probed` rows), with the synchronization
-    overhead `sync_overhead` derives from `host_allreduce_s` (this machine's all-reduce of `model_bytes`,
-    `measure_host_allreduce`) where given. Without a lab (`nodes: 0`) every member shares one unshaped
-    node."""
+    the links as asked, or as `lab.probe` measured them (`probed` rows), with the host time of each
+    synchronization pattern (`host_s`, from `measure_host`) where given. Without a lab (`nodes: 0`)
+    every member shares one unshaped node."""
     if not net.enabled:
         return Network(tuple(0 for _ in range(world)), ((INF,),), ((0.0,),))
     nodes = net.nodes
@@ -108,49 +106,150 @@ def network_for(net: NetworkConfig, world: int, probed: Optional[Sequence[dict]]
         elif a == b:  # an unshaped stream: what a loopback flow moves, and what this machine's cores copy at most
             loopback = host = row["measured_mbit"] * 1e6 / 8
         latency[a][b] = row["modelled_latency_ms"] / 1e3 + row["rtt_ms"] / 2e3
-    model = Network(tuple(net.node_of(f"w{i}") for i in range(world)), tuple(map(tuple, bandwidth)),
-                    tuple(map(tuple, latency)), loopback, host)
-    if host_allreduce_s is None:
-        return model
-    return dataclasses.replace(model, sync_overhead_s=sync_overhead(host_allreduce_s, model, model_bytes))
+    return Network(tuple(net.node_of(f"w{i}") for i in range(world)), tuple(map(tuple, bandwidth)),
+                   tuple(map(tuple, latency)), loopback, host, tuple(sorted((host_s or {}).items())))
 
 
-def measure_host_allreduce(world: int, model_bytes: float, rounds: int = 60, warmup: int = 5) -> float:
-    """Median seconds of one all-reduce of `model_bytes` among `world` gloo ranks on this machine
-    (threads of this process over loopback): what the lab's emulated nodes, which share this machine,
-    pay for one synchronization with no link shaped."""
-    from actors.comm import in_process_group  # noqa: PLC0415 - only plan and auto measure
+def measure_host(cfg: JobConfig, cands: Sequence[Candidate], model_bytes: float, rounds: int = 40,
+                 warmup: int = 5) -> dict[str, float]:
+    """Each synchronization pattern the candidates run (`host_patterns`), timed among the job's count of
+    ranks on this machine, each rank a process of its own as the lab's workers are, over gloo on
+    127.0.0.1 with no link shaped, by the project's own code for it (the all-reduce, the compressed
+    scatter-gather, the gossip policy's exchange and mixing). For each pattern, "PATTERN" is the median
+    wall time of one synchronization and "PATTERN:cpu" the median CPU time of the rank's own thread in
+    it (encoding, decoding, arithmetic; not the transport's threads): what the lab's emulated nodes,
+    which share this machine's cores, pay for a synchronization however fast the links are."""
+    import os  # noqa: PLC0415 - only plan, auto and the benchmark measure
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    from actors.store import serve_store  # noqa: PLC0415
+
+    labels: dict[str, str] = {}
+    for cand in cands:
+        for pattern in host_patterns(cand.spec):
+            labels.setdefault(pattern, cand.label)
+    if not labels:
+        return {}
+    world = cfg.workers.count
+    _store, port, sock = serve_store("127.0.0.1", 120.0)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    try:  # fresh interpreters (not multiprocessing: a spawned child would import the caller's main module)
+        procs = [subprocess.Popen([sys.executable, "-c", "from orchestrator.planner import _host_rank; _host_rank()",
+                                   json.dumps({"config": cfg.to_dict(), "labels": labels, "model_bytes": model_bytes,
+                                               "port": port, "rank": rank, "rounds": rounds, "warmup": warmup})],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
+                 for rank in range(world)]
+        ranks = []
+        for proc in procs:
+            out, err = proc.communicate(timeout=600)
+            if proc.returncode != 0:
+                raise RuntimeError(f"measuring the host's synchronizations failed: {err.strip().splitlines()[-1:]}")
+            ranks.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        for proc in locals().get("procs", ()):
+            if proc.poll() is None:
+                proc.kill()
+        sock.close()
+    measured: dict[str, float] = {}
+    for pattern in labels:
+        measured[pattern] = statistics.median(rank[pattern][0] for rank in ranks)
+        measured[pattern + ":cpu"] = statistics.median(rank[pattern][1] for rank in ranks)
+    return measured
+
+
+def _host_rank() -> None:
+    """One rank of `measure_host`, in an interpreter of its own: its task as JSON in argv, every pattern
+    in turn (each on its own group), {pattern: [wall, cpu]} as JSON on stdout."""
+    import os  # noqa: PLC0415
+    import sys  # noqa: PLC0415
 
     import torch  # noqa: PLC0415
 
-    comms = in_process_group(world, name=f"planner-probe-{time.monotonic_ns()}", timeout_s=30.0)
-    numel = max(int(model_bytes // 4), 1)
+    from actors.comm import GroupSpec, make_communicator  # noqa: PLC0415
 
-    def run(comm) -> float:
-        tensor = torch.ones(numel)
-        times = []
-        for i in range(warmup + rounds):
-            began = time.perf_counter()
-            comm.all_reduce(tensor).wait()
-            if i >= warmup:
-                times.append(time.perf_counter() - began)
-        return statistics.median(times)
-
-    try:
-        with ThreadPoolExecutor(world) as pool:
-            return statistics.median(pool.map(run, comms))
-    finally:
-        for comm in comms:
+    task = json.loads(sys.argv[1])
+    torch.set_num_threads(1)
+    cfg = parse(JobConfig, task["config"])
+    by_label = {c.label: c for c in candidates(cfg)}
+    world, rank, warmup = cfg.workers.count, task["rank"], task["warmup"]
+    numel = max(int(task["model_bytes"] // 4), 1)
+    out = {}
+    for pattern, label in task["labels"].items():
+        comm = make_communicator(GroupSpec("127.0.0.1", task["port"], f"host/{pattern}", rank, world, 60.0, "gloo",
+                                           "127.0.0.1"))
+        try:
+            run = _pattern_step(cfg, by_label[label], pattern, comm, numel)
+            times, cpu = [], []
+            for step in range(1, warmup + task["rounds"] + 1):
+                began, began_cpu = time.perf_counter(), time.thread_time()
+                run(step)
+                if step > warmup:
+                    times.append(time.perf_counter() - began)
+                    cpu.append(time.thread_time() - began_cpu)
+            out[pattern] = (statistics.median(times), statistics.median(cpu))
+        finally:
             comm.close()
+    print(json.dumps(out), flush=True)
+    os._exit(0)  # past here only the store's and gloo's threads, whose teardown at exit can abort the process
 
 
-def sync_overhead(host_allreduce_s: float, net: Network, model_bytes: float) -> float:
-    """The runtime model's `sync_overhead_s`: this machine's measured all-reduce (`measure_host_allreduce`)
-    less what the model says its bytes take with every rank on one node of `net` (its loopback and
-    host rates); never below 0."""
-    one_node = Network(tuple(0 for _ in range(net.n)), ((INF,),), ((0.0,),), net.loopback_bytes_per_s,
-                       net.host_bytes_per_s)
-    return max(0.0, host_allreduce_s - ring_allreduce(one_node, list(range(net.n)), model_bytes))
+def _pattern_step(cfg: JobConfig, cand: Candidate, pattern: str, comm, numel: int):
+    """One synchronization of `pattern` on `comm` (a model of `numel` floats), as a function of the step."""
+    import torch  # noqa: PLC0415
+
+    kind, _, arg = pattern.partition("/")
+    if kind == "allreduce":
+        tensor = torch.ones(max(numel // int(arg or 1), 1))
+        return lambda step: comm.all_reduce(tensor).wait()
+    if kind == "scatter_gather":
+        from algorithms.compression import get_codec  # noqa: PLC0415
+        from algorithms.scatter_gather import ScatterGather  # noqa: PLC0415
+
+        codec = get_codec(arg)
+        sg = ScatterGather(codec, numel, feedback=codec.needs_feedback)
+        sg.bind(comm)
+        tensor, tail = torch.randn(numel), torch.zeros(sg.tail_numel)
+        return lambda step: sg.all_reduce(tensor, tail)
+    return _policy_step(cfg, cand, comm, numel)
+
+
+def _policy_step(cfg: JobConfig, cand: Candidate, comm, numel: int):
+    """One step of the candidate's policy on a model of one flat parameter of `numel` floats, in the
+    worker's order of hooks, with a backward that only sets the gradient and the update at lr 0: what
+    the step adds to the forward and backward (the gradients' all-reduce, or the exchange and mixing)."""
+    import torch  # noqa: PLC0415
+
+    from algorithms.base import EpochInfo, VoteDraft, get_algorithm  # noqa: PLC0415
+    from algorithms.optim import build_optimizer  # noqa: PLC0415
+
+    job = with_candidate(cfg, cand)
+    model = torch.nn.Module()
+    model.flat = torch.nn.Parameter(torch.randn(numel) * 0.01)
+    impl = get_algorithm(job.sync.policy)(job.sync, job.compression).bind(model, build_optimizer(model.parameters(), job.optimizer))
+    slots = tuple(f"w{i}" for i in range(comm.world_size))
+    nodes = tuple(str(job.network.node_of(s)) for s in slots) if job.network.enabled else ()
+    impl.on_membership(comm, EpochInfo(comm.rank, comm.world_size, slots, comm.world_size, 1, nodes))
+
+    def step(index: int) -> None:
+        draft = VoteDraft(samples=1)
+        impl.begin_step(index, draft)
+        impl.before_forward(index)
+        impl.backward(model.flat.sum())
+        impl.end_backward(index)
+        impl.finish_step(index, draft)
+        impl.apply_update(index, 0.0)
+        impl.commit(index)
+
+    return step
+
+
+def with_candidate(cfg: JobConfig, cand: Candidate) -> JobConfig:
+    """The job's config with the candidate's `sync:` and codec."""
+    raw = cfg.to_dict()
+    raw["sync"] = copy.deepcopy(cand.sync)
+    raw["compression"] = {**raw["compression"], "codec": cand.compression.get("codec", "none")}
+    return parse(JobConfig, raw)
 
 
 def compute_spread(cfg: JobConfig, seconds: float) -> Compute:
@@ -218,15 +317,15 @@ def rank(cands: Sequence[Candidate], net: Network, compute: Compute, model_bytes
 
 
 def ranked(cfg: JobConfig, cands: Sequence[Candidate], compute_s: float, model_bytes: float,
-           probed: Optional[Sequence[dict]] = None, host_allreduce_s: Optional[float] = None) -> list[Row]:
+           probed: Optional[Sequence[dict]] = None, host_s: Optional[dict[str, float]] = None) -> list[Row]:
     """`rank` on the job's own network (as asked, or `probed`) and stragglers, with the shipped
     convergence factors: what `plan` prints and `auto` picks from. In the lab, whose nodes share this
-    machine, the synchronization overhead is this machine's (`host_allreduce_s`, measured here when not
-    given); elsewhere it is 0."""
+    machine, each synchronization pattern's host time is this machine's (`host_s`, measured here by
+    `measure_host` when not given); elsewhere none is counted."""
     data = load_factors()
-    if host_allreduce_s is None and cfg.network.enabled:
-        host_allreduce_s = measure_host_allreduce(cfg.workers.count, model_bytes)
-    net = network_for(cfg.network, cfg.workers.count, probed, host_allreduce_s, model_bytes)
+    if host_s is None and cfg.network.enabled:
+        host_s = measure_host(cfg, cands, model_bytes)
+    net = network_for(cfg.network, cfg.workers.count, probed, host_s)
     return rank(cands, net, compute_spread(cfg, compute_s), model_bytes, data["factors"], data["bsp_steps"])
 
 
@@ -269,10 +368,7 @@ def choose(cfg: JobConfig, compute_s: Optional[float] = None, model_bytes: Optio
                           f"{', '.join(c.label for c in every)}")
     rows = ranked(cfg, cands, compute_s, model_bytes, probed)
     line = recommendation(rows)
-    pick = rows[0].candidate
-    raw = cfg.to_dict()
-    raw["sync"] = copy.deepcopy(pick.sync)
-    raw["compression"] = {**raw["compression"], "codec": pick.compression.get("codec", "none")}
+    raw = with_candidate(cfg, rows[0].candidate).to_dict()
     raw["policy_choice"] = f"sync.policy auto picked {line}"
     return parse(JobConfig, raw), line, rows
 

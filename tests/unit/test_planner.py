@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from algorithms.runtime_model import INF, Compute, Network, PolicySpec, predict
+from algorithms.runtime_model import INF, Compute, predict
 from core.schema import ConfigError
 from orchestrator import planner
 from orchestrator.config import config_from_dict
@@ -54,27 +54,27 @@ def test_the_network_places_slots_as_the_job_does_and_takes_probed_links():
     assert planner.network_for(cfg().network, 3).node_of_rank == (0, 0, 0)
 
 
-def test_the_labs_synchronization_overhead_is_this_machines_all_reduce_less_its_bytes(monkeypatch):
-    """alpha = a measured all-reduce among the job's ranks on this machine, less the model's time for its
-    bytes on one unshaped node; measured by `ranked` in the lab only (its nodes share this machine)."""
-    from algorithms.runtime_model import ring_allreduce
-
+def test_the_labs_host_times_are_measured_per_pattern_and_only_in_the_lab(monkeypatch):
+    """Each pattern the candidates run is timed among the job's ranks, each in a process of its own
+    (`measure_host`); `ranked` measures them in the lab only (its nodes share this machine)."""
     c = cfg(network=LAB)
-    size = 1.2e6
-    one_node = Network((0, 0, 0, 0), ((INF,),), ((0.0,),), 2e9)
-    net = planner.network_for(c.network, 4, None, 0.006, size)
-    assert net.sync_overhead_s == pytest.approx(0.006 - ring_allreduce(one_node, [0, 1, 2, 3], size))
-    assert planner.network_for(c.network, 4, None, 1e-6, size).sync_overhead_s == 0.0  # never below 0
-    measured = planner.measure_host_allreduce(4, 4096, rounds=3, warmup=1)
-    assert 0 < measured < 1.0
+    size = 16384.0
+    picked = [x for x in planner.candidates(c) if x.label in ("bsp", "bytegrad uint8", "choco ring uint8")]
+    measured = planner.measure_host(c, picked, size, rounds=3, warmup=2)
+    assert set(measured) == {"bsp/none", "bsp/none:cpu", "bytegrad/uint8", "bytegrad/uint8:cpu",
+                             "choco/uint8", "choco/uint8:cpu"}
+    assert all(0 <= v < 1.0 for v in measured.values()) and measured["bsp/none"] > 0
+    net = planner.network_for(c.network, 4, None, {"bsp/none": 0.006})
+    assert net.host("bsp/none") == 0.006 and net.host("bytegrad/uint8") == 0.0
     calls = []
-    monkeypatch.setattr(planner, "measure_host_allreduce", lambda world, nbytes: calls.append(world) or 0.006)
+    monkeypatch.setattr(planner, "measure_host", lambda job, cands, nbytes: calls.append(job.workers.count) or {"bsp/none": 0.006})
     bsp = [x for x in planner.candidates(c) if x.label == "bsp"]
-    with_alpha = planner.ranked(c, bsp, 0.01, size)[0].step_s
+    with_host = planner.ranked(c, bsp, 0.01, 1.2e6)[0].step_s
     assert calls == [4]
-    assert with_alpha == pytest.approx(predict(bsp[0].spec, net, Compute(0.01), size).step_s)
-    planner.ranked(cfg(), [x for x in planner.candidates(cfg()) if x.label == "bsp"], 0.01, size)
-    assert calls == [4], "no lab: nothing measured (alpha 0)"
+    assert with_host == pytest.approx(predict(bsp[0].spec, planner.network_for(c.network, 4, None, {"bsp/none": 0.006}),
+                                              Compute(0.01), 1.2e6).step_s)
+    planner.ranked(cfg(), [x for x in planner.candidates(cfg()) if x.label == "bsp"], 0.01, 1.2e6)
+    assert calls == [4], "no lab: nothing measured"
 
 
 def test_stragglers_and_jitter_reach_the_compute_side():
