@@ -27,7 +27,9 @@ shares one machine's cores, and there it is measured (`Network.host_s`): each pa
 own code for it (`orchestrator/planner.py`: `measure_host`). A synchronization then takes the longer of
 its links' time and its host time, as a roofline takes the slower of two resources: ranks that wait on
 a slow link leave the cores free, and on a fast link the cores are the bottleneck. Periodic kinds pay it
-once per round (amortized over h), gossip once per exchange, the background kind never.
+once per round (amortized over h), gossip once per exchange, the background kind never. D-PSGD's
+exchange runs beside its forward pass, so it pays only its own thread's CPU time in the step ("PATTERN:cpu":
+encoding, decoding and mixing); CHOCO mixes before the forward pass and pays the whole exchange.
 
 The compute side: a step's compute on rank i is `fixed_s + seconds * factors[i] * exp(sigma * z)` with z
 standard normal, independent across ranks and steps (`Compute`). A step that waits for every member
@@ -301,9 +303,9 @@ def predict(spec: PolicySpec, net: Network, compute: Compute, model_bytes: float
                               "before its forward pass")
         step = max(neighbourhood + cpu, comm)
         return Prediction(name, step, max(0.0, step - neighbourhood), sent,
-                          "max(E[max over a rank and its peers of compute] + the host time, exchange with the "
-                          "peers): the exchange launches before the forward pass and overlaps it; encoding, "
-                          "decoding and mixing do not")
+                          "max(E[max over a rank and its peers of compute] + its own CPU time in the step, exchange "
+                          "with the peers): the exchange launches before the forward pass and overlaps it; "
+                          "encoding, decoding and mixing do not")
     if name == "shadow":
         own = float(np.median([compute.expected(r) for r in ranks]))
         return Prediction(name, own, 0.0, 0.0, "each member at its own pace (rounds run beside training)",

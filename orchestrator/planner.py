@@ -134,20 +134,22 @@ def measure_host(cfg: JobConfig, cands: Sequence[Candidate], model_bytes: float,
     world = cfg.workers.count
     _store, port, sock = serve_store("127.0.0.1", 120.0)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    procs: list[subprocess.Popen] = []
     try:  # fresh interpreters (not multiprocessing: a spawned child would import the caller's main module)
-        procs = [subprocess.Popen([sys.executable, "-c", "from orchestrator.planner import _host_rank; _host_rank()",
-                                   json.dumps({"config": cfg.to_dict(), "labels": labels, "model_bytes": model_bytes,
-                                               "port": port, "rank": rank, "rounds": rounds, "warmup": warmup})],
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
-                 for rank in range(world)]
+        for rank in range(world):
+            task = json.dumps({"config": cfg.to_dict(), "labels": labels, "model_bytes": model_bytes, "port": port,
+                               "rank": rank, "rounds": rounds, "warmup": warmup})
+            procs.append(subprocess.Popen([sys.executable, "-c", "from orchestrator.planner import _host_rank; _host_rank()",
+                                           task], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True))
         ranks = []
         for proc in procs:
-            out, err = proc.communicate(timeout=600)
+            out, err = proc.communicate(timeout=300)
             if proc.returncode != 0:
-                raise RuntimeError(f"measuring the host's synchronizations failed: {err.strip().splitlines()[-1:]}")
+                last = (err.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
+                raise RuntimeError(f"measuring this machine's synchronizations failed: {last}")
             ranks.append(json.loads(out.strip().splitlines()[-1]))
     finally:
-        for proc in locals().get("procs", ()):
+        for proc in procs:
             if proc.poll() is None:
                 proc.kill()
         sock.close()
