@@ -906,8 +906,7 @@ def in_process_store() -> tuple[str, int]:
 
 
 def in_process_group(n: int, name: str = "local", timeout_s: float = 10.0) -> list[BaseCommunicator]:
-    """n members of one gloo group, formed in threads of this process (tests, and the planner's
-    measurement of what a synchronization costs this machine)."""
+    """n members of one gloo group, formed in threads of this process (tests)."""
     host, port = in_process_store()
     specs = [GroupSpec(host, port, name, r, n, timeout_s, "gloo", "127.0.0.1") for r in range(n)]
     with ThreadPoolExecutor(n) as pool:

@@ -255,6 +255,12 @@ def host_patterns(spec: PolicySpec) -> tuple[str, ...]:
     return ()
 
 
+def cpu_time(pattern: str) -> str:
+    """The `Network.host_s` key of `pattern`'s CPU time in the rank's own thread (its wall time's key is
+    `pattern` itself)."""
+    return pattern + ":cpu"
+
+
 def _sync(net: Network, pattern: str, links_s: float) -> float:
     """One synchronization: the longer of its links' time and its host time (the module docstring)."""
     return max(links_s, net.host(pattern))
@@ -289,19 +295,18 @@ def predict(spec: PolicySpec, net: Network, compute: Compute, model_bytes: float
         comm = exchange(net, peers, size)
         neighbourhood = max(compute.expected_max([r, *peers(r)]) for r in ranks)
         sent = float(np.mean([len(peers(r)) * size for r in ranks]))
-        host = net.host(host_patterns(spec)[0])
-        cpu = net.host(host_patterns(spec)[0] + ":cpu")
+        pattern = host_patterns(spec)[0]
         if name == "choco":  # the forward pass needs the mixed point: a rank waits for its peers' messages
             # Nothing overlaps a rank's own wait, but ranks that are not in lockstep do not send at once:
             # a rank waits for its slowest incoming message at the link's full rate, and the links carry
             # every step's traffic (the exchange with every flow sharing) at least.
             incoming = max(_round_time(net, [(j, r, size)]) for r in ranks for j in peers(r) if j != r)
-            step = max(comm, neighbourhood + max(incoming, host))
+            step = max(comm, neighbourhood + max(incoming, net.host(pattern)))
             return Prediction(name, step, step - neighbourhood, sent,
                               "max(exchange with every flow sharing, E[max over a rank and its peers of compute] + "
                               "the longer of its slowest incoming message alone and the host time): CHOCO mixes "
                               "before its forward pass")
-        step = max(neighbourhood + cpu, comm)
+        step = max(neighbourhood + net.host(cpu_time(pattern)), comm)
         return Prediction(name, step, max(0.0, step - neighbourhood), sent,
                           "max(E[max over a rank and its peers of compute] + its own CPU time in the step, exchange "
                           "with the peers): the exchange launches before the forward pass and overlaps it; "

@@ -213,9 +213,8 @@ def report(rows: list[dict], args) -> dict:
     from orchestrator import planner
     from orchestrator.config import config_from_dict
 
-    seeds = max(sum(1 for s in rows if (s["policy"], s["network"], s["condition"]) == (r["policy"], r["network"], r["condition"]))
-                for r in rows)
     rows = by_seed(rows)
+    seeds = max(r["seeds"] for r in rows)
     if seeds > 1:
         print(f"medians over up to {seeds} seeds a cell")
 

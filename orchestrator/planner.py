@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
-from algorithms.runtime_model import CODEC_RATIO, INF, Compute, Network, PolicySpec, host_patterns, predict
+from algorithms.runtime_model import CODEC_RATIO, INF, Compute, Network, PolicySpec, cpu_time, host_patterns, predict
 from core.schema import ConfigError, JobConfig, NetworkConfig, parse
 
 FACTORS_PATH = Path(__file__).with_name("convergence.json")
@@ -156,7 +156,7 @@ def measure_host(cfg: JobConfig, cands: Sequence[Candidate], model_bytes: float,
     measured: dict[str, float] = {}
     for pattern in labels:
         measured[pattern] = statistics.median(rank[pattern][0] for rank in ranks)
-        measured[pattern + ":cpu"] = statistics.median(rank[pattern][1] for rank in ranks)
+        measured[cpu_time(pattern)] = statistics.median(rank[pattern][1] for rank in ranks)
     return measured
 
 
