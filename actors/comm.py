@@ -520,14 +520,17 @@ _DEVICE_LOCK = threading.Lock()
 known to be its own."""
 
 
-def _socket_fds() -> set[int]:
-    fds = set()
+def _socket_fds() -> dict[int, str]:
+    """This process's socket descriptors, each with its socket's identity ("socket:[inode]"): a number
+    closed and reused by another socket meanwhile names a different socket."""
+    fds = {}
     for name in os.listdir("/proc/self/fd"):
         try:
-            if os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
-                fds.add(int(name))
+            link = os.readlink(f"/proc/self/fd/{name}")
         except OSError:  # closed meanwhile (the listing's own descriptor among them)
-            pass
+            continue
+        if link.startswith("socket:"):
+            fds[int(name)] = link
     return fds
 
 
@@ -559,12 +562,14 @@ def _device_and_address(node_ip: str):
     """A gloo device bound to `node_ip`, and the address it listens on (None when it cannot be told
     apart: then an abort cannot shut its pairs down, and a stuck operation waits for its timeout)."""
     with _DEVICE_LOCK:
-        before = _socket_fds() if sys.platform.startswith("linux") else set()
+        before = set(_socket_fds().values()) if sys.platform.startswith("linux") else set()
         device = dist.ProcessGroupGloo.create_device(hostname=node_ip)
         if not sys.platform.startswith("linux"):
             return device, None
         listening = []
-        for fd in _socket_fds() - before:
+        # new sockets by identity, not by number: another thread may close a socket meanwhile and the
+        # device's listening socket take its number (a member then could not shut its pairs down)
+        for fd in [fd for fd, link in _socket_fds().items() if link not in before]:
             addresses = _addresses(fd)
             if addresses is not None and addresses[1] is None:
                 listening.append(addresses[0])

@@ -75,3 +75,23 @@ def _try(fn, *args):
         return fn(*args)
     except CommError as err:
         return err
+
+
+def test_the_devices_listening_address_is_found_when_its_descriptor_number_was_just_freed(monkeypatch):
+    """Another thread closes a socket while a member creates its gloo device, and the device's
+    listening socket takes the freed descriptor number. The address is still found (by the socket's
+    identity, not its number); without it, the member published an empty address (a CI flake of
+    `test_members_with_the_jobs_key_form_and_reduce`) and its abort could not shut its pairs down."""
+    import socket
+
+    create = dist.ProcessGroupGloo.create_device
+    others = [socket.socket() for _ in range(8)]
+
+    def closing_first(**kwargs):
+        for other in others:  # the lowest free numbers are now ones `before` saw: the device's take them
+            other.close()
+        return create(**kwargs)
+
+    monkeypatch.setattr(dist.ProcessGroupGloo, "create_device", closing_first)
+    _device, listen = comm_module._device_and_address("127.0.0.1")
+    assert listen is not None and listen[0] == "127.0.0.1", listen
