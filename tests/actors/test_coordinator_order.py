@@ -48,19 +48,3 @@ def test_reports_sent_later_but_arriving_first_still_reach_history_in_order(ray_
         assert steps == [1, 2], steps
     finally:
         ray.kill(coord)
-
-
-def test_the_coordinator_keeps_a_bounded_tail_of_its_events_and_the_file_keeps_all(ray_session, tmp_path):
-    coord, run_dir = _coordinator(tmp_path, "bounded-events")
-    try:
-        ray.get(coord.status.remote(), timeout=60)
-        n = 2500
-        ray.get([coord._event.remote("reshape", f"reshape {i}", membership_epoch=i) for i in range(n)], timeout=120)
-        kept = [e["reason"] for e in ray.get(coord.list_events.remote(), timeout=30)]
-        shown = [e["reason"] for e in ray.get(coord.status.remote(), timeout=30)["reshapes"]]
-        on_disk = [e["reason"] for e in runfiles.read_jsonl(run_dir / "events.jsonl") if e["kind"] == "reshape"]
-        assert len(on_disk) == n and len(set(on_disk)) == n, "the file keeps every event"
-        assert kept == on_disk[-1000:], "memory keeps the newest 1000, in the file's order"
-        assert shown == on_disk[-20:], "status shows the newest 20 reshapes"
-    finally:
-        ray.kill(coord)

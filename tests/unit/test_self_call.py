@@ -1,4 +1,4 @@
-"""A restarted coordinator's call to its own `start` (actors/coordinator.py: `call_self_when_alive`).
+"""A restarted coordinator's call to its own `start` (actors/control/workers.py: `call_self_when_alive`).
 
 Ray refuses a call an actor sends itself while it is still RESTARTING ("the actor is restarting")
 and does not retry it; a coordinator whose `start` was refused never ran, and its job hung. These
@@ -9,7 +9,7 @@ import threading
 
 from ray.exceptions import ActorUnavailableError
 
-from actors.coordinator import call_self_when_alive
+from actors.control.workers import call_self_when_alive
 
 
 def refused_then_taken(refusals: int):

@@ -1,0 +1,246 @@
+"""An in-process worker group: the coordinator's whole loop without Ray, one event at a time.
+
+`FakeWorkerGroup` answers every call of `WorkerGroup` the way a worker actor does (ready, adopt,
+run, watch, set_plan, abort_epoch, heartbeat, status, records_after, final_state,
+load_checkpoint), from plain objects on the test's event loop. A test makes things happen to a
+worker (`die`, `finish`, `fail`, `hang`, a start that fails or never gets resources) and commits
+steps under the current plan (`commit`), and members finish at a plan's stop step as real ones
+do. Unit tests drive the coordinator's decisions with it (tests/unit/test_coordinator_paths.py);
+`benchmarks/control_plane.py` runs 1,024 of these against one coordinator.
+
+What it does not model: training, the group store and collectives, Ray's own latencies. A path
+whose correctness depends on those keeps its end-to-end test.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from actors.control.workers import WorkerGroup
+from actors.plan import Plan, Progress, WorkerSpec
+
+
+class FakeWorkerDied(Exception):
+    """What a call to a dead fake worker raises."""
+
+
+@dataclass(eq=False)
+class FakeWorker:
+    name: str
+    spec: WorkerSpec
+    pid: int
+    alive: bool = True
+    running: bool = False
+    hung: bool = False
+    """Answers no heartbeat or probe (a SIGSTOPped process)."""
+    phase: str = "waiting"
+    phase_since: float = field(default_factory=time.monotonic)
+    plans: list[Plan] = field(default_factory=list)
+    """The plans it received (the newest few)."""
+    plan_at: float = 0.0
+    """When (perf_counter) the newest plan reached it."""
+    aborted: list[int] = field(default_factory=list)
+    step: int = 0
+    holds_state: bool = True
+    kept: list[dict] = field(default_factory=list)
+    """Its newest committed records (what `records_after` answers)."""
+    ended: Optional[asyncio.Future] = None
+    ready_gate: Optional[asyncio.Event] = None
+    """While set to an unset event, `ready` waits (no resources yet)."""
+    fail_start: Optional[str] = None
+
+    @property
+    def slot(self) -> str:
+        return self.spec.slot
+
+    @property
+    def plan(self) -> Optional[Plan]:
+        return self.plans[-1] if self.plans else None
+
+    def end(self, kind: str, outcome: dict) -> None:
+        if self.ended is None:
+            self.ended = asyncio.get_running_loop().create_future()
+        if not self.ended.done():
+            self.ended.set_result((kind, outcome))
+
+
+class FakeKeys:
+    def __init__(self) -> None:
+        self.entered_groups: list[str] = []
+
+    def entered(self, name: str, world_size: int, backend: str) -> None:
+        self.entered_groups.append(name)
+
+
+class FakeWorkerGroup(WorkerGroup):
+    """Fake worker actors on the caller's event loop; `workers` holds every one created."""
+
+    def __init__(self, reconstructed: bool = False, free_cpus: float = 64.0) -> None:
+        self.reconstructed = reconstructed
+        self.free = {"CPU": free_cpus}
+        self.workers: dict[str, FakeWorker] = {}
+        self._by_slot: dict[str, FakeWorker] = {}
+        self._by_name: dict[str, FakeWorker] = {}
+        self.keys = FakeKeys()
+        self._pids = itertools.count(10_000)
+        self.unplaced = False
+        """While True, new workers get no resources: `ready` waits until `place()` (and they are not placed)."""
+        self.start_failures: dict[str, str] = {}
+        """slot -> error: a new worker of that slot fails to start (its workload raises)."""
+        self.plans_sent = 0
+        self.kills = 0
+
+    # ------------------------------------------------------------------ what a test does to workers
+    def current(self, slot: str) -> FakeWorker:
+        """The newest live-or-dead worker serving `slot` (a spare it adopted, or the slot's own actor)."""
+        return self._by_slot[slot]
+
+    def die(self, slot: str, why: str = "SIGKILL") -> None:
+        worker = self.current(slot)
+        worker.alive = False
+        worker.end("died", {"error": f"The actor died: {why}"})
+
+    def fail(self, slot: str, error: str = "RuntimeError: boom") -> None:
+        self.current(slot).end("error", {"error": error, "traceback": "Traceback (fake)"})
+
+    def finish(self, slot: str, holds_state: bool = True) -> None:
+        worker = self.current(slot)
+        worker.running = False
+        worker.end("finished", {"ok": True, "holds_state": holds_state, "step": worker.step})
+
+    def hang(self, slot: str) -> None:
+        self.current(slot).hung = True
+
+    def place(self) -> None:
+        self.unplaced = False
+        for worker in self.workers.values():
+            if worker.ready_gate is not None:
+                worker.ready_gate.set()
+
+    async def commit(self, coordinator: Any, steps: int = 1, compute_s: float = 0.01) -> int:
+        """`steps` committed steps under the coordinator's current plan, reported as a real rank 0 (or,
+        for each-member kinds, every member) reports them; members finish at the plan's stop step.
+        Returns the newest step."""
+        plan = coordinator.book.plan
+        members = [self.current(s) for s in plan.members]
+        each = coordinator.history.reporter == "each"
+        for _ in range(steps):
+            step = max(w.step for w in members) + 1
+            if (plan.stop_step is not None and step > plan.stop_step) or step > (coordinator.cfg.stop.max_steps or step):
+                break
+            for worker in members:
+                worker.step = step
+                worker.phase, worker.phase_since = "compute", time.monotonic()
+            reporters = members if each else members[:1]
+            for worker in reporters:
+                record = {"step": step, "time": time.time(), "loss": 1.0 / step, "world_size": len(members),
+                          "global_batch": plan.global_batch, "micro_steps": 1, "membership_epoch": plan.membership_epoch}
+                if each:
+                    record.update(slot=worker.slot, samples=plan.global_batch // len(members))
+                worker.kept = (worker.kept + [record])[-64:]
+                await coordinator.report(Progress(worker.slot, step, plan.membership_epoch, time.time(), (record,),
+                                                  compute_s, mark=step))
+        newest = max(w.step for w in members)
+        last = coordinator.cfg.stop.max_steps
+        if (plan.stop_step is not None and newest >= plan.stop_step) or (last is not None and newest >= last):
+            for worker in members:
+                if worker.ended is None or not worker.ended.done():
+                    self.finish(worker.slot)
+        return newest
+
+    # ------------------------------------------------------------------ WorkerGroup
+    def open_store(self, timeout_s: float) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        future.set_result((0, self.keys, None))
+        return future
+
+    def create(self, name: str, spec: WorkerSpec) -> FakeWorker:
+        worker = FakeWorker(name, spec, next(self._pids), fail_start=self.start_failures.get(spec.slot))
+        self.workers[name + f"#{worker.pid}"] = worker
+        self._by_slot[spec.slot] = self._by_name[name] = worker
+        return worker
+
+    def lookup(self, name: str) -> Optional[FakeWorker]:
+        worker = self._by_name.get(name)
+        return worker if worker is not None and worker.alive else None
+
+    def send(self, handle: FakeWorker, method: str, *args: Any) -> None:
+        if not handle.alive:
+            return
+        if method == "set_plan":
+            self.plans_sent += 1
+            plan = args[0]
+            handle.plans = (handle.plans + [plan])[-4:]
+            handle.plan_at = time.perf_counter()
+            if handle.running and plan.stop_step is not None and plan.stop_step <= handle.step and plan.stop_step >= 0:
+                self.finish(handle.slot, handle.holds_state)  # already at (or past) the stop: done
+            elif handle.running and handle.slot not in plan.members:
+                self.finish(handle.slot, handle.holds_state)  # dropped by a scale-down: it leaves
+        elif method == "run":
+            handle.running, handle.phase = True, "waiting"
+        elif method == "abort_epoch":
+            handle.aborted.append(args[0])
+
+    async def call(self, handle: FakeWorker, method: str, *args: Any, timeout: Optional[float] = None) -> Any:
+        if handle.hung and method in ("heartbeat", "status"):
+            await asyncio.sleep(timeout if timeout is not None else 3600)
+            raise asyncio.TimeoutError
+        if not handle.alive:
+            raise FakeWorkerDied(f"{handle.name} is dead")
+        if method == "ready":
+            if self.unplaced:
+                handle.ready_gate = asyncio.Event()
+                await handle.ready_gate.wait()
+            if handle.fail_start:  # its constructor raised: Ray marks the actor dead (its name is free again)
+                handle.alive = False
+                raise RuntimeError(handle.fail_start)
+            return {"pid": handle.pid, "node": "127.0.0.1", "node_id": "fake-node"}
+        if method == "adopt":
+            handle.spec = args[0]
+            self._by_slot[handle.spec.slot] = handle
+            return {"pid": handle.pid, "node": "127.0.0.1", "node_id": "fake-node"}
+        if method == "heartbeat":
+            return {"phase": handle.phase, "phase_age_s": time.monotonic() - handle.phase_since, "step": handle.step}
+        if method == "status":
+            return {"step": handle.step, "checksum": "fake", "plan": handle.plan, "holds_state": handle.holds_state}
+        if method == "records_after":
+            return tuple(r for r in handle.kept if r["step"] > args[0])
+        if method == "final_state":
+            return b"fake-state"
+        if method == "load_checkpoint":
+            return 0
+        if method == "evaluate_state":
+            return {}
+        raise AttributeError(f"a worker has no method {method}")
+
+    async def probe(self, handle: FakeWorker, method: str, *args: Any, timeout: float = 5.0):
+        if not handle.alive:
+            return None, f"{handle.name} died"
+        if handle.hung:
+            return None, None
+        return await self.call(handle, method, *args, timeout=timeout), None
+
+    async def watch(self, handle: FakeWorker) -> tuple[str, dict]:
+        if handle.ended is None:
+            handle.ended = asyncio.get_running_loop().create_future()
+        return await handle.ended
+
+    def kill(self, handle: Optional[FakeWorker]) -> None:
+        if handle is None or not handle.alive:
+            return
+        self.kills += 1
+        handle.alive = False
+        handle.end("died", {"error": "killed by the coordinator"})
+
+    def actor_id(self, handle: Any) -> str:
+        return f"fake{handle.pid}" if handle is not None else ""
+
+    def is_placed(self, handle: Any) -> Optional[bool]:
+        return handle is not None and handle.ready_gate is None or (handle.ready_gate is not None and handle.ready_gate.is_set())
+
+    def free_resources(self) -> dict:
+        return {"CPU": 0.0} if self.unplaced else dict(self.free)

@@ -1,0 +1,176 @@
+"""The journal: everything a job run keeps in its run directory, and the progress status shows.
+
+It owns the files (`events.jsonl`, `history.jsonl` through `actors/history.py`, the state file
+`coordinator.json` written off the event loop, `faults_fired.json`, checkpoints, `status.json`),
+the newest events in memory, and the progress read from history: the job's step, loss, evaluation
+metrics and throughput over the last five seconds. It knows nothing of members or plans: the
+coordinator hands it records, events and the state to save.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterable, Optional
+
+from actors import checkpoints, runfiles
+from actors.history import History
+from core.schema import Event
+
+SAVED = "coordinator.json"
+EVENTS_KEPT = 1000
+"""Events kept in memory (events.jsonl keeps every one)."""
+RESHAPES_SHOWN = 20
+"""The newest reshapes in status (as with departed members)."""
+THROUGHPUT_WINDOW_S = 5.0
+
+
+class Journal:
+    """One run directory: events, history, the state file, checkpoints, and the progress they show."""
+
+    def __init__(self, run_dir: Path, keep_checkpoints: int) -> None:
+        self.run_dir = run_dir
+        self.keep_checkpoints = keep_checkpoints
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.events: collections.deque[Event] = collections.deque(maxlen=EVENTS_KEPT)
+        self._events = open(run_dir / "events.jsonl", "a", encoding="utf-8")
+        self._saver = runfiles.BackgroundWriter(run_dir / SAVED)
+        self._state_file_error = ""
+        """The state file's last write failure that an event already reported."""
+        self.fired_faults: set[int] = set(runfiles.read_json(run_dir / "faults_fired.json", []))
+        self.history: Optional[History] = None
+        self._step = 0
+        self._live: Callable[[], Iterable[str]] = lambda: ()
+        self.loss: Optional[float] = None
+        self.metrics: dict = {}
+        self.recent: collections.deque[tuple[float, int]] = collections.deque()  # (time, step) of the last 5 s
+        self.checkpoint: Optional[tuple[int, str]] = None
+        """(step, path) of this run's newest checkpoint (what a loss of every member restarts from)."""
+
+    # ------------------------------------------------------------------ events
+    def event(self, kind: str, reason: str, state_from: Optional[str] = None, state_to: Optional[str] = None,
+              **detail: Any) -> Event:
+        event = Event(time=time.time(), kind=kind, reason=reason, state_from=state_from, state_to=state_to, detail=detail)
+        self.events.append(event)
+        self._events.write(json.dumps(event.to_dict()) + "\n")
+        self._events.flush()
+        return event
+
+    def recent_reshapes(self) -> tuple[Event, ...]:
+        recent: list[Event] = []
+        for event in reversed(self.events):
+            if event.kind == "reshape":
+                recent.append(event)
+                if len(recent) == RESHAPES_SHOWN:
+                    break
+        return tuple(reversed(recent))
+
+    # ------------------------------------------------------------------ history and progress
+    @property
+    def step(self) -> int:
+        """The job's step: the newest committed (lockstep and server kinds), or the slowest live member's
+        (each-member kinds: worked out when asked, since it goes over every member)."""
+        if self.history is not None and self.history.reporter == "each":
+            self._step = max(self._step, self.history.step(self._live()))
+        return self._step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self._step = value
+
+    def open_history(self, reporter: str, written_step: int, live: Callable[[], Iterable[str]] = lambda: ()) -> History:
+        """`live()`: the live members (the each-member kinds' step is the slowest one's)."""
+        self._live = live
+        self.history = History(self.run_dir / "history.jsonl", reporter, written_step,
+                               note=lambda reason, detail: self.event("info", reason, **detail))
+        return self.history
+
+    def offer(self, record: dict) -> bool:
+        """A reported record into history; True when it is the job's newest (status moves on)."""
+        if record.get("final"):  # evaluation after the last step: status only, not a history line
+            self.metrics.update(record.get("metrics", {}))
+            return False
+        newest = self.history.offer(record)
+        if self.history.reporter != "each":
+            self._step = max(self._step, self.history.step())
+        if newest is None:
+            return False  # a step already in history, a stale report of a redone one, or one ahead of a gap
+        if record.get("loss") is not None:
+            self.loss = record["loss"]
+        if record.get("metrics"):
+            self.metrics = dict(record["metrics"])
+        self.recent.append((record["time"], record["step"]))
+        while self.recent[0][0] <= record["time"] - THROUGHPUT_WINDOW_S:  # amortised O(1) per record
+            self.recent.popleft()
+        return True
+
+    def throughput(self) -> Optional[float]:
+        if len(self.recent) >= 2 and self.recent[-1][0] > self.recent[0][0]:
+            return (self.recent[-1][1] - self.recent[0][1]) / (self.recent[-1][0] - self.recent[0][0])
+        return None
+
+    # ------------------------------------------------------------------ the state file
+    def save_state(self, state: dict) -> int:
+        """Hands the state to the state file's writer thread (fsync never blocks the event loop); returns
+        the snapshot's number. A write failure is said once, as an event, not at every save."""
+        error = self._saver.error
+        if error is not None and str(error) != self._state_file_error:
+            self._state_file_error = str(error)
+            self.event("info", f"the state file could not be written ({error}): a coordinator restart now would "
+                               f"carry on from an older state; the newest state is written again at the next "
+                               f"change", error=str(error))
+        elif error is None:
+            self._state_file_error = ""
+        return self._saver.submit(runfiles.json_bytes(state))
+
+    def wait_saved(self, number: int, timeout: float) -> bool:
+        return self._saver.wait(number, timeout)
+
+    def load_state(self) -> dict:
+        """A restarted coordinator's state file, with the events and the step history holds."""
+        saved = runfiles.read_json(self.run_dir / SAVED)
+        if saved is None:
+            raise RuntimeError(f"restarted, but {self.run_dir / SAVED} is missing: cannot carry on")
+        self.events = collections.deque((Event(**e) for e in runfiles.read_jsonl(self.run_dir / "events.jsonl")),
+                                        maxlen=EVENTS_KEPT)
+        self.loss, self.metrics = saved["loss"], saved["metrics"]
+        history = runfiles.read_jsonl(self.run_dir / "history.jsonl")
+        self.step = history[-1]["step"] if history else 0
+        return saved
+
+    def progress(self) -> dict:
+        return {"loss": self.loss, "metrics": self.metrics}
+
+    # ------------------------------------------------------------------ faults and checkpoints
+    def fault_fired(self, index: int) -> tuple[int, ...]:
+        self.fired_faults.add(index)
+        runfiles.write_json_atomic(self.run_dir / "faults_fired.json", sorted(self.fired_faults))
+        return tuple(sorted(self.fired_faults))
+
+    async def save_checkpoint(self, step: int, blob: bytes, note: str = "") -> Path:
+        path = await asyncio.to_thread(checkpoints.save, self.run_dir, step, blob, self.keep_checkpoints)
+        self.event("checkpoint", note or f"checkpoint at step {step}", step=step, path=str(path), bytes=len(blob))
+        if self.checkpoint is None or step >= self.checkpoint[0]:
+            self.checkpoint = (step, str(path))
+        return path
+
+    async def read_checkpoint(self, path: Path) -> bytes:
+        """The checkpoint's bytes, once its manifest (size, sha256) checks out; raises with the problem."""
+        problem = await asyncio.to_thread(checkpoints.verify, path.with_suffix(".json"))
+        if problem:
+            raise RuntimeError(problem)
+        return await asyncio.to_thread(path.read_bytes)
+
+    def write_model(self, blob: bytes) -> None:
+        runfiles.write_bytes_atomic(self.run_dir / "model.pt", blob)
+
+    def write_status(self, status: dict) -> None:
+        runfiles.write_json_atomic(self.run_dir / "status.json", status)
+
+    def close(self) -> None:
+        if self.history is not None:
+            self.history.shut()
+        self._events.close()
+        self._saver.close()

@@ -1,0 +1,135 @@
+"""The launcher: a slot's worker, from the decision to start it until it is ready to be admitted.
+
+It owns the count of worker starts (each start of a slot is a new worker incarnation, which a
+parameter server fences) and the start of each one: a hot spare when one is ready, else a fresh
+actor, created off the event loop once the slot's previous actor name is released and once the
+survivors of a departure have committed without it. A start that fails counts against the slot's
+failure budget and is tried again; past the budget the slot is retired. Once ready, the member is
+READY and the coordinator's `admit` decides when it joins a plan.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any, Awaitable, Callable, Optional
+
+from actors.control.book import MembershipBook
+from actors.control.spares import SparePool
+from actors.control.workers import WorkerGroup
+from actors.members import Member, describe, log
+from actors.plan import WorkerSpec
+from algorithms.supervision import JobState, MemberState
+
+S = MemberState
+RESTART_AFTER_S = 1.0
+"""A slot whose start failed (within its budget) is started again after this pause."""
+NAME_RELEASE_TRIES = 200
+NAME_RELEASE_WAIT_S = 0.05
+
+
+class Launcher:
+    """Starts workers for slots; counts and retires slots whose starts or runs fail."""
+
+    def __init__(self, book: MembershipBook, spares: SparePool, group: WorkerGroup, prefix: str,
+                 spec_for: Callable[[str, int], WorkerSpec], fired: Callable[[], tuple[int, ...]],
+                 note: Callable[..., Any], state: Callable[[], JobState], may_start: Callable[[], bool],
+                 admit: Callable[[], Awaitable[None]], started: int = 0) -> None:
+        """`spec_for(slot, incarnation)`: the worker's spec; `fired()`: the injected faults already fired;
+        `note(kind, reason, **detail)`: an event; `state()`: the job's state; `may_start()`: whether
+        workers start now (not once a stop is decided or the job ended); `admit()`: admit ready workers."""
+        self.book, self.spares, self.group, self.prefix = book, spares, group, prefix
+        self._spec_for, self._fired, self._note = spec_for, fired, note
+        self._state, self._may_start, self._admit = state, may_start, admit
+        self.started = started
+        """Worker starts so far."""
+        self._hold: Optional[asyncio.Task] = None
+
+    def spawn(self, slots: list[str], reason: str, detector: str) -> None:
+        """Start a worker for each slot; each is admitted by a plan once ready (imports done, data built)."""
+        decided = time.time()
+        for slot in slots:
+            member = Member(slot, None, join_reason=(reason, detector, decided))
+            self.book.members[slot] = member
+            asyncio.get_running_loop().create_task(self._bring_up(member))
+
+    def _still_starting(self, member: Member) -> bool:
+        return self._may_start() and self.book.members.get(member.slot) is member and member.state == S.STARTING
+
+    async def _bring_up(self, member: Member) -> None:
+        try:
+            await self._start(member)
+        except Exception as err:  # noqa: BLE001 - a task's error would otherwise reach only Ray's logs
+            log.exception("starting %s failed", member.slot)
+            if self.book.members.get(member.slot) is member and member.state == S.STARTING:
+                await self.slot_failed(member, "start", f"worker {member.slot} could not be started: {describe(err)}")
+
+    async def _start(self, member: Member) -> None:
+        if not self._still_starting(member):
+            return
+        self.started += 1
+        member.incarnation = self.started
+        spec = self._spec_for(member.slot, member.incarnation)
+        fired = self._fired()
+        info = await self.spares.adopt(member, spec, fired)
+        if info is None:
+            # A fresh actor's start (a process, imports: about a second of CPU) would take the cores of a
+            # small node from the survivors of a departure: it waits for their first step without the
+            # departed member (at most ADMIT_HOLD_S; it is admitted only after that step anyway).
+            await self._departure_settled()
+            name = f"{self.prefix}/{member.slot}"
+            for _ in range(NAME_RELEASE_TRIES):  # a replacement waits for its slot's previous actor name to go
+                if self.group.lookup(name) is None:
+                    break
+                await asyncio.sleep(NAME_RELEASE_WAIT_S)
+            if not self._still_starting(member):
+                return
+            # created in a thread: registering a named detached actor waits for Ray's GCS (measured: 116 ms
+            # while the GCS handled a death), and on the event loop that held up the survivors' reports
+            handle = await asyncio.to_thread(self.group.create, name, spec)
+            if not self._still_starting(member):
+                self.group.kill(handle)
+                return
+            member.handle = handle
+        try:  # no timeout: Ray places the actor when there is room (the job may be PAUSED until then)
+            if info is None:
+                info = await self.group.call(member.handle, "ready", fired)
+        except Exception as err:  # noqa: BLE001 - the worker could not start (user code in the factory, ...)
+            if self.book.members.get(member.slot) is member and member.state == S.STARTING:
+                await self.slot_failed(member, "start", f"worker {member.slot} failed to start: {describe(err)}")
+            return
+        if self.book.members.get(member.slot) is not member or member.state != S.STARTING:
+            return  # stopped or replaced meanwhile
+        member.pid, member.node, member.node_id, member.state = info["pid"], info["node"], info["node_id"], S.READY
+        await self._admit()
+
+    async def _departure_settled(self) -> None:
+        """Until the survivors of a departure committed without it (or the hold ended): one poll shared
+        by every joiner waiting (each polling the membership on its own cost joiners x members)."""
+        if self._hold is None or self._hold.done():
+            if not self.book.held_departure(self._state()):
+                return
+
+            async def poll() -> None:
+                while self.book.held_departure(self._state()):
+                    await asyncio.sleep(0.02)
+            self._hold = asyncio.get_running_loop().create_task(poll())
+        await asyncio.shield(self._hold)
+
+    async def slot_failed(self, member: Member, phase: str, cause: str) -> bool:
+        """Count a failure against the slot; retire it past its budget, else (a failed start) start it
+        again. True if retired."""
+        slot = member.slot
+        if self.book.count_failure(slot, cause):
+            member.state, member.cause = S.RETIRED, self.book.retired[slot]
+            if phase == "start":
+                self.book.depart(member, self.group.actor_id(member.handle))
+            self._note("retired", f"slot {slot} {self.book.retired[slot]}", slot=slot, failures=self.book.failures[slot])
+            return True
+        if phase == "start":
+            member.state, member.cause = S.FAILED, cause
+            self.book.depart(member, self.group.actor_id(member.handle))
+            self._note("failure", cause, slot=slot, detector="start", failures=self.book.failures[slot])
+            await asyncio.sleep(RESTART_AFTER_S)
+            if self._may_start():
+                self.spawn([slot], f"restart {slot} after: {cause}", "replacement")
+        return False

@@ -1,0 +1,276 @@
+"""The supervisor: it sees members end, hang, fall silent or fall behind, and carries out what
+`algorithms/supervision.decide` makes of it.
+
+It owns the detectors and their state: each member's watch (which returns when its run ends and
+raises when its process dies), the heartbeat loop (a member that stops answering, or whose step
+never ends, is evicted), the probe after a failed collective (members that do not answer are
+evicted; if all answer, the group is re-formed), the straggler watch, and the queue of outcomes.
+Each outcome and each stop request becomes a frozen `JobView` and an event for `decide`; the
+decision is carried out through `Actions`, the few operations the coordinator shell exposes
+(publish, reshape, transition, end, finish, stop). It never reads the shell's attributes.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any, Callable, Optional
+
+from actors.control.book import MembershipBook
+from actors.control.workers import WorkerGroup
+from actors.members import Member, log
+from algorithms.stragglers import StragglerWatch
+from algorithms.supervision import Decision, JobState, JobView, MemberEnded, MemberState, StopRequested, decide
+from core.schema import JobConfig
+
+S = MemberState
+PROBE_S = 1.0
+"""How long a member may take to answer a probe after a collective failed."""
+STRAGGLER_WARMUP_STEPS = 20
+"""Steps a member trains before its step-time estimate is compared with the others'."""
+STRAGGLER_EVERY_S = 0.5
+"""The stragglers are found again at most this often (over every member: not at every report)."""
+QUIET_S = 0.01
+"""Outcomes that come within this of one another are handled together: one re-form for them all."""
+GATHER_MAX_S = 0.1
+"""...but the first of them waits at most this long for the others."""
+
+
+class Actions:
+    """What the supervisor asks of the coordinator shell to carry out a decision."""
+
+    state: JobState
+    stop_kind: Optional[str]
+
+    def view(self) -> JobView: ...
+    def transition(self, to: JobState, reason: str) -> None: ...
+    def set_cause(self, cause: Optional[str]) -> None: ...
+    def reshape(self, members: tuple[str, ...], reason: str, detector: str, detected_at: float,
+                new_epoch: bool = False) -> Any: ...
+    def publish(self, members: tuple[str, ...], reason: str) -> Any: ...
+    def reform(self, reason: str) -> None: ...
+    def abort_epoch(self, reason: str) -> None: ...
+    def begin_stop(self, kind: str, cause: str, stop_step: int) -> None: ...
+    def restore_on_admit(self) -> None: ...
+    def replace(self, slot: str) -> None: ...
+    async def slot_failed(self, member: Member, phase: str, cause: str) -> bool: ...
+    async def end(self, state: JobState, reason: str, detail: Optional[dict] = None, quiet: bool = False) -> None: ...
+    async def finish(self) -> None: ...
+
+
+class Supervisor:
+    """Detectors (watch, heartbeats, probes, stragglers) and the decisions they lead to."""
+
+    def __init__(self, cfg: JobConfig, book: MembershipBook, group: WorkerGroup, actions: Actions,
+                 note: Callable[..., Any], kind: str, step: Callable[[], int]) -> None:
+        self.cfg, self.book, self.group, self.actions, self._note, self.kind = cfg, book, group, actions, note, kind
+        self._step = step
+        self.outcomes: Optional[asyncio.Queue] = None  # made on the event loop
+        self.stragglers = StragglerWatch()
+        self._stragglers_at = 0.0
+        self._probing = False
+        self._batching = False
+        self._deferred: Optional[tuple[tuple[str, ...], str, str, float, int]] = None
+        """A batch's re-form, published once its last outcome is decided: (members, cause, detector,
+        first seen, how many ended)."""
+
+    def start(self) -> None:
+        self.outcomes = asyncio.Queue()
+
+    # ------------------------------------------------------------------ detectors
+    def watch(self, member: Member) -> None:
+        """Await the member's run; its end (or its process's death) becomes an outcome."""
+        async def watched() -> None:
+            kind, outcome = await self.group.watch(member.handle)
+            outcome.setdefault("slot", member.slot)
+            await self.outcomes.put((member, kind, outcome, time.time()))
+        member.watch_task = asyncio.get_running_loop().create_task(watched())
+
+    async def next_outcomes(self, timeout: float) -> list[tuple[Member, str, dict, float]]:
+        """The next outcome (waiting at most `timeout`; [] if none), with every one that follows it
+        within QUIET_S of the one before (for at most GATHER_MAX_S): members that end together (a
+        node's workers, a rack, a storm) are handled as one batch."""
+        try:
+            batch = [await asyncio.wait_for(self.outcomes.get(), timeout)]
+        except asyncio.TimeoutError:
+            return []
+        end = time.monotonic() + GATHER_MAX_S
+        while time.monotonic() < end:
+            try:
+                batch.append(self.outcomes.get_nowait() if not self.outcomes.empty() else
+                             await asyncio.wait_for(self.outcomes.get(), min(QUIET_S, max(0.0, end - time.monotonic()))))
+            except asyncio.TimeoutError:
+                break
+        return batch
+
+    async def handle(self, batch: list[tuple[Member, str, dict, float]]) -> None:
+        """Decide each outcome of a batch in turn; the survivors' re-form goes out once, after the last."""
+        self._batching, self._deferred = True, None
+        try:
+            for outcome in batch:
+                await self.on_outcome(*outcome)
+        finally:
+            self._batching = False
+            deferred, self._deferred = self._deferred, None
+        if deferred is not None and not self.actions.state.terminal:
+            members, cause, detector, seen, ended = deferred
+            if ended > 1:
+                cause = f"{ended} members ended together; the last: {cause}"
+            self.actions.reshape(members, cause, detector, seen)
+
+    def progress(self, member: Member, mark: int, compute_s: float) -> None:
+        """A member's report: its step and step time, and the stragglers among the training members
+        (events on each change; a member's first steps say nothing about its speed)."""
+        now = time.time()
+        member.step, member.last_report, member.compute_s = mark, now, compute_s
+        if now - self._stragglers_at < STRAGGLER_EVERY_S:
+            return
+        self._stragglers_at = now
+        live = {slot: m.compute_s for slot, m in self.book.members.items()
+                if m.state is S.TRAINING and m.step >= STRAGGLER_WARMUP_STEPS}
+        for change in self.stragglers.update(live):
+            verb = "is a straggler" if change.straggler else "is no longer a straggler"
+            ratio = f": {change.ratio:.2f}x the median step time" if change.ratio else ""
+            self._note("straggler", f"{change.slot} {verb}{ratio}", slot=change.slot,
+                       straggler=change.straggler, ratio=round(change.ratio, 3))
+
+    async def heartbeats(self) -> None:
+        """Evict a worker that stops answering (SIGSTOP, frozen) or whose step never ends."""
+        period = min(1.0, self.cfg.workers.heartbeat_s / 4)
+        while not self.actions.state.terminal:
+            await asyncio.sleep(period)
+            for member in list(self.book.members.values()):
+                if member.state == S.TRAINING and member.evicted is None and (member.beat_task is None or member.beat_task.done()):
+                    member.beat_task = asyncio.get_running_loop().create_task(self._beat(member))
+
+    async def _beat(self, member: Member) -> None:
+        w = self.cfg.workers
+        try:
+            info = await self.group.call(member.handle, "heartbeat", timeout=w.heartbeat_s)
+        except asyncio.TimeoutError:
+            await self.evict(member, "heartbeat", f"worker {member.slot} did not answer the heartbeat for "
+                                                  f"{w.heartbeat_s:g}s (stopped or frozen)")
+            return
+        except Exception as err:  # noqa: BLE001 - a dead actor: its watch reports it
+            log.debug("heartbeat of %s: %s", member.slot, err)
+            return
+        stuck_after = self.cfg.comm.timeout_s + 2.0
+        if info["phase"] == "waiting" and info["phase_age_s"] > stuck_after and \
+                self.actions.state in (JobState.RUNNING, JobState.RESHAPING):
+            self.actions.reform(f"worker {member.slot} has waited {info['phase_age_s']:.1f}s for a plan (its group did not form)")
+        # A server kind's push has no collective timeout: a push unanswered this long is a hang too.
+        waiting = {"compute": "computing", "communicate": "pushing"} if self.kind == "server" else {"compute": "computing"}
+        if info["phase"] in waiting and info["phase_age_s"] > w.hang_timeout_s:
+            await self.evict(member, "step progress", f"worker {member.slot}'s step {info['step']} has been "
+                                                      f"{waiting[info['phase']]} for {info['phase_age_s']:.1f}s "
+                                                      f"(workers.hang_timeout_s = {w.hang_timeout_s:g})")
+
+    async def collective_failed(self, slot: str, epoch: int, error: str) -> None:
+        """A member's collective failed: probe that epoch's members and evict any that do not answer;
+        if every one answers, the group itself is broken: re-form it at once as a new epoch."""
+        if epoch != self.book.epoch or self.actions.state not in (JobState.RUNNING, JobState.RESHAPING) or self._probing:
+            return
+        self._probing = True
+        try:
+            members = [self.book.members[s] for s in self.book.live()]
+            answers = await asyncio.gather(*(self.group.probe(m.handle, "heartbeat", timeout=PROBE_S) for m in members))
+            for member, (answer, died) in zip(members, answers):
+                if died is not None:  # the probe learnt of a death before the member's watch did
+                    await self.evict(member, "actor death", f"worker {member.slot} died (found when {slot}'s "
+                                                            f"collective failed): {died[:160]}")
+                elif answer is None:
+                    await self.evict(member, "collective failure",
+                                     f"worker {member.slot} did not answer after {slot}'s collective failed: {error[:160]}")
+            if all(a is not None for a, _ in answers) and epoch == self.book.epoch:
+                self.actions.reform(f"{slot}'s collective failed with every member alive: {error[:160]}")
+        finally:
+            self._probing = False
+
+    async def evict(self, member: Member, detector: str, cause: str) -> None:
+        if member.state != S.TRAINING or member.evicted is not None:
+            return
+        member.evicted = (detector, cause)
+        self._note("info", f"evicting: {cause}", slot=member.slot, detector=detector)
+        self.group.kill_process(member.node, member.pid)  # a stopped process cannot answer Ray's kill request
+        self.group.kill(member.handle)
+        # Handled now: Ray may take many seconds to report an actor on a lost node as dead.
+        await self.outcomes.put((member, "died", {"error": cause}, time.time()))
+
+    # ------------------------------------------------------------------ decisions
+    async def on_outcome(self, member: Member, kind: str, outcome: dict, seen: float) -> None:
+        if self.book.members.get(member.slot) is not member:
+            return  # an earlier incarnation of a slot that was started again
+        what = "died" if kind == "died" else "raised an exception"
+        detector, cause = member.evicted or ("actor death" if kind == "died" else "task error",
+                                             f"worker {member.slot} {what}: {outcome.get('error', '')}".strip())
+        hung = member.evicted is not None and member.evicted[0] in ("heartbeat", "step progress")
+        d = decide(self.actions.view(), MemberEnded(member.slot, kind, cause, detector, hung))
+        if d.ignore:
+            return
+        member.state = d.member[1]
+        if member.state == S.FINISHED and outcome.get("holds_state") is False:
+            member.holds_state = False
+            self._note("info", f"{member.slot} finished without a state of its own (no live member to receive one "
+                               f"from): not one of the final model's replicas", slot=member.slot)
+        if member.state in (S.LEFT, S.FINISHED):
+            if member.state == S.LEFT:
+                self.group.kill(member.handle)
+            if d.finish:
+                await self.actions.finish()
+            return
+        member.cause = cause
+        detail = {"slot": member.slot, "detector": detector, "cause": outcome.get("error", ""), "seen_at": seen,
+                  "step": self._step(), "membership_epoch": self.book.epoch}
+        if outcome.get("traceback"):
+            detail["traceback"] = outcome["traceback"]
+        self.actions.abort_epoch(cause)
+        self.group.kill(member.handle)
+        if d.finish:  # the others had all finished: nothing is left to train
+            self._note("failure", d.reason, **detail)
+            await self.actions.finish()
+            return
+        if d.end_now is not None:
+            await self.actions.end(d.end_now, d.reason, detail=detail)
+            return
+        if d.restore:
+            self.actions.restore_on_admit()
+        self._note("failure", d.reason if d.restore else cause, **detail)
+        if d.count_failure and await self.actions.slot_failed(member, "run", cause):
+            member.state = S.RETIRED
+        self.book.depart(member, self.group.actor_id(member.handle))
+        self.apply(d, cause, detector, seen)
+        if d.replace:
+            self.actions.replace(member.slot)
+
+    def apply(self, d: Decision, cause: str, detector: str, seen: float) -> None:
+        """Carry out a decision's stop, state change and plan."""
+        if d.stop_kind is not None and self.actions.stop_kind is None:
+            stop_step = 0 if d.stop_step == "held" else self._step() + 1
+            self.actions.begin_stop(d.stop_kind, cause if d.stop_kind == "FAILED" else d.reason, stop_step)
+        if d.transition == JobState.PAUSED:
+            self.actions.set_cause(d.reason)
+        if d.transition is not None and (d.transition != self.actions.state or d.transition == JobState.PAUSED):
+            self.actions.transition(d.transition, d.reason)
+        # A stop decided now publishes the stop at once; a death re-forms the survivors (a reshape), once
+        # per batch of outcomes: each decision sees the members the ones before it ended, so the last
+        # one's membership is the batch's (and a later decision without a plan, a pause, drops it).
+        if d.publish is not None and d.stop_kind is not None:
+            self._deferred = None
+            self.actions.publish(d.publish, d.reason)
+        elif self._batching:
+            first = self._deferred[3] if self._deferred else seen
+            count = self._deferred[4] + 1 if self._deferred else 1
+            self._deferred = (d.publish, cause, detector, first, count) if d.publish is not None else None
+        elif d.publish is not None:
+            self.actions.reshape(d.publish, cause, detector, seen)
+
+    async def stop(self, kind: str, reason: str) -> None:
+        """A stop asked for (by a user, a limit, a target): every member stops at one committed step."""
+        self._note("info", reason)
+        d = decide(self.actions.view(), StopRequested(kind, reason))
+        if d.ignore:
+            return
+        if d.end_now is not None:
+            self.actions.stop_kind = d.stop_kind
+            await self.actions.end(d.end_now, d.reason, quiet=True)
+            return
+        self.apply(d, reason, "stop", time.time())

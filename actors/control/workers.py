@@ -1,0 +1,252 @@
+"""What the coordinator asks of Ray about its workers and its own process: one seam.
+
+Every call the coordinator makes to a worker actor goes through a `WorkerGroup`: create one, wait
+until it is ready, adopt a hot spare, start its run, watch it end, hand it a plan, abort an epoch,
+heartbeat and probe it, ask it for records, states and checkpoints, kill it. So do the few cluster
+questions it asks (free resources, whether an actor is placed, whether the owning driver is gone)
+and the group store workers rendezvous on. `RayWorkerGroup` does all of it with Ray;
+`actors/control/fake.py`'s `FakeWorkerGroup` does it in-process, one event at a time, so that the
+coordinator's whole loop runs in a unit test and at 1,024 members in a benchmark.
+
+A handle is whatever the group returns from `create` or `lookup`; the coordinator never looks inside.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import os
+import signal
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from actors.members import describe, first_line, is_placed, job_is_dead, kill, log, log_to, probe
+from actors.plan import WorkerSpec
+from core.schema import JobConfig
+
+
+class WorkerGroup:
+    """The interface; every method is overridden by `RayWorkerGroup` and the fake."""
+
+    node_ip: str = "127.0.0.1"
+    reconstructed: bool = False
+    """Whether this coordinator process is a restart of one that died (it carries on from the run directory)."""
+
+    def setup(self, run_dir: Path, log_level: str) -> None:
+        """This process's logging (an actor's own log file); nothing for a fake."""
+
+    def open_store(self, timeout_s: float) -> concurrent.futures.Future:
+        """The job's group store, served from a thread: a future of (port, epoch keys, what keeps it open)."""
+        raise NotImplementedError
+
+    def create(self, name: str, spec: WorkerSpec) -> Any:
+        """A new worker (or spare) actor named `name`; blocking (the caller runs it in a thread)."""
+        raise NotImplementedError
+
+    def lookup(self, name: str) -> Any:
+        """The live actor named `name`, or None."""
+        raise NotImplementedError
+
+    def send(self, handle: Any, method: str, *args: Any) -> Any:
+        """A call whose answer nobody waits for (set_plan, abort_epoch, run); returns its reference."""
+        raise NotImplementedError
+
+    async def call(self, handle: Any, method: str, *args: Any, timeout: Optional[float] = None) -> Any:
+        """A call whose answer is needed; raises what the worker raised, or TimeoutError."""
+        raise NotImplementedError
+
+    async def probe(self, handle: Any, method: str, *args: Any, timeout: float = 5.0) -> tuple[Optional[Any], Optional[str]]:
+        """(answer, None); (None, why) when the worker is known dead; (None, None) when it did not answer."""
+        raise NotImplementedError
+
+    async def ask(self, handle: Any, method: str, *args: Any, timeout: float = 5.0) -> Optional[Any]:
+        """A control call; None if the worker is gone or silent."""
+        return (await self.probe(handle, method, *args, timeout=timeout))[0]
+
+    async def watch(self, handle: Any) -> tuple[str, dict]:
+        """Waits until the worker's run ends: ("finished" | "error" | "died", its outcome)."""
+        raise NotImplementedError
+
+    def kill(self, handle: Any) -> None:
+        raise NotImplementedError
+
+    def kill_process(self, node: str, pid: int) -> None:
+        """SIGKILL a worker's process when it runs on this node (a stopped process cannot answer Ray)."""
+
+    def actor_id(self, handle: Any) -> str:
+        return ""
+
+    def is_placed(self, handle: Any) -> Optional[bool]:
+        return True
+
+    def free_resources(self) -> dict:
+        return {}
+
+    def job_is_dead(self, job_id: str) -> bool:
+        return False
+
+    def publish_record(self, name: str, record: dict) -> None:
+        """A small record a later `status NAME` finds after the actors are gone."""
+
+    def call_self(self, name: str, namespace: str, method: str) -> None:
+        """A restarted coordinator asks for its own `method` (nobody else will)."""
+
+    def exit(self) -> None:
+        """This coordinator is done: its process goes."""
+
+
+class RayWorkerGroup(WorkerGroup):
+    def __init__(self, cfg: JobConfig) -> None:
+        import ray  # noqa: PLC0415 - the fake never needs it
+
+        self.cfg = cfg
+        self.node_ip = ray.util.get_node_ip_address()
+        self.reconstructed = ray.get_runtime_context().was_current_actor_reconstructed
+
+    def setup(self, run_dir: Path, log_level: str) -> None:
+        log_to(run_dir / "coordinator.log", log_level)
+
+    def open_store(self, timeout_s: float) -> concurrent.futures.Future:
+        from actors.store import EpochKeys, serve_store  # noqa: PLC0415
+
+        def serve() -> tuple[int, EpochKeys, Any]:
+            store, port, sock = serve_store(self.node_ip, timeout_s)
+            return port, EpochKeys(store), (store, sock)
+        return in_thread(serve)
+
+    def create(self, name: str, spec: WorkerSpec) -> Any:
+        from actors.worker import WorkerActor  # noqa: PLC0415
+
+        w = self.cfg.workers
+        lab = {}
+        if self.cfg.network.enabled:  # the lab: its connect() shim preloaded (orchestrator/lab.py)
+            from actors.lab_shim import worker_env  # noqa: PLC0415 - only lab jobs need it
+
+            lab = {"runtime_env": {"env_vars": worker_env(self.cfg.network)}}
+        return WorkerActor.options(name=name, namespace=self.cfg.ray.namespace, lifetime="detached",
+                                   num_cpus=w.cpus, num_gpus=w.gpus, max_restarts=0,
+                                   scheduling_strategy="SPREAD" if w.placement == "spread" else "DEFAULT",
+                                   **lab).remote(spec)
+
+    def lookup(self, name: str) -> Any:
+        import ray  # noqa: PLC0415
+
+        try:
+            return ray.get_actor(name, namespace=self.cfg.ray.namespace)
+        except ValueError:
+            return None
+
+    def send(self, handle: Any, method: str, *args: Any) -> Any:
+        return getattr(handle, method).remote(*args)
+
+    async def call(self, handle: Any, method: str, *args: Any, timeout: Optional[float] = None) -> Any:
+        future = asyncio.wrap_future(getattr(handle, method).remote(*args).future())
+        return await (asyncio.wait_for(future, timeout) if timeout is not None else future)
+
+    async def probe(self, handle: Any, method: str, *args: Any, timeout: float = 5.0) -> tuple[Optional[Any], Optional[str]]:
+        return await probe(handle, method, *args, timeout=timeout)
+
+    async def watch(self, handle: Any) -> tuple[str, dict]:
+        from ray.exceptions import ActorDiedError, RayActorError  # noqa: PLC0415
+
+        try:
+            outcome = await handle.watch.remote()
+            return ("finished" if outcome.get("ok") else "error"), outcome
+        except (ActorDiedError, RayActorError) as err:
+            return "died", {"error": describe(err)}
+        except Exception as err:  # noqa: BLE001
+            return "error", {"error": describe(err), "traceback": traceback.format_exc()}
+
+    def kill(self, handle: Any) -> None:
+        kill(handle)
+
+    def kill_process(self, node: str, pid: int) -> None:
+        if node == self.node_ip and pid:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError as err:
+                log.debug("SIGKILL of pid %s: %s", pid, err)
+
+    def actor_id(self, handle: Any) -> str:
+        return handle._actor_id.hex() if handle is not None else ""
+
+    def is_placed(self, handle: Any) -> Optional[bool]:
+        return is_placed(handle)
+
+    def free_resources(self) -> dict:
+        import ray  # noqa: PLC0415
+
+        return ray.available_resources()
+
+    def job_is_dead(self, job_id: str) -> bool:
+        return job_is_dead(job_id)
+
+    def publish_record(self, name: str, record: dict) -> None:
+        from actors import runfiles  # noqa: PLC0415
+
+        runfiles.publish_record(name, record)
+
+    def call_self(self, name: str, namespace: str, method: str) -> None:
+        call_self_when_alive(name, namespace, method)
+
+    def exit(self) -> None:
+        import ray  # noqa: PLC0415
+
+        ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
+
+
+SELF_CALL_DEADLINE_S = 60.0
+"""A restarted coordinator whose own `start` is not taken within this long kills itself (Ray restarts it)."""
+
+
+def call_self_when_alive(name: str, namespace: str, method: str, deadline_s: float = SELF_CALL_DEADLINE_S,
+                         call: Optional[Callable[[], Any]] = None,
+                         give_up: Optional[Callable[[], None]] = None) -> threading.Thread:
+    """Call `method` of this restarted actor once it accepts calls, from a thread of its own.
+
+    A call an actor sends itself from `__init__` during a restart can reach Ray's submitter while
+    the actor is still RESTARTING; Ray then fails it ("the actor is restarting") and does not retry
+    it, and a coordinator whose `start` is lost never runs (seen in CI as a job that hung after a
+    coordinator restart). So the call is made again until it returns (`start` is idempotent). Past
+    `deadline_s`, `give_up` runs: by default the process kills itself, Ray restarts it, and the next
+    incarnation tries again. `call` replaces the Ray call (tests)."""
+    import ray  # noqa: PLC0415
+    from ray.exceptions import GetTimeoutError, RayActorError  # noqa: PLC0415
+
+    def ray_call() -> Any:
+        return ray.get(getattr(ray.get_actor(name, namespace=namespace), method).remote(), timeout=30)
+
+    def kill_self() -> None:
+        log.error("%s.%s was not taken within %.0fs: this incarnation exits and Ray restarts it", name, method, deadline_s)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def run() -> None:
+        end = time.monotonic() + deadline_s
+        while time.monotonic() < end:
+            try:
+                (call or ray_call)()
+                return
+            except (RayActorError, GetTimeoutError, ValueError) as err:  # not accepting calls yet
+                log.warning("%s.%s not taken yet (%s); asking again", name, method, first_line(err))
+                time.sleep(0.2)
+        (give_up or kill_self)()
+
+    thread = threading.Thread(target=run, name=f"call-self-{method}", daemon=True)
+    thread.start()
+    return thread
+
+
+def in_thread(fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future:
+    """`fn(*args)` in a daemon thread of its own; its result (or exception) in the returned future."""
+    future: concurrent.futures.Future = concurrent.futures.Future()
+
+    def run() -> None:
+        try:
+            future.set_result(fn(*args))
+        except BaseException as err:  # noqa: BLE001 - handed to whoever waits for it
+            future.set_exception(err)
+
+    threading.Thread(target=run, name=getattr(fn, "__name__", "in_thread"), daemon=True).start()
+    return future

@@ -1,0 +1,234 @@
+"""The coordinator's decision paths, driven one event at a time through a fake worker group (no Ray).
+
+Each test builds the real `Coordinator` over `FakeWorkerGroup`, starts it on the test's event loop,
+makes things happen to workers (a death, a hang, a start that fails, no resources) and commits steps
+as rank 0 would report them, then checks what the coordinator decided: its plans, events, state
+file and final state. These were end-to-end tests of whole jobs before; what they check does not
+depend on training, so here each takes well under a second of work.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+
+from actors.control.fake import FakeWorkerGroup
+from actors.coordinator import Coordinator
+from algorithms.supervision import JobState
+from orchestrator.config import config_from_dict
+
+
+def config(name: str, **over: Any) -> dict:
+    cfg = {"name": name, "seed": 0,
+           "workers": {"count": 3, "cpus": 0.5, "heartbeat_s": 2.0, "start_grace_s": 0.2, "pause_after_s": 0.2},
+           "workload": {"factory": "orchestrator.workloads.digits:mlp", "params": {"hidden": 8}, "batch_size": 8},
+           "stop": {"max_steps": 1_000_000}, "eval_every": 0}
+    for key, value in over.items():
+        cfg[key] = {**cfg[key], **value} if isinstance(value, dict) and isinstance(cfg.get(key), dict) else value
+    return config_from_dict(cfg).to_dict()
+
+
+async def until(condition: Callable[[], Any], what: str, timeout: float = 10.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+async def started(cfg: dict, run_dir: Path, group: FakeWorkerGroup) -> Coordinator:
+    coord = Coordinator(cfg, "r1", str(run_dir), group=group)
+    await coord.start()
+    await until(lambda: coord.state == JobState.RUNNING, "RUNNING")
+    return coord
+
+
+async def ended(coord: Coordinator, timeout: float = 10.0) -> JobState:
+    await until(lambda: coord.state.terminal, "a terminal state", timeout)
+    await coord.release()
+    await asyncio.wait_for(coord._main_task, 5)
+    return coord.state
+
+
+def events(coord: Coordinator, kind: str = "") -> list:
+    return [e for e in coord.journal.events if not kind or e.kind == kind]
+
+
+def run(scenario) -> None:
+    asyncio.run(asyncio.wait_for(scenario, 25))
+
+
+def test_a_job_starts_commits_and_finishes_at_max_steps(tmp_path):
+    async def scenario():
+        group = FakeWorkerGroup()
+        coord = await started(config("plain", stop={"max_steps": 5}), tmp_path, group)
+        assert coord.book.plan.members == ("w0", "w1", "w2") and coord.book.plan.membership_epoch == 1
+        assert all(group.current(s).plan == coord.book.plan for s in ("w0", "w1", "w2")), "every member got the plan"
+        await group.commit(coord, 10)
+        assert await ended(coord) == JobState.FINISHED
+        assert [json.loads(line)["step"] for line in (tmp_path / "history.jsonl").read_text().splitlines()] == [1, 2, 3, 4, 5]
+        assert (tmp_path / "model.pt").read_bytes() == b"fake-state"
+    run(scenario())
+
+
+def test_a_death_re_forms_the_survivors_and_a_replacement_joins(tmp_path):
+    async def scenario():
+        group = FakeWorkerGroup()
+        coord = await started(config("death"), tmp_path, group)
+        await group.commit(coord, 3)
+        group.die("w1")
+        await until(lambda: coord.book.plan.members == ("w0", "w2"), "the survivors' plan")
+        survivors_epoch = coord.book.plan.membership_epoch
+        assert group.current("w0").aborted == [1] and survivors_epoch == 2
+        await group.commit(coord, 1)  # the survivors commit without w1: the replacement is admitted
+        await until(lambda: coord.book.plan.members == ("w0", "w2", "w1"), "the replacement's plan")
+        await group.commit(coord, 1)
+        await until(lambda: coord.state == JobState.RUNNING, "RUNNING again")
+        reshapes = [e.detail["detector"] for e in events(coord, "reshape")]
+        assert reshapes == ["actor death", "replacement"], reshapes
+        await coord.request_stop()
+        await group.commit(coord, 2)
+        assert await ended(coord) == JobState.STOPPED
+    run(scenario())
+
+
+def test_stop_while_paused_stops_the_survivors_at_their_committed_step(tmp_path):
+    """A death takes the job below workers.min with the slot retired (budget 1): PAUSED. A stop
+    then publishes the survivors' plan with the 'held' stop step (0): they stop where they are, and
+    the job saves their state (model and checkpoint). Without the held stop step they would be told
+    to train one more step, which a job below its minimum never commits: the stop would hang."""
+    async def scenario():
+        group = FakeWorkerGroup()
+        coord = await started(config("paused", workers={"min": 3, "failure_budget": 1}), tmp_path, group)
+        await group.commit(coord, 20)
+        group.die("w1")
+        await until(lambda: coord.state == JobState.PAUSED, "PAUSED")
+        assert "w1" in coord.book.retired
+        await coord.request_stop()
+        stop_plan = group.current("w0").plan
+        assert stop_plan.members == ("w0", "w2") and stop_plan.stop_step == 0, stop_plan
+        assert await ended(coord) == JobState.STOPPED
+        assert coord.journal.step == 20
+        assert (tmp_path / "model.pt").exists() and list((tmp_path / "checkpoints").glob("step-00000020.pt"))
+    run(scenario())
+
+
+def test_a_death_while_stopping_keeps_the_stop(tmp_path):
+    """A stop names step 21; before it commits, w2 dies. The survivors' re-formed plan must still carry
+    the stop step, or they would train on until the coordinator's force-stop timer killed them."""
+    async def scenario():
+        group = FakeWorkerGroup()
+        coord = await started(config("stopping", comm={"timeout_s": 30}), tmp_path, group)
+        await group.commit(coord, 20)
+        await coord.request_stop()
+        assert coord.state == JobState.STOPPING and coord.book.plan.stop_step == 21
+        group.die("w2")
+        await until(lambda: coord.book.plan.members == ("w0", "w1"), "the survivors' plan")
+        assert group.current("w0").plan.stop_step == 21, "the re-formed plan lost the stop"
+        await group.commit(coord, 5)
+        assert await ended(coord) == JobState.STOPPED
+        assert coord.journal.step == 21
+        assert not [e for e in events(coord) if "did not stop" in e.reason]
+    run(scenario())
+
+
+def test_a_replacement_adopts_a_ready_hot_spare_and_a_new_spare_starts_behind_it(tmp_path):
+    async def scenario():
+        group = FakeWorkerGroup()
+        coord = await started(config("spares", workers={"spares": 1}), tmp_path, group)
+        spare = await until(lambda: next((s for s in coord.spares.spares if s.ready), None), "a ready spare")
+        saved = json.loads((tmp_path / "coordinator.json").read_text())
+        assert saved["spares"] == [spare.name], "a spare's name is in the state file before it is used"
+        await group.commit(coord, 3)
+        group.die("w1")
+        await until(lambda: coord.book.plan.members == ("w0", "w2"), "the survivors' plan")
+        await group.commit(coord, 1)
+        await until(lambda: "w1" in coord.book.plan.members, "the replacement")
+        assert coord.book.members["w1"].handle is spare.handle, "w1 is the spare's actor"
+        assert group.current("w1").name == spare.name
+        assert any(e.reason.startswith("w1 is hot spare") for e in events(coord, "info"))
+        await group.commit(coord, 1)  # settled: the spare behind it starts
+        behind = await until(lambda: next((s for s in coord.spares.spares if s.ready), None), "a spare behind it")
+        assert behind.name != spare.name
+        await coord.request_stop()
+        await group.commit(coord, 2)
+        assert await ended(coord) == JobState.STOPPED
+        assert not coord.spares.spares and not behind.handle.alive, "the job's end kills its spares"
+    run(scenario())
+
+
+def test_a_slot_that_always_fails_to_start_is_retired_and_the_job_goes_on(tmp_path, monkeypatch):
+    monkeypatch.setattr("actors.control.launcher.RESTART_AFTER_S", 0.01)
+    async def scenario():
+        group = FakeWorkerGroup()
+        group.start_failures["w2"] = "ValueError: this workload always fails in slot w2"
+        coord = Coordinator(config("budget", workers={"min": 2, "failure_budget": 2}), "r1", str(tmp_path), group=group)
+        await coord.start()
+        await until(lambda: coord.state == JobState.RUNNING, "RUNNING on the others")
+        retired = await until(lambda: events(coord, "retired"), "w2 retired")
+        assert retired[0].detail == {"slot": "w2", "failures": 2}
+        assert coord.book.members["w2"].state.value == "retired"
+        assert "failure_budget = 2" in coord.book.members["w2"].cause
+        assert coord.book.plan.members == ("w0", "w1")
+        assert len([w for w in group.workers.values() if w.slot == "w2"]) == 2, "started twice, then no more"
+        await group.commit(coord, 5)
+        await coord.request_stop()
+        await group.commit(coord, 1)
+        assert await ended(coord) == JobState.STOPPED
+    run(scenario())
+
+
+def test_a_member_that_stops_answering_heartbeats_is_evicted(tmp_path):
+    async def scenario():
+        group = FakeWorkerGroup()
+        coord = await started(config("hang", workers={"heartbeat_s": 0.2}), tmp_path, group)
+        await group.commit(coord, 2)
+        group.hang("w0")
+        failure = await until(lambda: events(coord, "failure"), "the eviction")
+        assert failure[0].detail["detector"] == "heartbeat" and failure[0].detail["slot"] == "w0"
+        await until(lambda: coord.book.plan.members[:2] == ("w1", "w2"), "the survivors' plan")
+        await coord.request_stop()
+        await group.commit(coord, 3)
+        assert await ended(coord) == JobState.STOPPED
+    run(scenario())
+
+
+def test_below_min_with_no_resources_is_paused_and_resumes_when_placed(tmp_path):
+    async def scenario():
+        group = FakeWorkerGroup()
+        group.unplaced = True
+        coord = Coordinator(config("room", workers={"min": 2}), "r1", str(tmp_path), group=group)
+        await coord.start()
+        await until(lambda: coord.state == JobState.PAUSED, "PAUSED for resources")
+        assert "cannot be placed" in coord.cause
+        group.place()
+        await until(lambda: coord.state == JobState.RUNNING, "RUNNING once placed")
+        await coord.request_stop()
+        await group.commit(coord, 2)
+        assert await ended(coord) == JobState.STOPPED
+    run(scenario())
+
+
+def test_scale_up_and_down(tmp_path):
+    async def scenario():
+        group = FakeWorkerGroup()
+        coord = await started(config("scale", workers={"count": 2, "max": 4}), tmp_path, group)
+        await group.commit(coord, 2)
+        await coord.scale(4)
+        await until(lambda: len(coord.book.plan.members) == 4, "the join")
+        await group.commit(coord, 1)
+        await coord.scale(2)
+        assert coord.book.plan.members == ("w0", "w1")
+        await until(lambda: not group.current("w3").alive or group.current("w3").ended.done(), "w3 told to leave")
+        with pytest.raises(ValueError, match="outside"):
+            await coord.scale(9)
+        await coord.request_stop()
+        await group.commit(coord, 2)
+        assert await ended(coord) == JobState.STOPPED
+    run(scenario())

@@ -1,0 +1,80 @@
+"""The journal (actors/control/journal.py): events, history progress, the state file, checkpoints. No Ray."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+from actors import runfiles
+from actors.control.journal import EVENTS_KEPT, RESHAPES_SHOWN, Journal
+
+
+def record(step: int, t: float, **extra) -> dict:
+    return {"step": step, "time": t, "loss": 1.0 / step, "world_size": 2, "global_batch": 16, "micro_steps": 1,
+            "membership_epoch": 1, **extra}
+
+
+def test_memory_keeps_a_bounded_tail_of_the_events_and_the_file_keeps_all(tmp_path):
+    journal = Journal(tmp_path, keep_checkpoints=2)
+    n = 2500
+    for i in range(n):
+        journal.event("reshape", f"reshape {i}", membership_epoch=i)
+    on_disk = [e["reason"] for e in runfiles.read_jsonl(tmp_path / "events.jsonl")]
+    assert len(on_disk) == n and len(set(on_disk)) == n, "the file keeps every event"
+    assert [e.reason for e in journal.events] == on_disk[-EVENTS_KEPT:], "memory keeps the newest, in the file's order"
+    assert [e.reason for e in journal.recent_reshapes()] == on_disk[-RESHAPES_SHOWN:]
+
+
+def test_records_move_the_progress_and_throughput_counts_the_last_five_seconds(tmp_path):
+    journal = Journal(tmp_path, keep_checkpoints=2)
+    journal.open_history("rank0", 0)
+    now = time.time()
+    for step in range(1, 101):  # 10 steps/s over 10 s
+        assert journal.offer(record(step, now + step / 10, metrics={"accuracy": step / 100}))
+    assert not journal.offer(record(50, now + 20)), "a step already in history is not news"
+    assert journal.loss == 1.0 / 100 and journal.metrics == {"accuracy": 1.0}
+    assert abs(journal.throughput() - 10.0) < 1e-6
+    assert len(journal.recent) <= 51, "only the last five seconds are kept"
+    assert not journal.offer({"step": 100, "time": now, "final": True, "metrics": {"accuracy": 0.5}})
+    assert journal.metrics["accuracy"] == 0.5, "a final evaluation updates status, not history"
+    journal.history.close()  # the job ended: rank 0's newest step, held until then, is final
+    journal.close()
+    steps = [json.loads(line)["step"] for line in (tmp_path / "history.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, 101))
+
+
+def test_the_state_file_round_trips_with_the_events_and_the_step(tmp_path):
+    journal = Journal(tmp_path, keep_checkpoints=2)
+    journal.open_history("rank0", 0)
+    journal.offer(record(1, time.time()))
+    journal.loss = 0.5
+    number = journal.save_state({"epoch": 3, "loss": 0.5, "metrics": {"a": 1.0}})
+    assert journal.wait_saved(number, 10)
+    journal.event("info", "hello")
+    journal.history.close()
+    journal.close()
+    again = Journal(tmp_path, keep_checkpoints=2)
+    saved = again.load_state()
+    assert saved["epoch"] == 3 and again.loss == 0.5 and again.metrics == {"a": 1.0} and again.step == 1
+    assert [e.reason for e in again.events] == ["hello"]
+
+
+def test_a_checkpoint_is_verified_before_it_is_read(tmp_path):
+    async def scenario():
+        journal = Journal(tmp_path, keep_checkpoints=2)
+        path = await journal.save_checkpoint(7, b"x" * 100)
+        assert journal.checkpoint == (7, str(path))
+        assert await journal.read_checkpoint(path) == b"x" * 100
+        path.write_bytes(b"x" * 50)  # torn
+        try:
+            await journal.read_checkpoint(path)
+        except RuntimeError as err:
+            return str(err)
+        raise AssertionError("a torn checkpoint was read")
+    problem = asyncio.run(scenario())
+    assert "manifest says 100" in problem, problem
+
+
+def test_fired_faults_outlive_the_journal(tmp_path):
+    Journal(tmp_path, keep_checkpoints=1).fault_fired(2)
+    assert Journal(tmp_path, keep_checkpoints=1).fired_faults == {2}

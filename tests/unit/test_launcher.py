@@ -1,0 +1,104 @@
+"""The launcher (actors/control/launcher.py) over a fake worker group: no Ray."""
+from __future__ import annotations
+
+import asyncio
+
+from actors.control.book import MembershipBook
+from actors.control.fake import FakeWorkerGroup
+from actors.control.launcher import Launcher
+from actors.control.spares import SparePool
+from actors.plan import WorkerSpec
+from algorithms.supervision import JobState, MemberState
+from core.schema import JobConfig, parse
+from orchestrator.config import config_from_dict
+
+S = MemberState
+
+
+class Harness:
+    def __init__(self, spares: int = 0, budget: int = 3) -> None:
+        cfg = parse(JobConfig, config_from_dict({
+            "name": "job", "workers": {"count": 2, "max": 4, "failure_budget": budget, "spares": spares},
+            "workload": {"factory": "orchestrator.workloads.digits:mlp", "batch_size": 8},
+            "stop": {"max_steps": 10}}).to_dict())
+        self.group = FakeWorkerGroup()
+        self.book = MembershipBook(cfg, "r", "lockstep")
+        self.notes: list[tuple[str, str]] = []
+        self.admits = 0
+        self.may_start = True
+        spec = lambda slot, inc=0: WorkerSpec("job", "r", slot, "/tmp", "job", "ns", {}, (), incarnation=inc)  # noqa: E731
+        note = lambda kind, reason, **d: self.notes.append((kind, reason))  # noqa: E731
+        self.pool = SparePool(spares, self.group, "job/r", spec, lambda: 0, lambda n, t: True, note,
+                              wanted=lambda: True, settled=lambda: True)
+        self.launcher = Launcher(self.book, self.pool, self.group, "job/r", spec, lambda: (), note,
+                                 lambda: JobState.RUNNING, lambda: self.may_start, self.admit)
+
+    async def admit(self) -> None:
+        self.admits += 1
+
+    async def until(self, condition, what: str) -> None:
+        for _ in range(500):
+            if condition():
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError(what)
+
+
+def test_each_start_is_a_new_incarnation_and_a_ready_worker_is_admitted():
+    async def scenario():
+        h = Harness()
+        h.launcher.spawn(["w0", "w1"], "initial membership", "start")
+        await h.until(lambda: h.book.slots_in(S.READY) == ["w0", "w1"], "both ready")
+        assert [h.book.members[s].incarnation for s in ("w0", "w1")] == [1, 2] and h.admits == 2
+        assert h.book.members["w0"].join_reason[:2] == ("initial membership", "start")
+        assert h.group.current("w1").spec.incarnation == 2
+    asyncio.run(scenario())
+
+
+def test_a_ready_spare_is_used_before_a_fresh_actor():
+    async def scenario():
+        h = Harness(spares=1)
+        h.pool.fill()
+        await h.until(lambda: h.pool.spares and h.pool.spares[0].ready, "a ready spare")
+        spare = h.pool.spares[0]
+        h.launcher.spawn(["w0"], "replace", "replacement")
+        await h.until(lambda: h.book.slots_in(S.READY) == ["w0"], "w0 ready")
+        assert h.book.members["w0"].handle is spare.handle
+        assert "job/r/w0" not in {w.name for w in h.group.workers.values()}, "no fresh actor was created"
+    asyncio.run(scenario())
+
+
+def test_a_start_that_fails_is_tried_again_until_the_budget_retires_the_slot(monkeypatch):
+    monkeypatch.setattr("actors.control.launcher.RESTART_AFTER_S", 0.01)
+    async def scenario():
+        h = Harness(budget=3)
+        h.group.start_failures["w1"] = "ValueError: no"
+        h.launcher.spawn(["w1"], "start", "start")
+        await h.until(lambda: "w1" in h.book.retired, "w1 retired")
+        assert h.book.failures["w1"] == 3 and h.book.members["w1"].state == S.RETIRED
+        assert [k for k, _ in h.notes] == ["failure", "failure", "retired"]
+        assert len([w for w in h.group.workers.values() if w.slot == "w1"]) == 3
+    asyncio.run(scenario())
+
+
+def test_no_worker_is_started_once_a_stop_is_decided():
+    async def scenario():
+        h = Harness()
+        h.may_start = False
+        h.launcher.spawn(["w0"], "start", "start")
+        await asyncio.sleep(0.1)
+        assert not h.group.workers and h.book.members["w0"].state == S.STARTING and h.admits == 0
+    asyncio.run(scenario())
+
+
+def test_a_replacement_waits_for_its_slots_previous_actor_name(monkeypatch):
+    monkeypatch.setattr("actors.control.launcher.NAME_RELEASE_WAIT_S", 0.01)
+    async def scenario():
+        h = Harness()
+        old = h.group.create("job/r/w0", WorkerSpec("job", "r", "w0", "/tmp", "job", "ns", {}, ()))
+        h.launcher.spawn(["w0"], "replace", "replacement")
+        await asyncio.sleep(0.1)
+        assert h.book.members["w0"].state == S.STARTING, "not while the old actor holds the name"
+        old.alive = False
+        await h.until(lambda: h.book.members["w0"].state == S.READY, "started once the name is free")
+    asyncio.run(scenario())

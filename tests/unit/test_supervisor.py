@@ -1,0 +1,172 @@
+"""The supervisor (actors/control/supervisor.py): detectors and decisions, over a fake worker group and
+a recording stand-in for the coordinator shell's `Actions`. No Ray."""
+from __future__ import annotations
+
+import asyncio
+
+from actors.control.book import MembershipBook
+from actors.control.fake import FakeWorkerGroup
+from actors.control.supervisor import STRAGGLER_WARMUP_STEPS, Actions, Supervisor
+from actors.members import Member
+from actors.plan import WorkerSpec
+from algorithms.supervision import JobState, MemberState
+from core.schema import JobConfig, parse
+from orchestrator.config import config_from_dict
+
+S = MemberState
+
+
+class Recorder(Actions):
+    def __init__(self, book: MembershipBook) -> None:
+        self.book, self.state, self.stop_kind, self.cause = book, JobState.RUNNING, None, None
+        self.calls: list[tuple] = []
+
+    def view(self):
+        return self.book.view(self.state, self.stop_kind, None)
+
+    def transition(self, to, reason):
+        self.calls.append(("transition", to))
+        self.state = to
+
+    def set_cause(self, cause):
+        self.cause = cause
+
+    def reshape(self, members, reason, detector, detected_at, new_epoch=False):
+        self.calls.append(("reshape", members, detector))
+
+    def publish(self, members, reason):
+        self.calls.append(("publish", members))
+
+    def reform(self, reason):
+        self.calls.append(("reform", reason))
+
+    def abort_epoch(self, reason):
+        self.calls.append(("abort",))
+
+    def begin_stop(self, kind, cause, stop_step):
+        self.stop_kind = kind
+        self.calls.append(("stop", kind, stop_step))
+
+    def restore_on_admit(self):
+        self.calls.append(("restore",))
+
+    def replace(self, slot):
+        self.calls.append(("replace", slot))
+
+    async def slot_failed(self, member, phase, cause):
+        return False
+
+    async def end(self, state, reason, detail=None, quiet=False):
+        self.calls.append(("end", state))
+
+    async def finish(self):
+        self.calls.append(("finish",))
+
+
+def harness(n: int = 4, **workers):
+    cfg = parse(JobConfig, config_from_dict({
+        "name": "s", "workers": {"count": n, "min": 2, "heartbeat_s": 0.2, **workers},
+        "workload": {"factory": "orchestrator.workloads.digits:mlp", "batch_size": 8},
+        "stop": {"max_steps": 10}}).to_dict())
+    group = FakeWorkerGroup()
+    book = MembershipBook(cfg, "r", "lockstep")
+    for i in range(n):
+        handle = group.create(f"s/r/w{i}", WorkerSpec("s", "r", f"w{i}", "/tmp", "s", "ns", {}, ()))
+        group.send(handle, "run")
+        book.members[f"w{i}"] = Member(f"w{i}", handle, state=S.TRAINING)
+    book.next_plan(tuple(book.members), "start", incarnation=0, store_host="h", store_port=0, history_step=0)
+    actions = Recorder(book)
+    notes: list[tuple[str, str, dict]] = []
+    sup = Supervisor(cfg, book, group, actions, lambda kind, reason, **d: notes.append((kind, reason, d)), "lockstep",
+                     lambda: 7)
+    return sup, group, book, actions, notes
+
+
+def test_deaths_that_come_together_re_form_the_survivors_once():
+    async def scenario():
+        sup, group, book, actions, notes = harness(6)
+        sup.start()
+        for m in book.members.values():
+            sup.watch(m)
+        for slot in ("w1", "w3", "w4"):
+            group.die(slot)
+            await asyncio.sleep(0.002)
+        batch = await sup.next_outcomes(1.0)
+        assert len(batch) == 3, "outcomes a few ms apart are one batch"
+        await sup.handle(batch)
+        reshapes = [c for c in actions.calls if c[0] == "reshape"]
+        assert reshapes == [("reshape", ("w0", "w2", "w5"), "actor death")], actions.calls
+        assert [c[1] for c in actions.calls if c[0] == "replace"] == ["w1", "w3", "w4"]
+        assert [d["slot"] for k, _, d in notes if k == "failure"] == ["w1", "w3", "w4"]
+    asyncio.run(scenario())
+
+
+def test_a_later_death_that_pauses_the_job_drops_the_batchs_re_form():
+    async def scenario():
+        sup, group, book, actions, _ = harness(4, min=3)
+        sup.start()
+        for m in book.members.values():
+            sup.watch(m)
+        group.die("w1")
+        group.die("w2")
+        await sup.handle(await sup.next_outcomes(1.0))
+        assert not [c for c in actions.calls if c[0] == "reshape"], "below workers.min: no plan, PAUSED"
+        assert ("transition", JobState.PAUSED) in actions.calls
+    asyncio.run(scenario())
+
+
+def test_a_member_that_does_not_answer_heartbeats_is_evicted_as_hung():
+    async def scenario():
+        sup, group, book, actions, notes = harness()
+        sup.start()
+        group.hang("w2")
+        beats = asyncio.get_running_loop().create_task(sup.heartbeats())
+        batch = await sup.next_outcomes(3.0)
+        beats.cancel()
+        assert [m.slot for m, *_ in batch] == ["w2"]
+        await sup.handle(batch)
+        assert book.members["w2"].state == S.HUNG and not group.current("w2").alive
+        assert notes[0][2]["detector"] == "heartbeat"
+    asyncio.run(scenario())
+
+
+def test_a_failed_collective_with_everyone_answering_re_forms_and_a_silent_member_is_evicted():
+    async def scenario():
+        sup, group, book, actions, _ = harness()
+        sup.start()
+        await sup.collective_failed("w0", book.epoch, "connection reset")
+        assert actions.calls == [("reform", "w0's collective failed with every member alive: connection reset")]
+        group.hang("w3")
+        await sup.collective_failed("w0", book.epoch, "timeout")
+        assert book.members["w3"].evicted[0] == "collective failure"
+        assert await sup.next_outcomes(0.1), "the eviction is an outcome"
+        await sup.collective_failed("w0", book.epoch - 1, "late")  # an older epoch's failure: nothing
+        assert len([c for c in actions.calls if c[0] == "reform"]) == 1
+    asyncio.run(scenario())
+
+
+def test_stop_while_paused_stops_at_the_held_step_and_a_running_stop_at_the_next(monkeypatch):
+    async def scenario():
+        sup, _, _, actions, _ = harness()
+        actions.state = JobState.PAUSED
+        await sup.stop("STOPPED", "asked")
+        assert ("stop", "STOPPED", 0) in actions.calls and ("publish", ("w0", "w1", "w2", "w3")) in actions.calls
+        sup, _, _, actions, _ = harness()
+        await sup.stop("STOPPED", "asked")
+        assert ("stop", "STOPPED", 8) in actions.calls, "the step after the committed step 7"
+    asyncio.run(scenario())
+
+
+def test_stragglers_are_named_after_their_warm_up_at_most_every_half_second(monkeypatch):
+    sup, _, book, _, notes = harness()
+    clock = [1000.0]
+    monkeypatch.setattr("actors.control.supervisor.time.time", lambda: clock[0])
+    for slot in ("w0", "w1", "w2"):
+        sup.progress(book.members[slot], STRAGGLER_WARMUP_STEPS, 0.1)
+    sup.progress(book.members["w3"], STRAGGLER_WARMUP_STEPS - 1, 0.5)
+    assert not [n for n in notes if n[0] == "straggler"], "not during its warm-up"
+    sup.progress(book.members["w3"], STRAGGLER_WARMUP_STEPS, 0.5)
+    assert not [n for n in notes if n[0] == "straggler"], "not again within half a second"
+    clock[0] += 0.5
+    sup.progress(book.members["w3"], STRAGGLER_WARMUP_STEPS + 1, 0.5)
+    assert [n[2]["slot"] for n in notes if n[0] == "straggler"] == ["w3"]
