@@ -146,7 +146,7 @@ class Coordinator(Actions):
             state["members"], spares = self._saved["members"], [*self._saved.get("spares", ()), *spares]
         state.update({"incarnation": self.incarnation, "state": self.state.value, "stop_kind": self.stop_kind,
                       "cause": self.cause, "started_at": self.started_at, "running_since": self.running_since,
-                      "loss": self.journal.loss, "metrics": self.journal.metrics, "spares": spares,
+                      "loss": self.journal.loss, "metrics": dict(self.journal.metrics), "spares": spares,
                       "started_workers": self.launcher.started, "started_spares": self.spares.started,
                       "secret": self.secret.hex()})
         return self.journal.save_state(state)
@@ -564,7 +564,7 @@ class Coordinator(Actions):
                 joiners: tuple[str, ...] = (), leavers: tuple[str, ...] = (), new_epoch: bool = False) -> Plan:
         old = self.book.plan.members
         if self.state in (JobState.RUNNING, JobState.PAUSED):
-            self.transition(JobState.RESHAPING, reason)
+            self.transition(JobState.RESHAPING, reason, persist=False)  # the publication below saves both
         plan = self.publish(members, reason, new_epoch=new_epoch)
         self.book.open_reshape(plan, old, reason, detector, detected_at, joiners, leavers)
         return plan
@@ -617,11 +617,13 @@ class Coordinator(Actions):
     async def slot_failed(self, member: Member, phase: str, cause: str) -> bool:
         return await self.launcher.slot_failed(member, phase, cause)
 
-    def transition(self, to: JobState, reason: str, **detail: Any) -> None:
+    def transition(self, to: JobState, reason: str, persist: bool = True, **detail: Any) -> None:
         self.journal.event("transition", reason, state_from=self.state.value, state_to=to.value, **detail)
         self.state = to
         if to.terminal:
             self.ended_at = time.time()
+        if not persist and not to.terminal:
+            return
         number = self._persist()
         if to.terminal:
             self.journal.wait_saved(number, 30)  # on disk before the driver, told the job ended, reads it

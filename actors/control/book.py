@@ -184,11 +184,13 @@ class MembershipBook:
 
     # ------------------------------------------------------------------ the state file
     def snapshot(self) -> dict[str, Any]:
-        """What a restarted coordinator cannot re-learn from the live workers."""
+        """What a restarted coordinator cannot re-learn from the live workers: a copy that later changes
+        to the book leave alone (it is serialized in another thread)."""
+        plan = {f.name: getattr(self.plan, f.name) for f in dataclasses.fields(self.plan)} if self.plan else None
         return {"epoch": self.epoch, "version": self.version, "target_count": self.target_count,
-                "plan": dataclasses.asdict(self.plan) if self.plan else None, "failures": self.failures,
-                "retired": self.retired, "stop_step": self.stop_step, "pending": self.pending,
-                "departed": [d.__dict__ for d in self.departed],
+                "plan": plan, "failures": dict(self.failures),
+                "retired": dict(self.retired), "stop_step": self.stop_step, "pending": [dict(r, state_sources=dict(r["state_sources"])) for r in self.pending],
+                "departed": [dict(d.__dict__) for d in self.departed],
                 "members": {slot: {"state": m.state.value, "pid": m.pid, "node": m.node, "node_id": m.node_id,
                                    "cause": m.cause, "incarnation": m.incarnation, "actor_name": m.actor_name,
                                    "holds_state": m.holds_state} for slot, m in self.members.items()}}

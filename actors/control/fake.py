@@ -92,6 +92,7 @@ class FakeWorkerGroup(WorkerGroup):
         self.start_failures: dict[str, str] = {}
         """slot -> error: a new worker of that slot fails to start (its workload raises)."""
         self.plans_sent = 0
+        self._plan_members: tuple[int, frozenset] = (-1, frozenset())
         self.kills = 0
 
     # ------------------------------------------------------------------ what a test does to workers
@@ -178,12 +179,18 @@ class FakeWorkerGroup(WorkerGroup):
             handle.plan_at = time.perf_counter()
             if handle.running and plan.stop_step is not None and plan.stop_step <= handle.step and plan.stop_step >= 0:
                 self.finish(handle.slot, handle.holds_state)  # already at (or past) the stop: done
-            elif handle.running and handle.slot not in plan.members:
+            elif handle.running and handle.slot not in self._members_of(plan):
                 self.finish(handle.slot, handle.holds_state)  # dropped by a scale-down: it leaves
         elif method == "run":
             handle.running, handle.phase = True, "waiting"
         elif method == "abort_epoch":
             handle.aborted.append(args[0])
+
+    def _members_of(self, plan: Plan) -> frozenset:
+        """The plan's members as a set, made once per plan (a tuple's `in` per member is O(n^2) per plan)."""
+        if self._plan_members[0] != plan.version:
+            self._plan_members = (plan.version, frozenset(plan.members))
+        return self._plan_members[1]
 
     async def call(self, handle: FakeWorker, method: str, *args: Any, timeout: Optional[float] = None) -> Any:
         if handle.hung and method in ("heartbeat", "status"):

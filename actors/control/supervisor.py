@@ -29,6 +29,7 @@ STRAGGLER_WARMUP_STEPS = 20
 """Steps a member trains before its step-time estimate is compared with the others'."""
 STRAGGLER_EVERY_S = 0.5
 """The stragglers are found again at most this often (over every member: not at every report)."""
+HEARTBEAT_SLICES = 16
 QUIET_S = 0.01
 """Outcomes that come within this of one another are handled together: one re-form for them all."""
 GATHER_MAX_S = 0.1
@@ -134,13 +135,19 @@ class Supervisor:
                        straggler=change.straggler, ratio=round(change.ratio, 3))
 
     async def heartbeats(self) -> None:
-        """Evict a worker that stops answering (SIGSTOP, frozen) or whose step never ends."""
+        """Evict a worker that stops answering (SIGSTOP, frozen) or whose step never ends. Each period's
+        heartbeats go out in HEARTBEAT_SLICES slices spread over the period, not in one burst (a burst
+        of a thousand calls held the event loop about 20 ms, and a death's re-form waited behind it)."""
         period = min(1.0, self.cfg.workers.heartbeat_s / 4)
         while not self.actions.state.terminal:
-            await asyncio.sleep(period)
-            for member in list(self.book.members.values()):
-                if member.state == S.TRAINING and member.evicted is None and (member.beat_task is None or member.beat_task.done()):
-                    member.beat_task = asyncio.get_running_loop().create_task(self._beat(member))
+            members = list(self.book.members.values())
+            size = -(-len(members) // HEARTBEAT_SLICES) or 1
+            for first in range(0, max(len(members), 1), size):
+                await asyncio.sleep(period / HEARTBEAT_SLICES)
+                for member in members[first:first + size]:
+                    if member.state == S.TRAINING and member.evicted is None and \
+                            (member.beat_task is None or member.beat_task.done()):
+                        member.beat_task = asyncio.get_running_loop().create_task(self._beat(member))
 
     async def _beat(self, member: Member) -> None:
         w = self.cfg.workers

@@ -42,8 +42,17 @@ async def until(condition: Callable[[], Any], what: str, timeout: float = 10.0) 
     raise AssertionError(f"timed out waiting for {what}")
 
 
-async def started(cfg: dict, run_dir: Path, group: FakeWorkerGroup) -> Coordinator:
+RUNNING_NOW: list[Coordinator] = []
+
+
+def coordinator(cfg: dict, run_dir: Path, group: FakeWorkerGroup) -> Coordinator:
     coord = Coordinator(cfg, "r1", str(run_dir), group=group)
+    RUNNING_NOW.append(coord)
+    return coord
+
+
+async def started(cfg: dict, run_dir: Path, group: FakeWorkerGroup) -> Coordinator:
+    coord = coordinator(cfg, run_dir, group)
     await coord.start()
     await until(lambda: coord.state == JobState.RUNNING, "RUNNING")
     return coord
@@ -61,7 +70,19 @@ def events(coord: Coordinator, kind: str = "") -> list:
 
 
 def run(scenario) -> None:
-    asyncio.run(asyncio.wait_for(scenario, 25))
+    """The scenario on a fresh event loop, failing after 25 s; a coordinator left running (the scenario
+    failed) is released, so that its linger (which waits for a driver's release) does not hold the test."""
+    async def guarded():
+        try:
+            await asyncio.wait_for(scenario, 25)
+        finally:
+            for coord in RUNNING_NOW:
+                if coord._released is not None:
+                    coord._released.set()
+                if coord._main_task is not None and not coord._main_task.done():
+                    coord._main_task.cancel()
+            RUNNING_NOW.clear()
+    asyncio.run(guarded())
 
 
 def test_a_job_starts_commits_and_finishes_at_max_steps(tmp_path):
@@ -168,7 +189,7 @@ def test_a_slot_that_always_fails_to_start_is_retired_and_the_job_goes_on(tmp_pa
     async def scenario():
         group = FakeWorkerGroup()
         group.start_failures["w2"] = "ValueError: this workload always fails in slot w2"
-        coord = Coordinator(config("budget", workers={"min": 2, "failure_budget": 2}), "r1", str(tmp_path), group=group)
+        coord = coordinator(config("budget", workers={"min": 2, "failure_budget": 2}), tmp_path, group)
         await coord.start()
         await until(lambda: coord.state == JobState.RUNNING, "RUNNING on the others")
         retired = await until(lambda: events(coord, "retired"), "w2 retired")
@@ -203,7 +224,7 @@ def test_below_min_with_no_resources_is_paused_and_resumes_when_placed(tmp_path)
     async def scenario():
         group = FakeWorkerGroup()
         group.unplaced = True
-        coord = Coordinator(config("room", workers={"min": 2}), "r1", str(tmp_path), group=group)
+        coord = coordinator(config("room", workers={"min": 2}), tmp_path, group)
         await coord.start()
         await until(lambda: coord.state == JobState.PAUSED, "PAUSED for resources")
         assert "cannot be placed" in coord.cause
@@ -228,6 +249,25 @@ def test_scale_up_and_down(tmp_path):
         await until(lambda: not group.current("w3").alive or group.current("w3").ended.done(), "w3 told to leave")
         with pytest.raises(ValueError, match="outside"):
             await coord.scale(9)
+        await coord.request_stop()
+        await group.commit(coord, 2)
+        assert await ended(coord) == JobState.STOPPED
+    run(scenario())
+
+
+def test_members_that_die_together_abort_the_epoch_once_and_re_form_once(tmp_path):
+    async def scenario():
+        group = FakeWorkerGroup()
+        coord = await started(config("storm", workers={"count": 8, "min": 2}), tmp_path, group)
+        await group.commit(coord, 3)
+        epoch = coord.book.epoch
+        for slot in ("w1", "w4", "w6"):
+            group.die(slot)
+            await asyncio.sleep(0.003)
+        await until(lambda: coord.book.plan.members == ("w0", "w2", "w3", "w5", "w7"), "the survivors' plan")
+        assert coord.book.epoch == epoch + 1, "one re-form for the three deaths"
+        assert group.current("w0").aborted == [epoch], "the epoch aborted once"
+        assert len([e for e in events(coord, "failure")]) == 3
         await coord.request_stop()
         await group.commit(coord, 2)
         assert await ended(coord) == JobState.STOPPED
