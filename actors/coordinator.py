@@ -30,10 +30,12 @@ from typing import Any, Optional
 
 import ray
 
-from actors import checkpoints, runfiles
+from actors import runfiles
 from actors.control.book import ADMIT_HOLD_S, MembershipBook
+from actors.control.endings import committed_states, final_model
 from actors.control.journal import Journal
 from actors.control.launcher import Launcher
+from actors.control.restart import reattach, records_since
 from actors.control.spares import SparePool
 from actors.control.supervisor import Actions, Supervisor
 from actors.control.workers import RayWorkerGroup, WorkerGroup
@@ -349,44 +351,15 @@ class Coordinator(Actions):
         decided = time.time()
         self.faults.maybe_die("recover")
         await self._serve_store()
-        found, lost, epochs = [], [], []
-        for name in self._saved.get("spares", ()):  # the dead incarnation's spares: new ones start below
-            self.group.kill(self.group.lookup(name))
-        for slot, saved in self._saved["members"].items():
-            handle = self.group.lookup(saved.get("actor_name") or f"{self.prefix}/{slot}")
-            if saved["state"] not in (S.TRAINING.value, S.LEAVING.value):  # a joiner not admitted yet: started again
-                self.group.kill(handle)
-                continue
-            info = await self.group.ask(handle, "status") if handle is not None else None
-            member = Member(slot, handle, pid=saved["pid"], node=saved["node"], node_id=saved["node_id"], state=S(saved["state"]),
-                            incarnation=saved.get("incarnation", 0), actor_name=saved.get("actor_name", ""),
-                            # a joiner waiting for the state, unless it loaded one meanwhile
-                            holds_state=saved.get("holds_state", True) or bool(info and info.get("holds_state")))
-            self.book.members[slot] = member
-            if info is None:
-                member.state, member.cause = S.DEAD, "gone while the coordinator was down"
-                self.book.depart(member, self.group.actor_id(handle))
-                lost.append(slot)
-                continue
-            found.append(slot)
-            newest = info["plan"]
-            if newest is not None:
-                epochs.append(newest.membership_epoch)
-                if self.book.plan is None or newest.version > self.book.plan.version:
-                    self.book.plan = newest  # published just before the crash, never saved
-            self.supervisor.watch(member)
+        found, lost, epochs = await reattach(self._saved, self.book, self.group, self.prefix, self.supervisor.watch)
         server_epoch = 0
         if self.server is not None:
             await self.server.refresh_summary()
             server_epoch = int((self.server.summary or {}).get("membership_epoch", 0))
         self.book.epoch = recovered_epoch(self.book.epoch, epochs, server_epoch) - 1  # the next publication takes the one after
         self.book.version = max(self.book.version, self.book.plan.version if self.book.plan else 0)
-        kept: dict[tuple, dict] = {}  # records committed while no coordinator listened: every member keeps its newest
-        for slot in found:
-            for record in await self.group.ask(self.book.members[slot].handle, "records_after", self.history.written_step) or ():
-                kept.setdefault((record["step"], record.get("slot", "")), record)
-        for key in sorted(kept):
-            self._accept_record(kept[key])
+        for record in await records_since(found, self.book, self.group, self.history.written_step):
+            self._accept_record(record)
         if self.server is not None:  # what it reported while no coordinator listened
             for record in await self.server.records_after(self.history.written_step):
                 self._accept_record(record)
@@ -686,52 +659,21 @@ class Coordinator(Actions):
         self.journal.step = self.history.step([s for s in plan.members if members[s].holds_state]) \
             if self.history.reporter == "each" and plan else self.history.written_step
         kind = JobState(self.stop_kind or "FINISHED")
-        # Every holder has the committed state: rank 0 of the plan, unless it died after the others finished.
-        ranked = [members[s] for s in plan.members] + list(members.values()) if plan else []
-        rank0 = next((m for m in ranked if m.holds_state and m.state in (S.FINISHED, S.TRAINING)), None)
         if plan is not None or self.server is not None:
             try:
-                if self.algorithm.final_model == "average":
-                    blob = await self._average_of_replicas()
-                elif rank0 is None and self.server is None:
-                    raise RuntimeError("no live member holds the committed state")
-                else:
-                    blob = await (self.server.model_state() if self.server is not None else
-                                  self.group.call(rank0.handle, "final_state", timeout=60))
+                blob, _ = await final_model(self.algorithm.final_model, self.book, self.group, self.server,
+                                            self.journal.event, self.journal.metrics)
                 self.journal.write_model(blob)
                 if kind != JobState.FINISHED:  # a stopped or failed job can be continued with --resume
                     await self.journal.save_checkpoint(self.journal.step, blob,
                                                        f"checkpoint at step {self.journal.step} on {kind.value.lower()}")
             except Exception as err:  # noqa: BLE001
-                self.journal.event("info", f"could not fetch the final model from "
-                                           f"{'the server' if self.server else getattr(rank0, 'slot', 'a member')}: {first_line(err)}")
-        final = {}
-        if kind == JobState.FAILED and plan:  # each member's committed (step, checksum), straight from the worker
-            for slot in plan.members:
-                info = await self.group.ask(members[slot].handle, "status", timeout=3.0)
-                final[slot] = {"step": info["step"], "checksum": info["checksum"]} if info else {"error": "no answer"}
+                self.journal.event("info", f"could not fetch the final model: {first_line(err)}")
+        survivors = await committed_states(self.book, self.group) if kind == JobState.FAILED and plan else None
         if kind == JobState.FINISHED:
             self.cause = None
         await self.end(kind, self.cause or f"all members reached the stop step {self.journal.step}", quiet=True,
-                       survivors=final or None)
-
-    async def _average_of_replicas(self) -> bytes:
-        """The final model of the kinds whose replicas differ: the average over the members that finished
-        (a member that finished first is no longer in the newest plan) and those of the plan still
-        training, with the first one's other state."""
-        holders = [m for m in self.book.members.values() if m.holds_state and
-                   (m.state == S.FINISHED or (m.state == S.TRAINING and m.slot in self.book.plan.members))]
-        if not holders:  # never a replica that never trained or loaded a state
-            raise RuntimeError("no member holds a trained replica")
-        blobs = await asyncio.gather(*(self.group.call(m.handle, "final_state", timeout=60) for m in holders))
-        blob = await asyncio.to_thread(checkpoints.average_states, list(blobs))
-        metrics = await self.group.ask(holders[0].handle, "evaluate_state", blob, timeout=60) or {}
-        self.journal.metrics.update(metrics)
-        shown = ", ".join(f"{k} {v:.4f}" for k, v in metrics.items())
-        self.journal.event("info", f"final model: the average of {len(holders)} replicas "
-                                   f"({', '.join(m.slot for m in holders)})" + (f": {shown}" if shown else ""),
-                           replicas=[m.slot for m in holders], metrics=metrics)
-        return blob
+                       survivors=survivors)
 
     async def end(self, state: JobState, reason: str, detail: Optional[dict] = None, quiet: bool = False,
                   survivors: Optional[dict] = None) -> None:

@@ -49,6 +49,10 @@ from core.schema import JobConfig, parse
 
 log = logging.getLogger(__name__)
 REPORT_EVERY_S = 0.25
+REPORTS_PER_S = 2000.0
+"""The coordinator's share of reports: a member reports every REPORT_EVERY_S, or less often in a job
+so large that all of them together would send more than this many per second (Ray's own figure for
+calls into one async actor from one caller is 4,100-4,800 per second; see docs/control-plane.md)."""
 KEEP_RECORDS = 2048
 """Records each member keeps of its newest commit points, for the coordinator to catch up from
 (a departed rank 0's unreported steps, a restarted coordinator's gap)."""
@@ -631,7 +635,8 @@ class Replica:
 
     def _flush_report(self, force: bool = False) -> None:
         now = time.monotonic()
-        if not force and now - self._last_report < REPORT_EVERY_S:
+        world = len(self.plan.members) if self.plan else 1
+        if not force and now - self._last_report < max(REPORT_EVERY_S, world / REPORTS_PER_S):
             return
         self._last_report = now
         epoch = self.plan.membership_epoch if self.plan else 0

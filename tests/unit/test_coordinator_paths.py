@@ -65,6 +65,13 @@ async def ended(coord: Coordinator, timeout: float = 10.0) -> JobState:
     return coord.state
 
 
+async def stopped(coord: Coordinator, group: FakeWorkerGroup, steps: int = 2) -> None:
+    """A stop asked for, the steps up to the stop step committed: the job ends STOPPED."""
+    await coord.request_stop()
+    await group.commit(coord, steps)
+    assert await ended(coord) == JobState.STOPPED
+
+
 def events(coord: Coordinator, kind: str = "") -> list:
     return [e for e in coord.journal.events if not kind or e.kind == kind]
 
@@ -113,9 +120,7 @@ def test_a_death_re_forms_the_survivors_and_a_replacement_joins(tmp_path):
         await until(lambda: coord.state == JobState.RUNNING, "RUNNING again")
         reshapes = [e.detail["detector"] for e in events(coord, "reshape")]
         assert reshapes == ["actor death", "replacement"], reshapes
-        await coord.request_stop()
-        await group.commit(coord, 2)
-        assert await ended(coord) == JobState.STOPPED
+        await stopped(coord, group, 2)
     run(scenario())
 
 
@@ -177,9 +182,7 @@ def test_a_replacement_adopts_a_ready_hot_spare_and_a_new_spare_starts_behind_it
         await group.commit(coord, 1)  # settled: the spare behind it starts
         behind = await until(lambda: next((s for s in coord.spares.spares if s.ready), None), "a spare behind it")
         assert behind.name != spare.name
-        await coord.request_stop()
-        await group.commit(coord, 2)
-        assert await ended(coord) == JobState.STOPPED
+        await stopped(coord, group, 2)
         assert not coord.spares.spares and not behind.handle.alive, "the job's end kills its spares"
     run(scenario())
 
@@ -199,9 +202,7 @@ def test_a_slot_that_always_fails_to_start_is_retired_and_the_job_goes_on(tmp_pa
         assert coord.book.plan.members == ("w0", "w1")
         assert len([w for w in group.workers.values() if w.slot == "w2"]) == 2, "started twice, then no more"
         await group.commit(coord, 5)
-        await coord.request_stop()
-        await group.commit(coord, 1)
-        assert await ended(coord) == JobState.STOPPED
+        await stopped(coord, group, 1)
     run(scenario())
 
 
@@ -214,9 +215,7 @@ def test_a_member_that_stops_answering_heartbeats_is_evicted(tmp_path):
         failure = await until(lambda: events(coord, "failure"), "the eviction")
         assert failure[0].detail["detector"] == "heartbeat" and failure[0].detail["slot"] == "w0"
         await until(lambda: coord.book.plan.members[:2] == ("w1", "w2"), "the survivors' plan")
-        await coord.request_stop()
-        await group.commit(coord, 3)
-        assert await ended(coord) == JobState.STOPPED
+        await stopped(coord, group, 3)
     run(scenario())
 
 
@@ -230,9 +229,7 @@ def test_below_min_with_no_resources_is_paused_and_resumes_when_placed(tmp_path)
         assert "cannot be placed" in coord.cause
         group.place()
         await until(lambda: coord.state == JobState.RUNNING, "RUNNING once placed")
-        await coord.request_stop()
-        await group.commit(coord, 2)
-        assert await ended(coord) == JobState.STOPPED
+        await stopped(coord, group, 2)
     run(scenario())
 
 
@@ -249,9 +246,7 @@ def test_scale_up_and_down(tmp_path):
         await until(lambda: not group.current("w3").alive or group.current("w3").ended.done(), "w3 told to leave")
         with pytest.raises(ValueError, match="outside"):
             await coord.scale(9)
-        await coord.request_stop()
-        await group.commit(coord, 2)
-        assert await ended(coord) == JobState.STOPPED
+        await stopped(coord, group, 2)
     run(scenario())
 
 
@@ -268,7 +263,5 @@ def test_members_that_die_together_abort_the_epoch_once_and_re_form_once(tmp_pat
         assert coord.book.epoch == epoch + 1, "one re-form for the three deaths"
         assert group.current("w0").aborted == [epoch], "the epoch aborted once"
         assert len([e for e in events(coord, "failure")]) == 3
-        await coord.request_stop()
-        await group.commit(coord, 2)
-        assert await ended(coord) == JobState.STOPPED
+        await stopped(coord, group, 2)
     run(scenario())

@@ -1,0 +1,64 @@
+"""The end of a job: its final model, and each member's committed state when it failed.
+
+Once every member of the plan finished at the same committed step, the job keeps one model: the
+parameter server's (server kinds), rank 0's (every holder has the committed state; rank 0 of the
+plan, unless it died after the others finished), or the average of the replicas (the kinds whose
+replicas differ), evaluated once. A job that FAILED records each member's committed step and
+checksum, straight from the worker.
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Callable, Optional
+
+from actors import checkpoints
+from actors.control.book import MembershipBook
+from actors.control.workers import WorkerGroup
+from algorithms.supervision import MemberState
+
+S = MemberState
+CALL_TIMEOUT_S = 60.0
+
+
+async def final_model(final: str, book: MembershipBook, group: WorkerGroup, server: Any,
+                      note: Callable[..., Any], metrics: dict) -> tuple[bytes, str]:
+    """(the model's bytes, where it came from); raises when nobody holds it. `final`: the kind's
+    "average" or "rank0"; `metrics` is updated with the average's evaluation."""
+    if final == "average":
+        return await average_of_replicas(book, group, note, metrics), "the replicas"
+    if server is not None:
+        return await server.model_state(), "the server"
+    plan, members = book.plan, book.members
+    ranked = [members[s] for s in plan.members] + list(members.values())
+    rank0 = next((m for m in ranked if m.holds_state and m.state in (S.FINISHED, S.TRAINING)), None)
+    if rank0 is None:
+        raise RuntimeError("no live member holds the committed state")
+    return await group.call(rank0.handle, "final_state", timeout=CALL_TIMEOUT_S), rank0.slot
+
+
+async def average_of_replicas(book: MembershipBook, group: WorkerGroup, note: Callable[..., Any],
+                              metrics: dict) -> bytes:
+    """The average over the members that finished (a member that finished first is no longer in the
+    newest plan) and those of the plan still training, with the first one's other state; never a
+    replica that never trained or loaded a state."""
+    holders = [m for m in book.members.values() if m.holds_state and
+               (m.state == S.FINISHED or (m.state == S.TRAINING and m.slot in book.plan.members))]
+    if not holders:
+        raise RuntimeError("no member holds a trained replica")
+    blobs = await asyncio.gather(*(group.call(m.handle, "final_state", timeout=CALL_TIMEOUT_S) for m in holders))
+    blob = await asyncio.to_thread(checkpoints.average_states, list(blobs))
+    evaluated = await group.ask(holders[0].handle, "evaluate_state", blob, timeout=CALL_TIMEOUT_S) or {}
+    metrics.update(evaluated)
+    shown = ", ".join(f"{k} {v:.4f}" for k, v in evaluated.items())
+    note("info", f"final model: the average of {len(holders)} replicas ({', '.join(m.slot for m in holders)})"
+                 + (f": {shown}" if shown else ""), replicas=[m.slot for m in holders], metrics=evaluated)
+    return blob
+
+
+async def committed_states(book: MembershipBook, group: WorkerGroup) -> Optional[dict]:
+    """Each plan member's committed (step, checksum), as the worker says."""
+    out = {}
+    for slot in book.plan.members:
+        info = await group.ask(book.members[slot].handle, "status", timeout=3.0)
+        out[slot] = {"step": info["step"], "checksum": info["checksum"]} if info else {"error": "no answer"}
+    return out or None

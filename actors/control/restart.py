@@ -1,0 +1,62 @@
+"""What a restarted coordinator finds: the members that are still alive, and what they committed.
+
+A formed group needs no coordinator, so the members of a dead incarnation train on. The new one
+looks up each member the state file names (by its own actor name, or the spare's it adopted),
+asks it for its status, and takes the live ones back with their newest plan (one published just
+before the crash was never saved); joiners that were not admitted yet are killed (they start
+again). Then it collects the records committed while nobody listened: every member keeps its
+newest ones, and a record of the same step from two members is taken once.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from actors.control.book import MembershipBook
+from actors.control.workers import WorkerGroup
+from actors.members import Member
+from algorithms.supervision import MemberState
+
+S = MemberState
+
+
+async def reattach(saved: dict[str, Any], book: MembershipBook, group: WorkerGroup, prefix: str,
+                   watch: Callable[[Member], None]) -> tuple[list[str], list[str], list[int]]:
+    """The saved members into the book: (re-attached slots, slots found gone, the membership epochs
+    the live ones hold). Each re-attached member is watched again; the book's plan becomes the newest
+    any member holds."""
+    for name in saved.get("spares", ()):  # the dead incarnation's spares: new ones are started
+        group.kill(group.lookup(name))
+    found, lost, epochs = [], [], []
+    for slot, was in saved["members"].items():
+        handle = group.lookup(was.get("actor_name") or f"{prefix}/{slot}")
+        if was["state"] not in (S.TRAINING.value, S.LEAVING.value):  # a joiner not admitted yet: started again
+            group.kill(handle)
+            continue
+        info = await group.ask(handle, "status") if handle is not None else None
+        member = Member(slot, handle, pid=was["pid"], node=was["node"], node_id=was["node_id"], state=S(was["state"]),
+                        incarnation=was.get("incarnation", 0), actor_name=was.get("actor_name", ""),
+                        # a joiner waiting for the state, unless it loaded one meanwhile
+                        holds_state=was.get("holds_state", True) or bool(info and info.get("holds_state")))
+        book.members[slot] = member
+        if info is None:
+            member.state, member.cause = S.DEAD, "gone while the coordinator was down"
+            book.depart(member, group.actor_id(handle))
+            lost.append(slot)
+            continue
+        found.append(slot)
+        newest = info["plan"]
+        if newest is not None:
+            epochs.append(newest.membership_epoch)
+            if book.plan is None or newest.version > book.plan.version:
+                book.plan = newest  # published just before the crash, never saved
+        watch(member)
+    return found, lost, epochs
+
+
+async def records_since(slots: list[str], book: MembershipBook, group: WorkerGroup, step: int) -> list[dict]:
+    """The records after `step` that the members kept, each (step, slot) once, in step order."""
+    kept: dict[tuple, dict] = {}
+    for slot in slots:
+        for record in await group.ask(book.members[slot].handle, "records_after", step) or ():
+            kept.setdefault((record["step"], record.get("slot", "")), record)
+    return [kept[key] for key in sorted(kept)]
