@@ -48,7 +48,8 @@ class MembershipBook:
         """The plan's members that are training, in rank order."""
         if self.plan is None:
             return ()
-        return tuple(s for s in self.plan.members if self.members[s].state == S.TRAINING)
+        members = self.members  # a restarted coordinator's plan names members it has not re-attached yet
+        return tuple(s for s in self.plan.members if s in members and members[s].state == S.TRAINING)
 
     def slots_in(self, *states: MemberState) -> list[str]:
         return [slot for slot, m in self.members.items() if m.state in states]

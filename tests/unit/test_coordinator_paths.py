@@ -265,3 +265,39 @@ def test_members_that_die_together_abort_the_epoch_once_and_re_form_once(tmp_pat
         assert len([e for e in events(coord, "failure")]) == 3
         await stopped(coord, group, 2)
     run(scenario())
+
+
+def test_a_restarted_coordinator_reattaches_the_live_members_and_history_has_no_gap(tmp_path):
+    """The coordinator's process dies at step 5 (rank 0 reported up to there); the members train on to
+    step 8 alone and w2 dies meanwhile. The next incarnation carries on from the run directory: it
+    re-attaches w0 and w1, takes steps 6..8 from what they kept, publishes an epoch newer than any
+    they hold, and replaces w2."""
+    async def scenario():
+        group = FakeWorkerGroup()
+        first = await started(config("restart"), tmp_path, group)
+        await group.commit(first, 5)
+        epoch = first.book.epoch
+        first._released.set()
+        first._main_task.cancel()  # the process is gone: nothing more reaches the workers from it
+        await asyncio.sleep(0.05)
+        for step in (6, 7, 8):  # committed while no coordinator listened
+            for slot in ("w0", "w1", "w2"):
+                worker = group.current(slot)
+                worker.step = step
+                worker.kept.append({"step": step, "time": time.time(), "loss": 0.1, "world_size": 3, "global_batch": 24,
+                                    "micro_steps": 1, "membership_epoch": epoch})
+        group.die("w2")
+        group.reconstructed = True
+        second = coordinator(config("restart"), tmp_path, group)
+        assert second.incarnation == 1 and second.state == JobState.RESHAPING
+        await second.start()  # Ray's restart calls it (call_self_when_alive)
+        await until(lambda: second.book.live() == ("w0", "w1", "w2") and second.book.members["w2"].incarnation > 3,
+                    "the re-attached members and w2's replacement")
+        restart = events(second, "restart")[0]
+        assert restart.detail["reattached"] == ["w0", "w1"] and restart.detail["lost"] == ["w2"]
+        assert second.book.epoch > epoch + 1, "an epoch newer than any a member holds"
+        await group.commit(second, 2)
+        await stopped(second, group, 2)
+        steps = [json.loads(line)["step"] for line in (tmp_path / "history.jsonl").read_text().splitlines()]
+        assert steps == list(range(1, steps[-1] + 1)) and steps[-1] >= 10, steps
+    run(scenario())
