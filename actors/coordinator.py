@@ -45,7 +45,7 @@ from actors.plan import ParentWatch, Plan, Progress, WorkerSpec
 from actors.sequencer import Order, Sequencer
 from actors.server_control import ServerControl, restart_event
 from algorithms.kinds import SERVER_KINDS, PolicyTraits
-from algorithms.membership import free_slots, joiners_start_stateless
+from algorithms.membership import joiners_start_stateless
 from algorithms.supervision import JobState, JobView, MemberState, recovered_epoch
 from algorithms.topologies import get_topology, spectral_gap
 from algorithms.zipline import BarrierPlanner
@@ -333,7 +333,7 @@ class Coordinator(Actions):
             what = "parameter server" if self.algorithm.kind == "server" else "lease dispenser"
             self.journal.event("info", f"{what} started (pid {self.server.pid})", pid=self.server.pid)
         self.launcher.spawn([f"w{i}" for i in range(self.cfg.workers.count)], "initial membership", "start")
-        members = await self._first_members()
+        members = await self.launcher.first_members(self._starting)
         await self._serve_store()
         if self.resume_from:
             await self._resume(members[0])
@@ -377,45 +377,18 @@ class Coordinator(Actions):
             self.publish(live, self.cause or "stopping", new_epoch=True)
         self.spares.fill()
 
-    async def _first_members(self) -> tuple[str, ...]:
-        """All `count` workers ready, or at least `min` after `start_grace_s`; PAUSED while fewer than `min` fit."""
-        w = self.cfg.workers
-        started = time.monotonic()
-        while True:
-            ready = tuple(self.book.ready_to_admit())
-            waited = time.monotonic() - started
-            if len(ready) >= w.count or (len(ready) >= w.min and waited >= w.start_grace_s):
-                return ready
-            if not self.book.slots_in(S.STARTING, S.READY) and not free_slots(w.max, set(), set(self.book.retired), 1):
-                raise RuntimeError(f"no slot left to start: {'; '.join(self.book.retired.values())}")
-            if len(ready) < w.min and waited >= w.pause_after_s:
-                await self._explain_start(len(ready))
-            await asyncio.sleep(0.1)
-
-    async def _explain_start(self, up: int) -> None:
-        """Below workers.min after pause_after_s: PAUSED if some worker cannot be placed (no process yet
-        and the cluster lacks the resources it asks for: named), else STARTING with how many are placed
-        and up (imports, data). A worker with no process yet while its resources are free is being
-        placed (Ray's worker start can take seconds on a loaded machine), not stuck."""
-        w = self.cfg.workers
-        starting = [self.book.members[s] for s in self.book.slots_in(S.STARTING)]
-        placed = await asyncio.to_thread(lambda: [self.group.is_placed(m.handle) for m in starting])
-        unplaced = sum(1 for p in placed if p is False)
-        free = await asyncio.to_thread(self.group.free_resources) if unplaced else {}
-        if unplaced and (free.get("CPU", 0) < w.cpus or (w.gpus and free.get("GPU", 0) < w.gpus)):
-            cause = (f"waiting for resources: {up} of workers.min = {w.min} workers up; {unplaced} cannot be placed: "
-                     f"each needs {w.cpus:g} CPUs" + (f" and {w.gpus:g} GPUs" if w.gpus else "")
-                     + f", the cluster has {free.get('CPU', 0):g} CPUs" + (f" and {free.get('GPU', 0):g} GPUs" if w.gpus else "")
-                     + " free")
+    def _starting(self, unplaced: bool, cause: str) -> None:
+        """Below workers.min after pause_after_s (the launcher's `first_members`): PAUSED while some worker
+        cannot be placed, STARTING (with how many are up) while the placed ones start."""
+        if unplaced:
             if cause != self.cause:
                 self.cause = cause
                 if self.state == JobState.STARTING:
                     self.transition(JobState.PAUSED, cause)
             return
-        self.cause = (f"{len(starting) + len(self.book.slots_in(S.READY))} of {w.count} workers placed, {up} up: "
-                      f"waiting for the others to start (imports, workload)")
+        self.cause = cause
         if self.state == JobState.PAUSED:
-            self.transition(JobState.STARTING, "every worker is placed: " + self.cause)
+            self.transition(JobState.STARTING, "every worker is placed: " + cause)
 
     async def _resume(self, slot: str) -> None:
         path = Path(self.resume_from)

@@ -89,6 +89,8 @@ class FakeWorkerGroup(WorkerGroup):
         self._pids = itertools.count(10_000)
         self.unplaced = False
         """While True, new workers get no resources: `ready` waits until `place()` (and they are not placed)."""
+        self.ready_delay_s = 0.0
+        """How long a new worker's start takes once placed (imports, the workload)."""
         self.start_failures: dict[str, str] = {}
         """slot -> error: a new worker of that slot fails to start (its workload raises)."""
         self.plans_sent = 0
@@ -202,8 +204,9 @@ class FakeWorkerGroup(WorkerGroup):
             if self.unplaced:
                 handle.ready_gate = asyncio.Event()
                 await handle.ready_gate.wait()
-            if handle.fail_start:  # its constructor raised: Ray marks the actor dead (its name is free again)
-                handle.alive = False
+            if self.ready_delay_s:
+                await asyncio.sleep(self.ready_delay_s)
+            if handle.fail_start:  # its workload raised while warming up: the actor itself stays up
                 raise RuntimeError(handle.fail_start)
             return {"pid": handle.pid, "node": "127.0.0.1", "node_id": "fake-node"}
         if method == "adopt":

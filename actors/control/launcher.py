@@ -18,6 +18,7 @@ from actors.control.spares import SparePool
 from actors.control.workers import WorkerGroup
 from actors.members import Member, describe, log
 from actors.plan import WorkerSpec
+from algorithms.membership import free_slots
 from algorithms.supervision import JobState, MemberState
 
 S = MemberState
@@ -102,6 +103,39 @@ class Launcher:
         member.pid, member.node, member.node_id, member.state = info["pid"], info["node"], info["node_id"], S.READY
         await self._admit()
 
+    async def first_members(self, starting: Callable[[bool, str], None]) -> tuple[str, ...]:
+        """All `count` workers ready, or at least `min` after `start_grace_s`. Below `min` after
+        `pause_after_s`, `starting(unplaced, cause)` says why: some worker cannot be placed (no process
+        yet and the cluster lacks the resources it asks for: named), or the placed ones are still
+        starting (imports, data). A worker with no process yet while its resources are free is being
+        placed (Ray's worker start can take seconds on a loaded machine), not stuck."""
+        w = self.book.cfg.workers
+        started = time.monotonic()
+        while True:
+            ready = tuple(self.book.ready_to_admit())
+            waited = time.monotonic() - started
+            if len(ready) >= w.count or (len(ready) >= w.min and waited >= w.start_grace_s):
+                return ready
+            if not self.book.slots_in(S.STARTING, S.READY) and not free_slots(w.max, set(), set(self.book.retired), 1):
+                raise RuntimeError(f"no slot left to start: {'; '.join(self.book.retired.values())}")
+            if len(ready) < w.min and waited >= w.pause_after_s:
+                starting(*await self._placement(len(ready)))
+            await asyncio.sleep(0.1)
+
+    async def _placement(self, up: int) -> tuple[bool, str]:
+        w = self.book.cfg.workers
+        waiting = [self.book.members[s] for s in self.book.slots_in(S.STARTING)]
+        placed = await asyncio.to_thread(lambda: [self.group.is_placed(m.handle) for m in waiting])
+        unplaced = sum(1 for p in placed if p is False)
+        free = await asyncio.to_thread(self.group.free_resources) if unplaced else {}
+        if unplaced and (free.get("CPU", 0) < w.cpus or (w.gpus and free.get("GPU", 0) < w.gpus)):
+            return True, (f"waiting for resources: {up} of workers.min = {w.min} workers up; {unplaced} cannot be "
+                          f"placed: each needs {w.cpus:g} CPUs" + (f" and {w.gpus:g} GPUs" if w.gpus else "")
+                          + f", the cluster has {free.get('CPU', 0):g} CPUs"
+                          + (f" and {free.get('GPU', 0):g} GPUs" if w.gpus else "") + " free")
+        return False, (f"{len(waiting) + len(self.book.slots_in(S.READY))} of {w.count} workers placed, {up} up: "
+                       f"waiting for the others to start (imports, workload)")
+
     async def _departure_settled(self) -> None:
         """Until the survivors of a departure committed without it (or the hold ended): one poll shared
         by every joiner waiting (each polling the membership on its own cost joiners x members)."""
@@ -123,11 +157,13 @@ class Launcher:
             member.state, member.cause = S.RETIRED, self.book.retired[slot]
             if phase == "start":
                 self.book.depart(member, self.group.actor_id(member.handle))
+                self.group.kill(member.handle)
             self._note("retired", f"slot {slot} {self.book.retired[slot]}", slot=slot, failures=self.book.failures[slot])
             return True
         if phase == "start":
             member.state, member.cause = S.FAILED, cause
             self.book.depart(member, self.group.actor_id(member.handle))
+            self.group.kill(member.handle)  # its resources and its name go: the next start of the slot needs them
             self._note("failure", cause, slot=slot, detector="start", failures=self.book.failures[slot])
             await asyncio.sleep(RESTART_AFTER_S)
             if self._may_start():

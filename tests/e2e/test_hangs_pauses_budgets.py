@@ -76,39 +76,6 @@ class Blocker:
         return True
 
 
-def test_paused_below_min_resumes_when_room_appears(run_root):
-    blocker = Blocker.remote()
-    ray.get(blocker.ping.remote())  # 2 of the session's 8 CPUs taken: room for only 2 workers of 2.5
-    cfg = config("paused", workers={"count": 3, "min": 3, "cpus": 2.5, "pause_after_s": 8.0, "start_grace_s": 60.0})
-    job = ElasticJob(config_from_dict(cfg)).start()
-    try:
-        status = wait_until(lambda: (s := job.status()).state == "PAUSED" and s, what="PAUSED")
-        print(f"PAUSED: {status.cause}")
-        assert "workers.min = 3" in status.cause and "cannot be placed" in status.cause and "CPU" in status.cause
-        assert sorted(m.state for m in status.members) == ["ready", "ready", "starting"]
-        time.sleep(1.0)
-        assert job.status().step == 0
-    finally:
-        ray.kill(blocker)
-    wait_until(lambda: job.status().state == "RUNNING" and job.status().step > 10, what="resume after room appeared")
-    status = job.status()
-    assert status.world_size == 3 and status.cause is None
-    # a kill now leaves 2 < min = 3: paused until the replacement (room is there now) joins
-    victim = next(m for m in status.members if m.slot == "w0")
-    os.kill(victim.pid, signal.SIGKILL)
-    paused = wait_until(lambda: (s := job.status()).state == "PAUSED" and s, what="PAUSED after the kill")
-    print(f"PAUSED after a kill: {paused.cause}")
-    assert "below workers.min = 3" in paused.cause
-    step = paused.step
-    wait_until(lambda: job.status().state == "RUNNING" and job.status().step > step + 10, what="the replacement")
-    status = job.status()
-    assert status.world_size == 3 and next(m for m in status.members if m.slot == "w0").pid != victim.pid
-    transitions = [(e["state_from"], e["state_to"]) for e in job.events() if e["kind"] == "transition"]
-    assert ("STARTING", "PAUSED") in transitions
-    assert ("RESHAPING", "PAUSED") in transitions or ("RUNNING", "PAUSED") in transitions
-    job.stop()
-
-
 def test_workers_placed_but_still_starting_are_not_reported_paused(run_root, monkeypatch):
     """Workers that Ray has placed but whose start is slow (imports, data) keep the job STARTING,
     with how many are up; PAUSED is for workers that cannot be placed."""
@@ -127,17 +94,20 @@ def test_workers_placed_but_still_starting_are_not_reported_paused(run_root, mon
 
 
 def test_slot_that_always_fails_is_retired_and_the_job_goes_on(run_root, monkeypatch):
+    """Ray's side of a start that fails (the workload raises in w2's warm-up): the error reaches the
+    slot's cause, each failed worker is killed (its resources and name freed for the next start), and
+    the others train on. The budget's rules are in tests/unit/test_coordinator_paths.py."""
     monkeypatch.chdir(REPO / "tests" / "workloads")
     cfg = config("budget", workers={"count": 3, "cpus": 0.5, "failure_budget": 2},
                  workload={"factory": "custom_workload:make", "params": {"n": 1200, "fail_slot": "w2"}, "batch_size": 8},
-                 stop={"max_steps": 400}, faults={"stragglers": [{"slot": "w0", "delay_s": 0.07}]})  # two failed starts fit
+                 stop={"max_steps": 1_000_000})
     job = ElasticJob(config_from_dict(cfg)).start()
-    result = job.wait(timeout=180)
+    retired = wait_until(lambda: [e for e in job.events() if e["kind"] == "retired"], 120, "w2 retired")
+    result = job.stop()
     status = job.status()
-    retired = [e for e in job.events() if e["kind"] == "retired"]
-    print(f"{result.state} at step {result.step}; {retired[0]['reason'] if retired else 'no retirement'}")
-    assert result.state == "FINISHED" and result.step == 400
+    print(f"{result.state} at step {result.step}; {retired[0]['reason']}")
+    assert result.state == "STOPPED" and result.step > 0
     assert len(retired) == 1 and retired[0]["detail"]["slot"] == "w2" and retired[0]["detail"]["failures"] == 2
     w2 = next(m for m in status.members if m.slot == "w2")
     assert w2.state == "retired" and "failure_budget = 2" in w2.cause and "always fails in slot w2" in w2.cause
-    assert [r["step"] for r in job.history()] == list(range(1, 401))
+    assert [r["step"] for r in job.history()] == list(range(1, result.step + 1))

@@ -9,6 +9,7 @@ depend on training, so here each takes well under a second of work.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -268,8 +269,8 @@ def test_members_that_die_together_abort_the_epoch_once_and_re_form_once(tmp_pat
 
 
 def test_a_restarted_coordinator_reattaches_the_live_members_and_history_has_no_gap(tmp_path):
-    """The coordinator's process dies at step 5 (rank 0 reported up to there); the members train on to
-    step 8 alone and w2 dies meanwhile. The next incarnation carries on from the run directory: it
+    """The coordinator's process dies at step 5 (rank 0 reported up to there), just after publishing a
+    plan it never saved; the members train on to step 8 alone and w2 dies meanwhile. The next incarnation carries on from the run directory: it
     re-attaches w0 and w1, takes steps 6..8 from what they kept, publishes an epoch newer than any
     they hold, and replaces w2."""
     async def scenario():
@@ -286,6 +287,9 @@ def test_a_restarted_coordinator_reattaches_the_live_members_and_history_has_no_
                 worker.step = step
                 worker.kept.append({"step": step, "time": time.time(), "loss": 0.1, "world_size": 3, "global_batch": 24,
                                     "micro_steps": 1, "membership_epoch": epoch})
+        unsaved = dataclasses.replace(first.book.plan, version=first.book.version + 1, membership_epoch=epoch + 1)
+        for slot in ("w0", "w1"):  # a plan published just before the crash, never saved
+            group.current(slot).plans.append(unsaved)
         group.die("w2")
         group.reconstructed = True
         second = coordinator(config("restart"), tmp_path, group)
@@ -295,7 +299,8 @@ def test_a_restarted_coordinator_reattaches_the_live_members_and_history_has_no_
                     "the re-attached members and w2's replacement")
         restart = events(second, "restart")[0]
         assert restart.detail["reattached"] == ["w0", "w1"] and restart.detail["lost"] == ["w2"]
-        assert second.book.epoch > epoch + 1, "an epoch newer than any a member holds"
+        assert second.book.epoch > epoch + 1, "an epoch newer than any a member holds (the unsaved plan's included)"
+        assert second.book.version > unsaved.version
         await group.commit(second, 2)
         await stopped(second, group, 2)
         steps = [json.loads(line)["step"] for line in (tmp_path / "history.jsonl").read_text().splitlines()]

@@ -77,7 +77,8 @@ def test_a_start_that_fails_is_tried_again_until_the_budget_retires_the_slot(mon
         await h.until(lambda: "w1" in h.book.retired, "w1 retired")
         assert h.book.failures["w1"] == 3 and h.book.members["w1"].state == S.RETIRED
         assert [k for k, _ in h.notes] == ["failure", "failure", "retired"]
-        assert len([w for w in h.group.workers.values() if w.slot == "w1"]) == 3
+        started = [w for w in h.group.workers.values() if w.slot == "w1"]
+        assert len(started) == 3 and not any(w.alive for w in started), "each failed start's actor is killed"
     asyncio.run(scenario())
 
 
@@ -101,4 +102,28 @@ def test_a_replacement_waits_for_its_slots_previous_actor_name(monkeypatch):
         assert h.book.members["w0"].state == S.STARTING, "not while the old actor holds the name"
         old.alive = False
         await h.until(lambda: h.book.members["w0"].state == S.READY, "started once the name is free")
+    asyncio.run(scenario())
+
+
+def test_the_first_members_wait_placed_workers_out_and_name_what_cannot_be_placed():
+    async def scenario():
+        h = Harness()
+        h.book.cfg.workers.pause_after_s = 0.05  # type: ignore[misc]
+        said: list[tuple[bool, str]] = []
+        h.group.ready_delay_s = 0.4  # placed, still importing
+        h.launcher.spawn(["w0", "w1"], "initial membership", "start")
+        assert await h.launcher.first_members(lambda unplaced, cause: said.append((unplaced, cause))) == ("w0", "w1")
+        assert said and not any(unplaced for unplaced, _ in said), "placed workers that start slowly are not PAUSED"
+        assert "2 of 2 workers placed, 0 up" in said[0][1]
+        h2 = Harness()
+        h2.book.cfg.workers.pause_after_s = 0.05  # type: ignore[misc]
+        h2.group.unplaced = True
+        h2.launcher.spawn(["w0", "w1"], "initial membership", "start")
+        said.clear()
+        waiting = asyncio.get_running_loop().create_task(
+            h2.launcher.first_members(lambda unplaced, cause: said.append((unplaced, cause))))
+        await h2.until(lambda: said, "an explanation")
+        assert said[0][0] and "cannot be placed: each needs 1 CPUs, the cluster has 0 CPUs free" in said[0][1], said
+        h2.group.place()
+        assert await waiting == ("w0", "w1")
     asyncio.run(scenario())
