@@ -112,12 +112,11 @@ class Coordinator(Actions):
         self._saved: Optional[dict] = self._load_saved() if self.group.reconstructed else None
         self.spares = SparePool(self.cfg.workers.spares, self.group, self.prefix, lambda slot: self._spec(slot, 0),
                                 self._persist, self.journal.wait_saved, self.journal.event,
-                                wanted=lambda: not self.state.terminal and self.stop_kind is None,
+                                wanted=self._may_start,
                                 settled=lambda: not (self.book.pending or self.book.slots_in(S.STARTING, S.READY)),
                                 started=(self._saved or {}).get("started_spares", 0))
         self.launcher = Launcher(self.book, self.spares, self.group, self.prefix, self._spec,
-                                 lambda: tuple(sorted(self.journal.fired_faults)), self.journal.event,
-                                 lambda: self.state, lambda: not self.state.terminal and self.stop_kind is None,
+                                 self.journal.fired, self.journal.event, lambda: self.state, self._may_start,
                                  self._request_admit, started=(self._saved or {}).get("started_workers", 0))
         self.supervisor = Supervisor(self.cfg, self.book, self.group, self, self.journal.event, self.algorithm.kind,
                                      lambda: self.journal.step)
@@ -135,6 +134,10 @@ class Coordinator(Actions):
             self.transition(JobState.RESHAPING, f"coordinator restarted as incarnation {self.incarnation}: re-attaching workers")
         else:
             self._persist()
+
+    def _may_start(self) -> bool:
+        """Whether workers and spares start now: not once a stop is decided or the job ended."""
+        return not self.state.terminal and self.stop_kind is None
 
     def _spec(self, slot: str, incarnation: int) -> WorkerSpec:
         return WorkerSpec(self.name, self.run_id, slot, str(self.run_dir), self.name, self.cfg.ray.namespace,
@@ -477,7 +480,9 @@ class Coordinator(Actions):
         async with self._reshape_lock:
             if not self.state.active or self.stop_kind is not None:
                 return
-            joiners, leavers = self.book.converge()
+            missing, joiners, leavers = self.book.converge()
+            if missing and not joiners:
+                self.journal.event("info", f"{reason}: no free slot (retired: {', '.join(sorted(self.book.retired)) or 'none'})")
             if joiners:
                 self.launcher.spawn(joiners, reason, detector)
             elif leavers:
@@ -485,8 +490,6 @@ class Coordinator(Actions):
                     self.book.members[slot].state = S.LEAVING
                 self.reshape(tuple(s for s in self.book.live() if s not in leavers), reason, detector, time.time(),
                              leavers=tuple(leavers))
-            elif len(self.book.live()) + len(self.book.slots_in(S.STARTING, S.READY)) < self.book.target_count:
-                self.journal.event("info", f"{reason}: no free slot (retired: {', '.join(sorted(self.book.retired)) or 'none'})")
 
     def publish(self, members: tuple[str, ...], reason: str, new_epoch: bool = False) -> Plan:
         self._take_store()

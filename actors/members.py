@@ -63,14 +63,10 @@ class Spare:
                 "node": self.node, "started_at": self.started_at}
 
 
-async def ask(handle, method: str, *args: Any, timeout: float = 5.0) -> Optional[Any]:
-    """A control call to a worker; None if it is gone, on a lost node, or does not answer in time."""
-    return (await probe(handle, method, *args, timeout=timeout))[0]
-
-
 async def probe(handle, method: str, *args: Any, timeout: float = 5.0) -> tuple[Optional[Any], Optional[str]]:
-    """`ask`, telling a dead actor apart from a silent one: (answer, None); (None, why) when Ray says
-    the actor died; (None, None) when it did not answer in time, or answered with an error."""
+    """A control call to a worker, telling a dead actor apart from a silent one: (answer, None); (None,
+    why) when Ray says the actor died; (None, None) when it did not answer in time, or answered with an
+    error."""
     try:
         return await asyncio.wait_for(asyncio.wrap_future(getattr(handle, method).remote(*args).future()), timeout), None
     except ray.exceptions.ActorDiedError as err:

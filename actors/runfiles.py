@@ -13,7 +13,7 @@ import os
 import tempfile
 import threading
 from pathlib import Path
-from typing import Any, Callable, Optional, Union
+from typing import Any, Optional
 
 KV_NAMESPACE = "orchestrator"
 log = logging.getLogger(__name__)
@@ -56,9 +56,7 @@ class BackgroundWriter:
     rename, fsync of the folder) by a thread of its own, so that the caller (an event loop) never
     waits for the disk. fsync's latency is not bounded: measured here, 1 ms on a quiet disk and
     117 ms right after a checkpoint was written. Snapshots that arrive while one is being written
-    are coalesced: only the newest is written next. A snapshot may be handed over as a function that
-    makes its bytes: it runs in the writer's thread (serializing a large state off the event loop),
-    and only for the snapshots that are written; it must read nothing the caller changes later. `submit` returns the snapshot's number (it never
+    are coalesced: only the newest is written next. `submit` returns the snapshot's number (it never
     raises a failed write: its caller may be in the middle of something else); `error` is the last
     write's failure (None once one lands), and `wait(n)` blocks until snapshot n (or a newer one) is
     on disk, False when its write failed."""
@@ -66,7 +64,7 @@ class BackgroundWriter:
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
         self._cond = threading.Condition()
-        self._pending: Optional[Union[bytes, Callable[[], bytes]]] = None
+        self._pending: Optional[bytes] = None
         self._submitted = 0
         self._written = 0
         self._attempted = 0
@@ -75,7 +73,7 @@ class BackgroundWriter:
         self._thread = threading.Thread(target=self._run, daemon=True, name=f"writer of {self.path.name}")
         self._thread.start()
 
-    def submit(self, data: Union[bytes, Callable[[], bytes]]) -> int:
+    def submit(self, data: bytes) -> int:
         with self._cond:
             if self._closed:
                 raise RuntimeError(f"{self.path}: the writer is closed")
@@ -114,7 +112,7 @@ class BackgroundWriter:
                     return  # closed, and everything submitted is written
                 data, number, self._pending = self._pending, self._submitted, None
             try:
-                write_bytes_atomic(self.path, data() if callable(data) else data)
+                write_bytes_atomic(self.path, data)
                 error = None
             except Exception as err:  # noqa: BLE001 - reported by `error` and `wait()`; the next submit retries
                 log.error("could not write %s: %s", self.path, err)

@@ -148,19 +148,20 @@ class MembershipBook:
         self.retired[slot] = f"retired after {self.failures[slot]} failures (workers.failure_budget = {budget}); last: {cause}"
         return True
 
-    def converge(self) -> tuple[list[str], list[str]]:
-        """(slots to start, members to drop) to reach `target_count`: the lowest free slots when short,
-        leavers by `workers.scale_down` when over (only once nobody is still starting)."""
+    def converge(self) -> tuple[int, list[str], list[str]]:
+        """(members missing, slots to start, members to drop) to reach `target_count`: the lowest free
+        slots when short (fewer than missing when slots run out), leavers by `workers.scale_down` when
+        over (only once nobody is still starting)."""
         live = list(self.live())
         coming = self.slots_in(S.STARTING, S.READY)
-        if len(live) + len(coming) < self.target_count:
+        missing = self.target_count - len(live) - len(coming)
+        if missing > 0:
             taken = set(self.slots_in(S.TRAINING, S.STARTING, S.READY, S.LEAVING))
-            return free_slots(self.cfg.workers.max, taken, set(self.retired),
-                              self.target_count - len(live) - len(coming)), []
+            return missing, free_slots(self.cfg.workers.max, taken, set(self.retired), missing), []
         if len(live) > self.target_count and not coming:
             views = [MemberView(s, self.members[s].compute_s) for s in live]
-            return [], choose_leavers(views, len(live) - self.target_count, self.cfg.workers.scale_down)
-        return [], []
+            return 0, [], choose_leavers(views, len(live) - self.target_count, self.cfg.workers.scale_down)
+        return 0, [], []
 
     def ready_to_admit(self) -> list[str]:
         return sorted(self.slots_in(S.READY), key=slot_index)

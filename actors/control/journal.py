@@ -142,13 +142,13 @@ class Journal:
         self.step = history[-1]["step"] if history else 0
         return saved
 
-    def progress(self) -> dict:
-        return {"loss": self.loss, "metrics": self.metrics}
-
     # ------------------------------------------------------------------ faults and checkpoints
-    def fault_fired(self, index: int) -> tuple[int, ...]:
+    def fault_fired(self, index: int) -> None:
         self.fired_faults.add(index)
-        runfiles.write_json_atomic(self.run_dir / "faults_fired.json", sorted(self.fired_faults))
+        runfiles.write_json_atomic(self.run_dir / "faults_fired.json", self.fired())
+
+    def fired(self) -> tuple[int, ...]:
+        """The injected faults that fired in this run (a new worker skips them)."""
         return tuple(sorted(self.fired_faults))
 
     async def save_checkpoint(self, step: int, blob: bytes, note: str = "") -> Path:

@@ -76,16 +76,16 @@ def test_a_slot_is_retired_at_its_budget_and_never_offered_again():
     assert "failure_budget = 2" in b.retired["w1"] and "boom again" in b.retired["w1"]
     plan(b, ["w0", "w2"])
     b.members["w1"].state = S.RETIRED
-    assert b.converge() == (["w3"], []), "the lowest free slot that is not retired"
+    assert b.converge() == (1, ["w3"], []), "the lowest free slot that is not retired"
 
 
 def test_converge_drops_the_newest_members_when_over_the_target():
     b = book()
     plan(b, ["w0", "w1", "w2"])
     b.target_count = 2
-    assert b.converge() == ([], ["w2"])
+    assert b.converge() == (0, [], ["w2"])
     b.members["w4"] = Member("w4", None)  # still starting: nobody leaves until it is up
-    assert b.converge() == ([], [])
+    assert b.converge() == (0, [], [])
 
 
 def test_the_state_file_round_trips_and_the_dispenser_keeps_leavers_until_they_leave():
