@@ -31,25 +31,25 @@ from typing import Any, Optional
 import ray
 
 from actors import runfiles
-from actors.control.book import ADMIT_HOLD_S, MembershipBook
-from actors.control.endings import committed_states, final_model
+from actors.control.admission import Admission
+from actors.control.book import MembershipBook
+from actors.control.endings import wrap_up
 from actors.control.journal import Journal
 from actors.control.launcher import Launcher
-from actors.control.restart import reattach, records_since
+from actors.control.publisher import Publisher
+from actors.control.restart import reattach, records_since, resume
 from actors.control.spares import SparePool
 from actors.control.supervisor import Actions, Supervisor
 from actors.control.workers import RayWorkerGroup, WorkerGroup
 from actors.faults import CoordinatorFaults
-from actors.members import Member, first_line
+from actors.members import Member
 from actors.plan import ParentWatch, Plan, Progress, WorkerSpec
 from actors.sequencer import Order, Sequencer
-from actors.server_control import ServerControl, restart_event
+from actors.server_control import ServerControl, server_restarted
 from algorithms.kinds import SERVER_KINDS, PolicyTraits
-from algorithms.membership import joiners_start_stateless
 from algorithms.supervision import JobState, JobView, MemberState, recovered_epoch
-from algorithms.topologies import get_topology, spectral_gap
-from algorithms.zipline import BarrierPlanner
-from core.schema import ElasticBSPConfig, JobConfig, JobStatus, parse
+from algorithms.topologies import topology_status
+from core.schema import JobConfig, JobStatus, parse
 
 OWNER_CHECK_S = 1.0
 LINGER_S = 600.0
@@ -75,33 +75,20 @@ class Coordinator(Actions):
         self.secret = secrets.token_bytes(32) if self.cfg.comm.sign_rendezvous else b""
         """The job's rendezvous key: its workers sign what they write to the group store (actors/comm.py);
         a restarted coordinator keeps the one on disk (its live workers have it)."""
-        self._store_up = self.group.open_store(self.cfg.comm.timeout_s)
-        """The job's group store, served once torch.distributed has loaded in that thread: the first
-        workers start meanwhile (this module imports no torch)."""
-        self.store_port, self.epoch_keys, self._store_keep = 0, None, None
+        store_up = self.group.open_store(self.cfg.comm.timeout_s)  # the first workers start meanwhile
         self.state, self.cause, self.stop_kind = JobState.STARTING, None, None
         self.started_at = started_at or time.time()
         """When `start()` was called (the job's run time counts from there)."""
         self.ended_at: Optional[float] = None
         self.running_since: Optional[float] = None
-        self._gap: Optional[tuple[int, float]] = None
-        """A gossip policy's (world size, spectral gap) last computed for status."""
         self.server: Optional[ServerControl] = None
-        self._restore: Optional[tuple[int, str]] = None
-        """Set when every member was lost: the next admitted worker starts from this checkpoint."""
         self._last_reform = 0.0
-        self._aborted = -1
-        """The membership epoch last aborted."""
-        self._admitting: Optional[asyncio.Task] = None
-        self._admit_wanted = False
         self._owner_checked = 0.0
         self._reshape_lock: Optional[asyncio.Lock] = None
         self._main_task: Optional[asyncio.Task] = None
         self._released: Optional[asyncio.Event] = None
         self.algorithm = PolicyTraits(self.cfg.sync.policy)
         """What the coordinator needs of the policy: its kind's answers (algorithms/kinds.py)."""
-        self.barriers = BarrierPlanner(self.cfg.sync.r, self.cfg.sync.ewma) if isinstance(self.cfg.sync, ElasticBSPConfig) else None
-        """elastic_bsp: ZipLine over each member's predicted iteration interval."""
         self.group.setup(self.run_dir, self.cfg.log_level)
         self.journal = Journal(self.run_dir, self.cfg.checkpoint.keep)
         self.book = MembershipBook(self.cfg, run_id, self.algorithm.kind)
@@ -115,9 +102,15 @@ class Coordinator(Actions):
                                 wanted=self._may_start,
                                 settled=lambda: not (self.book.pending or self.book.slots_in(S.STARTING, S.READY)),
                                 started=(self._saved or {}).get("started_spares", 0))
+        self.publisher = Publisher(self.book, self.group, store_up, self.algorithm.kind, self.incarnation,
+                                   lambda: self.server, self._persist,
+                                   lambda version, sent: self.faults.maybe_die("publish", version, sent))
+        self.admission = Admission(self.book, self.journal, self.group, self.algorithm.kind, self.cfg.workers.min,
+                                   lambda: self.state, self._may_start, lambda: self.history, self.reshape,
+                                   self._start_run, lambda reason, detail: self.end(JobState.FAILED, reason, detail))
         self.launcher = Launcher(self.book, self.spares, self.group, self.prefix, self._spec,
                                  self.journal.fired, self.journal.event, lambda: self.state, self._may_start,
-                                 self._request_admit, started=(self._saved or {}).get("started_workers", 0))
+                                 self.admission.request, started=(self._saved or {}).get("started_workers", 0))
         self.supervisor = Supervisor(self.cfg, self.book, self.group, self, self.journal.event, self.algorithm.kind,
                                      lambda: self.journal.step)
         self._recovered = asyncio.Event()
@@ -262,38 +255,19 @@ class Coordinator(Actions):
     async def server_report(self, records: tuple[dict, ...], summary: dict) -> None:
         """The parameter server applied these versions (history records) and now counts `summary`."""
         if self.server is not None:
-            self.server.summary = summary
-            if records and records[0]["step"] > self.history.written_step + 1:  # reports lost in a restart
-                records = await self.server.records_after(self.history.written_step)
+            records = await self.server.take_report(records, summary, self.history.written_step)
         for record in records:
             self._accept_record(record)
 
     async def server_barrier(self, index: int, members: tuple[str, ...], intervals: dict[str, list[float]]) -> None:
-        """elastic_bsp: round `index` began at the server; ZipLine places its barrier from the iteration
-        times measured over the last round. Without an answer (this coordinator down or slow) the server
-        keeps its fallback, a barrier after `r` iterations."""
-        if self.server is None or self.barriers is None:
-            return
-        iterations = self.barriers.plan(members, intervals)
-        if iterations is not None:
-            self.server.set_schedule(index, iterations)
+        """elastic_bsp: round `index` began at the server; ZipLine places its barrier (server_control.py)."""
+        if self.server is not None:
+            self.server.place_barrier(index, members, intervals)
 
     async def server_restarted(self, resumed: int, incarnation: int, snapshot: Optional[str]) -> None:
-        """Ray restarted the parameter server from its snapshot at version `resumed`: the versions history
-        holds after it are lost and redone (history records them again, with the new incarnation)."""
-        if self.algorithm.kind == "background":  # no versions: its lease table started over
-            self.journal.event("server", f"lease dispenser restarted as incarnation {incarnation}: its lease table "
-                                         f"starts over (samples of the current data epoch may be dealt again)",
-                               server_incarnation=incarnation)
-        else:
-            reason, detail = restart_event(self.history.written_step, resumed, incarnation, snapshot,
-                                           self.cfg.server.snapshot_every)
-            self.history.rewind(resumed)
-            self.journal.step = resumed
-            self.journal.event("server", reason, **detail)
-        if self.server is not None and self.book.plan is not None:  # its snapshot may predate the membership
-            self.server.restarts += 1
-            self.server.set_members(self.book.epoch, self.book.server_membership())
+        """Ray restarted the parameter server from its snapshot at version `resumed` (server_control.py)."""
+        server_restarted(self.cfg, self.algorithm.kind, self.server, self.book, self.history, self.journal,
+                         resumed, incarnation, snapshot)
 
     # ------------------------------------------------------------------ the main task
     async def _main(self) -> None:
@@ -318,16 +292,6 @@ class Coordinator(Actions):
         finally:
             await self._linger()
 
-    async def _serve_store(self) -> None:
-        """Wait for the job's group store (needed from the first plan on)."""
-        if self.epoch_keys is None:
-            await asyncio.wrap_future(self._store_up)
-            self._take_store()
-
-    def _take_store(self) -> None:
-        if self.epoch_keys is None:  # a publication before `_serve_store` (not expected) waits here
-            self.store_port, self.epoch_keys, self._store_keep = self._store_up.result()
-
     async def _begin(self) -> None:
         if self.cfg.policy_choice:  # sync.policy: auto, resolved by the driver (orchestrator/planner.py)
             self.journal.event("info", self.cfg.policy_choice, policy=self.cfg.sync.policy)
@@ -337,9 +301,10 @@ class Coordinator(Actions):
             self.journal.event("info", f"{what} started (pid {self.server.pid})", pid=self.server.pid)
         self.launcher.spawn([f"w{i}" for i in range(self.cfg.workers.count)], "initial membership", "start")
         members = await self.launcher.first_members(self._starting)
-        await self._serve_store()
+        await self.publisher.serve_store()
         if self.resume_from:
-            await self._resume(members[0])
+            await resume(Path(self.resume_from), self.book.members[members[0]], self.group, self.server, self.history,
+                         self.journal)
         self.publish(members, "initial membership")
         for slot in members:
             self._start_run(self.book.members[slot])
@@ -353,7 +318,7 @@ class Coordinator(Actions):
         publish a membership epoch newer than any they hold, on this incarnation's store."""
         decided = time.time()
         self.faults.maybe_die("recover")
-        await self._serve_store()
+        await self.publisher.serve_store()
         found, lost, epochs = await reattach(self._saved, self.book, self.group, self.prefix, self.supervisor.watch)
         server_epoch = 0
         if self.server is not None:
@@ -393,83 +358,7 @@ class Coordinator(Actions):
         if self.state == JobState.PAUSED:
             self.transition(JobState.STARTING, "every worker is placed: " + cause)
 
-    async def _resume(self, slot: str) -> None:
-        path = Path(self.resume_from)
-        try:
-            data = await self.journal.read_checkpoint(path)
-        except RuntimeError as err:
-            raise RuntimeError(f"cannot resume from {path}: {err}") from None
-        if self.server is not None:  # a server kind: the state is the server's
-            step = await self.server.load_checkpoint(data)
-        else:
-            step = await self.group.call(self.book.members[slot].handle, "load_checkpoint", data)
-        self.journal.step = step
-        self.history.ledger.written_step = step
-        self.journal.event("info", f"resumed from checkpoint at step {step} ({path})", checkpoint=str(path), step=step)
-
-    # ------------------------------------------------------------------ admission and plans
-    async def _request_admit(self) -> None:
-        """Admission is looked at once for every worker that became ready together (each look goes over
-        every member: one per joiner cost joiners x members at a large scale-up)."""
-        self._admit_wanted = True
-        if self._admitting is None or self._admitting.done():
-            self._admitting = asyncio.get_running_loop().create_task(self._admit_while_wanted())
-
-    async def _admit_while_wanted(self) -> None:
-        try:
-            while self._admit_wanted:
-                self._admit_wanted = False
-                await asyncio.sleep(0)  # the joiners that became ready in this turn of the loop, together
-                await self._admit()
-        except Exception as err:  # noqa: BLE001 - a checkpoint that cannot be restored: the job cannot go on
-            if not self.state.terminal:
-                await self.end(JobState.FAILED, f"admitting workers failed: {type(err).__name__}: {err}",
-                               detail={"traceback": traceback.format_exc()})
-
-    async def _admit(self) -> None:
-        """Admit ready workers with one plan, once there are at least `workers.min` members."""
-        if self.book.plan is None or not self.state.active or self.stop_kind is not None:
-            return
-        ready, live = self.book.ready_to_admit(), self.book.live()
-        if not ready or len(live) + len(ready) < self.cfg.workers.min:
-            return
-        if self._restore is not None and not live and self.book.slots_in(S.STARTING):
-            return  # a restart from a checkpoint resumes at full width, as a fresh start does (admitted once all are up)
-        decisions = {self.book.members[s].join_reason for s in ready}
-        if self.state != JobState.PAUSED and any(self.book.members[s].join_reason in decisions
-                                                 for s in self.book.slots_in(S.STARTING)):
-            return  # joiners of one decision are admitted together: one pause for the others, not several
-        if self.book.held_departure(self.state):  # admitted when the survivors' epoch commits, or the hold ends
-            asyncio.get_running_loop().call_later(ADMIT_HOLD_S, lambda: asyncio.ensure_future(self._request_admit()))
-            return
-        reason, detector, decided = self.book.members[ready[0]].join_reason
-        restore = None
-        if self._restore is not None and not live:  # every member was lost: the first joiner starts from the checkpoint
-            restore, self._restore = self._restore, None
-            await self._restore_from(ready[0], *restore)
-        if joiners_start_stateless(self.algorithm.kind, self.history.step(live)):
-            for slot in ready:  # until it loads the committed state (or commits in its epoch)
-                self.book.members[slot].holds_state = slot == ready[0] and restore is not None
-        self.reshape(live + tuple(ready), reason, detector, decided, joiners=tuple(ready))
-        for slot in ready:
-            self._start_run(self.book.members[slot])
-
-    async def _restore_from(self, slot: str, step: int, path: str) -> None:
-        """Every member was lost: `slot`'s fresh worker loads the checkpoint at `step` (the others join
-        it and receive the state at their epoch's start); history goes on from `step`, the steps after
-        it that it already holds being redone (their new records follow the lost ones)."""
-        try:
-            data = await self.journal.read_checkpoint(Path(path))
-        except RuntimeError as err:
-            raise RuntimeError(f"every member was lost and the checkpoint at step {step} is not whole: {err} "
-                               f"(resume with --resume from an older one)") from None
-        await self.group.call(self.book.members[slot].handle, "load_checkpoint", data, timeout=60)
-        redone = self.history.restore(step)
-        self.journal.step = step
-        lost = f"; steps {redone[0]}..{redone[1]} were committed by the lost members and are redone" if redone else ""
-        self.journal.event("restore", f"every member was lost: {slot} starts from the checkpoint at step {step}{lost}",
-                           step=step, path=path, slot=slot, redone=redone)
-
+    # ------------------------------------------------------------------ plans
     def _start_run(self, member: Member) -> None:
         self.group.send(member.handle, "run")
         member.state = S.TRAINING
@@ -492,22 +381,7 @@ class Coordinator(Actions):
                              leavers=tuple(leavers))
 
     def publish(self, members: tuple[str, ...], reason: str, new_epoch: bool = False) -> Plan:
-        self._take_store()
-        previous = self.book.plan
-        plan = self.book.next_plan(members, reason, incarnation=self.incarnation, store_host=self.group.node_ip,
-                                   store_port=self.store_port, history_step=self.history.written_step,
-                                   new_epoch=new_epoch)
-        if previous is None or plan.membership_epoch != previous.membership_epoch:
-            self.epoch_keys.entered(plan.group_name, len(members), plan.backend)  # older epochs' keys go
-        if self.server is not None:  # the server admits a membership before its members pull under it
-            self.server.set_members(self.book.epoch, self.book.server_membership())
-        sent = [self.group.send(m.handle, "set_plan", plan) for m in self.book.reachable()]
-        self.faults.maybe_die("publish", plan.version, sent)
-        self._persist()
-        if previous is not None and self.algorithm.kind == "decentralized":
-            for member in self.book.reachable():  # the old epoch's number: a member already in the new one is left alone
-                self.group.send(member.handle, "abort_epoch", previous.membership_epoch, f"plan {plan.version}: {reason}")
-        return plan
+        return self.publisher.publish(members, reason, self.history.written_step, new_epoch)
 
     def reshape(self, members: tuple[str, ...], reason: str, detector: str, detected_at: float,
                 joiners: tuple[str, ...] = (), leavers: tuple[str, ...] = (), new_epoch: bool = False) -> Plan:
@@ -533,13 +407,7 @@ class Coordinator(Actions):
             self.reshape(live, reason, "collective failure", time.time(), new_epoch=True)
 
     def abort_epoch(self, reason: str) -> None:
-        """Every member's collectives of the current epoch fail now; once per epoch (a batch of deaths,
-        or a death found by a probe and then by its watch, aborts it once)."""
-        if self._aborted == self.book.epoch:
-            return
-        self._aborted = self.book.epoch
-        for member in self.book.reachable():
-            self.group.send(member.handle, "abort_epoch", self.book.epoch, reason)
+        self.publisher.abort_epoch(reason)
 
     # ------------------------------------------------------------------ what decisions call (Actions)
     def view(self) -> JobView:
@@ -558,7 +426,7 @@ class Coordinator(Actions):
         self.faults.die_on_report = True
 
     def restore_on_admit(self) -> None:
-        self._restore = self.journal.checkpoint
+        self.admission.restore = self.journal.checkpoint
 
     def replace(self, slot: str) -> None:
         asyncio.get_running_loop().create_task(self._converge(f"replace {slot}", "replacement"))
@@ -592,7 +460,7 @@ class Coordinator(Actions):
                 self.transition(JobState.RUNNING, f"membership epoch {record.get('membership_epoch', 0)} "
                                                   f"committed step {record['step']}")
             if self.book.slots_in(S.READY):  # joiners held back for the survivors' first step
-                asyncio.get_running_loop().create_task(self._request_admit())
+                asyncio.get_running_loop().create_task(self.admission.request())
         target, metrics = self.cfg.stop.target, self.journal.metrics
         if target is None or self.stop_kind is not None or target.metric not in metrics:
             return
@@ -624,28 +492,9 @@ class Coordinator(Actions):
     # ------------------------------------------------------------------ endings
     async def finish(self) -> None:
         """Every member of the plan finished at the same committed step: keep the model, end the job."""
-        plan, members = self.book.plan, self.book.members
-        if self.server is not None:  # its newest reports may still be on their way
-            if self.algorithm.kind == "background":
-                self.server.close("the job ended")  # the dispenser requeues what is still held (counted)
-            for record in await self.server.records_after(self.history.written_step):
-                self._accept_record(record)
-            await self.server.refresh_summary()
-        self.history.close()
-        self.journal.step = self.history.step([s for s in plan.members if members[s].holds_state]) \
-            if self.history.reporter == "each" and plan else self.history.written_step
         kind = JobState(self.stop_kind or "FINISHED")
-        if plan is not None or self.server is not None:
-            try:
-                blob, _ = await final_model(self.algorithm.final_model, self.book, self.group, self.server,
-                                            self.journal.event, self.journal.metrics)
-                self.journal.write_model(blob)
-                if kind != JobState.FINISHED:  # a stopped or failed job can be continued with --resume
-                    await self.journal.save_checkpoint(self.journal.step, blob,
-                                                       f"checkpoint at step {self.journal.step} on {kind.value.lower()}")
-            except Exception as err:  # noqa: BLE001
-                self.journal.event("info", f"could not fetch the final model: {first_line(err)}")
-        survivors = await committed_states(self.book, self.group) if kind == JobState.FAILED and plan else None
+        survivors = await wrap_up(kind, self.algorithm, self.book, self.group, self.server, self.history,
+                                  self.journal, self._accept_record)
         if kind == JobState.FINISHED:
             self.cause = None
         await self.end(kind, self.cause or f"all members reached the stop step {self.journal.step}", quiet=True,
@@ -692,17 +541,7 @@ class Coordinator(Actions):
                          started_at=self.started_at, ended_at=self.ended_at,
                          stragglers={slot: round(r, 3) for slot, r in self.supervisor.stragglers.current.items()},
                          server=dict(self.server.summary, restarts=self.server.restarts) if self.server else {},
-                         topology=self._topology(plan), spares=self.spares.status())
-
-    def _topology(self, plan) -> dict:
-        """A gossip policy's topology over the plan's members and its spectral gap there."""
-        config = getattr(self.cfg.sync, "topology", None)
-        if config is None or plan is None:
-            return {}
-        n = len(plan.members)
-        if self._gap is None or self._gap[0] != n:
-            self._gap = (n, spectral_gap(get_topology(config.kind, **config.params()), n))
-        return {"kind": config.kind, "world_size": n, "spectral_gap": round(self._gap[1], 6)}
+                         topology=topology_status(getattr(self.cfg.sync, "topology", None), plan), spares=self.spares.status())
 
 
 CoordinatorActor = ray.remote(num_cpus=0)(Coordinator)

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 from actors.members import first_line, kill
-from core.schema import JobConfig
+from algorithms.zipline import BarrierPlanner
+from core.schema import ElasticBSPConfig, JobConfig
 
 log = logging.getLogger(__name__)
 CALL_TIMEOUT_S = 60.0
@@ -28,6 +29,8 @@ class ServerControl:
     summary: dict = field(default_factory=dict)
     """The server's newest counts (version, staleness histogram, refused pushes, leases), for `status`."""
     restarts: int = 0
+    barriers: Optional[BarrierPlanner] = None
+    """elastic_bsp: ZipLine over each member's predicted iteration interval."""
 
     @classmethod
     async def start(cls, cfg: JobConfig, config: dict, run_id: str, run_dir: str) -> "ServerControl":
@@ -36,22 +39,26 @@ class ServerControl:
 
         handle = start_server(cfg, config, run_id, run_dir, cfg.ray.namespace)
         info = await asyncio.wrap_future(handle.ready.remote().future())
-        return cls(handle, pid=info["pid"], summary={k: v for k, v in info.items() if k != "node"})
+        return cls(handle, pid=info["pid"], summary={k: v for k, v in info.items() if k != "node"}, barriers=_barriers(cfg))
 
     @classmethod
     def attach(cls, cfg: JobConfig, run_id: str) -> Optional["ServerControl"]:
         from actors.parameter_server import find_server  # noqa: PLC0415
 
         handle = find_server(cfg.name, run_id, cfg.ray.namespace)
-        return cls(handle) if handle is not None else None
+        return cls(handle, barriers=_barriers(cfg)) if handle is not None else None
 
     def set_members(self, epoch: int, members: Sequence[tuple[str, int]]) -> None:
         """Sent before the plan that names them; the server ignores an older epoch arriving late."""
         self.handle.set_members.remote(epoch, list(members))
 
-    def set_schedule(self, index: int, iterations: dict[str, int]) -> None:
-        """elastic_bsp: ZipLine's barrier for round `index` (the server refuses it if it came too late)."""
-        self.handle.set_schedule.remote(index, iterations)
+    def place_barrier(self, index: int, members: Sequence[str], intervals: dict[str, list[float]]) -> None:
+        """elastic_bsp: round `index` began; ZipLine places its barrier from the iteration times measured
+        over the last round and the server gets it (it refuses one that came too late). Without an answer
+        (the coordinator down or slow) the server keeps its fallback, a barrier after `r` iterations."""
+        iterations = self.barriers.plan(tuple(members), intervals) if self.barriers is not None else None
+        if iterations is not None:
+            self.handle.set_schedule.remote(index, iterations)
 
     def close(self, reason: str) -> None:
         """Every pull answers `finished` from now on: the members stop."""
@@ -78,8 +85,40 @@ class ServerControl:
         except Exception as err:  # noqa: BLE001 - status keeps the last reported counts
             log.warning("could not read the server's counts: %s", first_line(err))
 
+    async def take_report(self, records: tuple[dict, ...], summary: dict, written_step: int) -> tuple[dict, ...]:
+        """A report of the server: its counts, and the records history takes (with those after
+        `written_step` fetched again when the report skips some: reports lost in a restart)."""
+        self.summary = summary
+        if records and records[0]["step"] > written_step + 1:
+            return await self.records_after(written_step)
+        return records
+
     def kill(self) -> None:
         kill(self.handle)
+
+
+def _barriers(cfg: JobConfig) -> Optional[BarrierPlanner]:
+    return BarrierPlanner(cfg.sync.r, cfg.sync.ewma) if isinstance(cfg.sync, ElasticBSPConfig) else None
+
+
+def server_restarted(cfg: JobConfig, kind: str, server: Optional[ServerControl], book: Any, history: Any, journal: Any,
+                     resumed: int, incarnation: int, snapshot: Optional[str]) -> None:
+    """Ray restarted the server from its snapshot at version `resumed`: the versions history holds after
+    it are lost and redone (history records them again, with the new incarnation); the server is told
+    the membership again, since its snapshot may predate it. The lease dispenser (background kind) has
+    no versions: its lease table started over."""
+    if kind == "background":
+        journal.event("server", f"lease dispenser restarted as incarnation {incarnation}: its lease table "
+                                f"starts over (samples of the current data epoch may be dealt again)",
+                      server_incarnation=incarnation)
+    else:
+        reason, detail = restart_event(history.written_step, resumed, incarnation, snapshot, cfg.server.snapshot_every)
+        history.rewind(resumed)
+        journal.step = resumed
+        journal.event("server", reason, **detail)
+    if server is not None and book.plan is not None:
+        server.restarts += 1
+        server.set_members(book.epoch, book.server_membership())
 
 
 def restart_event(history_step: int, resumed: int, incarnation: int, snapshot: Optional[str], every: int) -> tuple[str, dict]:

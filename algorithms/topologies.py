@@ -37,6 +37,7 @@ Small and awkward world sizes, per topology (each docstring says more):
 """
 from __future__ import annotations
 
+import functools
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -164,6 +165,21 @@ def spectral_gap(topology: Topology, world: int) -> float:
     the product over a period for time-varying ones (see the module docstring). 1 for world 1."""
     m, steps = topology.mixing_matrix(world)
     return 1.0 - min(contraction(m), 1.0) ** (1.0 / steps)
+
+
+@functools.lru_cache(maxsize=64)
+def _gap(kind: str, params: tuple, world: int) -> float:
+    return spectral_gap(get_topology(kind, **dict(params)), world)
+
+
+def topology_status(config, plan) -> dict:
+    """A gossip policy's topology (`config`: its `sync.topology`, or None) over the plan's members,
+    with its spectral gap there, for status; {} for the other policies."""
+    if config is None or plan is None:
+        return {}
+    n = len(plan.members)
+    gap = _gap(config.kind, tuple(sorted(config.params().items())), n)
+    return {"kind": config.kind, "world_size": n, "spectral_gap": round(gap, 6)}
 
 
 def degree(topology: Topology, world: int) -> int:

@@ -14,10 +14,38 @@ from typing import Any, Callable, Optional
 from actors import checkpoints
 from actors.control.book import MembershipBook
 from actors.control.workers import WorkerGroup
-from algorithms.supervision import MemberState
+from actors.members import first_line
+from algorithms.supervision import JobState, MemberState
 
 S = MemberState
 CALL_TIMEOUT_S = 60.0
+
+
+async def wrap_up(kind: JobState, algorithm: Any, book: MembershipBook, group: WorkerGroup, server: Any, history: Any,
+                  journal: Any, accept: Callable[[dict], None]) -> Optional[dict]:
+    """The end of a run whose members finished or stopped (`kind`): the server's last records into
+    history (through `accept`), history closed at its committed step, the final model written (and
+    kept as a checkpoint when the job did not finish, for --resume); returns the members' committed
+    states when the job FAILED. `algorithm`: the policy's traits (its kind and final model)."""
+    plan, members = book.plan, book.members
+    if server is not None:  # its newest reports may still be on their way
+        if algorithm.kind == "background":
+            server.close("the job ended")  # the dispenser requeues what is still held (counted)
+        for record in await server.records_after(history.written_step):
+            accept(record)
+        await server.refresh_summary()
+    history.close()
+    journal.step = history.step([s for s in plan.members if members[s].holds_state]) \
+        if history.reporter == "each" and plan else history.written_step
+    if plan is not None or server is not None:
+        try:
+            blob, _ = await final_model(algorithm.final_model, book, group, server, journal.event, journal.metrics)
+            journal.write_model(blob)
+            if kind != JobState.FINISHED:  # a stopped or failed job can be continued with --resume
+                await journal.save_checkpoint(journal.step, blob, f"checkpoint at step {journal.step} on {kind.value.lower()}")
+        except Exception as err:  # noqa: BLE001
+            journal.event("info", f"could not fetch the final model: {first_line(err)}")
+    return await committed_states(book, group) if kind == JobState.FAILED and plan else None
 
 
 async def final_model(final: str, book: MembershipBook, group: WorkerGroup, server: Any,

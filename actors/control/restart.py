@@ -6,9 +6,12 @@ asks it for its status, and takes the live ones back with their newest plan (one
 before the crash was never saved); joiners that were not admitted yet are killed (they start
 again). Then it collects the records committed while nobody listened: every member keeps its
 newest ones, and a record of the same step from two members is taken once.
+
+`resume` is the other way a run goes on: a new run that starts from a checkpoint (`--resume`).
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Callable
 
 from actors.control.book import MembershipBook
@@ -60,3 +63,19 @@ async def records_since(slots: list[str], book: MembershipBook, group: WorkerGro
         for record in await group.ask(book.members[slot].handle, "records_after", step) or ():
             kept.setdefault((record["step"], record.get("slot", "")), record)
     return [kept[key] for key in sorted(kept)]
+
+
+async def resume(path: Path, first: Member, group: WorkerGroup, server: Any, history: Any, journal: Any) -> None:
+    """`--resume`: the checkpoint at `path` into the first member (or the parameter server, whose
+    state it is for the server kinds); history and progress go on from its step."""
+    try:
+        data = await journal.read_checkpoint(path)
+    except RuntimeError as err:
+        raise RuntimeError(f"cannot resume from {path}: {err}") from None
+    if server is not None:
+        step = await server.load_checkpoint(data)
+    else:
+        step = await group.call(first.handle, "load_checkpoint", data)
+    journal.step = step
+    history.ledger.written_step = step
+    journal.event("info", f"resumed from checkpoint at step {step} ({path})", checkpoint=str(path), step=step)

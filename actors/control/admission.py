@@ -1,0 +1,108 @@
+"""Admission: when workers that are ready (READY, started by the launcher) join a plan.
+
+It owns the decision to admit and the restore that goes with it when every member was lost. Ready
+workers are admitted together, by one plan, once the job would have at least `workers.min`
+members; joiners started by one decision wait for each other (one pause for the survivors, not
+several); while the survivors of a departure have not committed their first step without it,
+joiners are held (`MembershipBook.held_departure`). A request to admit is coalesced: however
+many workers become ready in one turn of the event loop, admission looks at the members once
+(each look goes over every member, so one per joiner cost joiners x members at a large scale-up).
+"""
+from __future__ import annotations
+
+import asyncio
+import traceback
+from pathlib import Path
+from typing import Any, Awaitable, Callable, Optional
+
+from actors.control.book import ADMIT_HOLD_S, MembershipBook
+from actors.control.journal import Journal
+from actors.control.workers import WorkerGroup
+from actors.members import Member
+from algorithms.membership import joiners_start_stateless
+from algorithms.supervision import JobState, MemberState
+
+S = MemberState
+
+
+class Admission:
+    """Admits ready workers into plans; restores the first joiner from a checkpoint when asked."""
+
+    def __init__(self, book: MembershipBook, journal: Journal, group: WorkerGroup, kind: str, min_workers: int,
+                 state: Callable[[], JobState], may_start: Callable[[], bool], history: Callable[[], Any],
+                 reshape: Callable[..., Any], start_run: Callable[[Member], None],
+                 fail: Callable[[str, dict], Awaitable[None]]) -> None:
+        """`state()`: the job's state; `may_start()`: no stop decided and not ended; `history()`: the
+        job's history; `reshape(members, reason, detector, decided, joiners=...)`: publish a reshape;
+        `start_run(member)`: start an admitted member's run; `fail(reason, detail)`: end the job FAILED."""
+        self.book, self.journal, self.group, self.kind, self.min_workers = book, journal, group, kind, min_workers
+        self._state, self._may_start, self._history = state, may_start, history
+        self._reshape, self._start_run, self._fail = reshape, start_run, fail
+        self.restore: Optional[tuple[int, str]] = None
+        """Set when every member was lost: the next admitted worker starts from this checkpoint (step, path)."""
+        self._task: Optional[asyncio.Task] = None
+        self._wanted = False
+
+    async def request(self) -> None:
+        """Look at admission soon, once for every worker that became ready in this turn of the loop."""
+        self._wanted = True
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._while_wanted())
+
+    def request_later(self, delay: float) -> None:
+        asyncio.get_running_loop().call_later(delay, lambda: asyncio.ensure_future(self.request()))
+
+    async def _while_wanted(self) -> None:
+        try:
+            while self._wanted:
+                self._wanted = False
+                await asyncio.sleep(0)  # the joiners that became ready in this turn of the loop, together
+                await self.admit()
+        except Exception as err:  # noqa: BLE001 - a checkpoint that cannot be restored: the job cannot go on
+            if not self._state().terminal:
+                await self._fail(f"admitting workers failed: {type(err).__name__}: {err}",
+                                 {"traceback": traceback.format_exc()})
+
+    async def admit(self) -> None:
+        """Admit ready workers with one plan, once there are at least `workers.min` members."""
+        state, book = self._state(), self.book
+        if book.plan is None or not state.active or not self._may_start():
+            return
+        ready, live = book.ready_to_admit(), book.live()
+        if not ready or len(live) + len(ready) < self.min_workers:
+            return
+        if self.restore is not None and not live and book.slots_in(S.STARTING):
+            return  # a restart from a checkpoint resumes at full width, as a fresh start does (admitted once all are up)
+        decisions = {book.members[s].join_reason for s in ready}
+        if state != JobState.PAUSED and any(book.members[s].join_reason in decisions for s in book.slots_in(S.STARTING)):
+            return  # joiners of one decision are admitted together: one pause for the others, not several
+        if book.held_departure(state):  # admitted when the survivors' epoch commits, or the hold ends
+            self.request_later(ADMIT_HOLD_S)
+            return
+        reason, detector, decided = book.members[ready[0]].join_reason
+        restore = None
+        if self.restore is not None and not live:  # every member was lost: the first joiner starts from the checkpoint
+            restore, self.restore = self.restore, None
+            await self._restore_from(ready[0], *restore)
+        if joiners_start_stateless(self.kind, self._history().step(live)):
+            for slot in ready:  # until it loads the committed state (or commits in its epoch)
+                book.members[slot].holds_state = slot == ready[0] and restore is not None
+        self._reshape(live + tuple(ready), reason, detector, decided, joiners=tuple(ready))
+        for slot in ready:
+            self._start_run(book.members[slot])
+
+    async def _restore_from(self, slot: str, step: int, path: str) -> None:
+        """Every member was lost: `slot`'s fresh worker loads the checkpoint at `step` (the others join
+        it and receive the state at their epoch's start); history goes on from `step`, the steps after
+        it that it already holds being redone (their new records follow the lost ones)."""
+        try:
+            data = await self.journal.read_checkpoint(Path(path))
+        except RuntimeError as err:
+            raise RuntimeError(f"every member was lost and the checkpoint at step {step} is not whole: {err} "
+                               f"(resume with --resume from an older one)") from None
+        await self.group.call(self.book.members[slot].handle, "load_checkpoint", data, timeout=60)
+        redone = self._history().restore(step)
+        self.journal.step = step
+        lost = f"; steps {redone[0]}..{redone[1]} were committed by the lost members and are redone" if redone else ""
+        self.journal.event("restore", f"every member was lost: {slot} starts from the checkpoint at step {step}{lost}",
+                           step=step, path=path, slot=slot, redone=redone)

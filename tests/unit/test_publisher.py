@@ -1,0 +1,93 @@
+"""The publisher (actors/control/publisher.py): plans handed out, the server told first, epochs
+aborted once. Over a fake worker group: no Ray."""
+from __future__ import annotations
+
+import asyncio
+
+from actors.control.book import MembershipBook
+from actors.control.fake import FakeWorkerGroup
+from actors.control.publisher import Publisher
+from actors.members import Member
+from actors.plan import WorkerSpec
+from algorithms.supervision import MemberState
+from core.schema import JobConfig, parse
+from orchestrator.config import config_from_dict
+
+S = MemberState
+
+
+class Server:
+    def __init__(self, log: list) -> None:
+        self.log = log
+
+    def set_members(self, epoch, members) -> None:
+        self.log.append(("server", epoch, tuple(s for s, _ in members)))
+
+
+class Harness:
+    def __init__(self, kind: str = "lockstep", server: bool = False) -> None:
+        cfg = parse(JobConfig, config_from_dict({
+            "name": "job", "workers": {"count": 3, "max": 4},
+            "workload": {"factory": "orchestrator.workloads.digits:mlp", "batch_size": 8},
+            "sync": {"policy": "dpsgd" if kind == "decentralized" else "bsp"}, "stop": {"max_steps": 10}}).to_dict())
+        self.group = FakeWorkerGroup()
+        self.book = MembershipBook(cfg, "r", kind)
+        self.log: list = []
+        self.saves = 0
+        self.server = Server(self.log) if server else None
+        for i in range(3):
+            slot = f"w{i}"
+            handle = self.group.create(f"job/r/{slot}", WorkerSpec("job", "r", slot, "/tmp", "job", "ns", {}, ()))
+            self.book.members[slot] = Member(slot, handle, state=S.TRAINING, incarnation=i + 1)
+        original = self.group.send
+
+        def send(handle, method, *args):
+            self.log.append((method, handle.slot, args[0].version if method == "set_plan" else args[0]))
+            return original(handle, method, *args)
+        self.group.send = send
+        self.publisher = Publisher(self.book, self.group, self.group.open_store(1.0), kind, 0, lambda: self.server,
+                                   self.save, lambda version, sent: None)
+
+    def save(self) -> int:
+        self.saves += 1
+        return self.saves
+
+
+def test_a_plan_reaches_every_reachable_member_after_the_server_and_is_saved():
+    h = Harness(server=True)
+    h.book.members["w2"].state = S.DEAD
+    asyncio.run(h.publisher.serve_store())
+    plan = h.publisher.publish(("w0", "w1"), "w2 died", history_step=7)
+    assert plan.members == ("w0", "w1") and plan.history_step == 7 and plan.membership_epoch == 1
+    assert h.log[0] == ("server", 1, ("w0", "w1")), "the server admits a membership before its members pull under it"
+    assert sorted(h.log[1:]) == [("set_plan", "w0", 1), ("set_plan", "w1", 1)], "not to the dead member"
+    assert h.saves == 1 and h.group.keys.entered_groups == [plan.group_name]
+    again = h.publisher.publish(("w0", "w1"), "stop", history_step=7)
+    assert again.membership_epoch == 1 and h.group.keys.entered_groups == [plan.group_name], \
+        "the same epoch's group keeps its keys"
+
+
+def test_an_epoch_is_aborted_once_however_many_ask():
+    h = Harness()
+    h.publisher.publish(("w0", "w1", "w2"), "start", history_step=0)
+    h.log.clear()
+    for reason in ("w0 died", "w1 died", "probe: w0 gone"):
+        h.publisher.abort_epoch(reason)
+    assert [entry for entry in h.log if entry[0] == "abort_epoch"] == [("abort_epoch", s, 1) for s in ("w0", "w1", "w2")]
+    h.publisher.publish(("w1", "w2"), "re-form", history_step=0)
+    h.log.clear()
+    h.publisher.abort_epoch("w1 died")
+    assert [entry for entry in h.log if entry[0] == "abort_epoch"] == [("abort_epoch", s, 2) for s in ("w0", "w1", "w2")], \
+        "a new epoch is aborted again"
+
+
+def test_gossip_members_are_told_to_leave_the_previous_epoch_with_each_new_plan():
+    h = Harness(kind="decentralized")
+    h.publisher.publish(("w0", "w1", "w2"), "start", history_step=0)
+    assert not [entry for entry in h.log if entry[0] == "abort_epoch"], "the first plan has no previous epoch"
+    h.publisher.publish(("w0", "w1", "w2"), "again", history_step=0)
+    aborts = [entry for entry in h.log if entry[0] == "abort_epoch"]
+    assert aborts == [("abort_epoch", s, 1) for s in ("w0", "w1", "w2")], aborts
+    set_plans = [i for i, entry in enumerate(h.log) if entry[0] == "set_plan" and entry[2] == 2]
+    assert max(set_plans) < min(i for i, entry in enumerate(h.log) if entry[0] == "abort_epoch"), \
+        "the new plan goes out before the old epoch is aborted"
