@@ -145,12 +145,13 @@ def test_nothing_lost_two_kills_and_a_join_match_fault_free(run_root):
                 workload={"factory": "orchestrator.workloads.digits:mlp", "params": {"hidden": 64},
                           "batch_size": 16, "micro_batch": 16},
                 faults={"stragglers": [{"slot": "w0", "delay_s": 0.05}]})  # a replacement joins by step ~270
-    clean = ElasticJob(config_from_dict(make_config("clean", **base))).start()
-    assert clean.wait(timeout=180).state == "FINISHED"
     churn_cfg = make_config("churn", **base)
     churn_cfg["faults"] = dict(base["faults"], kills=[{"slot": "w1", "step": 30, "at": "allreduce"},
                                                        {"slot": "w2", "step": 200, "at": "step"}])
     churn = ElasticJob(config_from_dict(churn_cfg)).start()
+    # the fault-free reference trains meanwhile, without the straggler (a sleep: it changes no number)
+    clean = ElasticJob(config_from_dict(make_config("clean", **dict(base, faults={})))).start()
+    assert clean.wait(timeout=180).state == "FINISHED"
     assert churn.wait(timeout=180).state == "FINISHED"
     events = reshapes(churn)
     joins = [e for e in events if e["detail"]["joiners"]]
@@ -169,10 +170,10 @@ def test_split_commit_vote_is_settled_at_the_next_epoch(run_root):
     once, the members agree on step 31 (rank 0 receives it from w1), history takes step 31 from
     the agreement, and the run ends identical to a fault-free one."""
     base = dict(workers={"count": 3, "cpus": 0.5}, stop={"max_steps": 80}, comm={"timeout_s": 3})
-    clean = ElasticJob(config_from_dict(make_config("split-clean", **base))).start()
-    assert clean.wait(timeout=120).state == "FINISHED"
     split = ElasticJob(config_from_dict(make_config("split", **base, faults={"kills": [
         {"slot": "w0", "step": 30, "at": "vote"}]}))).start()
+    clean = ElasticJob(config_from_dict(make_config("split-clean", **base))).start()  # the reference, meanwhile
+    assert clean.wait(timeout=120).state == "FINISHED"
     assert split.wait(timeout=120).state == "FINISHED"
     history = assert_steps_exactly_once(split)
     assert len(history) == 80
@@ -191,10 +192,10 @@ def test_rank0_death_right_after_a_split_vote(run_root):
     its next step, with step 31 possibly unreported. The survivors agree on 31 (w1 takes it from
     w2), history gets step 31 from the new rank 0's catch-up, and the run matches a fault-free one."""
     base = dict(workers={"count": 3, "cpus": 0.5}, stop={"max_steps": 80}, comm={"timeout_s": 3})
-    clean = ElasticJob(config_from_dict(make_config("split0-clean", **base))).start()
-    assert clean.wait(timeout=120).state == "FINISHED"
     churn = ElasticJob(config_from_dict(make_config("split0", **base, faults={"kills": [
         {"slot": "w1", "step": 30, "at": "vote"}, {"slot": "w0", "step": 31, "at": "step"}]}))).start()
+    clean = ElasticJob(config_from_dict(make_config("split0-clean", **base))).start()  # the reference, meanwhile
+    assert clean.wait(timeout=120).state == "FINISHED"
     assert churn.wait(timeout=120).state == "FINISHED"
     history = assert_steps_exactly_once(churn)
     assert len(history) == 80

@@ -24,6 +24,7 @@ def final_params(job: ElasticJob) -> list[torch.Tensor]:
 def test_every_member_killed_at_once_restarts_from_the_newest_checkpoint_and_matches_an_uninterrupted_run(run_root):
     kills = [{"slot": f"w{i}", "step": 65, "how": "sigkill"} for i in range(3)]
     job = ElasticJob(config_from_dict({**CONFIG, "faults": {"kills": kills}})).start()
+    plain = ElasticJob(config_from_dict({**CONFIG, "name": "restore-plain"})).start()  # the reference, meanwhile
     result = job.wait(timeout=180)
     restores = [e for e in job.events() if e["kind"] == "restore"]
     print(f"{result.state} at {result.step}; {[e['reason'] for e in restores]}")
@@ -35,7 +36,6 @@ def test_every_member_killed_at_once_restarts_from_the_newest_checkpoint_and_mat
     assert steps[60:-40] == list(range(61, 61 + len(steps) - 100)), steps  # what the lost members reported after it
     assert lost == ([61, 60 + len(steps) - 100] if len(steps) > 100 else []), lost
 
-    plain = ElasticJob(config_from_dict({**CONFIG, "name": "restore-plain"})).start()
     assert plain.wait(timeout=120).state == "FINISHED"
     diff = max(float((a - b).abs().max()) for a, b in zip(final_params(job), final_params(plain)))
     print(f"restored run vs uninterrupted: max abs diff {diff:.2e}")

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import psutil
+import ray
 import torch
 import yaml
 
@@ -42,9 +43,7 @@ def cli(args: list[str], env: dict, **kw) -> subprocess.CompletedProcess:
 
 
 def test_sigkill_near_70_resumes_from_60_and_matches_uninterrupted(tmp_path, run_root):
-    reference = ElasticJob(config_from_dict(dict(CONFIG, name="resume-reference"))).start()
-    assert reference.wait(timeout=180).state == "FINISHED"
-    expected = params_of(reference.run_dir)
+    reference = ElasticJob(config_from_dict(dict(CONFIG, name="resume-reference"))).start()  # trains meanwhile
 
     root = tmp_path / "runs"
     env = child_env(REPO, ORCHESTRATOR_RUN_ROOT=str(root))
@@ -78,7 +77,11 @@ def test_sigkill_near_70_resumes_from_60_and_matches_uninterrupted(tmp_path, run
         assert time.monotonic() < deadline, "processes of the killed run left behind"
         time.sleep(0.2)
 
-    resumed = cli([str(config_path), "--resume"], env)
+    assert reference.wait(timeout=180).state == "FINISHED"
+    expected = params_of(reference.run_dir)
+    # the resumed runs attach to this session's Ray (a Ray of their own would cost its start each time)
+    address = ray.get_runtime_context().gcs_address
+    resumed = cli([str(config_path), "--resume", "--address", address], env)
     print(resumed.stdout, resumed.stderr[-2000:])
     assert resumed.returncode == 0 and "resuming from step 60" in resumed.stdout
     runs = sorted(root.glob("resume/*/"), key=lambda p: p.name)
@@ -90,7 +93,7 @@ def test_sigkill_near_70_resumes_from_60_and_matches_uninterrupted(tmp_path, run
 
     newest = runs[-1] / "checkpoints" / "step-00000120.pt"
     newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])
-    again = cli([str(config_path), "--resume"], env)
+    again = cli([str(config_path), "--resume", "--address", address], env)
     print(again.stdout, again.stderr[-2000:])
     assert again.returncode == 0
     assert "skipping checkpoint" in again.stderr and "step-00000120.pt" in again.stderr
