@@ -179,7 +179,7 @@ def main() -> int:
 
     os.environ.setdefault("ORCHESTRATOR_RUN_ROOT", tempfile.mkdtemp(prefix="bench-runs-"))
     ensure_token_env()
-    ray.init(num_cpus=8, namespace=NAMESPACE, log_to_driver=False, logging_level="ERROR")
+    ray.init(address="local", num_cpus=8, namespace=NAMESPACE, log_to_driver=False, logging_level="ERROR")
 
     pairs = []
     for i in range(args.pairs):

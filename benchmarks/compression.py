@@ -116,7 +116,7 @@ def main() -> int:
     args = parser.parse_args()
     names = [n for n in sides(args.momentum)
              if not args.only or any(word in n for word in args.only.split(","))]
-    ray.init(num_cpus=8, namespace=NAMESPACE, log_to_driver=False, logging_level="ERROR", include_dashboard=False)
+    ray.init(address="local", num_cpus=8, namespace=NAMESPACE, log_to_driver=False, logging_level="ERROR", include_dashboard=False)
     rows = measure(names, args.steps, args.seeds, args.momentum)
     print(f"{'side (4 workers, ' + str(args.steps) + ' steps, median of ' + str(args.seeds) + ' seeds)':<46}"
           f"{'KiB/step':>10}{'bytes ratio':>12}{'accuracy':>10}{'delta':>8}{'ms/step':>9}{'RSS MiB':>9}")

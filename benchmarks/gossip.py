@@ -80,7 +80,7 @@ def main() -> int:
     parser.add_argument("--consensus-every", type=int, default=0)
     parser.add_argument("--policies", nargs="+", default=["bsp", "dpsgd", "dadam"])
     args = parser.parse_args()
-    ray.init(num_cpus=8, namespace=NAMESPACE, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=8, namespace=NAMESPACE, include_dashboard=False, log_to_driver=False)
     results = {}
     with tempfile.TemporaryDirectory() as root:
         for policy in args.policies:

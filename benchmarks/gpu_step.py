@@ -131,7 +131,7 @@ def shared(world: int, steps: int, pairs: int) -> dict:
 
     os.environ.setdefault("ORCHESTRATOR_RUN_ROOT", tempfile.mkdtemp(prefix="gpu-step-runs-"))
     ensure_token_env()
-    ray.init(num_cpus=world + 2, num_gpus=1, namespace=NAMESPACE, log_to_driver=False, include_dashboard=False)
+    ray.init(address="local", num_cpus=world + 2, num_gpus=1, namespace=NAMESPACE, log_to_driver=False, include_dashboard=False)
     ratios, sides = [], {"orchestrator": [], "ddp": []}
     try:
         for _ in range(pairs):

@@ -97,7 +97,7 @@ def main() -> int:
 
     os.environ.setdefault("ORCHESTRATOR_RUN_ROOT", tempfile.mkdtemp(prefix="bench-runs-"))
     ensure_token_env()
-    ray.init(num_cpus=8, namespace=NAMESPACE, log_to_driver=False, logging_level="ERROR")
+    ray.init(address="local", num_cpus=8, namespace=NAMESPACE, log_to_driver=False, logging_level="ERROR")
     job = ElasticJob(job_config("profile-step", 10_000_000, args.engine)).start()
     try:
         wait_until(lambda: job.status().step > 200, 120, "training")

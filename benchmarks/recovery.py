@@ -224,7 +224,7 @@ def main() -> int:
     ensure_token_env()
     # Each side runs `workers` one-CPU workers and the orchestrator's join one more; Ray Train's
     # controller and the coordinator need room too.
-    ray.init(num_cpus=max(8, args.workers + args.spares + 3), namespace=NAMESPACE, log_to_driver=False,
+    ray.init(address="local", num_cpus=max(8, args.workers + args.spares + 3), namespace=NAMESPACE, log_to_driver=False,
              logging_level="ERROR")
     orch = orchestrator_side(args.events, args.workers, args.checkpoint_every, args.spares)
     rt, rt_error = None, "not run (--no-ray-train)"

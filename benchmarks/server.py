@@ -118,7 +118,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=20)
     args = parser.parse_args()
-    ray.init(num_cpus=CLIENTS + 2, namespace="orchestrator", log_to_driver=False, include_dashboard=False,
+    ray.init(address="local", num_cpus=CLIENTS + 2, namespace="orchestrator", log_to_driver=False, include_dashboard=False,
              logging_level="ERROR")
     Sink.options(name=NAME, namespace="orchestrator").remote()
     run_dir = tempfile.mkdtemp(prefix="server-bench-")

@@ -87,7 +87,7 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--policies", nargs="+", default=["bsp", "shadow"])
     args = parser.parse_args()
-    ray.init(num_cpus=8, namespace=NAMESPACE, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=8, namespace=NAMESPACE, include_dashboard=False, log_to_driver=False)
     results: dict[str, dict[int, dict]] = {}
     with tempfile.TemporaryDirectory() as root:
         for n in args.workers:

@@ -49,7 +49,7 @@ def main() -> int:
     from orchestrator.job import NAMESPACE, ensure_token_env
 
     ensure_token_env()
-    ray.init(num_cpus=max(8, args.workers + 2), namespace=NAMESPACE, log_to_driver=False, include_dashboard=False,
+    ray.init(address="local", num_cpus=max(8, args.workers + 2), namespace=NAMESPACE, log_to_driver=False, include_dashboard=False,
              logging_level="ERROR")
     one_job(True, args.workers, -1)  # warm-up: the first job pays imports and Ray's worker pool
     times: dict[str, list[float]] = {"signed": [], "unsigned": []}

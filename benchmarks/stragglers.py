@@ -66,7 +66,7 @@ def main() -> int:
     parser.add_argument("--png", default="stragglers.png")
     parser.add_argument("--only", nargs="*", default=None, help="policies to run (bsp always runs, with and without the straggler)")
     args = parser.parse_args()
-    ray.init(num_cpus=8, namespace=NAMESPACE, log_to_driver=False, logging_level="ERROR", include_dashboard=False)
+    ray.init(address="local", num_cpus=8, namespace=NAMESPACE, log_to_driver=False, logging_level="ERROR", include_dashboard=False)
     root = tempfile.mkdtemp(prefix="stragglers-bench-")
     rows = {}
     for name, policy, straggler in SIDES:

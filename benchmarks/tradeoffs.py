@@ -408,7 +408,7 @@ def measure(args, out: Path) -> int:
     measured = config_from_dict(job_dict("bsp", cands[0], "10g", "none", args, 0, "/tmp"))
     alone_s, model_bytes = planner.measure_compute(measured)
     ensure_token_env()
-    ray.init(num_cpus=8, namespace=NAMESPACE, log_to_driver=False, include_dashboard=False, logging_level="ERROR")
+    ray.init(address="local", num_cpus=8, namespace=NAMESPACE, log_to_driver=False, include_dashboard=False, logging_level="ERROR")
     root = tempfile.mkdtemp(prefix="tradeoffs-")
     compute_s, modelled_s = placed_compute(args, root), args.compute_ms / 1e3
     host_s = planner.measure_host(measured, cands, model_bytes)

@@ -65,7 +65,9 @@ def connect(config: Optional[JobConfig] = None, address: Optional[str] = None, s
     server = config.server.cpus if config and config.sync.policy in SERVER_POLICIES else 0.0  # one server actor
     wanted = math.ceil((workers.max or workers.count) * workers.cpus + server) if workers else 1
     num_cpus = max(config.ray.num_cpus or 0 if config else 0, wanted, 1)
-    ray.init(num_cpus=num_cpus, namespace=NAMESPACE, log_to_driver=False, include_dashboard=False,
+    # "local": a new local Ray, never the address `ray start` left in Ray's temp dir (init() without an
+    # address connects there, and fails for num_cpus, or lands on a cluster that is not this job's)
+    ray.init(address="local", num_cpus=num_cpus, namespace=NAMESPACE, log_to_driver=False, include_dashboard=False,
              logging_level="ERROR")
 
 

@@ -1,8 +1,11 @@
 """Shared fixtures: one local Ray per test session (start-up costs ~6 s), and the slow marker."""
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -25,6 +28,39 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+@contextlib.contextmanager
+def _machine_share(exclusive: bool):
+    """Under pytest-xdist the suite runs in two processes that share this machine's two cores. A test
+    marked `exclusive` (it measures a time, a rate or a ratio, or it changes what the whole machine
+    shares, such as the loopback's queueing) runs alone: it waits until the other process's test
+    ends, and no other test starts until it is done. The others run side by side. One lock file per
+    run (its xdist run id) with a turnstile, so that a waiting exclusive test is not starved by the
+    other process's stream of shared holders."""
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if not run:  # one process: nothing to share
+        yield
+        return
+    base = Path(tempfile.gettempdir()) / f"orchestrator-tests-{run}"
+    with open(f"{base}.turnstile", "a+") as turnstile, open(f"{base}.lock", "a+") as lock:
+        fcntl.flock(turnstile, fcntl.LOCK_EX)
+        if not exclusive:
+            fcntl.flock(turnstile, fcntl.LOCK_UN)
+        fcntl.flock(lock, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        if exclusive:
+            fcntl.flock(turnstile, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem):
+    """Setup, call and teardown of each test hold the machine's share (see `_machine_share`)."""
+    with _machine_share(item.get_closest_marker("exclusive") is not None):
+        return (yield)
+
+
 def _ensure_ray():
     import ray
 
@@ -32,7 +68,7 @@ def _ensure_ray():
 
     if not ray.is_initialized():
         ensure_token_env()
-        ray.init(num_cpus=8, namespace=NAMESPACE, log_to_driver=False, include_dashboard=False, logging_level="ERROR")
+        ray.init(address="local", num_cpus=8, namespace=NAMESPACE, log_to_driver=False, include_dashboard=False, logging_level="ERROR")
     return ray
 
 

@@ -65,6 +65,7 @@ def _kill_one_mid_all_reduce(store, name: str, abort: bool) -> tuple[list[dict],
     return results, seen, aborted_at
 
 
+@pytest.mark.exclusive  # it measures a time: it runs alone (tests/conftest.py)
 def test_killed_peer_fails_survivors_within_timeout_without_abort(store):
     """A SIGKILLed peer's sockets are reset, so gloo fails the survivors connected to it on its own (an
     abort is not what releases them here: a test of the abort with a killed peer passed with an abort
@@ -102,6 +103,7 @@ def _silent_peer_mid_all_reduce(store, name: str, abort: bool, via_ray: bool = F
     return results, started, aborted_at
 
 
+@pytest.mark.exclusive  # it measures a time: it runs alone (tests/conftest.py)
 @pytest.mark.parametrize("via", ["handle", "ray.util.collective"])
 def test_abort_releases_survivors_of_a_silent_peer_within_1s(store, via):
     results, _, aborted_at = _silent_peer_mid_all_reduce(store, f"silent-abort-{via}/e1", abort=True,
@@ -133,6 +135,7 @@ def test_store_listens_on_node_address_only(store):
     assert host not in ("0.0.0.0", "::")
 
 
+@pytest.mark.exclusive  # it measures a time: it runs alone (tests/conftest.py)
 def test_a_group_forms_while_an_abandoned_formation_still_waits_in_the_same_process():
     """A member that went on to a newer epoch while its older epoch's formation still blocks in C++
     (waiting for peers that never come) forms the newer group at once: each formation has its own

@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -116,3 +118,24 @@ def test_user_code_exception_fails_run_with_exit_1(tmp_path, ray_session):
     assert "FAILED" in proc.stdout and "ValueError: user code failed on call 7" in proc.stdout
     events = (next((tmp_path / "runs" / "custom-workload").iterdir()) / "events.jsonl").read_text()
     assert "Traceback" in events and "custom_workload.py" in events
+
+
+def test_a_run_without_an_address_starts_its_own_ray_where_ray_start_left_an_address(tmp_path):
+    """`ray start` writes the cluster's address to <temp dir>/ray/ray_current_cluster, and Ray's
+    `init()` without an address connects there: a run that should start its own local Ray would
+    instead fail ("num_cpus ... must not be provided") or, worse, land on someone else's cluster."""
+    temp = Path(tempfile.mkdtemp(prefix="rt-", dir="/tmp"))  # short: Ray's socket paths live under it
+    try:
+        (temp / "ray").mkdir()
+        (temp / "ray" / "ray_current_cluster").write_text("127.0.0.1:1\n")  # a cluster long gone
+        env = _env(tmp_path)
+        env["RAY_TMPDIR"] = str(temp)
+        code = ("import ray\nfrom orchestrator.job import connect\nconnect()\n"
+                "print('local', ray.get_runtime_context().gcs_address)\nray.shutdown()\n")
+        proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
+                              timeout=120)
+        print(proc.stdout, proc.stderr[-1500:])
+        assert proc.returncode == 0 and proc.stdout.startswith("local ")
+        assert "127.0.0.1:1\n" not in proc.stdout
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)

@@ -44,6 +44,7 @@ def longest_gap_around(history: list[dict], step: int, around: int = 10) -> floa
     return float(np.max(np.diff(times)))
 
 
+@pytest.mark.exclusive  # it measures a time: it runs alone (tests/conftest.py)
 def test_scale_up_by_api_then_down_by_cli(run_root):
     job = ElasticJob(config_from_dict(make_config("scale"))).start()
     wait_until(lambda: job.status().step > 30, what="training")
@@ -80,6 +81,7 @@ def test_scale_up_by_api_then_down_by_cli(run_root):
     assert "reshape:" in text and "scale request" in text
 
 
+@pytest.mark.exclusive  # it measures a time: it runs alone (tests/conftest.py)
 def test_sigkill_in_allreduce_survivors_commit_within_1s(run_root):
     cfg = make_config("kill-elastic", workers={"count": 4, "cpus": 0.5},
                       faults={"kills": [{"slot": "w2", "step": 40, "at": "allreduce", "how": "sigkill"}]})

@@ -22,7 +22,8 @@ try:
 except lab.LabUnavailable as err:
     REASON = str(err)
 
-pytestmark = pytest.mark.skipif(bool(REASON), reason=f"the lab cannot run here: {REASON}")
+pytestmark = [pytest.mark.skipif(bool(REASON), reason=f"the lab cannot run here: {REASON}"),
+              pytest.mark.exclusive]  # rates measured, and the loopback's root qdisc: it runs alone (tests/conftest.py)
 
 SUBNET = "127.79.0.0/24"
 

@@ -59,6 +59,7 @@ def test_shadow_finishes_with_every_member_at_its_own_stop_and_the_average_as_mo
     print(f"shadow {method}: FINISHED at {steps}; leases {leases}; {average[0]['reason']}")
 
 
+@pytest.mark.exclusive  # it measures a time: it runs alone (tests/conftest.py)
 def test_shadow_through_a_kill_a_rejoin_and_a_scale_down(run_root):
     """w1 SIGKILLed at its 15th step while rounds run back to back; its slot rejoins with a live member's
     state; then the job is scaled down to 3. The others' foreground never stops (no gap between their

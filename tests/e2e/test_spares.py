@@ -3,6 +3,8 @@ each take a ready spare (its process, imports and workload are already up) inste
 actor, a new spare starts behind each, `status` shows them, and the job's end removes them."""
 from __future__ import annotations
 
+import pytest
+
 import json
 import os
 import signal
@@ -25,6 +27,7 @@ def ready_spare(job: ElasticJob, other_than: tuple[int, ...] = ()) -> dict | Non
     return next((s for s in job.status().spares if s["state"] == "ready" and s["pid"] not in other_than), None)
 
 
+@pytest.mark.exclusive  # it measures a time: it runs alone (tests/conftest.py)
 def test_a_scale_up_and_a_replacement_take_hot_spares(run_root):
     cfg = {"name": "spares", "seed": 0, "workers": {"count": 2, "min": 1, "max": 3, "cpus": 0.5, "spares": 1},
            "workload": {"factory": "orchestrator.workloads.digits:mlp", "params": {"hidden": 32}, "batch_size": 8},

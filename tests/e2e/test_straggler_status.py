@@ -2,9 +2,14 @@
 with its ratio, and an event records when it became one."""
 from __future__ import annotations
 
+import pytest
+
 from actors.testing import wait_until
 from orchestrator.config import config_from_dict
 from orchestrator.job import ElasticJob
+
+
+pytestmark = pytest.mark.exclusive  # it measures times: it runs alone (tests/conftest.py)
 
 
 def test_status_names_a_3x_straggler_with_its_ratio_and_an_event_records_it(run_root):

@@ -12,6 +12,9 @@ import pytest
 from actors import runfiles
 
 
+pytestmark = pytest.mark.exclusive  # it measures times: it runs alone (tests/conftest.py)
+
+
 def test_a_slow_fsync_does_not_block_submit_and_snapshots_coalesce(tmp_path, monkeypatch):
     gate = threading.Event()
     real_fsync = os.fsync

@@ -1,6 +1,8 @@
 """Each sender's messages run in the order sent, whatever order they arrive in (actors/sequencer.py)."""
 from __future__ import annotations
 
+import pytest
+
 import asyncio
 import time
 
@@ -17,6 +19,9 @@ async def _deliver(seq: Sequencer, arrivals: list[tuple[str, int]], ran: list[tu
         tasks.append(asyncio.create_task(one(order)))
         await asyncio.sleep(gap_s)
     await asyncio.gather(*tasks)
+
+
+pytestmark = pytest.mark.exclusive  # it measures times: it runs alone (tests/conftest.py)
 
 
 def test_messages_arriving_out_of_order_run_in_the_order_sent():

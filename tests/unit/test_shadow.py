@@ -15,6 +15,9 @@ from core.schema import FieldError
 N = 3
 
 
+pytestmark = pytest.mark.exclusive  # it measures times: it runs alone (tests/conftest.py)
+
+
 def replica(seed: int) -> list[torch.nn.Parameter]:
     torch.manual_seed(seed)
     return list(torch.nn.Linear(7, 5).parameters())

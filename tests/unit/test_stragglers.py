@@ -12,6 +12,9 @@ from algorithms.stragglers import StragglerChange, StragglerWatch
 from core.schema import FaultsConfig, JitterSpec, StragglerFault
 
 
+pytestmark = pytest.mark.exclusive  # it measures times: it runs alone (tests/conftest.py)
+
+
 def test_a_3x_member_is_named_with_its_ratio_and_released_with_hysteresis():
     watch = StragglerWatch(threshold=1.5, release=0.9)
     assert watch.update({"w0": 0.01, "w1": 0.01, "w2": 0.01, "w3": 0.03}) == [StragglerChange("w3", True, 3.0)]

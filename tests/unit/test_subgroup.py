@@ -18,6 +18,9 @@ KEY = b"k" * 32
 TIMEOUT_S = 3.0
 
 
+pytestmark = pytest.mark.exclusive  # it measures times: it runs alone (tests/conftest.py)
+
+
 def group(n: int, name: str) -> list:
     host, port = local_store()
     specs = [GroupSpec(host, port, name, r, n, TIMEOUT_S, "gloo", "127.0.0.1", secret=KEY) for r in range(n)]

@@ -10,6 +10,9 @@ import pytest
 from algorithms.zipline import Barrier, EwmaPredictor, place_barrier
 
 
+pytestmark = pytest.mark.exclusive  # it measures times: it runs alone (tests/conftest.py)
+
+
 def brute_force(last_end: np.ndarray, interval: np.ndarray, r: int) -> Barrier:
     """Every combination of one predicted point per worker: the smallest spread, the earliest end among
     those; then each worker's latest point not after that end (the sweep's choice)."""
