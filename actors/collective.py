@@ -37,7 +37,8 @@ BACKEND = "ORCHESTRATOR"
 _live: dict[str, BaseCommunicator] = {}
 """The communicators of this process's published groups, by name."""
 _current: Optional[str] = None
-_no_group_reason = "this process is not a worker of a running membership epoch"
+NOT_A_WORKER = "this process is not a worker of a running membership epoch"
+_no_group_reason = NOT_A_WORKER
 _lock = threading.Lock()
 
 

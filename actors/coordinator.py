@@ -42,7 +42,9 @@ from actors.control.spares import SparePool
 from actors.control.supervisor import Actions, Supervisor
 from actors.control.workers import RayWorkerGroup, WorkerGroup
 from actors.faults import CoordinatorFaults
-from actors.members import Member
+from actors.members import Member, first_line
+from actors.metrics import Exporter, JobMetrics
+from actors.tracking import TensorBoard, tensorboard_dir
 from actors.plan import ParentWatch, Plan, Progress, WorkerSpec
 from actors.sequencer import Order, Sequencer
 from actors.server_control import ServerControl, server_restarted
@@ -91,6 +93,9 @@ class Coordinator(Actions):
         """What the coordinator needs of the policy: its kind's answers (algorithms/kinds.py)."""
         self.group.setup(self.run_dir, self.cfg.log_level)
         self.journal = Journal(self.run_dir, self.cfg.checkpoint.keep)
+        self.metrics = JobMetrics(Exporter(self.name, run_id, self.cfg.sync.policy, self.cfg.tracking.metrics,
+                                           self.group.metric), self.algorithm.kind)
+        self.journal.listeners.append(self.metrics)
         self.book = MembershipBook(self.cfg, run_id, self.algorithm.kind)
         self.faults = CoordinatorFaults(
             self.cfg.faults, set(runfiles.read_json(self.run_dir / "coordinator_faults_fired.json", [])),
@@ -123,6 +128,11 @@ class Coordinator(Actions):
             if self.algorithm.kind in SERVER_KINDS:  # detached: it trained on without us
                 self.server = ServerControl.attach(self.cfg, self.run_id)
         self.history = self.journal.open_history(self.algorithm.reporter, self.journal.step, self.book.live)
+        if self.cfg.tracking.tensorboard:
+            board = TensorBoard(tensorboard_dir(self.cfg.tracking.tensorboard, self.run_dir, self.name, run_id),
+                                self.history.reporter == "each", self.incarnation)
+            board.catch_up(self.run_dir / "history.jsonl")  # a restart: what the dead writer had not flushed
+            self.journal.listeners.append(board)
         if self._saved is not None and self.state == JobState.RUNNING:  # status() never says RUNNING before re-attaching
             self.transition(JobState.RESHAPING, f"coordinator restarted as incarnation {self.incarnation}: re-attaching workers")
         else:
@@ -285,6 +295,10 @@ class Coordinator(Actions):
                 else:
                     self._parent.exit_if_orphaned()
                     await self._check_limits()
+                self.metrics.tick(self.journal.throughput(), self.supervisor.stragglers.current,
+                                  self.server.summary if self.server else {}, self.spares.ready())
+                self.journal.step_times(lambda: {m.slot: round(m.compute_s, 6) for m in self.book.members.values()
+                                                 if m.state is S.TRAINING and m.compute_s > 0})
         except Exception as err:  # noqa: BLE001 - the job fails with the cause, never hangs
             if not self.state.terminal:
                 await self.end(JobState.FAILED, f"coordinator error: {type(err).__name__}: {err}",
@@ -517,7 +531,22 @@ class Coordinator(Actions):
         self.transition(state, reason, **({"survivors": survivors} if survivors else {}))
         self.journal.write_status(self._status().to_dict())
 
+    def _draw_report(self) -> None:
+        """The run report (actors/report.py) into the run directory, when asked and matplotlib is here."""
+        wanted = self.cfg.tracking.report
+        if wanted is None:
+            wanted = os.environ.get("ORCHESTRATOR_REPORT", "1") != "0"
+        if not wanted:
+            return
+        try:
+            from actors import report  # noqa: PLC0415 - matplotlib: only at the end
+
+            report.draw(self.run_dir)
+        except Exception as err:  # noqa: BLE001 - a picture must not fail the job
+            self.journal.event("info", f"no run report: {type(err).__name__}: {first_line(err)}")
+
     async def _linger(self) -> None:
+        await asyncio.to_thread(self._draw_report)  # before the driver's release lets this process go
         if self.owner_job and await asyncio.to_thread(self.group.job_is_dead, self.owner_job):
             self._released.set()  # its owner is gone: nobody will read the result from this actor
         try:

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 
+from actors.metrics import Exporter
 from actors.plan import ParentWatch, Plan, Progress, WorkerSpec
 from core.schema import JobConfig, parse
 
@@ -42,6 +43,9 @@ class RayLink:
         self._sender = f"{spec.slot}/{uuid.uuid4().hex[:12]}"
         self._next = 0
         self._lock = threading.Lock()
+        config = spec.config or {}
+        self._metrics = Exporter(spec.job, spec.run_id, (config.get("sync") or {}).get("policy", "bsp"),
+                                 enabled=(config.get("tracking") or {}).get("metrics", True))
 
     def _coord(self):
         if self._handle is None:
@@ -56,6 +60,8 @@ class RayLink:
 
     def report(self, progress: Progress, wait: bool) -> None:
         ref = self._send("report", progress)
+        if progress.compute_s > 0:  # once a report (a batch of steps), never inside a step
+            self._metrics.observe("worker_step_seconds", progress.compute_s, slot=progress.slot)
         if wait:
             ray.get(ref, timeout=10)
 

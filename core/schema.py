@@ -530,6 +530,27 @@ class CheckpointConfig:
 
 
 @dataclass
+class TrackingConfig:
+    metrics: bool = True
+    """Export the job's metrics through Ray's metrics agent (`ray.util.metrics`: Prometheus, Ray's dashboard)."""
+    tensorboard: Optional[str] = None
+    """A directory for TensorBoard event files (the committed step is the global step); a relative path
+    is inside the run directory. None: no TensorBoard."""
+    report: Optional[bool] = None
+    """Draw the run report (`report.png` in the run directory) when the job ends (needs matplotlib). Unset:
+    drawn unless the environment says ORCHESTRATOR_REPORT=0 (the test suite does: it runs many jobs)."""
+
+    def __post_init__(self) -> None:
+        if self.tensorboard is not None:
+            import importlib.util  # noqa: PLC0415
+
+            if not self.tensorboard.strip():
+                raise FieldError("tensorboard", "must be a directory; leave it out for no TensorBoard")
+            if importlib.util.find_spec("tensorboardX") is None:
+                raise FieldError("tensorboard", "needs tensorboardX: pip install 'elastic-orchestrator[tracking]'")
+
+
+@dataclass
 class TargetConfig:
     metric: str = "accuracy"
     value: float = 0.0
@@ -776,6 +797,7 @@ class JobConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
     compression: CompressionConfig = field(default_factory=CompressionConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
     stop: StopConfig = field(default_factory=lambda: StopConfig(max_steps=100))
     faults: FaultsConfig = field(default_factory=FaultsConfig)
     comm: CommConfig = field(default_factory=CommConfig)
@@ -1034,6 +1056,12 @@ class JobStatus:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+    def _repr_html_(self) -> str:
+        """Jupyter's view (core/display.py)."""
+        from core.display import status_html  # noqa: PLC0415
+
+        return status_html(self)
 
     @classmethod
     def from_dict(cls, data: dict) -> "JobStatus":

@@ -13,6 +13,7 @@ import logging
 import os
 import sys
 import time
+from pathlib import Path
 from typing import Optional, Sequence
 
 from core.schema import ConfigError, JobStatus, OrchestratorError
@@ -57,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument("--probe", action="store_true", help="measure the lab's links instead of taking them as asked")
     plan.add_argument("--compute-ms", type=float, default=None, help="one step's compute (else measured here)")
     plan.add_argument("--json", action="store_true")
+    report = sub.add_parser("report", help="draw a run's report (loss, membership, stragglers, bytes, recoveries) as a PNG")
+    report.add_argument("run_dir", help="a run directory (it holds history.jsonl and events.jsonl)")
+    report.add_argument("--out", default=None, help="the PNG to write (default: RUN_DIR/report.png)")
     for cmd in sub.choices.values():
         cmd.error = parser.error  # type: ignore[method-assign]
         cmd.add_argument("--log-level", default=None, choices=["DEBUG", "INFO", "WARNING", "ERROR"],
@@ -69,7 +73,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         args = build_parser().parse_args(argv)
         logging.basicConfig(level=args.log_level or "WARNING", format="%(levelname)s %(name)s: %(message)s")
         return {"run": cmd_run, "status": cmd_status, "stop": cmd_stop, "scale": cmd_scale,
-                "lab": cmd_lab, "plan": cmd_plan}[args.command](args)
+                "lab": cmd_lab, "plan": cmd_plan, "report": cmd_report}[args.command](args)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -313,6 +317,25 @@ def _network_of(path: str):
     if not net.enabled:
         raise ConfigError(f"{path}: network.nodes must be at least 1 for a lab")
     return net
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    """The run report of RUN_DIR as a PNG (actors/report.py). Starts nothing."""
+    from actors import report
+
+    run_dir = Path(args.run_dir).expanduser()
+    if not run_dir.is_dir():
+        raise ConfigError(f"report: {run_dir} is not a directory")
+    import importlib.util
+
+    if importlib.util.find_spec("matplotlib") is None:
+        raise ConfigError("report: needs matplotlib (pip install 'elastic-orchestrator[plot]')")
+    try:
+        out = report.draw(run_dir, Path(args.out).expanduser() if args.out else None)
+    except FileNotFoundError as err:
+        raise ConfigError(f"report: {err}") from None
+    print(f"report: {out}")
+    return 0
 
 
 def cmd_plan(args: argparse.Namespace) -> int:

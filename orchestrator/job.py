@@ -249,6 +249,34 @@ class ElasticJob:
     def events(self) -> list[dict]:
         return runfiles.read_jsonl(self.run_dir / "events.jsonl") if self.run_dir else []
 
+    # ------------------------------------------------------------------ notebooks (orchestrator/notebook.py)
+    def _view(self) -> tuple[JobStatus, tuple[dict, ...]]:
+        status = self._result_status() if self._result is not None else self.status()
+        return status, tuple(self.events()[-5:])
+
+    def _result_status(self) -> JobStatus:
+        data = runfiles.read_json(self.run_dir / "status.json") if self.run_dir else None
+        return JobStatus.from_dict(data) if data else self.status()
+
+    def _repr_html_(self) -> str:
+        from core.display import status_html  # noqa: PLC0415
+
+        if self.run_dir is None:
+            return f"<b>{self.name}</b> (not started: call <code>start()</code>)"
+        status, events = self._view()
+        return status_html(status, events, self.config.stop.max_steps)
+
+    def watch(self, timeout: Optional[float] = None, every: float = 1.0, block: bool = True):
+        """Show the job until it ends: in a notebook one display kept up to date (a progress bar), else a
+        progress line every `every` s. Blocks for at most `timeout` s; `block=False` watches from a
+        background thread (returned) so that other cells run meanwhile. Does not release the job:
+        `wait()` still returns its result."""
+        from orchestrator import notebook  # noqa: PLC0415
+
+        if self.run_dir is None:
+            raise OrchestratorError(f"job {self.name!r} has not started: call start() first")
+        return notebook.watch(self._view, self.config.stop.max_steps, timeout, every, block)
+
     def model(self) -> "torch.nn.Module":
         """The final model after `wait()` (for BSP, rank 0's replica, identical to the others; for the
         server policies, the parameter server's)."""

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
+os.environ.setdefault("ORCHESTRATOR_REPORT", "0")  # no run report per job (tests that want one ask in their config)
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
@@ -68,7 +69,8 @@ def _ensure_ray():
 
     if not ray.is_initialized():
         ensure_token_env()
-        ray.init(address="local", num_cpus=8, namespace=NAMESPACE, log_to_driver=False, include_dashboard=False, logging_level="ERROR")
+        ray.init(address="local", num_cpus=8, namespace=NAMESPACE, log_to_driver=False, include_dashboard=False, logging_level="ERROR",
+                 _system_config={"metrics_report_interval_ms": 1000})  # metrics reach the node's endpoint within 1 s
     return ray
 
 

@@ -68,6 +68,26 @@ class FakeWorker:
             self.ended.set_result((kind, outcome))
 
 
+class FakeMetric:
+    """A metric's values by tags: a counter's sum, a gauge's newest value, a histogram's observations."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self.values: dict[tuple, Any] = {}
+
+    def _key(self, tags: Optional[dict]) -> tuple:
+        return tuple(sorted((tags or {}).items()))
+
+    def inc(self, value: float = 1.0, tags: Optional[dict] = None) -> None:
+        self.values[self._key(tags)] = self.values.get(self._key(tags), 0.0) + value
+
+    def set(self, value: float, tags: Optional[dict] = None) -> None:
+        self.values[self._key(tags)] = value
+
+    def observe(self, value: float, tags: Optional[dict] = None) -> None:
+        self.values.setdefault(self._key(tags), []).append(value)
+
+
 class FakeKeys:
     def __init__(self) -> None:
         self.entered_groups: list[str] = []
@@ -96,6 +116,8 @@ class FakeWorkerGroup(WorkerGroup):
         self.plans_sent = 0
         self._plan_members: tuple[int, frozenset] = (-1, frozenset())
         self.kills = 0
+        self.metrics: dict[str, FakeMetric] = {}
+        """What the coordinator exported, by metric name."""
 
     # ------------------------------------------------------------------ what a test does to workers
     def current(self, slot: str) -> FakeWorker:
@@ -141,7 +163,8 @@ class FakeWorkerGroup(WorkerGroup):
             reporters = members if each else members[:1]
             for worker in reporters:
                 record = {"step": step, "time": time.time(), "loss": 1.0 / step, "world_size": len(members),
-                          "global_batch": plan.global_batch, "micro_steps": 1, "membership_epoch": plan.membership_epoch}
+                          "global_batch": plan.global_batch, "micro_steps": 1, "membership_epoch": plan.membership_epoch,
+                          "bytes_sent": 1000 * step}
                 if each:
                     record.update(slot=worker.slot, samples=plan.global_batch // len(members))
                 worker.kept = (worker.kept + [record])[-64:]
@@ -251,6 +274,10 @@ class FakeWorkerGroup(WorkerGroup):
 
     def is_placed(self, handle: Any) -> Optional[bool]:
         return handle is not None and handle.ready_gate is None or (handle.ready_gate is not None and handle.ready_gate.is_set())
+
+    def metric(self, metric: Any, defaults: dict[str, str]) -> "FakeMetric":
+        made = self.metrics[metric.name] = FakeMetric(metric.kind)
+        return made
 
     def free_resources(self) -> dict:
         return {"CPU": 0.0} if self.unplaced else dict(self.free)

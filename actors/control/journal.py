@@ -48,6 +48,10 @@ class Journal:
         self.recent: collections.deque[tuple[float, int]] = collections.deque()  # (time, step) of the last 5 s
         self.checkpoint: Optional[tuple[int, str]] = None
         """(step, path) of this run's newest checkpoint (what a loss of every member restarts from)."""
+        self._step_times, self._step_times_at = None, 0.0
+        self.listeners: list[Any] = []
+        """Whatever follows the run as it is written (metrics, TensorBoard): each has `event(event)` and
+        `record(record)`, called for every event and for every record history takes as its newest."""
 
     # ------------------------------------------------------------------ events
     def event(self, kind: str, reason: str, state_from: Optional[str] = None, state_to: Optional[str] = None,
@@ -56,6 +60,7 @@ class Journal:
         self.events.append(event)
         self._events.write(json.dumps(event.to_dict()) + "\n")
         self._events.flush()
+        self._tell("event", event)
         return event
 
     def recent_reshapes(self) -> tuple[Event, ...]:
@@ -104,7 +109,33 @@ class Journal:
         self.recent.append((record["time"], record["step"]))
         while self.recent[0][0] <= record["time"] - THROUGHPUT_WINDOW_S:  # amortised O(1) per record
             self.recent.popleft()
+        self._tell("record", record)
         return True
+
+    def step_times(self, times: Callable[[], dict[str, float]], now: Optional[float] = None) -> None:
+        """Each training member's step time (s), `times()`, into `step_times.jsonl` at most once a second
+        (the run report's straggler heat map)."""
+        now = time.time() if now is None else now
+        if now - self._step_times_at < 1.0:
+            return
+        self._step_times_at = now
+        times = times()
+        if not times:
+            return
+        if self._step_times is None:
+            self._step_times = open(self.run_dir / "step_times.jsonl", "a", encoding="utf-8")
+        self._step_times.write(json.dumps({"time": now, "step_s": times}) + "\n")
+        self._step_times.flush()
+
+    def _tell(self, what: str, value: Any) -> None:
+        for listener in self.listeners:
+            try:
+                getattr(listener, what)(value)
+            except Exception as err:  # noqa: BLE001 - watching the job must never stop it
+                if not getattr(listener, "failed", False):
+                    listener.failed = True
+                    self.event("info", f"{type(listener).__name__} failed and goes on without that {what}: "
+                                       f"{type(err).__name__}: {err}")
 
     def throughput(self) -> Optional[float]:
         if len(self.recent) >= 2 and self.recent[-1][0] > self.recent[0][0]:
@@ -172,7 +203,11 @@ class Journal:
         runfiles.write_json_atomic(self.run_dir / "status.json", status)
 
     def close(self) -> None:
+        for listener in self.listeners:
+            getattr(listener, "close", lambda: None)()
         if self.history is not None:
             self.history.shut()
         self._events.close()
+        if self._step_times is not None:
+            self._step_times.close()
         self._saver.close()

@@ -41,6 +41,9 @@ class SparePool:
     def names(self) -> list[str]:
         return [s.name for s in self.spares]
 
+    def ready(self) -> int:
+        return sum(1 for s in self.spares if s.ready)
+
     def status(self) -> tuple[dict, ...]:
         return tuple(s.status() for s in self.spares)
 

@@ -93,6 +93,10 @@ class WorkerGroup:
     def call_self(self, name: str, namespace: str, method: str) -> None:
         """A restarted coordinator asks for its own `method` (nobody else will)."""
 
+    def metric(self, metric: Any, defaults: dict[str, str]) -> Any:
+        """A metric to export (actors/metrics.py): Ray's, through its metrics agent; the fake's records values."""
+        raise NotImplementedError
+
     def exit(self) -> None:
         """This coordinator is done: its process goes."""
 
@@ -190,6 +194,11 @@ class RayWorkerGroup(WorkerGroup):
 
     def call_self(self, name: str, namespace: str, method: str) -> None:
         call_self_when_alive(name, namespace, method)
+
+    def metric(self, metric: Any, defaults: dict[str, str]) -> Any:
+        from actors.metrics import ray_metric  # noqa: PLC0415
+
+        return ray_metric(metric, defaults)
 
     def exit(self) -> None:
         import ray  # noqa: PLC0415

@@ -65,7 +65,6 @@ def _kill_one_mid_all_reduce(store, name: str, abort: bool) -> tuple[list[dict],
     return results, seen, aborted_at
 
 
-@pytest.mark.exclusive  # it measures a time: it runs alone (tests/conftest.py)
 def test_killed_peer_fails_survivors_within_timeout_without_abort(store):
     """A SIGKILLed peer's sockets are reset, so gloo fails the survivors connected to it on its own (an
     abort is not what releases them here: a test of the abort with a killed peer passed with an abort

@@ -7,8 +7,6 @@ lost), and a joiner's `state_received` sent before its first record must reach t
 """
 from __future__ import annotations
 
-import pytest
-
 import time
 
 import ray
@@ -17,9 +15,6 @@ from actors import runfiles
 from actors.coordinator import CoordinatorActor
 from actors.plan import Progress
 from orchestrator.config import config_from_dict
-
-
-pytestmark = pytest.mark.exclusive  # it measures times: it runs alone (tests/conftest.py)
 
 
 def _coordinator(tmp_path, name: str):

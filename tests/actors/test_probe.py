@@ -2,8 +2,6 @@
 after a failed collective names the right detector (the death, when that is what the probe met)."""
 from __future__ import annotations
 
-import pytest
-
 import asyncio
 import os
 import signal
@@ -14,7 +12,6 @@ from actors.members import probe
 from actors.testing import CommPeer
 
 
-@pytest.mark.exclusive  # it measures a time: it runs alone (tests/conftest.py)
 def test_a_probe_tells_a_dead_worker_from_a_silent_one_and_a_live_one(ray_session):
     dead, frozen, alive = peers = [CommPeer.remote() for _ in range(3)]
     pids = ray.get([p.pid.remote() for p in peers], timeout=60)

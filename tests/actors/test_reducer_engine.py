@@ -21,9 +21,6 @@ TIMEOUT_S = 3.0
 PER_RANK = 8
 
 
-pytestmark = pytest.mark.exclusive  # it measures times: it runs alone (tests/conftest.py)
-
-
 @pytest.fixture(scope="module")
 def store_port():
     _server, port, sock = serve_store("127.0.0.1", TIMEOUT_S)

@@ -2,8 +2,6 @@
 keeps failing is retired; status shows each with its cause."""
 from __future__ import annotations
 
-import pytest
-
 import os
 import signal
 import time
@@ -31,7 +29,6 @@ def failure_events(job: ElasticJob) -> list[dict]:
     return [e for e in job.events() if e["kind"] == "failure"]
 
 
-@pytest.mark.exclusive  # it measures a time: it runs alone (tests/conftest.py)
 def test_sigstopped_worker_is_evicted_by_heartbeat_and_others_go_on(run_root):
     job = ElasticJob(config_from_dict(config("sigstop"))).start()
     wait_until(lambda: job.status().step > 20, what="training")

@@ -5,8 +5,6 @@ step is redone in the next epoch). The abort and timeout of such a call on a sil
 connection reset releases, are in tests/actors/test_comm.py."""
 from __future__ import annotations
 
-import pytest
-
 import os
 import signal
 from pathlib import Path
@@ -14,9 +12,6 @@ from pathlib import Path
 from actors.testing import wait_until
 from orchestrator.config import config_from_dict
 from orchestrator.job import ElasticJob
-
-pytestmark = pytest.mark.exclusive  # it measures times: it runs alone (tests/conftest.py)
-
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -1,8 +1,6 @@
 """Beyond one worker: a lost node, and the driver that owns a job (Ctrl-C, SIGKILL, --detach)."""
 from __future__ import annotations
 
-import pytest
-
 import io
 import os
 import re
@@ -32,7 +30,6 @@ def job_config(name: str, **over) -> dict:
     return cfg
 
 
-@pytest.mark.exclusive  # it measures a time: it runs alone (tests/conftest.py)
 def test_node_loss_survivors_commit_within_2s_and_replacements_land_elsewhere(tmp_path, monkeypatch, _ray_owner):
     from ray.cluster_utils import Cluster
 
@@ -90,7 +87,6 @@ def _node_processes(node) -> list[psutil.Process]:
     return list({p.pid: p for p in procs}.values())
 
 
-@pytest.mark.exclusive  # it measures a time: it runs alone (tests/conftest.py)
 def test_silent_node_survivors_commit_within_two_heartbeats(tmp_path, monkeypatch, _ray_owner):
     """Every process of the node holding a worker is SIGSTOPped: nothing resets a socket, so only the
     heartbeat can tell. The survivors' next committed step must come within 2 x workers.heartbeat_s
@@ -192,7 +188,6 @@ def test_ctrl_c_stops_gracefully_with_checkpoint_and_exit_130(tmp_path, run_root
     _assert_gone("ctrl-c", job.run_id, ["w0", "w1"])
 
 
-@pytest.mark.exclusive  # it measures a time: it runs alone (tests/conftest.py)
 def test_sigkill_of_owning_run_stops_job_within_10s(tmp_path, run_root):
     proc, _ = _start_run(tmp_path, run_root, "owned", [])
     try:

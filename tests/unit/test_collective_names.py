@@ -9,7 +9,10 @@ from actors.comm import GroupSpec, NoGroup
 from orchestrator import collective_group
 
 
-def test_outside_a_worker_there_is_no_group_and_the_error_says_so():
+def test_outside_a_worker_there_is_no_group_and_the_error_says_so(monkeypatch):
+    # a process that never was a worker (tests before this one in the same process may have published)
+    monkeypatch.setattr(collective, "_current", None)
+    monkeypatch.setattr(collective, "_no_group_reason", collective.NOT_A_WORKER)
     with pytest.raises(RuntimeError, match="not a worker of a running membership epoch|epoch ended"):
         collective_group()
 

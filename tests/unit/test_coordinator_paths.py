@@ -306,3 +306,35 @@ def test_a_restarted_coordinator_reattaches_the_live_members_and_history_has_no_
         steps = [json.loads(line)["step"] for line in (tmp_path / "history.jsonl").read_text().splitlines()]
         assert steps == list(range(1, steps[-1] + 1)) and steps[-1] >= 10, steps
     run(scenario())
+
+
+def test_the_metrics_follow_history_and_count_one_recovery_per_death(tmp_path):
+    """What the coordinator exports (actors/metrics.py) against what history and events say: committed
+    steps and samples, world size back to its count, one departure and one recovery time per death,
+    one join, bytes as the records' differences, the state gauge."""
+    async def scenario():
+        group = FakeWorkerGroup()
+        coord = await started(config("metrics"), tmp_path, group)
+        await group.commit(coord, 4)
+        group.die("w1")
+        await until(lambda: coord.book.plan.members == ("w0", "w2"), "the survivors' plan")
+        await group.commit(coord, 2)
+        await until(lambda: coord.book.plan.members == ("w0", "w2", "w1"), "the replacement's plan")
+        await group.commit(coord, 3)
+        await until(lambda: coord.state == JobState.RUNNING, "RUNNING again")
+        m = {name: metric.values for name, metric in group.metrics.items()}
+        assert m["state"][(("state", "RUNNING"),)] == 1 and m["state"][(("state", "RESHAPING"),)] == 0
+        await stopped(coord, group, 2)
+        history = [json.loads(line) for line in (tmp_path / "history.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in history] == list(range(1, len(history) + 1))
+        assert m["committed_steps"][()] == len(history)
+        assert m["samples"][()] == sum(r["global_batch"] for r in history)
+        assert m["world_size"][()] == 3 and m["membership_epoch"][()] == history[-1]["membership_epoch"]
+        assert m["departures"] == {(("detector", "actor death"),): 1}
+        assert list(m["recovery_seconds"]) == [(("detector", "actor death"),)]
+        deaths = [e for e in events(coord, "reshape") if e.detail["detector"] == "actor death"]
+        assert m["recovery_seconds"][(("detector", "actor death"),)] == [deaths[0].detail["duration_s"]]
+        assert len(m["join_seconds"][()]) == 1 and m["joins"] == {(("detector", "replacement"),): 1}
+        assert m["bytes"][(("kind", "gradients"),)] == 1000 * (len(history) - 1), "each record's bytes over the one before"
+        assert m["state"][(("state", "STOPPED"),)] == 1
+    run(scenario())

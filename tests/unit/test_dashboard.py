@@ -1,0 +1,41 @@
+"""The Grafana board (dashboards/orchestrator.json) is dashboard JSON Grafana loads, and every metric
+its panels query is one the job exports (actors/metrics.py), under the name Prometheus sees."""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from actors.metrics import METRICS
+
+BOARD = Path(__file__).resolve().parents[2] / "dashboards" / "orchestrator.json"
+
+
+def exported_names() -> set[str]:
+    names = set()
+    for m in METRICS.values():
+        base = m.exported
+        names |= {base + suffix for suffix in ("_bucket", "_count", "_sum")} if m.kind == "histogram" else {base}
+    return names
+
+
+def test_the_board_is_dashboard_json_and_queries_only_exported_metrics():
+    board = json.loads(BOARD.read_text())
+    assert board["title"] and board["uid"] and isinstance(board["schemaVersion"], int)
+    assert {v["name"] for v in board["templating"]["list"]} >= {"datasource", "job", "run"}
+    ids, queried = set(), set()
+    for panel in board["panels"]:
+        assert panel["id"] not in ids and panel["type"] == "timeseries" and panel["title"]
+        ids.add(panel["id"])
+        grid = panel["gridPos"]
+        assert 0 <= grid["x"] and grid["x"] + grid["w"] <= 24 and grid["h"] > 0
+        assert panel["targets"], panel["title"]
+        for target in panel["targets"]:
+            names = set(re.findall(r"\bray_orchestrator_[a-z_]+", target["expr"]))
+            assert names, target["expr"]
+            assert '$job' in target["expr"] and '$run' in target["expr"], target["expr"]
+            queried |= names
+    unknown = queried - exported_names()
+    assert not unknown, f"panels query metrics nobody exports: {sorted(unknown)}"
+    unused = {m.exported for m in METRICS.values()} - {re.sub(r"_(bucket|count|sum)$", "", q) for q in queried}
+    assert not unused, f"exported but on no panel: {sorted(unused)}"
