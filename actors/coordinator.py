@@ -42,9 +42,10 @@ from actors.control.spares import SparePool
 from actors.control.supervisor import Actions, Supervisor
 from actors.control.workers import RayWorkerGroup, WorkerGroup
 from actors.faults import CoordinatorFaults
-from actors.members import Member, first_line
+from actors.members import Member
+from actors.report import draw_at_end
 from actors.metrics import Exporter, JobMetrics
-from actors.tracking import TensorBoard, tensorboard_dir
+from actors.tracking import TensorBoard
 from actors.plan import ParentWatch, Plan, Progress, WorkerSpec
 from actors.sequencer import Order, Sequencer
 from actors.server_control import ServerControl, server_restarted
@@ -129,10 +130,8 @@ class Coordinator(Actions):
                 self.server = ServerControl.attach(self.cfg, self.run_id)
         self.history = self.journal.open_history(self.algorithm.reporter, self.journal.step, self.book.live)
         if self.cfg.tracking.tensorboard:
-            board = TensorBoard(tensorboard_dir(self.cfg.tracking.tensorboard, self.run_dir, self.name, run_id),
-                                self.history.reporter == "each", self.incarnation)
-            board.catch_up(self.run_dir / "history.jsonl")  # a restart: what the dead writer had not flushed
-            self.journal.listeners.append(board)
+            self.journal.listeners.append(TensorBoard.for_run(self.cfg.tracking.tensorboard, self.run_dir, self.name,
+                                                              run_id, self.history.reporter == "each", self.incarnation))
         if self._saved is not None and self.state == JobState.RUNNING:  # status() never says RUNNING before re-attaching
             self.transition(JobState.RESHAPING, f"coordinator restarted as incarnation {self.incarnation}: re-attaching workers")
         else:
@@ -531,22 +530,9 @@ class Coordinator(Actions):
         self.transition(state, reason, **({"survivors": survivors} if survivors else {}))
         self.journal.write_status(self._status().to_dict())
 
-    def _draw_report(self) -> None:
-        """The run report (actors/report.py) into the run directory, when asked and matplotlib is here."""
-        wanted = self.cfg.tracking.report
-        if wanted is None:
-            wanted = os.environ.get("ORCHESTRATOR_REPORT", "1") != "0"
-        if not wanted:
-            return
-        try:
-            from actors import report  # noqa: PLC0415 - matplotlib: only at the end
-
-            report.draw(self.run_dir)
-        except Exception as err:  # noqa: BLE001 - a picture must not fail the job
-            self.journal.event("info", f"no run report: {type(err).__name__}: {first_line(err)}")
-
     async def _linger(self) -> None:
-        await asyncio.to_thread(self._draw_report)  # before the driver's release lets this process go
+        # the run report (actors/report.py), before the driver's release lets this process go
+        await asyncio.to_thread(draw_at_end, self.run_dir, self.cfg.tracking.report, self.journal.event)
         if self.owner_job and await asyncio.to_thread(self.group.job_is_dead, self.owner_job):
             self._released.set()  # its owner is gone: nobody will read the result from this actor
         try:

@@ -16,9 +16,10 @@ config.yaml), so it works for any policy kind and after the job's actors are gon
 from __future__ import annotations
 
 import json
+import os
 import statistics
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import yaml
 
@@ -65,6 +66,19 @@ def event_kind(event: dict) -> Optional[str]:
     if gone:
         return "death"
     return "other"
+
+
+def draw_at_end(run_dir: Path, wanted: Optional[bool], note: Callable[..., Any]) -> None:
+    """A job's end: its report into the run directory when asked (`tracking.report`; unset: unless the
+    environment says ORCHESTRATOR_REPORT=0); a failure (no matplotlib) is an event, never the job's."""
+    if wanted is None:
+        wanted = os.environ.get("ORCHESTRATOR_REPORT", "1") != "0"
+    if not wanted:
+        return
+    try:
+        draw(run_dir)
+    except Exception as err:  # noqa: BLE001 - a picture must not fail the job
+        note("info", f"no run report: {type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}")
 
 
 def draw(run_dir: Path, out: Optional[Path] = None) -> Path:

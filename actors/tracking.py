@@ -66,6 +66,15 @@ class TensorBoard:
         self._recent: dict[str, collections.deque] = {}
         self._bytes: dict[str, int] = {}
 
+    @classmethod
+    def for_run(cls, configured: str, run_dir: Path, job: str, run_id: str, per_member: bool,
+                incarnation: int) -> "TensorBoard":
+        """The writer of a run (`tracking.tensorboard`), caught up with its history (a restart: what the
+        dead writer had not flushed)."""
+        board = cls(tensorboard_dir(configured, run_dir, job, run_id), per_member, incarnation)
+        board.catch_up(run_dir / "history.jsonl")
+        return board
+
     def catch_up(self, history: Path) -> int:
         """Steps history holds after the newest written ones (a restart: the dead writer's unflushed
         tail); returns how many were written."""

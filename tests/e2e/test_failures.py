@@ -3,6 +3,8 @@ with the cause, leaving nothing behind; no survivor applied the uncommitted step
 (The default, `reshape`, keeps training: tests/e2e/test_elastic.py.)"""
 from __future__ import annotations
 
+import pytest
+
 import os
 import signal
 import time
@@ -56,6 +58,7 @@ def assert_survivors_at_last_committed_step(job: ElasticJob, failed: dict, victi
     assert steps == {job.history()[-1]["step"]}
 
 
+@pytest.mark.exclusive  # it measures a time: it runs alone (tests/conftest.py)
 def test_sigkill_inside_allreduce_fails_job_within_5s(run_root):
     job = make_job("die-in-allreduce", kills=[{"slot": "w2", "step": 30, "at": "allreduce", "how": "sigkill"}])
     pids = [m.pid for m in job.status().members]
@@ -73,6 +76,7 @@ def test_sigkill_inside_allreduce_fails_job_within_5s(run_root):
     assert_gone(pids)
 
 
+@pytest.mark.exclusive  # it measures a time: it runs alone (tests/conftest.py)
 def test_external_sigkill_fails_job_within_5s(run_root):
     job = make_job("external-kill", steps=100_000)
     wait_for_step(job, 20)
@@ -89,6 +93,7 @@ def test_external_sigkill_fails_job_within_5s(run_root):
     assert_gone(pids)
 
 
+@pytest.mark.exclusive  # it measures a time: it runs alone (tests/conftest.py)
 def test_user_exception_fails_job_with_traceback(run_root):
     job = make_job("user-exception", kills=[{"slot": "w3", "step": 12, "at": "user_exception"}])
     pids = [m.pid for m in job.status().members]
