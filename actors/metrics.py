@@ -3,7 +3,7 @@
 Wherever a cluster's Prometheus scrapes Ray (each node's metrics export port), it finds these too,
 with no server of ours. Ray prefixes every name with `ray_`; a counter is exported as `<name>_total`
 and a histogram as `<name>_bucket`, `_count` and `_sum`. Every metric carries the job's name and run
-id (`job`, `run`) and the policy; per-member ones carry the slot.
+id (`job_name`, `run`) and the policy; per-member ones carry the slot.
 
 The coordinator exports what it already holds (committed records, events, status); a worker exports
 its step times, observed when it sends a report (a batch of steps, a few times a second), never
@@ -35,7 +35,9 @@ class Metric:
         return f"ray_{PREFIX}{self.name}" + ("_total" if self.kind == "counter" else "")
 
 
-BASE_TAGS = ("job", "run", "policy")
+BASE_TAGS = ("job_name", "run", "policy")
+"""`job_name`, not `job`: Prometheus gives each scraped series the target's `job` label, and renames a
+clashing one to `exported_job` unless the scrape honours labels."""
 METRICS = {m.name: m for m in (
     Metric("committed_steps", "counter", "Committed steps (server kinds: versions; per-member kinds: each member's)"),
     Metric("samples", "counter", "Samples in committed steps (the global batch of each)"),
@@ -80,7 +82,7 @@ class Exporter:
     """The metrics of one job run, made on first use (a metric costs Ray a registration)."""
 
     def __init__(self, job: str, run: str, policy: str, enabled: bool = True, make=ray_metric) -> None:
-        self.defaults = {"job": job, "run": run, "policy": policy}
+        self.defaults = {"job_name": job, "run": run, "policy": policy}
         self.enabled = enabled
         self._make = make
         self._made: dict[str, Any] = {}

@@ -81,7 +81,7 @@ def test_the_job_s_metrics_on_ray_s_endpoint_match_status_and_history(run_root):
         assert value(samples, "ray_orchestrator_bytes_total", run, kind="gradients") > 0
         assert value(samples, "ray_orchestrator_loss", run) == pytest.approx(history[-1]["loss"])
         tags = next(t for t, _ in samples["ray_orchestrator_world_size"] if t.get("run") == run)
-        assert tags["job"] == "metrics" and tags["policy"] == "bsp"
+        assert tags["job_name"] == "metrics" and tags["policy"] == "bsp"
     finally:
         result = job.wait(timeout=60)
     # the coordinator drew the run report before it went, and TensorBoard holds history step for step

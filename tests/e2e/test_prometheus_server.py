@@ -50,7 +50,7 @@ def test_a_prometheus_server_scrapes_the_job_s_metrics_and_answers_a_query(tmp_p
                "stop": {"max_steps": 1_000_000}, "faults": {"stragglers": [{"slot": "w0", "delay_s": 0.02}]}}
         job = ElasticJob(config_from_dict(cfg)).start()
         run = wait_until(lambda: (s := job.status()).step > 20 and s.run_id, what="training")
-        expr = f'sum(ray_orchestrator_committed_steps_total{{job="prom", run="{run}"}})'
+        expr = f'sum(ray_orchestrator_committed_steps_total{{job_name="prom", run="{run}"}})'
         found = wait_until(lambda: query(port, expr), timeout=60, what="the metric in Prometheus", every=1.0)
         steps = float(found[0]["value"][1])
         status = job.status()

@@ -106,17 +106,24 @@ def test_a_job_starts_commits_and_finishes_at_max_steps(tmp_path):
     run(scenario())
 
 
+async def death_and_replacement(coord: Coordinator, group: FakeWorkerGroup, before: int, between: int) -> int:
+    """`before` steps; w1 dies; the survivors' plan; `between` steps (the first admits the replacement);
+    the replacement's plan. Returns the survivors' membership epoch."""
+    await group.commit(coord, before)
+    group.die("w1")
+    await until(lambda: coord.book.plan.members == ("w0", "w2"), "the survivors' plan")
+    survivors_epoch = coord.book.plan.membership_epoch
+    await group.commit(coord, between)
+    await until(lambda: coord.book.plan.members == ("w0", "w2", "w1"), "the replacement's plan")
+    return survivors_epoch
+
+
 def test_a_death_re_forms_the_survivors_and_a_replacement_joins(tmp_path):
     async def scenario():
         group = FakeWorkerGroup()
         coord = await started(config("death"), tmp_path, group)
-        await group.commit(coord, 3)
-        group.die("w1")
-        await until(lambda: coord.book.plan.members == ("w0", "w2"), "the survivors' plan")
-        survivors_epoch = coord.book.plan.membership_epoch
+        survivors_epoch = await death_and_replacement(coord, group, 3, 1)
         assert group.current("w0").aborted == [1] and survivors_epoch == 2
-        await group.commit(coord, 1)  # the survivors commit without w1: the replacement is admitted
-        await until(lambda: coord.book.plan.members == ("w0", "w2", "w1"), "the replacement's plan")
         await group.commit(coord, 1)
         await until(lambda: coord.state == JobState.RUNNING, "RUNNING again")
         reshapes = [e.detail["detector"] for e in events(coord, "reshape")]
@@ -315,11 +322,7 @@ def test_the_metrics_follow_history_and_count_one_recovery_per_death(tmp_path):
     async def scenario():
         group = FakeWorkerGroup()
         coord = await started(config("metrics"), tmp_path, group)
-        await group.commit(coord, 4)
-        group.die("w1")
-        await until(lambda: coord.book.plan.members == ("w0", "w2"), "the survivors' plan")
-        await group.commit(coord, 2)
-        await until(lambda: coord.book.plan.members == ("w0", "w2", "w1"), "the replacement's plan")
+        await death_and_replacement(coord, group, 4, 2)
         await group.commit(coord, 3)
         await until(lambda: coord.state == JobState.RUNNING, "RUNNING again")
         m = {name: metric.values for name, metric in group.metrics.items()}
