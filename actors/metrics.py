@@ -12,9 +12,10 @@ inside a step. `METRICS` is the single list of what is exported (the Grafana boa
 """
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 PREFIX = "orchestrator_"
 SECONDS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -107,7 +108,12 @@ class Exporter:
 
 
 class JobMetrics:
-    """The coordinator's side: committed records, events and status into metrics."""
+    """The coordinator's side: committed records, events and status into metrics.
+
+    A record only updates a few sums and newest values here (a dictionary operation each); they go
+    to Ray's metrics once a second and when the job ends (`flush`), so that a job whose members each
+    report their own records (the per-member kinds, hundreds of members) costs one export a second,
+    not one per record."""
 
     def __init__(self, exporter: Exporter, kind: str) -> None:
         self.x = exporter
@@ -117,6 +123,8 @@ class JobMetrics:
         self._step: dict[str, int] = {}
         self._state: Optional[str] = None
         self._ticked = 0.0
+        self._sums: dict[tuple, float] = {}
+        self._newest: dict[tuple, float] = {}
 
     def record(self, record: dict) -> None:
         """A committed record, once (the newest one history took)."""
@@ -124,27 +132,38 @@ class JobMetrics:
         step = int(record["step"])
         steps = step - self._step.get(who, step - 1) if step > self._step.get(who, 0) else 0
         self._step[who] = max(step, self._step.get(who, 0))
-        self.x.inc("committed_steps", steps)
-        batch = record.get("samples") or record.get("global_batch") or 0  # a member's own share, per-member kinds
-        self.x.inc("samples", batch * steps)
-        self.x.set("loss", record.get("loss"))
+        sums, newest = self._sums, self._newest
+        if steps:
+            sums[("committed_steps",)] = sums.get(("committed_steps",), 0) + steps
+            batch = record.get("samples") or record.get("global_batch") or 0  # a member's own share, per-member kinds
+            sums[("samples",)] = sums.get(("samples",), 0) + batch * steps
+        for name in ("loss", "world_size", "membership_epoch"):
+            if record.get(name) is not None:
+                newest[(name,)] = record[name]
+        if record.get("consensus") is not None:
+            newest[("consensus_distance",)] = record["consensus"]
         for metric, value in (record.get("metrics") or {}).items():
             if isinstance(value, (int, float)):
-                self.x.set("eval", value, metric=str(metric))
-        if record.get("world_size") is not None:
-            self.x.set("world_size", record["world_size"])
-        if record.get("membership_epoch") is not None:
-            self.x.set("membership_epoch", record["membership_epoch"])
+                newest[("eval", ("metric", str(metric)))] = value
         sent = record.get("bytes_sent")
         if sent is not None:
             before = self._bytes.get(who)
             self._bytes[who] = sent
             if before is not None and sent > before:
-                self.x.inc("bytes", sent - before, kind=BYTES_KIND.get(self.kind, self.kind))
+                key = ("bytes", ("kind", BYTES_KIND.get(self.kind, self.kind)))
+                sums[key] = sums.get(key, 0) + sent - before
         if record.get("state_bytes"):
-            self.x.inc("bytes", record["state_bytes"], kind="state transfers")
-        if record.get("consensus") is not None:
-            self.x.set("consensus_distance", record["consensus"])
+            key = ("bytes", ("kind", "state transfers"))
+            sums[key] = sums.get(key, 0) + record["state_bytes"]
+
+    def flush(self) -> None:
+        """What records added since the last flush, into Ray's metrics."""
+        sums, self._sums = self._sums, {}
+        for (name, *tags), value in sums.items():
+            self.x.inc(name, value, **dict(tags))
+        newest, self._newest = self._newest, {}
+        for (name, *tags), value in newest.items():
+            self.x.set(name, value, **dict(tags))
 
     def event(self, event: Any) -> None:
         """An event of the journal: transitions, departures, reshapes (recovery and join times)."""
@@ -153,6 +172,8 @@ class JobMetrics:
                 self.x.set("state", 0, state=self._state)
             self._state = event.state_to
             self.x.set("state", 1, state=event.state_to)
+            if event.state_to in ("STOPPED", "FINISHED", "FAILED"):
+                self.flush()  # the job's last values, before its coordinator goes
         elif event.kind == "reshape":
             detail = event.detail
             duration, detector = detail.get("duration_s"), str(detail.get("detector", ""))
@@ -166,16 +187,22 @@ class JobMetrics:
             elif gone and not detail.get("leavers") and duration is not None:  # a scale-down is no recovery
                 self.x.observe("recovery_seconds", duration, detector=detector)
 
-    def tick(self, throughput: Optional[float], stragglers: dict[str, float], server: dict, spares: int,
-             now: Optional[float] = None) -> None:
-        """What status shows, at most once a second."""
+    def tick(self, throughput: Optional[float], step_times: Callable[[], dict[str, float]], server: dict,
+             spares: int, now: Optional[float] = None) -> None:
+        """What status shows, at most once a second. `step_times()`: each training member's step time;
+        each one's ratio to the median goes out (a member that left keeps its last ratio, with its slot)."""
         now = time.monotonic() if now is None else now
         if now - self._ticked < 1.0:
             return
         self._ticked = now
+        self.flush()
         self.x.set("steps_per_second", throughput)
-        for slot, ratio in stragglers.items():
-            self.x.set("step_time_ratio", ratio, slot=slot)
+        times = step_times()
+        if times:
+            median = statistics.median(times.values())
+            for slot, seconds in times.items():
+                if median > 0:
+                    self.x.set("step_time_ratio", seconds / median, slot=slot)
         if server:
             staleness = server.get("staleness")
             if isinstance(staleness, dict) and staleness:
