@@ -51,10 +51,12 @@ def test_gossip_through_a_kill_mid_exchange_a_rejoin_and_a_scale_down(run_root, 
     for m in final.members:
         if m.slot != "w1" and m.slot in pids:
             assert m.pid == pids[m.slot], f"{m.slot} was restarted"
-    sources = {}
+    sources = {}  # in the join's reshape event, or in an event of its own when the reshape went out first
     for e in events:
         if e["kind"] == "reshape":
             sources.update(e["detail"].get("state_sources", {}))
+        elif e["detail"].get("state_source"):
+            sources[e["detail"]["slot"]] = e["detail"]["state_source"]
     assert set(sources) == {"w1"}, f"only the joiner receives a state; the others keep their replicas: {sources}"
     assert sources["w1"]["source"] != "w1" and sources["w1"]["step"] > 12, sources
     history = job.history()
