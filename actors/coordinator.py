@@ -296,9 +296,10 @@ class Coordinator(Actions):
                     await self._check_limits()
                 step_times = lambda: {m.slot: round(m.compute_s, 6) for m in self.book.members.values()  # noqa: E731
                                       if m.state is S.TRAINING and m.compute_s > 0}
-                self.metrics.tick(self.journal.throughput(), step_times, self.server.summary if self.server else {},
-                                  self.spares.ready())
-                self.journal.step_times(step_times)
+                ticked = self.metrics.tick(self.journal.throughput(), step_times,
+                                           self.server.summary if self.server else {}, self.spares.ready())
+                if ticked is not None:  # once a second
+                    self.journal.step_times(ticked)
         except Exception as err:  # noqa: BLE001 - the job fails with the cause, never hangs
             if not self.state.terminal:
                 await self.end(JobState.FAILED, f"coordinator error: {type(err).__name__}: {err}",

@@ -188,12 +188,13 @@ class JobMetrics:
                 self.x.observe("recovery_seconds", duration, detector=detector)
 
     def tick(self, throughput: Optional[float], step_times: Callable[[], dict[str, float]], server: dict,
-             spares: int, now: Optional[float] = None) -> None:
+             spares: int, now: Optional[float] = None) -> Optional[dict[str, float]]:
         """What status shows, at most once a second. `step_times()`: each training member's step time;
-        each one's ratio to the median goes out (a member that left keeps its last ratio, with its slot)."""
+        each one's ratio to the median goes out (a member that left keeps its last ratio, with its slot).
+        Returns the step times when it ticked (the journal writes them too), else None."""
         now = time.monotonic() if now is None else now
         if now - self._ticked < 1.0:
-            return
+            return None
         self._ticked = now
         self.flush()
         self.x.set("steps_per_second", throughput)
@@ -211,4 +212,5 @@ class JobMetrics:
                 if isinstance(count, (int, float)):
                     self.x.set("server_leases", count, lease=str(lease))
         self.x.set("spares_ready", spares)
+        return times
 

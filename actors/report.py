@@ -23,6 +23,8 @@ from typing import Any, Callable, Optional
 
 import yaml
 
+from actors.members import first_line
+
 MARKS = {"death": ("tab:red", "x"), "join": ("tab:green", "^"), "scale": ("tab:blue", "v"), "other": ("tab:gray", ".")}
 
 
@@ -78,7 +80,7 @@ def draw_at_end(run_dir: Path, wanted: Optional[bool], note: Callable[..., Any])
     try:
         draw(run_dir)
     except Exception as err:  # noqa: BLE001 - a picture must not fail the job
-        note("info", f"no run report: {type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}")
+        note("info", f"no run report: {type(err).__name__}: {first_line(err)}")
 
 
 def draw(run_dir: Path, out: Optional[Path] = None) -> Path:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import threading
 import time
 from typing import Any, Callable, Optional
@@ -34,6 +35,13 @@ def child_env(repo, **over: str) -> dict:
     PYTHONPATH, ahead of what is already there (where Ray may live, as on the GPU machine)."""
     path = os.environ.get("PYTHONPATH")
     return dict(os.environ, PYTHONPATH=os.pathsep.join([str(repo)] + ([path] if path else [])), **over)
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for a server a test starts)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def wait_until(predicate: Callable[[], Any], timeout: float = 90, what: str = "condition", every: float = 0.05) -> Any:

@@ -43,9 +43,8 @@ class RayLink:
         self._sender = f"{spec.slot}/{uuid.uuid4().hex[:12]}"
         self._next = 0
         self._lock = threading.Lock()
-        config = spec.config or {}
-        self._metrics = Exporter(spec.job, spec.run_id, (config.get("sync") or {}).get("policy", "bsp"),
-                                 enabled=(config.get("tracking") or {}).get("metrics", True))
+        config = parse(JobConfig, spec.config)
+        self._metrics = Exporter(spec.job, spec.run_id, config.sync.policy, enabled=config.tracking.metrics)
 
     def _coord(self):
         if self._handle is None:

@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING, Any, Optional
 if TYPE_CHECKING:  # pragma: no cover
     from core.schema import JobStatus
 
-TERMINAL = ("STOPPED", "FINISHED", "FAILED")
 COLORS = {"RUNNING": "#2e7d32", "FINISHED": "#1565c0", "FAILED": "#c62828", "STOPPED": "#6d4c41",
           "PAUSED": "#ef6c00", "RESHAPING": "#f9a825", "STARTING": "#757575", "STOPPING": "#6d4c41"}
 STYLE = "font-family:monospace;font-size:12px;border-collapse:collapse"

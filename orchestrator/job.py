@@ -251,12 +251,7 @@ class ElasticJob:
 
     # ------------------------------------------------------------------ notebooks (orchestrator/notebook.py)
     def _view(self) -> tuple[JobStatus, tuple[dict, ...]]:
-        status = self._result_status() if self._result is not None else self.status()
-        return status, tuple(self.events()[-5:])
-
-    def _result_status(self) -> JobStatus:
-        data = runfiles.read_json(self.run_dir / "status.json") if self.run_dir else None
-        return JobStatus.from_dict(data) if data else self.status()
+        return self.status(), tuple(self.events()[-5:])
 
     def _repr_html_(self) -> str:
         from core.display import status_html  # noqa: PLC0415

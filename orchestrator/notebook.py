@@ -13,8 +13,8 @@ import threading
 import time
 from typing import Callable, Optional
 
-from core.display import TERMINAL, fmt, status_html
-from core.schema import JobStatus
+from core.display import fmt, status_html
+from core.schema import TERMINAL_STATES, JobStatus
 
 def progress_line(status: JobStatus, max_steps: Optional[int]) -> str:
     return (f"{status.name} {status.state} step {status.step}{f'/{max_steps}' if max_steps else ''} world "
@@ -43,7 +43,7 @@ def watch(read: Callable[[], tuple[JobStatus, tuple[dict, ...]]], max_steps: Opt
                 handle.update(HTML(status_html(status, events, max_steps)))
             else:
                 print(progress_line(status, max_steps), flush=True)
-            if status.state in TERMINAL or (deadline is not None and time.monotonic() >= deadline):
+            if status.state in TERMINAL_STATES or (deadline is not None and time.monotonic() >= deadline):
                 return
             time.sleep(every)
 

@@ -48,7 +48,7 @@ class Journal:
         self.recent: collections.deque[tuple[float, int]] = collections.deque()  # (time, step) of the last 5 s
         self.checkpoint: Optional[tuple[int, str]] = None
         """(step, path) of this run's newest checkpoint (what a loss of every member restarts from)."""
-        self._step_times, self._step_times_at = None, 0.0
+        self._step_times = None
         self.listeners: list[Any] = []
         """Whatever follows the run as it is written (metrics, TensorBoard): each has `event(event)` and
         `record(record)`, called for every event and for every record history takes as its newest."""
@@ -112,19 +112,14 @@ class Journal:
         self._tell("record", record)
         return True
 
-    def step_times(self, times: Callable[[], dict[str, float]], now: Optional[float] = None) -> None:
-        """Each training member's step time (s), `times()`, into `step_times.jsonl` at most once a second
-        (the run report's straggler heat map)."""
-        now = time.time() if now is None else now
-        if now - self._step_times_at < 1.0:
-            return
-        self._step_times_at = now
-        times = times()
+    def step_times(self, times: dict[str, float]) -> None:
+        """Each training member's step time (s) now, a line of `step_times.jsonl` (the run report's
+        straggler heat map; the coordinator writes one a second)."""
         if not times:
             return
         if self._step_times is None:
             self._step_times = open(self.run_dir / "step_times.jsonl", "a", encoding="utf-8")
-        self._step_times.write(json.dumps({"time": now, "step_s": times}) + "\n")
+        self._step_times.write(json.dumps({"time": time.time(), "step_s": times}) + "\n")
         self._step_times.flush()
 
     def _tell(self, what: str, value: Any) -> None:

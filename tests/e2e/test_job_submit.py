@@ -6,7 +6,6 @@ import importlib.util
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -15,15 +14,10 @@ from pathlib import Path
 import pytest
 import ray
 
+from actors.testing import free_port
 from orchestrator.job import ElasticJob
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 DASHBOARD_NEEDS = ("aiohttp_cors", "opencensus", "colorful", "smart_open", "virtualenv")

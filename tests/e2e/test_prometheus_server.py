@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import subprocess
 import urllib.parse
 import urllib.request
@@ -12,17 +11,11 @@ import urllib.request
 import pytest
 import ray
 
-from actors.testing import wait_until
+from actors.testing import free_port, wait_until
 from orchestrator.config import config_from_dict
 from orchestrator.job import ElasticJob
 
 PROMETHEUS = shutil.which("prometheus")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def query(port: int, expr: str) -> list:
