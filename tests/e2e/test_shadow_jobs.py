@@ -95,7 +95,9 @@ def test_shadow_through_a_kill_a_rejoin_and_a_scale_down(run_root):
         steps_seen = [s for s, _ in times[slot]]
         assert steps_seen == sorted(set(steps_seen)), f"{slot} reported a step twice"
         gaps = [b - a for (_, a), (_, b) in zip(times[slot], times[slot][1:])]
-        assert max(gaps) < 3 * delay + 0.3, f"{slot}'s foreground stopped for {max(gaps):.2f}s (a step is {delay}s)"
+        # 2 steps + 0.2 s: the first report's lookup of the coordinator once stalled every member's step 2
+        # for 0.4-0.7 s (now done when the link is made); a step here is 0.21 s, the kill costs others nothing
+        assert max(gaps) < 2 * delay + 0.2, f"{slot}'s foreground stopped for {max(gaps):.2f}s (a step is {delay}s)"
     rejoined = [s for s, _ in times["w1"] if s > 15]
     assert rejoined and rejoined[0] > 15, "the joiner starts from the live member's step, not from 0"
     last_epoch = max(r["membership_epoch"] for r in history)
