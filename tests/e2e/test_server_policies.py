@@ -191,7 +191,10 @@ def test_a_push_delayed_past_its_senders_eviction_is_fenced_and_its_samples_appl
     a member: refused and counted, its lease already requeued, every sample applied once."""
     steps = 150  # 4 workers at 0.2 s a step: ~9 s, past the push's arrival
     stragglers = [{"slot": f"w{i}", "delay_s": 0.2} for i in range(4)]
-    cfg = make_config("ps-delayed-push", {"policy": "asp"}, steps,
+    # 6 a worker: while w1 is away each push carries a third of 24 (8), so 150 versions stay within one
+    # data epoch (1437) however long its restart takes (with 8, a third of 32 is 11: 1471 samples in CI)
+    workload = {"factory": "orchestrator.workloads.digits:mlp", "params": {"hidden": 32}, "batch_size": 6}
+    cfg = make_config("ps-delayed-push", {"policy": "asp"}, steps, workload=workload,
                       workers={"count": 4, "cpus": 0.5, "hang_timeout_s": 2.0},
                       faults={"record_samples": True, "stragglers": stragglers,
                               "delayed_pushes": [{"slot": "w1", "clock": 4, "delay_s": 6.0}]})
