@@ -34,6 +34,7 @@ from actors import runfiles
 from actors.control.admission import Admission
 from actors.control.book import MembershipBook
 from actors.control.endings import wrap_up
+from actors.storage import run_storage
 from actors.control.journal import Journal
 from actors.control.launcher import Launcher
 from actors.control.publisher import Publisher
@@ -48,6 +49,7 @@ from actors.metrics import Exporter, JobMetrics
 from actors.tracking import TensorBoard
 from actors.plan import ParentWatch, Plan, Progress, WorkerSpec
 from actors.sequencer import Order, Sequencer
+from actors.mirror import RunMirror
 from actors.server_control import ServerControl, server_restarted
 from algorithms.kinds import SERVER_KINDS, PolicyTraits
 from algorithms.supervision import JobState, JobView, MemberState, recovered_epoch
@@ -93,14 +95,18 @@ class Coordinator(Actions):
         self.algorithm = PolicyTraits(self.cfg.sync.policy)
         """What the coordinator needs of the policy: its kind's answers (algorithms/kinds.py)."""
         self.group.setup(self.run_dir, self.cfg.log_level)
-        self.journal = Journal(self.run_dir, self.cfg.checkpoint.keep)
+        storage, run_key = run_storage(self.cfg.storage, self.run_dir)
+        mirror = RunMirror(storage, run_key, self.run_dir) if storage.remote else None
+        self.journal = Journal(self.run_dir, self.cfg.checkpoint.keep, storage, run_key, mirror,
+                               restarted=self.group.reconstructed)
         self.metrics = JobMetrics(Exporter(self.name, run_id, self.cfg.sync.policy, self.cfg.tracking.metrics,
                                            self.group.metric), self.algorithm.kind)
         self.journal.listeners.append(self.metrics)
         self.book = MembershipBook(self.cfg, run_id, self.algorithm.kind)
         self.faults = CoordinatorFaults(
             self.cfg.faults, set(runfiles.read_json(self.run_dir / "coordinator_faults_fired.json", [])),
-            lambda fired: runfiles.write_json_atomic(self.run_dir / "coordinator_faults_fired.json", sorted(fired)),
+            lambda fired: (runfiles.write_json_atomic(self.run_dir / "coordinator_faults_fired.json", sorted(fired)),
+                           self.journal.put("coordinator_faults_fired.json")),
             lambda reason: self.journal.event("fault", reason, fired_at=time.time()))
         self._saved: Optional[dict] = self._load_saved() if self.group.reconstructed else None
         self.spares = SparePool(self.cfg.workers.spares, self.group, self.prefix, lambda slot: self._spec(slot, 0),
@@ -318,7 +324,7 @@ class Coordinator(Actions):
         members = await self.launcher.first_members(self._starting)
         await self.publisher.serve_store()
         if self.resume_from:
-            await resume(Path(self.resume_from), self.book.members[members[0]], self.group, self.server, self.history,
+            await resume(self.resume_from, self.book.members[members[0]], self.group, self.server, self.history,
                          self.journal)
         self.publish(members, "initial membership")
         for slot in members:
@@ -535,6 +541,8 @@ class Coordinator(Actions):
     async def _linger(self) -> None:
         # the run report (actors/report.py), before the driver's release lets this process go
         await asyncio.to_thread(draw_at_end, self.run_dir, self.cfg.tracking.report, self.journal.event)
+        if self.journal.mirror is not None and (self.run_dir / "report.png").exists():
+            self.journal.mirror.put("report.png")
         if self.owner_job and await asyncio.to_thread(self.group.job_is_dead, self.owner_job):
             self._released.set()  # its owner is gone: nobody will read the result from this actor
         try:

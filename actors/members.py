@@ -125,7 +125,9 @@ def job_is_dead(job_id: str) -> bool:
 
 
 def log_to(path: Path, level: str) -> None:
-    """This process's log records go to `path` (the run directory), at `level`."""
+    """This process's log records go to `path` (the run directory, made here when a restart on
+    another node finds none), at `level`."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     handler = logging.FileHandler(path, encoding="utf-8")
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger()

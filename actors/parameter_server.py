@@ -23,6 +23,7 @@ once).
 from __future__ import annotations
 
 import io
+import json
 import logging
 import os
 import queue
@@ -40,6 +41,7 @@ import torch
 
 from actors import checkpoints, runfiles
 from actors.plan import server_name
+from actors.storage import run_storage
 from algorithms.base import get_algorithm
 from algorithms.dispenser import NOTICES_IN_FLIGHT, DispenserCore
 from algorithms.server import Fence, Pull, Push, PushResult, ServerCore, Update, combine_buffers
@@ -79,6 +81,10 @@ class ServerHost:
     def __init__(self, config: dict, run_dir: str, reports: ServerReports, restarted: bool = False) -> None:
         self.cfg: JobConfig = parse(JobConfig, config)
         self.run_dir = Path(run_dir)
+        storage, run_key = run_storage(self.cfg.storage, self.run_dir)
+        self.snapshots = (storage, f"{run_key}/server")
+        """Where the snapshots and `incarnation.json` go: `<run>/server/` on the job's storage (a server
+        that Ray restarts on another node finds them there)."""
         self.reports = reports
         torch.set_num_threads(max(1, int(self.cfg.server.cpus)))
         torch.manual_seed(self.cfg.seed)  # the workers' initial replicas, bit for bit
@@ -367,11 +373,16 @@ class ServerHost:
     def _last_incarnation(self) -> int:
         """The newest incarnation any restart of this run's server took (a snapshot may be older than
         the last restart: two restarts from one snapshot must not both take its incarnation + 1)."""
-        return int((runfiles.read_json(self.run_dir / "server" / "incarnation.json") or {}).get("incarnation", 0))
+        storage, key = self.snapshots
+        try:
+            return int(json.loads(storage.read(f"{key}/incarnation.json")).get("incarnation", 0))
+        except (OSError, ValueError, AttributeError):
+            return 0
 
     def _claim_incarnation(self) -> None:
         """Record this restart's incarnation before any push is fenced by it (atomic: temp, fsync, rename)."""
-        runfiles.write_json_atomic(self.run_dir / "server" / "incarnation.json", {"incarnation": self.core.incarnation})
+        storage, key = self.snapshots
+        storage.write(f"{key}/incarnation.json", runfiles.json_bytes({"incarnation": self.core.incarnation}))
 
     # ------------------------------------------------------------------ snapshots
     def _maybe_snapshot(self, updates: tuple[Update, ...]) -> None:
@@ -383,7 +394,7 @@ class ServerHost:
                 state, version = self.core.state_dict(), self.core.version
             buf = io.BytesIO()
             torch.save(state, buf)
-            checkpoints.save(self.run_dir / "server", version, buf.getvalue(), SNAPSHOTS_KEPT)
+            checkpoints.save(self.snapshots, version, buf.getvalue(), SNAPSHOTS_KEPT, self.run_dir.name)
 
     def load_checkpoint(self, blob: bytes) -> int:
         """`--resume`: take the server's state from a checkpoint (`model_state`'s) or one of its own
@@ -401,15 +412,16 @@ class ServerHost:
     def _resume(self) -> None:
         """A restart: carry on from the newest valid snapshot (or the initial state when there is none),
         as a new incarnation."""
-        ref = checkpoints.newest_valid(self.run_dir / "server", warn=log.warning, pattern="checkpoints/step-*.json")
+        ref = checkpoints.newest_valid(self.snapshots, warn=log.warning, pattern="checkpoints/step-*.json")
         if ref is not None:
-            state = torch.load(io.BytesIO(ref.path.read_bytes()), weights_only=True, map_location="cpu")
+            blob = self.snapshots[0].read(self.snapshots[0].key_of(ref.location))
+            state = torch.load(io.BytesIO(blob), weights_only=True, map_location="cpu")
             self.core.load_state_dict(state)
         self.core.incarnation = max(self.core.incarnation, self._last_incarnation())
         self.core.new_incarnation()
         self._claim_incarnation()
         log.warning("parameter server restarted as incarnation %d from version %d", self.core.incarnation, self.core.version)
-        self.reports.restarted(self.core.version, self.core.incarnation, str(ref.path) if ref else None)
+        self.reports.restarted(self.core.version, self.core.incarnation, ref.location if ref else None)
 
 
 def _as_tensor(grad: np.ndarray) -> torch.Tensor:

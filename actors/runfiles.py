@@ -13,7 +13,7 @@ import os
 import tempfile
 import threading
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 KV_NAMESPACE = "orchestrator"
 log = logging.getLogger(__name__)
@@ -61,8 +61,10 @@ class BackgroundWriter:
     write's failure (None once one lands), and `wait(n)` blocks until snapshot n (or a newer one) is
     on disk, False when its write failed."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, written: Optional[Callable[[], None]] = None) -> None:
         self.path = Path(path)
+        self.written = written
+        """Called by the writer's thread after each snapshot lands (a remote copy follows it)."""
         self._cond = threading.Condition()
         self._pending: Optional[bytes] = None
         self._submitted = 0
@@ -122,6 +124,8 @@ class BackgroundWriter:
                 if error is None:
                     self._written = number
                 self._cond.notify_all()
+            if error is None and self.written is not None:
+                self.written()
 
 
 def read_json(path: Path, default: Any = None) -> Any:
@@ -129,6 +133,19 @@ def read_json(path: Path, default: Any = None) -> Any:
         return json.loads(Path(path).read_text())
     except (OSError, ValueError):
         return default
+
+
+def parse_jsonl(data: bytes, where: str = "") -> list[dict]:
+    """JSON lines from bytes (a mirrored file); a torn line is skipped with a warning."""
+    out = []
+    for line in data.decode("utf-8", errors="replace").splitlines():
+        line = line.strip()
+        if line:
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                log.warning("%s: skipping a torn line", where or "JSON lines")
+    return out
 
 
 def read_jsonl(path: Path) -> list[dict]:

@@ -807,6 +807,11 @@ class JobConfig:
     """Evaluate (rank 0, on workload.eval_data) every this many steps; 0 disables."""
     run_dir: Optional[str] = None
     """Absolute run directory root; default ~/orchestrator-runs. Relative paths are resolved at load."""
+    storage: Optional[str] = None
+    """Where the job keeps what outlives a node: a local path (then it is the run root, as `run_dir`),
+    or a URI (`s3://bucket/prefix?endpoint_override=...`, `gs://...`, any fsspec scheme). With a URI,
+    the run's files are written to the local run directory and copied there as they change;
+    checkpoints, server snapshots and `--resume` use it directly (actors/storage.py)."""
     progress_every_s: float = 5.0
     policy_choice: str = ""
     """Set by `sync.policy: auto` when the job starts: the pick and its reason (the job's first event)."""

@@ -92,8 +92,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.detach and not (config.ray.address or os.environ.get("RAY_ADDRESS")):
         raise ConfigError("--detach: a local Ray ends with this process; pass --address (or set RAY_ADDRESS) "
                           "to run the job on a cluster that outlives it")
-    from orchestrator.job import job_root
+    from orchestrator.job import check_storage
 
+    storage = check_storage(config)  # an unusable store ends here, exit 2, before Ray starts
     resume_from = None
     if args.resume:
         from actors.checkpoints import newest_valid_of_job
@@ -103,12 +104,12 @@ def cmd_run(args: argparse.Namespace) -> int:
             raise ConfigError("--resume: policy 'shadow' does not resume from a checkpoint yet (its lease table "
                               "lives on the dispenser and is not saved); start a new run")
 
-        ref = newest_valid_of_job(job_root(config), config.sync.policy in SERVER_POLICIES,
+        ref = newest_valid_of_job((storage, config.name), config.sync.policy in SERVER_POLICIES,
                                   warn=lambda text: print(text, file=sys.stderr, flush=True))
         if ref is None:
-            raise ConfigError(f"--resume: no valid checkpoint for job {config.name!r} under {job_root(config)}")
-        print(f"resuming from step {ref.step} of run {ref.run_id} ({ref.path})", flush=True)
-        resume_from = str(ref.path)
+            raise ConfigError(f"--resume: no valid checkpoint for job {config.name!r} under {storage.location(config.name)}")
+        print(f"resuming from step {ref.step} of run {ref.run_id} ({ref.location})", flush=True)
+        resume_from = ref.location
     with contextlib.ExitStack() as lab:
         if config.network.enabled:
             _enter_lab(config, lab, keep_up=args.detach)

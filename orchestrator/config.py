@@ -39,6 +39,12 @@ def config_from_dict(raw: Any, overrides: Overrides = ()) -> JobConfig:
             raise ConfigError(f"{required}: missing; every config needs name, workload and stop")
     config = parse(JobConfig, data)
     check_factory(config.workload.factory)
+    if config.storage is not None and ("://" not in config.storage or config.storage.startswith("file://")):
+        local = str(Path(config.storage.removeprefix("file://")).expanduser().resolve())
+        if config.run_dir is not None and str(Path(config.run_dir).expanduser().resolve()) != local:
+            raise ConfigError(f"storage: a local path is the run root, and run_dir names another ({config.run_dir}); "
+                              f"set one of them")
+        config.run_dir, config.storage = local, None
     if config.run_dir is not None:
         config.run_dir = str(Path(config.run_dir).expanduser().resolve())
     return config

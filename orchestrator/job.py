@@ -9,6 +9,7 @@ process without re-initializing Ray. After the coordinator is gone, `status()`, 
 from __future__ import annotations
 
 import io
+import json
 import logging
 import math
 import os
@@ -25,6 +26,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 from actors import runfiles
 from actors.plan import server_name
+from actors.storage import Storage, StorageError, is_remote, open_storage
 from core.factory import check_factory
 from orchestrator.config import default_run_root
 from core.schema import (
@@ -76,6 +78,37 @@ def job_root(config: JobConfig) -> Path:
     return (Path(config.run_dir) if config.run_dir else default_run_root()) / config.name
 
 
+def job_storage(config: JobConfig) -> Storage:
+    """Where the job's runs are kept: `storage` (a URI), else the local run root."""
+    return open_storage(config.storage) if is_remote(config.storage) else open_storage(str(job_root(config).parent))
+
+
+def check_storage(config: JobConfig) -> Storage:
+    """The job's storage, tried (a probe object) before anything starts: ConfigError naming `storage`."""
+    try:
+        storage = job_storage(config)
+        if storage.remote:
+            storage.check()
+        return storage
+    except StorageError as err:
+        raise ConfigError(str(err)) from None
+
+
+def _warn_local_storage(config: JobConfig) -> None:
+    """A cluster of several nodes with the runs on one node's disk: Ray may restart the coordinator
+    or the parameter server on another node, which finds nothing there (unless it is a shared mount)."""
+    if is_remote(config.storage):
+        return
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    if len(nodes) > 1:
+        log.warning("storage: the runs are kept in a local folder (%s) on a cluster of %d nodes; a coordinator or "
+                    "parameter server restarted on another node will not find it unless every node mounts it "
+                    "(set storage: s3://... or another shared URI)", job_root(config).parent, len(nodes))
+        print(f"warning: storage: the runs are kept in a local folder ({job_root(config).parent}) on a cluster of "
+              f"{len(nodes)} nodes; other nodes do not see it unless it is a shared mount (set storage: s3://...)",
+              flush=True)
+
+
 def _head_resources() -> dict:
     return {"node:__internal_head__": 0.001}
 
@@ -90,6 +123,7 @@ class ElasticJob:
         self.name = config.name
         self.run_id: Optional[str] = None
         self.run_dir: Optional[Path] = None
+        self.storage: Optional[Storage] = None
         self._coordinator = None
         self._result: Optional[JobResult] = None
 
@@ -103,6 +137,7 @@ class ElasticJob:
         from actors.coordinator import MAX_RESTARTS, CoordinatorActor
 
         started_at = time.time()
+        self.storage = check_storage(self.config)  # before Ray starts
         if self.config.network.enabled:  # the lab must be up as the config says (orchestrator/lab.py)
             from orchestrator.lab import require
 
@@ -111,10 +146,13 @@ class ElasticJob:
             from orchestrator.planner import choose, resumed_choice
 
             if self.resume_from:  # the checkpoint's state is the policy its run picked: keep that pick
-                self.config, self.policy_choice = resumed_choice(self.config, Path(self.resume_from))
+                self.config, self.policy_choice = resumed_choice(
+                    self.config, self.resume_from, (lambda loc: self.storage.read(self.storage.key_of(loc)))
+                    if self.storage.remote else None)
             else:
                 self.config, self.policy_choice, _ = choose(self.config)
         connect(self.config)
+        _warn_local_storage(self.config)
         old = _find_coordinator(self.name)
         if old is not None:
             state = _safe_status(old)
@@ -126,7 +164,10 @@ class ElasticJob:
         self.run_id = time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(2)
         self.run_dir = job_root(self.config) / self.run_id
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        runfiles.write_bytes_atomic(self.run_dir / "config.yaml", yaml.safe_dump(self.config.to_dict(), sort_keys=False).encode())
+        config_yaml = yaml.safe_dump(self.config.to_dict(), sort_keys=False).encode()
+        runfiles.write_bytes_atomic(self.run_dir / "config.yaml", config_yaml)
+        if self.storage.remote:
+            self.storage.write(self._key("config.yaml"), config_yaml)
         self._coordinator = CoordinatorActor.options(
             name=self.name, namespace=NAMESPACE, lifetime="detached", resources=_head_resources(),
             max_restarts=MAX_RESTARTS,
@@ -178,6 +219,11 @@ class ElasticJob:
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
                 self._coordinator = None
         data = runfiles.read_json(self.run_dir / "status.json") if self.run_dir else None
+        if data is None and self._remote():
+            try:
+                data = json.loads(self.storage.read(self._key("status.json")))
+            except (OSError, ValueError):
+                data = None
         if data is None:
             raise OrchestratorError(f"job {self.name!r}: the coordinator is gone and left no final status in {self.run_dir}")
         return JobStatus.from_dict(data)
@@ -244,10 +290,27 @@ class ElasticJob:
 
     # ------------------------------------------------------------------ results
     def history(self) -> list[dict]:
-        return runfiles.read_jsonl(self.run_dir / "history.jsonl") if self.run_dir else []
+        return self._lines("history.jsonl")
 
     def events(self) -> list[dict]:
-        return runfiles.read_jsonl(self.run_dir / "events.jsonl") if self.run_dir else []
+        return self._lines("events.jsonl")
+
+    def _remote(self) -> bool:
+        return self.storage is not None and self.storage.remote and self.run_id is not None
+
+    def _key(self, name: str) -> str:
+        return f"{self.name}/{self.run_id}/{name}"
+
+    def _lines(self, name: str) -> list[dict]:
+        """A run file's records: this node's copy (the coordinator's, on one machine), else the
+        storage's (the driver on another node, or this node's copy lost)."""
+        if self.run_dir is None:
+            return []
+        if (self.run_dir / name).exists() or not self._remote():
+            return runfiles.read_jsonl(self.run_dir / name)
+        from actors.mirror import read_appended  # noqa: PLC0415
+
+        return runfiles.parse_jsonl(read_appended(self.storage, self._key(name)))
 
     # ------------------------------------------------------------------ notebooks (orchestrator/notebook.py)
     def _view(self) -> tuple[JobStatus, tuple[dict, ...]]:
@@ -277,9 +340,13 @@ class ElasticJob:
         server policies, the parameter server's)."""
         import torch  # noqa: PLC0415 - the CLI's status, scale and stop import this module and need no torch
         path = self.run_dir / "model.pt" if self.run_dir else None
-        if path is None or not path.exists():
+        if path is not None and path.exists():
+            blob = path.read_bytes()
+        elif path is not None and self._remote() and self.storage.size(self._key("model.pt")) is not None:
+            blob = self.storage.read(self._key("model.pt"))
+        else:
             raise OrchestratorError(f"job {self.name!r} has no final model yet (state {self.status().state})")
-        state = torch.load(io.BytesIO(path.read_bytes()), weights_only=True, map_location="cpu")
+        state = torch.load(io.BytesIO(blob), weights_only=True, map_location="cpu")
         torch.manual_seed(self.config.seed)
         workload = check_factory(self.config.workload.factory)(**self.config.workload.params)
         workload.model.load_state_dict(state["model"])

@@ -20,7 +20,7 @@ import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from algorithms.runtime_model import CODEC_RATIO, INF, Compute, Network, PolicySpec, cpu_time, host_patterns, predict
 from core.schema import ConfigError, JobConfig, NetworkConfig, parse
@@ -375,14 +375,16 @@ def choose(cfg: JobConfig, compute_s: Optional[float] = None, model_bytes: Optio
     return parse(JobConfig, raw), line, rows
 
 
-def resumed_choice(cfg: JobConfig, checkpoint: Path) -> tuple[JobConfig, str]:
+def resumed_choice(cfg: JobConfig, checkpoint: Path, read: Optional[Callable[[str], bytes]] = None) -> tuple[JobConfig, str]:
     """`auto` on `--resume`: the policy the checkpoint's run picked (its run directory's config.yaml,
-    written once `auto` was resolved), since the checkpoint holds that policy's state."""
+    written once `auto` was resolved), since the checkpoint holds that policy's state. `read`: how to
+    read a location (a remote storage's; default the local disk)."""
     import yaml  # noqa: PLC0415
 
-    path = checkpoint.parent.parent / "config.yaml"
+    location = str(checkpoint)
+    path = location.rsplit("/", 2)[0] + "/config.yaml"
     try:
-        ran = yaml.safe_load(path.read_text())
+        ran = yaml.safe_load((read or (lambda p: Path(p).read_bytes()))(path))
         sync, codec = ran["sync"], ran["compression"]["codec"]
     except (OSError, yaml.YAMLError, KeyError, TypeError) as err:
         raise ConfigError(f"sync.policy: auto with --resume needs the policy the checkpoint's run picked, from "

@@ -12,6 +12,11 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 os.environ.setdefault("ORCHESTRATOR_REPORT", "0")  # no run report per job (tests that want one ask in their config)
+# the S3 tests' server (moto, on 127.0.0.1) takes any key; set before Ray starts, so that every actor has
+# them, and no SDK looks for an instance role on a network this machine cannot reach
+for _name, _value in (("AWS_ACCESS_KEY_ID", "testing"), ("AWS_SECRET_ACCESS_KEY", "testing"),
+                      ("AWS_EC2_METADATA_DISABLED", "true")):
+    os.environ.setdefault(_name, _value)
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import traceback
-from pathlib import Path
 from typing import Any, Awaitable, Callable, Optional
 
 from actors.control.book import ADMIT_HOLD_S, MembershipBook
@@ -96,7 +95,7 @@ class Admission:
         it and receive the state at their epoch's start); history goes on from `step`, the steps after
         it that it already holds being redone (their new records follow the lost ones)."""
         try:
-            data = await self.journal.read_checkpoint(Path(path))
+            data = await self.journal.read_checkpoint(path)
         except RuntimeError as err:
             raise RuntimeError(f"every member was lost and the checkpoint at step {step} is not whole: {err} "
                                f"(resume with --resume from an older one)") from None

@@ -11,14 +11,18 @@ from __future__ import annotations
 import asyncio
 import collections
 import json
+import logging
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
 from actors import checkpoints, runfiles
 from actors.history import History
+from actors.mirror import RunMirror
+from actors.storage import Storage, open_storage
 from core.schema import Event
 
+log = logging.getLogger(__name__)
 SAVED = "coordinator.json"
 EVENTS_KEPT = 1000
 """Events kept in memory (events.jsonl keeps every one)."""
@@ -30,15 +34,28 @@ THROUGHPUT_WINDOW_S = 5.0
 class Journal:
     """One run directory: events, history, the state file, checkpoints, and the progress they show."""
 
-    def __init__(self, run_dir: Path, keep_checkpoints: int) -> None:
+    def __init__(self, run_dir: Path, keep_checkpoints: int, storage: Optional[Storage] = None, run_key: str = "",
+                 mirror: Optional[RunMirror] = None, restarted: bool = False) -> None:
+        """`storage` and `run_key`: where checkpoints go and `--resume` reads from (default: the run
+        folder's grandparent, the local run root, and `<job>/<run id>`). `mirror`: the remote copy of
+        the run folder (storage: an object store); a `restarted` coordinator first copies down what it
+        holds that this node's folder lacks (Ray may restart it on another node)."""
         self.run_dir = run_dir
         self.keep_checkpoints = keep_checkpoints
+        if storage is None:
+            storage, run_key = open_storage(str(Path(run_dir).parent.parent)), f"{Path(run_dir).parent.name}/{Path(run_dir).name}"
+        self.storage, self.run_key, self.mirror = storage, run_key, mirror
         run_dir.mkdir(parents=True, exist_ok=True)
+        self.hydrated: list[str] = mirror.hydrate() if mirror is not None and restarted else []
+        """What a restart copied down from the remote copy (empty: this node's folder had it all)."""
+        if mirror is not None:
+            mirror.start()
         self.events: collections.deque[Event] = collections.deque(maxlen=EVENTS_KEPT)
         self._events = open(run_dir / "events.jsonl", "a", encoding="utf-8")
-        self._saver = runfiles.BackgroundWriter(run_dir / SAVED)
+        self._saver = runfiles.BackgroundWriter(run_dir / SAVED, written=lambda: self.put(SAVED))
         self._state_file_error = ""
         """The state file's last write failure that an event already reported."""
+        self._mirror_error = ""
         self.fired_faults: set[int] = set(runfiles.read_json(run_dir / "faults_fired.json", []))
         self.history: Optional[History] = None
         self._step = 0
@@ -52,6 +69,9 @@ class Journal:
         self.listeners: list[Any] = []
         """Whatever follows the run as it is written (metrics, TensorBoard): each has `event(event)` and
         `record(record)`, called for every event and for every record history takes as its newest."""
+        if self.hydrated:
+            self.event("info", f"this node's run folder lacked the run's files: copied down from "
+                               f"{storage.location(run_key)}: {', '.join(self.hydrated)}", copied=self.hydrated)
 
     # ------------------------------------------------------------------ events
     def event(self, kind: str, reason: str, state_from: Optional[str] = None, state_to: Optional[str] = None,
@@ -151,6 +171,11 @@ class Journal:
                                f"change", error=str(error))
         elif error is None:
             self._state_file_error = ""
+        failure = self.mirror.error if self.mirror is not None else ""
+        if failure and failure != self._mirror_error:
+            self.event("info", f"{failure}: the run's remote copy lags; a coordinator restarted on another node "
+                               f"would carry on from an older state", error=failure)
+        self._mirror_error = failure
         return self._saver.submit(runfiles.json_bytes(state, compact=True))
 
     def wait_saved(self, number: int, timeout: float) -> bool:
@@ -172,30 +197,40 @@ class Journal:
     def fault_fired(self, index: int) -> None:
         self.fired_faults.add(index)
         runfiles.write_json_atomic(self.run_dir / "faults_fired.json", self.fired())
+        self.put("faults_fired.json")
 
     def fired(self) -> tuple[int, ...]:
         """The injected faults that fired in this run (a new worker skips them)."""
         return tuple(sorted(self.fired_faults))
 
-    async def save_checkpoint(self, step: int, blob: bytes, note: str = "") -> Path:
-        path = await asyncio.to_thread(checkpoints.save, self.run_dir, step, blob, self.keep_checkpoints)
-        self.event("checkpoint", note or f"checkpoint at step {step}", step=step, path=str(path), bytes=len(blob))
+    async def save_checkpoint(self, step: int, blob: bytes, note: str = "") -> str:
+        """To the storage (an upload, for an object store), in a thread: the event loop goes on."""
+        location = await asyncio.to_thread(checkpoints.save, (self.storage, self.run_key), step, blob,
+                                           self.keep_checkpoints, self.run_key.rsplit("/", 1)[-1])
+        self.event("checkpoint", note or f"checkpoint at step {step}", step=step, path=location, bytes=len(blob))
         if self.checkpoint is None or step >= self.checkpoint[0]:
-            self.checkpoint = (step, str(path))
-        return path
+            self.checkpoint = (step, location)
+        return location
 
-    async def read_checkpoint(self, path: Path) -> bytes:
+    async def read_checkpoint(self, location: str) -> bytes:
         """The checkpoint's bytes, once its manifest (size, sha256) checks out; raises with the problem."""
-        problem = await asyncio.to_thread(checkpoints.verify, path.with_suffix(".json"))
-        if problem:
-            raise RuntimeError(problem)
-        return await asyncio.to_thread(path.read_bytes)
+        location = str(location)
+        storage = self.storage
+        if not storage.remote and not location.startswith(storage.base):  # a local file elsewhere
+            storage = open_storage(str(Path(location).parent))
+        return await asyncio.to_thread(checkpoints.read_verified, storage, location)
+
+    def put(self, name: str) -> None:
+        if self.mirror is not None:
+            self.mirror.put(name)
 
     def write_model(self, blob: bytes) -> None:
         runfiles.write_bytes_atomic(self.run_dir / "model.pt", blob)
+        self.put("model.pt")
 
     def write_status(self, status: dict) -> None:
         runfiles.write_json_atomic(self.run_dir / "status.json", status)
+        self.put("status.json")
 
     def close(self) -> None:
         for listener in self.listeners:
@@ -206,3 +241,5 @@ class Journal:
         if self._step_times is not None:
             self._step_times.close()
         self._saver.close()
+        if self.mirror is not None and not self.mirror.close():
+            log.warning("the run's remote copy is not complete: %s", self.mirror.error or "the upload timed out")

@@ -11,7 +11,6 @@ newest ones, and a record of the same step from two members is taken once.
 """
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any, Callable
 
 from actors.control.book import MembershipBook
@@ -65,7 +64,7 @@ async def records_since(slots: list[str], book: MembershipBook, group: WorkerGro
     return [kept[key] for key in sorted(kept)]
 
 
-async def resume(path: Path, first: Member, group: WorkerGroup, server: Any, history: Any, journal: Any) -> None:
+async def resume(path: str, first: Member, group: WorkerGroup, server: Any, history: Any, journal: Any) -> None:
     """`--resume`: the checkpoint at `path` into the first member (or the parameter server, whose
     state it is for the server kinds); history and progress go on from its step."""
     try:

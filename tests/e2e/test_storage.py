@@ -1,0 +1,194 @@
+"""Runs kept on S3 (a moto server on 127.0.0.1, started here): checkpoints, `--resume` from them after
+the whole run and its local folder are gone, a torn checkpoint object skipped, a coordinator that
+restarts with its node's folder lost and carries on from the store, and the bad-storage exits."""
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import ray
+import torch
+import yaml
+
+from actors import runfiles
+from actors.mirror import read_appended
+from actors.storage import open_storage
+from actors.testing import child_env, wait_until
+from orchestrator.config import config_from_dict
+from orchestrator.job import ElasticJob
+
+moto_server = pytest.importorskip("moto.server", reason="the S3 tests need moto[server] (the test extra)")
+REPO = Path(__file__).resolve().parents[2]
+BUCKET = "runs"
+CONFIG = {
+    "name": "resume-s3", "seed": 5, "workers": {"count": 2, "cpus": 1},
+    "workload": {"factory": "orchestrator.workloads.digits:mlp", "params": {"hidden": 32}, "batch_size": 16},
+    "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9, "weight_decay": 0.0005},
+    "checkpoint": {"every_steps": 20}, "stop": {"max_steps": 120}, "eval_every": 0,
+}
+
+
+@pytest.fixture(scope="module")
+def s3():
+    """An S3 server on this machine's loopback, with one bucket; yields the storage URI's root."""
+    import logging
+
+    import boto3
+
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # a line per request otherwise
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    endpoint = f"http://{host}:{port}"
+    boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket=BUCKET)
+    yield f"s3://{BUCKET}/{{prefix}}?endpoint_override={endpoint}&scheme=http"
+    server.stop()
+
+
+def params(blob: bytes) -> list[torch.Tensor]:
+    return list(torch.load(io.BytesIO(blob), weights_only=True)["model"].values())
+
+
+def runs_in(storage, job: str) -> list[str]:
+    return sorted(key for key, size in storage.list(job, recursive=False) if size < 0)
+
+
+def cli(args: list[str], env: dict, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "orchestrator", "run", *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_a_run_killed_resumes_from_s3_bit_identical_and_skips_a_torn_checkpoint(tmp_path, run_root, s3):
+    """BSP, checkpoints every 20 steps to S3; the whole `run` process group SIGKILLed between steps 70
+    and 80, and its local run folder deleted: `--resume` finds step 60 on S3 and ends bit-identical
+    to an uninterrupted run; with the newest checkpoint object truncated, the next resume skips it
+    with a warning and starts from the one before."""
+    uri = s3.format(prefix="resume")
+    storage = open_storage(uri)
+    reference = ElasticJob(config_from_dict(dict(CONFIG, name="resume-s3-reference"))).start()  # trains meanwhile
+
+    root = tmp_path / "runs"
+    env = child_env(REPO, ORCHESTRATOR_RUN_ROOT=str(root))
+    env.pop("RAY_ADDRESS", None)
+    config_path = tmp_path / "resume.yaml"
+    slow = dict(CONFIG, storage=uri, faults={"stragglers": [{"slot": "w0", "delay_s": 0.05}]})
+    config_path.write_text(yaml.safe_dump(slow))
+    proc = subprocess.Popen([sys.executable, "-m", "orchestrator", "run", str(config_path)], cwd=REPO, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    group = [proc.pid]
+    try:
+        deadline = time.monotonic() + 120
+        while True:  # the local history is the quickest to show step 70 (the store's copy follows within 1 s)
+            assert proc.poll() is None and time.monotonic() < deadline, "run ended before step 70"
+            steps = [r["step"] for h in root.glob("resume-s3/*/history.jsonl") for r in runfiles.read_jsonl(h)]
+            if steps and max(steps) >= 70:
+                break
+            time.sleep(0.02)
+        group = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)] + [proc.pid]
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    killed_at = max(r["step"] for h in root.glob("resume-s3/*/history.jsonl") for r in runfiles.read_jsonl(h))
+    assert 70 <= killed_at < 80, killed_at
+    deadline = time.monotonic() + 20
+    while [p for p in group if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]:
+        assert time.monotonic() < deadline, "processes of the killed run left behind"
+        time.sleep(0.2)
+    first = runs_in(storage, "resume-s3")
+    assert len(first) == 1 and storage.size(f"{first[0]}/checkpoints/step-00000060.json"), storage.list("resume-s3")
+    shutil.rmtree(root)  # the node's disk is gone: only the store has the run
+
+    assert reference.wait(timeout=180).state == "FINISHED"
+    expected = params((reference.run_dir / "model.pt").read_bytes())
+    address = ray.get_runtime_context().gcs_address
+    resumed = cli([str(config_path), "--resume", "--address", address], env)
+    print(resumed.stdout, resumed.stderr[-2000:])
+    assert resumed.returncode == 0 and "resuming from step 60" in resumed.stdout and "s3://" in resumed.stdout
+    second = [r for r in runs_in(storage, "resume-s3") if r not in first]
+    assert len(second) == 1, runs_in(storage, "resume-s3")
+    history = runfiles.parse_jsonl(read_appended(storage, f"{second[0]}/history.jsonl"))
+    assert [r["step"] for r in history] == list(range(61, 121)), "the store's history of the resumed run"
+    diff = max(float((a - b).abs().max()) for a, b in zip(params(storage.read(f"{second[0]}/model.pt")), expected))
+    print(f"killed at step {killed_at}; local folder deleted; resumed from S3 at 60 to 120; max abs diff {diff:.2e}")
+    assert diff == 0.0, "resume from S3 must be bit-identical"
+
+    newest = f"{second[0]}/checkpoints/step-00000120.pt"
+    storage.write(newest, storage.read(newest)[: storage.size(newest) // 2])  # a torn upload
+    again = cli([str(config_path), "--resume", "--address", address], env)
+    print(again.stdout, again.stderr[-2000:])
+    assert again.returncode == 0
+    assert "skipping checkpoint" in again.stderr and "step-00000120.pt" in again.stderr
+    assert "resuming from step 100" in again.stdout
+
+
+def test_a_coordinator_that_lost_its_nodes_folder_carries_on_from_s3_without_a_gap(run_root, s3):
+    """The coordinator SIGKILLed mid-run and its local run folder deleted with it (as when Ray restarts
+    it on another node): the new incarnation copies the state file, history and events down from S3,
+    re-attaches the live workers, and the job finishes with history 1..steps, no gap, no repeat."""
+    uri = s3.format(prefix="restart")
+    steps = 150
+    cfg = {"name": "s3-coordinator-kill", "seed": 3, "workers": {"count": 3, "cpus": 0.5},
+           "workload": {"factory": "orchestrator.workloads.digits:mlp", "params": {"hidden": 32}, "batch_size": 8},
+           "optimizer": {"name": "sgd", "lr": 0.05}, "stop": {"max_steps": steps}, "eval_every": 0, "storage": uri,
+           "faults": {"stragglers": [{"slot": f"w{i}", "delay_s": 0.04} for i in range(3)]}}
+    job = ElasticJob(config_from_dict(cfg)).start()
+    storage = open_storage(uri)
+    key = f"{job.name}/{job.run_id}"
+    wait_until(lambda: len(runfiles.parse_jsonl(read_appended(storage, f"{key}/history.jsonl"))) >= 40, timeout=120,
+               what="40 steps of history on S3")
+    before = job.status()
+    os.kill(before.coordinator_pid, signal.SIGKILL)
+    shutil.rmtree(job.run_dir)  # the node's folder goes with it
+    began = time.monotonic()
+    wait_until(lambda: job.status().incarnation == 1 and job.status().state == "RUNNING", timeout=60,
+               what="the restarted coordinator running")
+    restart_s = time.monotonic() - began
+    result = job.wait(timeout=180)
+    assert result.state == "FINISHED" and result.step == steps, result
+    restarts = [e for e in job.events() if e["kind"] == "restart"]
+    assert restarts, [e["reason"] for e in job.events()]
+    copied = [e for e in job.events() if "copied down from" in e["reason"]]
+    assert copied and "coordinator.json" in copied[0]["reason"] and "history.jsonl" in copied[0]["reason"], copied
+    assert [r["step"] for r in job.history()] == list(range(1, steps + 1)), "history has a gap or a repeat"
+    stored = runfiles.parse_jsonl(read_appended(storage, f"{key}/history.jsonl"))
+    assert [r["step"] for r in stored] == list(range(1, steps + 1)), "the store's history has a gap or a repeat"
+    assert json.loads(storage.read(f"{key}/status.json"))["state"] == "FINISHED"
+    print(f"coordinator SIGKILLed at step {before.step} with its folder deleted; running again after {restart_s:.1f}s; "
+          f"{copied[0]['reason']}")
+
+
+@pytest.mark.parametrize("case", ["unreachable", "no bucket", "no credentials", "unknown scheme", "unknown option"])
+def test_bad_storage_exits_2_with_one_line_naming_storage_before_ray_starts(tmp_path, s3, case):
+    endpoint = s3.split("endpoint_override=")[1].split("&")[0]
+    uri = {"unreachable": "s3://runs/x?endpoint_override=http://127.0.0.1:1&scheme=http&connect_timeout=1",
+           "no bucket": f"s3://no-such-bucket/x?endpoint_override={endpoint}&scheme=http",
+           "no credentials": f"s3://runs/x?endpoint_override={endpoint}&scheme=http",
+           "unknown scheme": "nosuchfs://bucket/x",
+           "unknown option": f"s3://runs/x?endpoint={endpoint}"}[case]
+    env = child_env(REPO, ORCHESTRATOR_RUN_ROOT=str(tmp_path / "runs"), HOME=str(tmp_path))
+    env.pop("RAY_ADDRESS", None)
+    if case == "no credentials":
+        for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_PROFILE", "AWS_SHARED_CREDENTIALS_FILE"):
+            env.pop(name, None)
+        env["AWS_EC2_METADATA_DISABLED"] = "true"
+    config_path = tmp_path / "bad.yaml"
+    config_path.write_text(yaml.safe_dump(dict(CONFIG, name="bad-storage", storage=uri)))
+    began = time.monotonic()
+    proc = cli([str(config_path)], env, timeout=60)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    print(case, f"{time.monotonic() - began:.1f}s:", lines)
+    assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
+    assert len(lines) == 1 and lines[0].startswith("error: storage:"), lines
+    assert "Ray" not in proc.stdout and not (tmp_path / "runs").exists(), "something started before the check"
+    assert "testing" not in lines[0], "a credential in the message"
