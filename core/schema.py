@@ -782,6 +782,16 @@ class RayConfig:
     namespace: str = "orchestrator"
     num_cpus: Optional[int] = None
     """Logical CPUs of a local Ray; defaults to at least workers.max x workers.cpus."""
+    coordinator_resources: dict = field(default_factory=dict)
+    """Custom resources the coordinator asks for (a small amount of each), e.g. `{coordinator: 0.01}`.
+    Empty: the head node, which lives as long as the cluster. Name a resource that several nodes have
+    to let Ray restart the coordinator on another node when its node is lost; its run files must then
+    be on shared storage (`storage: s3://...`)."""
+
+    def __post_init__(self) -> None:
+        for name, amount in self.coordinator_resources.items():
+            if isinstance(amount, bool) or not isinstance(amount, (int, float)) or not 0 < amount <= 1:
+                raise FieldError(f"coordinator_resources.{name}", f"an amount in (0, 1] (got {amount!r})")
 
 
 @dataclass

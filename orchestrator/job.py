@@ -109,8 +109,9 @@ def _warn_local_storage(config: JobConfig) -> None:
               flush=True)
 
 
-def _head_resources() -> dict:
-    return {"node:__internal_head__": 0.001}
+def _coordinator_resources(config: JobConfig) -> dict:
+    """Where the coordinator may run: the head node, or any node with `ray.coordinator_resources`."""
+    return {str(k): float(v) for k, v in config.ray.coordinator_resources.items()} or {"node:__internal_head__": 0.001}
 
 
 class ElasticJob:
@@ -169,7 +170,7 @@ class ElasticJob:
         if self.storage.remote:
             self.storage.write(self._key("config.yaml"), config_yaml)
         self._coordinator = CoordinatorActor.options(
-            name=self.name, namespace=NAMESPACE, lifetime="detached", resources=_head_resources(),
+            name=self.name, namespace=NAMESPACE, lifetime="detached", resources=_coordinator_resources(self.config),
             max_restarts=MAX_RESTARTS,
         ).remote(self.config.to_dict(), self.run_id, str(self.run_dir), 0, (os.getcwd(),), self.resume_from,
                  ray.get_runtime_context().get_job_id() if owned else None, started_at)

@@ -192,3 +192,23 @@ def test_bad_storage_exits_2_with_one_line_naming_storage_before_ray_starts(tmp_
     assert len(lines) == 1 and lines[0].startswith("error: storage:"), lines
     assert "Ray" not in proc.stdout and not (tmp_path / "runs").exists(), "something started before the check"
     assert "testing" not in lines[0], "a credential in the message"
+
+
+@pytest.mark.slow  # three Ray nodes on two cores, and a node removal: about a minute
+def test_the_coordinators_node_removed_it_restarts_on_another_node_from_s3(tmp_path, s3):
+    """A three-node cluster (tests/e2e/s3_cluster_job.py): the coordinator may run on nodes a and b;
+    its node is removed at step 50 and its local folder deleted; Ray restarts it on the other node,
+    which copies the run down from S3; the job finishes with history 1..400, no gap, no repeat."""
+    out = tmp_path / "out.json"
+    env = child_env(REPO)
+    env.pop("RAY_ADDRESS", None)
+    proc = subprocess.run([sys.executable, str(REPO / "tests" / "e2e" / "s3_cluster_job.py"), s3.format(prefix="cluster"),
+                           str(tmp_path / "runs"), str(out)], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    print(proc.stdout[-2000:], proc.stderr[-3000:])
+    report = json.loads(out.read_text())
+    print(json.dumps({k: v for k, v in report.items() if k != "history"}))
+    assert proc.returncode == 0, report
+    assert report["state"] == "FINISHED" and report["step"] == report["steps"], report
+    assert report["second_node"] != report["first_node"], "the coordinator did not move"
+    assert report["copied"] and "s3://" in report["copied"][0], report["copied"]
+    assert report["history"] == list(range(1, report["steps"] + 1)), "history has a gap or a repeat"
