@@ -56,6 +56,32 @@ def wait_until(predicate: Callable[[], Any], timeout: float = 90, what: str = "c
         time.sleep(every)
 
 
+def sigkill_run_at(proc: Any, newest_step: Callable[[], int], at: int, timeout: float = 120) -> None:
+    """SIGKILL the process group of `proc` (a `run` started with `start_new_session=True`) once
+    `newest_step()` reaches `at`, and wait until every process of it is gone (Ray's own exit once
+    their parent has)."""
+    import psutil  # noqa: PLC0415
+
+    group = [proc.pid]
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, f"run ended before step {at}"
+            if newest_step() >= at:
+                break
+            time.sleep(0.02)
+        group = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)] + [proc.pid]
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 20
+    while [p for p in group if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]:
+        assert time.monotonic() < deadline, "processes of the killed run left behind"
+        time.sleep(0.2)
+
+
 def drive_step(impl, model: torch.nn.Module, step: int, batch: torch.Tensor, samples: int, lr: float) -> None:
     """One step of a policy's hooks in the worker's order (begin, before forward, backward of
     `model(batch).square().mean()`, end of backward, vote, update, commit); the vote must commit."""

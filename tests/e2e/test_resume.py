@@ -2,19 +2,15 @@
 from __future__ import annotations
 
 import io
-import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import psutil
 import ray
 import torch
 import yaml
 
-from actors.testing import child_env
+from actors.testing import child_env, sigkill_run_at
 from orchestrator.config import config_from_dict
 from orchestrator.job import ElasticJob
 from actors import runfiles
@@ -55,27 +51,12 @@ def test_sigkill_near_70_resumes_from_60_and_matches_uninterrupted(tmp_path, run
     config_path.write_text(yaml.safe_dump(slow))
     proc = subprocess.Popen([sys.executable, "-m", "orchestrator", "run", str(config_path)], cwd=REPO, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    group = [proc.pid]
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None and time.monotonic() < deadline, "run ended before step 70"
-            steps = [r["step"] for h in root.glob("resume/*/history.jsonl") for r in runfiles.read_jsonl(h)]
-            if steps and max(steps) >= 70:
-                break
-            time.sleep(0.02)
-        group = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)] + [proc.pid]
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    killed_at_step = max(r["step"] for h in root.glob("resume/*/history.jsonl") for r in runfiles.read_jsonl(h))
+
+    def newest() -> int:
+        return max([r["step"] for h in root.glob("resume/*/history.jsonl") for r in runfiles.read_jsonl(h)], default=0)
+    sigkill_run_at(proc, newest, 70)
+    killed_at_step = newest()
     assert 70 <= killed_at_step < 80, killed_at_step
-    deadline = time.monotonic() + 20  # Ray's own processes exit once their parent is gone
-    while [p for p in group if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]:
-        assert time.monotonic() < deadline, "processes of the killed run left behind"
-        time.sleep(0.2)
 
     assert reference.wait(timeout=180).state == "FINISHED"
     expected = params_of(reference.run_dir)

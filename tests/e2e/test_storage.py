@@ -13,7 +13,6 @@ import sys
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 import ray
 import torch
@@ -22,7 +21,7 @@ import yaml
 from actors import runfiles
 from actors.mirror import read_appended
 from actors.storage import open_storage
-from actors.testing import child_env, wait_until
+from actors.testing import child_env, sigkill_run_at, wait_until
 from orchestrator.config import config_from_dict
 from orchestrator.job import ElasticJob
 
@@ -84,27 +83,12 @@ def test_a_run_killed_resumes_from_s3_bit_identical_and_skips_a_torn_checkpoint(
     config_path.write_text(yaml.safe_dump(slow))
     proc = subprocess.Popen([sys.executable, "-m", "orchestrator", "run", str(config_path)], cwd=REPO, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    group = [proc.pid]
-    try:
-        deadline = time.monotonic() + 120
-        while True:  # the local history is the quickest to show step 70 (the store's copy follows within 1 s)
-            assert proc.poll() is None and time.monotonic() < deadline, "run ended before step 70"
-            steps = [r["step"] for h in root.glob("resume-s3/*/history.jsonl") for r in runfiles.read_jsonl(h)]
-            if steps and max(steps) >= 70:
-                break
-            time.sleep(0.02)
-        group = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)] + [proc.pid]
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    killed_at = max(r["step"] for h in root.glob("resume-s3/*/history.jsonl") for r in runfiles.read_jsonl(h))
+
+    def newest() -> int:  # the local history shows a step first (the store's copy follows within 1 s)
+        return max([r["step"] for h in root.glob("resume-s3/*/history.jsonl") for r in runfiles.read_jsonl(h)], default=0)
+    sigkill_run_at(proc, newest, 70)
+    killed_at = newest()
     assert 70 <= killed_at < 80, killed_at
-    deadline = time.monotonic() + 20
-    while [p for p in group if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]:
-        assert time.monotonic() < deadline, "processes of the killed run left behind"
-        time.sleep(0.2)
     first = runs_in(storage, "resume-s3")
     assert len(first) == 1 and storage.size(f"{first[0]}/checkpoints/step-00000060.json"), storage.list("resume-s3")
     shutil.rmtree(root)  # the node's disk is gone: only the store has the run
