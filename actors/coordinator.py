@@ -185,6 +185,10 @@ class Coordinator(Actions):
     async def status(self) -> dict:
         return self._status().to_dict()
 
+    async def config(self) -> dict:
+        """The job's resolved config (a driver on a node without the run folder attaches with it)."""
+        return dict(self.config_dict)
+
     async def list_events(self) -> list[dict]:
         return [e.to_dict() for e in self.journal.events]
 
@@ -465,7 +469,8 @@ class Coordinator(Actions):
         number = self._persist()
         if to.terminal:
             self.journal.wait_saved(number, 30)  # on disk before the driver, told the job ended, reads it
-            self.group.publish_record(self.name, {"run_id": self.run_id, "run_dir": str(self.run_dir), "state": to.value})
+            self.group.publish_record(self.name, {"run_id": self.run_id, "run_dir": str(self.run_dir), "state": to.value,
+                                                  "storage": self.cfg.storage})
 
     # ------------------------------------------------------------------ history and limits
     def _accept_record(self, record: dict) -> None:

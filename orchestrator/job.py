@@ -190,11 +190,21 @@ class ElasticJob:
             run_dir = Path(status.run_dir)
         else:
             run_dir = Path(record["run_dir"])
-        config = parse(JobConfig, yaml.safe_load((run_dir / "config.yaml").read_text()))
+        if (run_dir / "config.yaml").exists():  # this node holds the run folder
+            raw = yaml.safe_load((run_dir / "config.yaml").read_text())
+        elif coordinator is not None:  # another node does: the coordinator has the config
+            raw = ray.get(coordinator.config.remote(), timeout=30)
+        elif is_remote((record or {}).get("storage")):  # the job ended; its runs are on shared storage
+            storage = open_storage(record["storage"])
+            raw = yaml.safe_load(storage.read(f"{name}/{run_dir.name}/config.yaml"))
+        else:
+            raise OrchestratorError(f"job {name!r} ended and its run folder {run_dir} is not on this node")
+        config = parse(JobConfig, raw)
         job = cls(config)
         job._coordinator = coordinator
         job.run_dir = run_dir
         job.run_id = run_dir.name
+        job.storage = job_storage(config) if is_remote(config.storage) else None
         return job
 
     def _ask(self, method: str, *args, timeout: float = 30.0):

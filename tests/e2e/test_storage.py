@@ -119,7 +119,9 @@ def test_a_run_killed_resumes_from_s3_bit_identical_and_skips_a_torn_checkpoint(
 def test_a_coordinator_that_lost_its_nodes_folder_carries_on_from_s3_without_a_gap(run_root, s3):
     """The coordinator SIGKILLed mid-run and its local run folder deleted with it (as when Ray restarts
     it on another node): the new incarnation copies the state file, history and events down from S3,
-    re-attaches the live workers, and the job finishes with history 1..steps, no gap, no repeat."""
+    re-attaches the live workers, and the job finishes with history 1..steps, no gap, no repeat. A driver
+    that attaches afterwards on a node without the run folder reads status, history, events and the
+    model from S3."""
     uri = s3.format(prefix="restart")
     steps = 150
     cfg = {"name": "s3-coordinator-kill", "seed": 3, "workers": {"count": 3, "cpus": 0.5},
@@ -148,6 +150,12 @@ def test_a_coordinator_that_lost_its_nodes_folder_carries_on_from_s3_without_a_g
     stored = runfiles.parse_jsonl(read_appended(storage, f"{key}/history.jsonl"))
     assert [r["step"] for r in stored] == list(range(1, steps + 1)), "the store's history has a gap or a repeat"
     assert json.loads(storage.read(f"{key}/status.json"))["state"] == "FINISHED"
+    shutil.rmtree(job.run_dir)  # a driver on a node without the folder: everything comes from S3
+    attached = ElasticJob.attach(job.name)
+    assert attached.status().state == "FINISHED" and attached.status().step == steps
+    assert [r["step"] for r in attached.history()] == list(range(1, steps + 1))
+    assert any(e["kind"] == "restart" for e in attached.events())
+    assert attached.model()(torch.zeros(2, 64)).shape == (2, 10)
     print(f"coordinator SIGKILLed at step {before.step} with its folder deleted; running again after {restart_s:.1f}s; "
           f"{copied[0]['reason']}")
 
