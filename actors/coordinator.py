@@ -105,8 +105,7 @@ class Coordinator(Actions):
         self.book = MembershipBook(self.cfg, run_id, self.algorithm.kind)
         self.faults = CoordinatorFaults(
             self.cfg.faults, set(runfiles.read_json(self.run_dir / "coordinator_faults_fired.json", [])),
-            lambda fired: (runfiles.write_json_atomic(self.run_dir / "coordinator_faults_fired.json", sorted(fired)),
-                           self.journal.put("coordinator_faults_fired.json")),
+            lambda fired: self.journal.write_json("coordinator_faults_fired.json", sorted(fired)),
             lambda reason: self.journal.event("fault", reason, fired_at=time.time()))
         self._saved: Optional[dict] = self._load_saved() if self.group.reconstructed else None
         self.spares = SparePool(self.cfg.workers.spares, self.group, self.prefix, lambda slot: self._spec(slot, 0),
@@ -546,8 +545,8 @@ class Coordinator(Actions):
     async def _linger(self) -> None:
         # the run report (actors/report.py), before the driver's release lets this process go
         await asyncio.to_thread(draw_at_end, self.run_dir, self.cfg.tracking.report, self.journal.event)
-        if self.journal.mirror is not None and (self.run_dir / "report.png").exists():
-            self.journal.mirror.put("report.png")
+        if (self.run_dir / "report.png").exists():
+            self.journal.put("report.png")
         if self.owner_job and await asyncio.to_thread(self.group.job_is_dead, self.owner_job):
             self._released.set()  # its owner is gone: nobody will read the result from this actor
         try:

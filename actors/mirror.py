@@ -90,7 +90,6 @@ class RunMirror:
         self.on_error = on_error or (lambda message: log.warning("%s", message))
         self._cond = threading.Condition()
         self._puts: dict[str, None] = {}  # ordered set of names to upload whole
-        self._deletes: dict[str, None] = {}
         self._offsets: dict[str, int] = {}
         self._parts: dict[str, int] = {}
         self._asked = 0
@@ -114,20 +113,12 @@ class RunMirror:
     def put(self, name: str) -> None:
         """Upload the local file `name` (relative to the run folder) as it is when its turn comes."""
         with self._cond:
-            self._deletes.pop(name, None)
             self._puts[name] = None
             self._asked += 1
             self._cond.notify_all()
 
-    def delete(self, name: str) -> None:
-        with self._cond:
-            self._puts.pop(name, None)
-            self._deletes[name] = None
-            self._asked += 1
-            self._cond.notify_all()
-
     def flush(self, timeout: float = 30.0) -> bool:
-        """Wait until every put, delete and append so far is in the store; False on timeout."""
+        """Wait until every put and append so far is in the store; False on timeout."""
         with self._cond:
             self._asked += 1
             wanted = self._asked
@@ -183,11 +174,7 @@ class RunMirror:
                     return
                 target = self._asked
                 puts, self._puts = list(self._puts), {}
-                deletes, self._deletes = list(self._deletes), {}
             ok = True
-            for name in deletes:
-                ok &= self._attempt(f"delete {name}", lambda n=name: self.storage.delete(self._k(n)),
-                                    lambda n=name: self._deletes.setdefault(n, None))
             for name in puts:
                 ok &= self._attempt(f"upload {name}", lambda n=name: self._upload(n),
                                     lambda n=name: self._puts.setdefault(n, None))
@@ -206,7 +193,7 @@ class RunMirror:
             action()
             return True
         except FileNotFoundError:
-            return True  # the local file went away (a delete raced it): nothing to upload
+            return True  # the local file is not there (yet, or any more): nothing to upload
         except Exception as err:  # noqa: BLE001 - any failure of the store is retried
             with self._cond:
                 again()

@@ -136,7 +136,7 @@ def read_json(path: Path, default: Any = None) -> Any:
 
 
 def parse_jsonl(data: bytes, where: str = "") -> list[dict]:
-    """JSON lines from bytes (a mirrored file); a torn line is skipped with a warning."""
+    """JSON lines from bytes (a file, or a mirrored file's parts); a torn line is skipped with a warning."""
     out = []
     for line in data.decode("utf-8", errors="replace").splitlines():
         line = line.strip()
@@ -144,24 +144,17 @@ def parse_jsonl(data: bytes, where: str = "") -> list[dict]:
             try:
                 out.append(json.loads(line))
             except ValueError:
-                log.warning("%s: skipping a torn line", where or "JSON lines")
+                log.warning("%s: skipping a line torn by a crash mid-write", where or "JSON lines")
     return out
 
 
 def read_jsonl(path: Path) -> list[dict]:
-    out = []
     try:
-        with open(path, encoding="utf-8") as fh:
-            for line in fh:
-                line = line.strip()
-                if line:
-                    try:
-                        out.append(json.loads(line))
-                    except ValueError:
-                        log.warning("%s: skipping a line torn by a crash mid-write", path)
+        data = Path(path).read_bytes()
     except OSError as err:
         log.debug("%s: %s", path, err.strerror)
-    return out
+        return []
+    return parse_jsonl(data, str(path))
 
 
 def publish_record(name: str, record: dict) -> None:

@@ -101,9 +101,6 @@ def _warn_local_storage(config: JobConfig) -> None:
         return
     nodes = [n for n in ray.nodes() if n.get("Alive")]
     if len(nodes) > 1:
-        log.warning("storage: the runs are kept in a local folder (%s) on a cluster of %d nodes; a coordinator or "
-                    "parameter server restarted on another node will not find it unless every node mounts it "
-                    "(set storage: s3://... or another shared URI)", job_root(config).parent, len(nodes))
         print(f"warning: storage: the runs are kept in a local folder ({job_root(config).parent}) on a cluster of "
               f"{len(nodes)} nodes; other nodes do not see it unless it is a shared mount (set storage: s3://...)",
               flush=True)

@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterable, Optional
 from actors import checkpoints, runfiles
 from actors.history import History
 from actors.mirror import RunMirror
-from actors.storage import Storage, open_storage
+from actors.storage import Storage, open_storage, run_storage
 from core.schema import Event
 
 log = logging.getLogger(__name__)
@@ -43,7 +43,7 @@ class Journal:
         self.run_dir = run_dir
         self.keep_checkpoints = keep_checkpoints
         if storage is None:
-            storage, run_key = open_storage(str(Path(run_dir).parent.parent)), f"{Path(run_dir).parent.name}/{Path(run_dir).name}"
+            storage, run_key = run_storage(None, run_dir)
         self.storage, self.run_key, self.mirror = storage, run_key, mirror
         run_dir.mkdir(parents=True, exist_ok=True)
         self.hydrated: list[str] = mirror.hydrate() if mirror is not None and restarted else []
@@ -196,8 +196,7 @@ class Journal:
     # ------------------------------------------------------------------ faults and checkpoints
     def fault_fired(self, index: int) -> None:
         self.fired_faults.add(index)
-        runfiles.write_json_atomic(self.run_dir / "faults_fired.json", self.fired())
-        self.put("faults_fired.json")
+        self.write_json("faults_fired.json", self.fired())
 
     def fired(self) -> tuple[int, ...]:
         """The injected faults that fired in this run (a new worker skips them)."""
@@ -221,16 +220,21 @@ class Journal:
         return await asyncio.to_thread(checkpoints.read_verified, storage, location)
 
     def put(self, name: str) -> None:
+        """The run folder's file `name` changed: its remote copy (if any) follows."""
         if self.mirror is not None:
             self.mirror.put(name)
+
+    def write_json(self, name: str, obj: Any) -> None:
+        """A run file written atomically here, and copied to the remote storage."""
+        runfiles.write_json_atomic(self.run_dir / name, obj)
+        self.put(name)
 
     def write_model(self, blob: bytes) -> None:
         runfiles.write_bytes_atomic(self.run_dir / "model.pt", blob)
         self.put("model.pt")
 
     def write_status(self, status: dict) -> None:
-        runfiles.write_json_atomic(self.run_dir / "status.json", status)
-        self.put("status.json")
+        self.write_json("status.json", status)
 
     def close(self) -> None:
         for listener in self.listeners:
