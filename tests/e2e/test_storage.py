@@ -123,7 +123,7 @@ def test_a_coordinator_that_lost_its_nodes_folder_carries_on_from_s3_without_a_g
     that attaches afterwards on a node without the run folder reads status, history, events and the
     model from S3."""
     uri = s3.format(prefix="restart")
-    steps = 150
+    steps = 200  # the restart lands mid-run: workers that finish while it is down leave it no RUNNING to report
     cfg = {"name": "s3-coordinator-kill", "seed": 3, "workers": {"count": 3, "cpus": 0.5},
            "workload": {"factory": "orchestrator.workloads.digits:mlp", "params": {"hidden": 32}, "batch_size": 8},
            "optimizer": {"name": "sgd", "lr": 0.05}, "stop": {"max_steps": steps}, "eval_every": 0, "storage": uri,
@@ -137,8 +137,16 @@ def test_a_coordinator_that_lost_its_nodes_folder_carries_on_from_s3_without_a_g
     os.kill(before.coordinator_pid, signal.SIGKILL)
     shutil.rmtree(job.run_dir)  # the node's folder goes with it
     began = time.monotonic()
-    wait_until(lambda: job.status().incarnation == 1 and job.status().state == "RUNNING", timeout=60,
-               what="the restarted coordinator running")
+    seen = []
+
+    def answering() -> bool:  # the new incarnation answers (its workers may have finished meanwhile)
+        status = job.status()
+        seen[:] = [status.state, status.incarnation, status.step]
+        return status.incarnation == 1
+    try:
+        wait_until(answering, timeout=60, what="the restarted coordinator")
+    except TimeoutError:
+        raise AssertionError(f"the restarted coordinator did not answer within 60 s; last seen {seen}") from None
     restart_s = time.monotonic() - began
     result = job.wait(timeout=180)
     assert result.state == "FINISHED" and result.step == steps, result
