@@ -57,10 +57,12 @@ class Spare:
     node: str = ""
     node_id: str = ""
     started_at: float = field(default_factory=time.time)
+    ready_at: Optional[float] = None
+    """When it was ready (its start took `ready_at - started_at`)."""
 
     def status(self) -> dict:
         return {"name": self.name.rsplit("/", 1)[-1], "state": "ready" if self.ready else "starting", "pid": self.pid,
-                "node": self.node, "started_at": self.started_at}
+                "node": self.node, "started_at": self.started_at, "ready_at": self.ready_at}
 
 
 async def probe(handle, method: str, *args: Any, timeout: float = 5.0) -> tuple[Optional[Any], Optional[str]]:

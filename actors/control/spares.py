@@ -99,6 +99,7 @@ class SparePool:
                 self.fill()
             return
         spare.ready, spare.pid, spare.node, spare.node_id = True, info["pid"], info["node"], info["node_id"]
+        spare.ready_at = time.time()
 
     async def adopt(self, member: Member, spec: WorkerSpec, fired: tuple[int, ...]) -> Optional[dict]:
         """The oldest ready spare becomes `member`'s worker (a new spare starts behind it); its ready
@@ -117,8 +118,9 @@ class SparePool:
             self._note("info", f"hot spare {spare.status()['name']} could not become {member.slot}: {describe(err)}; "
                                f"starting a new worker", slot=member.slot)
             return None
-        self._note("info", f"{member.slot} is hot spare {spare.status()['name']} (up for "
-                           f"{time.time() - spare.started_at:.1f}s)", slot=member.slot, spare=spare.name)
+        self._note("info", f"{member.slot} is hot spare {spare.status()['name']} (ready after "
+                           f"{spare.ready_at - spare.started_at:.1f}s, up for {time.time() - spare.started_at:.1f}s)",
+                   slot=member.slot, spare=spare.name)
         return info
 
     def kill_all(self) -> None:

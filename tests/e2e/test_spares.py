@@ -13,6 +13,7 @@ import time
 import psutil
 
 from actors.testing import wait_until
+from core.schema import TERMINAL_STATES
 from orchestrator.config import config_from_dict
 from orchestrator.job import ElasticJob
 
@@ -78,12 +79,24 @@ def test_a_spare_admitted_as_the_others_finish_does_not_restart_the_job(run_root
     cfg = {"name": "late-spare", "seed": 4, "workers": {"count": 3, "cpus": 0.5, "spares": 1},
            "workload": {"factory": "orchestrator.workloads.digits:mlp", "params": {"hidden": 32}, "batch_size": 8},
            "optimizer": {"lr": 0.05, "momentum": 0.9}, "stop": {"max_steps": steps}, "eval_every": 0,
-           "comm": {"timeout_s": 3},  # the spare is up (3-5 s) long before step 39 (0.25 s a step)
-           "faults": {"stragglers": [{"slot": "w2", "delay_s": 0.25}], "kills": [{"slot": "w1", "step": steps - 1, "at": "step"}]}}
+           # the spare is ready 3-5 s after the job runs here, but took over 10 s in CI with another test's job
+           # beside it (step 39 came first at 0.25 s a step): 0.5 s a step, the kill about 20 s in
+           "comm": {"timeout_s": 3},
+           "faults": {"stragglers": [{"slot": "w2", "delay_s": 0.5}], "kills": [{"slot": "w1", "step": steps - 1, "at": "step"}]}}
     job = ElasticJob(config_from_dict(cfg)).start()
-    result = job.wait(timeout=120)
+    spares = []
+
+    def ended():  # the spares' status while it runs, for the failure message
+        status = job.status()
+        spares[:] = status.spares or spares
+        return status.state in TERMINAL_STATES
+    wait_until(ended, 120, "the job's end", every=0.25)
+    result = job.wait(timeout=30)
     events = job.events()
-    assert any(e["reason"].startswith("w1 is hot spare") for e in events), "the replacement was a ready spare"
+    fired = next((e["time"] for e in events if e["kind"] == "fault"), None)
+    assert any(e["reason"].startswith("w1 is hot spare") for e in events), (
+        f"the replacement was not a ready spare: the kill fired at {fired}, the spare: {spares}; events: "
+        + "; ".join(e["reason"][:100] for e in events))
     saved = json.loads((job.run_dir / "coordinator.json").read_text())
     assert "w1" in saved["plan"]["members"] and not saved["members"]["w1"]["holds_state"], \
         "the spare was admitted to a plan and never received the state (the race this test is for)"
