@@ -99,6 +99,7 @@ class Coordinator(Actions):
         mirror = RunMirror(storage, run_key, self.run_dir) if storage.remote else None
         self.journal = Journal(self.run_dir, self.cfg.checkpoint.keep, storage, run_key, mirror,
                                restarted=self.group.reconstructed)
+        self.journal.store_delay_s = self.cfg.faults.checkpoint_store_s
         self.metrics = JobMetrics(Exporter(self.name, run_id, self.cfg.sync.policy, self.cfg.tracking.metrics,
                                            self.group.metric), self.algorithm.kind)
         self.journal.listeners.append(self.metrics)

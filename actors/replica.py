@@ -53,6 +53,8 @@ REPORTS_PER_S = 2000.0
 """The coordinator's share of reports: a member reports every REPORT_EVERY_S, or less often in a job
 so large that all of them together would send more than this many per second (Ray's own figure for
 calls into one async actor from one caller is 4,100-4,800 per second; see docs/control-plane.md)."""
+CHECKPOINT_STORED_S = 300.0
+"""How long the end of a run waits for its last checkpoint to be stored (a large upload)."""
 KEEP_RECORDS = 2048
 """Records each member keeps of its newest commit points, for the coordinator to catch up from
 (a departed rank 0's unreported steps, a restarted coordinator's gap)."""
@@ -67,6 +69,8 @@ class Link(Protocol):
     def collective_failed(self, slot: str, epoch: int, error: str) -> None: ...
     def fault_fired(self, index: int, slot: str, step: int, phase: str) -> None: ...
     def save_checkpoint(self, step: int, blob: bytes) -> None: ...
+    def checkpoints_stored(self, timeout: float) -> None:
+        """Returns once the checkpoints sent so far are stored (or raises, or `timeout` passed)."""
 
 
 def checksum(tensors) -> int:
@@ -215,6 +219,7 @@ class Replica:
             collective.withdraw(self.comm)
             self.impl.close(finished=self.state == "finished" and not self._left)
             self._flush_report(force=True)
+            self._await_checkpoints()
             self._finished.set()
         return self._outcome
 
@@ -584,6 +589,15 @@ class Replica:
         if plan.rank_of(self.slot) == 0:
             self._flush_report(force=True)  # history up to this step precedes the checkpoint
             self.link.save_checkpoint(self.step, self._state_bytes())
+
+    def _await_checkpoints(self) -> None:
+        """A run ends once the checkpoints it sent are stored: the coordinator stores them off its event
+        loop while it goes on, and one sent at the last step (an upload, to an object store) was cut
+        off when the job ended and its coordinator exited (CI, S3: step 120's data without its manifest)."""
+        try:
+            self.link.checkpoints_stored(CHECKPOINT_STORED_S)
+        except Exception as err:  # noqa: BLE001 - the coordinator is gone or slow: the run ends regardless
+            log.warning("the checkpoint sent last may not be stored: %s", str(err).splitlines()[0][:200])
 
     # ------------------------------------------------------------------ reporting
     def _reports(self, plan: Plan) -> bool:

@@ -43,6 +43,8 @@ class RayLink:
         self._sender = f"{spec.slot}/{uuid.uuid4().hex[:12]}"
         self._next = 0
         self._lock = threading.Lock()
+        self._checkpoints: list = []
+        """The checkpoints sent whose storing has not been seen to end (ObjectRefs of the calls)."""
         config = parse(JobConfig, spec.config)
         self._metrics = Exporter(spec.job, spec.run_id, config.sync.policy, enabled=config.tracking.metrics)
         self._coord()  # found now, not at the first report: that lookup took 0.1-0.45 s here, after step 1
@@ -78,7 +80,13 @@ class RayLink:
         ray.get(self._send("fault_fired", index, slot, step, phase), timeout=5)
 
     def save_checkpoint(self, step: int, blob: bytes) -> None:
-        self._send("save_checkpoint", step, blob)
+        if self._checkpoints:  # forget those already stored
+            self._checkpoints = ray.wait(self._checkpoints, num_returns=len(self._checkpoints), timeout=0)[1]
+        self._checkpoints.append(self._send("save_checkpoint", step, blob))  # answered once stored
+
+    def checkpoints_stored(self, timeout: float) -> None:
+        pending, self._checkpoints = self._checkpoints, []
+        ray.get(pending, timeout=timeout)
 
 
 class Worker:

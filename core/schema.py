@@ -677,11 +677,13 @@ class FaultsConfig:
     record_samples: bool = False
     """Each worker appends `step membership_epoch id id ...` for every step it commits to
     `samples/<slot>.txt` (tests); a step counts in the epoch that history gives for it."""
-
+    checkpoint_store_s: float = 0.0
+    """Storing each checkpoint takes at least this long (a slow upload), off the coordinator's event loop."""
 
     def __post_init__(self) -> None:
-        if self.comm_latency_s < 0:
-            raise FieldError("comm_latency_s", f"must not be negative, got {self.comm_latency_s}")
+        for knob in ("comm_latency_s", "checkpoint_store_s"):
+            if getattr(self, knob) < 0:
+                raise FieldError(knob, f"must not be negative, got {getattr(self, knob)}")
 
 
 @dataclass

@@ -42,6 +42,8 @@ class Journal:
         holds that this node's folder lacks (Ray may restart it on another node)."""
         self.run_dir = run_dir
         self.keep_checkpoints = keep_checkpoints
+        self.store_delay_s = 0.0
+        """faults.checkpoint_store_s: each checkpoint's storing takes at least this long (tests)."""
         if storage is None:
             storage, run_key = run_storage(None, run_dir)
         self.storage, self.run_key, self.mirror = storage, run_key, mirror
@@ -204,8 +206,11 @@ class Journal:
 
     async def save_checkpoint(self, step: int, blob: bytes, note: str = "") -> str:
         """To the storage (an upload, for an object store), in a thread: the event loop goes on."""
-        location = await asyncio.to_thread(checkpoints.save, (self.storage, self.run_key), step, blob,
-                                           self.keep_checkpoints, self.run_key.rsplit("/", 1)[-1])
+        def store() -> str:
+            time.sleep(self.store_delay_s)
+            return checkpoints.save((self.storage, self.run_key), step, blob, self.keep_checkpoints,
+                                    self.run_key.rsplit("/", 1)[-1])
+        location = await asyncio.to_thread(store)
         self.event("checkpoint", note or f"checkpoint at step {step}", step=step, path=location, bytes=len(blob))
         if self.checkpoint is None or step >= self.checkpoint[0]:
             self.checkpoint = (step, location)

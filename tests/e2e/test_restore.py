@@ -40,3 +40,20 @@ def test_every_member_killed_at_once_restarts_from_the_newest_checkpoint_and_mat
     diff = max(float((a - b).abs().max()) for a, b in zip(final_params(job), final_params(plain)))
     print(f"restored run vs uninterrupted: max abs diff {diff:.2e}")
     assert diff == 0.0
+
+
+def test_a_finished_job_s_last_checkpoint_is_stored_before_it_reports_finished(run_root):
+    """The checkpoint taken at the last step goes to the coordinator, which stores it off its event loop
+    (an upload) while the members finish: the job reports FINISHED only once it is stored. Storing takes
+    1.5 s here (faults.checkpoint_store_s); without the wait, the job ended and its coordinator exited
+    first, and the step-40 checkpoint was missing (as on S3 in CI: its data without its manifest)."""
+    from actors import checkpoints
+
+    cfg = dict(CONFIG, name="last-checkpoint", workers={"count": 2, "cpus": 0.5}, stop={"max_steps": 40},
+               faults={"checkpoint_store_s": 1.5})
+    job = ElasticJob(config_from_dict(cfg)).start()
+    result = job.wait(timeout=120)
+    assert result.state == "FINISHED" and result.step == 40, result
+    newest = checkpoints.newest_valid(job.run_dir.parent, warn=lambda line: None)
+    assert newest is not None and newest.step == 40, f"the newest stored checkpoint: {newest}"
+    assert checkpoints.verify(str(job.run_dir / "checkpoints" / "step-00000040.json")) is None
