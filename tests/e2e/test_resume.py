@@ -1,4 +1,9 @@
-"""Resume after a SIGKILL of the whole `run` process group: same parameters as an uninterrupted run."""
+"""Resume after a SIGKILL of the whole `run` process group: same parameters as an uninterrupted run.
+
+In the slow tier: the default suite runs the same scenario with the run kept on S3
+(tests/e2e/test_storage.py: the same `--resume` code over the storage interface, bit-identical, a torn
+checkpoint skipped), and checkpoints on a local disk are saved, verified and found by
+tests/unit/test_checkpoints.py and restored by tests/e2e/test_restore.py."""
 from __future__ import annotations
 
 import io
@@ -6,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import ray
 import torch
 import yaml
@@ -15,6 +21,7 @@ from orchestrator.config import config_from_dict
 from orchestrator.job import ElasticJob
 from actors import runfiles
 
+pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = {
     "name": "resume", "seed": 5, "workers": {"count": 2, "cpus": 1},

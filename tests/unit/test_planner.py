@@ -119,6 +119,12 @@ def test_plan_prints_the_table_and_one_recommendation(tmp_path, capsys, monkeypa
     from orchestrator.cli import main
 
     monkeypatch.setattr(lab, "current", lambda: None)  # whatever this machine's lo holds: no lab is up
+    measured, measure = [], planner.measure_host  # the host times once (7 s here), for both tables
+
+    def measure_once(*args, **kw):
+        measured[:] = measured or [measure(*args, **kw)]
+        return measured[0]
+    monkeypatch.setattr(planner, "measure_host", measure_once)
 
     path = tmp_path / "job.yaml"
     path.write_text(json.dumps({**BASE, "network": LAB}))
@@ -131,6 +137,7 @@ def test_plan_prints_the_table_and_one_recommendation(tmp_path, capsys, monkeypa
     assert main(["plan", str(path), "--compute-ms", "5"]) == 0
     text = capsys.readouterr().out
     assert "recommended:" in text and "bsp hierarchical" in text
+    assert len(measured) == 1, "the plan command measured this machine's host times"
 
 
 def test_auto_on_resume_keeps_the_policy_the_checkpoints_run_picked(tmp_path):
