@@ -112,8 +112,11 @@ def test_user_code_exception_fails_run_with_exit_1(tmp_path, ray_session):
     workdir = REPO / "tests" / "workloads"
     env = _env(tmp_path)
     without_repo(env)
+    # attached to this session's Ray (the test above starts a Ray of its own): the workers, started
+    # elsewhere, still import the workload from the run's working directory
+    address = ray.get_runtime_context().gcs_address
     proc = subprocess.run([sys.executable, "-m", "orchestrator", "run", "custom.yaml", "--set",
-                           "workload.params.fail_at_step=7"], cwd=workdir, env=env,
+                           "workload.params.fail_at_step=7", "--address", address], cwd=workdir, env=env,
                           capture_output=True, text=True, timeout=300)
     print(proc.stdout[-1500:], proc.stderr[-1500:])
     assert proc.returncode == 1
