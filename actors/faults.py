@@ -50,9 +50,7 @@ class WorkerFaults:
         self.fired: set[int] = set()
         self._record = record
         self._kill_actor = kill_actor
-        self.slowdown = max([s.slowdown for s in cfg.stragglers if s.slot == slot] or [1.0])
-        self.delay_s = max([s.delay_s for s in cfg.stragglers if s.slot == slot] or [0.0])
-        self.jitter = next((s.jitter for s in cfg.stragglers if s.slot == slot and s.jitter is not None), None)
+        self.stragglers = [s for s in cfg.stragglers if s.slot == slot]
 
     def has(self, phase: str) -> bool:
         return any(k.slot == self.slot and k.at == phase for k in self.kills)
@@ -87,12 +85,17 @@ class WorkerFaults:
 
     def straggle(self, started: float, step: int = 0) -> float:
         """A straggler's step takes `slowdown` times as long as it computed, plus `delay_s`, times the
-        jitter factor of this (slot, step) when one is configured. Returns the seconds slept (modelled
+        jitter factor of this (slot, step) when one is configured (of the entries in force at `step`,
+        the number of committed steps: `from_step`). Returns the seconds slept (modelled
         compute: they count in the step-time estimate the coordinator watches)."""
         elapsed = time.perf_counter() - started
-        target = elapsed * self.slowdown + self.delay_s
-        if self.jitter is not None:
-            target *= jitter_factor(self.jitter.sigma, self.jitter.seed, self.slot, step)
+        now = [s for s in self.stragglers if step >= s.from_step]  # the entries in force at this step
+        if not now:
+            return 0.0
+        target = elapsed * max(s.slowdown for s in now) + max(s.delay_s for s in now)
+        jitter = next((s.jitter for s in now if s.jitter is not None), None)
+        if jitter is not None:
+            target *= jitter_factor(jitter.sigma, jitter.seed, self.slot, step)
         if target - elapsed <= 0:
             return 0.0
         time.sleep(target - elapsed)

@@ -599,9 +599,14 @@ class StragglerFault:
     jitter: Optional[JitterSpec] = None
     """The step's time (computed x slowdown + delay_s) is multiplied by a seeded random factor; a
     factor below 1 cannot shorten the computation itself, only the sleep."""
+    from_step: int = 0
+    """Slow only once this many steps are committed (a straggler that appears mid-run; numbered as
+    `kills[].step`). Entries for one slot combine: the largest slowdown and delay_s of those in force."""
 
     def __post_init__(self) -> None:
         _check_slot(self.slot)
+        if self.from_step < 0:
+            raise FieldError("from_step", f"must not be negative, got {self.from_step}")
         if self.slowdown < 1.0:
             raise FieldError("slowdown", f"must be >= 1.0, got {self.slowdown}")
         if self.delay_s < 0:

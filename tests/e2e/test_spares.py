@@ -79,10 +79,14 @@ def test_a_spare_admitted_as_the_others_finish_does_not_restart_the_job(run_root
     cfg = {"name": "late-spare", "seed": 4, "workers": {"count": 3, "cpus": 0.5, "spares": 1},
            "workload": {"factory": "orchestrator.workloads.digits:mlp", "params": {"hidden": 32}, "batch_size": 8},
            "optimizer": {"lr": 0.05, "momentum": 0.9}, "stop": {"max_steps": steps}, "eval_every": 0,
-           # the spare is ready 3-5 s after the job runs here, but took over 10 s in CI with another test's job
-           # beside it (step 39 came first at 0.25 s a step): 0.5 s a step, the kill about 20 s in
-           "comm": {"timeout_s": 3},
-           "faults": {"stragglers": [{"slot": "w2", "delay_s": 0.5}], "kills": [{"slot": "w1", "step": steps - 1, "at": "step"}]}}
+           # The spare must be ready before step 39 and adopted (the actor becomes w1) before the survivors
+           # finish: ready after 1.9-2.5 s here and 5.4 s in CI (step 39 comes after 10 s at 0.25 s a step);
+           # adopted in 0.2 s here, but in CI the survivors finished 1.4 s after the death, with the adopt
+           # still running (the job's end killed the spare). Their last step (redone) takes 3 s.
+           "comm": {"timeout_s": 5},
+           "faults": {"stragglers": [{"slot": "w2", "delay_s": 0.25}]
+                      + [{"slot": slot, "delay_s": 3.0, "from_step": steps - 1} for slot in ("w0", "w2")],
+                      "kills": [{"slot": "w1", "step": steps - 1, "at": "step"}]}}
     job = ElasticJob(config_from_dict(cfg)).start()
     spares = []
 

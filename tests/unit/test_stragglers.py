@@ -57,3 +57,14 @@ def test_a_straggler_sleeps_its_modelled_time_and_says_how_long():
     expected = 0.02 * jitter_factor(0.5, 1, "w1", 4)
     assert slept == pytest.approx(expected, abs=2e-3) and took >= slept
     assert WorkerFaults(cfg, "w0", record=lambda *a: None).straggle(time.perf_counter(), 4) == 0.0
+
+
+def test_a_straggler_from_a_step_on_is_slow_only_from_there_and_entries_combine():
+    cfg = FaultsConfig(stragglers=[StragglerFault(slot="w1", delay_s=0.01),
+                                   StragglerFault(slot="w1", delay_s=0.05, from_step=10)])
+    faults = WorkerFaults(cfg, "w1", record=lambda *a: None)
+    assert faults.straggle(time.perf_counter(), 9) == pytest.approx(0.01, abs=3e-3)
+    assert faults.straggle(time.perf_counter(), 10) == pytest.approx(0.05, abs=3e-3)
+    late = WorkerFaults(FaultsConfig(stragglers=[StragglerFault(slot="w1", delay_s=0.05, from_step=3)]), "w1",
+                        record=lambda *a: None)
+    assert late.straggle(time.perf_counter(), 2) == 0.0 and late.straggle(time.perf_counter(), 3) > 0.04
