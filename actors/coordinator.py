@@ -98,8 +98,7 @@ class Coordinator(Actions):
         storage, run_key = run_storage(self.cfg.storage, self.run_dir)
         mirror = RunMirror(storage, run_key, self.run_dir) if storage.remote else None
         self.journal = Journal(self.run_dir, self.cfg.checkpoint.keep, storage, run_key, mirror,
-                               restarted=self.group.reconstructed)
-        self.journal.store_delay_s = self.cfg.faults.checkpoint_store_s
+                               restarted=self.group.reconstructed, store_delay_s=self.cfg.faults.checkpoint_store_s)
         self.metrics = JobMetrics(Exporter(self.name, run_id, self.cfg.sync.policy, self.cfg.tracking.metrics,
                                            self.group.metric), self.algorithm.kind)
         self.journal.listeners.append(self.metrics)

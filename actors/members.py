@@ -52,13 +52,16 @@ class Spare:
     name: str
     handle: Any = None
     """None until the actor is created (off the coordinator's event loop)."""
-    ready: bool = False
     pid: int = 0
     node: str = ""
     node_id: str = ""
     started_at: float = field(default_factory=time.time)
     ready_at: Optional[float] = None
-    """When it was ready (its start took `ready_at - started_at`)."""
+    """When it was ready (its start took `ready_at - started_at`); None while it starts."""
+
+    @property
+    def ready(self) -> bool:
+        return self.ready_at is not None
 
     def status(self) -> dict:
         return {"name": self.name.rsplit("/", 1)[-1], "state": "ready" if self.ready else "starting", "pid": self.pid,

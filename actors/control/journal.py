@@ -35,15 +35,15 @@ class Journal:
     """One run directory: events, history, the state file, checkpoints, and the progress they show."""
 
     def __init__(self, run_dir: Path, keep_checkpoints: int, storage: Optional[Storage] = None, run_key: str = "",
-                 mirror: Optional[RunMirror] = None, restarted: bool = False) -> None:
+                 mirror: Optional[RunMirror] = None, restarted: bool = False, store_delay_s: float = 0.0) -> None:
         """`storage` and `run_key`: where checkpoints go and `--resume` reads from (default: the run
         folder's grandparent, the local run root, and `<job>/<run id>`). `mirror`: the remote copy of
         the run folder (storage: an object store); a `restarted` coordinator first copies down what it
-        holds that this node's folder lacks (Ray may restart it on another node)."""
+        holds that this node's folder lacks (Ray may restart it on another node). `store_delay_s`:
+        each checkpoint's storing takes at least this long (`faults.checkpoint_store_s`, tests)."""
         self.run_dir = run_dir
         self.keep_checkpoints = keep_checkpoints
-        self.store_delay_s = 0.0
-        """faults.checkpoint_store_s: each checkpoint's storing takes at least this long (tests)."""
+        self.store_delay_s = store_delay_s
         if storage is None:
             storage, run_key = run_storage(None, run_dir)
         self.storage, self.run_key, self.mirror = storage, run_key, mirror
@@ -207,7 +207,8 @@ class Journal:
     async def save_checkpoint(self, step: int, blob: bytes, note: str = "") -> str:
         """To the storage (an upload, for an object store), in a thread: the event loop goes on."""
         def store() -> str:
-            time.sleep(self.store_delay_s)
+            if self.store_delay_s:
+                time.sleep(self.store_delay_s)
             return checkpoints.save((self.storage, self.run_key), step, blob, self.keep_checkpoints,
                                     self.run_key.rsplit("/", 1)[-1])
         location = await asyncio.to_thread(store)

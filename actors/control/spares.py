@@ -98,8 +98,7 @@ class SparePool:
                 await asyncio.sleep(RETRY_AFTER_S)
                 self.fill()
             return
-        spare.ready, spare.pid, spare.node, spare.node_id = True, info["pid"], info["node"], info["node_id"]
-        spare.ready_at = time.time()
+        spare.pid, spare.node, spare.node_id, spare.ready_at = info["pid"], info["node"], info["node_id"], time.time()
 
     async def adopt(self, member: Member, spec: WorkerSpec, fired: tuple[int, ...]) -> Optional[dict]:
         """The oldest ready spare becomes `member`'s worker (a new spare starts behind it); its ready

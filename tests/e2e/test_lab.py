@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 
+import psutil
 import pytest
 
 from core.schema import NetworkConfig, parse
@@ -48,22 +49,15 @@ def _lo_as_found():
 
 
 def busy_cores(seconds: float = 0.3) -> float:
-    """How many of this machine's cores were busy over `seconds` (from /proc/stat)."""
-    def sample() -> tuple[int, int]:
-        with open("/proc/stat") as f:
-            values = [int(v) for v in f.readline().split()[1:]]
-        return sum(values) - values[3] - values[4], sum(values)  # busy (not idle, not iowait), all
-    busy0, all0 = sample()
-    time.sleep(seconds)
-    busy1, all1 = sample()
-    return (busy1 - busy0) / max(all1 - all0, 1) * (os.cpu_count() or 1)
+    """How many of this machine's cores were busy over `seconds`."""
+    return psutil.cpu_percent(interval=seconds) / 100 * psutil.cpu_count()
 
 
 def wait_for_a_quiet_machine(cores: float = 0.5, timeout: float = 10.0) -> float:
     """Wait (at most `timeout`) until under `cores` cores are busy; returns the last reading. 10 Gbit/s
-    through `lo` takes most of a core on this 2-core machine: in CI the probe measured 8467 Mbit/s with
-    something else busy (likely the SIGKILLed jobs of the test before it winding down), against 9.6-9.96
-    here. Two idle local Rays (one per test process) keep 0.1-0.3 of a core busy."""
+    through `lo` takes most of a core on this 2-core machine: a CI run that shared the machine with
+    another CPU-heavy job measured 8467 Mbit/s, against 9.6-9.96 on a quiet one. Two idle local Rays
+    (one per test process) keep 0.1-0.3 of a core busy."""
     deadline = time.monotonic() + timeout
     while (busy := busy_cores()) > cores and time.monotonic() < deadline:
         pass

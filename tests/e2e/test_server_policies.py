@@ -24,9 +24,9 @@ PER_WORKER = 8
 REPO = Path(__file__).resolve().parents[2]
 
 
-def make_config(name: str, sync: dict, steps: int, **over) -> dict:
+def make_config(name: str, sync: dict, steps: int, per_worker: int = PER_WORKER, **over) -> dict:
     cfg = {"name": name, "seed": 4, "workers": {"count": 4, "cpus": 0.5},
-           "workload": {"factory": "orchestrator.workloads.digits:mlp", "params": {"hidden": 32}, "batch_size": PER_WORKER},
+           "workload": {"factory": "orchestrator.workloads.digits:mlp", "params": {"hidden": 32}, "batch_size": per_worker},
            "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.5}, "sync": sync, "stop": {"max_steps": steps},
            "server": {"cpus": 1}, "eval_every": 0}
     cfg.update(over)
@@ -167,9 +167,8 @@ def run_through_a_kill(name: str, sync: dict, steps: int, delay_s: float, kill_s
     """4 workers, w3 three times as slow (a modelled `delay_s` a step), w1 SIGKILLed at its
     `kill_step`-th push: the job finishes at `steps` with every applied sample once. (job, leases)."""
     stragglers = [{"slot": f"w{i}", "delay_s": delay_s} for i in range(3)] + [{"slot": "w3", "delay_s": 3 * delay_s}]
-    workload = {"factory": "orchestrator.workloads.digits:mlp", "params": {"hidden": 32}, "batch_size": per_worker}
-    cfg = make_config(name, sync, steps, workload=workload, faults={"record_samples": True, "stragglers": stragglers,
-                                                                    "kills": [{"slot": "w1", "step": kill_step}]})
+    cfg = make_config(name, sync, steps, per_worker, faults={"record_samples": True, "stragglers": stragglers,
+                                                             "kills": [{"slot": "w1", "step": kill_step}]})
     job = ElasticJob(config_from_dict(cfg)).start()
     result = job.wait(timeout=180)
     assert result.state == "FINISHED" and result.step == steps, result
@@ -197,8 +196,7 @@ def test_a_push_delayed_past_its_senders_eviction_is_fenced_and_its_samples_appl
     stragglers = [{"slot": f"w{i}", "delay_s": 0.2} for i in range(4)]
     # 6 a worker: while w1 is away each push carries a third of 24 (8), so 150 versions stay within one
     # data epoch (1437) however long its restart takes (with 8, a third of 32 is 11: 1471 samples in CI)
-    workload = {"factory": "orchestrator.workloads.digits:mlp", "params": {"hidden": 32}, "batch_size": 6}
-    cfg = make_config("ps-delayed-push", {"policy": "asp"}, steps, workload=workload,
+    cfg = make_config("ps-delayed-push", {"policy": "asp"}, steps, per_worker=6,
                       workers={"count": 4, "cpus": 0.5, "hang_timeout_s": 2.0},
                       faults={"record_samples": True, "stragglers": stragglers,
                               "delayed_pushes": [{"slot": "w1", "clock": 4, "delay_s": 6.0}]})
