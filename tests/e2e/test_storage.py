@@ -79,7 +79,9 @@ def test_a_run_killed_resumes_from_s3_bit_identical_and_skips_a_torn_checkpoint(
     env = child_env(REPO, ORCHESTRATOR_RUN_ROOT=str(root))
     env.pop("RAY_ADDRESS", None)
     config_path = tmp_path / "resume.yaml"
-    slow = dict(CONFIG, storage=uri, faults={"stragglers": [{"slot": "w0", "delay_s": 0.05}]})
+    # 10 steps/s: the kill lands before the checkpoint at 80 (at 20 steps/s a clean-clone CI run at 4e60c12
+    # saw step 99 by the time the killed run's processes were gone)
+    slow = dict(CONFIG, storage=uri, faults={"stragglers": [{"slot": "w0", "delay_s": 0.1}]})
     config_path.write_text(yaml.safe_dump(slow))
     proc = subprocess.Popen([sys.executable, "-m", "orchestrator", "run", str(config_path)], cwd=REPO, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
