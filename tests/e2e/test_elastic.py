@@ -166,15 +166,31 @@ def test_nothing_lost_two_kills_and_a_join_match_fault_free(run_root):
     assert diff < 3e-6  # the README states 3.0e-7 (float summation order differs at world size 2)
 
 
-def test_split_commit_vote_is_settled_at_the_next_epoch(run_root):
+SPLIT_BASE = dict(workers={"count": 3, "cpus": 0.5}, stop={"max_steps": 80}, comm={"timeout_s": 3})
+"""The split-vote tests' job; the fault-free run of it is their common reference."""
+
+
+@pytest.fixture(scope="module")
+def split_reference(ray_session):
+    """The fault-free run of `SPLIT_BASE`, started when the first test that asks for it begins (it trains
+    while that test's faulted run does) and trained once per process: the model's parameters, waited for."""
+    job = ElasticJob(config_from_dict(make_config("split-clean", **SPLIT_BASE))).start()
+    model: list = []
+
+    def finished() -> list[torch.Tensor]:
+        if not model:
+            assert job.wait(timeout=120).state == "FINISHED"
+            model.extend(params(job))
+        return model
+    return finished
+
+
+def test_split_commit_vote_is_settled_at_the_next_epoch(run_root, split_reference):
     """Rank 0 loses the result of step 31's vote while the others commit it: the group re-forms at
     once, the members agree on step 31 (rank 0 receives it from w1), history takes step 31 from
     the agreement, and the run ends identical to a fault-free one."""
-    base = dict(workers={"count": 3, "cpus": 0.5}, stop={"max_steps": 80}, comm={"timeout_s": 3})
-    split = ElasticJob(config_from_dict(make_config("split", **base, faults={"kills": [
+    split = ElasticJob(config_from_dict(make_config("split", **SPLIT_BASE, faults={"kills": [
         {"slot": "w0", "step": 30, "at": "vote"}]}))).start()
-    clean = ElasticJob(config_from_dict(make_config("split-clean", **base))).start()  # the reference, meanwhile
-    assert clean.wait(timeout=120).state == "FINISHED"
     assert split.wait(timeout=120).state == "FINISHED"
     history = assert_steps_exactly_once(split)
     assert len(history) == 80
@@ -182,26 +198,23 @@ def test_split_commit_vote_is_settled_at_the_next_epoch(run_root):
     assert reform["detail"]["new_members"] == ["w0", "w1", "w2"]
     assert reform["detail"]["state_sources"] == {"w0": {"source": "w1", "step": 31}}
     assert history[30]["membership_epoch"] < reform["detail"]["membership_epoch"] == history[31]["membership_epoch"]
-    diff = max(float((a - b).abs().max()) for a, b in zip(params(split), params(clean)))
+    diff = max(float((a - b).abs().max()) for a, b in zip(params(split), split_reference()))
     print(f"split vote at step 31: re-formed in {reform['detail']['duration_s']:.2f}s, w0 took step 31 from w1; "
           f"max abs diff vs fault-free {diff:.1e}")
     assert diff == 0.0
 
 
-def test_rank0_death_right_after_a_split_vote(run_root):
+def test_rank0_death_right_after_a_split_vote(run_root, split_reference):
     """w1 loses the result of step 31's vote that w0 (rank 0) and w2 commit; w0 then dies before
     its next step, with step 31 possibly unreported. The survivors agree on 31 (w1 takes it from
     w2), history gets step 31 from the new rank 0's catch-up, and the run matches a fault-free one."""
-    base = dict(workers={"count": 3, "cpus": 0.5}, stop={"max_steps": 80}, comm={"timeout_s": 3})
-    churn = ElasticJob(config_from_dict(make_config("split0", **base, faults={"kills": [
+    churn = ElasticJob(config_from_dict(make_config("split0", **SPLIT_BASE, faults={"kills": [
         {"slot": "w1", "step": 30, "at": "vote"}, {"slot": "w0", "step": 31, "at": "step"}]}))).start()
-    clean = ElasticJob(config_from_dict(make_config("split0-clean", **base))).start()  # the reference, meanwhile
-    assert clean.wait(timeout=120).state == "FINISHED"
     assert churn.wait(timeout=120).state == "FINISHED"
     history = assert_steps_exactly_once(churn)
     assert len(history) == 80
     death = next(e for e in reshapes(churn) if "w0" in e["detail"]["old_members"] and "w0" not in e["detail"]["new_members"])
-    diff = max(float((a - b).abs().max()) for a, b in zip(params(churn), params(clean)))
+    diff = max(float((a - b).abs().max()) for a, b in zip(params(churn), split_reference()))
     print(f"split vote at 31 then rank 0 died: re-formed as {death['detail']['new_members']} from "
           f"{death['detail']['state_sources']}; max abs diff vs fault-free {diff:.1e}")
     assert death["detail"]["state_sources"] == {"w1": {"source": "w2", "step": 31}}
