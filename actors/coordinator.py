@@ -35,6 +35,7 @@ from actors.control.admission import Admission
 from actors.control.book import MembershipBook
 from actors.control.endings import wrap_up
 from actors.storage import run_storage
+from actors.store import no_store
 from actors.control.journal import Journal
 from actors.control.launcher import Launcher
 from actors.control.publisher import Publisher
@@ -80,7 +81,10 @@ class Coordinator(Actions):
         self.secret = secrets.token_bytes(32) if self.cfg.comm.sign_rendezvous else b""
         """The job's rendezvous key: its workers sign what they write to the group store (actors/comm.py);
         a restarted coordinator keeps the one on disk (its live workers have it)."""
-        store_up = self.group.open_store(self.cfg.comm.timeout_s)  # the first workers start meanwhile
+        self.algorithm = PolicyTraits(self.cfg.sync.policy)
+        """What the coordinator needs of the policy: its kind's answers (algorithms/kinds.py)."""
+        # the store loads torch in a thread while the first workers start; a server kind needs none
+        store_up = self.group.open_store(self.cfg.comm.timeout_s) if self.algorithm.forms_group else no_store()
         self.state, self.cause, self.stop_kind = JobState.STARTING, None, None
         self.started_at = started_at or time.time()
         """When `start()` was called (the job's run time counts from there)."""
@@ -92,8 +96,6 @@ class Coordinator(Actions):
         self._reshape_lock: Optional[asyncio.Lock] = None
         self._main_task: Optional[asyncio.Task] = None
         self._released: Optional[asyncio.Event] = None
-        self.algorithm = PolicyTraits(self.cfg.sync.policy)
-        """What the coordinator needs of the policy: its kind's answers (algorithms/kinds.py)."""
         self.group.setup(self.run_dir, self.cfg.log_level)
         storage, run_key = run_storage(self.cfg.storage, self.run_dir)
         mirror = RunMirror(storage, run_key, self.run_dir) if storage.remote else None

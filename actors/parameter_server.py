@@ -10,9 +10,9 @@ reports the version as a history record, and every `server.snapshot_every` versi
 (`<run dir>/server/checkpoints/`, atomic with a sha256 manifest, as actors/checkpoints.py writes
 checkpoints; it loads with `torch.load(weights_only=True)`).
 
-`ParameterServer` is the Ray actor around it: detached and named `<job>/<run id>/server` like the
-workers (a coordinator crash does not take it down), threaded, restarted by Ray when its process dies.
-A restarted server loads its newest valid snapshot, takes a new incarnation (pushes addressed to the
+`ParameterServer` (actors/server_actor.py, which imports this module only in the server's process) is
+the Ray actor around it: detached and named `<job>/<run id>/server` like the workers (a coordinator
+crash does not take it down), threaded, restarted by Ray when its process dies. A restarted server loads its newest valid snapshot, takes a new incarnation (pushes addressed to the
 old one are fenced) and tells the coordinator from which version it resumed: the versions after it
 are lost (at most `snapshot_every`), and the coordinator states them in an event.
 
@@ -40,7 +40,6 @@ import ray
 import torch
 
 from actors import checkpoints, runfiles
-from actors.plan import server_name
 from actors.storage import run_storage
 from algorithms.base import get_algorithm
 from algorithms.dispenser import NOTICES_IN_FLIGHT, DispenserCore
@@ -55,7 +54,6 @@ FLAT_POOL = 4
 """Flat parameter arrays kept for reuse (a version's array may still be on its way to pullers)."""
 FREE_REFS = 3
 """`sys.getrefcount` of a pooled array that nobody else holds: the pool's list, the loop's name, the call."""
-MAX_RESTARTS = 5
 SNAPSHOTS_KEPT = 2
 CALL_TIMEOUT_S = 30.0
 """Longest a worker waits for one answer of the server (beyond a pull's own wait)."""
@@ -490,97 +488,6 @@ def make_host(config: dict, run_dir: str, reports: "ServerReports", restarted: b
     return (DispenserHost if kind == "background" else ServerHost)(config, run_dir, reports, restarted=restarted)
 
 
-class CoordinatorReports:
-    """The server's reports to its coordinator, found by name (it may have been restarted)."""
-
-    def __init__(self, coordinator: str, namespace: str) -> None:
-        self.coordinator, self.namespace = coordinator, namespace
-        self._handle = None
-
-    def _coord(self):
-        if self._handle is None:  # a restarted coordinator keeps its actor id: the handle stays good
-            self._handle = ray.get_actor(self.coordinator, namespace=self.namespace)
-        return self._handle
-
-    def records(self, records: tuple[dict, ...], summary: dict) -> None:
-        try:
-            self._coord().server_report.remote(records, summary)
-        except Exception:
-            self._handle = None  # looked up again next time; these records wait in `kept`
-            raise
-
-    def restarted(self, resumed_version: int, incarnation: int, snapshot: Optional[str]) -> None:
-        self._coord().server_restarted.remote(resumed_version, incarnation, snapshot)
-
-    def barrier(self, index: int, members: tuple[str, ...], intervals: dict[str, list[float]]) -> None:
-        try:
-            self._coord().server_barrier.remote(index, members, intervals)
-        except Exception:
-            self._handle = None
-            raise
-
-
-class ParameterServer:
-    """The Ray actor: a `ServerHost` in a detached, threaded, restartable process."""
-
-    def __init__(self, config: dict, run_dir: str, coordinator: str, namespace: str) -> None:
-        from actors.worker import _redirect_output
-
-        _redirect_output(os.path.join(run_dir, "workers", "server.log"))
-        logging.basicConfig(level=config.get("log_level", "WARNING"), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        restarted = ray.get_runtime_context().was_current_actor_reconstructed
-        self.host = make_host(config, run_dir, CoordinatorReports(coordinator, namespace), restarted=restarted)
-
-    def ready(self) -> dict:
-        return {"pid": os.getpid(), "node": ray.util.get_node_ip_address(), **self.host.summary()}
-
-    def set_members(self, epoch: int, members: list[tuple[str, int]]) -> None:
-        self.host.set_members(epoch, members)
-
-    def pull(self, fence: Fence, wait_s: float) -> tuple[Pull, Optional[np.ndarray]]:
-        return self.host.pull(fence, wait_s)
-
-    def push(self, fence: Fence, lease_ids: tuple[int, ...], pulled_version: int, grad: np.ndarray, loss: float,
-             buffers: Optional[np.ndarray] = None) -> PushResult:
-        return self.host.push(fence, lease_ids, pulled_version, grad, loss, buffers)
-
-    def close(self, reason: str) -> None:
-        self.host.close(reason)
-
-    def summary(self) -> dict:
-        return self.host.summary()
-
-    def model_state(self) -> bytes:
-        return self.host.model_state()
-
-    def records_after(self, step: int) -> tuple[dict, ...]:
-        return self.host.records_after(step)
-
-    def load_checkpoint(self, blob: bytes) -> int:
-        return self.host.load_checkpoint(blob)
-
-    def push_pull(self, fence: Fence, lease_ids: tuple[int, ...], pulled_version: int, grad: np.ndarray, loss: float,
-                  wait_s: float, buffers: Optional[np.ndarray] = None) -> tuple[PushResult, Optional[Pull], Optional[np.ndarray]]:
-        return self.host.push_pull(fence, lease_ids, pulled_version, grad, loss, wait_s, buffers)
-
-    def set_schedule(self, index: int, iterations: dict[str, int]) -> bool:
-        return self.host.set_schedule(index, iterations)
-
-    def lease_block(self, fence: Fence, count: int, size: int) -> tuple[Optional[str], tuple]:
-        return self.host.lease_block(fence, count, size)
-
-    def applied(self, fence: Fence, keys: list[int], rounds: int, final: bool = False, upto: int = -1,
-                finished: bool = False) -> int:
-        return self.host.applied(fence, keys, rounds, final, upto, finished)
-
-    def elastic(self, fence: Fence, x: np.ndarray, alpha: float) -> tuple[Optional[str], Optional[np.ndarray]]:
-        return self.host.elastic(fence, x, alpha)
-
-
-# Pulls wait at the server (up to PULL_WAIT_S each): one thread per worker and a few for control.
-ParameterServerActor = ray.remote(max_concurrency=32)(ParameterServer)
-
-
 class RayServerClient:
     """A worker's `ServerClient` (algorithms/server_policies.py) over Ray, found by name."""
 
@@ -701,18 +608,3 @@ def _elastic_difference(answer: tuple[Optional[str], Optional[np.ndarray]], x: t
     if refusal is not None:
         raise RuntimeError(f"the central copy refused the exchange: {refusal}")
     return torch.from_numpy(np.array(d, dtype=np.float32)).to(device=x.device, dtype=x.dtype)
-
-
-def start_server(cfg: JobConfig, config: dict, run_id: str, run_dir: str, namespace: str) -> Any:
-    """Create the detached server actor of a job run (before its workers); returns its handle."""
-    return ParameterServerActor.options(
-        name=server_name(cfg.name, run_id), namespace=namespace, lifetime="detached", num_cpus=cfg.server.cpus,
-        max_restarts=MAX_RESTARTS,
-    ).remote(config, run_dir, cfg.name, namespace)
-
-
-def find_server(job: str, run_id: str, namespace: str) -> Any:
-    try:
-        return ray.get_actor(server_name(job, run_id), namespace=namespace)
-    except ValueError:
-        return None

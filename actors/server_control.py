@@ -35,7 +35,7 @@ class ServerControl:
     @classmethod
     async def start(cls, cfg: JobConfig, config: dict, run_id: str, run_dir: str) -> "ServerControl":
         """Create the server and wait until it holds the initial state (Ray places it when a CPU is free)."""
-        from actors.parameter_server import start_server  # noqa: PLC0415 - torch: not in the coordinator's start
+        from actors.server_actor import start_server  # noqa: PLC0415 - Ray's actor class: not in the coordinator's start
 
         handle = start_server(cfg, config, run_id, run_dir, cfg.ray.namespace)
         info = await asyncio.wrap_future(handle.ready.remote().future())
@@ -43,7 +43,7 @@ class ServerControl:
 
     @classmethod
     def attach(cls, cfg: JobConfig, run_id: str) -> Optional["ServerControl"]:
-        from actors.parameter_server import find_server  # noqa: PLC0415
+        from actors.server_actor import find_server  # noqa: PLC0415
 
         handle = find_server(cfg.name, run_id, cfg.ray.namespace)
         return cls(handle, barriers=_barriers(cfg)) if handle is not None else None

@@ -7,6 +7,7 @@ these names for the workers' side.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import datetime
 import logging
 import socket
@@ -53,6 +54,20 @@ class EpochKeys:
                         self.store.delete_key(key)
                     except Exception as err:  # noqa: BLE001 - a key never written (a group that never formed)
                         log.debug("store key %s: %s", key, err)
+
+
+class NoEpochKeys:
+    """The epoch keys of a job that serves no store (a server kind's: its members form no group)."""
+
+    def entered(self, name: str, world_size: int, backend: str) -> None:
+        pass
+
+
+def no_store() -> concurrent.futures.Future:
+    """What `open_store` gives when the job needs no store: port 0, nothing to release, nothing kept."""
+    future: concurrent.futures.Future = concurrent.futures.Future()
+    future.set_result((0, NoEpochKeys(), None))
+    return future
 
 
 def serve_store(host: str, timeout_s: float) -> tuple[dist.TCPStore, int, socket.socket]:

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import ray
 
 from actors.metrics import Exporter
-from actors.plan import ParentWatch, Plan, Progress, WorkerSpec
+from actors.plan import ParentWatch, Plan, Progress, WorkerSpec, server_name
 from core.schema import JobConfig, parse
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -116,7 +116,7 @@ class Worker:
             self._become(spec)
 
     def _become(self, spec: WorkerSpec, workload=None) -> None:
-        from actors.parameter_server import RayServerClient, server_name  # noqa: PLC0415 - see the imports
+        from actors.parameter_server import RayServerClient  # noqa: PLC0415 - see the imports
         from actors.replica import Replica  # noqa: PLC0415
 
         os.environ["ORCHESTRATOR_SLOT"] = spec.slot

@@ -106,6 +106,7 @@ class FakeWorkerGroup(WorkerGroup):
         self._by_slot: dict[str, FakeWorker] = {}
         self._by_name: dict[str, FakeWorker] = {}
         self.keys = FakeKeys()
+        self.stores_opened = 0
         self._pids = itertools.count(10_000)
         self.unplaced = False
         """While True, new workers get no resources: `ready` waits until `place()` (and they are not placed)."""
@@ -180,6 +181,7 @@ class FakeWorkerGroup(WorkerGroup):
 
     # ------------------------------------------------------------------ WorkerGroup
     def open_store(self, timeout_s: float) -> concurrent.futures.Future:
+        self.stores_opened += 1
         future: concurrent.futures.Future = concurrent.futures.Future()
         future.set_result((0, self.keys, None))
         return future

@@ -13,6 +13,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
@@ -64,6 +65,12 @@ def test_server_policy_finishes_at_max_steps_versions(run_root, sync):
     steps = 40
     started = time.monotonic()
     job = ElasticJob(config_from_dict(make_config(f"ps-{sync['policy']}", sync, steps))).start()
+    coordinator = wait_until(lambda: (s := job.status()).step >= steps // 2 and s.coordinator_pid, what="half the versions")
+    # a server kind's members form no group: its coordinator serves no group store, and never loads torch
+    # (a store's coordinator has libtorch mapped within a second of its start, well before this)
+    maps = Path(f"/proc/{coordinator}/maps").read_text()
+    rss_mib = psutil.Process(coordinator).memory_info().rss / 2**20
+    assert "libtorch" not in maps, "the coordinator of a server kind loaded torch"
     result = job.wait(timeout=120)
     elapsed = time.monotonic() - started
     assert result.state == "FINISHED" and result.step == steps, result
@@ -78,7 +85,7 @@ def test_server_policy_finishes_at_max_steps_versions(run_root, sync):
     x = torch.zeros(2, 64)
     assert model(x).shape == (2, 10)
     staleness = Counter(s for r in history for s in r["staleness"])
-    print(f"{sync}: FINISHED at {steps} versions in {elapsed:.1f}s; staleness {dict(sorted(staleness.items()))}; "
+    print(f"{sync}: FINISHED at {steps} versions in {elapsed:.1f}s; coordinator {rss_mib:.0f} MiB, no torch; staleness {dict(sorted(staleness.items()))}; "
           f"refused {({k: v for k, v in server['rejected'].items() if v})}; leases {leases}")
 
 

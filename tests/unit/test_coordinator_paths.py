@@ -106,6 +106,18 @@ def test_a_job_starts_commits_and_finishes_at_max_steps(tmp_path):
     run(scenario())
 
 
+@pytest.mark.parametrize("policy,serves", [("bsp", True), ("local_sgd", True), ("dpsgd", True), ("shadow", True),
+                                           ("asp", False), ("elastic_bsp", False)])
+def test_only_a_policy_whose_members_form_groups_serves_the_group_store(tmp_path, policy, serves):
+    """Serving the store loads torch in the coordinator (about 1.4 s of CPU and a few hundred MiB): a
+    server kind's members form no group (they talk to the parameter server), so its job serves none."""
+    async def scenario():
+        group = FakeWorkerGroup()
+        coordinator(config("store", sync={"policy": policy}), tmp_path, group)
+        assert group.stores_opened == int(serves)
+    run(scenario())
+
+
 async def death_and_replacement(coord: Coordinator, group: FakeWorkerGroup, before: int, between: int) -> int:
     """`before` steps; w1 dies; the survivors' plan; `between` steps (the first admits the replacement);
     the replacement's plan. Returns the survivors' membership epoch."""
