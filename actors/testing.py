@@ -77,9 +77,20 @@ def sigkill_run_at(proc: Any, newest_step: Callable[[], int], at: int, timeout: 
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     deadline = time.monotonic() + 20
-    while [p for p in group if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]:
+    while [p for p in group if running(p)]:
         assert time.monotonic() < deadline, "processes of the killed run left behind"
         time.sleep(0.2)
+
+
+def running(pid: int) -> bool:
+    """Whether process `pid` exists and is not a zombie. A process can end between any two looks at it
+    (a clean-clone CI run saw one pass `pid_exists` and be gone when its status was read)."""
+    import psutil  # noqa: PLC0415
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def drive_step(impl, model: torch.nn.Module, step: int, batch: torch.Tensor, samples: int, lr: float) -> None:
