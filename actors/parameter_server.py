@@ -11,10 +11,10 @@ reports the version as a history record, and every `server.snapshot_every` versi
 checkpoints; it loads with `torch.load(weights_only=True)`).
 
 `ParameterServer` (actors/server_actor.py, which imports this module only in the server's process) is
-the Ray actor around it: detached and named `<job>/<run id>/server` like the workers (a coordinator
-crash does not take it down), threaded, restarted by Ray when its process dies. A restarted server loads its newest valid snapshot, takes a new incarnation (pushes addressed to the
-old one are fenced) and tells the coordinator from which version it resumed: the versions after it
-are lost (at most `snapshot_every`), and the coordinator states them in an event.
+the Ray actor around it, restarted by Ray when its process dies. A restarted server loads its newest
+valid snapshot, takes a new incarnation (pushes addressed to the old one are fenced) and tells the
+coordinator from which version it resumed: the versions after it are lost (at most `snapshot_every`),
+and the coordinator states them in an event.
 
 `RayServerClient` is a worker's way to it: a call that meets a restarting server answers "wait" (a
 pull) or is retried (a push: the server recognises a retried push by its lease ids and applies it

@@ -9,8 +9,7 @@ import os
 import signal
 import time
 
-import psutil
-
+from actors.testing import running
 from orchestrator.config import config_from_dict
 from orchestrator.job import ElasticJob
 
@@ -44,8 +43,8 @@ def failure_of(job: ElasticJob) -> tuple[dict, dict]:
 
 def assert_gone(pids: list[int], timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
-    while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids):
-        assert time.monotonic() < deadline, f"processes left behind: {[p for p in pids if psutil.pid_exists(p)]}"
+    while any(running(p) for p in pids):
+        assert time.monotonic() < deadline, f"processes left behind: {[p for p in pids if running(p)]}"
         time.sleep(0.1)
 
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 import math
 import time
 
-import psutil
 import pytest
 
+from actors.testing import running
 from orchestrator.config import config_from_dict
 from orchestrator.job import ElasticJob
 from core.schema import TERMINAL_STATES
@@ -32,7 +32,7 @@ def test_low_precision_model_trains(run_root, dtype, per_worker):
             pids = [m.pid for m in status.members]
             job.stop()
             time.sleep(0.5)
-            left = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+            left = [p for p in pids if running(p)]
             assert not left, f"stop() returned with workers alive: {left}"
     history = job.history()
     print(f"{dtype}: {result.state} at step {result.step}, losses {[round(r['loss'], 3) for r in history[::5]]}, "

@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import time
 
-import psutil
-
-from actors.testing import wait_until
+from actors.testing import running, wait_until
 from orchestrator.config import config_from_dict
 from orchestrator.job import ElasticJob
 
@@ -31,7 +29,7 @@ def assert_saved_at(job: ElasticJob, step: int) -> None:
 
 
 def assert_gone(pids: list[int], within: float = 1.0) -> None:
-    alive = lambda: [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]  # noqa: E731
+    alive = lambda: [p for p in pids if running(p)]  # noqa: E731
     deadline = time.monotonic() + within
     while alive() and time.monotonic() < deadline:
         time.sleep(0.05)
