@@ -61,6 +61,8 @@ OWNER_CHECK_S = 1.0
 LINGER_S = 600.0
 """A finished coordinator stays this long for `status`, unless released earlier."""
 MAX_RESTARTS = 5
+FORCE_STOP_AFTER_S = 10.0
+"""A stop's grace beyond `comm.timeout_s`: members that have not stopped by then are killed."""
 """How often Ray restarts a coordinator whose process dies; each restart carries on from the run
 directory and the live workers (a new incarnation)."""
 S = MemberState
@@ -448,7 +450,7 @@ class Coordinator(Actions):
         self.stop_kind, self.cause, self.book.stop_step = kind, cause, stop_step
         if self.server is not None:
             self.server.close(cause)  # members stop at their next pull
-        asyncio.get_running_loop().create_task(self._force_stop_after(self.cfg.comm.timeout_s + 10.0))
+        asyncio.get_running_loop().create_task(self._force_stop_after(self.cfg.comm.timeout_s + FORCE_STOP_AFTER_S))
         self.faults.die_on_report = True
 
     def restore_on_admit(self) -> None:
@@ -513,6 +515,11 @@ class Coordinator(Actions):
         await asyncio.sleep(delay)
         if not self.state.terminal:
             self.history.close()
+            # Members stuck in a step: those on this node are SIGKILLed, gone before the job reports its
+            # end, not once Ray's kill reaches them (a run of the suite here saw two alive 0.5 s after stop()).
+            for member in self.book.members.values():
+                if member.state.live:
+                    self.group.kill_process(member.node, member.pid)
             await self.end(JobState(self.stop_kind or "STOPPED"),
                            f"members did not stop within {delay:.0f}s; their actors were killed", quiet=True)
 

@@ -19,6 +19,7 @@ import signal
 import socket
 import threading
 import time
+from pathlib import Path
 from typing import Any, Callable, Optional
 
 import ray
@@ -56,17 +57,23 @@ def wait_until(predicate: Callable[[], Any], timeout: float = 90, what: str = "c
         time.sleep(every)
 
 
-def sigkill_run_at(proc: Any, newest_step: Callable[[], int], at: int, timeout: float = 120) -> None:
+def sigkill_run_at(proc: Any, newest_step: Callable[[], int], at: int, timeout: float = 120,
+                   output: Optional[Path] = None) -> None:
     """SIGKILL the process group of `proc` (a `run` started with `start_new_session=True`) once
     `newest_step()` reaches `at`, and wait until every process of it is gone (Ray's own exit once
-    their parent has)."""
+    their parent has). `output`: the file the run writes its output to, whose end a failure shows."""
     import psutil  # noqa: PLC0415
+
+    def said() -> str:
+        text = output.read_text(errors="replace") if output is not None and output.exists() else ""
+        return f"; its output ends:\n{text[-3000:]}" if text else ""
 
     group = [proc.pid]
     try:
         deadline = time.monotonic() + timeout
         while True:
-            assert proc.poll() is None and time.monotonic() < deadline, f"run ended before step {at}"
+            assert proc.poll() is None, f"run ended (exit {proc.returncode}) before step {at}{said()}"
+            assert time.monotonic() < deadline, f"run did not reach step {at} within {timeout:g}s{said()}"
             if newest_step() >= at:
                 break
             time.sleep(0.02)

@@ -117,6 +117,8 @@ class FakeWorkerGroup(WorkerGroup):
         self.plans_sent = 0
         self._plan_members: tuple[int, frozenset] = (-1, frozenset())
         self.kills = 0
+        self.processes_killed: list[tuple[str, int]] = []
+        """(node, pid) of each SIGKILL the coordinator sent to a worker's process (recorded only)."""
         self.metrics: dict[str, FakeMetric] = {}
         """What the coordinator exported, by metric name."""
 
@@ -270,6 +272,9 @@ class FakeWorkerGroup(WorkerGroup):
         self.kills += 1
         handle.alive = False
         handle.end("died", {"error": "killed by the coordinator"})
+
+    def kill_process(self, node: str, pid: int) -> None:
+        self.processes_killed.append((node, pid))
 
     def actor_id(self, handle: Any) -> str:
         return f"fake{handle.pid}" if handle is not None else ""

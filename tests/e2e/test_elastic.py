@@ -81,6 +81,7 @@ def test_scale_up_by_api_then_down_by_cli(run_root):
     assert "reshape:" in text and "scale request" in text
 
 
+@pytest.mark.exclusive  # it measures a time (the clean-clone CI run at 39737b2 saw 1.16 s with another test beside it)
 def test_sigkill_in_allreduce_survivors_commit_within_1s(run_root):
     cfg = make_config("kill-elastic", workers={"count": 4, "cpus": 0.5},
                       faults={"kills": [{"slot": "w2", "step": 40, "at": "allreduce", "how": "sigkill"}]})

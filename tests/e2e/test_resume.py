@@ -56,12 +56,14 @@ def test_sigkill_near_70_resumes_from_60_and_matches_uninterrupted(tmp_path, run
     # the 70 it saw, before the checkpoint at 80 (at 50 steps/s a loaded machine passed 80 first)
     slow = dict(CONFIG, faults={"stragglers": [{"slot": "w0", "delay_s": 0.05}]})
     config_path.write_text(yaml.safe_dump(slow))
-    proc = subprocess.Popen([sys.executable, "-m", "orchestrator", "run", str(config_path)], cwd=REPO, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    output = tmp_path / "killed-run.log"
+    with open(output, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "orchestrator", "run", str(config_path)], cwd=REPO, env=env,
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
     def newest() -> int:
         return max([r["step"] for h in root.glob("resume/*/history.jsonl") for r in runfiles.read_jsonl(h)], default=0)
-    sigkill_run_at(proc, newest, 70)
+    sigkill_run_at(proc, newest, 70, output=output)
     killed_at_step = newest()
     assert 70 <= killed_at_step < 80, killed_at_step
 

@@ -83,12 +83,14 @@ def test_a_run_killed_resumes_from_s3_bit_identical_and_skips_a_torn_checkpoint(
     # saw step 99 by the time the killed run's processes were gone)
     slow = dict(CONFIG, storage=uri, faults={"stragglers": [{"slot": "w0", "delay_s": 0.1}]})
     config_path.write_text(yaml.safe_dump(slow))
-    proc = subprocess.Popen([sys.executable, "-m", "orchestrator", "run", str(config_path)], cwd=REPO, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    output = tmp_path / "killed-run.log"
+    with open(output, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "orchestrator", "run", str(config_path)], cwd=REPO, env=env,
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
     def newest() -> int:  # the local history shows a step first (the store's copy follows within 1 s)
         return max([r["step"] for h in root.glob("resume-s3/*/history.jsonl") for r in runfiles.read_jsonl(h)], default=0)
-    sigkill_run_at(proc, newest, 70)
+    sigkill_run_at(proc, newest, 70, output=output)
     killed_at = newest()
     assert 70 <= killed_at < 80, killed_at
     first = runs_in(storage, "resume-s3")

@@ -184,6 +184,26 @@ def test_a_death_while_stopping_keeps_the_stop(tmp_path):
     run(scenario())
 
 
+def test_a_stop_whose_members_never_reach_the_stop_step_kills_their_processes_before_it_ends(tmp_path, monkeypatch):
+    """Every member is stuck in its step after the stop (nothing commits): past `comm.timeout_s` plus
+    the grace, the coordinator SIGKILLs the processes of the live members itself (those on its node die
+    at once; Ray's kill alone reaches a process later), then ends the job STOPPED."""
+    import actors.coordinator as coordinator_module
+
+    monkeypatch.setattr(coordinator_module, "FORCE_STOP_AFTER_S", 0.05)
+
+    async def scenario():
+        group = FakeWorkerGroup()
+        coord = await started(config("stalled", comm={"timeout_s": 0.2}), tmp_path, group)
+        await group.commit(coord, 5)
+        members = {(m.node, m.pid) for m in coord.book.members.values()}
+        await coord.request_stop()  # and no member commits again
+        assert await ended(coord) == JobState.STOPPED
+        assert [e for e in events(coord) if "did not stop" in e.reason]
+        assert len(members) == 3 and set(group.processes_killed) == members, group.processes_killed
+    run(scenario())
+
+
 def test_a_replacement_adopts_a_ready_hot_spare_and_a_new_spare_starts_behind_it(tmp_path):
     async def scenario():
         group = FakeWorkerGroup()
