@@ -169,13 +169,16 @@ def test_nothing_lost_two_kills_and_a_join_match_fault_free(run_root):
 
 SPLIT_BASE = dict(workers={"count": 3, "cpus": 0.5}, stop={"max_steps": 80}, comm={"timeout_s": 3})
 """The split-vote tests' job; the fault-free run of it is their common reference."""
+FULL_WIDTH = dict(SPLIT_BASE, workers={"count": 3, "min": 3, "cpus": 0.5})
+"""The same, at full width from step 1 (`min` = `count`): for the runs compared bit for bit (a late worker
+would make step 1 sum at a smaller world size; see test_storage.py)."""
 
 
 @pytest.fixture(scope="module")
 def split_reference(ray_session):
-    """The fault-free run of `SPLIT_BASE`, started when the first test that asks for it begins (it trains
+    """The fault-free run of `FULL_WIDTH`, started when the first test that asks for it begins (it trains
     while that test's faulted run does) and trained once per process: the model's parameters, waited for."""
-    job = ElasticJob(config_from_dict(make_config("split-clean", **SPLIT_BASE))).start()
+    job = ElasticJob(config_from_dict(make_config("split-clean", **FULL_WIDTH))).start()
     model: list = []
 
     def finished() -> list[torch.Tensor]:
@@ -190,7 +193,7 @@ def test_split_commit_vote_is_settled_at_the_next_epoch(run_root, split_referenc
     """Rank 0 loses the result of step 31's vote while the others commit it: the group re-forms at
     once, the members agree on step 31 (rank 0 receives it from w1), history takes step 31 from
     the agreement, and the run ends identical to a fault-free one."""
-    split = ElasticJob(config_from_dict(make_config("split", **SPLIT_BASE, faults={"kills": [
+    split = ElasticJob(config_from_dict(make_config("split", **FULL_WIDTH, faults={"kills": [
         {"slot": "w0", "step": 30, "at": "vote"}]}))).start()
     assert split.wait(timeout=120).state == "FINISHED"
     history = assert_steps_exactly_once(split)

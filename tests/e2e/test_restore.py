@@ -10,7 +10,7 @@ from orchestrator.config import config_from_dict
 from orchestrator.job import ElasticJob
 
 CONFIG = {
-    "name": "restore", "seed": 5, "workers": {"count": 3, "cpus": 0.5},
+    "name": "restore", "seed": 5, "workers": {"count": 3, "min": 3, "cpus": 0.5},  # full width from step 1 (test_storage.py)
     "workload": {"factory": "orchestrator.workloads.digits:mlp", "params": {"hidden": 32}, "batch_size": 16},
     "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9}, "checkpoint": {"every_steps": 20},
     "stop": {"max_steps": 100}, "eval_every": 0,
