@@ -65,7 +65,7 @@ def reference(opt_cfg: dict, global_batch: int, seed: int = 3) -> list[torch.Ten
 
 def run_job(n: int, opt_cfg: dict, name: str, bucket_mb: float = 25.0) -> tuple[ElasticJob, list[torch.Tensor]]:
     cfg = config_from_dict({
-        "name": name, "seed": 3, "workers": {"count": n, "cpus": 0.5},
+        "name": name, "seed": 3, "workers": {"count": n, "min": n, "cpus": 0.5},
         "workload": {"factory": "orchestrator.workloads.digits:mlp", "params": {"hidden": 32}, "batch_size": PER_WORKER},
         "optimizer": opt_cfg, "sync": {"policy": "bsp", "bucket_mb": bucket_mb},
         "stop": {"max_steps": STEPS}, "eval_every": 0,
