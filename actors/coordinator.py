@@ -35,7 +35,6 @@ from actors.control.admission import Admission
 from actors.control.book import MembershipBook
 from actors.control.endings import wrap_up
 from actors.storage import run_storage
-from actors.store import no_store
 from actors.control.journal import Journal
 from actors.control.launcher import Launcher
 from actors.control.publisher import Publisher
@@ -85,8 +84,6 @@ class Coordinator(Actions):
         a restarted coordinator keeps the one on disk (its live workers have it)."""
         self.algorithm = PolicyTraits(self.cfg.sync.policy)
         """What the coordinator needs of the policy: its kind's answers (algorithms/kinds.py)."""
-        # the store loads torch in a thread while the first workers start; a server kind needs none
-        store_up = self.group.open_store(self.cfg.comm.timeout_s) if self.algorithm.forms_group else no_store()
         self.state, self.cause, self.stop_kind = JobState.STARTING, None, None
         self.started_at = started_at or time.time()
         """When `start()` was called (the job's run time counts from there)."""
@@ -117,7 +114,7 @@ class Coordinator(Actions):
                                 wanted=self._may_start,
                                 settled=lambda: not (self.book.pending or self.book.slots_in(S.STARTING, S.READY)),
                                 started=(self._saved or {}).get("started_spares", 0))
-        self.publisher = Publisher(self.book, self.group, store_up, self.algorithm.kind, self.incarnation,
+        self.publisher = Publisher(self.book, self.group, self.algorithm.kind, self.incarnation,
                                    lambda: self.server, self._persist,
                                    lambda version, sent: self.faults.maybe_die("publish", version, sent))
         self.admission = Admission(self.book, self.journal, self.group, self.algorithm.kind, self.cfg.workers.min,
@@ -329,7 +326,6 @@ class Coordinator(Actions):
             self.journal.event("info", f"{what} started (pid {self.server.pid})", pid=self.server.pid)
         self.launcher.spawn([f"w{i}" for i in range(self.cfg.workers.count)], "initial membership", "start")
         members = await self.launcher.first_members(self._starting)
-        await self.publisher.serve_store()
         if self.resume_from:
             await resume(self.resume_from, self.book.members[members[0]], self.group, self.server, self.history,
                          self.journal)
@@ -343,10 +339,9 @@ class Coordinator(Actions):
     async def _recover(self) -> None:
         """A restarted coordinator: re-attach to the workers that are still alive (they kept training:
         a formed group needs no coordinator), collect the records they committed meanwhile, and
-        publish a membership epoch newer than any they hold, on this incarnation's store."""
+        publish a membership epoch newer than any they hold, under this incarnation's group names."""
         decided = time.time()
         self.faults.maybe_die("recover")
-        await self.publisher.serve_store()
         found, lost, epochs = await reattach(self._saved, self.book, self.group, self.prefix, self.supervisor.watch)
         server_epoch = 0
         if self.server is not None:

@@ -22,6 +22,8 @@ class Member:
     pid: int = 0
     node: str = ""
     node_id: str = ""
+    store_port: int = 0
+    """The port of the group store its process serves on `node` (a plan whose rank 0 it is names it)."""
     state: MemberState = MemberState.STARTING
     step: int = 0
     last_report: float = 0.0
@@ -55,6 +57,7 @@ class Spare:
     pid: int = 0
     node: str = ""
     node_id: str = ""
+    store_port: int = 0
     started_at: float = field(default_factory=time.time)
     ready_at: Optional[float] = None
     """When it was ready (its start took `ready_at - started_at`); None while it starts."""

@@ -1,13 +1,12 @@
-"""The coordinator's side of the group store, without importing torch at module level.
+"""The group store's server side, without importing torch at module level.
 
-The coordinator serves the job's TCPStore and deletes past epochs' keys; it imports this module, not
-`actors/comm.py`, so that its process can start workers while torch is still loading (about two
-seconds; `serve_store` imports torch.distributed when it is called). `actors/comm.py` re-exports
-these names for the workers' side.
+Every worker serves a group store of its own (actors/worker.py `HostedStore`), and a membership
+epoch's members rendezvous on their rank 0's; `EpochKeys` drops the keys of older epochs a store
+hosted. `actors/comm.py` re-exports these names for the clients' side. (The coordinator served the
+job's one store before; it now serves none and never loads torch.)
 """
 from __future__ import annotations
 
-import concurrent.futures
 import datetime
 import logging
 import socket
@@ -54,20 +53,6 @@ class EpochKeys:
                         self.store.delete_key(key)
                     except Exception as err:  # noqa: BLE001 - a key never written (a group that never formed)
                         log.debug("store key %s: %s", key, err)
-
-
-class NoEpochKeys:
-    """The epoch keys of a job that serves no store (a server kind's: its members form no group)."""
-
-    def entered(self, name: str, world_size: int, backend: str) -> None:
-        pass
-
-
-def no_store() -> concurrent.futures.Future:
-    """What `open_store` gives when the job needs no store: port 0, nothing to release, nothing kept."""
-    future: concurrent.futures.Future = concurrent.futures.Future()
-    future.set_result((0, NoEpochKeys(), None))
-    return future
 
 
 def serve_store(host: str, timeout_s: float) -> tuple[dist.TCPStore, int, socket.socket]:

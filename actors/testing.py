@@ -89,6 +89,11 @@ def sigkill_run_at(proc: Any, newest_step: Callable[[], int], at: int, timeout: 
         time.sleep(0.2)
 
 
+def loaded_torch(pid: int) -> bool:
+    """Whether process `pid` (on this machine) has torch's library mapped."""
+    return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+
+
 def running(pid: int) -> bool:
     """Whether process `pid` exists and is not a zombie. A process can end between any two looks at it
     (a clean-clone CI run saw one pass `pid_exists` and be gone when its status was read)."""

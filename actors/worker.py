@@ -102,6 +102,7 @@ class Worker:
             if os.path.isdir(path) and path not in sys.path:
                 sys.path.insert(0, path)
         os.environ["ORCHESTRATOR_SLOT"] = spec.slot  # user code may read which slot it runs in ("spare<k>")
+        self._host = HostedStore(ray.util.get_node_ip_address(), float(spec.config.get("comm", {}).get("timeout_s", 10.0)))
         self.replica: Replica | None = None
         self._workload = None
         self._coordinator = None
@@ -137,8 +138,9 @@ class Worker:
     def ready(self, fired_faults: tuple[int, ...] = ()) -> dict:
         node_id = ray.get_runtime_context().get_node_id()
         if self.replica is None:  # a spare
-            return {"slot": self.spec.slot, "pid": os.getpid(), "node": ray.util.get_node_ip_address(), "node_id": node_id}
-        return dict(self.replica.ready(fired_faults), node_id=node_id)
+            return {"slot": self.spec.slot, "pid": os.getpid(), "node": ray.util.get_node_ip_address(), "node_id": node_id,
+                    "store_port": self._host.port}
+        return dict(self.replica.ready(fired_faults), node_id=node_id, store_port=self._host.port)
 
     @ray.method(concurrency_group="control")
     def adopt(self, spec: WorkerSpec, fired_faults: tuple[int, ...] = ()) -> dict:
@@ -153,6 +155,7 @@ class Worker:
 
     @ray.method(concurrency_group="control")
     def set_plan(self, plan: Plan) -> None:
+        self._host.hosts(plan)
         self.replica.set_plan(plan)
 
     @ray.method(concurrency_group="control")
@@ -161,7 +164,7 @@ class Worker:
 
     @ray.method(concurrency_group="control")
     def status(self) -> dict:
-        return self.replica.status()
+        return dict(self.replica.status(), store_port=self._host.port)
 
     @ray.method(concurrency_group="control")
     def heartbeat(self) -> dict:
@@ -182,6 +185,27 @@ class Worker:
     @ray.method(concurrency_group="control")
     def records_after(self, step: int) -> tuple[dict, ...]:
         return self.replica.records_after(step)
+
+
+class HostedStore:
+    """The group store this worker serves (a TCPStore server on its node's address, from a thread of
+    this process): a membership epoch rendezvous on its rank 0's store, as torch's own groups do, so
+    the coordinator needs no store (nor torch). A rank 0 that dies takes only its epoch's store with
+    it, and that epoch is being replaced. Each epoch this worker hosts enters `EpochKeys`, which drops
+    the keys of the ones it hosted before the previous."""
+
+    def __init__(self, host: str, timeout_s: float) -> None:
+        from actors.store import EpochKeys, serve_store  # noqa: PLC0415 - torch.distributed
+
+        self.host = host
+        self.store, self.port, self._sock = serve_store(host, timeout_s)
+        self._keys, self._epoch = EpochKeys(self.store), -1
+
+    def hosts(self, plan: Plan) -> None:
+        """Called with each plan: if it names this store, a new epoch's entry drops older keys."""
+        if (plan.store_host, plan.store_port) == (self.host, self.port) and plan.membership_epoch != self._epoch:
+            self._epoch = plan.membership_epoch
+            self._keys.entered(plan.group_name, len(plan.members), plan.backend)
 
 
 def is_spare(slot: str) -> bool:

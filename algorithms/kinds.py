@@ -62,14 +62,6 @@ class KindTraits:
         """Whether a worker's own step counts toward `stop.max_steps` (server kinds count versions)."""
         return self.kind != "server"
 
-    @property
-    def forms_group(self) -> bool:
-        """Whether its members form collective groups on the job's group store. A server kind's members
-        talk only to the parameter server (their epochs have no group), so its job serves no store, and
-        its coordinator never loads torch. The background kind enters with no group of its own but
-        forms one per epoch for its rounds."""
-        return self.kind != "server"
-
 
 class PolicyTraits(KindTraits):
     """A policy as the coordinator sees it: its name and kind."""

@@ -193,7 +193,7 @@ class MembershipBook:
                 "plan": plan, "failures": dict(self.failures),
                 "retired": dict(self.retired), "stop_step": self.stop_step, "pending": [dict(r, state_sources=dict(r["state_sources"])) for r in self.pending],
                 "departed": [dict(d.__dict__) for d in self.departed],
-                "members": {slot: {"state": m.state.value, "pid": m.pid, "node": m.node, "node_id": m.node_id,
+                "members": {slot: {"state": m.state.value, "pid": m.pid, "node": m.node, "node_id": m.node_id, "store_port": m.store_port,
                                    "cause": m.cause, "incarnation": m.incarnation, "actor_name": m.actor_name,
                                    "holds_state": m.holds_state} for slot, m in self.members.items()}}
 

@@ -14,7 +14,6 @@ whose correctness depends on those keeps its end-to-end test.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import itertools
 import time
 from dataclasses import dataclass, field
@@ -88,14 +87,6 @@ class FakeMetric:
         self.values.setdefault(self._key(tags), []).append(value)
 
 
-class FakeKeys:
-    def __init__(self) -> None:
-        self.entered_groups: list[str] = []
-
-    def entered(self, name: str, world_size: int, backend: str) -> None:
-        self.entered_groups.append(name)
-
-
 class FakeWorkerGroup(WorkerGroup):
     """Fake worker actors on the caller's event loop; `workers` holds every one created."""
 
@@ -105,8 +96,6 @@ class FakeWorkerGroup(WorkerGroup):
         self.workers: dict[str, FakeWorker] = {}
         self._by_slot: dict[str, FakeWorker] = {}
         self._by_name: dict[str, FakeWorker] = {}
-        self.keys = FakeKeys()
-        self.stores_opened = 0
         self._pids = itertools.count(10_000)
         self.unplaced = False
         """While True, new workers get no resources: `ready` waits until `place()` (and they are not placed)."""
@@ -182,12 +171,6 @@ class FakeWorkerGroup(WorkerGroup):
         return newest
 
     # ------------------------------------------------------------------ WorkerGroup
-    def open_store(self, timeout_s: float) -> concurrent.futures.Future:
-        self.stores_opened += 1
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        future.set_result((0, self.keys, None))
-        return future
-
     def create(self, name: str, spec: WorkerSpec) -> FakeWorker:
         worker = FakeWorker(name, spec, next(self._pids), fail_start=self.start_failures.get(spec.slot))
         self.workers[name + f"#{worker.pid}"] = worker
@@ -235,11 +218,11 @@ class FakeWorkerGroup(WorkerGroup):
                 await asyncio.sleep(self.ready_delay_s)
             if handle.fail_start:  # its workload raised while warming up: the actor itself stays up
                 raise RuntimeError(handle.fail_start)
-            return {"pid": handle.pid, "node": "127.0.0.1", "node_id": "fake-node"}
+            return {"pid": handle.pid, "node": "127.0.0.1", "node_id": "fake-node", "store_port": handle.pid}
         if method == "adopt":
             handle.spec = args[0]
             self._by_slot[handle.spec.slot] = handle
-            return {"pid": handle.pid, "node": "127.0.0.1", "node_id": "fake-node"}
+            return {"pid": handle.pid, "node": "127.0.0.1", "node_id": "fake-node", "store_port": handle.pid}
         if method == "heartbeat":
             return {"phase": handle.phase, "phase_age_s": time.monotonic() - handle.phase_since, "step": handle.step}
         if method == "status":

@@ -101,6 +101,7 @@ class Launcher:
         if self.book.members.get(member.slot) is not member or member.state != S.STARTING:
             return  # stopped or replaced meanwhile
         member.pid, member.node, member.node_id, member.state = info["pid"], info["node"], info["node_id"], S.READY
+        member.store_port = info.get("store_port", 0)
         await self._admit()
 
     async def first_members(self, starting: Callable[[bool, str], None]) -> tuple[str, ...]:

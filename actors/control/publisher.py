@@ -1,17 +1,14 @@
-"""The publisher: the job's group store and the publication of each plan.
+"""The publisher: the publication of each plan.
 
-It owns the group store that each membership epoch's members rendezvous on (served from a thread
-of the coordinator's process once torch.distributed has loaded there, with the keys of older
-epochs dropped as a new one enters), and the act of publishing: the book decides the next plan,
-the publisher hands it to every reachable member (and the membership to the parameter server
-first, since the server admits a membership before its members pull under it), then saves the
-coordinator's state. It also aborts an epoch's collectives, once per epoch however many deaths
-ask for it.
+The book decides the next plan; the publisher names the group store its members rendezvous on (the
+one its rank 0 serves: every worker serves a store of its own, actors/worker.py `HostedStore`, so
+the coordinator serves none and never loads torch), hands the plan to every reachable member (and
+the membership to the parameter server first, since the server admits a membership before its
+members pull under it), then saves the coordinator's state. It also aborts an epoch's collectives,
+once per epoch however many deaths ask for it.
 """
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 from typing import Any, Callable
 
 from actors.control.book import MembershipBook
@@ -20,38 +17,32 @@ from actors.plan import Plan
 
 
 class Publisher:
-    """Serves the group store; publishes plans; aborts epochs."""
+    """Publishes plans; aborts epochs."""
 
-    def __init__(self, book: MembershipBook, group: WorkerGroup, store_up: concurrent.futures.Future,
-                 kind: str, incarnation: int, server: Callable[[], Any], persist: Callable[[], int],
-                 died_publishing: Callable[[int, list], None]) -> None:
-        """`store_up`: the store being opened (its result is (port, epoch keys, what keeps it alive));
-        `kind`: the policy's kind; `server()`: the parameter server's control or None; `persist()`:
+    def __init__(self, book: MembershipBook, group: WorkerGroup, kind: str, incarnation: int,
+                 server: Callable[[], Any], persist: Callable[[], int], died_publishing: Callable[[int, list], None]) -> None:
+        """`kind`: the policy's kind; `server()`: the parameter server's control or None; `persist()`:
         save the coordinator's state; `died_publishing(version, sent)`: an injected fault's hook."""
         self.book, self.group, self.kind, self.incarnation = book, group, kind, incarnation
-        self._store_up, self._server, self._persist, self._died_publishing = store_up, server, persist, died_publishing
-        self.store_port, self._epoch_keys, self._store_keep = 0, None, None
+        self._server, self._persist, self._died_publishing = server, persist, died_publishing
         self._aborted = -1
         """The membership epoch last aborted."""
 
-    async def serve_store(self) -> None:
-        """Wait for the job's group store (needed from the first plan on)."""
-        if self._epoch_keys is None:
-            await asyncio.wrap_future(self._store_up)
-            self._take_store()
-
-    def _take_store(self) -> None:
-        if self._epoch_keys is None:  # a publication before `serve_store` (not expected) waits here
-            self.store_port, self._epoch_keys, self._store_keep = self._store_up.result()
+    def store_of(self, members: tuple[str, ...]) -> tuple[str, int]:
+        """(host, port) of the group store the plan over `members` names: its rank 0's (or the first
+        member's that reported one; port 0 when none did, as for a server kind's workers)."""
+        for slot in members:
+            member = self.book.members.get(slot)
+            if member is not None and member.store_port:
+                return member.node, member.store_port
+        return self.group.node_ip, 0
 
     def publish(self, members: tuple[str, ...], reason: str, history_step: int, new_epoch: bool = False) -> Plan:
         """The book's next plan over `members`, handed to every reachable member; saved."""
-        self._take_store()
         previous = self.book.plan
-        plan = self.book.next_plan(members, reason, incarnation=self.incarnation, store_host=self.group.node_ip,
-                                   store_port=self.store_port, history_step=history_step, new_epoch=new_epoch)
-        if previous is None or plan.membership_epoch != previous.membership_epoch:
-            self._epoch_keys.entered(plan.group_name, len(members), plan.backend)  # older epochs' keys go
+        host, port = self.store_of(members)
+        plan = self.book.next_plan(members, reason, incarnation=self.incarnation, store_host=host,
+                                   store_port=port, history_step=history_step, new_epoch=new_epoch)
         server = self._server()
         if server is not None:
             server.set_members(self.book.epoch, self.book.server_membership())

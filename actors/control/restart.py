@@ -36,6 +36,7 @@ async def reattach(saved: dict[str, Any], book: MembershipBook, group: WorkerGro
             continue
         info = await group.ask(handle, "status") if handle is not None else None
         member = Member(slot, handle, pid=was["pid"], node=was["node"], node_id=was["node_id"], state=S(was["state"]),
+                        store_port=(info or {}).get("store_port", was.get("store_port", 0)),
                         incarnation=was.get("incarnation", 0), actor_name=was.get("actor_name", ""),
                         # a joiner waiting for the state, unless it loaded one meanwhile
                         holds_state=was.get("holds_state", True) or bool(info and info.get("holds_state")))

@@ -13,7 +13,6 @@ A handle is whatever the group returns from `create` or `lookup`; the coordinato
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import os
 import signal
 import threading
@@ -36,10 +35,6 @@ class WorkerGroup:
 
     def setup(self, run_dir: Path, log_level: str) -> None:
         """This process's logging (an actor's own log file); nothing for a fake."""
-
-    def open_store(self, timeout_s: float) -> concurrent.futures.Future:
-        """The job's group store, served from a thread: a future of (port, epoch keys, what keeps it open)."""
-        raise NotImplementedError
 
     def create(self, name: str, spec: WorkerSpec) -> Any:
         """A new worker (or spare) actor named `name`; blocking (the caller runs it in a thread)."""
@@ -111,14 +106,6 @@ class RayWorkerGroup(WorkerGroup):
 
     def setup(self, run_dir: Path, log_level: str) -> None:
         log_to(run_dir / "coordinator.log", log_level)
-
-    def open_store(self, timeout_s: float) -> concurrent.futures.Future:
-        from actors.store import EpochKeys, serve_store  # noqa: PLC0415
-
-        def serve() -> tuple[int, EpochKeys, Any]:
-            store, port, sock = serve_store(self.node_ip, timeout_s)
-            return port, EpochKeys(store), (store, sock)
-        return in_thread(serve)
 
     def create(self, name: str, spec: WorkerSpec) -> Any:
         from actors.worker import WorkerActor  # noqa: PLC0415
@@ -245,17 +232,3 @@ def call_self_when_alive(name: str, namespace: str, method: str, deadline_s: flo
     thread = threading.Thread(target=run, name=f"call-self-{method}", daemon=True)
     thread.start()
     return thread
-
-
-def in_thread(fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future:
-    """`fn(*args)` in a daemon thread of its own; its result (or exception) in the returned future."""
-    future: concurrent.futures.Future = concurrent.futures.Future()
-
-    def run() -> None:
-        try:
-            future.set_result(fn(*args))
-        except BaseException as err:  # noqa: BLE001 - handed to whoever waits for it
-            future.set_exception(err)
-
-    threading.Thread(target=run, name=getattr(fn, "__name__", "in_thread"), daemon=True).start()
-    return future

@@ -13,7 +13,7 @@ import ray
 import torch
 
 from orchestrator.config import config_from_dict
-from actors.testing import child_env, wait_until
+from actors.testing import child_env, loaded_torch, wait_until
 from orchestrator.job import ElasticJob
 
 REPO = Path(__file__).resolve().parents[2]
@@ -88,6 +88,8 @@ def test_sigkill_in_allreduce_survivors_commit_within_1s(run_root):
     job = ElasticJob(config_from_dict(cfg)).start()
     wait_until(lambda: any(e["kind"] == "reshape" for e in job.events()), what="re-form after the kill")
     wait_until(lambda: len(reshapes(job)) >= 2, what="the replacement to join")
+    # three epochs formed, each on its rank 0's store: the coordinator serves none and never loads torch
+    assert not loaded_torch(job.status().coordinator_pid), "the coordinator loaded torch"
     job.stop()
     history = assert_steps_exactly_once(job)
     fired = next(e for e in job.events() if e["kind"] == "fault")["detail"]["fired_at"]

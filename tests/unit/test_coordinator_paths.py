@@ -106,15 +106,21 @@ def test_a_job_starts_commits_and_finishes_at_max_steps(tmp_path):
     run(scenario())
 
 
-@pytest.mark.parametrize("policy,serves", [("bsp", True), ("local_sgd", True), ("dpsgd", True), ("shadow", True),
-                                           ("asp", False), ("elastic_bsp", False)])
-def test_only_a_policy_whose_members_form_groups_serves_the_group_store(tmp_path, policy, serves):
-    """Serving the store loads torch in the coordinator (about 1.4 s of CPU and a few hundred MiB): a
-    server kind's members form no group (they talk to the parameter server), so its job serves none."""
+@pytest.mark.parametrize("policy", ["bsp", "local_sgd", "dpsgd"])  # (shadow starts a real lease dispenser)
+def test_each_plan_names_the_group_store_of_its_rank_0(tmp_path, policy):
+    """The members of an epoch rendezvous on the store their rank 0 serves (each worker serves one; the
+    coordinator none, so it never loads torch): the first plan names w0's, the survivors' of w0's
+    death w1's."""
     async def scenario():
         group = FakeWorkerGroup()
-        coordinator(config("store", sync={"policy": policy}), tmp_path, group)
-        assert group.stores_opened == int(serves)
+        coord = await started(config("store", sync={"policy": policy}), tmp_path, group)
+        plan = coord.book.plan
+        assert (plan.store_host, plan.store_port) == ("127.0.0.1", group.current(plan.members[0]).pid)
+        await group.commit(coord, 3)
+        group.die("w0")
+        await until(lambda: "w0" not in coord.book.plan.members, "the survivors' plan")
+        plan = coord.book.plan
+        assert plan.members[0] == "w1" and plan.store_port == group.current("w1").pid
     run(scenario())
 
 

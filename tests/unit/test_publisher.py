@@ -2,7 +2,6 @@
 aborted once. Over a fake worker group: no Ray."""
 from __future__ import annotations
 
-import asyncio
 
 from actors.control.book import MembershipBook
 from actors.control.fake import FakeWorkerGroup
@@ -38,15 +37,16 @@ class Harness:
         for i in range(3):
             slot = f"w{i}"
             handle = self.group.create(f"job/r/{slot}", WorkerSpec("job", "r", slot, "/tmp", "job", "ns", {}, ()))
-            self.book.members[slot] = Member(slot, handle, state=S.TRAINING, incarnation=i + 1)
+            self.book.members[slot] = Member(slot, handle, node=f"10.0.0.{i}", store_port=7000 + i, state=S.TRAINING,
+                                             incarnation=i + 1)
         original = self.group.send
 
         def send(handle, method, *args):
             self.log.append((method, handle.slot, args[0].version if method == "set_plan" else args[0]))
             return original(handle, method, *args)
         self.group.send = send
-        self.publisher = Publisher(self.book, self.group, self.group.open_store(1.0), kind, 0, lambda: self.server,
-                                   self.save, lambda version, sent: None)
+        self.publisher = Publisher(self.book, self.group, kind, 0, lambda: self.server, self.save,
+                                   lambda version, sent: None)
 
     def save(self) -> int:
         self.saves += 1
@@ -56,15 +56,28 @@ class Harness:
 def test_a_plan_reaches_every_reachable_member_after_the_server_and_is_saved():
     h = Harness(server=True)
     h.book.members["w2"].state = S.DEAD
-    asyncio.run(h.publisher.serve_store())
     plan = h.publisher.publish(("w0", "w1"), "w2 died", history_step=7)
     assert plan.members == ("w0", "w1") and plan.history_step == 7 and plan.membership_epoch == 1
     assert h.log[0] == ("server", 1, ("w0", "w1")), "the server admits a membership before its members pull under it"
     assert sorted(h.log[1:]) == [("set_plan", "w0", 1), ("set_plan", "w1", 1)], "not to the dead member"
-    assert h.saves == 1 and h.group.keys.entered_groups == [plan.group_name]
+    assert h.saves == 1
+    assert (plan.store_host, plan.store_port) == ("10.0.0.0", 7000), "the epoch rendezvous on its rank 0's store"
     again = h.publisher.publish(("w0", "w1"), "stop", history_step=7)
-    assert again.membership_epoch == 1 and h.group.keys.entered_groups == [plan.group_name], \
-        "the same epoch's group keeps its keys"
+    assert again.membership_epoch == 1 and (again.store_host, again.store_port) == ("10.0.0.0", 7000)
+
+
+def test_each_epoch_names_the_store_of_its_rank_0_and_skips_a_member_that_serves_none():
+    """Every worker serves a group store of its own (actors/worker.py `HostedStore`); a plan names its
+    rank 0's, so the coordinator serves none. A member that reported no store (port 0) is passed over."""
+    h = Harness()
+    first = h.publisher.publish(("w1", "w2", "w0"), "start", history_step=0)
+    assert (first.store_host, first.store_port) == ("10.0.0.1", 7001)
+    h.book.members["w1"].state = S.DEAD
+    second = h.publisher.publish(("w2", "w0"), "w1 died", history_step=3)
+    assert second.membership_epoch == 2 and (second.store_host, second.store_port) == ("10.0.0.2", 7002)
+    h.book.members["w2"].store_port = 0
+    third = h.publisher.publish(("w2", "w0"), "re-form", history_step=3, new_epoch=True)
+    assert (third.store_host, third.store_port) == ("10.0.0.0", 7000)
 
 
 def test_an_epoch_is_aborted_once_however_many_ask():
