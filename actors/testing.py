@@ -57,6 +57,42 @@ def wait_until(predicate: Callable[[], Any], timeout: float = 90, what: str = "c
         time.sleep(every)
 
 
+RAY_START_TIMED_OUT = "The current node timed out during startup"
+"""What `ray.init` raises when its raylet did not register within the 30 s Ray allows (ray/_private/node.py)."""
+
+
+def start_run(args: list[str], cwd: Path, env: dict, output: Path, tries: int = 2) -> Any:
+    """`python -m orchestrator run ARGS` in a session of its own (it starts its own local Ray), its
+    output appended to `output`; returned once it printed its job line (Ray is up) or ended. Ray's own
+    start can time out on a loaded machine (two clean-clone CI runs saw a run exit 1 with
+    RAY_START_TIMED_OUT before its first step): such a run's process group is killed and it starts
+    again, at most `tries` times in all."""
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    for attempt in range(tries):
+        offset = output.stat().st_size if output.exists() else 0
+        with open(output, "ab") as out:
+            proc = subprocess.Popen([sys.executable, "-m", "orchestrator", "run", *args], cwd=cwd, env=env,
+                                    stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+        def said() -> str:
+            with open(output, "rb") as f:
+                f.seek(offset)
+                return f.read().decode(errors="replace")
+        deadline = time.monotonic() + 120
+        while proc.poll() is None and time.monotonic() < deadline and \
+                not any(line.startswith("job ") for line in said().splitlines()):
+            time.sleep(0.05)
+        if proc.poll() is None or RAY_START_TIMED_OUT not in said() or attempt == tries - 1:
+            return proc
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # what the failed start left running
+        except OSError:
+            pass
+    return proc
+
+
 def sigkill_run_at(proc: Any, newest_step: Callable[[], int], at: int, timeout: float = 120,
                    output: Optional[Path] = None) -> None:
     """SIGKILL the process group of `proc` (a `run` started with `start_new_session=True`) once

@@ -16,7 +16,7 @@ import ray
 import torch
 import yaml
 
-from actors.testing import child_env, sigkill_run_at
+from actors.testing import child_env, sigkill_run_at, start_run
 from orchestrator.config import config_from_dict
 from orchestrator.job import ElasticJob
 from actors import runfiles
@@ -59,9 +59,7 @@ def test_sigkill_near_70_resumes_from_60_and_matches_uninterrupted(tmp_path, run
     slow = dict(CONFIG, faults={"stragglers": [{"slot": "w0", "delay_s": 0.05}]})
     config_path.write_text(yaml.safe_dump(slow))
     output = tmp_path / "killed-run.log"
-    with open(output, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "orchestrator", "run", str(config_path)], cwd=REPO, env=env,
-                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = start_run([str(config_path)], REPO, env, output)
 
     def newest() -> int:
         return max([r["step"] for h in root.glob("resume/*/history.jsonl") for r in runfiles.read_jsonl(h)], default=0)

@@ -21,7 +21,7 @@ import yaml
 from actors import runfiles
 from actors.mirror import read_appended
 from actors.storage import open_storage
-from actors.testing import child_env, sigkill_run_at, wait_until
+from actors.testing import child_env, sigkill_run_at, start_run, wait_until
 from orchestrator.config import config_from_dict
 from orchestrator.job import ElasticJob
 
@@ -86,9 +86,7 @@ def test_a_run_killed_resumes_from_s3_bit_identical_and_skips_a_torn_checkpoint(
     slow = dict(CONFIG, storage=uri, faults={"stragglers": [{"slot": "w0", "delay_s": 0.1}]})
     config_path.write_text(yaml.safe_dump(slow))
     output = tmp_path / "killed-run.log"
-    with open(output, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "orchestrator", "run", str(config_path)], cwd=REPO, env=env,
-                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = start_run([str(config_path)], REPO, env, output)
 
     def newest() -> int:  # the local history shows a step first (the store's copy follows within 1 s)
         return max([r["step"] for h in root.glob("resume-s3/*/history.jsonl") for r in runfiles.read_jsonl(h)], default=0)
