@@ -60,10 +60,10 @@ OWNER_CHECK_S = 1.0
 LINGER_S = 600.0
 """A finished coordinator stays this long for `status`, unless released earlier."""
 MAX_RESTARTS = 5
-FORCE_STOP_AFTER_S = 10.0
-"""A stop's grace beyond `comm.timeout_s`: members that have not stopped by then are killed."""
 """How often Ray restarts a coordinator whose process dies; each restart carries on from the run
 directory and the live workers (a new incarnation)."""
+FORCE_STOP_AFTER_S = 10.0
+"""A stop's grace beyond `comm.timeout_s`: members that have not stopped by then are killed."""
 S = MemberState
 
 

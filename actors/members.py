@@ -57,7 +57,6 @@ class Spare:
     pid: int = 0
     node: str = ""
     node_id: str = ""
-    store_port: int = 0
     started_at: float = field(default_factory=time.time)
     ready_at: Optional[float] = None
     """When it was ready (its start took `ready_at - started_at`); None while it starts."""

@@ -99,7 +99,6 @@ class SparePool:
                 self.fill()
             return
         spare.pid, spare.node, spare.node_id, spare.ready_at = info["pid"], info["node"], info["node_id"], time.time()
-        spare.store_port = info.get("store_port", 0)
 
     async def adopt(self, member: Member, spec: WorkerSpec, fired: tuple[int, ...]) -> Optional[dict]:
         """The oldest ready spare becomes `member`'s worker (a new spare starts behind it); its ready
