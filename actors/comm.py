@@ -24,6 +24,7 @@ import hmac
 import itertools
 import logging
 import os
+import re
 import socket
 import sys
 import threading
@@ -51,6 +52,10 @@ class CommAborted(CommError):
 
 class CommTimeout(CommError):
     """The operation did not finish within comm.timeout_s."""
+
+
+_BACKEND_TIMEOUT = re.compile(r"timed out", re.IGNORECASE)
+"""What a backend's own timeout says (gloo: "Timed out waiting 4000ms for recv operation to complete")."""
 
 
 class ForgedRendezvous(CommError):
@@ -165,7 +170,11 @@ class Handle:
             self._work.wait()
         except Exception as err:  # noqa: BLE001 - any backend error is a failed collective
             self._comm.mark_failed()
-            raise CommError(f"group {self._comm.name}: {str(err).splitlines()[0][:300]}") from None
+            text = str(err).splitlines()[0][:300] if str(err) else type(err).__name__
+            # gloo's own deadline (the group's timeout, counted from the launch) can pass before this
+            # wait's (counted from the call): its "Timed out waiting 4000ms for recv ..." is a timeout too
+            kind = CommTimeout if _BACKEND_TIMEOUT.search(text) else CommError
+            raise kind(f"group {self._comm.name}: {text}") from None
         if self.latency_s > 0:  # modelled latency: done no sooner than this after launch
             time.sleep(max(0.0, self._launched + self.latency_s - time.monotonic()))
 

@@ -25,6 +25,9 @@ def store(ray_session):
 
 def form(peers, store, name: str, timeout_s: float = TIMEOUT_S) -> None:
     host, port, _ = store
+    # every peer's process up first: a peer still importing torch on a loaded machine would leave the
+    # others' rendezvous waiting past the store's timeout (a suite run here: "wait timeout after 4000ms")
+    ray.get([p.pid.remote() for p in peers], timeout=60)
     specs = [GroupSpec(host, port, name, r, len(peers), timeout_s, "gloo", host) for r in range(len(peers))]
     ray.get([p.form.remote(s) for p, s in zip(peers, specs)], timeout=30)
 
@@ -120,7 +123,8 @@ def test_without_abort_survivors_of_a_silent_peer_wait_for_the_timeout(store, vi
     results, started, _ = _silent_peer_mid_all_reduce(store, f"silent-noabort-{via}/e1", abort=False,
                                                       via_ray=via != "handle")
     waited = [r["at"] - started for r in results]
-    print("silent peer, no abort: survivors failed after", [f"{w:.2f}s" for w in waited], [r["outcome"] for r in results])
+    print("silent peer, no abort: survivors failed after", [f"{w:.2f}s" for w in waited], [r["outcome"] for r in results],
+          [r.get("error") for r in results])
     assert all(r["outcome"] == "CommTimeout" for r in results)
     assert min(waited) >= TIMEOUT_S * 0.9
 

@@ -1,0 +1,42 @@
+"""A collective that outlives the group's timeout fails as a timeout, whichever deadline passes first:
+the wait's own (counted from the call to `wait`) or the backend's (gloo's, counted from the launch)."""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from actors.comm import CommError, CommTimeout
+from actors.testing import local_group
+
+TIMEOUT_S = 0.5
+
+
+def test_gloo_timing_out_before_the_wait_begins_is_a_timeout():
+    """Rank 1 never enters the all-reduce; rank 0 waits only after gloo's own deadline has passed, so
+    the operation is already finished (failed, "Timed out waiting 500ms for recv ...") when the wait
+    starts: that is a timeout, not some other failure (the comm test of a silent peer saw CommError
+    from a survivor whose wait began 0.1 s after its launch on a loaded machine)."""
+    comms = local_group(2, timeout_s=TIMEOUT_S)
+    handle = comms[0].all_reduce(torch.ones(1000))
+    time.sleep(TIMEOUT_S + 1.0)
+    assert handle.is_completed()  # gloo's own deadline has passed
+    try:
+        handle.wait()
+    except CommError as err:
+        print(type(err).__name__, err)
+        assert isinstance(err, CommTimeout), f"{type(err).__name__}: {err}"
+    else:
+        raise AssertionError("the all-reduce with an absent peer finished")
+
+
+def test_the_waits_own_deadline_is_a_timeout():
+    comms = local_group(2, timeout_s=5.0)
+    handle = comms[0].all_reduce(torch.ones(1000))
+    started = time.monotonic()
+    try:
+        handle.wait(timeout=0.3)
+    except CommTimeout:
+        assert 0.25 < time.monotonic() - started < 2.0
+    else:
+        raise AssertionError("the all-reduce with an absent peer finished")
