@@ -99,6 +99,8 @@ def test_rank_orders_by_time_to_target_when_every_candidate_has_a_factor():
 
 def test_auto_writes_the_pick_into_the_config_with_its_reason(monkeypatch):
     monkeypatch.setattr(planner, "load_factors", lambda: {"factors": {}, "bsp_steps": None, "source": ""})
+    # the host times as measured (the test above measures them; 4 processes and 13 s here)
+    monkeypatch.setattr(planner, "measure_host", lambda job, cands, nbytes: {"bsp/none": 0.006, "bytegrad/uint8": 0.004})
     c = cfg(network=LAB, sync={"policy": "auto", "candidates": ["bsp", "bytegrad"]})
     chosen, line, rows = planner.choose(c, compute_s=0.01, model_bytes=1.2e6)
     assert {r.candidate.label for r in rows} == {"bsp", "bsp hierarchical", "bytegrad uint8", "bytegrad hierarchical uint8"}
