@@ -58,6 +58,14 @@ _BACKEND_TIMEOUT = re.compile(r"timed out", re.IGNORECASE)
 """What a backend's own timeout says (gloo: "Timed out waiting 4000ms for recv operation to complete")."""
 
 
+def _backend_error(name: str, err: BaseException) -> CommError:
+    """A gloo operation's error as group `name`'s CommError: a CommTimeout where gloo's own deadline
+    (the group's timeout, counted from the launch) passed, which can come before a wait's (counted
+    from the call to `wait`)."""
+    text = str(err).splitlines()[0][:300] if str(err) else type(err).__name__
+    return (CommTimeout if _BACKEND_TIMEOUT.search(text) else CommError)(f"group {name}: {text}")
+
+
 class ForgedRendezvous(CommError):
     """A value in the group's store was not written by a member of this job (no valid signature)."""
 
@@ -170,11 +178,7 @@ class Handle:
             self._work.wait()
         except Exception as err:  # noqa: BLE001 - any backend error is a failed collective
             self._comm.mark_failed()
-            text = str(err).splitlines()[0][:300] if str(err) else type(err).__name__
-            # gloo's own deadline (the group's timeout, counted from the launch) can pass before this
-            # wait's (counted from the call): its "Timed out waiting 4000ms for recv ..." is a timeout too
-            kind = CommTimeout if _BACKEND_TIMEOUT.search(text) else CommError
-            raise kind(f"group {self._comm.name}: {text}") from None
+            raise _backend_error(self._comm.name, err) from None
         if self.latency_s > 0:  # modelled latency: done no sooner than this after launch
             time.sleep(max(0.0, self._launched + self.latency_s - time.monotonic()))
 
@@ -295,7 +299,7 @@ class BaseCommunicator:
         backward), as this group's CommError; the group is failed from now on."""
         self.failed = True
         if self.error is None and not self.aborted:
-            self.error = CommError(f"group {self.name}: {str(err).splitlines()[0][:300]}")
+            self.error = _backend_error(self.name, err)
         return self.failure()
 
     def _ring_bytes(self, tensor: torch.Tensor) -> int:

@@ -40,3 +40,14 @@ def test_the_waits_own_deadline_is_a_timeout():
         assert 0.25 < time.monotonic() - started < 2.0
     else:
         raise AssertionError("the all-reduce with an absent peer finished")
+
+
+def test_a_backend_timeout_outside_a_handle_is_a_timeout_too():
+    """torch's gradient reducer runs gloo inside backward, outside any Handle; its errors reach the
+    group through `failed_in_backend`, which tells a timeout from other failures the same way."""
+    timed_out, reset = local_group(2, timeout_s=5.0)
+    err = timed_out.failed_in_backend(RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting "
+                                                   "500ms for recv operation to complete"))
+    assert isinstance(err, CommTimeout), f"{type(err).__name__}: {err}"
+    err = reset.failed_in_backend(RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection closed by peer"))
+    assert type(err) is CommError, f"{type(err).__name__}: {err}"
