@@ -5,12 +5,12 @@ seconds (user + system, from /proc) twice a second, and a pytest plugin (this mo
 `-p benchmarks.suite_cpu`) logs when each test began and ended in which pytest process. Then it
 attributes each process the suite started to a kind (Ray's worker actors by their process title,
 `ray::Worker`, `ray::Coordinator`, ...; Ray's own daemons; the pytest processes; `orchestrator` CLI
-runs) and to the test running in its pytest ancestor when it was first seen.
+runs) and to the test file whose test its pytest ancestor was running when it was first seen.
 
     python benchmarks/suite_cpu.py [--out DIR] [-- pytest args...]
 
 Prints the total CPU seconds, the wall time, the kinds (processes, CPU seconds, per process) and the
-tests whose processes used the most; writes procs.jsonl and tests.jsonl to --out. Linux only. A
+test files whose processes used the most; writes procs.jsonl and tests.jsonl to --out. Linux only. A
 process that lives less than the sampling interval is missed; one that ends between two samples
 loses at most its last half second.
 """
@@ -32,18 +32,18 @@ KINDS = ("gcs_server", "raylet", "log_monitor", "dashboard.py", "monitor.py", "m
 
 
 # ---------------------------------------------------------------------------------- the pytest plugin
+_began: dict[str, float] = {}
+
+
+def pytest_runtest_logstart(nodeid, location):  # noqa: ARG001 - pytest's hook signature
+    _began[nodeid] = time.time()
+
+
 def pytest_runtest_logfinish(nodeid, location):  # noqa: ARG001
     path = os.environ.get("SUITE_CPU_TESTS")
-    if path:
+    if path and nodeid in _began:
         with open(path, "a") as f:
-            f.write(json.dumps({"id": nodeid, "pid": os.getpid(), "t1": time.time()}) + "\n")
-
-
-def pytest_runtest_logstart(nodeid, location):  # noqa: ARG001
-    path = os.environ.get("SUITE_CPU_TESTS")
-    if path:
-        with open(path, "a") as f:
-            f.write(json.dumps({"id": nodeid, "pid": os.getpid(), "t0": time.time()}) + "\n")
+            f.write(json.dumps({"id": nodeid, "pid": os.getpid(), "t0": _began.pop(nodeid), "t1": time.time()}) + "\n")
 
 
 # ---------------------------------------------------------------------------------- the sampler
@@ -109,8 +109,8 @@ def kind(cmd: str) -> str:
 
 
 def report(procs: list[dict], tests: list[dict], wall: float, top: int = 25) -> str:
-    lines = [f"wall {wall:.0f} s; CPU {sum(p['cpu'] for p in procs):.0f} s "
-             f"({sum(p['cpu'] for p in procs) / max(wall, 1e-9):.2f} cores busy on average)"]
+    total = sum(p["cpu"] for p in procs)
+    lines = [f"wall {wall:.0f} s; CPU {total:.0f} s ({total / max(wall, 1e-9):.2f} cores busy on average)"]
     by_kind: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0])
     for p in procs:
         by_kind[kind(p["cmd"])][0] += 1
@@ -120,12 +120,8 @@ def report(procs: list[dict], tests: list[dict], wall: float, top: int = 25) -> 
         lines.append(f"{cpu:8.1f} {n:6d} {cpu / n:7.2f}  {name}")
     # each process to the test its pytest ancestor was running when the process was first seen
     windows: dict[int, list[tuple[float, float, str]]] = collections.defaultdict(list)
-    starts: dict[tuple[int, str], float] = {}
     for t in tests:
-        if "t0" in t:
-            starts[(t["pid"], t["id"])] = t["t0"]
-        elif (t["pid"], t["id"]) in starts:
-            windows[t["pid"]].append((starts[(t["pid"], t["id"])], t["t1"], t["id"]))
+        windows[t["pid"]].append((t["t0"], t["t1"], t["id"]))
     parents = {p["pid"]: p["ppid"] for p in procs}
     per_test: dict[str, float] = collections.defaultdict(float)
     for p in procs:
