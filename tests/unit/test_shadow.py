@@ -2,6 +2,7 @@
 over a HashStore (`local_group`), no Ray. Oracles are plain-torch references of the rules."""
 from __future__ import annotations
 
+import statistics
 import threading
 import time
 
@@ -313,29 +314,35 @@ def synced_window(syncs, params, seconds: float, latency: float, name: str) -> t
 def test_the_foreground_never_waits_for_a_slow_background(record_property):
     """Windows without and with background sync alternate, A B B A ..., so that load from elsewhere on
     the machine weighs on both alike; each window with sync has a fresh group whose every collective
-    is slow. Rounds run every `interval`; the expected count is window / interval."""
-    seconds, windows, interval, latency = 0.25, 6, 0.05, 0.025
+    is slow. Rounds run every `interval`; the expected count is window / interval. The rate ratio is
+    the median over the windows' pairs (a burst of load elsewhere costs one pair, not the figure);
+    a foreground that waited for the slow collective would run at about 1 - latency / interval."""
+    seconds, windows, interval, latency = 0.25, 8, 0.05, 0.025
     params = [list(torch.nn.Linear(256, 256).parameters()) for _ in range(N)]
     syncs = [BackgroundSync(p, ShadowConfig(method="ma", interval_s=interval)) for p in params]
-    alone = with_sync = 0
+    pairs = []
     rounds, failed, blocked = [0] * N, [0] * N, 0.0
     for window in range(windows):
+        counted = {}
         for synced in ((False, True) if window % 2 == 0 else (True, False)):
             if not synced:
-                alone += run_foregrounds(syncs, params, seconds)
+                counted[False] = run_foregrounds(syncs, params, seconds)
                 continue
             steps, done, bad, waited = synced_window(syncs, params, seconds, latency, f"slow{window}")
-            with_sync += steps
+            counted[True] = steps
             rounds = [a + b for a, b in zip(rounds, done)]
             failed = [a + b for a, b in zip(failed, bad)]
             blocked = max(blocked, waited)
+        pairs.append((counted[True], counted[False]))
     expected = windows * seconds / interval
-    ratio, fraction = with_sync / alone, min(rounds) / expected
+    ratios = sorted(w / a for w, a in pairs)
+    ratio, fraction = statistics.median(ratios), min(rounds) / expected
     record_property("foreground_ratio", ratio)
     record_property("rounds_fraction", fraction)
-    print(f"foreground rate ratio {ratio:.3f} ({with_sync} vs {alone} steps), rounds {rounds} of "
-          f"{expected:.0f} expected (min fraction {fraction:.2f}), most blocked {blocked:.4f} s in a "
-          f"{seconds:g} s window with sync")
+    print(f"foreground rate ratio {ratio:.3f} (median of {windows} window pairs: "
+          f"{', '.join(f'{r:.2f}' for r in ratios)}; {sum(w for w, _ in pairs)} vs {sum(a for _, a in pairs)} steps), "
+          f"rounds {rounds} of {expected:.0f} expected (min fraction {fraction:.2f}), most blocked "
+          f"{blocked:.4f} s in a {seconds:g} s window with sync")
     assert ratio >= 0.9
     assert fraction >= 0.8
     assert failed == [0] * N
