@@ -6,6 +6,7 @@ import importlib.util
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import tempfile
 import time
@@ -46,7 +47,7 @@ def head_node():
         assert head.poll() is None, head.stdout.read()
         assert time.monotonic() < deadline, "head node did not come up"
         time.sleep(1)
-    yield {"gcs": f"127.0.0.1:{port}", "dashboard": dashboard_url}
+    yield {"gcs": f"127.0.0.1:{port}", "dashboard": dashboard_url, "temp_dir": temp_dir}
     head.send_signal(signal.SIGTERM)  # `ray start --block` stops the processes it started
     try:
         head.wait(timeout=30)
@@ -60,6 +61,14 @@ def _client_env() -> dict:
     env.pop("RAY_ADDRESS", None)
     env.setdefault("RAY_AUTH_MODE", "token")  # the token file Ray generated is found by default
     return env
+
+
+def _head_logs(temp_dir: str) -> str:
+    """The tail of the head node's GCS logs: why an attach could not reach it."""
+    lines = []
+    for log in sorted(Path(temp_dir).glob("session_latest/logs/gcs_server.*")):
+        lines += [f"--- {log.name}"] + log.read_text(errors="replace").splitlines()[-20:]
+    return "\n".join(lines)
 
 
 def test_job_submit_trains_user_workload_and_is_attachable(head_node, tmp_path):
@@ -77,17 +86,23 @@ def test_job_submit_trains_user_workload_and_is_attachable(head_node, tmp_path):
         ray.shutdown()  # one process holds one Ray connection: attach to the test's own head node
     try:
         deadline = time.monotonic() + 120
-        status = None
+        status, error = None, None
         while time.monotonic() < deadline:
             try:
+                # Ray's own connect retries an unreachable GCS for minutes (20 tries of 35 s here): a
+                # closed port fails this try at once, and the loop's deadline holds.
+                socket.create_connection(("127.0.0.1", int(head_node["gcs"].rpartition(":")[2])), timeout=2).close()
                 job = ElasticJob.attach("submitted", address=head_node["gcs"])
                 status = job.status()
                 if status.state == "RUNNING" and status.step > 0:
                     break
-            except Exception:  # noqa: BLE001 - not started yet
-                pass
+            except Exception as err:  # noqa: BLE001 - not started yet
+                error = err
+                if ray.is_initialized():
+                    ray.shutdown()
             time.sleep(0.5)
-        assert status is not None and status.step > 0, "could not attach to the running job"
+        assert status is not None and status.step > 0, \
+            f"could not attach to the running job: {error}\n{_head_logs(head_node['temp_dir'])}"
         print(f"attached while running: {status.state} step {status.step} world {status.world_size}")
         assert [m.slot for m in status.members] == ["w0", "w1"]
         out, _ = submit.communicate(timeout=240)
