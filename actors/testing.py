@@ -15,6 +15,7 @@ stands in for the coordinator of worker actors under test.
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import threading
@@ -38,11 +39,31 @@ def child_env(repo, **over: str) -> dict:
     return dict(os.environ, PYTHONPATH=os.pathsep.join([str(repo)] + ([path] if path else [])), **over)
 
 
+QUIET_PORTS_FROM = 20000
+"""`free_port` draws from here up to the kernel's ephemeral range: above Ray's worker ports (10002 to
+19999 by default), and below the range every bind(0) and outgoing connection takes its port from."""
+
+
 def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now (for a server a test starts)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port free on this machine now, for a server a test starts. Drawn at random below the
+    kernel's ephemeral range, where nothing takes a port unasked: a port from that range (bind(0)) was
+    free when drawn but could be taken before a slow server bound it, by any connection of the tests
+    beside it (a head node's agents bind theirs tens of seconds after `ray start`, and when one cannot,
+    `ray start --block` takes the whole head down)."""
+    try:
+        ephemeral = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral = 32768
+    draw = random.SystemRandom()  # not the tests' seeded `random`: each process draws its own
+    for _ in range(1000):
+        port = draw.randrange(QUIET_PORTS_FROM, max(ephemeral, QUIET_PORTS_FROM + 1))
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free TCP port in {QUIET_PORTS_FROM}..{ephemeral - 1}")
 
 
 def wait_until(predicate: Callable[[], Any], timeout: float = 90, what: str = "condition", every: float = 0.05) -> Any:

@@ -47,7 +47,7 @@ def head_node():
         assert head.poll() is None, head.stdout.read()
         assert time.monotonic() < deadline, "head node did not come up"
         time.sleep(1)
-    yield {"gcs": f"127.0.0.1:{port}", "dashboard": dashboard_url, "temp_dir": temp_dir}
+    yield {"gcs": f"127.0.0.1:{port}", "dashboard": dashboard_url, "temp_dir": temp_dir, "process": head}
     head.send_signal(signal.SIGTERM)  # `ray start --block` stops the processes it started
     try:
         head.wait(timeout=30)
@@ -63,11 +63,16 @@ def _client_env() -> dict:
     return env
 
 
-def _head_logs(temp_dir: str) -> str:
-    """The tail of the head node's GCS logs: why an attach could not reach it."""
-    lines = []
-    for log in sorted(Path(temp_dir).glob("session_latest/logs/gcs_server.*")):
-        lines += [f"--- {log.name}"] + log.read_text(errors="replace").splitlines()[-20:]
+def _head_logs(head_node: dict) -> str:
+    """Why an attach could not reach the head: `ray start --block`'s own output once it ended (it names
+    a subprocess that exited unexpectedly, then stops the others), and the tails of the head's logs."""
+    lines, head = [], head_node["process"]
+    if head.poll() is not None:
+        lines += [f"--- ray start --block exited with {head.returncode}:"] + head.stdout.read().splitlines()[-30:]
+    logs = Path(head_node["temp_dir"]) / "session_latest" / "logs"
+    for name in ("gcs_server.err", "raylet.out", "raylet.err", "dashboard.err", "dashboard_agent.err"):
+        if (logs / name).exists():
+            lines += [f"--- {name}"] + (logs / name).read_text(errors="replace").splitlines()[-12:]
     return "\n".join(lines)
 
 
@@ -102,7 +107,7 @@ def test_job_submit_trains_user_workload_and_is_attachable(head_node, tmp_path):
                     ray.shutdown()
             time.sleep(0.5)
         assert status is not None and status.step > 0, \
-            f"could not attach to the running job: {error}\n{_head_logs(head_node['temp_dir'])}"
+            f"could not attach to the running job: {error}\n{_head_logs(head_node)}"
         print(f"attached while running: {status.state} step {status.step} world {status.world_size}")
         assert [m.slot for m in status.members] == ["w0", "w1"]
         out, _ = submit.communicate(timeout=240)

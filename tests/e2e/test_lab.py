@@ -27,6 +27,10 @@ pytestmark = [pytest.mark.skipif(bool(REASON), reason=f"the lab cannot run here:
               pytest.mark.exclusive]  # rates measured, and the loopback's root qdisc: it runs alone (tests/conftest.py)
 
 SUBNET = "127.79.0.0/24"
+HEADROOM = 1.5
+"""A rate is checked where `lo` alone carries at least this many times it: the 10 Gbit/s link measured
+8,258 and 8,932 Mbit/s on a machine whose `lo` carried 13,206 alone (a clean-clone CI run), against
+9,600 to 9,960 on one with more to spare."""
 
 
 def network(mbit: float, **over) -> NetworkConfig:
@@ -70,6 +74,8 @@ def test_each_shaped_link_delivers_its_rate_and_a_node_to_itself_is_untouched(mb
     print(f"cores busy before the probe: {busy:.2f}")
     net = network(mbit)
     alone = lab.probe_link(net.address(0), net.address(0), seconds=0.6)["bytes_per_s"] * 8 / 1e6
+    if alone < HEADROOM * mbit:  # a link shaped near what `lo` carries at all measures the machine, not the shaper
+        pytest.skip(f"lo carries {alone:.0f} Mbit/s unshaped here, under {HEADROOM:g}x the {mbit:g} Mbit/s asked")
     with lab.Lab(net) as up:
         assert up.brought_up and lab.is_lab_qdisc(lab.root_qdisc())
         rows = lab.probe(net, seconds=1.0)
