@@ -82,6 +82,34 @@ RAY_START_TIMED_OUT = "The current node timed out during startup"
 """What `ray.init` raises when its raylet did not register within the 30 s Ray allows (ray/_private/node.py)."""
 
 
+def explain(job: Any, since: Optional[float] = None, lines: int = 15) -> str:
+    """What a job was doing, for a test that gave up on it: its state, its events (from `since`, a
+    time.time(), on; all if None), and the tail of its coordinator's and each worker's (and the
+    server's) log. `job` is an `ElasticJob` (anything with status() and events())."""
+    status = job.status()
+    since = since if since is not None else 0.0
+    out = [f"state {status.state} at step {status.step}, epoch {status.membership_epoch}, cause {status.cause!r}; "
+           f"members {[(m.slot, m.state, m.pid) for m in status.members]}; server {status.server}"]
+    for e in job.events():
+        if e["time"] >= since - 1.0:
+            detail = {k: v for k, v in (e.get("detail") or {}).items() if k in ("slot", "detector", "seen_at", "step")}
+            out.append(f"{e['time'] - since if since else e['time']:+10.3f} {e['kind']} {e.get('state_to') or ''}: "
+                       f"{e.get('reason', '')[:200]} {detail or ''}")
+    run_dir = Path(status.run_dir)
+    for log in [run_dir / "coordinator.log"] + sorted((run_dir / "workers").glob("*.log")):
+        if log.exists():
+            out += [f"--- {log.name}"] + log.read_text(errors="replace").splitlines()[-lines:]
+    return "\n".join(out)
+
+
+def wait_for_end(job: Any, timeout: float, since: Optional[float] = None) -> Any:
+    """`job.wait(timeout)`, failing with `explain` (what the job was doing) when it does not end in time."""
+    try:
+        return job.wait(timeout=timeout)
+    except TimeoutError as err:
+        raise AssertionError(f"{err}\n{explain(job, since)}") from None
+
+
 def start_run(args: list[str], cwd: Path, env: dict, output: Path, tries: int = 2) -> Any:
     """`python -m orchestrator run ARGS` in a session of its own (it starts its own local Ray), its
     output appended to `output`; returned once it printed its job line (Ray is up) or ended. Ray's own

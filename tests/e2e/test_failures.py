@@ -8,9 +8,8 @@ import pytest
 import os
 import signal
 import time
-from pathlib import Path
 
-from actors.testing import running
+from actors.testing import explain, running
 from orchestrator.config import config_from_dict
 from orchestrator.job import ElasticJob
 
@@ -23,7 +22,7 @@ def make_job(name: str, kills: list | None = None, steps: int = 400) -> ElasticJ
         "sync": {"bucket_mb": 0.01}, "stop": {"max_steps": steps}, "eval_every": 0,
         "comm": {"timeout_s": 10}, "faults": {"kills": kills or []},
         "workers": {"count": 3, "cpus": 0.5, "on_failure": "fail"},  # two survivors to agree
-        "log_level": "INFO",  # the workers' logs say what a slow ending waited for (`timeline`)
+        "log_level": "INFO",  # the workers' logs say what a slow ending waited for (`explain`)
     })
     return ElasticJob(cfg).start()
 
@@ -41,16 +40,6 @@ def failure_of(job: ElasticJob) -> tuple[dict, dict]:
     failures = [e for e in events if e["kind"] == "failure"]
     assert failed and failures, events
     return failures[0], failed[0]
-
-
-def timeline(job: ElasticJob, since: float) -> str:
-    """The job's events from `since` on, and the tail of each worker's log: what a slow ending waited for."""
-    lines = [f"{e['time'] - since:+8.3f} {e['kind']} {e.get('state_to') or ''}: {e.get('reason', '')[:160]} "
-             f"{ {k: v for k, v in (e.get('detail') or {}).items() if k in ('slot', 'detector', 'seen_at')} }"
-             for e in job.events() if e["time"] >= since - 1.0]
-    for log in sorted((Path(job.status().run_dir) / "workers").glob("*.log")):
-        lines += [f"--- {log.name}"] + log.read_text(errors="replace").splitlines()[-15:]
-    return "\n".join(lines)
 
 
 def assert_gone(pids: list[int], timeout: float = 10.0) -> None:
@@ -98,7 +87,7 @@ def test_external_sigkill_fails_job_within_5s(run_root):
     result = job.wait(timeout=60)
     failure, failed = failure_of(job)
     print(f"external SIGKILL -> FAILED in {failed['time'] - killed_at:.2f}s")
-    assert result.state == "FAILED" and failed["time"] - killed_at < 1.0, timeline(job, killed_at)
+    assert result.state == "FAILED" and failed["time"] - killed_at < 1.0, explain(job, killed_at)
     assert failure["detail"]["slot"] == "w1"
     assert_survivors_at_last_committed_step(job, failed, "w1")
     assert_gone(pids)

@@ -17,7 +17,7 @@ import psutil
 import pytest
 import torch
 
-from actors.testing import child_env, loaded_torch, wait_until
+from actors.testing import child_env, loaded_torch, wait_for_end, wait_until
 from orchestrator.config import config_from_dict
 from orchestrator.job import ElasticJob
 
@@ -148,8 +148,9 @@ def test_server_sigkill_resumes_from_its_snapshot_and_the_job_finishes(run_root)
     workers = wait_until(lambda: (p := pids(job, ("w0", "w1", "w2", "w3"))) and len(p) == 4 and p, what="the workers' pids")
     wait_until(lambda: job.status().step >= 35, timeout=120, what="35 versions")
     server_pid = job.status().server["pid"]
+    killed_at = time.time()
     os.kill(server_pid, signal.SIGKILL)
-    result = job.wait(timeout=180)
+    result = wait_for_end(job, 180, since=killed_at)
     assert result.state == "FINISHED" and result.step == steps, result
     assert pids(job, ("w0", "w1", "w2", "w3")) == workers, "workers were restarted"
     [event] = server_events(job)
@@ -176,7 +177,7 @@ def run_through_a_kill(name: str, sync: dict, steps: int, delay_s: float, kill_s
     cfg = make_config(name, sync, steps, per_worker, faults={"record_samples": True, "stragglers": stragglers,
                                                              "kills": [{"slot": "w1", "step": kill_step}]})
     job = ElasticJob(config_from_dict(cfg)).start()
-    result = job.wait(timeout=180)
+    result = wait_for_end(job, 180)
     assert result.state == "FINISHED" and result.step == steps, result
     return job, assert_every_sample_applied_once(job, steps)
 
