@@ -87,13 +87,13 @@ def explain(job: Any, since: Optional[float] = None, lines: int = 15) -> str:
     time.time(), on; all if None), and the tail of its coordinator's and each worker's (and the
     server's) log. `job` is an `ElasticJob` (anything with status() and events())."""
     status = job.status()
-    since = since if since is not None else 0.0
+    origin = since or 0.0  # times relative to `since`; absolute without it
     out = [f"state {status.state} at step {status.step}, epoch {status.membership_epoch}, cause {status.cause!r}; "
            f"members {[(m.slot, m.state, m.pid) for m in status.members]}; server {status.server}"]
     for e in job.events():
-        if e["time"] >= since - 1.0:
+        if e["time"] >= origin - 1.0:
             detail = {k: v for k, v in (e.get("detail") or {}).items() if k in ("slot", "detector", "seen_at", "step")}
-            out.append(f"{e['time'] - since if since else e['time']:+10.3f} {e['kind']} {e.get('state_to') or ''}: "
+            out.append(f"{e['time'] - origin:+10.3f} {e['kind']} {e.get('state_to') or ''}: "
                        f"{e.get('reason', '')[:200]} {detail or ''}")
     run_dir = Path(status.run_dir)
     for log in [run_dir / "coordinator.log"] + sorted((run_dir / "workers").glob("*.log")):

@@ -87,7 +87,7 @@ def head_node():
         head.stop()
     else:
         pytest.fail("the head node did not start in 3 tries")
-    yield {"gcs": f"127.0.0.1:{head.port}", "dashboard": head.dashboard, "temp_dir": head.temp_dir, "head": head}
+    yield {"gcs": f"127.0.0.1:{head.port}", "dashboard": head.dashboard, "head": head}
     head.stop()
 
 
@@ -98,14 +98,14 @@ def _client_env() -> dict:
     return env
 
 
-def _head_logs(head_node: dict) -> str:
+def _head_logs(head: Head) -> str:
     """Why an attach could not reach the head: `ray start --block`'s own output once it ended (it names
     a subprocess that exited unexpectedly, then stops the others), and the tails of the head's logs."""
-    lines, head = [], head_node["head"]
+    lines = []
     if head.process.poll() is not None:
         lines += [f"--- ray start --block exited with {head.process.returncode}:"] + \
             "".join(head.output).splitlines()[-30:]
-    logs = Path(head_node["temp_dir"]) / "session_latest" / "logs"
+    logs = Path(head.temp_dir) / "session_latest" / "logs"
     for name in ("gcs_server.err", "raylet.out", "raylet.err", "dashboard.err", "dashboard_agent.err"):
         if (logs / name).exists():
             lines += [f"--- {name}"] + (logs / name).read_text(errors="replace").splitlines()[-12:]
@@ -132,18 +132,16 @@ def test_job_submit_trains_user_workload_and_is_attachable(head_node, tmp_path):
             try:
                 # Ray's own connect retries an unreachable GCS for minutes (20 tries of 35 s here): a
                 # closed port fails this try at once, and the loop's deadline holds.
-                socket.create_connection(("127.0.0.1", int(head_node["gcs"].rpartition(":")[2])), timeout=2).close()
+                socket.create_connection(("127.0.0.1", head_node["head"].port), timeout=2).close()
                 job = ElasticJob.attach("submitted", address=head_node["gcs"])
                 status = job.status()
                 if status.state == "RUNNING" and status.step > 0:
                     break
             except Exception as err:  # noqa: BLE001 - not started yet
                 error = err
-                if ray.is_initialized():
-                    ray.shutdown()
             time.sleep(0.5)
         assert status is not None and status.step > 0, \
-            f"could not attach to the running job: {error}\n{_head_logs(head_node)}"
+            f"could not attach to the running job: {error}\n{_head_logs(head_node['head'])}"
         print(f"attached while running: {status.state} step {status.step} world {status.world_size}")
         assert [m.slot for m in status.members] == ["w0", "w1"]
         out, _ = submit.communicate(timeout=240)
