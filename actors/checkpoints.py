@@ -17,13 +17,13 @@ import hashlib
 import json
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional, Union
 
 from actors.storage import Storage, open_storage
 
-Where = Union[tuple, Path, str]
+Where = tuple | Path | str
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,7 @@ def save(where: Where, step: int, blob: bytes, keep: int, run_id: str = "") -> s
     return storage.location(data_key)
 
 
-def _manifest(storage: Storage, manifest_key: str) -> Optional[dict]:
+def _manifest(storage: Storage, manifest_key: str) -> dict | None:
     try:
         manifest = json.loads(storage.read(manifest_key))
     except (OSError, ValueError):
@@ -73,7 +73,7 @@ def _manifest(storage: Storage, manifest_key: str) -> Optional[dict]:
     return manifest if isinstance(manifest, dict) else None
 
 
-def verify(where: Where, manifest_key: str = "") -> Optional[str]:
+def verify(where: Where, manifest_key: str = "") -> str | None:
     """None when the checkpoint is whole, else why it is not. `where`: a manifest's local path, or a
     storage with the manifest's key."""
     if not isinstance(where, tuple):
@@ -106,7 +106,7 @@ def read_verified(storage: Storage, location: str) -> bytes:
     return storage.read(key)
 
 
-def newest_valid_of_job(job_root: Where, server: bool, warn: Callable[[str], None] = print) -> Optional[CheckpointRef]:
+def newest_valid_of_job(job_root: Where, server: bool, warn: Callable[[str], None] = print) -> CheckpointRef | None:
     """What `--resume` continues from: the newest valid checkpoint; for a server policy, also its
     parameter server's snapshots (a run killed as a whole leaves those, written every
     `server.snapshot_every` versions)."""
@@ -118,7 +118,7 @@ def newest_valid_of_job(job_root: Where, server: bool, warn: Callable[[str], Non
 
 
 def newest_valid(job_root: Where, warn: Callable[[str], None] = print,
-                 pattern: str = "*/checkpoints/step-*.json") -> Optional[CheckpointRef]:
+                 pattern: str = "*/checkpoints/step-*.json") -> CheckpointRef | None:
     """The newest whole checkpoint over all runs of a job (by step, then by write time); `pattern`
     (a `*` matches within one folder name) under `job_root` picks other folders (a parameter
     server's snapshots in one run directory)."""

@@ -25,7 +25,7 @@ policies whose members form no group (the parameter-server kinds) publish nothin
 from __future__ import annotations
 
 import threading
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 import torch
@@ -36,7 +36,7 @@ BACKEND = "ORCHESTRATOR"
 
 _live: dict[str, BaseCommunicator] = {}
 """The communicators of this process's published groups, by name."""
-_current: Optional[str] = None
+_current: str | None = None
 NOT_A_WORKER = "this process is not a worker of a running membership epoch"
 _no_group_reason = NOT_A_WORKER
 _lock = threading.Lock()
@@ -80,7 +80,7 @@ def publish(comm: BaseCommunicator, policy: str) -> None:
             col._group_mgr.create_collective_group(BACKEND, comm.world_size, comm.rank, comm.name)
 
 
-def withdraw(comm: Optional[BaseCommunicator]) -> None:
+def withdraw(comm: BaseCommunicator | None) -> None:
     """The epoch of `comm` ended: its name leaves the table (and stops being current)."""
     global _current, _no_group_reason
     if comm is None:

@@ -29,9 +29,10 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Protocol, Sequence
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -123,7 +124,7 @@ class SignedStore(dist.Store):
         self.inner.set_timeout(timeout)
 
 
-def group_store(spec: "GroupSpec", store: dist.Store) -> dist.Store:
+def group_store(spec: GroupSpec, store: dist.Store) -> dist.Store:
     """The group's own view of the coordinator's store: its name's prefix, signed when the job has a key."""
     prefix = dist.PrefixStore(spec.name + "/", store)
     return SignedStore(prefix, spec.secret) if spec.secret else prefix
@@ -150,7 +151,7 @@ class Handle:
 
     __slots__ = ("_work", "_comm", "_done", "_keep", "_launched", "latency_s")
 
-    def __init__(self, work, comm: "BaseCommunicator", keep: Sequence[torch.Tensor]) -> None:
+    def __init__(self, work, comm: BaseCommunicator, keep: Sequence[torch.Tensor]) -> None:
         self._work = work
         self._comm = comm
         self._keep = keep  # the buffers stay alive while the backend may write into them
@@ -164,7 +165,7 @@ class Handle:
     def is_completed(self) -> bool:
         return self._done.is_set()
 
-    def wait(self, timeout: Optional[float] = None) -> None:
+    def wait(self, timeout: float | None = None) -> None:
         limit = self._comm.timeout_s if timeout is None else timeout
         finished = self._done.wait(limit)
         if self._comm.aborted:
@@ -197,8 +198,8 @@ class Communicator(Protocol):
     def all_to_all(self, output: torch.Tensor, tensor: torch.Tensor) -> Handle: ...
     def send(self, tensor: torch.Tensor, dst: int) -> Handle: ...
     def recv(self, tensor: torch.Tensor, src: int) -> Handle: ...
-    def process_group(self) -> Optional[dist.ProcessGroup]: ...
-    def subgroup(self, ranks: Sequence[int], tag: str) -> Optional["Communicator"]: ...
+    def process_group(self) -> dist.ProcessGroup | None: ...
+    def subgroup(self, ranks: Sequence[int], tag: str) -> Communicator | None: ...
 
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
@@ -220,14 +221,14 @@ class BaseCommunicator:
         self.latency_s = 0.0
         """A modelled network latency (`faults.comm_latency_s`): each operation's wait returns no
         sooner than this after its launch (overlapped operations overlap their latencies)."""
-        self.link_latency_s: Optional[list[list[float]]] = None
+        self.link_latency_s: list[list[float]] | None = None
         """The lab's modelled one-way latency between ranks (`network:`; orchestrator/lab.py), added per
         operation by its sequential message rounds (`op_latency`)."""
         self.aborted = False
         self.timed_out = False
         self.failed = False
         self.abort_reason = ""
-        self.error: Optional[CommError] = None
+        self.error: CommError | None = None
         """The first failed operation's error (for callers that see the failure second-hand, as a
         RuntimeError out of torch's reducer inside backward)."""
         self._pending: set[Handle] = set()
@@ -237,7 +238,7 @@ class BaseCommunicator:
     def models_latency(self) -> bool:
         return self.latency_s > 0 or bool(self.link_latency_s and any(any(row) for row in self.link_latency_s))
 
-    def op_latency(self, op: str, peer: Optional[int] = None) -> float:
+    def op_latency(self, op: str, peer: int | None = None) -> float:
         """The modelled latency of one operation: `latency_s`, plus, in the lab, its sequential message
         rounds times the slowest link among the members (a ring all-reduce 2(n-1), an all-gather or a
         broadcast n-1, an all-to-all 1; each round waits for its slowest hop), or the link to `peer`."""
@@ -251,7 +252,7 @@ class BaseCommunicator:
                   "barrier": 2 * (n - 1)}[op]
         return self.latency_s + rounds * max(max(row) for row in matrix)
 
-    def _timed(self, handle: Handle, op: str, peer: Optional[int] = None) -> Handle:
+    def _timed(self, handle: Handle, op: str, peer: int | None = None) -> Handle:
         if self.link_latency_s:
             handle.latency_s = self.op_latency(op, peer)
         return handle
@@ -284,12 +285,12 @@ class BaseCommunicator:
             return kind(f"group {self.name}: membership epoch aborted ({self.abort_reason})")
         return self.error or CommError(f"group {self.name}: a collective failed")
 
-    def process_group(self) -> Optional[dist.ProcessGroup]:
+    def process_group(self) -> dist.ProcessGroup | None:
         """This group as a torch `ProcessGroup`, for torch's C++ gradient reducer; None where the
         group has none (no group: the server kinds)."""
         return None
 
-    def subgroup(self, ranks: Sequence[int], tag: str) -> Optional["BaseCommunicator"]:
+    def subgroup(self, ranks: Sequence[int], tag: str) -> BaseCommunicator | None:
         """A group of this group's `ranks` (ranked in that order) for collectives among them alone, or
         None where the backend forms none (callers fall back to point-to-point messages)."""
         return None
@@ -388,7 +389,7 @@ class GlooCommunicator(_TorchBackendCommunicator):
         self._store = store
         self._children: list[GlooCommunicator] = []
         """Subgroups formed from this group (`subgroup`): aborted and released with it."""
-        self._torch_pg: Optional[dist.ProcessGroup] = None
+        self._torch_pg: dist.ProcessGroup | None = None
         self._peers: set[tuple[str, int]] = set()
         """The peers' gloo listening addresses (a pair is a connection to one of them, or from one)."""
         try:
@@ -414,7 +415,7 @@ class GlooCommunicator(_TorchBackendCommunicator):
             shut = _shut_down_pairs(self._listen, self._peers)
         log.info("group %s aborted (%s): shut down %d gloo connections", self.name, reason, shut)
 
-    def subgroup(self, ranks: Sequence[int], tag: str) -> Optional["GlooCommunicator"]:
+    def subgroup(self, ranks: Sequence[int], tag: str) -> GlooCommunicator | None:
         """A gloo group of `ranks` (this group's ranks; rank k of the subgroup is `ranks[k]`), formed
         over this group's store under `<name>/<tag>`: every rank in `ranks` calls it at the same point
         (it blocks until all arrive, within the group's timeout); the others get None. It has this
@@ -436,7 +437,7 @@ class GlooCommunicator(_TorchBackendCommunicator):
             child.abort(self.abort_reason)
         return child
 
-    def _form_child(self, spec: GroupSpec) -> "GlooCommunicator":
+    def _form_child(self, spec: GroupSpec) -> GlooCommunicator:
         """Form a subgroup in a helper thread (`form_in_thread`); an abort of this group meanwhile
         abandons it at once."""
         child = form_in_thread(spec, lambda: GlooCommunicator(spec, self._store), lambda: self.aborted)
@@ -464,7 +465,7 @@ class GlooCommunicator(_TorchBackendCommunicator):
         self._check()
         return self._timed(Handle(self._pg.barrier(), self, ()), "barrier")
 
-    def process_group(self) -> Optional[dist.ProcessGroup]:
+    def process_group(self) -> dist.ProcessGroup | None:
         """A torch ProcessGroup over this group's gloo backend that calls itself a group of one (rank
         0 of 1): torch's reducer divides every bucket by its group's size before the all-reduce, and
         here the gradients arrive already weighted by each member's share of the global batch, so the
@@ -547,7 +548,7 @@ def _socket_fds() -> dict[int, str]:
     return fds
 
 
-def _addresses(fd: int) -> Optional[tuple[tuple[str, int], Optional[tuple[str, int]]]]:
+def _addresses(fd: int) -> tuple[tuple[str, int], tuple[str, int] | None] | None:
     """(local, remote) TCP address of descriptor `fd` (remote None when not connected), read on a
     duplicate of it; None when it is not a TCP socket (any more)."""
     try:
@@ -698,7 +699,7 @@ class NcclCommunicator(_TorchBackendCommunicator):  # pragma: no cover - needs a
         opts._timeout = datetime.timedelta(seconds=spec.timeout_s + NCCL_WATCHDOG_MARGIN_S)
         opts.config.blocking = 0
         self._launch_lock = threading.Lock()
-        self._torch_pg: Optional[dist.ProcessGroup] = None
+        self._torch_pg: dist.ProcessGroup | None = None
         try:
             self._pg = dist.ProcessGroupNCCL(self._prefix, spec.rank, spec.world_size, opts)
             self._pg._set_sequence_number_for_group()
@@ -730,14 +731,14 @@ class NcclCommunicator(_TorchBackendCommunicator):  # pragma: no cover - needs a
         """An all-reduce of one element (torch's NCCL barrier blocks the host)."""
         return self.all_reduce(torch.zeros(1, device=self.device))
 
-    def process_group(self) -> Optional[dist.ProcessGroup]:
+    def process_group(self) -> dist.ProcessGroup | None:
         """A torch ProcessGroup over this NCCL backend that calls itself a group of one, for torch's
         reducer (see `GlooCommunicator.process_group`: the reducer must not divide)."""
         if self._torch_pg is None and self._pg is not None:
             self._torch_pg = _group_of_one(self._prefix, "cuda", dist.ProcessGroup.BackendType.NCCL, self._pg)
         return self._torch_pg
 
-    def synchronize(self, timeout: Optional[float] = None) -> None:
+    def synchronize(self, timeout: float | None = None) -> None:
         """Wait, on the host, for everything queued on torch's current stream so far (the reducer's
         buckets included), polling the abort flag and the timeout; on the timeout the communicator is
         aborted. Raises this group's CommError when it failed or was aborted."""
@@ -878,7 +879,7 @@ def client_store(host: str, port: int, timeout_s: float) -> dist.Store:
 
 
 def form_in_thread(spec: GroupSpec, build: Callable[[], BaseCommunicator],
-                   stop: Callable[[], bool]) -> Optional[BaseCommunicator]:
+                   stop: Callable[[], bool]) -> BaseCommunicator | None:
     """`build()` a group in a helper thread; None if `stop()` turns true meanwhile.
 
     Group construction blocks in C++ until every member arrives (NCCL's init has no timeout of its

@@ -26,7 +26,7 @@ import secrets
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import ray
 
@@ -34,7 +34,6 @@ from actors import runfiles
 from actors.control.admission import Admission
 from actors.control.book import MembershipBook
 from actors.control.endings import wrap_up
-from actors.storage import run_storage
 from actors.control.journal import Journal
 from actors.control.launcher import Launcher
 from actors.control.publisher import Publisher
@@ -44,13 +43,14 @@ from actors.control.supervisor import Actions, Supervisor
 from actors.control.workers import RayWorkerGroup, WorkerGroup
 from actors.faults import CoordinatorFaults
 from actors.members import Member
-from actors.report import draw_at_end
 from actors.metrics import Exporter, JobMetrics
-from actors.tracking import TensorBoard
-from actors.plan import ParentWatch, Plan, Progress, WorkerSpec
-from actors.sequencer import Order, Sequencer
 from actors.mirror import RunMirror
+from actors.plan import ParentWatch, Plan, Progress, WorkerSpec
+from actors.report import draw_at_end
+from actors.sequencer import Order, Sequencer
 from actors.server_control import ServerControl, server_restarted
+from actors.storage import run_storage
+from actors.tracking import TensorBoard
 from algorithms.kinds import SERVER_KINDS, PolicyTraits
 from algorithms.supervision import JobState, JobView, MemberState, recovered_epoch
 from algorithms.topologies import topology_status
@@ -69,8 +69,8 @@ S = MemberState
 
 class Coordinator(Actions):
     def __init__(self, config: dict, run_id: str, run_dir: str, incarnation: int = 0, search_path: tuple[str, ...] = (),
-                 resume_from: Optional[str] = None, owner_job: Optional[str] = None,
-                 started_at: Optional[float] = None, group: Optional[WorkerGroup] = None) -> None:
+                 resume_from: str | None = None, owner_job: str | None = None,
+                 started_at: float | None = None, group: WorkerGroup | None = None) -> None:
         self.cfg: JobConfig = parse(JobConfig, config)
         self.config_dict, self.search_path, self.resume_from, self.owner_job = config, tuple(search_path), resume_from, owner_job
         self.name, self.run_id, self.run_dir, self.incarnation = self.cfg.name, run_id, Path(run_dir), incarnation
@@ -87,14 +87,14 @@ class Coordinator(Actions):
         self.state, self.cause, self.stop_kind = JobState.STARTING, None, None
         self.started_at = started_at or time.time()
         """When `start()` was called (the job's run time counts from there)."""
-        self.ended_at: Optional[float] = None
-        self.running_since: Optional[float] = None
-        self.server: Optional[ServerControl] = None
+        self.ended_at: float | None = None
+        self.running_since: float | None = None
+        self.server: ServerControl | None = None
         self._last_reform = 0.0
         self._owner_checked = 0.0
-        self._reshape_lock: Optional[asyncio.Lock] = None
-        self._main_task: Optional[asyncio.Task] = None
-        self._released: Optional[asyncio.Event] = None
+        self._reshape_lock: asyncio.Lock | None = None
+        self._main_task: asyncio.Task | None = None
+        self._released: asyncio.Event | None = None
         self.group.setup(self.run_dir, self.cfg.log_level)
         storage, run_key = run_storage(self.cfg.storage, self.run_dir)
         mirror = RunMirror(storage, run_key, self.run_dir) if storage.remote else None
@@ -108,7 +108,7 @@ class Coordinator(Actions):
             self.cfg.faults, set(runfiles.read_json(self.run_dir / "coordinator_faults_fired.json", [])),
             lambda fired: self.journal.write_json("coordinator_faults_fired.json", sorted(fired)),
             lambda reason: self.journal.event("fault", reason, fired_at=time.time()))
-        self._saved: Optional[dict] = self._load_saved() if self.group.reconstructed else None
+        self._saved: dict | None = self._load_saved() if self.group.reconstructed else None
         self.spares = SparePool(self.cfg.workers.spares, self.group, self.prefix, lambda slot: self._spec(slot, 0),
                                 self._persist, self.journal.wait_saved, self.journal.event,
                                 wanted=self._may_start,
@@ -216,7 +216,7 @@ class Coordinator(Actions):
             self._released.set()
 
     # ------------------------------------------------------------------ calls from workers
-    async def report(self, progress: Progress, order: Optional[Order] = None) -> None:
+    async def report(self, progress: Progress, order: Order | None = None) -> None:
         await self.sequencer.turn(order)
         if self.faults.die_on_report and progress.records:
             self.faults.maybe_die("stop")
@@ -230,13 +230,13 @@ class Coordinator(Actions):
                 except Exception as err:  # noqa: BLE001 - one bad record must not drop the rest
                     self.journal.event("info", f"could not record step {record.get('step')}: {type(err).__name__}: {err}")
 
-    async def fault_fired(self, index: int, slot: str, step: int, phase: str, order: Optional[Order] = None) -> None:
+    async def fault_fired(self, index: int, slot: str, step: int, phase: str, order: Order | None = None) -> None:
         await self.sequencer.turn(order)
         self.journal.fault_fired(index)
         self.journal.event("fault", f"injected fault #{index} fires in {slot} at step {step} during {phase}",
                            slot=slot, step=step, phase=phase, fired_at=time.time())
 
-    async def state_received(self, slot: str, epoch: int, source: str, step: int, order: Optional[Order] = None) -> None:
+    async def state_received(self, slot: str, epoch: int, source: str, step: int, order: Order | None = None) -> None:
         """A member that was behind loaded the state broadcast by `source` at epoch start. When the
         epoch's reshape event already went out (the kinds whose other members train on), an event of
         its own says so."""
@@ -245,7 +245,7 @@ class Coordinator(Actions):
             self.journal.event("info", f"{slot} received the state of {source} at step {step} (membership epoch {epoch})",
                                slot=slot, state_source={"source": source, "step": step}, membership_epoch=epoch)
 
-    async def epoch_agreed(self, epoch: int, step: int, records: tuple[dict, ...], order: Optional[Order] = None) -> None:
+    async def epoch_agreed(self, epoch: int, step: int, records: tuple[dict, ...], order: Order | None = None) -> None:
         """Rank 0 of `epoch`: its members agreed that `step` is the newest committed step; `records`
         are those it keeps after the plan's history step (what a departed rank 0 never reported)."""
         await self.sequencer.turn(order)
@@ -261,12 +261,12 @@ class Coordinator(Actions):
         self.history.agreed(epoch, step)
         self.journal.step = self.history.step()
 
-    async def save_checkpoint(self, step: int, blob: bytes, order: Optional[Order] = None) -> None:
+    async def save_checkpoint(self, step: int, blob: bytes, order: Order | None = None) -> None:
         await self.sequencer.turn(order)
         self._parent.exit_if_orphaned()
         await self.journal.save_checkpoint(step, blob)
 
-    async def collective_failed(self, slot: str, epoch: int, error: str, order: Optional[Order] = None) -> None:
+    async def collective_failed(self, slot: str, epoch: int, error: str, order: Order | None = None) -> None:
         await self.sequencer.turn(order)
         await self.supervisor.collective_failed(slot, epoch, error)
 
@@ -283,7 +283,7 @@ class Coordinator(Actions):
         if self.server is not None:
             self.server.place_barrier(index, members, intervals)
 
-    async def server_restarted(self, resumed: int, incarnation: int, snapshot: Optional[str]) -> None:
+    async def server_restarted(self, resumed: int, incarnation: int, snapshot: str | None) -> None:
         """Ray restarted the parameter server from its snapshot at version `resumed` (server_control.py)."""
         server_restarted(self.cfg, self.algorithm.kind, self.server, self.book, self.history, self.journal,
                          resumed, incarnation, snapshot)
@@ -438,7 +438,7 @@ class Coordinator(Actions):
         return self.book.view(self.state, self.stop_kind, checkpoint[0] if checkpoint and
                               self.algorithm.kind not in SERVER_KINDS else None)
 
-    def set_cause(self, cause: Optional[str]) -> None:
+    def set_cause(self, cause: str | None) -> None:
         self.cause = cause
 
     def begin_stop(self, kind: str, cause: str, stop_step: int) -> None:
@@ -529,8 +529,8 @@ class Coordinator(Actions):
         await self.end(kind, self.cause or f"all members reached the stop step {self.journal.step}", quiet=True,
                        survivors=survivors)
 
-    async def end(self, state: JobState, reason: str, detail: Optional[dict] = None, quiet: bool = False,
-                  survivors: Optional[dict] = None) -> None:
+    async def end(self, state: JobState, reason: str, detail: dict | None = None, quiet: bool = False,
+                  survivors: dict | None = None) -> None:
         """Tear every actor of the job down and enter a terminal state (FAILED records the failure)."""
         if state == JobState.FAILED and not quiet:
             self.cause = reason

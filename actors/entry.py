@@ -22,7 +22,7 @@ Each entry returns the slot the member loaded state from (for the reshape event)
 """
 from __future__ import annotations
 
-from typing import Any, Optional, Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -42,7 +42,7 @@ class Member(Protocol):
     def skip_to(self, step: int) -> None: ...
 
 
-def enter(mode: str, member: Member, comm: Any) -> Optional[int]:
+def enter(mode: str, member: Member, comm: Any) -> int | None:
     """Run the entry `mode` over `comm`; returns the source rank when this member loaded state."""
     if mode == "replicated":
         return enter_replicated(member, comm)
@@ -51,7 +51,7 @@ def enter(mode: str, member: Member, comm: Any) -> Optional[int]:
     return None
 
 
-def enter_replicated(member: Member, comm: Any) -> Optional[int]:
+def enter_replicated(member: Member, comm: Any) -> int | None:
     mark, digest = member.committed_view()
     mine = torch.tensor([mark, digest, member.step], dtype=torch.int64, device=comm.device)
     views = [torch.zeros(3, dtype=torch.int64, device=comm.device) for _ in range(comm.world_size)]
@@ -73,7 +73,7 @@ def enter_replicated(member: Member, comm: Any) -> Optional[int]:
     return loaded
 
 
-def _broadcast_state(member: Member, comm: Any, src: int, keep: bool = False) -> Optional[int]:
+def _broadcast_state(member: Member, comm: Any, src: int, keep: bool = False) -> int | None:
     """The committed state of `src`, to every member (a collective); loaded unless `keep`."""
     size = torch.zeros(1, dtype=torch.int64, device=comm.device)
     blob = member.committed_blob().to(comm.device) if comm.rank == src else None
@@ -89,7 +89,7 @@ def _broadcast_state(member: Member, comm: Any, src: int, keep: bool = False) ->
     return src
 
 
-def enter_average(member: Member, comm: Any) -> Optional[int]:
+def enter_average(member: Member, comm: Any) -> int | None:
     """Decentralized entry: no live replica is overwritten. The members gather (holds state, step,
     newest exchange launched, newest applied); each undoes what split exchanges left (the policy's
     `reconcile`); a member that never held state (a joiner; on a resume, all but the one given the

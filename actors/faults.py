@@ -16,7 +16,8 @@ import os
 import signal
 import sys
 import time
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -55,7 +56,7 @@ class WorkerFaults:
     def has(self, phase: str) -> bool:
         return any(k.slot == self.slot and k.at == phase for k in self.kills)
 
-    def due(self, phase: str, step: int) -> Optional[KillFault]:
+    def due(self, phase: str, step: int) -> KillFault | None:
         """The kill entry that fires now in this phase, recorded with the coordinator (fires once)."""
         for index, kill in enumerate(self.kills):
             at_step = kill.step <= step if phase == "join" else kill.step == step
@@ -79,7 +80,7 @@ class WorkerFaults:
     def lose_vote(self, step: int) -> None:
         """`at: vote`: this member loses the result of a vote the others commit (a split commit)."""
         if self.due("vote", step) is not None:
-            from actors.comm import CommError  # noqa: PLC0415 - see the imports
+            from actors.comm import CommError  # see the imports
 
             raise CommError(f"injected fault: {self.slot} lost the result of the commit vote for step {step + 1}")
 

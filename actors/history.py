@@ -14,8 +14,8 @@ from __future__ import annotations
 import contextlib
 import json
 import sys
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Callable, Iterable, Optional
 
 from actors.ledger import CommittedLedger
 
@@ -41,7 +41,7 @@ class History:
             self._batched = False
             self._file.flush()
 
-    def offer(self, record: dict) -> Optional[dict]:
+    def offer(self, record: dict) -> dict | None:
         """A reported record; returns it when it is the job's newest (for status), else None."""
         if self.reporter == "each":
             slot = record.get("slot", "")

@@ -26,8 +26,6 @@ Pure bookkeeping, no Ray: each call returns the records that became final, in st
 """
 from __future__ import annotations
 
-from typing import Optional
-
 
 class CommittedLedger:
     MAX_EARLY = 4096
@@ -36,7 +34,7 @@ class CommittedLedger:
     def __init__(self, written_step: int = 0) -> None:
         self.written_step = written_step
         """The newest step whose record is final (in history)."""
-        self.tentative: Optional[dict] = None
+        self.tentative: dict | None = None
         self.dropped: list[dict] = []
         """Tentative records that an epoch agreement overruled (for the events)."""
         self.early: dict[int, dict] = {}
@@ -110,7 +108,7 @@ class CommittedLedger:
         held, self.tentative = self.tentative, None
         return self._final(held)
 
-    def _final(self, held: Optional[dict]) -> list[dict]:
+    def _final(self, held: dict | None) -> list[dict]:
         if held is None:
             return []
         self.written_step = held["step"]

@@ -6,7 +6,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import ray
 
@@ -30,7 +30,7 @@ class Member:
     compute_s: float = 0.0
     cause: str = ""
     """Why the member is hung, retired or failed."""
-    evicted: Optional[tuple[str, str]] = None
+    evicted: tuple[str, str] | None = None
     """(detector, cause) when the coordinator evicted it before its watch() ended: killed for hanging, or
     found dead by a probe."""
     actor_name: str = ""
@@ -43,8 +43,8 @@ class Member:
     """Which start of the slot this is (a parameter server fences the pushes of earlier ones)."""
     join_reason: tuple[str, str, float] = ("", "", 0.0)
     """(reason, detector, decided at) of the decision that started it."""
-    watch_task: Optional[asyncio.Task] = field(default=None, repr=False)
-    beat_task: Optional[asyncio.Task] = field(default=None, repr=False)
+    watch_task: asyncio.Task | None = field(default=None, repr=False)
+    beat_task: asyncio.Task | None = field(default=None, repr=False)
 
 
 @dataclass
@@ -58,7 +58,7 @@ class Spare:
     node: str = ""
     node_id: str = ""
     started_at: float = field(default_factory=time.time)
-    ready_at: Optional[float] = None
+    ready_at: float | None = None
     """When it was ready (its start took `ready_at - started_at`); None while it starts."""
 
     @property
@@ -70,7 +70,7 @@ class Spare:
                 "node": self.node, "started_at": self.started_at, "ready_at": self.ready_at}
 
 
-async def probe(handle, method: str, *args: Any, timeout: float = 5.0) -> tuple[Optional[Any], Optional[str]]:
+async def probe(handle, method: str, *args: Any, timeout: float = 5.0) -> tuple[Any | None, str | None]:
     """A control call to a worker, telling a dead actor apart from a silent one: (answer, None); (None,
     why) when Ray says the actor died; (None, None) when it did not answer in time, or answered with an
     error."""
@@ -105,7 +105,7 @@ def describe(err: BaseException) -> str:
     return first_line(err)
 
 
-def is_placed(handle) -> Optional[bool]:
+def is_placed(handle) -> bool | None:
     """Whether Ray has given this actor a process (from the GCS actor table: no dashboard needed);
     None when that cannot be told."""
     if handle is None:

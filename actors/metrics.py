@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any
 
 PREFIX = "orchestrator_"
 SECONDS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -67,7 +68,7 @@ BYTES_KIND = {"synchronous": "gradients", "periodic": "rounds", "decentralized":
 
 
 def ray_metric(metric: Metric, defaults: dict[str, str]) -> Any:
-    from ray.util import metrics as ray_metrics  # noqa: PLC0415 - only where Ray runs
+    from ray.util import metrics as ray_metrics  # only where Ray runs
 
     name, keys = PREFIX + metric.name, BASE_TAGS + metric.tags
     if metric.kind == "counter":
@@ -98,7 +99,7 @@ class Exporter:
         if self.enabled and value > 0:
             self._metric(name).inc(value, tags=tags or None)
 
-    def set(self, name: str, value: Optional[float], **tags: str) -> None:
+    def set(self, name: str, value: float | None, **tags: str) -> None:
         if self.enabled and value is not None:
             self._metric(name).set(float(value), tags=tags or None)
 
@@ -121,7 +122,7 @@ class JobMetrics:
         self._bytes: dict[str, int] = {}
         """Each member's (or the job's) newest cumulative bytes_sent: a record's bytes are the difference."""
         self._step: dict[str, int] = {}
-        self._state: Optional[str] = None
+        self._state: str | None = None
         self._ticked = 0.0
         self._sums: dict[tuple, float] = {}
         self._newest: dict[tuple, float] = {}
@@ -187,8 +188,8 @@ class JobMetrics:
             elif gone and not detail.get("leavers") and duration is not None:  # a scale-down is no recovery
                 self.x.observe("recovery_seconds", duration, detector=detector)
 
-    def tick(self, throughput: Optional[float], step_times: Callable[[], dict[str, float]], server: dict,
-             spares: int, now: Optional[float] = None) -> Optional[dict[str, float]]:
+    def tick(self, throughput: float | None, step_times: Callable[[], dict[str, float]], server: dict,
+             spares: int, now: float | None = None) -> dict[str, float] | None:
         """What status shows, at most once a second. `step_times()`: each training member's step time;
         each one's ratio to the median goes out (a member that left keeps its last ratio, with its slot).
         Returns the step times when it ticked (the journal writes them too), else None."""

@@ -23,8 +23,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Optional
 
 from actors import runfiles
 from actors.storage import Storage, first_line
@@ -42,7 +42,7 @@ def parts_key(name: str) -> str:
     return f"{name}.parts"
 
 
-def _span(key: str) -> Optional[tuple[int, int]]:
+def _span(key: str) -> tuple[int, int] | None:
     try:
         start, end = key.rsplit("/", 1)[1].split("-")
         return int(start), int(end)
@@ -83,7 +83,7 @@ class RunMirror:
     """Copies one local run folder to `storage` under `key` (`<job>/<run id>`)."""
 
     def __init__(self, storage: Storage, key: str, local_dir: Path, appended: tuple[str, ...] = APPENDED,
-                 interval_s: float = 1.0, on_error: Optional[Callable[[str], None]] = None) -> None:
+                 interval_s: float = 1.0, on_error: Callable[[str], None] | None = None) -> None:
         self.storage, self.key, self.local_dir = storage, key.strip("/"), Path(local_dir)
         self.appended = appended
         self.interval_s = interval_s
@@ -97,10 +97,10 @@ class RunMirror:
         self._error = ""
         self._closed = False
         self.uploaded_bytes = 0
-        self._thread: Optional[threading.Thread] = None
+        self._thread: threading.Thread | None = None
 
     # ------------------------------------------------------------------ the caller's side
-    def start(self) -> "RunMirror":
+    def start(self) -> RunMirror:
         """Begin mirroring: what the store already holds of each appended file is not sent again."""
         for name in self.appended:
             parts = appended_parts(self.storage, self._k(name))

@@ -29,11 +29,12 @@ import os
 import queue
 import sys
 import threading
-import warnings
 import time
+import warnings
 from collections import deque
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Optional, Protocol, Sequence
+from typing import Any, Protocol
 
 import numpy as np
 import ray
@@ -63,7 +64,7 @@ class ServerReports(Protocol):
     """Where the server's history records, summary and events go (the coordinator, or a test's link)."""
 
     def records(self, records: tuple[dict, ...], summary: dict) -> None: ...
-    def restarted(self, resumed_version: int, incarnation: int, snapshot: Optional[str]) -> None: ...
+    def restarted(self, resumed_version: int, incarnation: int, snapshot: str | None) -> None: ...
     def barrier(self, index: int, members: tuple[str, ...], intervals: dict[str, list[float]]) -> None:
         """elastic_bsp: round `index` (of `members`) began; `intervals` are the iteration times measured
         over the round before (pull answered to push received, per slot)."""
@@ -94,9 +95,9 @@ class ServerHost:
         self._snapshot_lock = threading.Lock()
         self._model_lock = threading.Lock()
         """The workload's model holds the parameters only while it is saved or evaluated."""
-        self.closed: Optional[str] = None
+        self.closed: str | None = None
         self._ended = False
-        self._flat_cache: tuple[Optional[tuple[int, int]], Optional[np.ndarray]] = (None, None)
+        self._flat_cache: tuple[tuple[int, int] | None, np.ndarray | None] = (None, None)
         self._flat_pool: list[np.ndarray] = []
         self.kept: deque[dict] = deque(maxlen=KEEP_RECORDS)
         self._outbox: queue.Queue = queue.Queue()
@@ -170,7 +171,7 @@ class ServerHost:
             torch.save({"model": self.model.state_dict(), "step": version, "server": state}, buf)
         return buf.getvalue()
 
-    def _load_model(self, flat: torch.Tensor, buffers: Optional[list[torch.Tensor]] = None) -> None:
+    def _load_model(self, flat: torch.Tensor, buffers: list[torch.Tensor] | None = None) -> None:
         """The server's parameters into its model, with the buffers combined from the members' newest
         (`combine_buffers`) when any member sent them (else the model keeps its own)."""
         with torch.no_grad():
@@ -179,7 +180,7 @@ class ServerHost:
             for target, value in zip(self.model.buffers(), combined or []):
                 target.copy_(value)
 
-    def _evaluate(self, flat: torch.Tensor, buffers: Optional[list[torch.Tensor]] = None) -> dict:
+    def _evaluate(self, flat: torch.Tensor, buffers: list[torch.Tensor] | None = None) -> dict:
         """The workload's metrics of these parameters and the members' buffers (the server's model is
         what `model()` returns)."""
         evaluate = getattr(self.workload, "evaluate", None)
@@ -199,7 +200,7 @@ class ServerHost:
         return tuple(r for r in list(self.kept) if r["step"] > step)
 
     # ------------------------------------------------------------------ pull and push
-    def pull(self, fence: Fence, wait_s: float) -> tuple[Pull, Optional[np.ndarray]]:
+    def pull(self, fence: Fence, wait_s: float) -> tuple[Pull, np.ndarray | None]:
         """The pull's answer once `pull_ready` (or "wait" after `wait_s`), with the flat parameters when
         the answer is ok or finished."""
         deadline = time.monotonic() + wait_s
@@ -241,7 +242,7 @@ class ServerHost:
         return flat
 
     def push(self, fence: Fence, lease_ids: tuple[int, ...], pulled_version: int, grad: np.ndarray, loss: float,
-             buffers: Optional[np.ndarray] = None) -> PushResult:
+             buffers: np.ndarray | None = None) -> PushResult:
         """Apply (or stage) a push; the answer carries no update details (those go to history)."""
         self._maybe_delay(fence, lease_ids)
         tensor = _as_tensor(grad)
@@ -273,7 +274,7 @@ class ServerHost:
                 time.sleep(delayed.delay_s)
 
     def push_pull(self, fence: Fence, lease_ids: tuple[int, ...], pulled_version: int, grad: np.ndarray, loss: float,
-                  wait_s: float, buffers: Optional[np.ndarray] = None) -> tuple[PushResult, Optional[Pull], Optional[np.ndarray]]:
+                  wait_s: float, buffers: np.ndarray | None = None) -> tuple[PushResult, Pull | None, np.ndarray | None]:
         """A push and the sender's next pull in one call (one round trip a step); no pull after a push
         that was refused or came after the end."""
         result = self.push(fence, lease_ids, pulled_version, grad, loss, buffers)
@@ -445,7 +446,7 @@ class DispenserHost(ServerHost):
     def _summary(self) -> dict:
         return {"pid": os.getpid(), "incarnation": self.core.incarnation, **self.core.summary()}
 
-    def lease_block(self, fence: Fence, count: int, size: int) -> tuple[Optional[str], tuple]:
+    def lease_block(self, fence: Fence, count: int, size: int) -> tuple[str | None, tuple]:
         with self.lock:
             refusal, tickets = self.core.deal_block(fence, count, size)
         return refusal, tickets
@@ -455,7 +456,7 @@ class DispenserHost(ServerHost):
         with self.lock:
             return self.core.applied(fence, list(keys), rounds, final, upto, finished)
 
-    def elastic(self, fence: Fence, x: np.ndarray, alpha: float) -> tuple[Optional[str], Optional[np.ndarray]]:
+    def elastic(self, fence: Fence, x: np.ndarray, alpha: float) -> tuple[str | None, np.ndarray | None]:
         with self.lock:
             refusal, d = self.core.elastic(fence, _as_tensor(x), alpha)
         return refusal, None if d is None else d.numpy()
@@ -482,7 +483,7 @@ class DispenserHost(ServerHost):
         self.reports.restarted(0, self.core.incarnation, None)
 
 
-def make_host(config: dict, run_dir: str, reports: "ServerReports", restarted: bool = False) -> ServerHost:
+def make_host(config: dict, run_dir: str, reports: ServerReports, restarted: bool = False) -> ServerHost:
     """The host for the job's policy: a `DispenserHost` for the background kind, else a `ServerHost`."""
     kind = get_algorithm(str(config.get("sync", {}).get("policy", "bsp"))).kind
     return (DispenserHost if kind == "background" else ServerHost)(config, run_dir, reports, restarted=restarted)
@@ -502,7 +503,7 @@ class RayServerClient:
             self._handle = ray.get_actor(self.name, namespace=self.namespace)
         return self._handle
 
-    def pull(self, fence: Fence, wait_s: float) -> tuple[Pull, Optional[torch.Tensor]]:
+    def pull(self, fence: Fence, wait_s: float) -> tuple[Pull, torch.Tensor | None]:
         try:
             pull, flat = ray.get(self._server().pull.remote(fence, wait_s), timeout=wait_s + CALL_TIMEOUT_S)
         except Exception as err:  # noqa: BLE001 - restarting or unreachable: the worker asks again
@@ -515,11 +516,11 @@ class RayServerClient:
     def push(self, push: Push) -> PushResult:
         return self._send(push, None)[0]
 
-    def push_pull(self, push: Push, wait_s: float) -> tuple[PushResult, Optional[Pull], Optional[torch.Tensor]]:
+    def push_pull(self, push: Push, wait_s: float) -> tuple[PushResult, Pull | None, torch.Tensor | None]:
         result, pull, flat = self._send(push, wait_s)
         return result, pull, None if flat is None else _as_tensor(flat)
 
-    def _send(self, push: Push, wait_s: Optional[float]) -> tuple:
+    def _send(self, push: Push, wait_s: float | None) -> tuple:
         """Sent until the server answers (a retry after a lost answer is recognised by its lease ids);
         with `wait_s`, the next pull comes back with the answer."""
         grad = push.grad.numpy()
@@ -531,7 +532,7 @@ class RayServerClient:
                 if wait_s is None:
                     return (ray.get(self._server().push.remote(*args, buffers), timeout=CALL_TIMEOUT_S), None, None)
                 return ray.get(self._server().push_pull.remote(*args, wait_s, buffers), timeout=wait_s + CALL_TIMEOUT_S)
-            except Exception as err:  # noqa: BLE001 - restarting: the push goes again (applied at most once)
+            except Exception as err:
                 if time.monotonic() > deadline:
                     raise
                 log.warning("push: the parameter server did not answer (%s); sending it again", str(err).splitlines()[0][:200])
@@ -540,7 +541,7 @@ class RayServerClient:
 
 
     # --- the lease dispenser (background kind)
-    def lease_block(self, fence: Fence, count: int, size: int) -> tuple[Optional[str], tuple]:
+    def lease_block(self, fence: Fence, count: int, size: int) -> tuple[str | None, tuple]:
         try:
             return ray.get(self._server().lease_block.remote(fence, count, size), timeout=CALL_TIMEOUT_S)
         except Exception as err:  # noqa: BLE001 - restarting or unreachable: the worker asks again
@@ -577,7 +578,7 @@ class LocalServerClient:
     def __init__(self, host: ServerHost) -> None:
         self.host = host
 
-    def pull(self, fence: Fence, wait_s: float) -> tuple[Pull, Optional[torch.Tensor]]:
+    def pull(self, fence: Fence, wait_s: float) -> tuple[Pull, torch.Tensor | None]:
         pull, flat = self.host.pull(fence, wait_s)
         return pull, None if flat is None else torch.from_numpy(flat)
 
@@ -585,13 +586,13 @@ class LocalServerClient:
         return self.host.push(push.fence, push.lease_ids, push.pulled_version, push.grad.numpy(), push.loss,
                               None if push.buffers is None else push.buffers.numpy())
 
-    def push_pull(self, push: Push, wait_s: float) -> tuple[PushResult, Optional[Pull], Optional[torch.Tensor]]:
+    def push_pull(self, push: Push, wait_s: float) -> tuple[PushResult, Pull | None, torch.Tensor | None]:
         result, pull, flat = self.host.push_pull(push.fence, push.lease_ids, push.pulled_version, push.grad.numpy(),
                                                  push.loss, wait_s, None if push.buffers is None else push.buffers.numpy())
         return result, pull, None if flat is None else torch.from_numpy(flat)
 
 
-    def lease_block(self, fence: Fence, count: int, size: int) -> tuple[Optional[str], tuple]:
+    def lease_block(self, fence: Fence, count: int, size: int) -> tuple[str | None, tuple]:
         return self.host.lease_block(fence, count, size)
 
     def applied(self, fence: Fence, keys: list[int], rounds: int, final: bool = False, upto: int = -1,
@@ -602,7 +603,7 @@ class LocalServerClient:
         return _elastic_difference(self.host.elastic(fence, x.detach().cpu().numpy(), alpha), x)
 
 
-def _elastic_difference(answer: tuple[Optional[str], Optional[np.ndarray]], x: torch.Tensor) -> torch.Tensor:
+def _elastic_difference(answer: tuple[str | None, np.ndarray | None], x: torch.Tensor) -> torch.Tensor:
     """The host's answer to an EASGD exchange as a tensor like `x`; raises when it was refused."""
     refusal, d = answer
     if refusal is not None:

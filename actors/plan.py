@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Optional
 
 
 def server_name(job: str, run_id: str) -> str:
@@ -34,7 +34,7 @@ class Plan:
     backend: str = "gloo"
     lr_scale: float = 1.0
     """Multiplies the learning rate (linear scaling in `keep_worker` batch mode)."""
-    stop_step: Optional[int] = None
+    stop_step: int | None = None
     """Members stop once this committed step is reached (target metric, time limit, stop)."""
     history_step: int = 0
     """The newest step in the job's history when the plan was published: at the epoch agreement,
@@ -44,7 +44,7 @@ class Plan:
     """Where each member runs, in rank order (the lab's virtual node, else its Ray node; "" unknown):
     what hierarchical all-reduce groups by."""
 
-    def rank_of(self, slot: str) -> Optional[int]:
+    def rank_of(self, slot: str) -> int | None:
         return self.members.index(slot) if slot in self.members else None
 
 
@@ -60,7 +60,7 @@ class PlanBook:
         so no older one is ever asked for (the plan a worker trains under is its own copy)."""
         self.named: set[str] = set()
         """Every slot any plan so far named (admission asks; bounded by the job's slots)."""
-        self.latest: Optional[Plan] = None
+        self.latest: Plan | None = None
         self._cv = threading.Condition()
         self._tick = tick
 
@@ -88,7 +88,7 @@ class PlanBook:
         self._wait(lambda: self.latest is not None and self.latest.version > version)
         return self.latest
 
-    def agreed(self, version: int) -> Optional[Plan]:
+    def agreed(self, version: int) -> Plan | None:
         """The plan the members' vote agreed on. Every member is sent every plan, so one not received
         yet is on its way: wait for it (the coordinator may be restarting, so never ask it). None when
         a still newer plan arrives first: that one supersedes it."""

@@ -31,7 +31,8 @@ import threading
 import time
 import traceback
 from collections import deque
-from typing import Any, Callable, Optional, Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -41,9 +42,9 @@ from actors.comm import BaseCommunicator, CommError, GroupSpec, NoGroup, form_in
 from actors.entry import enter
 from actors.faults import WorkerFaults
 from actors.plan import Plan, PlanBook, Progress, WorkerSpec
-from algorithms.sampler import GlobalSampler, split_for_rank
 from algorithms.base import EpochInfo, StepVote, VoteDraft, get_algorithm
 from algorithms.optim import build_optimizer, lr_at
+from algorithms.sampler import GlobalSampler, split_for_rank
 from core.factory import check_factory
 from core.schema import JobConfig, parse
 
@@ -105,7 +106,7 @@ class Replica:
         self.algorithm = get_algorithm(self.cfg.sync.policy)(self.cfg.sync, self.cfg.compression)
         self.impl = self.algorithm.bind(self.model, self.optimizer)
         self.impl.on_gradients_ready = self._gradients_ready
-        self._gradients_at: Optional[float] = None
+        self._gradients_at: float | None = None
         if server is not None and self.algorithm.kind in ("server", "background"):
             self.impl.connect(server, self.slot, spec.incarnation)  # fenced by (slot, worker incarnation)
         if self.algorithm.kind == "background":  # its own group per epoch, formed off the foreground
@@ -121,17 +122,17 @@ class Replica:
         """The data cursor at the newest commit point."""
         self._slot_index = int(self.slot[1:])
         self.plans = PlanBook(tick)
-        self.plan: Optional[Plan] = None
-        self.trained_plan: Optional[Plan] = None
+        self.plan: Plan | None = None
+        self.trained_plan: Plan | None = None
         """The plan under which the provisional steps since the last commit were trained."""
         self._dropped_slots: set[str] = set()
         """Departed members whose shares of those steps were already counted as dropped."""
-        self.comm: Optional[BaseCommunicator] = None
+        self.comm: BaseCommunicator | None = None
         self.state, self.cause = "ready", ""
         self.phase, self.phase_since = "starting", time.monotonic()
         self._finished = threading.Event()
         self._left = False
-        self._eval_model: Optional[torch.nn.Module] = None
+        self._eval_model: torch.nn.Module | None = None
         self._waited = 0.0
         """Seconds the newest step waited on others: for its samples, the policy's lock, its collectives."""
         self._outcome: dict = {}
@@ -252,7 +253,7 @@ class Replica:
                 self._enter_phase("waiting")
                 self.plan = self.plans.newer_than(plan.version)
 
-    def _stop_at(self, plan: Plan) -> Optional[int]:
+    def _stop_at(self, plan: Plan) -> int | None:
         limits = [s for s in (self.max_steps, plan.stop_step) if s is not None]
         return min(limits) if limits else None
 
@@ -310,13 +311,13 @@ class Replica:
             self.faults.maybe_fire("join", self.step)  # a joiner that has its state but has not trained yet
         return True
 
-    def _form(self, spec: GroupSpec, plan: Plan) -> Optional[BaseCommunicator]:
+    def _form(self, spec: GroupSpec, plan: Plan) -> BaseCommunicator | None:
         def superseded() -> bool:
             latest = self.plans.latest
             return latest.version > plan.version and latest.group_name != plan.group_name
         return form_group(spec, superseded)
 
-    def _background_group(self, epoch: EpochInfo) -> Optional[BaseCommunicator]:
+    def _background_group(self, epoch: EpochInfo) -> BaseCommunicator | None:
         """The background kind's own group of membership epoch `epoch` (`<group>/bg`), formed in the
         policy's entry thread; None once a newer epoch superseded it."""
         comm = self.comm
@@ -386,7 +387,7 @@ class Replica:
             self.cursor += plan.global_batch
         self.mark_cursor = self.cursor
 
-    def _count_dropped(self, trained: Optional[Plan], plan: Plan) -> None:
+    def _count_dropped(self, trained: Plan | None, plan: Plan) -> None:
         """The survivors keep their local steps since the last commit: the shares that departed
         members trained in those steps died with their replicas (counted, and recorded with
         `faults.record_samples`)."""
@@ -434,7 +435,7 @@ class Replica:
             torch.set_rng_state(state["rng"]["torch"])
 
     # ------------------------------------------------------------------ steps and rounds
-    def _micro_batches(self, plan: Plan, mine: Optional[np.ndarray]) -> tuple[np.ndarray, list[tuple[Any, int]]]:
+    def _micro_batches(self, plan: Plan, mine: np.ndarray | None) -> tuple[np.ndarray, list[tuple[Any, int]]]:
         """This rank's share of the next global batch (or the ids the policy dealt), in chunks of at
         most `workload.micro_batch`."""
         if mine is None:
@@ -581,7 +582,7 @@ class Replica:
         self.plan = agreed
         return True
 
-    def _maybe_checkpoint(self, plan: Plan, prev: Optional[int]) -> None:
+    def _maybe_checkpoint(self, plan: Plan, prev: int | None) -> None:
         every = self.cfg.checkpoint.every_steps
         if self.algorithm.final_model == "server" or not _crossed(every, prev, self.step):  # the server's state is checkpointed
             return
@@ -603,7 +604,7 @@ class Replica:
     def _reports(self, plan: Plan) -> bool:
         return self.algorithm.reporter == "each" or (self.algorithm.reporter == "rank0" and plan.rank_of(self.slot) == 0)
 
-    def _record(self, plan: Plan, vote: StepVote, started: float, micro_steps: int, prev: Optional[int]) -> None:
+    def _record(self, plan: Plan, vote: StepVote, started: float, micro_steps: int, prev: int | None) -> None:
         record = {"step": self.step, "time": time.time(), "loss": float(vote.loss), "world_size": len(plan.members),
                   "global_batch": plan.global_batch, "micro_steps": micro_steps,
                   "membership_epoch": plan.membership_epoch, "bytes_sent": self.bytes_before + self.impl.bytes_sent,
@@ -692,7 +693,7 @@ def warm_up(cfg: JobConfig, workload: Any) -> None:
     get_algorithm(cfg.sync.policy)(cfg.sync, cfg.compression)
 
 
-def form_group(spec: GroupSpec, superseded: Callable[[], bool]) -> Optional[BaseCommunicator]:
+def form_group(spec: GroupSpec, superseded: Callable[[], bool]) -> BaseCommunicator | None:
     """Form one membership epoch's group in a helper thread (`form_in_thread`); None if it is
     `superseded()` meanwhile: a member that waited for a superseded epoch goes straight to the next
     one. After `spec.timeout_s` (plus a margin) the attempt fails with CommTimeout."""
@@ -719,7 +720,7 @@ def _to(batch: Any, device: torch.device) -> Any:
     return batch
 
 
-def _crossed(every: Optional[int], before: Optional[int], now: int) -> bool:
+def _crossed(every: int | None, before: int | None, now: int) -> bool:
     """Whether a multiple of `every` lies in (before, now]: commit points may jump several steps."""
     if not every:
         return False

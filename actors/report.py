@@ -18,8 +18,9 @@ from __future__ import annotations
 import json
 import os
 import statistics
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
 
 import yaml
 
@@ -55,7 +56,7 @@ def load(run_dir: Path) -> dict[str, Any]:
             "step_times": _jsonl(run_dir / "step_times.jsonl"), "t0": min(times) if times else 0.0}
 
 
-def event_kind(event: dict) -> Optional[str]:
+def event_kind(event: dict) -> str | None:
     """death, join, scale or other for a reshape; None for other events."""
     if event.get("kind") != "reshape":
         return None
@@ -70,7 +71,7 @@ def event_kind(event: dict) -> Optional[str]:
     return "other"
 
 
-def draw_at_end(run_dir: Path, wanted: Optional[bool], note: Callable[..., Any]) -> None:
+def draw_at_end(run_dir: Path, wanted: bool | None, note: Callable[..., Any]) -> None:
     """A job's end: its report into the run directory when asked (`tracking.report`; unset: unless the
     environment says ORCHESTRATOR_REPORT=0); a failure (no matplotlib) is an event, never the job's."""
     if wanted is None:
@@ -83,12 +84,12 @@ def draw_at_end(run_dir: Path, wanted: Optional[bool], note: Callable[..., Any])
         note("info", f"no run report: {type(err).__name__}: {first_line(err)}")
 
 
-def draw(run_dir: Path, out: Optional[Path] = None) -> Path:
+def draw(run_dir: Path, out: Path | None = None) -> Path:
     """Draw the report of `run_dir` into `out` (default: its report.png); returns the path."""
-    import matplotlib  # noqa: PLC0415 - the [plot] extra
+    import matplotlib  # the [plot] extra
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
+    import matplotlib.pyplot as plt
 
     run_dir = Path(run_dir)
     data = load(run_dir)
@@ -149,7 +150,7 @@ def draw(run_dir: Path, out: Optional[Path] = None) -> Path:
     rows = data["step_times"]
     slots = sorted({s for row in rows for s in row["step_s"]}, key=lambda s: (len(s), s))
     if rows and slots:
-        import numpy as np  # noqa: PLC0415
+        import numpy as np
 
         grid = np.full((len(slots), len(rows)), np.nan)
         for j, row in enumerate(rows):

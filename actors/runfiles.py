@@ -12,8 +12,9 @@ import logging
 import os
 import tempfile
 import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
 
 KV_NAMESPACE = "orchestrator"
 log = logging.getLogger(__name__)
@@ -61,16 +62,16 @@ class BackgroundWriter:
     write's failure (None once one lands), and `wait(n)` blocks until snapshot n (or a newer one) is
     on disk, False when its write failed."""
 
-    def __init__(self, path: Path, written: Optional[Callable[[], None]] = None) -> None:
+    def __init__(self, path: Path, written: Callable[[], None] | None = None) -> None:
         self.path = Path(path)
         self.written = written
         """Called by the writer's thread after each snapshot lands (a remote copy follows it)."""
         self._cond = threading.Condition()
-        self._pending: Optional[bytes] = None
+        self._pending: bytes | None = None
         self._submitted = 0
         self._written = 0
         self._attempted = 0
-        self._error: Optional[BaseException] = None
+        self._error: BaseException | None = None
         self._closed = False
         self._thread = threading.Thread(target=self._run, daemon=True, name=f"writer of {self.path.name}")
         self._thread.start()
@@ -85,12 +86,12 @@ class BackgroundWriter:
             return self._submitted
 
     @property
-    def error(self) -> Optional[BaseException]:
+    def error(self) -> BaseException | None:
         """Why the newest write attempted failed (None when it landed, or none was attempted)."""
         with self._cond:
             return self._error
 
-    def wait(self, number: Optional[int] = None, timeout: Optional[float] = None) -> bool:
+    def wait(self, number: int | None = None, timeout: float | None = None) -> bool:
         """True once snapshot `number` (default: the newest submitted) or a newer one is on disk; False
         after `timeout`, or as soon as the write of that snapshot (or a newer one) failed."""
         with self._cond:
@@ -168,7 +169,7 @@ def publish_record(name: str, record: dict) -> None:
         log.warning("could not publish job %s's record in Ray's KV store: %s", name, err)
 
 
-def lookup_record(name: str) -> Optional[dict]:
+def lookup_record(name: str) -> dict | None:
     try:
         from ray.experimental.internal_kv import _internal_kv_get, _internal_kv_initialized
 

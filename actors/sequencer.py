@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-from typing import Optional
 
 Order = tuple[str, int]
 """(sender, seq): who sent a message, and its number among that sender's messages (from 0)."""
@@ -34,13 +33,13 @@ class Sequencer:
     def __init__(self, wait_s: float = WAIT_S, keep: int = KEEP_SENDERS, trust_first: bool = False) -> None:
         self.wait_s, self.keep, self.trust_first = wait_s, keep, trust_first
         self._next: collections.OrderedDict[str, int] = collections.OrderedDict()
-        self._changed: Optional[asyncio.Condition] = None
+        self._changed: asyncio.Condition | None = None
         self.late = 0
         """Messages that arrived after a successor had already waited its bound out (run at once)."""
         self.gave_up = 0
         """Messages that stopped waiting for a predecessor that never came."""
 
-    async def turn(self, order: Optional[Order]) -> None:
+    async def turn(self, order: Order | None) -> None:
         """Returns when the message numbered `order` may run (at once for an unnumbered one)."""
         if order is None:
             return

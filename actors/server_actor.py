@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any
 
 import ray
 
@@ -45,7 +45,7 @@ class CoordinatorReports:
             self._handle = None  # looked up again next time; these records wait in `kept`
             raise
 
-    def restarted(self, resumed_version: int, incarnation: int, snapshot: Optional[str]) -> None:
+    def restarted(self, resumed_version: int, incarnation: int, snapshot: str | None) -> None:
         self._coord().server_restarted.remote(resumed_version, incarnation, snapshot)
 
     def barrier(self, index: int, members: tuple[str, ...], intervals: dict[str, list[float]]) -> None:
@@ -60,8 +60,8 @@ class ParameterServer:
     """The Ray actor: a `ServerHost` in a detached, threaded, restartable process."""
 
     def __init__(self, config: dict, run_dir: str, coordinator: str, namespace: str) -> None:
-        from actors.parameter_server import make_host  # noqa: PLC0415 - torch: in the server's process only
-        from actors.worker import _redirect_output  # noqa: PLC0415
+        from actors.parameter_server import make_host  # torch: in the server's process only
+        from actors.worker import _redirect_output
 
         _redirect_output(os.path.join(run_dir, "workers", "server.log"))
         logging.basicConfig(level=config.get("log_level", "WARNING"), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -74,11 +74,11 @@ class ParameterServer:
     def set_members(self, epoch: int, members: list[tuple[str, int]]) -> None:
         self.host.set_members(epoch, members)
 
-    def pull(self, fence: Fence, wait_s: float) -> tuple[Pull, Optional[np.ndarray]]:
+    def pull(self, fence: Fence, wait_s: float) -> tuple[Pull, np.ndarray | None]:
         return self.host.pull(fence, wait_s)
 
     def push(self, fence: Fence, lease_ids: tuple[int, ...], pulled_version: int, grad: np.ndarray, loss: float,
-             buffers: Optional[np.ndarray] = None) -> PushResult:
+             buffers: np.ndarray | None = None) -> PushResult:
         return self.host.push(fence, lease_ids, pulled_version, grad, loss, buffers)
 
     def close(self, reason: str) -> None:
@@ -97,20 +97,20 @@ class ParameterServer:
         return self.host.load_checkpoint(blob)
 
     def push_pull(self, fence: Fence, lease_ids: tuple[int, ...], pulled_version: int, grad: np.ndarray, loss: float,
-                  wait_s: float, buffers: Optional[np.ndarray] = None) -> tuple[PushResult, Optional[Pull], Optional[np.ndarray]]:
+                  wait_s: float, buffers: np.ndarray | None = None) -> tuple[PushResult, Pull | None, np.ndarray | None]:
         return self.host.push_pull(fence, lease_ids, pulled_version, grad, loss, wait_s, buffers)
 
     def set_schedule(self, index: int, iterations: dict[str, int]) -> bool:
         return self.host.set_schedule(index, iterations)
 
-    def lease_block(self, fence: Fence, count: int, size: int) -> tuple[Optional[str], tuple]:
+    def lease_block(self, fence: Fence, count: int, size: int) -> tuple[str | None, tuple]:
         return self.host.lease_block(fence, count, size)
 
     def applied(self, fence: Fence, keys: list[int], rounds: int, final: bool = False, upto: int = -1,
                 finished: bool = False) -> int:
         return self.host.applied(fence, keys, rounds, final, upto, finished)
 
-    def elastic(self, fence: Fence, x: np.ndarray, alpha: float) -> tuple[Optional[str], Optional[np.ndarray]]:
+    def elastic(self, fence: Fence, x: np.ndarray, alpha: float) -> tuple[str | None, np.ndarray | None]:
         return self.host.elastic(fence, x, alpha)
 
 

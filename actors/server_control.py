@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any
 
 from actors.members import first_line, kill
 from algorithms.zipline import BarrierPlanner
@@ -29,21 +30,21 @@ class ServerControl:
     summary: dict = field(default_factory=dict)
     """The server's newest counts (version, staleness histogram, refused pushes, leases), for `status`."""
     restarts: int = 0
-    barriers: Optional[BarrierPlanner] = None
+    barriers: BarrierPlanner | None = None
     """elastic_bsp: ZipLine over each member's predicted iteration interval."""
 
     @classmethod
-    async def start(cls, cfg: JobConfig, config: dict, run_id: str, run_dir: str) -> "ServerControl":
+    async def start(cls, cfg: JobConfig, config: dict, run_id: str, run_dir: str) -> ServerControl:
         """Create the server and wait until it holds the initial state (Ray places it when a CPU is free)."""
-        from actors.server_actor import start_server  # noqa: PLC0415 - Ray's actor class: not in the coordinator's start
+        from actors.server_actor import start_server  # Ray's actor class: not in the coordinator's start
 
         handle = start_server(cfg, config, run_id, run_dir, cfg.ray.namespace)
         info = await asyncio.wrap_future(handle.ready.remote().future())
         return cls(handle, pid=info["pid"], summary={k: v for k, v in info.items() if k != "node"}, barriers=_barriers(cfg))
 
     @classmethod
-    def attach(cls, cfg: JobConfig, run_id: str) -> Optional["ServerControl"]:
-        from actors.server_actor import find_server  # noqa: PLC0415
+    def attach(cls, cfg: JobConfig, run_id: str) -> ServerControl | None:
+        from actors.server_actor import find_server
 
         handle = find_server(cfg.name, run_id, cfg.ray.namespace)
         return cls(handle, barriers=_barriers(cfg)) if handle is not None else None
@@ -97,12 +98,12 @@ class ServerControl:
         kill(self.handle)
 
 
-def _barriers(cfg: JobConfig) -> Optional[BarrierPlanner]:
+def _barriers(cfg: JobConfig) -> BarrierPlanner | None:
     return BarrierPlanner(cfg.sync.r, cfg.sync.ewma) if isinstance(cfg.sync, ElasticBSPConfig) else None
 
 
-def server_restarted(cfg: JobConfig, kind: str, server: Optional[ServerControl], book: Any, history: Any, journal: Any,
-                     resumed: int, incarnation: int, snapshot: Optional[str]) -> None:
+def server_restarted(cfg: JobConfig, kind: str, server: ServerControl | None, book: Any, history: Any, journal: Any,
+                     resumed: int, incarnation: int, snapshot: str | None) -> None:
     """Ray restarted the server from its snapshot at version `resumed`: the versions history holds after
     it are lost and redone (history records them again, with the new incarnation); the server is told
     the membership again, since its snapshot may predate it. The lease dispenser (background kind) has
@@ -121,7 +122,7 @@ def server_restarted(cfg: JobConfig, kind: str, server: Optional[ServerControl],
         server.set_members(book.epoch, book.server_membership())
 
 
-def restart_event(history_step: int, resumed: int, incarnation: int, snapshot: Optional[str], every: int) -> tuple[str, dict]:
+def restart_event(history_step: int, resumed: int, incarnation: int, snapshot: str | None, every: int) -> tuple[str, dict]:
     """The event of a server restart: the versions after its snapshot that history holds were lost."""
     lost = max(0, history_step - resumed)
     source = f"its snapshot at version {resumed}" if snapshot else "its initial state (no snapshot yet)"

@@ -26,7 +26,7 @@ import os
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
 from actors import runfiles
@@ -47,7 +47,7 @@ def first_line(err: BaseException, limit: int = 300) -> str:
     return (text[0] if text else type(err).__name__)[:limit]
 
 
-def is_remote(location: Optional[str]) -> bool:
+def is_remote(location: str | None) -> bool:
     """True for a URI with a scheme other than file:// (a Windows drive letter is not a scheme)."""
     if not location:
         return False
@@ -113,7 +113,7 @@ class Storage:
                 raise FileNotFoundError(self.location(key)) from None
             raise
 
-    def size(self, key: str) -> Optional[int]:
+    def size(self, key: str) -> int | None:
         """The object's size, None when there is none."""
         if not self.remote:
             try:
@@ -251,7 +251,7 @@ def _s3(uri: str, options: dict[str, str]) -> Any:
     return pafs.S3FileSystem(anonymous=anonymous, **kwargs)
 
 
-def credentials_source() -> Optional[str]:
+def credentials_source() -> str | None:
     """Where the AWS SDK would find S3 credentials here, or None when it has nowhere to look (the
     instance role counts unless `AWS_EC2_METADATA_DISABLED` is true)."""
     env = os.environ
@@ -281,7 +281,7 @@ def _fsspec(uri: str, scheme: str, base: str, options: dict[str, str]) -> Storag
                    fs=pafs.PyFileSystem(pafs.FSSpecHandler(fs)), scheme=scheme)
 
 
-def run_storage(setting: Optional[str], run_dir: Path) -> tuple[Storage, str]:
+def run_storage(setting: str | None, run_dir: Path) -> tuple[Storage, str]:
     """A run's storage and its key (`<job>/<run id>`): the URI `setting` (the config's `storage`), or
     else the local run root the run folder `run_dir` is in."""
     run_dir = Path(run_dir)

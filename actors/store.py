@@ -60,7 +60,7 @@ def serve_store(host: str, timeout_s: float) -> tuple[dist.TCPStore, int, socket
 
     The caller keeps the returned socket for as long as the store serves.
     """
-    import torch.distributed as dist  # noqa: PLC0415 - see the module docstring
+    import torch.distributed as dist  # see the module docstring
 
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -20,14 +20,16 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
 
 import ray
 import torch
 
 from actors.comm import BaseCommunicator, CommError, GroupSpec, make_communicator, serve_store
-from actors.comm import in_process_group as local_group, in_process_store as local_store  # noqa: F401 - tests import them here
+from actors.comm import in_process_group as local_group  # noqa: F401 - tests import them here
+from actors.comm import in_process_store as local_store
 from actors.plan import Plan, Progress, WorkerSpec
 from algorithms.base import VoteDraft
 
@@ -82,7 +84,7 @@ RAY_START_TIMED_OUT = "The current node timed out during startup"
 """What `ray.init` raises when its raylet did not register within the 30 s Ray allows (ray/_private/node.py)."""
 
 
-def explain(job: Any, since: Optional[float] = None, lines: int = 15) -> str:
+def explain(job: Any, since: float | None = None, lines: int = 15) -> str:
     """What a job was doing, for a test that gave up on it: its state, its events (from `since`, a
     time.time(), on; all if None), and the tail of its coordinator's and each worker's (and the
     server's) log. `job` is an `ElasticJob` (anything with status() and events())."""
@@ -102,7 +104,7 @@ def explain(job: Any, since: Optional[float] = None, lines: int = 15) -> str:
     return "\n".join(out)
 
 
-def wait_for_end(job: Any, timeout: float, since: Optional[float] = None) -> Any:
+def wait_for_end(job: Any, timeout: float, since: float | None = None) -> Any:
     """`job.wait(timeout)`, failing with `explain` (what the job was doing) when it does not end in time."""
     try:
         return job.wait(timeout=timeout)
@@ -116,8 +118,8 @@ def start_run(args: list[str], cwd: Path, env: dict, output: Path, tries: int = 
     start can time out on a loaded machine (two clean-clone CI runs saw a run exit 1 with
     RAY_START_TIMED_OUT before its first step): such a run's process group is killed and it starts
     again, at most `tries` times in all."""
-    import subprocess  # noqa: PLC0415
-    import sys  # noqa: PLC0415
+    import subprocess
+    import sys
 
     for attempt in range(tries):
         offset = output.stat().st_size if output.exists() else 0
@@ -143,11 +145,11 @@ def start_run(args: list[str], cwd: Path, env: dict, output: Path, tries: int = 
 
 
 def sigkill_run_at(proc: Any, newest_step: Callable[[], int], at: int, timeout: float = 120,
-                   output: Optional[Path] = None) -> None:
+                   output: Path | None = None) -> None:
     """SIGKILL the process group of `proc` (a `run` started with `start_new_session=True`) once
     `newest_step()` reaches `at`, and wait until every process of it is gone (Ray's own exit once
     their parent has). `output`: the file the run writes its output to, whose end a failure shows."""
-    import psutil  # noqa: PLC0415
+    import psutil
 
     def said() -> str:
         text = output.read_text(errors="replace") if output is not None and output.exists() else ""
@@ -182,7 +184,7 @@ def loaded_torch(pid: int) -> bool:
 def running(pid: int) -> bool:
     """Whether process `pid` exists and is not a zombie. A process can end between any two looks at it
     (a clean-clone CI run saw one pass `pid_exists` and be gone when its status was read)."""
-    import psutil  # noqa: PLC0415
+    import psutil
 
     try:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
@@ -251,7 +253,7 @@ class LocalServerReports:
     def records(self, records: tuple[dict, ...], summary: dict) -> None:
         self.link.report(Progress("server", records[-1]["step"], records[-1]["membership_epoch"], time.time(), records), False)
 
-    def restarted(self, resumed_version: int, incarnation: int, snapshot: Optional[str]) -> None:
+    def restarted(self, resumed_version: int, incarnation: int, snapshot: str | None) -> None:
         self.link._call("server_restarted", resumed_version, incarnation, snapshot)
 
     def barrier(self, index: int, members: tuple[str, ...], intervals: dict[str, list[float]]) -> None:
@@ -270,18 +272,16 @@ class LocalJob:
     def __init__(self, config: dict, slots: list[str], run_dir: str, timeout_s: float = 10.0, zipline: bool = True) -> None:
         """`zipline`: elastic_bsp's barriers are planned as the coordinator plans them (False: the
         server's fallback, as with a coordinator that is down)."""
-        from actors.replica import Replica
-        from algorithms.zipline import BarrierPlanner
-        from core.schema import JobConfig, parse
-
         from actors.parameter_server import LocalServerClient, ServerHost, make_host
+        from actors.replica import Replica
         from algorithms.base import get_algorithm
-        from core.schema import SERVER_POLICIES
+        from algorithms.zipline import BarrierPlanner
+        from core.schema import SERVER_POLICIES, JobConfig, parse
 
         self.config = parse(JobConfig, config).to_dict()
         self.link = LocalLink()
         self.timeout_s = timeout_s
-        self.server: Optional[ServerHost] = None
+        self.server: ServerHost | None = None
         """The parameter server, in process, for the server policies."""
         policy = self.config["sync"]["policy"]
         if policy in SERVER_POLICIES or get_algorithm(policy).kind == "background":
@@ -309,7 +309,7 @@ class LocalJob:
             replica.set_plan(plan)
         return plan
 
-    def start(self, slots: Optional[list[str]] = None) -> None:
+    def start(self, slots: list[str] | None = None) -> None:
         for slot in slots or list(self.replicas):
             thread = threading.Thread(target=lambda s=slot: self.outcomes.__setitem__(s, self.replicas[s].run()),
                                       name=f"replica {slot}", daemon=True)
@@ -341,7 +341,7 @@ class LocalJob:
 
 
 class LoopbackHandle:
-    def wait(self, timeout: Optional[float] = None) -> None:
+    def wait(self, timeout: float | None = None) -> None:
         pass
 
     def is_completed(self) -> bool:
@@ -396,12 +396,12 @@ class FakeCoordinator:
         self.store, self.port, self._sock = serve_store(self.host, timeout_s)
         self.plans: dict = {}
         self.calls: list[tuple[str, Any]] = []
-        self.plan_error: Optional[str] = None
+        self.plan_error: str | None = None
 
     def address(self) -> tuple[str, int]:
         return self.host, self.port
 
-    def fail_get_plan(self, message: Optional[str]) -> None:
+    def fail_get_plan(self, message: str | None) -> None:
         self.plan_error = message
 
     def get_plan(self, version: int):
@@ -438,9 +438,9 @@ class FakeCoordinator:
 @ray.remote(num_cpus=0.5, concurrency_groups={"control": 2})
 class CommPeer:
     def __init__(self) -> None:
-        self.comm: Optional[BaseCommunicator] = None
+        self.comm: BaseCommunicator | None = None
         self.handle = None
-        self.buffer: Optional[torch.Tensor] = None
+        self.buffer: torch.Tensor | None = None
 
     def pid(self) -> int:
         return os.getpid()

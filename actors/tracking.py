@@ -18,7 +18,7 @@ import collections
 import json
 import struct
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 WINDOW_S = 5.0
 
@@ -26,7 +26,7 @@ WINDOW_S = 5.0
 def written_steps(directory: Path) -> dict[str, int]:
     """The newest step of each tag in the event files under `directory` (TFRecord framing: length,
     its CRC, the Event, its CRC; a short read ends a file)."""
-    from tensorboardX.proto import event_pb2  # noqa: PLC0415
+    from tensorboardX.proto import event_pb2
 
     newest: dict[str, int] = {}
     for path in sorted(directory.glob("events.out.tfevents.*")):
@@ -56,7 +56,7 @@ class TensorBoard:
     """A journal listener (actors/control/journal.py) writing TensorBoard event files."""
 
     def __init__(self, directory: Path, per_member: bool, incarnation: int = 0) -> None:
-        from tensorboardX import SummaryWriter  # noqa: PLC0415 - only when asked for
+        from tensorboardX import SummaryWriter  # only when asked for
 
         directory.mkdir(parents=True, exist_ok=True)
         self.directory, self.per_member = directory, per_member
@@ -68,7 +68,7 @@ class TensorBoard:
 
     @classmethod
     def for_run(cls, configured: str, run_dir: Path, job: str, run_id: str, per_member: bool,
-                incarnation: int) -> "TensorBoard":
+                incarnation: int) -> TensorBoard:
         """The writer of a run (`tracking.tensorboard`), caught up with its history (a restart: what the
         dead writer had not flushed)."""
         board = cls(tensorboard_dir(configured, run_dir, job, run_id), per_member, incarnation)
@@ -120,7 +120,7 @@ class TensorBoard:
         if len(recent) >= 2 and recent[-1][0] > recent[0][0]:
             add(tag("steps_per_second"), (recent[-1][1] - recent[0][1]) / (recent[-1][0] - recent[0][0]), step,
                 walltime=when)
-        sent: Optional[int] = record.get("bytes_sent")
+        sent: int | None = record.get("bytes_sent")
         if sent is not None:
             add(tag("bytes/sent"), float(sent), step, walltime=when)
             before = self._bytes.get(slot)

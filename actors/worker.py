@@ -54,7 +54,7 @@ class RayLink:
             self._handle = ray.get_actor(self.spec.coordinator, namespace=self.spec.namespace)
         return self._handle
 
-    def _send(self, method: str, *args: Any) -> "ray.ObjectRef":
+    def _send(self, method: str, *args: Any) -> ray.ObjectRef:
         with self._lock:  # numbers in the order submitted; a call that could not be sent uses no number
             ref = getattr(self._coord(), method).remote(*args, order=(self._sender, self._next))
             self._next += 1
@@ -107,7 +107,7 @@ class Worker:
         self._workload = None
         self._coordinator = None
         if is_spare(spec.slot):  # the slow part of a start, done ahead: the workload and first-use imports
-            from actors.replica import build_workload, warm_up  # noqa: PLC0415 - see the imports
+            from actors.replica import build_workload, warm_up  # see the imports
 
             config = parse(JobConfig, spec.config)
             self._workload = build_workload(config)
@@ -117,8 +117,8 @@ class Worker:
             self._become(spec)
 
     def _become(self, spec: WorkerSpec, workload=None) -> None:
-        from actors.parameter_server import RayServerClient  # noqa: PLC0415 - see the imports
-        from actors.replica import Replica  # noqa: PLC0415
+        from actors.parameter_server import RayServerClient  # see the imports
+        from actors.replica import Replica
 
         os.environ["ORCHESTRATOR_SLOT"] = spec.slot
         self.spec = spec
@@ -195,7 +195,7 @@ class HostedStore:
     the keys of the ones it hosted before the previous."""
 
     def __init__(self, host: str, timeout_s: float) -> None:
-        from actors.store import EpochKeys, serve_store  # noqa: PLC0415 - torch.distributed
+        from actors.store import EpochKeys, serve_store  # torch.distributed
 
         self.host = host
         self.store, self.port, self._sock = serve_store(host, timeout_s)

@@ -28,15 +28,14 @@ weighted by each rank's share of the global batch, so the SUM is the global-batc
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import numpy as np
 import torch
 
 from algorithms.base import Algorithm, AlgorithmImpl, EpochInfo, StepVote, VoteDraft, register
 from algorithms.compression import Codec, get_codec
-from algorithms.optim import contiguous_runs, flat_view
 from algorithms.hierarchical import HierarchicalAllReduce
+from algorithms.optim import contiguous_runs, flat_view
 from algorithms.scatter_gather import ScatterGather
 
 try:  # the C++ engine call inside torch.autograd.backward (private; absent, the public call serves)
@@ -84,7 +83,7 @@ def plan_buckets(sizes: list[tuple[int, torch.dtype]], bucket_bytes: int) -> Buc
     buckets: list[list[int]] = []
     current: list[int] = []
     current_bytes = 0
-    current_dtype: Optional[torch.dtype] = None
+    current_dtype: torch.dtype | None = None
     for index in reversed(range(len(sizes))):
         numel, dtype = sizes[index]
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
@@ -102,7 +101,7 @@ def plan_buckets(sizes: list[tuple[int, torch.dtype]], bucket_bytes: int) -> Buc
 class AllReduceImpl(AlgorithmImpl):
     """Per-worker bucket state; buffers are rebuilt for every membership epoch."""
 
-    trace: Optional[list[tuple[str, int]]] = None
+    trace: list[tuple[str, int]] | None = None
     """When a list, hooks and launches append ("hook", param) / ("launch", bucket): for tests."""
 
     def __init__(self, algorithm: Algorithm, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -116,24 +115,24 @@ class AllReduceImpl(AlgorithmImpl):
         """Whether the tail rides in the last bucket (exact there) or is reduced on its own."""
         self.compressed = self._wires(self.codec, feedback)
         """One compressed all-reduce per bucket; its error-feedback residuals outlive membership epochs."""
-        self._vote_tail: Optional[torch.Tensor] = None
+        self._vote_tail: torch.Tensor | None = None
         self._draft = VoteDraft()
         self.reducer = None
         """torch's C++ reducer over this epoch's group, when BSP runs on it (see `_wants_reducer`)."""
-        self._vote: Optional[torch.Tensor] = None
+        self._vote: torch.Tensor | None = None
         self._bytes_per_step = 0
         self._ready_hooks: list = []
         self._ready_total = self._ready_left = 0
         self._hooks: list = []
-        self._zero_key: Optional[list[int]] = None
+        self._zero_key: list[int] | None = None
         self._zero_runs: list[torch.Tensor] = []
         self._tail = self._one = None
-        self.hierarchy: Optional[HierarchicalAllReduce] = None
+        self.hierarchy: HierarchicalAllReduce | None = None
         """`sync.hierarchical` over an epoch that spans nodes: the buckets are reduced through it."""
         self._python_hooks(True)
         self._allocate()
 
-    def _gradient_codec(self) -> tuple[Optional[Codec], bool]:
+    def _gradient_codec(self) -> tuple[Codec | None, bool]:
         """The codec gradients travel with (None: the plain all-reduce), and whether with error feedback."""
         compression = self.algorithm.compression
         name = compression.codec if compression is not None else "none"
@@ -141,7 +140,7 @@ class AllReduceImpl(AlgorithmImpl):
             name = "uint8"
         return (None if name == "none" else get_codec(name)), bool(compression is not None and compression.feedback)
 
-    def _wires(self, codec: Optional[Codec], feedback: bool) -> list[ScatterGather]:
+    def _wires(self, codec: Codec | None, feedback: bool) -> list[ScatterGather]:
         """A compressed scatter-gather per bucket (none without a codec)."""
         if codec is None:
             return []

@@ -25,13 +25,13 @@ loop (actors/replica.py) drives through these hooks, in this order:
 What a step means, what commits it, who reports history and how a membership epoch is entered
 all follow from the policy's `kind`:
 
-| kind          | commit point                          | entry       | history from | loss per member | stops at            | final model   |
-|---------------|---------------------------------------|-------------|--------------|-----------------|---------------------|---------------|
-| synchronous   | every step's vote                     | replicated  | rank 0       | share of batch  | one step, all       | rank 0's      |
-| periodic      | every round's vote (local steps wait) | replicated  | rank 0       | own mean        | one round, all      | rank 0's      |
-| server        | the server applied the push           | server      | the server   | share of batch  | the server says     | the server's  |
-| decentralized | every step's exchanges                | average     | each member  | own mean        | each at its own     | the average   |
-| background    | every local step (rounds apart)       | none        | each member  | own mean        | each at its own     | the average   |
+| kind          | commit point                          | entry      | history from | loss per member | stops at        | final model  |
+|---------------|---------------------------------------|------------|--------------|-----------------|-----------------|--------------|
+| synchronous   | every step's vote                     | replicated | rank 0       | share of batch  | one step, all   | rank 0's     |
+| periodic      | every round's vote (local steps wait) | replicated | rank 0       | own mean        | one round, all  | rank 0's     |
+| server        | the server applied the push           | server     | the server   | share of batch  | the server says | the server's |
+| decentralized | every step's exchanges                | average    | each member  | own mean        | each at its own | the average  |
+| background    | every local step (rounds apart)       | none       | each member  | own mean        | each at its own | the average  |
 
 A checkpoint holds what the final model would be plus what a resume needs: the committed state of
 rank 0 (lockstep kinds; every member holds the same one at a commit point), the server's state,
@@ -49,16 +49,16 @@ holder of the newest step; those behind skip ahead to the newest step, counting 
 from __future__ import annotations
 
 from abc import ABC
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Literal, Optional
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
 
-from algorithms.kinds import (ENTRY, FINAL_MODEL, LOCAL_MEAN, REPORTER, SERVER_KINDS, Entry, Kind,  # noqa: F401
-                              KindTraits, Reporter)
+from algorithms.kinds import ENTRY, FINAL_MODEL, LOCAL_MEAN, REPORTER, SERVER_KINDS, Entry, Kind, KindTraits, Reporter  # noqa: F401
 
-_REGISTRY: dict[str, type["Algorithm"]] = {}
+_REGISTRY: dict[str, type[Algorithm]] = {}
 
 
 @dataclass
@@ -93,11 +93,11 @@ class StepVote:
     kinds until the next round)."""
 
     @classmethod
-    def local(cls, draft: VoteDraft) -> "StepVote":
+    def local(cls, draft: VoteDraft) -> StepVote:
         return cls(True, draft.loss, draft.samples, draft.newer_plan, communicated=False)
 
     @classmethod
-    def reduced(cls, tail: torch.Tensor) -> "StepVote":
+    def reduced(cls, tail: torch.Tensor) -> StepVote:
         """The vote from a SUM-reduced tail (see `VoteDraft.tail`)."""
         loss, samples, newer = tail.tolist()
         return cls(True, loss, int(round(samples)), newer > 0)
@@ -116,7 +116,7 @@ class EpochInfo:
     """Each member's node, in rank order (empty or "" where unknown)."""
 
 
-def register(cls: type["Algorithm"]) -> type["Algorithm"]:
+def register(cls: type[Algorithm]) -> type[Algorithm]:
     _REGISTRY[cls.name] = cls
     return cls
 
@@ -131,7 +131,7 @@ def known_policies() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def get_algorithm(name: str) -> type["Algorithm"]:
+def get_algorithm(name: str) -> type[Algorithm]:
     _load_builtin()
     if name not in _REGISTRY:
         raise KeyError(f"unknown policy {name!r}; available: {', '.join(sorted(_REGISTRY))}")
@@ -141,17 +141,17 @@ def get_algorithm(name: str) -> type["Algorithm"]:
 class AlgorithmImpl:
     """No-op hooks; each policy overrides the few it needs."""
 
-    def __init__(self, algorithm: "Algorithm", model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    def __init__(self, algorithm: Algorithm, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         self.algorithm = algorithm
         self.config = algorithm.config
         self.model = model
         self.optimizer = optimizer
         self.comm: Any = None
-        self.epoch: Optional[EpochInfo] = None
+        self.epoch: EpochInfo | None = None
         self.accumulating = False
         """Set by the worker during micro-steps before the last one of a step (gradient
         accumulation): gradients accumulate locally, and communication waits for the last."""
-        self.on_gradients_ready: Optional[Callable[[], None]] = None
+        self.on_gradients_ready: Callable[[], None] | None = None
         """Set by the worker: a policy whose backward also waits for the step's communication (BSP on
         torch's reducer) calls it once this member's own gradients are all computed, so the wait that
         follows counts as communication, not compute (hang detection, `scale_down: slowest`)."""
@@ -172,7 +172,7 @@ class AlgorithmImpl:
         """The membership epoch is over (aborted, or a new one begins): drop references to its group
         and abandon background work (never join a thread that may be stuck in a collective)."""
 
-    def step_samples(self, step: int) -> Optional[np.ndarray]:
+    def step_samples(self, step: int) -> np.ndarray | None:
         """The sample ids of this step when the policy deals them (a server kind's lease), or None: the
         member trains its rank's share of the global sampler's batch. An empty array: nothing to train
         now (the server said wait, or finished); the worker's loop comes back."""
@@ -201,7 +201,7 @@ class AlgorithmImpl:
             group["lr"] = lr
         self.optimizer.step()
 
-    def sync_due(self, step: int, stop_at: Optional[int]) -> bool:
+    def sync_due(self, step: int, stop_at: int | None) -> bool:
         """Whether a round (periodic kinds) is due before the step after `step`."""
         return False
 
@@ -224,19 +224,19 @@ class AlgorithmImpl:
         return False
 
     @property
-    def commit_mark(self) -> Optional[int]:
+    def commit_mark(self) -> int | None:
         """The step of the newest committed state when it is not the current step (a periodic
         policy between rounds); None when every step commits."""
         return None
 
-    def committed_parameters(self) -> Optional[list[torch.Tensor]]:
+    def committed_parameters(self) -> list[torch.Tensor] | None:
         """The parameters of the committed state when they are not the live ones (see `commit_mark`)."""
         return None
 
     def rewind(self) -> None:
         """Return the replica to its committed state (the live parameters become `committed_parameters`)."""
 
-    def eval_parameters(self) -> Optional[torch.Tensor]:
+    def eval_parameters(self) -> torch.Tensor | None:
         """Flat parameters to evaluate instead of the live replica (a background kind: the replicas'
         newest average), or None."""
         return None

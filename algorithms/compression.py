@@ -24,7 +24,6 @@ is staged during a step and kept only when the step commits.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
@@ -37,7 +36,7 @@ def _aligned(nbytes: int) -> int:
     return -(-nbytes // _ALIGN) * _ALIGN
 
 
-def _buffer(out: Optional[torch.Tensor], numel: int, dtype: torch.dtype, device) -> torch.Tensor:
+def _buffer(out: torch.Tensor | None, numel: int, dtype: torch.dtype, device) -> torch.Tensor:
     if out is None:
         return torch.empty(numel, dtype=dtype, device=device)
     if out.numel() != numel or out.dtype != dtype:
@@ -55,11 +54,11 @@ class Codec:
     def payload_bytes(self, numel: int) -> int:
         raise NotImplementedError
 
-    def compress(self, x: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def compress(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """x (any float dtype, any shape) -> flat uint8 payload of `payload_bytes(x.numel())` bytes."""
         raise NotImplementedError
 
-    def decompress(self, payload: torch.Tensor, numel: int, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def decompress(self, payload: torch.Tensor, numel: int, out: torch.Tensor | None = None) -> torch.Tensor:
         """payload -> flat float32 tensor of `numel` elements (written into `out` when given)."""
         raise NotImplementedError
 
@@ -74,13 +73,13 @@ class CastCodec(Codec):
     def payload_bytes(self, numel: int) -> int:
         return _aligned(2 * numel)
 
-    def compress(self, x: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def compress(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         payload = _buffer(out, self.payload_bytes(x.numel()), torch.uint8, x.device)
         payload[2 * x.numel():].zero_()
         payload[:2 * x.numel()].view(self.dtype).copy_(x.reshape(-1))
         return payload
 
-    def decompress(self, payload: torch.Tensor, numel: int, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def decompress(self, payload: torch.Tensor, numel: int, out: torch.Tensor | None = None) -> torch.Tensor:
         result = _buffer(out, numel, torch.float32, payload.device)
         return result.copy_(payload[:2 * numel].view(self.dtype))
 
@@ -95,7 +94,7 @@ class MinMaxUInt8(Codec):
     def payload_bytes(self, numel: int) -> int:
         return _aligned(self.header + numel)
 
-    def compress(self, x: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def compress(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         d = x.numel()
         payload = _buffer(out, self.payload_bytes(d), torch.uint8, x.device)
         payload[self.header + d:].zero_()
@@ -110,7 +109,7 @@ class MinMaxUInt8(Codec):
         payload[self.header:self.header + d].copy_(levels)
         return payload
 
-    def decompress(self, payload: torch.Tensor, numel: int, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def decompress(self, payload: torch.Tensor, numel: int, out: torch.Tensor | None = None) -> torch.Tensor:
         result = _buffer(out, numel, torch.float32, payload.device)
         head = payload[:self.header].view(torch.float32)
         step = (head[1] - head[0]) / 255
@@ -136,7 +135,7 @@ class OneBit(Codec):
     def payload_bytes(self, numel: int) -> int:
         return _aligned(self.header + -(-numel // 8))
 
-    def compress(self, x: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def compress(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         d = x.numel()
         nbytes = -(-d // 8)
         payload = _buffer(out, self.payload_bytes(d), torch.uint8, x.device)
@@ -150,7 +149,7 @@ class OneBit(Codec):
         torch.sum(packed, dim=1, dtype=torch.uint8, out=payload[self.header:self.header + nbytes])
         return payload
 
-    def decompress(self, payload: torch.Tensor, numel: int, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def decompress(self, payload: torch.Tensor, numel: int, out: torch.Tensor | None = None) -> torch.Tensor:
         result = _buffer(out, numel, torch.float32, payload.device)
         packed = payload[self.header:self.header + -(-numel // 8)]
         bits = packed.unsqueeze(1).bitwise_right_shift(_SHIFTS.to(payload.device)).bitwise_and_(1).view(-1)[:numel]
@@ -176,22 +175,22 @@ class ErrorFeedback:
     """
 
     def __init__(self) -> None:
-        self._kept: Optional[torch.Tensor] = None
-        self._staged: Optional[torch.Tensor] = None
+        self._kept: torch.Tensor | None = None
+        self._staged: torch.Tensor | None = None
         self._has_staged = False
 
     @property
-    def residual(self) -> Optional[torch.Tensor]:
+    def residual(self) -> torch.Tensor | None:
         """The committed residual (None before the first commit or after a reset)."""
         return self._kept
 
-    def compensate(self, x: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def compensate(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """x + the committed residual, written into `out` when given (x itself may be `out`)."""
         if self._kept is None:
             return x.clone() if out is None else out.copy_(x)
         return torch.add(x, self._kept.view_as(x), out=out)
 
-    def buffer(self, numel: int, device: Optional[torch.device] = None) -> torch.Tensor:
+    def buffer(self, numel: int, device: torch.device | None = None) -> torch.Tensor:
         """The float32 staging buffer: compute a new residual in it and `stage()` it without a copy."""
         if self._staged is None or self._staged.numel() != numel:
             self._staged = torch.empty(numel, dtype=torch.float32, device=device)

@@ -28,7 +28,7 @@ c <- c + alpha (x - c) and returns d = alpha (x - c), atomically (the caller hol
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -69,7 +69,7 @@ class DispenserCore:
     def finished(self) -> bool:
         return self.ended
 
-    def refusal(self, fence: Fence) -> Optional[str]:
+    def refusal(self, fence: Fence) -> str | None:
         if self.ended:
             return "finished"
         if fence.slot not in self.members:
@@ -106,7 +106,7 @@ class DispenserCore:
         self._rounds.pop(slot, None)
 
     # ---------------------------------------------------------------- blocks
-    def deal_block(self, fence: Fence, count: int, size: int) -> tuple[Optional[str], tuple[Ticket, ...]]:
+    def deal_block(self, fence: Fence, count: int, size: int) -> tuple[str | None, tuple[Ticket, ...]]:
         """`count` tickets of `size` samples each for `fence.slot` (requeued samples first)."""
         refusal = self.refusal(fence)
         if refusal:
@@ -155,7 +155,7 @@ class DispenserCore:
         return closed
 
     # ---------------------------------------------------------------- central copy
-    def elastic(self, fence: Fence, x: torch.Tensor, alpha: float) -> tuple[Optional[str], Optional[torch.Tensor]]:
+    def elastic(self, fence: Fence, x: torch.Tensor, alpha: float) -> tuple[str | None, torch.Tensor | None]:
         """EASGD: d = alpha (x - c); c <- c + d; returns d (None with the refusal)."""
         refusal = self.refusal(fence)
         if refusal:

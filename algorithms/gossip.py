@@ -59,7 +59,6 @@ member's bytes sent; the next history record of each member carries it as `conse
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import numpy as np
 import torch
@@ -91,7 +90,7 @@ class _Exchange:
 
 
 class GossipImpl(AlgorithmImpl):
-    trace: Optional[list[tuple[str, int]]] = None
+    trace: list[tuple[str, int]] | None = None
     """When a list, the exchange appends ("launch", step) and ("land", step): for tests."""
     undo_split: bool = True
     """Undo the terms of a split exchange at the next entry (tests switch it off to see the drift)."""
@@ -102,11 +101,11 @@ class GossipImpl(AlgorithmImpl):
         dtypes = {p.dtype for p in self.params}
         self.dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
         self.topology = get_topology(self.config.topology.kind, **self.config.topology.params())
-        self.exchange: Optional[_Exchange] = None
-        self.mixed: Optional[torch.Tensor] = None
+        self.exchange: _Exchange | None = None
+        self.mixed: torch.Tensor | None = None
         """sum_j W_ij x_j of the step whose exchange landed, until `apply_update` takes it."""
         self._buffers: dict[str, torch.Tensor] = {}
-        self._landed: Optional[_Exchange] = None
+        self._landed: _Exchange | None = None
         self.launched: tuple[int, int] = NEVER
         """(membership epoch, step) of the newest exchange this member launched."""
         self.applied: tuple[int, int] = NEVER
@@ -115,12 +114,12 @@ class GossipImpl(AlgorithmImpl):
         """Per peer slot: the newest applied exchange with it and its term W_ij (x_j - x_i)."""
         self.undone = 0
         """Terms undone at entries (split exchanges), for history."""
-        self._consensus: Optional[tuple[int, float]] = None
+        self._consensus: tuple[int, float] | None = None
         compression = algorithm.compression
-        self.codec: Optional[Codec] = None if compression is None or compression.codec == "none" \
+        self.codec: Codec | None = None if compression is None or compression.codec == "none" \
             else get_codec(compression.codec)
         """`compression.codec`: what goes on the wire is its payload (dpsgd: of the parameters)."""
-        self._send: Optional[torch.Tensor] = None
+        self._send: torch.Tensor | None = None
         self._decoded: dict[int, torch.Tensor] = {}
         """Per peer rank: a reused float buffer its payload is decoded into."""
 
@@ -384,7 +383,7 @@ class ChocoImpl(GossipImpl):
         self.public: dict[int, torch.Tensor] = {}
         """x̂_j per rank j of this member's row (itself included), of the current membership epoch."""
         self._q: dict[int, torch.Tensor] = {}
-        self._backup: Optional[torch.Tensor] = None
+        self._backup: torch.Tensor | None = None
         """x_i before this step's gossip moved it, until the step commits or is discarded (None: not moved)."""
         self._terms: dict[int, torch.Tensor] = {}
         self._due = False

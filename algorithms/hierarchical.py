@@ -18,7 +18,8 @@ member, or the Ray node it runs on). Blocking; a failed message raises the commu
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -41,7 +42,7 @@ class HierarchicalAllReduce:
     def is_leader(self) -> bool:
         return self.rank == self.leader
 
-    def all_reduce(self, tensor: torch.Tensor, among: Optional[Callable[[torch.Tensor, Any], None]] = None) -> None:
+    def all_reduce(self, tensor: torch.Tensor, among: Callable[[torch.Tensor, Any], None] | None = None) -> None:
         """SUM `tensor` over every rank of the group, in place. `among(flat, leaders_group)`, where given,
         replaces the leaders' plain all-reduce of their nodes' sums (a compressed scatter-gather on the
         leaders' own group; it needs a backend that forms one)."""

@@ -25,8 +25,9 @@ per run of samples from one data epoch (normally one lease; two where a share st
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal, Optional, Sequence
+from typing import Literal
 
 import numpy as np
 
@@ -158,7 +159,7 @@ class LeaseService:
         return ticket
 
     # ---------------------------------------------------------------- outcomes
-    def find(self, lease_ids: Sequence[int]) -> Optional[Ticket]:
+    def find(self, lease_ids: Sequence[int]) -> Ticket | None:
         """The open ticket with exactly these lease ids, or None (closed, or never dealt)."""
         ticket = self.open.get(lease_ids[0]) if lease_ids else None
         return ticket if ticket is not None and ticket.lease_ids == tuple(lease_ids) else None
@@ -169,7 +170,7 @@ class LeaseService:
         key = lease_ids[0]
         return key in self.applied or (key < self.applied_floor and key not in self.open)
 
-    def held(self, holder: str, clock: Optional[int] = None) -> list[Ticket]:
+    def held(self, holder: str, clock: int | None = None) -> list[Ticket]:
         """Open tickets of `holder` (for one clock, or all)."""
         return [t for t in self.open.values() if t.holder == holder and (clock is None or t.clock == clock)]
 

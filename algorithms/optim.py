@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import collections
 import math
-from typing import Iterable, Optional
+from collections.abc import Iterable
 
 import torch
 
@@ -25,7 +25,7 @@ def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: OptimizerConfig):
                              foreach=False)
 
 
-def lr_at(step: int, cfg: OptimizerConfig, total_steps: Optional[int], lr_scale: float = 1.0) -> float:
+def lr_at(step: int, cfg: OptimizerConfig, total_steps: int | None, lr_scale: float = 1.0) -> float:
     """Learning rate used for the update that produces committed step `step + 1`."""
     base = cfg.lr * lr_scale
     if cfg.warmup_steps and step < cfg.warmup_steps:
@@ -42,7 +42,7 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
         group["lr"] = lr
 
 
-def contiguous_runs(tensors: list[torch.Tensor]) -> Optional[list[list[int]]]:
+def contiguous_runs(tensors: list[torch.Tensor]) -> list[list[int]] | None:
     """The indices of `tensors` grouped into runs that lie back to back in one storage, each run in
     memory order; None when a tensor is not contiguous or the dtypes differ."""
     if not tensors or any(not t.is_contiguous() or t.dtype != tensors[0].dtype for t in tensors):
@@ -93,8 +93,8 @@ class SGD:
                          "nesterov": nesterov, "maximize": False, "foreach": False, "differentiable": False, "fused": None}
         self.param_groups = [{**self.defaults, "params": params}]
         self.state: collections.defaultdict = collections.defaultdict(dict)
-        self._key: Optional[list] = None
-        self._runs: list[tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], list[torch.nn.Parameter]]] = []
+        self._key: list | None = None
+        self._runs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, list[torch.nn.Parameter]]] = []
 
     def __repr__(self) -> str:
         group = {k: v for k, v in self.param_groups[0].items() if k != "params"}

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
@@ -108,8 +107,8 @@ class PeriodicImpl(AlgorithmImpl):
         self.step_losses: list[tuple[int, object]] = []
         """(`trained` after the step, its mean loss) of the local steps a round may still cover: a round
         reports the mean loss of the steps it covers (those since its fragment's previous launch)."""
-        self.inflight: Optional[_Launch] = None
-        self._due: Optional[int] = None
+        self.inflight: _Launch | None = None
+        self._due: int | None = None
         self._final = False
 
     def _wires(self) -> list[ScatterGather]:
@@ -133,7 +132,7 @@ class PeriodicImpl(AlgorithmImpl):
     def _gather(self, f: int) -> torch.Tensor:
         return torch.cat([p.detach().reshape(-1)[a:b].to(self.dtype) for p, a, b, _ in self._pieces(f)])
 
-    def _scatter(self, f: int, flat: torch.Tensor, into: Optional[list[torch.Tensor]] = None) -> None:
+    def _scatter(self, f: int, flat: torch.Tensor, into: list[torch.Tensor] | None = None) -> None:
         targets = dict(zip(map(id, self.params), into)) if into is not None else None
         with torch.no_grad():
             for p, a, b, at in self._pieces(f):
@@ -144,7 +143,7 @@ class PeriodicImpl(AlgorithmImpl):
     def _offset(self, f: int) -> int:
         return (f + 1) * self.h // len(self.bounds)
 
-    def _due_fragment(self, step: int) -> Optional[int]:
+    def _due_fragment(self, step: int) -> int | None:
         """The fragment whose round launches after `step`, if any (at the end of the run every
         fragment not yet synchronized at that step is)."""
         if self._final:
@@ -155,7 +154,7 @@ class PeriodicImpl(AlgorithmImpl):
                 return f
         return None
 
-    def sync_due(self, step: int, stop_at: Optional[int]) -> bool:
+    def sync_due(self, step: int, stop_at: int | None) -> bool:
         self._final = stop_at is not None and step >= stop_at
         if self.inflight is not None:
             return step >= self.inflight.merge_at or self._final
@@ -169,7 +168,7 @@ class PeriodicImpl(AlgorithmImpl):
         return StepVote.local(draft)
 
     # ------------------------------------------------------------------ rounds
-    def sync(self, step: int, draft: VoteDraft) -> Optional[StepVote]:
+    def sync(self, step: int, draft: VoteDraft) -> StepVote | None:
         """Launch the due fragment's round (after `sync_due` said one is due) and/or merge the one in
         flight; the merge is the commit point and returns the vote, a launch alone returns None. A
         failed collective raises CommError."""
@@ -243,7 +242,7 @@ class PeriodicImpl(AlgorithmImpl):
             wire.bind(comm)  # also drops what an abandoned round staged
 
     @property
-    def commit_mark(self) -> Optional[int]:
+    def commit_mark(self) -> int | None:
         return self.mark
 
     @property

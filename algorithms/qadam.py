@@ -21,8 +21,6 @@ stays identical; the state a joiner or a checkpoint needs (m, v, t) travels in `
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from algorithms.allreduce import AllReduce, AllReduceImpl
@@ -35,9 +33,9 @@ class QAdamImpl(AllReduceImpl):
         self.warmup = self.config.warmup_steps
         self.momentum_wire = self._wires(*super()._gradient_codec())
         """The momentum's compressed scatter-gather per bucket (none: it travels in full precision)."""
-        self.m: Optional[list[torch.Tensor]] = None
+        self.m: list[torch.Tensor] | None = None
         """Per bucket, the agreed first moment (after warm-up)."""
-        self.v: Optional[list[torch.Tensor]] = None
+        self.v: list[torch.Tensor] | None = None
         """Per bucket, the second moment frozen at the end of warm-up."""
         self.t = 0
         self._sent: list[torch.Tensor] = []

@@ -41,8 +41,8 @@ Each prediction says which formula gave it (`Prediction.basis`), so a reader can
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
 
 import numpy as np
 
@@ -92,7 +92,7 @@ class Network:
     def uniform(cls, nodes: int, per_node: int, inter_bytes_per_s: float, inter_latency_s: float = 0.0,
                 intra_bytes_per_s: float = INF, intra_latency_s: float = 0.0,
                 loopback_bytes_per_s: float = 2.0e9, host_bytes_per_s: float = INF,
-                host_s: tuple[tuple[str, float], ...] = ()) -> "Network":
+                host_s: tuple[tuple[str, float], ...] = ()) -> Network:
         ranks = tuple(r // per_node for r in range(nodes * per_node))
         bw = tuple(tuple(intra_bytes_per_s if a == b else inter_bytes_per_s for b in range(nodes)) for a in range(nodes))
         lat = tuple(tuple(intra_latency_s if a == b else inter_latency_s for b in range(nodes)) for a in range(nodes))
@@ -193,7 +193,7 @@ def exchange(net: Network, peers: Callable[[int], Sequence[int]], size: float) -
     return _round_time(net, [(i, j, size) for i in range(net.n) for j in peers(i) if j != i])
 
 
-def hierarchical_allreduce(net: Network, size: float, codec_ratio: Optional[float] = None) -> float:
+def hierarchical_allreduce(net: Network, size: float, codec_ratio: float | None = None) -> float:
     """BAGUA's hierarchical all-reduce (algorithms/hierarchical.py): each non-leader sends its gradients
     to its node's leader (its lowest rank), the leaders all-reduce over the links between nodes (a ring;
     with a codec, the compressed scatter-gather: an all-to-all of chunks at `codec_ratio`, then a ring
@@ -229,7 +229,7 @@ class PolicySpec:
     warmup_steps: int = 0
     """qadam: full-precision steps before the compressed momentum."""
     total_steps: int = 0
-    peers: Optional[Callable[[int, int], Sequence[int]]] = None
+    peers: Callable[[int, int], Sequence[int]] | None = None
     """Gossip: rank -> its topology peers at a world size (default: the ring's two neighbours)."""
 
 

@@ -20,7 +20,7 @@ the one byte formula, and `bytes_sent` here is its growth over the last call.
 """
 from __future__ import annotations
 
-from typing import Iterator, Optional
+from collections.abc import Iterator
 
 import torch
 
@@ -39,8 +39,8 @@ class ScatterGather:
         self.codec = codec
         self.numel = numel
         self.tail_numel = tail_numel
-        self.worker_feedback: Optional[ErrorFeedback] = ErrorFeedback() if feedback else None
-        self.owner_feedback: Optional[ErrorFeedback] = ErrorFeedback() if feedback else None
+        self.worker_feedback: ErrorFeedback | None = ErrorFeedback() if feedback else None
+        self.owner_feedback: ErrorFeedback | None = ErrorFeedback() if feedback else None
         self.comm = None
         self.bytes_sent = 0
         """Bytes this rank's communicator counted during the last call."""

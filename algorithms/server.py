@@ -52,8 +52,9 @@ were identical too, so this is insurance for kernels whose scalar tail rounds di
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Literal, Optional, Sequence, Union
+from typing import Literal
 
 import torch
 
@@ -61,7 +62,7 @@ from algorithms.leases import LeaseService, Ticket
 from algorithms.optim import build_optimizer, lr_at, set_lr
 from core.schema import ASPConfig, ElasticBSPConfig, OptimizerConfig, QuorumConfig, SSPConfig
 
-ServerPolicy = Union[ASPConfig, SSPConfig, QuorumConfig, ElasticBSPConfig]
+ServerPolicy = ASPConfig | SSPConfig | QuorumConfig | ElasticBSPConfig
 ALIGN = 64
 """Shard cuts fall on multiples of this many elements (a multiple of every CPU vector width)."""
 
@@ -84,7 +85,7 @@ class Fence:
 @dataclass(frozen=True)
 class Pull:
     status: PullStatus
-    ticket: Optional[Ticket] = None
+    ticket: Ticket | None = None
     version: int = 0
     """The version of the parameters the puller gets (push it back as `pulled_version`)."""
     clock: int = 0
@@ -101,7 +102,7 @@ class Push:
     applied: the sender must not reuse the buffer."""
     loss: float = 0.0
     """The member's loss, weighted the same way."""
-    buffers: Optional[torch.Tensor] = None
+    buffers: torch.Tensor | None = None
     """The member's model buffers (BatchNorm's running statistics, ...) after this step, flat, as float64
     (integer buffers exactly); None when the model has none."""
 
@@ -117,7 +118,7 @@ class Update:
     samples: int
     tickets: tuple[Ticket, ...]
     staleness: tuple[int, ...]
-    barrier: Optional[int] = None
+    barrier: int | None = None
     """elastic_bsp: the index of the barrier this update is (None: a single push applied as in ASP)."""
 
 
@@ -147,7 +148,7 @@ class BarrierRound:
                 "staged": {s: dict(p) for s, p in self.staged.items()}, "scheduled": self.scheduled}
 
     @classmethod
-    def from_state(cls, state: dict) -> "BarrierRound":
+    def from_state(cls, state: dict) -> BarrierRound:
         return cls(state["index"], dict(state["at"]), dict(state["began"]),
                    {s: dict(p) for s, p in state["staged"].items()}, state["scheduled"])
 
@@ -170,7 +171,7 @@ def shard_bounds(numel: int, shards: int) -> list[tuple[int, int]]:
 
 class ServerCore:
     def __init__(self, parameters: Sequence[torch.Tensor], optimizer: OptimizerConfig, policy: ServerPolicy, *,
-                 n_samples: int, seed: int, global_batch: int, shards: int = 1, max_steps: Optional[int] = None) -> None:
+                 n_samples: int, seed: int, global_batch: int, shards: int = 1, max_steps: int | None = None) -> None:
         if isinstance(policy, QuorumConfig) and policy.k is None:
             raise ValueError("quorum needs k (the schema fills in its default)")
         self.policy = policy
@@ -219,7 +220,7 @@ class ServerCore:
         return isinstance(self.policy, ElasticBSPConfig)
 
     @property
-    def bound(self) -> Optional[int]:
+    def bound(self) -> int | None:
         """How far a pull may run ahead of the version, in clocks (None: no bound)."""
         if isinstance(self.policy, SSPConfig):
             return self.policy.s
@@ -233,7 +234,7 @@ class ServerCore:
         """Whether a pull at `clock` may proceed: version >= clock - s (quorum: s = 0; asp: always)."""
         return self.bound is None or self.version >= clock - self.bound
 
-    def parameters(self, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def parameters(self, out: torch.Tensor | None = None) -> torch.Tensor:
         """The flat parameter vector (a copy; into `out` when given)."""
         return torch.cat([shard.detach() for shard in self.shards], out=out)
 
@@ -278,7 +279,7 @@ class ServerCore:
         live = min(self.clocks.values(), default=self.version)
         return max(live, self.version)
 
-    def _refusal(self, fence: Fence, pushing: bool) -> Optional[str]:
+    def _refusal(self, fence: Fence, pushing: bool) -> str | None:
         if fence.slot not in self.members:
             return "not_member"
         if fence.worker_incarnation != self.members[fence.slot]:
@@ -363,7 +364,7 @@ class ServerCore:
         """A retried push of a ticket already waiting for its clock."""
         return ticket.leases[0].id in self._staged_leases()
 
-    def _requeue_unpushed(self, holder: Optional[str] = None) -> None:
+    def _requeue_unpushed(self, holder: str | None = None) -> None:
         """Requeue the open tickets (of `holder`, or everyone's) that no staged push carries: what was
         pushed is good work and stays for its clock."""
         staged = self._staged_leases()
@@ -523,7 +524,7 @@ class ServerCore:
         self.member_buffers = {slot: b.clone() for slot, b in state.get("buffers", {}).items()}
 
 
-def combine_buffers(flats: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor]) -> Optional[list[torch.Tensor]]:
+def combine_buffers(flats: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor]) -> list[torch.Tensor] | None:
     """The model buffers a server kind's final model takes from its members' newest (`flats`, each the
     model's buffers flattened as float64, lowest rank first): floating-point buffers averaged over
     the members, the others (BatchNorm's batch count) the lowest-ranked member's, as the average of

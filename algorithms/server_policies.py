@@ -15,7 +15,7 @@ number of pushes it made, not the job's step (the server's version).
 from __future__ import annotations
 
 import logging
-from typing import Optional, Protocol
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -31,13 +31,13 @@ PULL_WAIT_S = 0.5
 class ServerClient(Protocol):
     """How a member reaches the parameter server (every call has a timeout)."""
 
-    def pull(self, fence: Fence, wait_s: float) -> tuple[Pull, Optional[torch.Tensor]]:
+    def pull(self, fence: Fence, wait_s: float) -> tuple[Pull, torch.Tensor | None]:
         """The pull's answer and, when it is `ok` or `finished`, the flat float32 parameters."""
         ...
 
     def push(self, push: Push) -> PushResult: ...
 
-    def push_pull(self, push: Push, wait_s: float) -> tuple[PushResult, Optional[Pull], Optional[torch.Tensor]]:
+    def push_pull(self, push: Push, wait_s: float) -> tuple[PushResult, Pull | None, torch.Tensor | None]:
         """The push, then (unless the push was refused or the job finished) the sender's next pull, in
         one call: one round trip a step instead of two."""
         ...
@@ -46,15 +46,15 @@ class ServerClient(Protocol):
 class ServerImpl(AlgorithmImpl):
     def __init__(self, algorithm: Algorithm, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         super().__init__(algorithm, model, optimizer)
-        self.client: Optional[ServerClient] = None
+        self.client: ServerClient | None = None
         self.slot, self.incarnation = "", 0
-        self.pulled: Optional[Pull] = None
+        self.pulled: Pull | None = None
         self.server_incarnation = 0
         self.finished = False
         self._loss = 0.0
         self.results: dict[str, int] = {}
         """This member's pushes by the server's answer (applied, staged, dropped, fenced_*, ...)."""
-        self._next: Optional[tuple[Pull, Optional[torch.Tensor]]] = None
+        self._next: tuple[Pull, torch.Tensor | None] | None = None
         """The next step's pull, answered with the last push."""
 
     def connect(self, client: ServerClient, slot: str, incarnation: int) -> None:
@@ -65,7 +65,7 @@ class ServerImpl(AlgorithmImpl):
         epoch = self.epoch.membership_epoch if self.epoch else 0
         return Fence(epoch, self.slot, self.incarnation, self.server_incarnation)
 
-    def step_samples(self, step: int) -> Optional[np.ndarray]:
+    def step_samples(self, step: int) -> np.ndarray | None:
         """Pull: the fresh parameters go into the model, the ticket's sample ids are this step's batch.
         An empty array when there is nothing to train now (wait, refused, or finished)."""
         if self.client is None:

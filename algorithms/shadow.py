@@ -49,9 +49,10 @@ import enum
 import logging
 import threading
 import time
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Literal, Optional, Protocol, Sequence
+from typing import Any, Literal, Protocol
 
 import numpy as np
 import torch
@@ -158,8 +159,8 @@ class BackgroundSync:
     """Runs shadow rounds on a daemon thread over a communicator given per membership epoch."""
 
     def __init__(self, params: Sequence[torch.nn.Parameter], config: ShadowConfig,
-                 central: Optional[CentralCopy] = None, timeout_s: Optional[float] = None,
-                 hook: Optional[RoundHook] = None, name: str = "shadow") -> None:
+                 central: CentralCopy | None = None, timeout_s: float | None = None,
+                 hook: RoundHook | None = None, name: str = "shadow") -> None:
         if config.method == "easgd" and central is None:
             raise ValueError("shadow easgd needs a central copy (the parameter server's)")
         self.params = [p for p in params if p.requires_grad]
@@ -178,12 +179,12 @@ class BackgroundSync:
         self._stop = threading.Event()
         self._released = threading.Event()
         self._released.set()
-        self.thread: Optional[threading.Thread] = None
+        self.thread: threading.Thread | None = None
         with torch.no_grad():
             self.global_copy = self._flat().clone() if config.method == "bmuf" else None
             """BMUF's x_g: equal on every member (the replicas start equal; a joiner loads it)."""
             self.block_step = torch.zeros_like(self.global_copy) if config.method == "bmuf" else None
-        self.average: Optional[torch.Tensor] = None
+        self.average: torch.Tensor | None = None
         """MA: the replicas' average that the newest successful round computed; BMUF: x_g after it."""
 
     @property
@@ -210,7 +211,7 @@ class BackgroundSync:
             self._released.set()
 
     # ------------------------------------------------------------------ lifecycle
-    def start(self, comm: Any, max_rounds: Optional[int] = None) -> None:
+    def start(self, comm: Any, max_rounds: int | None = None) -> None:
         """Begin a membership epoch's rounds over `comm` (its own group; unused by easgd)."""
         with self._state_lock:
             if self._state == Lifecycle.STARTED:
@@ -255,7 +256,7 @@ class BackgroundSync:
         return self._state
 
     # ------------------------------------------------------------------ rounds
-    def _run(self, generation: int, comm: Any, stop: threading.Event, max_rounds: Optional[int]) -> None:
+    def _run(self, generation: int, comm: Any, stop: threading.Event, max_rounds: int | None) -> None:
         done = 0
         while not stop.is_set() and (max_rounds is None or done < max_rounds):
             began = time.monotonic()
@@ -346,7 +347,7 @@ class BackgroundSync:
 class DispenserClient(Protocol):
     """A member's way to the job's lease dispenser and central copy (actors/parameter_server.py)."""
 
-    def lease_block(self, fence: Fence, count: int, size: int) -> tuple[Optional[str], tuple[Ticket, ...]]:
+    def lease_block(self, fence: Fence, count: int, size: int) -> tuple[str | None, tuple[Ticket, ...]]:
         """`count` tickets of `size` samples; (refusal, ()) when refused or unreachable ("wait")."""
 
     def applied(self, fence: Fence, keys: list[int], rounds: int, final: bool = False, upto: int = -1,
@@ -367,7 +368,7 @@ returns None when a newer membership superseded it, raises when it could not for
 class _RemoteCentral:
     """The central copy on the dispenser, as `BackgroundSync` sees it."""
 
-    def __init__(self, impl: "ShadowImpl") -> None:
+    def __init__(self, impl: ShadowImpl) -> None:
         self.impl = impl
 
     def elastic(self, x: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -387,9 +388,9 @@ class ShadowImpl(AlgorithmImpl):
 
     def __init__(self, algorithm: Algorithm, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         super().__init__(algorithm, model, optimizer)
-        self.client: Optional[DispenserClient] = None
+        self.client: DispenserClient | None = None
         self.slot, self.incarnation = "", 0
-        self.make_group: Optional[GroupFactory] = None
+        self.make_group: GroupFactory | None = None
         self.save_state: Callable[[], bytes] = lambda: b""
         self.load_state: Callable[[bytes], None] = lambda blob: None
         central = _RemoteCentral(self) if self.config.method == "easgd" else None  # reached once connected
@@ -400,14 +401,14 @@ class ShadowImpl(AlgorithmImpl):
         """Set once this member holds a live state; a new member's foreground waits for it."""
         self.closed = False
         self.block: list[Ticket] = []
-        self.ticket: Optional[Ticket] = None
-        self._prefetch: Optional[tuple[threading.Thread, dict]] = None
+        self.ticket: Ticket | None = None
+        self._prefetch: tuple[threading.Thread, dict] | None = None
         self._applied: list[int] = []
         self._generation = 0
         self._group: Any = None
-        self._held: Optional[Any] = None
+        self._held: Any | None = None
         self._reported_failures = 0
-        self._broken: Optional[str] = None
+        self._broken: str | None = None
         """Why this epoch's background group is broken (None while it works): asked again to re-form
         every `_retry_s` until a new epoch comes, since the coordinator may drop a request."""
         self._asked_at = 0.0
@@ -418,7 +419,7 @@ class ShadowImpl(AlgorithmImpl):
         self.entries = 0
         self._upto = -1
         """The clock of the newest ticket applied (tickets are used in order)."""
-        self.loaded_from: Optional[int] = None
+        self.loaded_from: int | None = None
 
     def connect(self, client: DispenserClient, slot: str, incarnation: int) -> None:
         self.client, self.slot, self.incarnation = client, slot, incarnation
@@ -531,7 +532,7 @@ class ShadowImpl(AlgorithmImpl):
             threading.Thread(target=_close_when_free, args=(group, thread), daemon=True, name="shadow close").start()
 
     # ------------------------------------------------------------------ the foreground
-    def step_samples(self, step: int) -> Optional[np.ndarray]:
+    def step_samples(self, step: int) -> np.ndarray | None:
         """The next leased share; empty while this new member waits for its state, or while the
         dispenser cannot deal (the loop comes back)."""
         if self.client is None:
@@ -638,7 +639,7 @@ class ShadowImpl(AlgorithmImpl):
     def stop_requested(self) -> bool:
         return self.closed
 
-    def eval_parameters(self) -> Optional[torch.Tensor]:
+    def eval_parameters(self) -> torch.Tensor | None:
         """What an evaluation of the job's model should look at: the replicas' average as of the newest
         round (MA; BMUF's global copy), or None (EASGD, or no round yet: the live replica)."""
         return self.sync.average
@@ -671,7 +672,7 @@ class ShadowImpl(AlgorithmImpl):
         self.sync.load_state_dict(state)
 
 
-def _close_when_free(group: Any, thread: Optional[threading.Thread]) -> None:
+def _close_when_free(group: Any, thread: threading.Thread | None) -> None:
     """Close an abandoned epoch's group once its thread is out of the collective (its timeout frees it)."""
     if thread is not None:
         thread.join(getattr(group, "timeout_s", 30.0) + 5.0)

@@ -10,8 +10,8 @@ members have one (a median of one says nothing). `update` returns what changed, 
 from __future__ import annotations
 
 import statistics
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 
 @dataclass(frozen=True)

@@ -23,8 +23,8 @@ The rules:
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Mapping, Optional, Union
 
 
 class JobState(str, enum.Enum):
@@ -88,12 +88,12 @@ class JobView:
     min_workers: int = 1
     failure_budget: int = 3
     on_failure: str = "reshape"
-    stop_kind: Optional[str] = None
+    stop_kind: str | None = None
     """STOPPED / FINISHED / FAILED once a stop is decided."""
     stateless: frozenset = frozenset()
     """Joiners admitted to a plan that have not received the committed state yet: they train on only
     with a member that holds it (alone they would start over from their initial model)."""
-    checkpoint_step: Optional[int] = None
+    checkpoint_step: int | None = None
     """The step of the run's newest checkpoint, for the kinds whose members hold the state (None: none)."""
 
     def training(self, *, besides: str = "") -> tuple[str, ...]:
@@ -126,25 +126,25 @@ class StopRequested:
     reason: str
 
 
-Event = Union[MemberEnded, StopRequested]
+Event = MemberEnded | StopRequested
 
 
 # ------------------------------------------------------------------------------------ decisions
 @dataclass(frozen=True)
 class Decision:
     reason: str
-    member: Optional[tuple[str, MemberState]] = None
+    member: tuple[str, MemberState] | None = None
     """The ended member's new state."""
     abort: bool = False
     """Abort the current membership epoch on every member (their pending collectives fail now)."""
-    publish: Optional[tuple[str, ...]] = None
+    publish: tuple[str, ...] | None = None
     """Publish a plan with these members (a new membership epoch when they differ)."""
     new_epoch: bool = False
     """Publish as a new membership epoch even if the members are the same."""
-    transition: Optional[JobState] = None
-    stop_kind: Optional[str] = None
+    transition: JobState | None = None
+    stop_kind: str | None = None
     """Set when this decision decides a stop."""
-    stop_step: Optional[str] = None
+    stop_step: str | None = None
     """"next" (the coordinator's step + 1) or "held" (0: the committed step the members hold)."""
     count_failure: bool = False
     """Count a failure against the member's slot."""
@@ -154,7 +154,7 @@ class Decision:
     """Start workers until the membership matches the scale target again."""
     finish: bool = False
     """Every member finished: keep the model and end the job."""
-    end_now: Optional[JobState] = None
+    end_now: JobState | None = None
     """End the job at once in this state (nothing to save, or nothing left to save it from)."""
     restore: bool = False
     """No live member holds the state: start fresh members from the newest checkpoint (the steps since

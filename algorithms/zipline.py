@@ -18,8 +18,9 @@ last of them). `r: 1` gives every worker one iteration: a barrier after each ste
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Protocol, Sequence
+from typing import Protocol
 
 import numpy as np
 
@@ -59,7 +60,7 @@ def place_barrier(last_end: Sequence[float], interval: Sequence[float], r: int) 
     times = (t0[:, None] + step[:, None] * ks[None, :]).ravel()  # worker-major: point w*r + (k-1)
     worker = np.repeat(np.arange(n), r)
     order = np.lexsort((np.tile(np.arange(r), n), worker, times))  # by time; ties by worker, then k
-    t, w = times[order], worker[order]
+    t = times[order]
     size = n * r
     position = np.empty(size, dtype=np.int64)
     position[order] = np.arange(size)
@@ -120,11 +121,11 @@ class BarrierPlanner:
     """The coordinator's side of elastic_bsp: a predictor of each member's iteration interval, fed with
     the intervals the server measured over each round, and ZipLine once per barrier for the next."""
 
-    def __init__(self, r: int, alpha: float = 0.3, predictor: Optional[Predictor] = None) -> None:
+    def __init__(self, r: int, alpha: float = 0.3, predictor: Predictor | None = None) -> None:
         self.r = r
         self.predictor = predictor or EwmaPredictor(alpha)
 
-    def plan(self, members: Sequence[str], intervals: dict[str, Sequence[float]]) -> Optional[dict[str, int]]:
+    def plan(self, members: Sequence[str], intervals: dict[str, Sequence[float]]) -> dict[str, int] | None:
         """After how many iterations (1..r) each of `members` synchronizes next, all starting now; None
         when a member has no interval to predict from yet (a joiner: the server's fallback holds)."""
         for slot, seen in intervals.items():

@@ -5,8 +5,8 @@ Same workload on both sides: the digits MLP (hidden 128), 2 workers, per-worker 
 same global-batch sampler. Throughput is timed on rank 0 with the same timer (`time.time()`
 after each optimizer step) over steps 50..550, in alternating pairs (orchestrator, DDP, ...);
 the ratio is taken pair by pair and its median reported. Peak RSS: the largest worker process
-of each side, both sampled the same way (psutil, every 0.1 s while they train). Start-up: from `ElasticJob.start()` to the first committed step, next to Ray
-Train's `TorchTrainer.fit()` to its first completed step, on the same workload and Ray.
+of each side, both sampled the same way (psutil, every 0.1 s while they train). Start-up: from `ElasticJob.start()` to the first
+committed step, next to Ray Train's `TorchTrainer.fit()` to its first completed step, on the same workload and Ray.
 
     python benchmarks/bsp_vs_ddp.py [--pairs 5] [--steps 550] [--startup-runs 3]
 
@@ -124,9 +124,9 @@ def run_orchestrator(name: str, steps: int) -> dict:
 
 # --------------------------------------------------------------------------- Ray Train
 def _ray_train_loop(config: dict) -> None:
-    import torch.nn.functional as F
     import ray.train
     import ray.train.torch
+    import torch.nn.functional as F
 
     torch.set_num_threads(1)
     torch.manual_seed(SEED)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Optional
 
 import psutil
 
@@ -23,7 +23,7 @@ class PeakRSS:
         self._thread.start()
 
     @classmethod
-    def of_job(cls, job, workers: Optional[int] = None) -> "PeakRSS":
+    def of_job(cls, job, workers: int | None = None) -> PeakRSS:
         """A job's worker processes, asked of its coordinator until `workers` of them are known (every
         sample when `workers` is None), not once per sample."""
         known: list[int] = []

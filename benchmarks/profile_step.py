@@ -91,8 +91,8 @@ def main() -> int:
 
     import ray
 
-    from benchmarks.bsp_vs_ddp import job_config
     from actors.testing import wait_until
+    from benchmarks.bsp_vs_ddp import job_config
     from orchestrator.job import NAMESPACE, ElasticJob, ensure_token_env
 
     os.environ.setdefault("ORCHESTRATOR_RUN_ROOT", tempfile.mkdtemp(prefix="bench-runs-"))

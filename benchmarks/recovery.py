@@ -33,8 +33,8 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from algorithms.sampler import GlobalSampler, split_for_rank  # noqa: E402
 from actors.testing import wait_until  # noqa: E402
+from algorithms.sampler import GlobalSampler, split_for_rank  # noqa: E402
 from orchestrator.workloads.digits import mlp  # noqa: E402
 
 PER_WORKER, HIDDEN, LR, SEED = 16, 64, 0.05, 0
@@ -104,9 +104,9 @@ def orchestrator_side(events: int, workers: int, every: int, spares: int = 0) ->
 
 # --------------------------------------------------------------------------- Ray Train
 def _ray_train_loop(config: dict) -> None:
-    import torch.nn.functional as F
     import ray.train
     import ray.train.torch
+    import torch.nn.functional as F
     from ray.train import Checkpoint
 
     torch.set_num_threads(1)
@@ -238,8 +238,10 @@ def main() -> int:
     o_med = statistics.median(orch["death_to_next_step_s"])
     r_med = statistics.median(rt["death_to_next_step_s"]) if rt else None
     rows = [
-        ("death -> next committed step, orchestrator (s)", f"{o_med:.3f} [{min(orch['death_to_next_step_s']):.3f}-{max(orch['death_to_next_step_s']):.3f}]"),
-        ("death -> next step, Ray Train (s)", f"{r_med:.2f} [{min(rt['death_to_next_step_s']):.2f}-{max(rt['death_to_next_step_s']):.2f}]" if rt else "n/a"),
+        ("death -> next committed step, orchestrator (s)",
+         f"{o_med:.3f} [{min(orch['death_to_next_step_s']):.3f}-{max(orch['death_to_next_step_s']):.3f}]"),
+        ("death -> next step, Ray Train (s)",
+         f"{r_med:.2f} [{min(rt['death_to_next_step_s']):.2f}-{max(rt['death_to_next_step_s']):.2f}]" if rt else "n/a"),
         ("speed-up (Ray Train / orchestrator)", f"{r_med / o_med:.1f}x" if rt else "n/a"),
         ("killed ranks, orchestrator", str(orch["victim_ranks"])),
         ("committed steps lost per death, orchestrator", str(orch["steps_lost"])),

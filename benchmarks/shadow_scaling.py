@@ -11,8 +11,8 @@ one 2-core machine has neither real accelerators nor a real network:
   background rounds absorb it.
 
 Figures per run: throughput = samples trained / wall time (first to last history record of the job),
-each worker's peak RSS (the largest worker process), the foreground's blocked-time fraction (time a step waited on others, for its samples, the policy's
-lock or its collectives, over the steps' wall time; from history's `wait_s`), the final model's held-out
+each worker's peak RSS (the largest worker process), the foreground's blocked-time fraction (time a step waited on others, for its samples,
+the policy's lock or its collectives, over the steps' wall time; from history's `wait_s`), the final model's held-out
 log loss and AUC (shadow: the average of the replicas; bsp: the committed model), and the number of
 background rounds (shadow). Scaling efficiency at n workers = throughput(n) / (n x throughput(1)) of the
 same policy. Median of `--repeats` runs per point.
@@ -100,7 +100,8 @@ def main() -> int:
     print()
     print(f"compute {args.compute_ms:g} ms a step (sleep), latency {args.latency_ms:g} ms a collective, batch {args.batch} "
           f"a worker, {args.steps} steps a worker, median of {args.repeats}")
-    print(f"{'policy':8s} {'n':>2s} {'samples/s':>10s} {'efficiency':>10s} {'blocked':>8s} {'AUC':>7s} {'log loss':>9s} {'rounds':>7s} {'RSS MiB':>8s}")
+    print(f"{'policy':8s} {'n':>2s} {'samples/s':>10s} {'efficiency':>10s} {'blocked':>8s} {'AUC':>7s} {'log loss':>9s} "
+          f"{'rounds':>7s} {'RSS MiB':>8s}")
     for policy, points in results.items():
         base = points.get(1, {}).get("throughput")
         for n, p in points.items():

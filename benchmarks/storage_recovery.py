@@ -52,7 +52,7 @@ class Shaped:
     def __init__(self, address: str, mbit: float) -> None:
         self.address, self.mbit, self.on = address, mbit, False
 
-    def __enter__(self) -> "Shaped":
+    def __enter__(self) -> Shaped:
         if self.mbit <= 0:
             return self
         root = subprocess.run(["tc", "qdisc", "show", "dev", "lo"], capture_output=True, text=True).stdout
@@ -178,7 +178,8 @@ def main() -> int:
     rows = [("checkpoint size (MB)", f"{size / 1e6:.1f}"),
             ("store link (Mbit/s)", f"{args.mbit:g}" if args.mbit > 0 else "unshaped"),
             ("upload time at that rate (s, estimate)", f"{size * 8 / (args.mbit * 1e6):.1f}" if args.mbit > 0 else "n/a"),
-            ("death -> next step, upload in flight (s)", f"{med_f:.3f} [{min(flight):.3f}-{max(flight):.3f}] n={len(flight)}" if flight else "n/a"),
+            ("death -> next step, upload in flight (s)",
+             f"{med_f:.3f} [{min(flight):.3f}-{max(flight):.3f}] n={len(flight)}" if flight else "n/a"),
             ("death -> next step, no upload (s)", f"{med_i:.3f} [{min(idle):.3f}-{max(idle):.3f}] n={len(idle)}" if idle else "n/a"),
             ("ratio in flight / none (medians)", f"{ratio:.3f}" if ratio else "n/a"),
             ("kills not counted (upload state not as meant)", str(len(result["skipped"])))]

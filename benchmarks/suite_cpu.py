@@ -35,11 +35,11 @@ KINDS = ("gcs_server", "raylet", "log_monitor", "dashboard.py", "monitor.py", "m
 _began: dict[str, float] = {}
 
 
-def pytest_runtest_logstart(nodeid, location):  # noqa: ARG001 - pytest's hook signature
+def pytest_runtest_logstart(nodeid, location):  # pytest's hook signature
     _began[nodeid] = time.time()
 
 
-def pytest_runtest_logfinish(nodeid, location):  # noqa: ARG001
+def pytest_runtest_logfinish(nodeid, location):
     path = os.environ.get("SUITE_CPU_TESTS")
     if path and nodeid in _began:
         with open(path, "a") as f:
@@ -54,7 +54,7 @@ class Sampler:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
 
-    def start(self) -> "Sampler":
+    def start(self) -> Sampler:
         self._thread.start()
         return self
 

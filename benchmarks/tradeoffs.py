@@ -153,10 +153,10 @@ def placed_compute(args, root: str) -> float:
     """The compute time of one step as the placed workers see it (the probe's measurement): the same 4
     workers, workload, evaluation cadence and CPU contention, communicating once in 20 steps (`local_sgd`,
     h 20, unshaped: a round on loopback adds well under 1 ms a step); time per step after step 10."""
+    from algorithms.runtime_model import PolicySpec
     from orchestrator.config import config_from_dict
     from orchestrator.job import ElasticJob
     from orchestrator.planner import Candidate
-    from algorithms.runtime_model import PolicySpec
 
     steps = 100
     quiet = Candidate("calibration", {"policy": "local_sgd", "h": 20}, {}, PolicySpec("local_sgd"))

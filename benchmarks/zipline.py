@@ -18,9 +18,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-from algorithms.zipline import place_barrier  # noqa: E402
+from algorithms.zipline import place_barrier
 
 
 def time_one(n: int, r: int, runs: int) -> dict:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import html
 import time
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # pragma: no cover
     from core.schema import JobStatus
@@ -23,11 +23,11 @@ def _e(value: Any) -> str:
     return html.escape(str(value))
 
 
-def fmt(value: Optional[float], spec: str) -> str:
+def fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
-def status_html(status: "JobStatus", events: tuple[dict, ...] = (), max_steps: Optional[int] = None) -> str:
+def status_html(status: JobStatus, events: tuple[dict, ...] = (), max_steps: int | None = None) -> str:
     color = COLORS.get(status.state, "#424242")
     head = (f'<b>{_e(status.name)}</b> <span style="color:{color};font-weight:bold">{_e(status.state)}</span> '
             f"step {status.step}{f'/{max_steps}' if max_steps else ''} · world {status.world_size} · "

@@ -13,7 +13,7 @@ import re
 import types
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal, Union
 
 
 class OrchestratorError(Exception):
@@ -42,7 +42,7 @@ class WorkersConfig:
     """Workers started at launch (and kept after failures when resources allow)."""
     min: int = 1
     """Below this many live workers the job pauses."""
-    max: Optional[int] = None
+    max: int | None = None
     """Upper bound for `scale`; defaults to `count`."""
     cpus: float = 1.0
     """Logical CPUs per worker actor."""
@@ -106,7 +106,7 @@ class WorkloadConfig:
     """Keyword arguments for the factory."""
     batch_size: int = 32
     """Per-worker batch size at the starting world size."""
-    micro_batch: Optional[int] = None
+    micro_batch: int | None = None
     """Most samples one forward/backward takes. A larger share of the global batch (keep_global
     after the world shrinks) runs as micro-steps whose gradients accumulate locally; buckets are
     all-reduced on the last micro-step only. None: no limit."""
@@ -281,7 +281,7 @@ class QuorumConfig:
     pushes for that clock are dropped and their samples requeued."""
 
     policy: Literal["quorum"] = "quorum"
-    k: Optional[int] = None
+    k: int | None = None
     """Pushes that complete a clock; defaults to workers.count - 1 (one backup worker); k = n is BSP."""
 
     def __post_init__(self) -> None:
@@ -448,9 +448,9 @@ SYNC_POLICIES: dict[str, type] = {c.policy: c for c in (BSPConfig, BytegradConfi
                                                         QuorumConfig, ElasticBSPConfig, ShadowConfig, DPSGDConfig,
                                                         DAdamConfig, ChocoConfig)}
 """`sync.policy` -> its config dataclass (its knobs); algorithms/ registers one Algorithm for each that runs."""
-SyncConfig = Union[BSPConfig, BytegradConfig, QAdamConfig, LocalSGDConfig, DiLoCoConfig, StreamingDiLoCoConfig,
-                   ASPConfig, SSPConfig, QuorumConfig, ElasticBSPConfig, ShadowConfig, DPSGDConfig, DAdamConfig,
-                   AutoConfig]
+SyncConfig = (BSPConfig | BytegradConfig | QAdamConfig | LocalSGDConfig | DiLoCoConfig | StreamingDiLoCoConfig
+              | ASPConfig | SSPConfig | QuorumConfig | ElasticBSPConfig | ShadowConfig | DPSGDConfig | DAdamConfig
+              | AutoConfig)
 SERVER_POLICIES = frozenset({"asp", "ssp", "quorum", "elastic_bsp"})
 """Policies run by a parameter server (actors/parameter_server.py): the `server:` section applies."""
 NOT_WIRED: frozenset[str] = frozenset()
@@ -517,7 +517,7 @@ class CompressionConfig:
 
 @dataclass
 class CheckpointConfig:
-    every_steps: Optional[int] = None
+    every_steps: int | None = None
     """Write a checkpoint every this many committed steps (none when unset)."""
     keep: int = 3
     """How many checkpoints to keep."""
@@ -533,16 +533,16 @@ class CheckpointConfig:
 class TrackingConfig:
     metrics: bool = True
     """Export the job's metrics through Ray's metrics agent (`ray.util.metrics`: Prometheus, Ray's dashboard)."""
-    tensorboard: Optional[str] = None
+    tensorboard: str | None = None
     """A directory for TensorBoard event files (the committed step is the global step); a relative path
     is inside the run directory. None: no TensorBoard."""
-    report: Optional[bool] = None
+    report: bool | None = None
     """Draw the run report (`report.png` in the run directory) when the job ends (needs matplotlib). Unset:
     drawn unless the environment says ORCHESTRATOR_REPORT=0 (the test suite does: it runs many jobs)."""
 
     def __post_init__(self) -> None:
         if self.tensorboard is not None:
-            import importlib.util  # noqa: PLC0415
+            import importlib.util
 
             if not self.tensorboard.strip():
                 raise FieldError("tensorboard", "must be a directory; leave it out for no TensorBoard")
@@ -560,9 +560,9 @@ class TargetConfig:
 
 @dataclass
 class StopConfig:
-    max_steps: Optional[int] = None
-    target: Optional[TargetConfig] = None
-    time_s: Optional[float] = None
+    max_steps: int | None = None
+    target: TargetConfig | None = None
+    time_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.max_steps is None and self.target is None and self.time_s is None:
@@ -596,7 +596,7 @@ class StragglerFault:
     delay_s: float = 0.0
     """Each step also sleeps this long: a fixed compute time, so a run's pace is the same on fast
     and slow machines."""
-    jitter: Optional[JitterSpec] = None
+    jitter: JitterSpec | None = None
     """The step's time (computed x slowdown + delay_s) is multiplied by a seeded random factor; a
     factor below 1 cannot shorten the computation itself, only the sleep."""
     from_step: int = 0
@@ -695,7 +695,7 @@ class FaultsConfig:
 class LinkConfig:
     """One kind of link of the lab's emulated network."""
 
-    mbit: Optional[float] = None
+    mbit: float | None = None
     """Bandwidth in Mbit/s, each direction, shaped by the kernel (`tc` htb); none: unshaped loopback."""
     latency_ms: float = 0.0
     """One-way latency, modelled in the transport (no netem here): every collective whose members span
@@ -784,10 +784,10 @@ class CommConfig:
 
 @dataclass
 class RayConfig:
-    address: Optional[str] = None
+    address: str | None = None
     """Ray address; none starts (or reuses) a local Ray."""
     namespace: str = "orchestrator"
-    num_cpus: Optional[int] = None
+    num_cpus: int | None = None
     """Logical CPUs of a local Ray; defaults to at least workers.max x workers.cpus."""
     coordinator_resources: dict = field(default_factory=dict)
     """Custom resources the coordinator asks for (a small amount of each), e.g. `{coordinator: 0.01}`.
@@ -822,9 +822,9 @@ class JobConfig:
     ray: RayConfig = field(default_factory=RayConfig)
     eval_every: int = 50
     """Evaluate (rank 0, on workload.eval_data) every this many steps; 0 disables."""
-    run_dir: Optional[str] = None
+    run_dir: str | None = None
     """Absolute run directory root; default ~/orchestrator-runs. Relative paths are resolved at load."""
-    storage: Optional[str] = None
+    storage: str | None = None
     """Where the job keeps what outlives a node: a local path (then it is the run root, as `run_dir`),
     or a URI (`s3://bucket/prefix?endpoint_override=...`, `gs://...`, any fsspec scheme). With a URI,
     the run's files are written to the local run directory and copied there as they change;
@@ -1030,8 +1030,8 @@ class Event:
     kind: str
     """transition / reshape / failure / checkpoint / straggler / fault / info"""
     reason: str
-    state_from: Optional[str] = None
-    state_to: Optional[str] = None
+    state_from: str | None = None
+    state_to: str | None = None
     detail: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
@@ -1047,10 +1047,10 @@ class JobStatus:
     membership_epoch: int
     world_size: int
     members: tuple[MemberStatus, ...]
-    loss: Optional[float]
-    throughput: Optional[float]
+    loss: float | None
+    throughput: float | None
     """Committed steps per second over the last few seconds."""
-    cause: Optional[str]
+    cause: str | None
     run_dir: str
     metrics: dict = field(default_factory=dict)
     reshapes: tuple[Event, ...] = ()
@@ -1061,7 +1061,7 @@ class JobStatus:
     coordinator_pid: int = 0
     started_at: float = 0.0
     """When the job started (its coordinator was created), as a Unix time."""
-    ended_at: Optional[float] = None
+    ended_at: float | None = None
     """When it reached STOPPED, FINISHED or FAILED."""
     stragglers: dict = field(default_factory=dict)
     """Training members whose step time is above 1.5x the median, with that ratio (slot -> ratio)."""
@@ -1081,12 +1081,12 @@ class JobStatus:
 
     def _repr_html_(self) -> str:
         """Jupyter's view (core/display.py)."""
-        from core.display import status_html  # noqa: PLC0415
+        from core.display import status_html
 
         return status_html(self)
 
     @classmethod
-    def from_dict(cls, data: dict) -> "JobStatus":
+    def from_dict(cls, data: dict) -> JobStatus:
         data = dict(data)
         data["members"] = tuple(MemberStatus(**m) for m in data.get("members", ()))
         data["reshapes"] = tuple(Event(**e) for e in data.get("reshapes", ()))
@@ -1100,7 +1100,7 @@ class JobResult:
     run_id: str
     state: str
     step: int
-    cause: Optional[str]
+    cause: str | None
     metrics: dict
     run_dir: str
     elapsed_s: float

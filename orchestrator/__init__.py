@@ -1,6 +1,6 @@
 """Elastic distributed training on Ray and PyTorch: the driver side and everything a user touches."""
-from orchestrator.config import load_config
 from core.schema import ConfigError, JobConfig, JobResult, JobStatus, OrchestratorError
+from orchestrator.config import load_config
 
 __all__ = ["load_config", "collective_group", "ElasticJob", "JobConfig", "JobStatus", "JobResult", "ConfigError", "OrchestratorError"]
 

@@ -13,8 +13,8 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional, Sequence
 
 from core.schema import ConfigError, JobStatus, OrchestratorError
 
@@ -68,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         logging.basicConfig(level=args.log_level or "WARNING", format="%(levelname)s %(name)s: %(message)s")
@@ -130,7 +130,7 @@ def _enter_lab(config, stack: contextlib.ExitStack, keep_up: bool) -> None:
         raise ConfigError(f"network: {err}") from None
 
 
-def _run(config, args: argparse.Namespace, resume_from: Optional[str]) -> int:
+def _run(config, args: argparse.Namespace, resume_from: str | None) -> int:
     from orchestrator.job import ElasticJob
 
     job = ElasticJob(config, resume_from=resume_from).start(owned=not args.detach)
@@ -156,7 +156,7 @@ def _run(config, args: argparse.Namespace, resume_from: Optional[str]) -> int:
 class ProgressPrinter:
     """Prints `step N/M loss L steps/s S world W epoch E` every few seconds while the job runs."""
 
-    def __init__(self, max_steps: Optional[int], every_s: float) -> None:
+    def __init__(self, max_steps: int | None, every_s: float) -> None:
         self.max_steps = max_steps
         self.every_s = every_s
         self.last = 0.0

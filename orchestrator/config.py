@@ -8,18 +8,19 @@ from __future__ import annotations
 
 import copy
 import os
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Union
+from typing import Any
 
 import yaml
 
 from core.factory import check_factory
 from core.schema import ConfigError, JobConfig, parse
 
-Overrides = Union[Mapping[str, Any], Iterable[str]]
+Overrides = Mapping[str, Any] | Iterable[str]
 
 
-def load_config(path: Union[str, os.PathLike], overrides: Overrides = ()) -> JobConfig:
+def load_config(path: str | os.PathLike, overrides: Overrides = ()) -> JobConfig:
     """Read a YAML config, apply `key.sub=value` overrides, validate everything."""
     raw = read_yaml(Path(path))
     return config_from_dict(raw, overrides)

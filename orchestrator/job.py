@@ -15,8 +15,9 @@ import math
 import os
 import secrets
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING
 
 import ray
 import yaml
@@ -28,10 +29,17 @@ from actors import runfiles
 from actors.plan import server_name
 from actors.storage import Storage, StorageError, is_remote, open_storage
 from core.factory import check_factory
-from orchestrator.config import default_run_root
 from core.schema import (
-    SERVER_POLICIES, TERMINAL_STATES, ConfigError, JobConfig, JobResult, JobStatus, OrchestratorError, parse,
+    SERVER_POLICIES,
+    TERMINAL_STATES,
+    ConfigError,
+    JobConfig,
+    JobResult,
+    JobStatus,
+    OrchestratorError,
+    parse,
 )
+from orchestrator.config import default_run_root
 
 log = logging.getLogger(__name__)
 NAMESPACE = "orchestrator"
@@ -52,7 +60,7 @@ def ensure_token_env() -> None:
         os.environ["RAY_AUTH_MODE"] = "token"
 
 
-def connect(config: Optional[JobConfig] = None, address: Optional[str] = None, start_local: bool = True) -> None:
+def connect(config: JobConfig | None = None, address: str | None = None, start_local: bool = True) -> None:
     """Reuse an existing connection; else connect to `address`; else start a local Ray."""
     if ray.is_initialized():
         return
@@ -112,21 +120,21 @@ def _coordinator_resources(config: JobConfig) -> dict:
 
 
 class ElasticJob:
-    def __init__(self, config: JobConfig, resume_from: Optional[str] = None) -> None:
+    def __init__(self, config: JobConfig, resume_from: str | None = None) -> None:
         """`resume_from`: a checkpoint file (see `actors.checkpoints.newest_valid`)."""
         self.config = config
         self.policy_choice = ""
         """`sync.policy: auto`: what `start()` picked and why (the config then names the pick)."""
         self.resume_from = str(resume_from) if resume_from else None
         self.name = config.name
-        self.run_id: Optional[str] = None
-        self.run_dir: Optional[Path] = None
-        self.storage: Optional[Storage] = None
+        self.run_id: str | None = None
+        self.run_dir: Path | None = None
+        self.storage: Storage | None = None
         self._coordinator = None
-        self._result: Optional[JobResult] = None
+        self._result: JobResult | None = None
 
     # ------------------------------------------------------------------ lifecycle
-    def start(self, owned: bool = False) -> "ElasticJob":
+    def start(self, owned: bool = False) -> ElasticJob:
         """Start the job and return at once (the job runs in detached actors).
 
         `owned=True` (what `python -m orchestrator run` does without --detach) ties the job to this
@@ -175,7 +183,7 @@ class ElasticJob:
         return self
 
     @classmethod
-    def attach(cls, name: str, address: Optional[str] = None) -> "ElasticJob":
+    def attach(cls, name: str, address: str | None = None) -> ElasticJob:
         """Reach a job by name from any process; never starts a new Ray."""
         connect(None, address, start_local=False)
         coordinator = _find_coordinator(name)
@@ -236,7 +244,7 @@ class ElasticJob:
             raise OrchestratorError(f"job {self.name!r}: the coordinator is gone and left no final status in {self.run_dir}")
         return JobStatus.from_dict(data)
 
-    def wait(self, timeout: Optional[float] = None, on_status: Optional[Callable[[JobStatus], None]] = None) -> JobResult:
+    def wait(self, timeout: float | None = None, on_status: Callable[[JobStatus], None] | None = None) -> JobResult:
         """Block until the job ends (or `timeout` seconds pass: TimeoutError)."""
         if self._result is not None:
             return self._result
@@ -316,7 +324,7 @@ class ElasticJob:
             return []
         if (self.run_dir / name).exists() or not self._remote():
             return runfiles.read_jsonl(self.run_dir / name)
-        from actors.mirror import read_appended  # noqa: PLC0415
+        from actors.mirror import read_appended
 
         return runfiles.parse_jsonl(read_appended(self.storage, self._key(name)))
 
@@ -325,28 +333,28 @@ class ElasticJob:
         return self.status(), tuple(self.events()[-5:])
 
     def _repr_html_(self) -> str:
-        from core.display import status_html  # noqa: PLC0415
+        from core.display import status_html
 
         if self.run_dir is None:
             return f"<b>{self.name}</b> (not started: call <code>start()</code>)"
         status, events = self._view()
         return status_html(status, events, self.config.stop.max_steps)
 
-    def watch(self, timeout: Optional[float] = None, every: float = 1.0, block: bool = True):
+    def watch(self, timeout: float | None = None, every: float = 1.0, block: bool = True):
         """Show the job until it ends: in a notebook one display kept up to date (a progress bar), else a
         progress line every `every` s. Blocks for at most `timeout` s; `block=False` watches from a
         background thread (returned) so that other cells run meanwhile. Does not release the job:
         `wait()` still returns its result."""
-        from orchestrator import notebook  # noqa: PLC0415
+        from orchestrator import notebook
 
         if self.run_dir is None:
             raise OrchestratorError(f"job {self.name!r} has not started: call start() first")
         return notebook.watch(self._view, self.config.stop.max_steps, timeout, every, block)
 
-    def model(self) -> "torch.nn.Module":
+    def model(self) -> torch.nn.Module:
         """The final model after `wait()` (for BSP, rank 0's replica, identical to the others; for the
         server policies, the parameter server's)."""
-        import torch  # noqa: PLC0415 - the CLI's status, scale and stop import this module and need no torch
+        import torch  # the CLI's status, scale and stop import this module and need no torch
         path = self.run_dir / "model.pt" if self.run_dir else None
         if path is not None and path.exists():
             blob = path.read_bytes()
@@ -387,7 +395,7 @@ def _find_coordinator(name: str):
         return None
 
 
-def _safe_status(handle) -> Optional[dict]:
+def _safe_status(handle) -> dict | None:
     try:
         return ray.get(handle.status.remote(), timeout=10)
     except Exception as err:  # noqa: BLE001 - an old coordinator that does not answer counts as gone

@@ -31,7 +31,6 @@ import subprocess
 import threading
 import time
 from pathlib import Path
-from typing import Optional
 
 from actors.lab_shim import LabUnavailable, shim_path, worker_env
 from core.schema import NetworkConfig
@@ -106,14 +105,14 @@ def check_privileges() -> None:
         raise LabUnavailable("the lab compiles a small connect() shim and needs a C compiler (cc)")
 
 
-def read_state() -> Optional[dict]:
+def read_state() -> dict | None:
     try:
         return json.loads(STATE.read_text())
     except (OSError, ValueError):
         return None
 
 
-def current() -> Optional[dict]:
+def current() -> dict | None:
     """The lab that is up: its state (network, since) when `lo`'s root qdisc is the lab's, else None."""
     try:
         line = root_qdisc()
@@ -182,7 +181,7 @@ class Lab:
         self.net = net
         self.brought_up = False
 
-    def __enter__(self) -> "Lab":
+    def __enter__(self) -> Lab:
         self.brought_up = up(self.net)
         return self
 

@@ -11,24 +11,25 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from typing import Callable, Optional
+from collections.abc import Callable
 
 from core.display import fmt, status_html
 from core.schema import TERMINAL_STATES, JobStatus
 
-def progress_line(status: JobStatus, max_steps: Optional[int]) -> str:
+
+def progress_line(status: JobStatus, max_steps: int | None) -> str:
     return (f"{status.name} {status.state} step {status.step}{f'/{max_steps}' if max_steps else ''} world "
             f"{status.world_size} loss {fmt(status.loss, '.4f')}")
 
 
-def watch(read: Callable[[], tuple[JobStatus, tuple[dict, ...]]], max_steps: Optional[int],
-          timeout: Optional[float], every: float, block: bool) -> Optional[threading.Thread]:
+def watch(read: Callable[[], tuple[JobStatus, tuple[dict, ...]]], max_steps: int | None,
+          timeout: float | None, every: float, block: bool) -> threading.Thread | None:
     """Show the job until it ends (or `timeout` s pass): one display kept up to date in a notebook,
     progress lines elsewhere. `block=False`: in a daemon thread, returned at once."""
     shell = None
     if "IPython" in sys.modules:  # a notebook (or an IPython shell) has imported it; nobody else needs it
-        from IPython import get_ipython  # noqa: PLC0415
-        from IPython.display import HTML, display  # noqa: PLC0415
+        from IPython import get_ipython
+        from IPython.display import HTML, display
 
         shell = get_ipython()
         if shell is not None and type(shell).__name__ == "TerminalInteractiveShell":

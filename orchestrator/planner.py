@@ -18,9 +18,9 @@ import copy
 import json
 import statistics
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional, Sequence
 
 from algorithms.runtime_model import CODEC_RATIO, INF, Compute, Network, PolicySpec, cpu_time, host_patterns, predict
 from core.schema import ConfigError, JobConfig, NetworkConfig, parse
@@ -43,9 +43,9 @@ class Row:
     candidate: Candidate
     step_s: float
     bytes_per_step: float
-    factor: Optional[float]
+    factor: float | None
     """Steps to the target relative to BSP (measured), or None."""
-    to_target_s: Optional[float]
+    to_target_s: float | None
     basis: str
 
 
@@ -86,8 +86,8 @@ def candidates(cfg: JobConfig) -> list[Candidate]:
     return [Candidate(label, sync, comp, spec) for label, sync, comp, spec in out]
 
 
-def network_for(net: NetworkConfig, world: int, probed: Optional[Sequence[dict]] = None,
-                host_s: Optional[dict[str, float]] = None) -> Network:
+def network_for(net: NetworkConfig, world: int, probed: Sequence[dict] | None = None,
+                host_s: dict[str, float] | None = None) -> Network:
     """The model's network for `world` members placed as the job places them (`NetworkConfig.node_of`):
     the links as asked, or as `lab.probe` measured them (`probed` rows), with the host time of each
     synchronization pattern (`host_s`, from `measure_host`) where given. Without a lab (`nodes: 0`)
@@ -119,11 +119,11 @@ def measure_host(cfg: JobConfig, cands: Sequence[Candidate], model_bytes: float,
     wall time of one synchronization and "PATTERN:cpu" the median CPU time of the rank's own thread in
     it (encoding, decoding, arithmetic; not the transport's threads): what the lab's emulated nodes,
     which share this machine's cores, pay for a synchronization however fast the links are."""
-    import os  # noqa: PLC0415 - only plan, auto and the benchmark measure
-    import subprocess  # noqa: PLC0415
-    import sys  # noqa: PLC0415
+    import os  # only plan, auto and the benchmark measure
+    import subprocess
+    import sys
 
-    from actors.store import serve_store  # noqa: PLC0415
+    from actors.store import serve_store
 
     labels: dict[str, str] = {}
     for cand in cands:
@@ -163,12 +163,12 @@ def measure_host(cfg: JobConfig, cands: Sequence[Candidate], model_bytes: float,
 def _host_rank() -> None:
     """One rank of `measure_host`, in an interpreter of its own: its task as JSON in argv, every pattern
     in turn (each on its own group), {pattern: [wall, cpu]} as JSON on stdout."""
-    import os  # noqa: PLC0415
-    import sys  # noqa: PLC0415
+    import os
+    import sys
 
-    import torch  # noqa: PLC0415
+    import torch
 
-    from actors.comm import GroupSpec, make_communicator  # noqa: PLC0415
+    from actors.comm import GroupSpec, make_communicator
 
     task = json.loads(sys.argv[1])
     torch.set_num_threads(1)
@@ -198,15 +198,15 @@ def _host_rank() -> None:
 
 def _pattern_step(cfg: JobConfig, cand: Candidate, pattern: str, comm, numel: int):
     """One synchronization of `pattern` on `comm` (a model of `numel` floats), as a function of the step."""
-    import torch  # noqa: PLC0415
+    import torch
 
     kind, _, arg = pattern.partition("/")
     if kind == "allreduce":
         tensor = torch.ones(max(numel // int(arg or 1), 1))
         return lambda step: comm.all_reduce(tensor).wait()
     if kind == "scatter_gather":
-        from algorithms.compression import get_codec  # noqa: PLC0415
-        from algorithms.scatter_gather import ScatterGather  # noqa: PLC0415
+        from algorithms.compression import get_codec
+        from algorithms.scatter_gather import ScatterGather
 
         codec = get_codec(arg)
         sg = ScatterGather(codec, numel, feedback=codec.needs_feedback)
@@ -220,10 +220,10 @@ def _policy_step(cfg: JobConfig, cand: Candidate, comm, numel: int):
     """One step of the candidate's policy on a model of one flat parameter of `numel` floats, in the
     worker's order of hooks, with a backward that only sets the gradient and the update at lr 0: what
     the step adds to the forward and backward (the gradients' all-reduce, or the exchange and mixing)."""
-    import torch  # noqa: PLC0415
+    import torch
 
-    from algorithms.base import EpochInfo, VoteDraft, get_algorithm  # noqa: PLC0415
-    from algorithms.optim import build_optimizer  # noqa: PLC0415
+    from algorithms.base import EpochInfo, VoteDraft, get_algorithm
+    from algorithms.optim import build_optimizer
 
     job = with_candidate(cfg, cand)
     model = torch.nn.Module()
@@ -266,10 +266,10 @@ def compute_spread(cfg: JobConfig, seconds: float) -> Compute:
 def measure_compute(cfg: JobConfig, steps: int = 12, warmup: int = 3) -> tuple[float, float]:
     """(median seconds of one step's forward, backward and update on one worker's batch, the model's
     parameter bytes), measured in this process on the job's workload."""
-    import torch  # noqa: PLC0415 - only `plan` and `auto` measure
+    import torch  # only `plan` and `auto` measure
 
-    from actors.replica import build_workload  # noqa: PLC0415
-    from algorithms.optim import build_optimizer  # noqa: PLC0415
+    from actors.replica import build_workload
+    from algorithms.optim import build_optimizer
 
     workload = build_workload(cfg)
     model = workload.model
@@ -305,7 +305,7 @@ def load_factors(path: Path = FACTORS_PATH) -> dict:
 
 
 def rank(cands: Sequence[Candidate], net: Network, compute: Compute, model_bytes: float,
-         factors: dict[str, float], bsp_steps: Optional[int] = None) -> list[Row]:
+         factors: dict[str, float], bsp_steps: int | None = None) -> list[Row]:
     """Every candidate's prediction, best first: by time to the target where every candidate has a
     factor, else by time per step (a policy without a factor is never ranked ahead by a guess)."""
     rows = []
@@ -319,7 +319,7 @@ def rank(cands: Sequence[Candidate], net: Network, compute: Compute, model_bytes
 
 
 def ranked(cfg: JobConfig, cands: Sequence[Candidate], compute_s: float, model_bytes: float,
-           probed: Optional[Sequence[dict]] = None, host_s: Optional[dict[str, float]] = None) -> list[Row]:
+           probed: Sequence[dict] | None = None, host_s: dict[str, float] | None = None) -> list[Row]:
     """`rank` on the job's own network (as asked, or `probed`) and stragglers, with the shipped
     convergence factors: what `plan` prints and `auto` picks from. In the lab, whose nodes share this
     machine, each synchronization pattern's host time is this machine's (`host_s`, measured here by
@@ -356,8 +356,8 @@ def table(rows: Sequence[Row], source: str) -> str:
     return "\n".join(lines)
 
 
-def choose(cfg: JobConfig, compute_s: Optional[float] = None, model_bytes: Optional[float] = None,
-           probed: Optional[Sequence[dict]] = None) -> tuple[JobConfig, str, list[Row]]:
+def choose(cfg: JobConfig, compute_s: float | None = None, model_bytes: float | None = None,
+           probed: Sequence[dict] | None = None) -> tuple[JobConfig, str, list[Row]]:
     """`sync.policy: auto`: the config with the recommended policy's `sync:` and `compression:`, the
     recommendation line, and the ranked rows (`sync.candidates` narrows the choice)."""
     if compute_s is None or model_bytes is None:
@@ -375,11 +375,11 @@ def choose(cfg: JobConfig, compute_s: Optional[float] = None, model_bytes: Optio
     return parse(JobConfig, raw), line, rows
 
 
-def resumed_choice(cfg: JobConfig, checkpoint: Path, read: Optional[Callable[[str], bytes]] = None) -> tuple[JobConfig, str]:
+def resumed_choice(cfg: JobConfig, checkpoint: Path, read: Callable[[str], bytes] | None = None) -> tuple[JobConfig, str]:
     """`auto` on `--resume`: the policy the checkpoint's run picked (its run directory's config.yaml,
     written once `auto` was resolved), since the checkpoint holds that policy's state. `read`: how to
     read a location (a remote storage's; default the local disk)."""
-    import yaml  # noqa: PLC0415
+    import yaml
 
     location = str(checkpoint)
     path = location.rsplit("/", 2)[0] + "/config.yaml"

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import traceback
-from typing import Any, Awaitable, Callable, Optional
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from actors.control.book import ADMIT_HOLD_S, MembershipBook
 from actors.control.journal import Journal
@@ -37,9 +38,9 @@ class Admission:
         self.book, self.journal, self.group, self.kind, self.min_workers = book, journal, group, kind, min_workers
         self._state, self._may_start, self._history = state, may_start, history
         self._reshape, self._start_run, self._fail = reshape, start_run, fail
-        self.restore: Optional[tuple[int, str]] = None
+        self.restore: tuple[int, str] | None = None
         """Set when every member was lost: the next admitted worker starts from this checkpoint (step, path)."""
-        self._task: Optional[asyncio.Task] = None
+        self._task: asyncio.Task | None = None
         self._wanted = False
 
     async def request(self) -> None:

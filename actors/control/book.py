@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Optional
+from typing import Any
 
 from actors.members import Member
 from actors.plan import Plan
@@ -31,7 +31,7 @@ class MembershipBook:
     def __init__(self, cfg: JobConfig, run_id: str, kind: str) -> None:
         self.cfg, self.run_id, self.kind = cfg, run_id, kind
         self.members: dict[str, Member] = {}
-        self.plan: Optional[Plan] = None
+        self.plan: Plan | None = None
         self.epoch = 0
         self.version = 0
         self.target_count = cfg.workers.count
@@ -40,7 +40,7 @@ class MembershipBook:
         self.departed: list[MemberStatus] = []
         self.pending: list[dict] = []
         """Reshapes decided but not yet followed by a committed step in their membership epoch."""
-        self.stop_step: Optional[int] = None
+        self.stop_step: int | None = None
         """Once a stop is decided, every plan published carries it (a reshape must not lose it)."""
 
     # ------------------------------------------------------------------ who is where
@@ -128,7 +128,7 @@ class MembershipBook:
             reshape["state_sources"][slot] = {"source": source, "step": step}
         return bool(pending)
 
-    def held_departure(self, state: JobState, now: Optional[float] = None) -> bool:
+    def held_departure(self, state: JobState, now: float | None = None) -> bool:
         """Whether joiners wait for the survivors of a departure to commit their first step without it
         (at most ADMIT_HOLD_S; never while PAUSED or below `workers.min`: nobody could commit)."""
         if state == JobState.PAUSED or self.plan is None or len(self.live()) < self.cfg.workers.min:
@@ -175,7 +175,7 @@ class MembershipBook:
     def depart(self, member: Member, actor_id: str = "") -> None:
         self.departed = (self.departed + [self.member_status(member, actor_id)])[-DEPARTED_KEPT:]
 
-    def view(self, state: JobState, stop_kind: Optional[str], checkpoint_step: Optional[int]) -> JobView:
+    def view(self, state: JobState, stop_kind: str | None, checkpoint_step: int | None) -> JobView:
         """The frozen view `decide` takes."""
         w = self.cfg.workers
         return JobView(state=state, plan_members=self.plan.members if self.plan else (),
@@ -191,7 +191,8 @@ class MembershipBook:
         plan = {f.name: getattr(self.plan, f.name) for f in dataclasses.fields(self.plan)} if self.plan else None
         return {"epoch": self.epoch, "version": self.version, "target_count": self.target_count,
                 "plan": plan, "failures": dict(self.failures),
-                "retired": dict(self.retired), "stop_step": self.stop_step, "pending": [dict(r, state_sources=dict(r["state_sources"])) for r in self.pending],
+                "retired": dict(self.retired), "stop_step": self.stop_step,
+                "pending": [dict(r, state_sources=dict(r["state_sources"])) for r in self.pending],
                 "departed": [dict(d.__dict__) for d in self.departed],
                 "members": {slot: {"state": m.state.value, "pid": m.pid, "node": m.node, "node_id": m.node_id, "store_port": m.store_port,
                                    "cause": m.cause, "incarnation": m.incarnation, "actor_name": m.actor_name,

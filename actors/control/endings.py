@@ -9,7 +9,8 @@ checksum, straight from the worker.
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 from actors import checkpoints
 from actors.control.book import MembershipBook
@@ -22,7 +23,7 @@ CALL_TIMEOUT_S = 60.0
 
 
 async def wrap_up(kind: JobState, algorithm: Any, book: MembershipBook, group: WorkerGroup, server: Any, history: Any,
-                  journal: Any, accept: Callable[[dict], None]) -> Optional[dict]:
+                  journal: Any, accept: Callable[[dict], None]) -> dict | None:
     """The end of a run whose members finished or stopped (`kind`): the server's last records into
     history (through `accept`), history closed at its committed step, the final model written (and
     kept as a checkpoint when the job did not finish, for --resume); returns the members' committed
@@ -83,7 +84,7 @@ async def average_of_replicas(book: MembershipBook, group: WorkerGroup, note: Ca
     return blob
 
 
-async def committed_states(book: MembershipBook, group: WorkerGroup) -> Optional[dict]:
+async def committed_states(book: MembershipBook, group: WorkerGroup) -> dict | None:
     """Each plan member's committed (step, checksum), as the worker says."""
     out = {}
     for slot in book.plan.members:

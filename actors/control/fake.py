@@ -17,7 +17,7 @@ import asyncio
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 from actors.control.workers import WorkerGroup
 from actors.plan import Plan, Progress, WorkerSpec
@@ -47,17 +47,17 @@ class FakeWorker:
     holds_state: bool = True
     kept: list[dict] = field(default_factory=list)
     """Its newest committed records (what `records_after` answers)."""
-    ended: Optional[asyncio.Future] = None
-    ready_gate: Optional[asyncio.Event] = None
+    ended: asyncio.Future | None = None
+    ready_gate: asyncio.Event | None = None
     """While set to an unset event, `ready` waits (no resources yet)."""
-    fail_start: Optional[str] = None
+    fail_start: str | None = None
 
     @property
     def slot(self) -> str:
         return self.spec.slot
 
     @property
-    def plan(self) -> Optional[Plan]:
+    def plan(self) -> Plan | None:
         return self.plans[-1] if self.plans else None
 
     def end(self, kind: str, outcome: dict) -> None:
@@ -74,16 +74,16 @@ class FakeMetric:
         self.kind = kind
         self.values: dict[tuple, Any] = {}
 
-    def _key(self, tags: Optional[dict]) -> tuple:
+    def _key(self, tags: dict | None) -> tuple:
         return tuple(sorted((tags or {}).items()))
 
-    def inc(self, value: float = 1.0, tags: Optional[dict] = None) -> None:
+    def inc(self, value: float = 1.0, tags: dict | None = None) -> None:
         self.values[self._key(tags)] = self.values.get(self._key(tags), 0.0) + value
 
-    def set(self, value: float, tags: Optional[dict] = None) -> None:
+    def set(self, value: float, tags: dict | None = None) -> None:
         self.values[self._key(tags)] = value
 
-    def observe(self, value: float, tags: Optional[dict] = None) -> None:
+    def observe(self, value: float, tags: dict | None = None) -> None:
         self.values.setdefault(self._key(tags), []).append(value)
 
 
@@ -177,7 +177,7 @@ class FakeWorkerGroup(WorkerGroup):
         self._by_slot[spec.slot] = self._by_name[name] = worker
         return worker
 
-    def lookup(self, name: str) -> Optional[FakeWorker]:
+    def lookup(self, name: str) -> FakeWorker | None:
         worker = self._by_name.get(name)
         return worker if worker is not None and worker.alive else None
 
@@ -204,7 +204,7 @@ class FakeWorkerGroup(WorkerGroup):
             self._plan_members = (plan.version, frozenset(plan.members))
         return self._plan_members[1]
 
-    async def call(self, handle: FakeWorker, method: str, *args: Any, timeout: Optional[float] = None) -> Any:
+    async def call(self, handle: FakeWorker, method: str, *args: Any, timeout: float | None = None) -> Any:
         if handle.hung and method in ("heartbeat", "status"):
             await asyncio.sleep(timeout if timeout is not None else 3600)
             raise asyncio.TimeoutError
@@ -249,7 +249,7 @@ class FakeWorkerGroup(WorkerGroup):
             handle.ended = asyncio.get_running_loop().create_future()
         return await handle.ended
 
-    def kill(self, handle: Optional[FakeWorker]) -> None:
+    def kill(self, handle: FakeWorker | None) -> None:
         if handle is None or not handle.alive:
             return
         self.kills += 1
@@ -262,10 +262,10 @@ class FakeWorkerGroup(WorkerGroup):
     def actor_id(self, handle: Any) -> str:
         return f"fake{handle.pid}" if handle is not None else ""
 
-    def is_placed(self, handle: Any) -> Optional[bool]:
+    def is_placed(self, handle: Any) -> bool | None:
         return handle is not None and handle.ready_gate is None or (handle.ready_gate is not None and handle.ready_gate.is_set())
 
-    def metric(self, metric: Any, defaults: dict[str, str]) -> "FakeMetric":
+    def metric(self, metric: Any, defaults: dict[str, str]) -> FakeMetric:
         made = self.metrics[metric.name] = FakeMetric(metric.kind)
         return made
 

@@ -13,8 +13,9 @@ import collections
 import json
 import logging
 import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional
+from typing import Any
 
 from actors import checkpoints, runfiles
 from actors.history import History
@@ -34,8 +35,8 @@ THROUGHPUT_WINDOW_S = 5.0
 class Journal:
     """One run directory: events, history, the state file, checkpoints, and the progress they show."""
 
-    def __init__(self, run_dir: Path, keep_checkpoints: int, storage: Optional[Storage] = None, run_key: str = "",
-                 mirror: Optional[RunMirror] = None, restarted: bool = False, store_delay_s: float = 0.0) -> None:
+    def __init__(self, run_dir: Path, keep_checkpoints: int, storage: Storage | None = None, run_key: str = "",
+                 mirror: RunMirror | None = None, restarted: bool = False, store_delay_s: float = 0.0) -> None:
         """`storage` and `run_key`: where checkpoints go and `--resume` reads from (default: the run
         folder's grandparent, the local run root, and `<job>/<run id>`). `mirror`: the remote copy of
         the run folder (storage: an object store); a `restarted` coordinator first copies down what it
@@ -59,13 +60,13 @@ class Journal:
         """The state file's last write failure that an event already reported."""
         self._mirror_error = ""
         self.fired_faults: set[int] = set(runfiles.read_json(run_dir / "faults_fired.json", []))
-        self.history: Optional[History] = None
+        self.history: History | None = None
         self._step = 0
         self._live: Callable[[], Iterable[str]] = lambda: ()
-        self.loss: Optional[float] = None
+        self.loss: float | None = None
         self.metrics: dict = {}
         self.recent: collections.deque[tuple[float, int]] = collections.deque()  # (time, step) of the last 5 s
-        self.checkpoint: Optional[tuple[int, str]] = None
+        self.checkpoint: tuple[int, str] | None = None
         """(step, path) of this run's newest checkpoint (what a loss of every member restarts from)."""
         self._step_times = None
         self.listeners: list[Any] = []
@@ -76,7 +77,7 @@ class Journal:
                                f"{storage.location(run_key)}: {', '.join(self.hydrated)}", copied=self.hydrated)
 
     # ------------------------------------------------------------------ events
-    def event(self, kind: str, reason: str, state_from: Optional[str] = None, state_to: Optional[str] = None,
+    def event(self, kind: str, reason: str, state_from: str | None = None, state_to: str | None = None,
               **detail: Any) -> Event:
         event = Event(time=time.time(), kind=kind, reason=reason, state_from=state_from, state_to=state_to, detail=detail)
         self.events.append(event)
@@ -154,7 +155,7 @@ class Journal:
                     self.event("info", f"{type(listener).__name__} failed and goes on without that {what}: "
                                        f"{type(err).__name__}: {err}")
 
-    def throughput(self) -> Optional[float]:
+    def throughput(self) -> float | None:
         if len(self.recent) >= 2 and self.recent[-1][0] > self.recent[0][0]:
             return (self.recent[-1][1] - self.recent[0][1]) / (self.recent[-1][0] - self.recent[0][0])
         return None

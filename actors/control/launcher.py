@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any, Awaitable, Callable, Optional
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from actors.control.book import MembershipBook
 from actors.control.spares import SparePool
@@ -43,7 +44,7 @@ class Launcher:
         self._state, self._may_start, self._admit = state, may_start, admit
         self.started = started
         """Worker starts so far."""
-        self._hold: Optional[asyncio.Task] = None
+        self._hold: asyncio.Task | None = None
 
     def spawn(self, slots: list[str], reason: str, detector: str) -> None:
         """Start a worker for each slot; each is admitted by a plan once ready (imports done, data built)."""

@@ -9,7 +9,8 @@ once per epoch however many deaths ask for it.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from actors.control.book import MembershipBook
 from actors.control.workers import WorkerGroup

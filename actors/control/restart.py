@@ -11,7 +11,8 @@ newest ones, and a record of the same step from two members is taken once.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from actors.control.book import MembershipBook
 from actors.control.workers import WorkerGroup

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
+from actors.control.workers import WorkerGroup
 from actors.members import Member, Spare, describe
 from actors.plan import WorkerSpec
-from actors.control.workers import WorkerGroup
 
 SPARE_SETTLE_S = 10.0
 """A spare that replaces one taken starts once no reshape is pending, or after this long at most."""
@@ -28,15 +29,15 @@ class SparePool:
     def __init__(self, want: int, group: WorkerGroup, prefix: str, spec_for: Callable[[str], WorkerSpec],
                  save: Callable[[], int], saved: Callable[[int, float], bool], note: Callable[..., Any],
                  wanted: Callable[[], bool], settled: Callable[[], bool], started: int = 0) -> None:
-        """`prefix`: the job's actor names' (a spare is `PREFIX/spareN`); `spec_for(slot)`: its worker spec; `save()` writes the state file (its names in it) and
-        `saved(number, timeout)` waits for that write; `note(kind, reason, **detail)` records an event;
+        """`prefix`: the job's actor names' (a spare is `PREFIX/spareN`); `spec_for(slot)`: its worker spec; `save()` writes the state
+        file (its names in it) and `saved(number, timeout)` waits for that write; `note(kind, reason, **detail)` records an event;
         `wanted()`: whether spares are started at all now (not while stopping or ended); `settled()`:
         whether the membership has settled (no reshape pending, no joiner waiting)."""
         self.want, self.group, self.prefix, self.spec_for = want, group, prefix, spec_for
         self._save, self._saved, self._note, self._wanted, self._settled = save, saved, note, wanted, settled
         self.spares: list[Spare] = []
         self.started = started
-        self._settling: Optional[asyncio.Task] = None
+        self._settling: asyncio.Task | None = None
 
     def names(self) -> list[str]:
         return [s.name for s in self.spares]
@@ -100,7 +101,7 @@ class SparePool:
             return
         spare.pid, spare.node, spare.node_id, spare.ready_at = info["pid"], info["node"], info["node_id"], time.time()
 
-    async def adopt(self, member: Member, spec: WorkerSpec, fired: tuple[int, ...]) -> Optional[dict]:
+    async def adopt(self, member: Member, spec: WorkerSpec, fired: tuple[int, ...]) -> dict | None:
         """The oldest ready spare becomes `member`'s worker (a new spare starts behind it); its ready
         info, or None when no spare is ready or the one taken is gone (the caller starts a fresh actor)."""
         spare = next((s for s in self.spares if s.ready), None)

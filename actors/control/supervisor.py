@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 from actors.control.book import MembershipBook
 from actors.control.workers import WorkerGroup
@@ -40,11 +41,11 @@ class Actions:
     """What the supervisor asks of the coordinator shell to carry out a decision."""
 
     state: JobState
-    stop_kind: Optional[str]
+    stop_kind: str | None
 
     def view(self) -> JobView: ...
     def transition(self, to: JobState, reason: str) -> None: ...
-    def set_cause(self, cause: Optional[str]) -> None: ...
+    def set_cause(self, cause: str | None) -> None: ...
     def reshape(self, members: tuple[str, ...], reason: str, detector: str, detected_at: float,
                 new_epoch: bool = False) -> Any: ...
     def publish(self, members: tuple[str, ...], reason: str) -> Any: ...
@@ -54,7 +55,7 @@ class Actions:
     def restore_on_admit(self) -> None: ...
     def replace(self, slot: str) -> None: ...
     async def slot_failed(self, member: Member, phase: str, cause: str) -> bool: ...
-    async def end(self, state: JobState, reason: str, detail: Optional[dict] = None, quiet: bool = False) -> None: ...
+    async def end(self, state: JobState, reason: str, detail: dict | None = None, quiet: bool = False) -> None: ...
     async def finish(self) -> None: ...
 
 
@@ -65,12 +66,12 @@ class Supervisor:
                  note: Callable[..., Any], kind: str, step: Callable[[], int]) -> None:
         self.cfg, self.book, self.group, self.actions, self._note, self.kind = cfg, book, group, actions, note, kind
         self._step = step
-        self.outcomes: Optional[asyncio.Queue] = None  # made on the event loop
+        self.outcomes: asyncio.Queue | None = None  # made on the event loop
         self.stragglers = StragglerWatch()
         self._stragglers_at = 0.0
         self._probing = False
         self._batching = False
-        self._deferred: Optional[tuple[tuple[str, ...], str, str, float, int]] = None
+        self._deferred: tuple[tuple[str, ...], str, str, float, int] | None = None
         """A batch's re-form, published once its last outcome is decided: (members, cause, detector,
         first seen, how many ended)."""
 

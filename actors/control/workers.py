@@ -18,8 +18,9 @@ import signal
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
 
 from actors.members import describe, first_line, is_placed, job_is_dead, kill, log, log_to, probe
 from actors.plan import WorkerSpec
@@ -48,15 +49,15 @@ class WorkerGroup:
         """A call whose answer nobody waits for (set_plan, abort_epoch, run); returns its reference."""
         raise NotImplementedError
 
-    async def call(self, handle: Any, method: str, *args: Any, timeout: Optional[float] = None) -> Any:
+    async def call(self, handle: Any, method: str, *args: Any, timeout: float | None = None) -> Any:
         """A call whose answer is needed; raises what the worker raised, or TimeoutError."""
         raise NotImplementedError
 
-    async def probe(self, handle: Any, method: str, *args: Any, timeout: float = 5.0) -> tuple[Optional[Any], Optional[str]]:
+    async def probe(self, handle: Any, method: str, *args: Any, timeout: float = 5.0) -> tuple[Any | None, str | None]:
         """(answer, None); (None, why) when the worker is known dead; (None, None) when it did not answer."""
         raise NotImplementedError
 
-    async def ask(self, handle: Any, method: str, *args: Any, timeout: float = 5.0) -> Optional[Any]:
+    async def ask(self, handle: Any, method: str, *args: Any, timeout: float = 5.0) -> Any | None:
         """A control call; None if the worker is gone or silent."""
         return (await self.probe(handle, method, *args, timeout=timeout))[0]
 
@@ -73,7 +74,7 @@ class WorkerGroup:
     def actor_id(self, handle: Any) -> str:
         return ""
 
-    def is_placed(self, handle: Any) -> Optional[bool]:
+    def is_placed(self, handle: Any) -> bool | None:
         return True
 
     def free_resources(self) -> dict:
@@ -98,7 +99,7 @@ class WorkerGroup:
 
 class RayWorkerGroup(WorkerGroup):
     def __init__(self, cfg: JobConfig) -> None:
-        import ray  # noqa: PLC0415 - the fake never needs it
+        import ray  # the fake never needs it
 
         self.cfg = cfg
         self.node_ip = ray.util.get_node_ip_address()
@@ -108,12 +109,12 @@ class RayWorkerGroup(WorkerGroup):
         log_to(run_dir / "coordinator.log", log_level)
 
     def create(self, name: str, spec: WorkerSpec) -> Any:
-        from actors.worker import WorkerActor  # noqa: PLC0415
+        from actors.worker import WorkerActor
 
         w = self.cfg.workers
         lab = {}
         if self.cfg.network.enabled:  # the lab: its connect() shim preloaded (orchestrator/lab.py)
-            from actors.lab_shim import worker_env  # noqa: PLC0415 - only lab jobs need it
+            from actors.lab_shim import worker_env  # only lab jobs need it
 
             lab = {"runtime_env": {"env_vars": worker_env(self.cfg.network)}}
         return WorkerActor.options(name=name, namespace=self.cfg.ray.namespace, lifetime="detached",
@@ -122,7 +123,7 @@ class RayWorkerGroup(WorkerGroup):
                                    **lab).remote(spec)
 
     def lookup(self, name: str) -> Any:
-        import ray  # noqa: PLC0415
+        import ray
 
         try:
             return ray.get_actor(name, namespace=self.cfg.ray.namespace)
@@ -132,15 +133,15 @@ class RayWorkerGroup(WorkerGroup):
     def send(self, handle: Any, method: str, *args: Any) -> Any:
         return getattr(handle, method).remote(*args)
 
-    async def call(self, handle: Any, method: str, *args: Any, timeout: Optional[float] = None) -> Any:
+    async def call(self, handle: Any, method: str, *args: Any, timeout: float | None = None) -> Any:
         future = asyncio.wrap_future(getattr(handle, method).remote(*args).future())
         return await (asyncio.wait_for(future, timeout) if timeout is not None else future)
 
-    async def probe(self, handle: Any, method: str, *args: Any, timeout: float = 5.0) -> tuple[Optional[Any], Optional[str]]:
+    async def probe(self, handle: Any, method: str, *args: Any, timeout: float = 5.0) -> tuple[Any | None, str | None]:
         return await probe(handle, method, *args, timeout=timeout)
 
     async def watch(self, handle: Any) -> tuple[str, dict]:
-        from ray.exceptions import ActorDiedError, RayActorError  # noqa: PLC0415
+        from ray.exceptions import ActorDiedError, RayActorError
 
         try:
             outcome = await handle.watch.remote()
@@ -163,11 +164,11 @@ class RayWorkerGroup(WorkerGroup):
     def actor_id(self, handle: Any) -> str:
         return handle._actor_id.hex() if handle is not None else ""
 
-    def is_placed(self, handle: Any) -> Optional[bool]:
+    def is_placed(self, handle: Any) -> bool | None:
         return is_placed(handle)
 
     def free_resources(self) -> dict:
-        import ray  # noqa: PLC0415
+        import ray
 
         return ray.available_resources()
 
@@ -175,7 +176,7 @@ class RayWorkerGroup(WorkerGroup):
         return job_is_dead(job_id)
 
     def publish_record(self, name: str, record: dict) -> None:
-        from actors import runfiles  # noqa: PLC0415
+        from actors import runfiles
 
         runfiles.publish_record(name, record)
 
@@ -183,12 +184,12 @@ class RayWorkerGroup(WorkerGroup):
         call_self_when_alive(name, namespace, method)
 
     def metric(self, metric: Any, defaults: dict[str, str]) -> Any:
-        from actors.metrics import ray_metric  # noqa: PLC0415
+        from actors.metrics import ray_metric
 
         return ray_metric(metric, defaults)
 
     def exit(self) -> None:
-        import ray  # noqa: PLC0415
+        import ray
 
         ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
 
@@ -198,8 +199,8 @@ SELF_CALL_DEADLINE_S = 60.0
 
 
 def call_self_when_alive(name: str, namespace: str, method: str, deadline_s: float = SELF_CALL_DEADLINE_S,
-                         call: Optional[Callable[[], Any]] = None,
-                         give_up: Optional[Callable[[], None]] = None) -> threading.Thread:
+                         call: Callable[[], Any] | None = None,
+                         give_up: Callable[[], None] | None = None) -> threading.Thread:
     """Call `method` of this restarted actor once it accepts calls, from a thread of its own.
 
     A call an actor sends itself from `__init__` during a restart can reach Ray's submitter while
@@ -208,8 +209,8 @@ def call_self_when_alive(name: str, namespace: str, method: str, deadline_s: flo
     coordinator restart). So the call is made again until it returns (`start` is idempotent). Past
     `deadline_s`, `give_up` runs: by default the process kills itself, Ray restarts it, and the next
     incarnation tries again. `call` replaces the Ray call (tests)."""
-    import ray  # noqa: PLC0415
-    from ray.exceptions import GetTimeoutError, RayActorError  # noqa: PLC0415
+    import ray
+    from ray.exceptions import GetTimeoutError, RayActorError
 
     def ray_call() -> Any:
         return ray.get(getattr(ray.get_actor(name, namespace=namespace), method).remote(), timeout=30)

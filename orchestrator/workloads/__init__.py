@@ -7,8 +7,9 @@ A workload factory is called as `factory(**workload.params)` and returns an obje
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
 
@@ -18,5 +19,5 @@ class Workload:
     model: torch.nn.Module
     train_data: torch.utils.data.Dataset
     loss: Callable[[torch.nn.Module, Any], torch.Tensor]
-    eval_data: Optional[torch.utils.data.Dataset] = None
-    evaluate: Optional[Callable[[torch.nn.Module, Any], dict]] = None
+    eval_data: torch.utils.data.Dataset | None = None
+    evaluate: Callable[[torch.nn.Module, Any], dict] | None = None

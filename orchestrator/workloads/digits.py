@@ -10,7 +10,6 @@ from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
-
 import torch
 import torch.nn.functional as F
 from torch import nn

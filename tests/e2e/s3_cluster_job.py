@@ -27,7 +27,6 @@ from orchestrator.config import config_from_dict  # noqa: E402
 from orchestrator.job import ElasticJob  # noqa: E402
 
 
-
 def node_of(job: ElasticJob) -> str:
     """The node the coordinator actor runs on (GCS's actor table)."""
     from ray._private.state import state

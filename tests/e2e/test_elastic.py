@@ -12,8 +12,8 @@ import pytest
 import ray
 import torch
 
-from orchestrator.config import config_from_dict
 from actors.testing import child_env, loaded_torch, wait_until
+from orchestrator.config import config_from_dict
 from orchestrator.job import ElasticJob
 
 REPO = Path(__file__).resolve().parents[2]

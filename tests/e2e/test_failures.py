@@ -3,11 +3,11 @@ with the cause, leaving nothing behind; no survivor applied the uncommitted step
 (The default, `reshape`, keeps training: tests/e2e/test_elastic.py.)"""
 from __future__ import annotations
 
-import pytest
-
 import os
 import signal
 import time
+
+import pytest
 
 from actors.testing import explain, running
 from orchestrator.config import config_from_dict

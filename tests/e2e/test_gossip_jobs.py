@@ -7,9 +7,8 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-import torch
-
 import pytest
+import torch
 
 from actors.testing import wait_until
 from orchestrator.config import config_from_dict

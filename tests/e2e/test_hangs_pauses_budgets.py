@@ -9,8 +9,8 @@ from pathlib import Path
 
 import ray
 
-from orchestrator.config import config_from_dict
 from actors.testing import wait_until
+from orchestrator.config import config_from_dict
 from orchestrator.job import ElasticJob
 
 REPO = Path(__file__).resolve().parents[2]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from algorithms.sampler import GlobalSampler
 from actors.testing import wait_until
+from algorithms.sampler import GlobalSampler
 from orchestrator.config import config_from_dict
 from orchestrator.job import ElasticJob
 

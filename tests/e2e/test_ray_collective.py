@@ -53,7 +53,7 @@ def test_workload_allreduce_through_ray_util_collective_across_a_scale_up_and_a_
     sizes = sorted({w for members in groups.values() for _, _, w in members})
     print(f"{len(calls)} ray.util.collective all-reduces in {len(groups)} membership epochs' groups, world sizes {sizes}")
     assert len(groups) >= 3 and {2, 3} <= set(sizes)
-    for name, members in groups.items():  # one name per epoch: one world size, each slot one rank of its own
+    for members in groups.values():  # one name per epoch: one world size, each slot one rank of its own
         slots = {s for s, _, _ in members}
         assert len({w for _, _, w in members}) == 1 and len(members) == len(slots) == len({r for _, r, _ in members}), members
     death = next(e for e in job.events() if e["kind"] == "reshape" and e["detail"].get("detector") == "actor death")

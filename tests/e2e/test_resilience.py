@@ -16,8 +16,8 @@ import ray
 import torch
 import yaml
 
-from orchestrator.config import config_from_dict
 from actors.testing import child_env, wait_until
+from orchestrator.config import config_from_dict
 from orchestrator.job import NAMESPACE, ElasticJob, ensure_token_env
 
 REPO = Path(__file__).resolve().parents[2]

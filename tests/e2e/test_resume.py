@@ -16,10 +16,10 @@ import ray
 import torch
 import yaml
 
+from actors import runfiles
 from actors.testing import child_env, sigkill_run_at, start_run
 from orchestrator.config import config_from_dict
 from orchestrator.job import ElasticJob
-from actors import runfiles
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]

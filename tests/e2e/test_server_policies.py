@@ -84,7 +84,8 @@ def test_server_policy_finishes_at_max_steps_versions(run_root, sync):
     x = torch.zeros(2, 64)
     assert model(x).shape == (2, 10)
     staleness = Counter(s for r in history for s in r["staleness"])
-    print(f"{sync}: FINISHED at {steps} versions in {elapsed:.1f}s; coordinator {rss_mib:.0f} MiB, no torch; staleness {dict(sorted(staleness.items()))}; "
+    print(f"{sync}: FINISHED at {steps} versions in {elapsed:.1f}s; coordinator {rss_mib:.0f} MiB, no torch; "
+          f"staleness {dict(sorted(staleness.items()))}; "
           f"refused {({k: v for k, v in server['rejected'].items() if v})}; leases {leases}")
 
 

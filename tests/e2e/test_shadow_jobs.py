@@ -4,7 +4,6 @@ model the average of the replicas. One short run per method, and one through a S
 background rounds, the killed slot's rejoin and a scale-down."""
 from __future__ import annotations
 
-import time
 from collections import defaultdict
 
 import pytest

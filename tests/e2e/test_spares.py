@@ -3,14 +3,13 @@ each take a ready spare (its process, imports and workload are already up) inste
 actor, a new spare starts behind each, `status` shows them, and the job's end removes them."""
 from __future__ import annotations
 
-import pytest
-
 import json
 import os
 import signal
 import time
 
 import psutil
+import pytest
 
 from actors.testing import wait_until
 from orchestrator.config import config_from_dict
@@ -71,7 +70,8 @@ def test_a_scale_up_and_a_replacement_take_hot_spares(run_root):
 
 def test_a_spare_admitted_as_the_others_finish_does_not_restart_the_job(run_root):
     """w1 dies in the last step; a ready spare replaces it, and is admitted once the survivors
-    commit without w1: that is their last step (redone), so they finish without adopting its plan. The joiner never received the state: the job must end at the survivors' step 60, not
+    commit without w1: that is their last step (redone), so they finish without adopting its plan. The joiner never received
+    the state: the job must end at the survivors' step 60, not
     wait for it (it re-formed alone and started over from its initial model, recording "step 60"
     at world size 1 and dropping the real step 60 from history: caught by the assertions below)."""
     steps = 40

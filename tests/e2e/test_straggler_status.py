@@ -8,7 +8,6 @@ from actors.testing import wait_until
 from orchestrator.config import config_from_dict
 from orchestrator.job import ElasticJob
 
-
 pytestmark = pytest.mark.exclusive  # it measures times: it runs alone (tests/conftest.py)
 
 

@@ -51,7 +51,7 @@ def test_first_bucket_launches_before_last_hook_and_once_per_step():
     assert len(impl.plan.buckets) >= 2
     comm = LoopbackComm()
     impl.on_membership(comm, EPOCH)
-    for step in range(2):
+    for _ in range(2):
         impl.trace = []
         _step(impl, model, VoteDraft(1.0, 8))
         launches = [i for i, (kind, _) in enumerate(impl.trace) if kind == "launch"]

@@ -41,7 +41,7 @@ def _form(port: int, name: str, n: int) -> list:
 
 def test_the_store_keeps_the_keys_of_the_two_newest_epochs_only():
     store, port, _sock = serve_store("127.0.0.1", 10.0)
-    from actors.comm import EpochKeys  # noqa: PLC0415 - the mechanism under test
+    from actors.comm import EpochKeys  # the mechanism under test
     keys = EpochKeys(store)
     counts = []
     for epoch in range(1, 8):

@@ -17,7 +17,7 @@ from algorithms.gossip import Choco, ChocoImpl
 from algorithms.topologies import get_topology
 from core.schema import ChocoConfig, ConfigError, parse
 from orchestrator.config import config_from_dict
-from tests.unit.test_gossip import STEPS, SGD, reference_gossip
+from tests.unit.test_gossip import SGD, STEPS, reference_gossip
 from tests.unit.test_policy_oracles import config, flat, global_batch_ids, make_opt, max_diff, set_flat, share, start_model
 
 MOMENTUM = {"name": "sgd", "lr": 0.1, "momentum": 0.5}

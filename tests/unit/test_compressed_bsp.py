@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from algorithms.compression import get_codec
-from tests.unit.test_policy_oracles import run_replicas, SEED, global_batch_ids, make_opt, max_diff, reference_bsp, share, start_model
+from tests.unit.test_policy_oracles import SEED, global_batch_ids, make_opt, max_diff, reference_bsp, run_replicas, share, start_model
 from tests.unit.test_scatter_gather import _reference
 
 SGD_M = {"name": "sgd", "lr": 0.1, "momentum": 0.9, "weight_decay": 0.001}

@@ -11,8 +11,7 @@ import torch
 
 from actors.testing import local_group
 from algorithms.base import EpochInfo, VoteDraft, get_algorithm
-from core.schema import (ASPConfig, CompressionConfig, ConfigError, FieldError, JobConfig,
-                         LocalSGDConfig, WorkloadConfig)
+from core.schema import ASPConfig, CompressionConfig, ConfigError, FieldError, JobConfig, LocalSGDConfig, WorkloadConfig
 from orchestrator.config import config_from_dict
 from tests.unit.test_policy_oracles import OUTER, SGD_M, config, flat, max_diff, reference_periodic, run_replicas, set_flat
 

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from algorithms.optim import lr_at
-from orchestrator.config import config_from_dict, load_config
 from core.schema import ConfigError, OptimizerConfig
+from orchestrator.config import config_from_dict, load_config
 
 REPO = Path(__file__).resolve().parents[2]
 MINIMAL = {"name": "m", "workload": {"factory": "orchestrator.workloads.digits:mlp"}, "stop": {"max_steps": 3}}
@@ -24,7 +24,8 @@ def test_defaults_match_the_design():
     assert (cfg.workers.count, cfg.workers.min, cfg.workers.max, cfg.workers.cpus, cfg.workers.gpus) == (2, 1, 2, 1.0, 0.0)
     assert cfg.workload.params == {} and cfg.workload.batch_size == 32
     opt = cfg.optimizer
-    assert (opt.name, opt.momentum, opt.weight_decay, opt.nesterov, opt.schedule, opt.warmup_steps) == ("sgd", 0.0, 0.0, False, "constant", 0)
+    assert (opt.name, opt.momentum, opt.weight_decay, opt.nesterov, opt.schedule, opt.warmup_steps) == \
+        ("sgd", 0.0, 0.0, False, "constant", 0)
     assert cfg.sync.policy == "bsp" and cfg.compression.codec == "none"
     assert cfg.checkpoint.every_steps is None
     assert cfg.faults.kills == [] and cfg.faults.stragglers == []

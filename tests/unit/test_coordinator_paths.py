@@ -12,8 +12,9 @@ import asyncio
 import dataclasses
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 
@@ -315,7 +316,8 @@ def test_members_that_die_together_abort_the_epoch_once_and_re_form_once(tmp_pat
 
 def test_a_restarted_coordinator_reattaches_the_live_members_and_history_has_no_gap(tmp_path):
     """The coordinator's process dies at step 5 (rank 0 reported up to there), just after publishing a
-    plan it never saved; the members train on to step 8 alone and w2 dies meanwhile. The next incarnation carries on from the run directory: it
+    plan it never saved; the members train on to step 8 alone and w2 dies meanwhile. The next incarnation carries on from the run
+    directory: it
     re-attaches w0 and w1, takes steps 6..8 from what they kept, publishes an epoch newer than any
     they hold, and replaces w2."""
     async def scenario():

@@ -16,12 +16,11 @@ from actors.comm import CommError
 from actors.testing import LocalJob, drive_step, local_group, wait_until
 from algorithms import base
 from algorithms.base import EpochInfo
-from algorithms.gossip import DAdam, DPSGD, consensus_distance
+from algorithms.gossip import DPSGD, DAdam, consensus_distance
 from algorithms.topologies import TOPOLOGIES, contraction, get_topology
 from core import schema
 from core.schema import ConfigError, DPSGDConfig, parse
-from tests.unit.test_policy_oracles import (SEED, config, flat, global_batch_ids, make_opt, max_diff, set_flat, share,
-                                            start_model)
+from tests.unit.test_policy_oracles import SEED, config, flat, global_batch_ids, make_opt, max_diff, set_flat, share, start_model
 
 STEPS = 10
 SGD = {"name": "sgd", "lr": 0.1}
@@ -243,7 +242,7 @@ def run_through_split(tmp_path, monkeypatch, fault: str, undo: bool, kind: str =
     try:
         outcomes = job.wait(60)
     except TimeoutError:
-        raise AssertionError({s: (r.step, r.phase, r.plan.membership_epoch, r.state, r.cause) for s, r in job.replicas.items()})
+        raise AssertionError({s: (r.step, r.phase, r.plan.membership_epoch, r.state, r.cause) for s, r in job.replicas.items()}) from None
     assert all(o["ok"] for o in outcomes.values()), outcomes
     assert {o["step"] for o in outcomes.values()} == {12}
     return before, _replica_average(job, slots), job.link.records
@@ -287,7 +286,7 @@ def test_a_joiner_starts_from_the_newest_live_replica_and_no_sample_is_applied_t
     try:
         outcomes = job.wait(60)
     except TimeoutError:
-        raise AssertionError({s: (r.step, r.phase, r.plan.membership_epoch, r.state, r.cause) for s, r in job.replicas.items()})
+        raise AssertionError({s: (r.step, r.phase, r.plan.membership_epoch, r.state, r.cause) for s, r in job.replicas.items()}) from None
     assert all(o["ok"] and o["step"] == steps for o in outcomes.values()), outcomes
     received = [args for name, args in job.link.calls if name == "state_received"]
     assert [a[0] for a in received] == ["w3"] and received[0][2] in ("w0", "w1", "w2") and received[0][3] >= 6, received

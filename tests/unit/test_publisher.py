@@ -2,7 +2,6 @@
 aborted once. Over a fake worker group: no Ray."""
 from __future__ import annotations
 
-
 from actors.control.book import MembershipBook
 from actors.control.fake import FakeWorkerGroup
 from actors.control.publisher import Publisher

@@ -6,10 +6,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from orchestrator.config import config_from_dict
-from core.schema import ConfigError
 from actors.testing import LocalJob
-from tests.unit.test_policy_oracles import run_replicas, SEED, global_batch_ids, max_diff, share, start_model
+from core.schema import ConfigError
+from orchestrator.config import config_from_dict
+from tests.unit.test_policy_oracles import SEED, global_batch_ids, max_diff, run_replicas, share, start_model
 
 ADAMW = {"name": "adamw", "lr": 0.01, "weight_decay": 0.01, "eps": 1e-3}
 """A larger eps than Adam's usual 1e-8: digits has pixels that are still zero in every batch of a short

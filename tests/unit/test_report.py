@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("matplotlib", reason="the report needs matplotlib (the [plot] extra)")
 
-from actors import report  # noqa: E402
+from actors import report
 
 REPO = Path(__file__).resolve().parents[2]
 PNG = b"\x89PNG\r\n\x1a\n"

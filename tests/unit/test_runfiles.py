@@ -11,7 +11,6 @@ import pytest
 
 from actors import runfiles
 
-
 pytestmark = pytest.mark.exclusive  # it measures times: it runs alone (tests/conftest.py)
 
 

@@ -7,8 +7,17 @@ import math
 
 import pytest
 
-from algorithms.runtime_model import (Compute, Network, PolicySpec, all_to_all, exchange, hierarchical_allreduce,
-                                      predict, ring_allreduce, ring_peers)
+from algorithms.runtime_model import (
+    Compute,
+    Network,
+    PolicySpec,
+    all_to_all,
+    exchange,
+    hierarchical_allreduce,
+    predict,
+    ring_allreduce,
+    ring_peers,
+)
 
 M = 1.2e6            # model bytes
 B = 100e6 / 8        # 100 Mbit/s in bytes/s

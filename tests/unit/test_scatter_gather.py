@@ -2,8 +2,9 @@
 all-reduce, against a plain-torch reference (exactly), the vote tail, failures, bytes on the wire."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Optional
+from typing import Any
 
 import pytest
 import torch
@@ -142,7 +143,7 @@ def test_a_failed_all_gather_fails_the_call_everywhere_and_stages_nothing():
     n, numel = 3, 101
     xs = _inputs(n, numel)[0]
     tails = _tails(n)
-    seen: dict[int, Optional[torch.Tensor]] = {}
+    seen: dict[int, torch.Tensor | None] = {}
 
     def work(comm):
         sg = ScatterGather(CODECS["uint8"], numel, feedback=True)

@@ -1,10 +1,10 @@
 """Each sender's messages run in the order sent, whatever order they arrive in (actors/sequencer.py)."""
 from __future__ import annotations
 
-import pytest
-
 import asyncio
 import time
+
+import pytest
 
 from actors.sequencer import Sequencer
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import io
-from typing import Optional
 
 import pytest
 import torch
@@ -23,7 +22,7 @@ def ahead(sim: Sim, since: int = 0) -> int:
     return max(clock - min(clocks.values()) for _, clock, clocks in sim.pulls[since:])
 
 
-def pulled_pair(policy, steps: Optional[int] = None) -> tuple[Sim, Member, Member]:
+def pulled_pair(policy, steps: int | None = None) -> tuple[Sim, Member, Member]:
     """Two members (global batch 16) that have both pulled their first ticket and not pushed yet."""
     sim = simulate(SGD, policy, [1, 1], 16, steps=steps)
     w0, w1 = sim.members.values()
@@ -204,7 +203,7 @@ def test_a_snapshot_taken_before_a_concurrent_push_holds_its_own_version(optimiz
     for buf in (reference, late):
         buf.seek(0)
     expected, got = torch.load(reference, weights_only=True), torch.load(late, weights_only=True)
-    assert same(got, expected), "the snapshot labelled version %d holds a later version's optimizer state" % taken["version"]
+    assert same(got, expected), f"the snapshot labelled version {taken['version']} holds a later version's optimizer state"
 
 
 def test_a_snapshot_does_not_fit_another_policy_or_shard_count():

@@ -9,7 +9,6 @@ computed at once, on the parameters it pulled) and a busy one whose ticks are sp
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
 
 import pytest
 import torch
@@ -27,9 +26,9 @@ class Member:
     slot: str
     cost: int = 1
     incarnation: int = 0
-    pending: Optional[Push] = None
+    pending: Push | None = None
     left: int = 0
-    clock: Optional[int] = None
+    clock: int | None = None
     """The clock it works on: its ticket's while busy, the next one once it pushed."""
 
 
@@ -107,8 +106,8 @@ class Sim:
         return [lease for r in self.results for u in r.updates for t in u.tickets for lease in t.leases]
 
 
-def make_core(optimizer: dict, policy, global_batch: int, shards: int = 1, steps: Optional[int] = STEPS,
-              n_samples: Optional[int] = None) -> tuple[ServerCore, torch.nn.Module, torch.Tensor, torch.Tensor]:
+def make_core(optimizer: dict, policy, global_batch: int, shards: int = 1, steps: int | None = STEPS,
+              n_samples: int | None = None) -> tuple[ServerCore, torch.nn.Module, torch.Tensor, torch.Tensor]:
     """A server core over the oracles' model, dealing from the first `n_samples` samples (all by default)."""
     model, x, y = start_model()
     core = ServerCore(list(model.parameters()), OptimizerConfig(**optimizer), policy, n_samples=n_samples or len(x),
@@ -117,7 +116,7 @@ def make_core(optimizer: dict, policy, global_batch: int, shards: int = 1, steps
 
 
 def simulate(optimizer: dict, policy, costs: list[int], global_batch: int, shards: int = 1,
-             steps: Optional[int] = STEPS, n_samples: Optional[int] = None) -> Sim:
+             steps: int | None = STEPS, n_samples: int | None = None) -> Sim:
     core, model, x, y = make_core(optimizer, policy, global_batch, shards, steps, n_samples)
     sim = Sim(core, model, x, y)
     sim.set_members([Member(f"w{i}", cost) for i, cost in enumerate(costs)])
@@ -209,7 +208,7 @@ def reference_clocked(rule: str, bound: int, costs: list[int], samples: dict, gl
     n = len(costs)
     version, drops = 0, 0
     clock = [0] * n
-    busy: list[Optional[list]] = [None] * n  # [clock, gradient, samples, version pulled, ticks left]
+    busy: list[list | None] = [None] * n  # [clock, gradient, samples, version pulled, ticks left]
     staged: dict[int, dict[int, tuple[torch.Tensor, int, int]]] = {}
     staleness: dict[int, int] = {}
 

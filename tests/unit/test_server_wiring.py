@@ -13,7 +13,7 @@ import torch
 from actors.history import History
 from actors.parameter_server import ServerHost, make_host
 from actors.server_control import restart_event
-from actors.testing import LocalJob, LocalServerReports, LocalLink
+from actors.testing import LocalJob, LocalLink, LocalServerReports
 from algorithms.server import Fence
 
 N, PER_WORKER, STEPS = 3, 8, 10
@@ -101,7 +101,8 @@ def test_a_new_server_resumes_from_a_stopped_jobs_checkpoint(tmp_path):
     checkpoint holds) before any member is admitted, and takes the new run's first membership epoch."""
     job = run(tmp_path, {"policy": "ssp", "s": 1})
     blob = job.server.model_state()
-    fresh = ServerHost(config({"policy": "ssp", "s": 1}, stop={"max_steps": 2 * STEPS}), str(tmp_path / "new"), LocalServerReports(LocalLink()))
+    fresh = ServerHost(config({"policy": "ssp", "s": 1}, stop={"max_steps": 2 * STEPS}), str(tmp_path / "new"),
+                       LocalServerReports(LocalLink()))
     assert fresh.load_checkpoint(blob) == STEPS
     assert torch.equal(fresh.core.parameters(), job.server.core.parameters())
     assert fresh.core.leases.state_dict()["cursor"] == job.server.core.leases.state_dict()["cursor"]

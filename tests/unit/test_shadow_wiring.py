@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import time
 
-import torch
-
 from actors.testing import LocalJob, wait_until
 
 PER_WORKER = 8

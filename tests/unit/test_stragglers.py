@@ -11,7 +11,6 @@ from actors.faults import WorkerFaults, jitter_factor
 from algorithms.stragglers import StragglerChange, StragglerWatch
 from core.schema import FaultsConfig, JitterSpec, StragglerFault
 
-
 pytestmark = pytest.mark.exclusive  # it measures times: it runs alone (tests/conftest.py)
 
 

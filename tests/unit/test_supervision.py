@@ -2,7 +2,14 @@
 from __future__ import annotations
 
 from algorithms.supervision import (
-    Decision, JobState, JobView, MemberEnded, MemberState, StopRequested, decide, recovered_epoch,
+    Decision,
+    JobState,
+    JobView,
+    MemberEnded,
+    MemberState,
+    StopRequested,
+    decide,
+    recovered_epoch,
 )
 
 T, R = MemberState.TRAINING, MemberState.READY

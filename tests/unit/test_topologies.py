@@ -9,8 +9,7 @@ import numpy as np
 import pytest
 
 from algorithms.gossip import consensus_distance as consensus
-from algorithms.topologies import (TOPOLOGIES, Topology, TopologyError, contraction, degree, get_topology,
-                                   spectral_gap, validate)
+from algorithms.topologies import TOPOLOGIES, Topology, TopologyError, contraction, degree, get_topology, spectral_gap, validate
 from core.schema import ConfigError
 
 WORLDS = range(2, 17)

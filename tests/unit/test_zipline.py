@@ -9,7 +9,6 @@ import pytest
 
 from algorithms.zipline import Barrier, EwmaPredictor, place_barrier
 
-
 pytestmark = pytest.mark.exclusive  # it measures times: it runs alone (tests/conftest.py)
 
 

@@ -11,10 +11,9 @@ import os
 
 import ray.util.collective as col
 import torch
+from custom_workload import Blobs
 
 from orchestrator import collective_group
-
-from custom_workload import Blobs
 
 
 class CollectiveBlobs(Blobs):
