@@ -1,7 +1,7 @@
 """The coordinator at 64, 256 and 1,024 members: what its control plane costs, with fake workers.
 
 The real `Coordinator` runs on this process's event loop over `FakeWorkerGroup`
-(actors/control/fake.py): every call it makes to a worker is answered in-process, so what is
+(testkit/fake_workers.py): every call it makes to a worker is answered in-process, so what is
 timed is the coordinator's own work (Ray's latencies are not modelled; see the README for what Ray
 itself costs at that size). Training is an autopilot: the plan's members commit a step every
 `--step-ms` once every member holds the plan; the records go out with rank 0's report, and every
@@ -41,12 +41,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from actors.control.fake import FakeWorkerGroup  # noqa: E402
 from actors.coordinator import Coordinator  # noqa: E402
 from actors.plan import Progress  # noqa: E402
 from algorithms.supervision import JobState  # noqa: E402
 from algorithms.zipline import BarrierPlanner  # noqa: E402
 from orchestrator.config import config_from_dict  # noqa: E402
+from testkit.fake_workers import FakeWorkerGroup  # noqa: E402
 
 SCALE_UP = 256
 
@@ -322,7 +322,7 @@ async def memory(n: int) -> float:
     await asyncio.sleep(0.5)
     snapshot = tracemalloc.take_snapshot()
     tracemalloc.stop()
-    mine = snapshot.filter_traces([tracemalloc.Filter(False, "*/actors/control/fake.py"),
+    mine = snapshot.filter_traces([tracemalloc.Filter(False, "*/testkit/fake_workers.py"),
                                    tracemalloc.Filter(False, __file__), tracemalloc.Filter(False, "<frozen*"),
                                    tracemalloc.Filter(False, "*/asyncio/*"), tracemalloc.Filter(False, "*/tracemalloc.py")])
     total = sum(stat.size for stat in mine.statistics("filename"))

@@ -25,8 +25,8 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from actors.testing import LocalJob  # noqa: E402
 from orchestrator.workloads.digits import accuracy, mlp  # noqa: E402
+from testkit.harness import LocalJob  # noqa: E402
 
 
 def run(sync: dict, seed: int, args) -> float:

@@ -91,9 +91,9 @@ def main() -> int:
 
     import ray
 
-    from actors.testing import wait_until
     from benchmarks.bsp_vs_ddp import job_config
     from orchestrator.job import NAMESPACE, ElasticJob, ensure_token_env
+    from testkit.harness import wait_until
 
     os.environ.setdefault("ORCHESTRATOR_RUN_ROOT", tempfile.mkdtemp(prefix="bench-runs-"))
     ensure_token_env()

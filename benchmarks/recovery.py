@@ -33,9 +33,9 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from actors.testing import wait_until  # noqa: E402
 from algorithms.sampler import GlobalSampler, split_for_rank  # noqa: E402
 from orchestrator.workloads.digits import mlp  # noqa: E402
+from testkit.harness import wait_until  # noqa: E402
 
 PER_WORKER, HIDDEN, LR, SEED = 16, 64, 0.05, 0
 

@@ -35,7 +35,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from actors.testing import wait_until  # noqa: E402
+from testkit.harness import wait_until  # noqa: E402
 
 STORE_ADDRESS = "127.78.0.2"
 """The S3 server's own loopback address (not 127.0.0.x: only its traffic is shaped)."""

@@ -5,7 +5,7 @@ until it is ready, adopt a hot spare, start its run, watch it end, hand it a pla
 heartbeat and probe it, ask it for records, states and checkpoints, kill it. So do the few cluster
 questions it asks (free resources, whether an actor is placed, whether the owning driver is gone)
 and the group store workers rendezvous on. `RayWorkerGroup` does all of it with Ray;
-`actors/control/fake.py`'s `FakeWorkerGroup` does it in-process, one event at a time, so that the
+`testkit/fake_workers.py`'s `FakeWorkerGroup` does it in-process, one event at a time, so that the
 coordinator's whole loop runs in a unit test and at 1,024 members in a benchmark.
 
 A handle is whatever the group returns from `create` or `lookup`; the coordinator never looks inside.

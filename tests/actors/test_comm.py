@@ -11,7 +11,7 @@ import pytest
 import ray
 
 from actors.comm import GroupSpec
-from actors.testing import CommPeer, StoreHost
+from testkit.harness import CommPeer, StoreHost
 
 TIMEOUT_S = 4.0
 

@@ -9,7 +9,7 @@ import signal
 import ray
 
 from actors.members import probe
-from actors.testing import CommPeer
+from testkit.harness import CommPeer
 
 
 def test_a_probe_tells_a_dead_worker_from_a_silent_one_and_a_live_one(ray_session):

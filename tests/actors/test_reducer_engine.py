@@ -104,7 +104,7 @@ def test_the_reducer_sums_exactly_as_the_python_buckets_and_carries_the_vote(sto
 
 
 def test_auto_takes_the_reducer_on_gloo_and_the_python_buckets_without_a_process_group(store_port):
-    from actors.testing import LoopbackComm
+    from testkit.harness import LoopbackComm
 
     _, _, engines = _train(store_port, "auto/e1", "auto", steps=1)
     assert engines == [True, True]

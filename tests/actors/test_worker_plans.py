@@ -12,9 +12,9 @@ import pytest
 import ray
 
 from actors.plan import Plan, WorkerSpec
-from actors.testing import FakeCoordinator, wait_until
 from actors.worker import WorkerActor
 from orchestrator.config import config_from_dict
+from testkit.harness import FakeCoordinator, wait_until
 
 TIMEOUT_S = 5.0
 _names = itertools.count()

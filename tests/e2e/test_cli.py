@@ -12,8 +12,8 @@ from pathlib import Path
 
 import ray
 
-from actors.testing import child_env
 from orchestrator.job import ElasticJob
+from testkit.harness import child_env
 
 REPO = Path(__file__).resolve().parents[2]
 

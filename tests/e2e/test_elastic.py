@@ -12,9 +12,9 @@ import pytest
 import ray
 import torch
 
-from actors.testing import child_env, loaded_torch, wait_until
 from orchestrator.config import config_from_dict
 from orchestrator.job import ElasticJob
+from testkit.harness import child_env, loaded_torch, wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -9,9 +9,9 @@ import time
 
 import pytest
 
-from actors.testing import explain, running
 from orchestrator.config import config_from_dict
 from orchestrator.job import ElasticJob
+from testkit.harness import explain, running
 
 
 def make_job(name: str, kills: list | None = None, steps: int = 400) -> ElasticJob:

@@ -10,9 +10,9 @@ from collections import defaultdict
 import pytest
 import torch
 
-from actors.testing import wait_until
 from orchestrator.config import config_from_dict
 from orchestrator.job import ElasticJob
+from testkit.harness import wait_until
 
 PER_WORKER = 2  # 120 steps x 4 x 2 samples stay within one data epoch of digits (1437 training samples)
 

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import ray
 
-from actors.testing import wait_until
 from orchestrator.config import config_from_dict
 from orchestrator.job import ElasticJob
+from testkit.harness import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import ray
 
-from actors.testing import free_port
 from orchestrator.job import ElasticJob
+from testkit.harness import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -173,7 +173,7 @@ def test_auto_runs_on_the_lab_and_picks_what_plan_prints(tmp_path):
     import json
     import re
 
-    from actors.testing import child_env
+    from testkit.harness import child_env
 
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = child_env(repo, ORCHESTRATOR_RUN_ROOT=str(tmp_path))

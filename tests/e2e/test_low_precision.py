@@ -10,10 +10,10 @@ import time
 
 import pytest
 
-from actors.testing import running
 from core.schema import TERMINAL_STATES
 from orchestrator.config import config_from_dict
 from orchestrator.job import ElasticJob
+from testkit.harness import running
 
 
 @pytest.mark.parametrize("dtype,per_worker", [pytest.param("bfloat16", 111, marks=pytest.mark.slow), ("float16", 701)])

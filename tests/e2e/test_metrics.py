@@ -11,9 +11,9 @@ import ray
 from prometheus_client.parser import text_string_to_metric_families
 
 from actors.metrics import METRICS
-from actors.testing import wait_until
 from orchestrator.config import config_from_dict
 from orchestrator.job import ElasticJob
+from testkit.harness import wait_until
 
 
 def scrape() -> dict[str, list]:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from actors.testing import child_env
+from testkit.harness import child_env
 
 nbformat = pytest.importorskip("nbformat", reason="needs nbformat, nbclient and ipykernel")
 nbclient = pytest.importorskip("nbclient", reason="needs nbformat, nbclient and ipykernel")

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from actors.testing import wait_until
 from algorithms.sampler import GlobalSampler
 from orchestrator.config import config_from_dict
 from orchestrator.job import ElasticJob
+from testkit.harness import wait_until
 
 H, STEPS, PER_WORKER = 4, 400, 2
 

@@ -11,9 +11,9 @@ import urllib.request
 import pytest
 import ray
 
-from actors.testing import free_port, wait_until
 from orchestrator.config import config_from_dict
 from orchestrator.job import ElasticJob
+from testkit.harness import free_port, wait_until
 
 PROMETHEUS = shutil.which("prometheus")
 

@@ -16,9 +16,9 @@ import ray
 import torch
 import yaml
 
-from actors.testing import child_env, wait_until
 from orchestrator.config import config_from_dict
 from orchestrator.job import NAMESPACE, ElasticJob, ensure_token_env
+from testkit.harness import child_env, wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -17,9 +17,9 @@ import torch
 import yaml
 
 from actors import runfiles
-from actors.testing import child_env, sigkill_run_at, start_run
 from orchestrator.config import config_from_dict
 from orchestrator.job import ElasticJob
+from testkit.harness import child_env, sigkill_run_at, start_run
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]

@@ -17,9 +17,9 @@ import psutil
 import pytest
 import torch
 
-from actors.testing import child_env, loaded_torch, wait_for_end, wait_until
 from orchestrator.config import config_from_dict
 from orchestrator.job import ElasticJob
+from testkit.harness import child_env, loaded_torch, wait_for_end, wait_until
 
 PER_WORKER = 8
 REPO = Path(__file__).resolve().parents[2]

@@ -9,9 +9,9 @@ from collections import defaultdict
 import pytest
 import torch
 
-from actors.testing import wait_until
 from orchestrator.config import config_from_dict
 from orchestrator.job import ElasticJob
+from testkit.harness import wait_until
 
 PER_WORKER = 5
 

@@ -11,9 +11,9 @@ import time
 import psutil
 import pytest
 
-from actors.testing import wait_until
 from orchestrator.config import config_from_dict
 from orchestrator.job import ElasticJob
+from testkit.harness import wait_until
 
 JOIN_BOUND_S = 1.0
 """scale() or a death -> the joiner's first committed step, with a spare: 0.10-0.34 s for scale() and

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import time
 
-from actors.testing import running, wait_until
 from orchestrator.config import config_from_dict
 from orchestrator.job import ElasticJob
+from testkit.harness import running, wait_until
 
 
 def config(name: str, **over) -> dict:

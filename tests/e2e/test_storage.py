@@ -21,9 +21,9 @@ import yaml
 from actors import runfiles
 from actors.mirror import read_appended
 from actors.storage import open_storage
-from actors.testing import child_env, sigkill_run_at, start_run, wait_until
 from orchestrator.config import config_from_dict
 from orchestrator.job import ElasticJob
+from testkit.harness import child_env, sigkill_run_at, start_run, wait_until
 
 moto_server = pytest.importorskip("moto.server", reason="the S3 tests need moto[server] (the test extra)")
 REPO = Path(__file__).resolve().parents[2]

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from actors.testing import wait_until
 from orchestrator.config import config_from_dict
 from orchestrator.job import ElasticJob
+from testkit.harness import wait_until
 
 pytestmark = pytest.mark.exclusive  # it measures times: it runs alone (tests/conftest.py)
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from actors.comm import CommAborted, CommTimeout, GroupSpec, make_communicator
-from actors.testing import LocalJob, local_store
+from testkit.harness import LocalJob, local_store
 
 CUDA = torch.cuda.is_available()
 GPUS = torch.cuda.device_count() if CUDA else 0
@@ -177,7 +177,7 @@ def test_ray_util_collective_allreduce_on_an_nccl_epoch_group(ray_session):
     size 1 on one GPU), inside a real actor as a workload runs."""
     import ray
 
-    from actors.testing import CommPeer, StoreHost
+    from testkit.harness import CommPeer, StoreHost
 
     store = StoreHost.remote(10.0)
     host, port, _ = ray.get(store.address.remote())

@@ -4,10 +4,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from actors.testing import LoopbackComm
 from algorithms.allreduce import AllReduce, plan_buckets
 from algorithms.base import EpochInfo, VoteDraft
 from core.schema import BSPConfig
+from testkit.harness import LoopbackComm
 
 EPOCH = EpochInfo(rank=0, world_size=1, members=("w0",), global_batch=8)
 

@@ -10,13 +10,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from actors.testing import LocalJob
 from algorithms import base
 from algorithms.compression import get_codec
 from algorithms.gossip import Choco, ChocoImpl
 from algorithms.topologies import get_topology
 from core.schema import ChocoConfig, ConfigError, parse
 from orchestrator.config import config_from_dict
+from testkit.harness import LocalJob
 from tests.unit.test_gossip import SGD, STEPS, reference_gossip
 from tests.unit.test_policy_oracles import config, flat, global_batch_ids, make_opt, max_diff, set_flat, share, start_model
 
@@ -193,9 +193,9 @@ def test_public_copies_start_again_from_zero_at_every_entry():
     empties them, and its first step sends nothing (there is nothing to gossip yet)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from actors.testing import drive_step, local_group
     from algorithms.base import EpochInfo
     from core import schema
+    from testkit.harness import drive_step, local_group
 
     algo = Choco(parse(ChocoConfig, {"policy": "choco", "consensus_every": 0}), schema.CompressionConfig(codec="uint8"))
     torch.manual_seed(0)

@@ -7,7 +7,7 @@ import time
 import torch
 
 from actors.comm import CommError, CommTimeout
-from actors.testing import local_group
+from testkit.harness import local_group
 
 TIMEOUT_S = 0.5
 

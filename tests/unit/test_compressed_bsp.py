@@ -100,7 +100,7 @@ def test_hierarchical_bytegrad_compresses_only_between_the_leaders(tmp_path, nod
     among the leaders only. Equals the reference written out above; a member that is not its node's
     leader sends its gradients once per step, uncompressed (the flat scatter-gather would send
     2(n-1)/n of them compressed)."""
-    from actors.testing import LocalJob
+    from testkit.harness import LocalJob
 
     slots = ["w0", "w1", "w2", "w3"]
     cfg = {"name": "hier-bytegrad", "seed": SEED, "workers": {"count": 4, "cpus": 1},

@@ -9,10 +9,10 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from actors.testing import local_group
 from algorithms.base import EpochInfo, VoteDraft, get_algorithm
 from core.schema import ASPConfig, CompressionConfig, ConfigError, FieldError, JobConfig, LocalSGDConfig, WorkloadConfig
 from orchestrator.config import config_from_dict
+from testkit.harness import local_group
 from tests.unit.test_policy_oracles import OUTER, SGD_M, config, flat, max_diff, reference_periodic, run_replicas, set_flat
 
 N, GLOBAL_BATCH = 3, 50  # shares of 17, 17 and 16: unequal round weights

@@ -18,10 +18,10 @@ from typing import Any
 
 import pytest
 
-from actors.control.fake import FakeWorkerGroup
 from actors.coordinator import Coordinator
 from algorithms.supervision import JobState
 from orchestrator.config import config_from_dict
+from testkit.fake_workers import FakeWorkerGroup
 
 
 def config(name: str, **over: Any) -> dict:

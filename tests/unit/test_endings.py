@@ -7,12 +7,12 @@ import pytest
 
 from actors.control.book import MembershipBook
 from actors.control.endings import committed_states, final_model
-from actors.control.fake import FakeWorkerGroup
 from actors.members import Member
 from actors.plan import WorkerSpec
 from algorithms.supervision import MemberState
 from core.schema import JobConfig, parse
 from orchestrator.config import config_from_dict
+from testkit.fake_workers import FakeWorkerGroup
 
 S = MemberState
 

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import torch
 
 from actors.entry import enter_replicated
-from actors.testing import local_group
+from testkit.harness import local_group
 
 
 class FakeMember:

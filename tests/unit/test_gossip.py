@@ -13,13 +13,13 @@ import torch
 import torch.nn.functional as F
 
 from actors.comm import CommError
-from actors.testing import LocalJob, drive_step, local_group, wait_until
 from algorithms import base
 from algorithms.base import EpochInfo
 from algorithms.gossip import DPSGD, DAdam, consensus_distance
 from algorithms.topologies import TOPOLOGIES, contraction, get_topology
 from core import schema
 from core.schema import ConfigError, DPSGDConfig, parse
+from testkit.harness import LocalJob, drive_step, local_group, wait_until
 from tests.unit.test_policy_oracles import SEED, config, flat, global_batch_ids, make_opt, max_diff, set_flat, share, start_model
 
 STEPS = 10

@@ -2,9 +2,9 @@
 records add reaches Ray's metrics once a second and at the job's end, summed."""
 from __future__ import annotations
 
-from actors.control.fake import FakeMetric
 from actors.metrics import Exporter, JobMetrics
 from core.schema import Event
+from testkit.fake_workers import FakeMetric
 
 
 def test_records_are_summed_and_exported_once_a_tick_and_at_the_end():

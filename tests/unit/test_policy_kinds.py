@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from actors.plan import Progress
-from actors.testing import LocalJob
 from algorithms import base
 from algorithms.base import Algorithm, AlgorithmImpl, StepVote, VoteDraft
 from core import schema
+from testkit.harness import LocalJob
 
 
 # ------------------------------------------------------------------ fakes

@@ -15,9 +15,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from actors.testing import LocalJob
 from algorithms.compression import get_codec
 from orchestrator.workloads.digits import mlp
+from testkit.harness import LocalJob
 from tests.unit.test_scatter_gather import _reference
 
 SEED, STEPS = 3, 12

@@ -3,13 +3,13 @@ aborted once. Over a fake worker group: no Ray."""
 from __future__ import annotations
 
 from actors.control.book import MembershipBook
-from actors.control.fake import FakeWorkerGroup
 from actors.control.publisher import Publisher
 from actors.members import Member
 from actors.plan import WorkerSpec
 from algorithms.supervision import MemberState
 from core.schema import JobConfig, parse
 from orchestrator.config import config_from_dict
+from testkit.fake_workers import FakeWorkerGroup
 
 S = MemberState
 

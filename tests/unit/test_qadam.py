@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from actors.testing import LocalJob
 from core.schema import ConfigError
 from orchestrator.config import config_from_dict
+from testkit.harness import LocalJob
 from tests.unit.test_policy_oracles import SEED, global_batch_ids, max_diff, run_replicas, share, start_model
 
 ADAMW = {"name": "adamw", "lr": 0.01, "weight_decay": 0.01, "eps": 1e-3}

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from actors.testing import LocalJob
 from orchestrator.config import load_config
+from testkit.harness import LocalJob
 
 CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"))
 

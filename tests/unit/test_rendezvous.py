@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from actors import comm as comm_module
 from actors.comm import CommError, ForgedRendezvous, GroupSpec, make_communicator
-from actors.testing import local_store
+from testkit.harness import local_store
 
 KEY = b"k" * 32
 

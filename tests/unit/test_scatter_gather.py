@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from actors.comm import CommError
-from actors.testing import local_group
 from algorithms.compression import CODECS, Codec, get_codec
 from algorithms.scatter_gather import ScatterGather
+from testkit.harness import local_group
 
 GROUPS = [(2, 7), (3, 1001), (4, 5), (4, 1), (3, 2)]
 """(world size, elements): odd sizes, a last chunk that is partial or pure padding, one element."""

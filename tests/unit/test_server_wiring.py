@@ -13,8 +13,8 @@ import torch
 from actors.history import History
 from actors.parameter_server import ServerHost, make_host
 from actors.server_control import restart_event
-from actors.testing import LocalJob, LocalLink, LocalServerReports
 from algorithms.server import Fence
+from testkit.harness import LocalJob, LocalLink, LocalServerReports
 
 N, PER_WORKER, STEPS = 3, 8, 10
 

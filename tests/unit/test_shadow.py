@@ -9,9 +9,9 @@ import time
 import pytest
 import torch
 
-from actors.testing import local_group
 from algorithms.shadow import BackgroundSync, Lifecycle, LocalCentral, ShadowConfig
 from core.schema import FieldError
+from testkit.harness import local_group
 
 N = 3
 

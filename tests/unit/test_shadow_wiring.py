@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from actors.testing import LocalJob, wait_until
+from testkit.harness import LocalJob, wait_until
 
 PER_WORKER = 8
 

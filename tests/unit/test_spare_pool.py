@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import asyncio
 
-from actors.control.fake import FakeWorkerGroup
 from actors.control.spares import SparePool
 from actors.members import Member
 from actors.plan import WorkerSpec
+from testkit.fake_workers import FakeWorkerGroup
 
 
 def spec(slot: str, incarnation: int = 0) -> WorkerSpec:

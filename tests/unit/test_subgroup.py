@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from actors.comm import CommAborted, CommTimeout, GroupSpec, make_communicator
-from actors.testing import local_store
+from testkit.harness import local_store
 
 KEY = b"k" * 32
 TIMEOUT_S = 3.0

@@ -13,9 +13,9 @@ event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.ev
 
 from test_coordinator_paths import config, ended, events, run, started, until  # noqa: E402
 
-from actors.control.fake import FakeWorkerGroup  # noqa: E402
 from actors.tracking import TensorBoard, written_steps  # noqa: E402
 from algorithms.supervision import JobState  # noqa: E402
+from testkit.fake_workers import FakeWorkerGroup  # noqa: E402
 
 
 def scalars(directory: Path) -> dict[str, list[tuple[int, float]]]:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import psutil
 
-from actors.testing import QUIET_PORTS_FROM, free_port, running
+from testkit.harness import QUIET_PORTS_FROM, free_port, running
 
 
 def test_a_process_that_ends_between_two_looks_counts_as_gone(monkeypatch):
