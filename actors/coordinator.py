@@ -34,6 +34,7 @@ from actors import runfiles
 from actors.control.admission import Admission
 from actors.control.book import MembershipBook
 from actors.control.endings import wrap_up
+from actors.control.feed import Feed
 from actors.control.journal import Journal
 from actors.control.launcher import Launcher
 from actors.control.publisher import Publisher
@@ -62,6 +63,8 @@ LINGER_S = 600.0
 MAX_RESTARTS = 5
 """How often Ray restarts a coordinator whose process dies; each restart carries on from the run
 directory and the live workers (a new incarnation)."""
+FEED_WAIT_S = 30.0
+"""The longest a driver's long poll waits before it is answered anyway (it then asks again)."""
 FORCE_STOP_AFTER_S = 10.0
 """A stop's grace beyond `comm.timeout_s`: members that have not stopped by then are killed."""
 S = MemberState
@@ -103,6 +106,9 @@ class Coordinator(Actions):
         self.metrics = JobMetrics(Exporter(self.name, run_id, self.cfg.sync.policy, self.cfg.tracking.metrics,
                                            self.group.metric), self.algorithm.kind)
         self.journal.listeners.append(self.metrics)
+        self.feed = Feed()
+        """Wakes the drivers' long polls (`watch_feed`) on each event and each newest record."""
+        self.journal.listeners.append(self.feed)
         self.book = MembershipBook(self.cfg, run_id, self.algorithm.kind)
         self.faults = CoordinatorFaults(
             self.cfg.faults, set(runfiles.read_json(self.run_dir / "coordinator_faults_fired.json", [])),
@@ -191,6 +197,15 @@ class Coordinator(Actions):
 
     async def list_events(self) -> list[dict]:
         return [e.to_dict() for e in self.journal.events]
+
+    async def watch_feed(self, seen: int, step: int, timeout: float) -> dict:
+        """A long poll (`ElasticJob.wait_for`): answers once events numbered `seen` or later exist, the job's
+        step is past `step`, or the job has ended; at the latest after `timeout` (at most FEED_WAIT_S) seconds."""
+        await self.feed.wait(lambda: self.journal.count > seen or self.journal.step > step or self.state.terminal,
+                             min(timeout, FEED_WAIT_S))
+        events, complete = self.journal.since(seen)
+        return {"count": self.journal.count, "events": events, "complete": complete, "step": self.journal.step,
+                "state": self.state.value}
 
     async def request_stop(self, reason: str = "stop requested") -> dict:
         """Graceful stop: every member stops at the same committed step; state STOPPED."""

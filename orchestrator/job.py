@@ -17,7 +17,7 @@ import secrets
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import ray
 import yaml
@@ -264,6 +264,46 @@ class ElasticJob:
         self._release()
         return self._result
 
+    def wait_for(self, what: str | Callable[[dict], bool] | None = None, timeout: float = 120.0, *,
+                 step: int | None = None, since: int = 0, **detail: Any) -> dict:
+        """Block until the job records a matching event, or its step reaches `step` (whichever comes
+        first, when both are given); returns the event (with its number as `index`), or, for the step,
+        the job's `step` and `state`.
+
+        `what`: an event kind (`reshape`, `fault`, `transition`, `checkpoint`, `info`, ...) whose
+        `detail` holds every `detail` keyword given (`wait_for("reshape", detector="replacement")`), or a
+        predicate on an event's dict. Events are looked at from number `since` on (0: every event of the
+        run; pass a returned `index + 1` to wait for a later one). The coordinator answers each call
+        when something changed (a long poll), so a wait costs a few calls, not a poll every fraction
+        of a second. Raises TimeoutError after `timeout` seconds, and OrchestratorError when the job
+        ends first, each naming what it waited for."""
+        if what is None and step is None:
+            raise ValueError("wait_for: name an event kind, a predicate or a step")
+        wanted = _describe_wait(what, step, detail)
+        matches = _event_matcher(what, detail)
+        deadline = time.monotonic() + timeout
+        seen = since
+        while True:
+            remaining = deadline - time.monotonic()
+            if self._coordinator is None:  # the job ended and was released: its events are in the run folder
+                answer = {"events": self.events()[seen:], "complete": True, "step": self.status().step, "state": "ENDED"}
+            else:
+                answer = self._ask("watch_feed", seen, _NO_STEP if step is None else step - 1, max(0.0, remaining),
+                                   timeout=max(0.0, remaining) + 30)
+            events = answer["events"] if answer["complete"] else self.events()[seen:]
+            if matches is not None:
+                for index, event in enumerate(events, start=seen):
+                    if matches(event):
+                        return dict(event, index=index)
+            seen += len(events)
+            if step is not None and answer["step"] >= step:
+                return {"step": answer["step"], "state": answer["state"]}
+            if answer["state"] in TERMINAL_STATES or answer["state"] == "ENDED":
+                raise OrchestratorError(f"job {self.name!r} ended ({answer['state']}) before {wanted}")
+            if remaining <= 0:
+                raise TimeoutError(f"job {self.name!r}: no {wanted} within {timeout:g}s (step {answer['step']}, "
+                                   f"{answer['state']})")
+
     def stop(self, reason: str = "stop requested", timeout: float = 60.0) -> JobStatus:
         """Graceful stop at the next committed step; returns once every actor of the job is gone."""
         if self._coordinator is not None:
@@ -367,6 +407,27 @@ class ElasticJob:
         workload = check_factory(self.config.workload.factory)(**self.config.workload.params)
         workload.model.load_state_dict(state["model"])
         return workload.model
+
+
+_NO_STEP = 2**62
+"""A step no job reaches: the long poll then wakes on events only."""
+
+
+def _event_matcher(what: str | Callable[[dict], bool] | None, detail: dict) -> Callable[[dict], bool] | None:
+    if what is None:
+        return None
+    if callable(what):
+        return what
+    return lambda e: e.get("kind") == what and all(e.get("detail", {}).get(k) == v for k, v in detail.items())
+
+
+def _describe_wait(what: str | Callable[[dict], bool] | None, step: int | None, detail: dict) -> str:
+    if what is None:
+        return f"step {step}"
+    if callable(what):
+        return f"an event for which {getattr(what, '__name__', 'the predicate')} holds"
+    where = ", ".join(f"{k}={v!r}" for k, v in detail.items())
+    return f"a {what!r} event" + (f" with {where}" if where else "")
 
 
 def _remote_message(err: BaseException) -> str:

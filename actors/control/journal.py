@@ -54,6 +54,9 @@ class Journal:
         if mirror is not None:
             mirror.start()
         self.events: collections.deque[Event] = collections.deque(maxlen=EVENTS_KEPT)
+        self.count = 0
+        """The events this run has recorded, over every coordinator incarnation: an event's number is its
+        line in events.jsonl (what `since` and `ElasticJob.wait_for` count by)."""
         self._events = open(run_dir / "events.jsonl", "a", encoding="utf-8")
         self._saver = runfiles.BackgroundWriter(run_dir / SAVED, written=lambda: self.put(SAVED))
         self._state_file_error = ""
@@ -81,10 +84,18 @@ class Journal:
               **detail: Any) -> Event:
         event = Event(time=time.time(), kind=kind, reason=reason, state_from=state_from, state_to=state_to, detail=detail)
         self.events.append(event)
+        self.count += 1
         self._events.write(json.dumps(event.to_dict()) + "\n")
         self._events.flush()
         self._tell("event", event)
         return event
+
+    def since(self, seen: int) -> tuple[list[dict], bool]:
+        """The events numbered `seen` and later that are still in memory, and whether that is all of them
+        (False: the oldest of them are only in events.jsonl now)."""
+        first = self.count - len(self.events)
+        kept = list(self.events)[max(0, seen - first):]
+        return [e.to_dict() for e in kept], seen >= first
 
     def recent_reshapes(self) -> tuple[Event, ...]:
         recent: list[Event] = []
@@ -189,8 +200,9 @@ class Journal:
         saved = runfiles.read_json(self.run_dir / SAVED)
         if saved is None:
             raise RuntimeError(f"restarted, but {self.run_dir / SAVED} is missing: cannot carry on")
-        self.events = collections.deque((Event(**e) for e in runfiles.read_jsonl(self.run_dir / "events.jsonl")),
-                                        maxlen=EVENTS_KEPT)
+        recorded = runfiles.read_jsonl(self.run_dir / "events.jsonl")
+        self.events = collections.deque((Event(**e) for e in recorded), maxlen=EVENTS_KEPT)
+        self.count = len(recorded)
         self.loss, self.metrics = saved["loss"], saved["metrics"]
         history = runfiles.read_jsonl(self.run_dir / "history.jsonl")
         self.step = history[-1]["step"] if history else 0

@@ -381,3 +381,52 @@ def test_the_metrics_follow_history_and_count_one_recovery_per_death(tmp_path):
         assert m["bytes"][(("kind", "gradients"),)] == 1000 * (len(history) - 1), "each record's bytes over the one before"
         assert m["state"][(("state", "STOPPED"),)] == 1
     run(scenario())
+
+
+def test_a_long_poll_on_the_feed_is_answered_by_the_change_it_waits_for(tmp_path):
+    """`watch_feed` (what `ElasticJob.wait_for` asks) answers when an event numbered past what the
+    caller has seen is recorded, or when the job's step passes the one named: each wait below allows
+    the feed 600 s of its own, so only the wake-up can answer it within the test's 10 s; with the
+    feed's wake-up switched off, the waits time out here. Event numbers are lines of events.jsonl."""
+    async def scenario():
+        group = FakeWorkerGroup()
+        coord = await started(config("feed"), tmp_path, group)
+        await group.commit(coord, 2)
+        seen = coord.journal.count
+        lines = (tmp_path / "events.jsonl").read_text().splitlines()
+        assert seen == len(lines) and coord.journal.since(0)[0] == [json.loads(line) for line in lines]
+        poll = asyncio.ensure_future(coord.watch_feed(seen, 2**62, 600))
+        await asyncio.sleep(0)
+        group.die("w1")
+        answer = await asyncio.wait_for(poll, 10)
+        assert answer["complete"] and answer["count"] > seen and answer["events"], answer
+        assert answer["events"][0] == json.loads((tmp_path / "events.jsonl").read_text().splitlines()[seen])
+        await until(lambda: coord.book.plan.members == ("w0", "w2"), "the survivors' plan")
+        step = coord.journal.step
+        poll = asyncio.ensure_future(coord.watch_feed(coord.journal.count, step + 2, 600))
+        await asyncio.sleep(0)
+        await group.commit(coord, 4)
+        answer = await asyncio.wait_for(poll, 10)
+        assert answer["step"] > step + 2, answer
+        await stopped(coord, group)
+        answer = await asyncio.wait_for(coord.watch_feed(coord.journal.count, 2**62, 600), 10)
+        assert answer["state"] == "STOPPED", "an ended job answers at once"
+    run(scenario())
+
+
+def test_the_feed_numbers_events_by_their_line_across_a_restart(tmp_path):
+    """A restarted coordinator counts the events the run recorded before it (its journal re-reads them),
+    so a number a driver holds still names the same line."""
+    from actors.control.journal import Journal
+
+    first = Journal(tmp_path, keep_checkpoints=1)
+    for i in range(5):
+        first.event("info", f"event {i}")
+    first.close()
+    (tmp_path / "coordinator.json").write_text(json.dumps({"loss": None, "metrics": {}}))
+    again = Journal(tmp_path, keep_checkpoints=1)
+    again.load_state()
+    again.event("info", "after the restart")
+    events, complete = again.since(4)
+    assert again.count == 6 and complete and [e["reason"] for e in events] == ["event 4", "after the restart"]
+    again.close()
