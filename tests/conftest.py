@@ -121,6 +121,45 @@ def ray_session(_ray_owner):
     return _ensure_ray()
 
 
+@pytest.fixture(autouse=True)
+def _no_job_outlives_its_test(request: pytest.FixtureRequest):
+    """Every job a Ray test started in this process and left running (an assertion failed before its own
+    stop) is stopped when the test ends: one failure must not leave a job training beside the tests
+    after it, where it would slow them down and skew what they measure."""
+    if not {"run_root", "ray_session"} & set(request.fixturenames):
+        yield
+        return
+    from orchestrator.job import ElasticJob
+
+    started: list = []
+    start = ElasticJob.start
+
+    def recorded_start(self, *args, **kwargs):
+        started.append(self)
+        return start(self, *args, **kwargs)
+    ElasticJob.start = recorded_start
+    try:
+        yield
+    finally:
+        ElasticJob.start = start
+        for job in started:
+            _stop_if_running(job)
+
+
+def _stop_if_running(job) -> None:
+    from core.schema import TERMINAL_STATES
+
+    if job._coordinator is None:  # waited for or stopped: its actors are gone
+        return
+    try:
+        if job.status().state not in TERMINAL_STATES:
+            job.stop(reason="the test that started it ended", timeout=60)
+        else:
+            job._release()
+    except Exception as err:  # noqa: BLE001 - the test's own outcome stands; say why the job may linger
+        print(f"could not stop job {job.name!r} after its test: {type(err).__name__}: {err}")
+
+
 @pytest.fixture
 def run_root(ray_session, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """A fresh run-directory root per test (jobs write under it)."""

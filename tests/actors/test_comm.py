@@ -14,6 +14,10 @@ from actors.comm import GroupSpec
 from testkit.harness import CommPeer, StoreHost
 
 TIMEOUT_S = 4.0
+"""The group timeout of the control cases, which wait for it."""
+LONG_S = 60.0
+"""The group timeout where a test shows that something else releases the survivors: they are released
+within the test's 30 s only by that mechanism, never by the timeout."""
 
 
 @pytest.fixture(scope="module")
@@ -46,45 +50,44 @@ def test_group_reforms_smaller_then_larger_in_same_processes(store):
         ray.kill(p)
 
 
-def _kill_one_mid_all_reduce(store, name: str, abort: bool) -> tuple[list[dict], float, float]:
+def test_a_killed_peer_s_reset_fails_the_survivors_connected_to_it_without_an_abort(store):
+    """A SIGKILLed peer's sockets are reset, so gloo fails the survivors connected to it on its own, with
+    a `CommError` (an abort is not what releases them: none is sent until one of them has failed). The
+    group's timeout is 60 s and the test waits 30 s for the first survivor, so a survivor released by
+    anything but the reset fails the test (as `CommTimeout`, or on its deadline). Survivors not connected
+    to the victim would wait for the timeout: the abort then releases them. The abort's own tests use a
+    silent (SIGSTOPped) peer below."""
     peers = [CommPeer.remote() for _ in range(4)]
-    form(peers, store, name)
+    form(peers, store, "kill-noabort/e1", timeout_s=LONG_S)
     numel = 8_000_000  # 32 MB: still in flight when the victim dies
     survivors, victim = peers[:3], peers[3]
-    for p in survivors:
-        ray.get(p.start_all_reduce.remote(numel))
-    waits = [p.wait_pending.remote() for p in survivors]
-    death = victim.start_all_reduce.remote(numel, die=True)
-    with pytest.raises(ray.exceptions.RayActorError):
-        ray.get(death, timeout=30)
-    seen = time.time()  # when the "coordinator" learns of the death
-    aborted_at = seen
-    if abort:
-        aborted_at = time.time()  # measured from the moment the abort is sent
-        ray.get([p.abort.remote("peer w3 died") for p in survivors])
-    results = ray.get(waits, timeout=TIMEOUT_S + 10)
-    for p in survivors:
-        ray.kill(p)
-    return results, seen, aborted_at
-
-
-def test_killed_peer_fails_survivors_within_timeout_without_abort(store):
-    """A SIGKILLed peer's sockets are reset, so gloo fails the survivors connected to it on its own (an
-    abort is not what releases them here: a test of the abort with a killed peer passed with an abort
-    that did nothing, and was dropped). The abort's own tests use a silent (SIGSTOPped) peer below."""
-    results, seen, _ = _kill_one_mid_all_reduce(store, "kill-noabort/e1", abort=False)
-    delays = [r["at"] - seen for r in results]
-    print("survivor failure delays without abort:", [f"{d:.3f}s" for d in delays], [r["outcome"] for r in results])
+    try:
+        for p in survivors:
+            ray.get(p.start_all_reduce.remote(numel))
+        waits = [p.wait_pending.remote() for p in survivors]
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(victim.start_all_reduce.remote(numel, die=True), timeout=30)
+        first, _ = ray.wait(waits, num_returns=1, timeout=30)
+        assert first, "no survivor was released within 30 s of the kill (the group's timeout is 60 s)"
+        released = ray.get(first[0])
+        ray.get([p.abort.remote("peer w3 died") for p in survivors], timeout=30)
+        results = ray.get(waits, timeout=30)
+    finally:
+        for p in peers:
+            ray.kill(p)
+    print("a peer killed mid-all-reduce: first survivor released by", released["outcome"], released.get("error"),
+          "; all:", [r["outcome"] for r in results])
+    assert released["outcome"] == "CommError", released
     assert all(r["outcome"] != "ok" for r in results)
-    assert max(delays) < TIMEOUT_S
 
 
-def _silent_peer_mid_all_reduce(store, name: str, abort: bool, via_ray: bool = False) -> tuple[list[dict], float, float]:
+def _silent_peer_mid_all_reduce(store, name: str, abort: bool, via_ray: bool = False,
+                                timeout_s: float = TIMEOUT_S) -> tuple[list[dict], float, float]:
     """Three peers enter an all-reduce; the fourth is alive but SIGSTOPped, so its sockets stay
     open and nothing resets: only the abort (or the timeout) can release the others. `via_ray`: the
     all-reduce is a workload's `ray.util.collective.allreduce` on the published group."""
     peers = [CommPeer.remote() for _ in range(4)]
-    form(peers, store, name)
+    form(peers, store, name, timeout_s)
     survivors, victim = peers[:3], peers[3]
     pid = ray.get(victim.pid.remote())
     os.kill(pid, signal.SIGSTOP)
@@ -93,11 +96,10 @@ def _silent_peer_mid_all_reduce(store, name: str, abort: bool, via_ray: bool = F
         for p in survivors:
             ray.get(p.start_all_reduce.remote(1_000_000, via_ray=via_ray))
         waits = [p.wait_pending.remote() for p in survivors]
-        time.sleep(0.5)
         aborted_at = time.time()
-        if abort:
+        if abort:  # at any point of the wait: the flag is polled by every wait, begun or not
             ray.get([p.abort.remote("peer w3 is silent") for p in survivors])
-        results = ray.get(waits, timeout=TIMEOUT_S + 10)
+        results = ray.get(waits, timeout=30 if abort else TIMEOUT_S + 30)
     finally:
         os.kill(pid, signal.SIGCONT)
         for p in peers:
@@ -105,16 +107,16 @@ def _silent_peer_mid_all_reduce(store, name: str, abort: bool, via_ray: bool = F
     return results, started, aborted_at
 
 
-@pytest.mark.exclusive  # it measures a time: it runs alone (tests/conftest.py)
 @pytest.mark.parametrize("via", ["handle", "ray.util.collective"])
-def test_abort_releases_survivors_of_a_silent_peer_within_1s(store, via):
+def test_an_abort_releases_the_survivors_of_a_silent_peer(store, via):
+    """The group's timeout is 60 s and the test waits 30 s: only the abort can release them, as
+    `CommAborted` (how fast it does is a figure of benchmarks/recovery.py, not a bound here)."""
     results, _, aborted_at = _silent_peer_mid_all_reduce(store, f"silent-abort-{via}/e1", abort=True,
-                                                         via_ray=via != "handle")
+                                                         via_ray=via != "handle", timeout_s=LONG_S)
     delays = [r["at"] - aborted_at for r in results]
     print("silent peer, survivors released after the abort in:", [f"{d:.3f}s" for d in delays],
           [r["outcome"] for r in results])
     assert all(r["outcome"] == "CommAborted" for r in results)
-    assert max(delays) < 1.0
 
 
 @pytest.mark.parametrize("via", ["handle", "ray.util.collective"])
@@ -138,27 +140,35 @@ def test_store_listens_on_node_address_only(store):
     assert host not in ("0.0.0.0", "::")
 
 
-@pytest.mark.exclusive  # it measures a time: it runs alone (tests/conftest.py)
 def test_a_group_forms_while_an_abandoned_formation_still_waits_in_the_same_process():
     """A member that went on to a newer epoch while its older epoch's formation still blocks in C++
     (waiting for peers that never come) forms the newer group at once: each formation has its own
-    store connection (one shared connection serializes them behind the stuck wait, up to its timeout)."""
+    store connection (one shared connection serializes them behind the stuck wait, up to its timeout).
+    The stuck formation waits up to 30 s, so a newer group formed behind it would take that long; the
+    bound below is 10 s (it forms in some 0.1 s)."""
     from concurrent.futures import ThreadPoolExecutor
 
     from actors.comm import make_communicator, serve_store
 
-    timeout_s = 4.0
-    _server, port, sock = serve_store("127.0.0.1", timeout_s)
+    timeout_s = 30.0
+    server, port, sock = serve_store("127.0.0.1", timeout_s)
     spec = lambda name, rank, n: GroupSpec("127.0.0.1", port, name, rank, n, timeout_s, "gloo", "127.0.0.1")  # noqa: E731
-    with ThreadPoolExecutor(3) as pool:
+    pool = ThreadPoolExecutor(3)
+    try:
+        keys = server.num_keys()
         stuck = pool.submit(make_communicator, spec("abandoned/e3", 0, 2))  # rank 1 never arrives
-        time.sleep(0.5)
+        deadline = time.monotonic() + 20
+        while server.num_keys() == keys:  # the stuck formation has reached the store: it waits there now
+            assert time.monotonic() < deadline and not stuck.done(), "the first formation never reached the store"
+            time.sleep(0.01)
         start = time.monotonic()
         groups = list(pool.map(make_communicator, [spec("next/e4", r, 2) for r in range(2)]))
         formed_s = time.monotonic() - start
-        assert formed_s < 1.5, f"the newer group waited {formed_s:.1f}s behind the stuck formation"
+        assert formed_s < 10, f"the newer group waited {formed_s:.1f}s behind the stuck formation"
         assert not stuck.done(), "the abandoned formation should still be waiting"
         for g in groups:
             g.close()
-    sock.close()
+    finally:
+        pool.shutdown(wait=False)  # the stuck formation ends at its own timeout, in the background
+        sock.close()
     print(f"the newer group formed in {formed_s:.2f}s beside a stuck formation")

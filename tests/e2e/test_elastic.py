@@ -26,6 +26,9 @@ def make_config(name: str, **over) -> dict:
            "eval_every": 0}
     for key, value in over.items():
         cfg[key] = value
+    # every worker in the first membership, however slowly its process starts on a loaded machine: the
+    # tests count reshapes and a late worker would join as one more (the default waits 30 s)
+    cfg["workers"] = {"start_grace_s": 600, **cfg["workers"]}
     return cfg
 
 

@@ -36,7 +36,7 @@ def value(samples: dict, name: str, run: str, **labels: str) -> float:
 
 def test_the_job_s_metrics_on_ray_s_endpoint_match_status_and_history(run_root):
     steps = 360  # the replacement joins by step ~150 here; at 240 a slow moment in a CI run ended the job before it
-    cfg = {"name": "metrics", "seed": 3, "workers": {"count": 3, "cpus": 0.5},
+    cfg = {"name": "metrics", "seed": 3, "workers": {"count": 3, "cpus": 0.5, "start_grace_s": 600},
            "workload": {"factory": "orchestrator.workloads.digits:mlp", "params": {"hidden": 32}, "batch_size": 8},
            "optimizer": {"lr": 0.05}, "stop": {"max_steps": steps}, "eval_every": 0,
            "tracking": {"tensorboard": "tb", "report": True},

@@ -17,7 +17,8 @@ PER_WORKER = 5
 
 
 def make_config(name: str, sync: dict, steps: int, **over) -> dict:
-    cfg = {"name": name, "seed": 4, "workers": {"count": 4, "min": 2, "max": 4, "cpus": 0.5, "batch_mode": "keep_worker"},
+    cfg = {"name": name, "seed": 4, "workers": {"count": 4, "min": 2, "max": 4, "cpus": 0.5, "batch_mode": "keep_worker",
+                                             "start_grace_s": 600},
            "workload": {"factory": "orchestrator.workloads.digits:mlp", "params": {"hidden": 32}, "batch_size": PER_WORKER},
            "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.5}, "sync": sync, "stop": {"max_steps": steps},
            "server": {"cpus": 0.5}, "eval_every": 0}
