@@ -43,9 +43,12 @@ class InjectedFault(RuntimeError):
 
 class WorkerFaults:
     def __init__(self, cfg: FaultsConfig, slot: str, record: Callable[[int, str, int, str], None],
-                 kill_actor: Callable[[], None] = lambda: None) -> None:
+                 kill_actor: Callable[[], None] = lambda: None, clock: Callable[[], float] = time.perf_counter,
+                 sleep: Callable[[float], None] = time.sleep) -> None:
         """`record(index, slot, step, phase)` tells the coordinator a kill fires (before it does);
-        `kill_actor` asks Ray to kill this actor (`how: actor_kill`)."""
+        `kill_actor` asks Ray to kill this actor (`how: actor_kill`); `clock` and `sleep`: the time a
+        straggler's step is measured and stretched by (a test's own clock makes it exact)."""
+        self.clock, self.sleep = clock, sleep
         self.kills = cfg.kills
         self.slot = slot
         self.fired: set[int] = set()
@@ -89,7 +92,7 @@ class WorkerFaults:
         jitter factor of this (slot, step) when one is configured (of the entries in force at `step`,
         the number of committed steps: `from_step`). Returns the seconds slept (modelled
         compute: they count in the step-time estimate the coordinator watches)."""
-        elapsed = time.perf_counter() - started
+        elapsed = self.clock() - started
         now = [s for s in self.stragglers if step >= s.from_step]  # the entries in force at this step
         if not now:
             return 0.0
@@ -99,7 +102,7 @@ class WorkerFaults:
             target *= jitter_factor(jitter.sigma, jitter.seed, self.slot, step)
         if target - elapsed <= 0:
             return 0.0
-        time.sleep(target - elapsed)
+        self.sleep(target - elapsed)
         return target - elapsed
 
     def fire(self, kill: KillFault, step: int) -> None:

@@ -4,8 +4,6 @@ from __future__ import annotations
 import asyncio
 import time
 
-import pytest
-
 from actors.sequencer import Sequencer
 
 
@@ -21,18 +19,13 @@ async def _deliver(seq: Sequencer, arrivals: list[tuple[str, int]], ran: list[tu
     await asyncio.gather(*tasks)
 
 
-pytestmark = pytest.mark.exclusive  # it measures times: it runs alone (tests/conftest.py)
-
-
 def test_messages_arriving_out_of_order_run_in_the_order_sent():
     seq, ran = Sequencer(wait_s=5.0), []
     arrivals = [("a", 2), ("b", 1), ("a", 0), ("b", 0), ("a", 1), ("a", 3)]
-    started = time.monotonic()
     asyncio.run(_deliver(seq, arrivals, ran))
     assert [o for o in ran if o[0] == "a"] == [("a", i) for i in range(4)]
     assert [o for o in ran if o[0] == "b"] == [("b", 0), ("b", 1)]
-    assert time.monotonic() - started < 1.0, "no message waited its bound out: every predecessor arrived"
-    assert seq.gave_up == 0 and seq.late == 0
+    assert seq.gave_up == 0 and seq.late == 0, "no message waited its bound out: every predecessor arrived"
 
 
 def test_a_message_whose_predecessor_never_arrives_runs_after_the_bound():
@@ -41,7 +34,7 @@ def test_a_message_whose_predecessor_never_arrives_runs_after_the_bound():
     asyncio.run(_deliver(seq, [("a", 0), ("a", 2), ("a", 3)], ran))
     waited = time.monotonic() - started
     assert ran == [("a", 0), ("a", 2), ("a", 3)]
-    assert 0.3 <= waited < 1.5, waited
+    assert waited >= 0.3, waited  # it waited its bound out (a lower bound: load can only lengthen it)
     assert seq.gave_up == 1  # ("a", 2) gave up on ("a", 1); ("a", 3) then ran in its turn
     ran.clear()
     asyncio.run(_deliver(seq, [("a", 1)], ran))  # the lost one, very late: runs at once
@@ -50,9 +43,8 @@ def test_a_message_whose_predecessor_never_arrives_runs_after_the_bound():
 
 def test_a_restarted_coordinator_takes_each_senders_first_number_as_its_start():
     seq, ran = Sequencer(wait_s=5.0, trust_first=True), []
-    started = time.monotonic()
     asyncio.run(_deliver(seq, [("a", 57), ("a", 58)], ran))
-    assert ran == [("a", 57), ("a", 58)] and time.monotonic() - started < 1.0
+    assert ran == [("a", 57), ("a", 58)] and seq.gave_up == 0, "57 did not wait for 0..56"
 
 
 def test_forgotten_senders_are_bounded():

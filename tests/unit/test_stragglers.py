@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import statistics
-import time
 
 import numpy as np
 import pytest
@@ -10,8 +9,6 @@ import pytest
 from actors.faults import WorkerFaults, jitter_factor
 from algorithms.stragglers import StragglerChange, StragglerWatch
 from core.schema import FaultsConfig, JitterSpec, StragglerFault
-
-pytestmark = pytest.mark.exclusive  # it measures times: it runs alone (tests/conftest.py)
 
 
 def test_a_3x_member_is_named_with_its_ratio_and_released_with_hysteresis():
@@ -47,23 +44,43 @@ def test_jitter_is_lognormal_with_median_one_and_the_same_on_every_run():
     assert jitter_factor(0.5, 7, "w1", 3) != jitter_factor(0.5, 7, "w2", 3)
 
 
+class Clock:
+    """A test's own time: it moves only by what the code under test sleeps, or what the test says."""
+
+    def __init__(self) -> None:
+        self.now, self.slept = 100.0, []
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        self.now += seconds
+
+
+def faults_on(cfg: FaultsConfig, slot: str, clock: Clock) -> WorkerFaults:
+    return WorkerFaults(cfg, slot, record=lambda *a: None, clock=clock, sleep=clock.sleep)
+
+
 def test_a_straggler_sleeps_its_modelled_time_and_says_how_long():
-    cfg = FaultsConfig(stragglers=[StragglerFault(slot="w1", delay_s=0.02, jitter=JitterSpec(sigma=0.5, seed=1))])
-    faults = WorkerFaults(cfg, "w1", record=lambda *a: None)
-    started = time.perf_counter()
-    slept = faults.straggle(started, step=4)
-    took = time.perf_counter() - started
-    expected = 0.02 * jitter_factor(0.5, 1, "w1", 4)
-    assert slept == pytest.approx(expected, abs=2e-3) and took >= slept
-    assert WorkerFaults(cfg, "w0", record=lambda *a: None).straggle(time.perf_counter(), 4) == 0.0
+    """A step that computed 0.01 s: slowdown 3 makes it 0.03 s, plus delay_s, times the jitter factor."""
+    cfg = FaultsConfig(stragglers=[StragglerFault(slot="w1", slowdown=3.0, delay_s=0.02,
+                                                  jitter=JitterSpec(sigma=0.5, seed=1))])
+    clock = Clock()
+    started = clock.now
+    clock.now += 0.01  # the step's own compute
+    slept = faults_on(cfg, "w1", clock).straggle(started, step=4)
+    expected = (0.01 * 3.0 + 0.02) * jitter_factor(0.5, 1, "w1", 4) - 0.01
+    assert slept == pytest.approx(expected, rel=1e-12) and clock.slept == [slept]
+    assert faults_on(cfg, "w0", Clock()).straggle(started, 4) == 0.0
 
 
 def test_a_straggler_from_a_step_on_is_slow_only_from_there_and_entries_combine():
     cfg = FaultsConfig(stragglers=[StragglerFault(slot="w1", delay_s=0.01),
                                    StragglerFault(slot="w1", delay_s=0.05, from_step=10)])
-    faults = WorkerFaults(cfg, "w1", record=lambda *a: None)
-    assert faults.straggle(time.perf_counter(), 9) == pytest.approx(0.01, abs=3e-3)
-    assert faults.straggle(time.perf_counter(), 10) == pytest.approx(0.05, abs=3e-3)
-    late = WorkerFaults(FaultsConfig(stragglers=[StragglerFault(slot="w1", delay_s=0.05, from_step=3)]), "w1",
-                        record=lambda *a: None)
-    assert late.straggle(time.perf_counter(), 2) == 0.0 and late.straggle(time.perf_counter(), 3) > 0.04
+    clock = Clock()
+    faults = faults_on(cfg, "w1", clock)
+    assert faults.straggle(clock.now, 9) == pytest.approx(0.01, rel=1e-12)
+    assert faults.straggle(clock.now, 10) == pytest.approx(0.05, rel=1e-12)
+    late = faults_on(FaultsConfig(stragglers=[StragglerFault(slot="w1", delay_s=0.05, from_step=3)]), "w1", clock)
+    assert late.straggle(clock.now, 2) == 0.0 and late.straggle(clock.now, 3) == pytest.approx(0.05, rel=1e-12)

@@ -16,14 +16,15 @@ from testkit.harness import local_store
 
 KEY = b"k" * 32
 TIMEOUT_S = 3.0
+"""The control case's timeout (it waits for it)."""
+LONG_S = 60.0
+"""The timeout where the abort is what releases a wait: only the abort can, within the test."""
 
 
-pytestmark = pytest.mark.exclusive  # it measures times: it runs alone (tests/conftest.py)
 
-
-def group(n: int, name: str) -> list:
+def group(n: int, name: str, timeout_s: float = TIMEOUT_S) -> list:
     host, port = local_store()
-    specs = [GroupSpec(host, port, name, r, n, TIMEOUT_S, "gloo", "127.0.0.1", secret=KEY) for r in range(n)]
+    specs = [GroupSpec(host, port, name, r, n, timeout_s, "gloo", "127.0.0.1", secret=KEY) for r in range(n)]
     with ThreadPoolExecutor(n) as pool:
         return list(pool.map(make_communicator, specs))
 
@@ -49,8 +50,9 @@ def test_a_subgroup_of_two_of_four_reduces_among_them_only():
 def _stuck_in_subgroup(propagate: bool) -> tuple[str, float]:
     """Ranks 0 and 1 form a subgroup; rank 0 all-reduces in it while rank 1 never does. The group is
     aborted 0.3 s later: how long rank 0's wait lasts, and how it ends. `propagate=False` switches the
-    group's abort off for its subgroups (the control: only the timeout frees the wait)."""
-    comms = group(3, f"job/r/c0/e{2 + propagate}")
+    group's abort off for its subgroups (the control: only the timeout frees the wait). With the abort
+    on, the group's timeout is 60 s: a wait that ends as `CommAborted` was ended by the abort."""
+    comms = group(3, f"job/r/c0/e{2 + propagate}", LONG_S if propagate else TIMEOUT_S)
     with ThreadPoolExecutor(2) as pool:
         subs = list(pool.map(lambda c: c.subgroup([0, 1], "leaders"), comms[:2]))
     if not propagate:
@@ -74,18 +76,16 @@ def test_an_abort_of_the_group_releases_a_wait_in_its_subgroup(propagate):
     outcome, waited = _stuck_in_subgroup(propagate)
     print(f"propagate={propagate}: {outcome} after {waited:.2f}s")
     if propagate:
-        assert outcome == "CommAborted" and waited < 1.0
+        assert outcome == "CommAborted"
     else:
         assert outcome == "CommTimeout" and waited >= TIMEOUT_S * 0.9
 
 
 def test_an_abort_during_formation_abandons_it_at_once():
     """Rank 1 never comes to form the subgroup: rank 0's formation waits until the group is aborted."""
-    comms = group(2, "job/r/c0/e5")
+    comms = group(2, "job/r/c0/e5", LONG_S)  # only the abort ends the formation within the test
     threading.Timer(0.3, lambda: comms[0].abort("a member died")).start()
-    began = time.monotonic()
     with pytest.raises(CommAborted):
         comms[0].subgroup([0, 1], "leaders")
-    assert time.monotonic() - began < 1.5
     for c in comms:
         c.close()

@@ -2,14 +2,11 @@
 from __future__ import annotations
 
 import itertools
-import time
 
 import numpy as np
 import pytest
 
 from algorithms.zipline import Barrier, EwmaPredictor, place_barrier
-
-pytestmark = pytest.mark.exclusive  # it measures times: it runs alone (tests/conftest.py)
 
 
 def brute_force(last_end: np.ndarray, interval: np.ndarray, r: int) -> Barrier:
@@ -73,15 +70,11 @@ def test_bad_input_is_refused():
         place_barrier([0.0], [1.0], 0)
 
 
-def test_1024_workers_lookahead_64_decide_within_250ms():
+def test_1024_workers_lookahead_64_place_a_barrier_within_the_lookahead():
+    """(How long it takes is a figure of benchmarks/zipline.py.)"""
     rng = np.random.default_rng(3)
     last_end, interval = rng.uniform(0, 1, 1024), rng.uniform(0.05, 0.5, 1024)
-    place_barrier(last_end, interval, 64)  # warm-up
-    started = time.perf_counter()
     barrier = place_barrier(last_end, interval, 64)
-    took = time.perf_counter() - started
-    print(f"zipline n=1024 r=64: {took * 1000:.1f} ms, spread {barrier.spread:.4f}")
-    assert took < 0.25
     assert all(1 <= k <= 64 for k in barrier.iterations)
 
 
