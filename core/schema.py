@@ -968,15 +968,15 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
         (item,) = typing.get_args(tp)
         return [_convert(item, v, f"{path}[{i}]") for i, v in enumerate(value)]
     if origin is tuple:
-        args = typing.get_args(tp)
-        if not isinstance(value, (list, tuple)) or len(value) != len(args):
-            raise ConfigError(f"{path}: expected a list of {len(args)} numbers, got {_show(value)}")
-        return tuple(_convert(a, v, f"{path}[{i}]") for i, (a, v) in enumerate(zip(args, value)))
+        parts = typing.get_args(tp)
+        if not isinstance(value, (list, tuple)) or len(value) != len(parts):
+            raise ConfigError(f"{path}: expected a list of {len(parts)} numbers, got {_show(value)}")
+        return tuple(_convert(a, v, f"{path}[{i}]") for i, (a, v) in enumerate(zip(parts, value)))
     if tp is dict or origin is dict:
         if not isinstance(value, dict):
             raise ConfigError(f"{path}: expected a mapping, got {_show(value)}")
         return dict(value)
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):  # an annotation: a dataclass here is a class
         return parse(tp, value, path)
     if tp is bool:
         if not isinstance(value, bool):
