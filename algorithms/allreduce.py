@@ -27,7 +27,9 @@ weighted by each rank's share of the global batch, so the SUM is the global-batc
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
@@ -38,6 +40,10 @@ from algorithms.hierarchical import HierarchicalAllReduce
 from algorithms.optim import contiguous_runs, flat_view
 from algorithms.scatter_gather import ScatterGather
 
+if TYPE_CHECKING:
+    from torch.distributed import Reducer
+
+_run_backward: Callable[..., Any] | None
 try:  # the C++ engine call inside torch.autograd.backward (private; absent, the public call serves)
     from torch.autograd.graph import _engine_run_backward as _run_backward
 except ImportError:  # pragma: no cover - older torch
@@ -117,7 +123,7 @@ class AllReduceImpl(AlgorithmImpl):
         """One compressed all-reduce per bucket; its error-feedback residuals outlive membership epochs."""
         self._vote_tail: torch.Tensor | None = None
         self._draft = VoteDraft()
-        self.reducer = None
+        self.reducer: Reducer | None = None
         """torch's C++ reducer over this epoch's group, when BSP runs on it (see `_wants_reducer`)."""
         self._vote: torch.Tensor | None = None
         self._bytes_per_step = 0
@@ -126,7 +132,8 @@ class AllReduceImpl(AlgorithmImpl):
         self._hooks: list = []
         self._zero_key: list[int] | None = None
         self._zero_runs: list[torch.Tensor] = []
-        self._tail = self._one = None
+        self._tail: torch.Tensor | None = None
+        self._one: torch.Tensor | None = None
         self.hierarchy: HierarchicalAllReduce | None = None
         """`sync.hierarchical` over an epoch that spans nodes: the buckets are reduced through it."""
         self._python_hooks(True)
@@ -273,6 +280,7 @@ class AllReduceImpl(AlgorithmImpl):
     def backward(self, loss: torch.Tensor) -> None:
         if self.reducer is None:
             return loss.backward()
+        assert self._vote is not None and self._tail is not None and self._one is not None  # set with the reducer
         try:
             if self.accumulating:  # the reducer does not expect this backward: gradients accumulate
                 return loss.backward()
@@ -320,13 +328,15 @@ class AllReduceImpl(AlgorithmImpl):
     def _zero_reducer_grads(self) -> None:
         """Zero the gradients in the reducer's buckets: one `zero_` per bucket once the gradients are
         known to be its views (checked by address each step), else one call over them all."""
-        grads = [p.grad for p in self.params]
-        grads.append(self._vote.grad)
-        if any(g is None for g in grads):  # never `None in grads`: that compares tensors with ==, ~15 us each
-            grads = [g for g in grads if g is not None]
-            if grads:
-                torch._foreach_zero_(grads)
+        assert self._vote is not None  # set with the reducer
+        maybe = [p.grad for p in self.params]
+        maybe.append(self._vote.grad)
+        if any(g is None for g in maybe):  # never `None in maybe`: that compares tensors with ==, ~15 us each
+            present = [g for g in maybe if g is not None]
+            if present:
+                torch._foreach_zero_(present)
             return
+        grads = cast(list[torch.Tensor], maybe)  # none is None (checked above, without a copy)
         key = [g.data_ptr() for g in grads]
         if key != self._zero_key:
             runs = contiguous_runs(grads)
@@ -424,10 +434,14 @@ class AllReduceImpl(AlgorithmImpl):
                 raise RuntimeError("the reducer did not finish this step's buckets: some parameter got no "
                                    "gradient; sync.engine: python reduces models with unused parameters") from None
             synchronize = getattr(self.comm, "synchronize", None)
+            assert self._vote is not None  # set with the reducer
             if self._vote.is_cuda and synchronize is not None:
                 synchronize()  # the reducer's NCCL work, waited for with the epoch's abort and timeout
-            return StepVote.reduced(self._vote.grad)  # float32 or float64: sample counts exact either way
+            summed = self._vote.grad
+            assert summed is not None  # backward's reducer wrote the sum of the tails there
+            return StepVote.reduced(summed)  # float32 or float64: sample counts exact either way
         if self.deferred:
+            assert self._vote_tail is not None  # end_backward's deferred reduce set it
             return StepVote.reduced(self._vote_tail.to(torch.float64))
         for handle in self.handles:
             if handle is not None:

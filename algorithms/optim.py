@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import collections
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from typing import Any, cast
 
 import torch
 
 from core.schema import OptimizerConfig
 
 
-def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: OptimizerConfig):
+def build_optimizer(params: Iterable[torch.Tensor], cfg: OptimizerConfig):
     """`sgd`: this module's `SGD` (torch's rule on flat buffers); `adamw`: torch's AdamW."""
     params = list(params)
     if cfg.name == "sgd":
@@ -42,7 +43,7 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
         group["lr"] = lr
 
 
-def contiguous_runs(tensors: list[torch.Tensor]) -> list[list[int]] | None:
+def contiguous_runs(tensors: Sequence[torch.Tensor]) -> list[list[int]] | None:
     """The indices of `tensors` grouped into runs that lie back to back in one storage, each run in
     memory order; None when a tensor is not contiguous or the dtypes differ."""
     if not tensors or any(not t.is_contiguous() or t.dtype != tensors[0].dtype for t in tensors):
@@ -80,7 +81,7 @@ class SGD:
     again. Where gradients are not laid out so (the first step, separate tensors) it steps per
     tensor, as torch does. `state_dict()` has torch's format, so either optimizer loads the other's."""
 
-    def __init__(self, params: Iterable[torch.nn.Parameter], lr: float, momentum: float = 0.0, dampening: float = 0.0,
+    def __init__(self, params: Iterable[torch.Tensor], lr: float, momentum: float = 0.0, dampening: float = 0.0,
                  weight_decay: float = 0.0, nesterov: bool = False) -> None:
         if lr < 0.0 or momentum < 0.0 or weight_decay < 0.0:
             raise ValueError(f"SGD: lr, momentum and weight_decay must be >= 0 (got {lr}, {momentum}, {weight_decay})")
@@ -89,9 +90,9 @@ class SGD:
         params = list(params)
         if not params:
             raise ValueError("SGD: got an empty parameter list")
-        self.defaults = {"lr": lr, "momentum": momentum, "dampening": dampening, "weight_decay": weight_decay,
+        self.defaults: dict[str, Any] = {"lr": lr, "momentum": momentum, "dampening": dampening, "weight_decay": weight_decay,
                          "nesterov": nesterov, "maximize": False, "foreach": False, "differentiable": False, "fused": None}
-        self.param_groups = [{**self.defaults, "params": params}]
+        self.param_groups: list[dict[str, Any]] = [{**self.defaults, "params": params}]  # as torch's optimizers
         self.state: collections.defaultdict = collections.defaultdict(dict)
         self._key: list | None = None
         self._runs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, list[torch.nn.Parameter]]] = []
@@ -203,9 +204,11 @@ class SGD:
     def _layout(self, params: list[torch.nn.Parameter]) -> bool:
         """Lay parameters and momentum buffers out in the gradients' runs; False when they cannot be
         (a missing or sparse gradient, mixed dtypes or devices, gradients that are not back to back)."""
-        grads = [p.grad for p in params]
-        if any(g is None or g.is_sparse for g in grads) or any(p.dtype != grads[0].dtype or p.device != grads[0].device
-                                                            for p in params):
+        maybe = [p.grad for p in params]
+        if any(g is None or g.is_sparse for g in maybe):
+            return False
+        grads = cast(list[torch.Tensor], maybe)  # none is None (checked above)
+        if any(p.dtype != grads[0].dtype or p.device != grads[0].device for p in params):
             return False
         runs = contiguous_runs(grads)
         if runs is None or len(runs) == len(params) > 1:
@@ -218,14 +221,15 @@ class SGD:
                 return False
             flat_g = flat_view(grads[run[0]], sum(p.numel() for p in members))
             flat_p = _flatten(members, members)
-            flat_b = None if bufs[0] is None else _flatten(bufs, [self.state[p] for p in members])
+            # all or none are None (checked above)
+            flat_b = None if bufs[0] is None else _flatten(cast(list[torch.Tensor], bufs), [self.state[p] for p in members])
             laid.append((flat_p, flat_g, flat_b, members))
         self._runs = laid
         self._key = self._current_key(params)
         return True
 
 
-def _flatten(tensors: list[torch.Tensor], owners: list) -> torch.Tensor:
+def _flatten(tensors: Sequence[torch.Tensor], owners: Sequence) -> torch.Tensor:
     """One flat tensor over `tensors`, in order: their own storage when they already lie so, else a new
     one that each owner's tensor (a parameter's data, a state's momentum buffer) becomes a view of."""
     runs = contiguous_runs(tensors)

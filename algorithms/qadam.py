@@ -76,11 +76,14 @@ class QAdamImpl(AllReduceImpl):
     def _momentum_shares(self, n: int) -> list[torch.Tensor]:
         """Per bucket, beta1 / n * m + (1 - beta1) * g: summed over n members, Adam's new first moment."""
         beta1 = self.optimizer.param_groups[0]["betas"][0]
-        return [self.m[b] * (beta1 / n) + self.buffers[b][:self.m[b].numel()] * (1 - beta1) for b in range(len(self.m))]
+        m = self.m
+        assert m is not None  # past warm-up only
+        return [m[b] * (beta1 / n) + self.buffers[b][:m[b].numel()] * (1 - beta1) for b in range(len(m))]
 
     def apply_update(self, step: int, lr: float) -> None:
         if self.m is None:
             return super().apply_update(step, lr)
+        assert self.v is not None  # set together with m
         group = self.optimizer.param_groups[0]
         (beta1, beta2), eps, decay = group["betas"], group["eps"], group["weight_decay"]
         self.t += 1
@@ -111,6 +114,7 @@ class QAdamImpl(AllReduceImpl):
     def state_dict(self) -> dict:
         if self.m is None:
             return {}
+        assert self.v is not None  # set together with m
         return {"m": [m.clone() for m in self.m], "v": [v.clone() for v in self.v], "t": self.t}
 
     def load_state_dict(self, state: dict) -> None:

@@ -21,6 +21,7 @@ the one byte formula, and `bytes_sent` here is its growth over the last call.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -41,7 +42,8 @@ class ScatterGather:
         self.tail_numel = tail_numel
         self.worker_feedback: ErrorFeedback | None = ErrorFeedback() if feedback else None
         self.owner_feedback: ErrorFeedback | None = ErrorFeedback() if feedback else None
-        self.comm = None
+        self.comm: Any = None
+        """The group's communicator once bound (duck-typed, as `AlgorithmImpl.comm`)."""
         self.bytes_sent = 0
         """Bytes this rank's communicator counted during the last call."""
 
@@ -53,7 +55,7 @@ class ScatterGather:
         self.chunk = -(-self.numel // n)
         self.payload = self.codec.payload_bytes(self.chunk)
         self.message = self.payload + self.tail_numel * _TAIL_DTYPE.itemsize
-        wire = dict(dtype=torch.uint8, device=device)
+        wire: dict[str, Any] = dict(dtype=torch.uint8, device=device)
         self._send = torch.zeros(n, self.message, **wire)
         self._recv = torch.zeros(n, self.message, **wire)
         self._gather_in = torch.zeros(self.message, **wire)
