@@ -205,7 +205,8 @@ class AlgorithmImpl:
         """Whether a round (periodic kinds) is due before the step after `step`."""
         return False
 
-    def sync(self, step: int, draft: VoteDraft) -> StepVote:
+    def sync(self, step: int, draft: VoteDraft) -> StepVote | None:
+        """A round (after `sync_due` said one is due): its vote once it merges, None while it is in flight."""
         raise NotImplementedError(f"{self.algorithm.name} has no rounds")
 
     def commit(self, step: int) -> None:
@@ -259,9 +260,11 @@ class AlgorithmImpl:
         left behind (algorithms/gossip.py). Returns how many terms were undone."""
         return 0
 
-    replicas_agree_at_commit = True
-    """Whether every member holds the same state at a commit point (the `replicated` entry then treats
-    a difference at the same step as a split commit and spreads the newest holder's)."""
+    @property
+    def replicas_agree_at_commit(self) -> bool:
+        """Whether every member holds the same state at a commit point (the `replicated` entry then treats
+        a difference at the same step as a split commit and spreads the newest holder's)."""
+        return True
 
     def state_dict(self) -> dict:
         return {}
@@ -275,7 +278,7 @@ class Algorithm(KindTraits, ABC):
     (`entry`, `reporter`, `final_model`, ...) come from `algorithms/kinds.py`."""
 
     name: ClassVar[str]
-    kind: ClassVar[Kind]
+    kind: Kind  # as KindTraits declares it; each policy sets it in its class body
     impl: ClassVar[type[AlgorithmImpl]] = AlgorithmImpl
 
     def __init__(self, config: Any, compression: Any = None) -> None:

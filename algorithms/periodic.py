@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -86,7 +87,7 @@ class PeriodicImpl(AlgorithmImpl):
         self.bounds = fragment_bounds(sum(p.numel() for p in self.params), cfg.fragments if self.streaming else 1)
         self.anchor: list[torch.Tensor] = []
         """Per fragment, the global (outer) parameters as of its last round (DiLoCo only)."""
-        self.outer = None
+        self.outer: SGD | None = None
         if self.outer_mode:
             self.anchor = [self._gather(f).clone() for f in range(len(self.bounds))]
             self.outer = SGD(self.anchor, lr=cfg.outer_lr, momentum=cfg.outer_momentum, nesterov=cfg.nesterov)
@@ -104,7 +105,7 @@ class PeriodicImpl(AlgorithmImpl):
         self.since = [0] * len(self.bounds)
         self.mark_trained = 0
         """`trained` at the last commit (a rewind goes back to it)."""
-        self.step_losses: list[tuple[int, object]] = []
+        self.step_losses: list[tuple[int, Any]] = []  # the loss as VoteDraft holds it: a float or a 0-d tensor
         """(`trained` after the step, its mean loss) of the local steps a round may still cover: a round
         reports the mean loss of the steps it covers (those since its fragment's previous launch)."""
         self.inflight: _Launch | None = None
@@ -173,6 +174,7 @@ class PeriodicImpl(AlgorithmImpl):
         flight; the merge is the commit point and returns the vote, a launch alone returns None. A
         failed collective raises CommError."""
         if self.inflight is None:
+            assert self._due is not None  # sync_due found the due fragment
             self.inflight = self._launch(self._due, step, draft)
             if self.inflight.merge_at > step:
                 return None
@@ -194,7 +196,9 @@ class PeriodicImpl(AlgorithmImpl):
         return _Launch(f, step, step if self._final else step + self.overlap, flat, tail, handles, self.trained)
 
     def _merge(self, step: int) -> StepVote:
-        launch, f = self.inflight, self.inflight.fragment
+        launch = self.inflight
+        assert launch is not None  # a round is in flight (sync launched it)
+        f = launch.fragment
         for handle in launch.handles:
             handle.wait()
         self.inflight = None
@@ -203,6 +207,7 @@ class PeriodicImpl(AlgorithmImpl):
         if self.outer_mode:
             for k, a in enumerate(self.anchor):
                 a.grad = mean if k == f else None
+            assert self.outer is not None  # built in outer mode
             self.outer.step()
             self.anchor[f].grad = None
             mean = self.anchor[f]
