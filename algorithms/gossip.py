@@ -59,6 +59,7 @@ member's bytes sent; the next history record of each member carries it as `conse
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -158,6 +159,7 @@ class GossipImpl(AlgorithmImpl):
         """At the start of a step: measure the consensus distance when due; whether the step exchanges."""
         if self.comm is None:
             return False
+        assert self.epoch is not None  # set with comm (on_membership)
         every = getattr(self.config, "consensus_every", 0)
         if every and step % every == 0:
             self._measure_consensus(step)
@@ -171,6 +173,7 @@ class GossipImpl(AlgorithmImpl):
 
     def _launch(self, step: int, mine: torch.Tensor, message: torch.Tensor) -> _Exchange:
         """Send `message` to every rank whose row holds this member; post a receive per peer of its row."""
+        assert self.epoch is not None  # exchanges run inside a membership epoch
         rank, world = self.epoch.rank, self.epoch.world_size
         row = self.topology.peers(rank, world, step)
         received = {peer: torch.empty_like(message) for peer, _ in row if peer != rank}
@@ -183,6 +186,7 @@ class GossipImpl(AlgorithmImpl):
 
     def _measure_consensus(self, step: int) -> None:
         """(1/n) sum_i ||x_i - x̄||^2 over the epoch's members: two all-reduces (a CommError fails the step)."""
+        assert self.epoch is not None  # measured inside a membership epoch
         n = self.epoch.world_size
         if n == 1:
             self._consensus = (step, 0.0)
@@ -203,6 +207,7 @@ class GossipImpl(AlgorithmImpl):
             return StepVote(True, draft.loss, draft.samples, False, communicated=False)
         for handle in exchange.handles:
             handle.wait()
+        assert self.epoch is not None  # the exchange was launched in it
         rank, numel = self.epoch.rank, exchange.mine.numel()
         exchange.received = {peer: self._decode(peer, buf, numel) for peer, buf in exchange.received.items()}
         self.mixed = self._weighted_sum((weight, exchange.mine if peer == rank else exchange.received[peer])
@@ -217,6 +222,7 @@ class GossipImpl(AlgorithmImpl):
         mixed, self.mixed = self.mixed, None
         landed, self._landed = self._landed, None
         if mixed is not None:
+            assert landed is not None and self.epoch is not None  # the mix came with the exchange that landed
             rank = self.epoch.rank
             self._keep_terms(landed.step, {peer: torch.sub(landed.received[peer], landed.mine).mul_(weight)
                                            for peer, weight in landed.row if peer != rank})
@@ -245,10 +251,12 @@ class GossipImpl(AlgorithmImpl):
                 out = torch.mul(tensor, weight, out=self._scratch("sum", tensor))
             else:
                 out.add_(torch.mul(tensor, weight, out=self._scratch("term", tensor)))
+        assert out is not None  # never empty: a row holds the member itself
         return out
 
     def _keep_terms(self, step: int, terms: dict[int, torch.Tensor]) -> None:
         """The exchange of `step` is applied: keep each peer's mix term (by slot) for `reconcile`."""
+        assert self.epoch is not None  # the exchange was applied in it
         when = (self.epoch.membership_epoch, step)
         for peer, term in terms.items():
             self.terms[self.epoch.members[peer]] = (when, term)
@@ -261,7 +269,7 @@ class GossipImpl(AlgorithmImpl):
         self.exchange = self.mixed = self._landed = None  # its buffers are abandoned with the group
 
     def record_fields(self) -> dict:
-        out = {}
+        out: dict[str, Any] = {}
         if self._consensus is not None:
             (at, value), self._consensus = self._consensus, None
             out.update(consensus=value, consensus_step=at)
@@ -398,6 +406,7 @@ class ChocoImpl(GossipImpl):
     def before_forward(self, step: int) -> None:
         if not self._opens_exchange(step) or not self._due:
             return
+        assert self.epoch is not None  # the exchange opens in it
         rank = self.epoch.rank
         x = self._flat()
         numel = x.numel()

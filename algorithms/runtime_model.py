@@ -290,7 +290,8 @@ def predict(spec: PolicySpec, net: Network, compute: Compute, model_bytes: float
         return Prediction(name, waits + comm, comm, _ring_bytes(n, model_bytes * spec.codec_ratio) / h,
                           f"E[max_i sum of {h} steps]/{h} + max(ring all-reduce, host)/{h}")
     if name in ("dpsgd", "dadam", "choco"):
-        peers = (lambda r: spec.peers(r, n)) if spec.peers else (lambda r: ring_peers(r, n))
+        spec_peers = spec.peers
+        peers = (lambda r: spec_peers(r, n)) if spec_peers else (lambda r: ring_peers(r, n))
         size = model_bytes * spec.codec_ratio
         comm = exchange(net, peers, size)
         neighbourhood = max(compute.expected_max([r, *peers(r)]) for r in ranks)

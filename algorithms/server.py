@@ -340,6 +340,7 @@ class ServerCore:
         if status:
             self.rejected[status] += 1
             return PushResult(status, self.version)  # type: ignore[arg-type]
+        assert ticket is not None  # no refusal: the push's open ticket was found
         late = self.clocked and ticket.clock < self.version
         if self.finished or late:
             return self._drop(ticket, "finished" if self.finished else "dropped")
@@ -384,6 +385,7 @@ class ServerCore:
             return False
         everyone = all(c > clock for c in self.clocks.values())
         if isinstance(self.policy, QuorumConfig):
+            assert self.policy.k is not None  # checked in __init__
             return everyone or len(pushes) >= min(self.policy.k, len(self.members))
         return everyone
 
@@ -400,7 +402,7 @@ class ServerCore:
         rnd = self.round
         if self.finished or not self.members or not (rnd.complete() or not rnd.at):
             return ()
-        updates = ()
+        updates: tuple[Update, ...] = ()
         if rnd.staged:
             update = self._apply(list(rnd.staged.values()))
             updates = (replace(update, barrier=rnd.index),)
@@ -411,6 +413,7 @@ class ServerCore:
     def _fallback_schedule(self) -> None:
         """Every live member's barrier after `r` more iterations: what holds until (unless) the
         coordinator's ZipLine schedule replaces it."""
+        assert isinstance(self.policy, ElasticBSPConfig)  # barrier rounds are elastic_bsp's
         r = self.policy.r
         self.round.began = dict(self.clocks)
         self.round.at = {slot: clock + r - 1 for slot, clock in self.clocks.items()}

@@ -78,6 +78,7 @@ class ServerImpl(AlgorithmImpl):
             self.finished = True
         if pull.status != "ok":
             return np.empty(0, dtype=np.int64)
+        assert pull.ticket is not None  # an ok pull carries its ticket
         self.pulled, self.server_incarnation = pull, pull.server_incarnation
         return np.asarray([i for lease in pull.ticket.leases for i in lease.ids], dtype=np.int64)
 
@@ -93,6 +94,8 @@ class ServerImpl(AlgorithmImpl):
         buffers = list(self.model.buffers())  # they travel with the push: the final model takes them from the members
         held = torch.cat([b.detach().reshape(-1).to(torch.float64).cpu() for b in buffers]) if buffers else None
         pull, self.pulled = self.pulled, None
+        # an update follows a step that trained, so on an ok pull (its ticket set) from a connected server
+        assert self.client is not None and pull is not None and pull.ticket is not None
         result, nxt, params = self.client.push_pull(Push(self._fence(), pull.ticket.lease_ids, pull.version, flat, self._loss,
                                                          held), PULL_WAIT_S)
         if nxt is not None:

@@ -117,7 +117,9 @@ class Topology(ABC):
     def expected_matrix(self, world: int) -> np.ndarray:
         """E[W]: the mean of W over one period (or, for random topologies, over the draws)."""
         p = self.period(world)
-        return sum(self.matrix(world, s) for s in range(p)) / p
+        mean = sum(self.matrix(world, s) for s in range(p)) / p
+        assert isinstance(mean, np.ndarray)  # p >= 1: the sum holds at least one matrix
+        return mean
 
     def check(self, world: int) -> None:
         """Validate W at every step of one period (a random topology: its first draw); raises
