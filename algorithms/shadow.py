@@ -183,7 +183,7 @@ class BackgroundSync:
         with torch.no_grad():
             self.global_copy = self._flat().clone() if config.method == "bmuf" else None
             """BMUF's x_g: equal on every member (the replicas start equal; a joiner loads it)."""
-            self.block_step = torch.zeros_like(self.global_copy) if config.method == "bmuf" else None
+            self.block_step = torch.zeros_like(self.global_copy) if self.global_copy is not None else None  # bmuf
         self.average: torch.Tensor | None = None
         """MA: the replicas' average that the newest successful round computed; BMUF: x_g after it."""
 
@@ -298,6 +298,7 @@ class BackgroundSync:
         """The round's target (ma: avg; bmuf: avg, moved to x_g at write-back; easgd: x - d) and the
         bytes it sent."""
         if self.config.method == "easgd":
+            assert self.central is not None  # easgd: __init__ required it
             pull = self.central.elastic(snapshot, self.config.alpha)
             return snapshot - pull, 2 * snapshot.numel() * snapshot.element_size()
         total = snapshot.clone()
@@ -308,6 +309,7 @@ class BackgroundSync:
     def _write_back(self, target: torch.Tensor, snapshot: torch.Tensor) -> None:
         """x <- x + (target - snapshot), under the lock (BMUF first turns avg into the new x_g)."""
         if self.config.method == "bmuf":
+            assert self.global_copy is not None and self.block_step is not None  # bmuf's, set in __init__
             self.global_copy, self.block_step = bmuf_update(target, self.global_copy, self.block_step,
                                                             self.config.block_momentum, self.config.block_lr)
             target = self.global_copy
@@ -333,6 +335,7 @@ class BackgroundSync:
         """What a joiner needs besides the model: BMUF's x_g and block step (equal on every member)."""
         if self.global_copy is None:
             return {}
+        assert self.block_step is not None  # set together with global_copy
         with self.lock:
             return {"global_copy": self.global_copy.clone(), "block_step": self.block_step.clone()}
 
@@ -372,7 +375,9 @@ class _RemoteCentral:
         self.impl = impl
 
     def elastic(self, x: torch.Tensor, alpha: float) -> torch.Tensor:
-        return self.impl.client.elastic(self.impl._fence(), x, alpha)
+        client = self.impl.client
+        assert client is not None  # rounds run once the member is connected
+        return client.elastic(self.impl._fence(), x, alpha)
 
 
 class ShadowImpl(AlgorithmImpl):
@@ -385,6 +390,10 @@ class ShadowImpl(AlgorithmImpl):
     BMUF's global copy and block step go from that member to everyone, so that they stay equal. At the
     job's start every member is new and nothing moves (identical replicas from the seed). Only a new
     member's foreground waits for this; the others train on throughout."""
+
+    # The background rounds' runner. It shadows AlgorithmImpl.sync (a periodic kind's round), which is
+    # never called for this kind: sync_due stays False.
+    sync: BackgroundSync  # type: ignore[assignment]  # an attribute over the base's method, see above
 
     def __init__(self, algorithm: Algorithm, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         super().__init__(algorithm, model, optimizer)
@@ -453,6 +462,7 @@ class ShadowImpl(AlgorithmImpl):
 
     def _enter(self, generation: int, epoch: EpochInfo) -> None:
         try:
+            assert self.make_group is not None  # on_membership checked it
             group = self.make_group(epoch)
         except Exception as err:  # noqa: BLE001 - no background sync this epoch; the foreground trains on
             log.warning("shadow: the background group of epoch %d did not form: %s", epoch.membership_epoch, err)
@@ -511,6 +521,7 @@ class ShadowImpl(AlgorithmImpl):
                 self.loaded_from = src
                 self.on_state(epoch.members[src], epoch.membership_epoch)
         if self.sync.global_copy is not None:
+            assert self.sync.block_step is not None  # set together with global_copy
             with self.sync.lock:
                 both = torch.cat([self.sync.global_copy, self.sync.block_step])
             group.broadcast(both, src).wait(group.timeout_s)
@@ -552,10 +563,12 @@ class ShadowImpl(AlgorithmImpl):
         return np.asarray([i for lease in self.ticket.leases for i in lease.ids], dtype=np.int64)
 
     def _share(self) -> int:
+        assert self.epoch is not None  # shares are dealt inside a membership epoch
         n, world, rank = self.epoch.global_batch, self.epoch.world_size, self.epoch.rank
         return n // world + (1 if rank < n % world else 0)
 
     def _fetch(self) -> list[Ticket]:
+        assert self.client is not None  # step_samples checked it
         return self._tickets(self.client.lease_block(self._fence(), self.config.lease_block, self._share()))
 
     def _tickets(self, answer: tuple) -> list[Ticket]:
@@ -571,6 +584,7 @@ class ShadowImpl(AlgorithmImpl):
 
         def fetch() -> None:
             try:
+                assert self.client is not None  # step_samples and on_membership check it first
                 box["answer"] = self.client.lease_block(fence, count, size)
             except Exception as err:  # noqa: BLE001 - fetched again in the foreground
                 box["error"] = err
@@ -633,6 +647,7 @@ class ShadowImpl(AlgorithmImpl):
             self._upto = self.ticket.clock
             self.ticket = None
         if self._applied:
+            assert self.client is not None  # its tickets came from the dispenser
             self.client.applied(self._fence(), self._applied, self.sync.stats.rounds_completed)
             self._applied = []
 
