@@ -89,6 +89,7 @@ class MembershipBook:
 
     def server_membership(self) -> list[tuple[str, int]]:
         """What the parameter server admits with the current plan: (slot, worker incarnation) in rank order."""
+        assert self.plan is not None  # asked once a plan was made
         plan = tuple((s, self.members[s].incarnation) for s in self.plan.members)
         leaving = tuple((s, m.incarnation) for s, m in self.members.items()
                         if m.state == S.LEAVING and s not in self.plan.members)
@@ -157,6 +158,7 @@ class MembershipBook:
         missing = self.target_count - len(live) - len(coming)
         if missing > 0:
             taken = set(self.slots_in(S.TRAINING, S.STARTING, S.READY, S.LEAVING))
+            assert self.cfg.workers.max is not None  # WorkersConfig.__post_init__ fills it in
             return missing, free_slots(self.cfg.workers.max, taken, set(self.retired), missing), []
         if len(live) > self.target_count and not coming:
             views = [MemberView(s, self.members[s].compute_s) for s in live]
@@ -204,4 +206,5 @@ class MembershipBook:
         self.pending = saved["pending"]
         self.departed = [MemberStatus(**d) for d in saved["departed"]]
         if saved["plan"]:
-            self.plan = Plan(**{k: tuple(v) if k in ("members", "nodes") else v for k, v in saved["plan"].items()})
+            fields: dict[str, Any] = {k: tuple(v) if k in ("members", "nodes") else v for k, v in saved["plan"].items()}
+            self.plan = Plan(**fields)

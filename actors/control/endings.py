@@ -58,6 +58,7 @@ async def final_model(final: str, book: MembershipBook, group: WorkerGroup, serv
     if server is not None:
         return await server.model_state(), "the server"
     plan, members = book.plan, book.members
+    assert plan is not None  # the run had a plan
     ranked = [members[s] for s in plan.members] + list(members.values())
     rank0 = next((m for m in ranked if m.holds_state and m.state in (S.FINISHED, S.TRAINING)), None)
     if rank0 is None:
@@ -70,8 +71,8 @@ async def average_of_replicas(book: MembershipBook, group: WorkerGroup, note: Ca
     """The average over the members that finished (a member that finished first is no longer in the
     newest plan) and those of the plan still training, with the first one's other state; never a
     replica that never trained or loaded a state."""
-    holders = [m for m in book.members.values() if m.holds_state and
-               (m.state == S.FINISHED or (m.state == S.TRAINING and m.slot in book.plan.members))]
+    holders = [m for m in book.members.values() if m.holds_state and  # a training member was admitted by a plan
+               (m.state == S.FINISHED or (m.state == S.TRAINING and book.plan is not None and m.slot in book.plan.members))]
     if not holders:
         raise RuntimeError("no member holds a trained replica")
     blobs = await asyncio.gather(*(group.call(m.handle, "final_state", timeout=CALL_TIMEOUT_S) for m in holders))
@@ -87,6 +88,7 @@ async def average_of_replicas(book: MembershipBook, group: WorkerGroup, note: Ca
 async def committed_states(book: MembershipBook, group: WorkerGroup) -> dict | None:
     """Each plan member's committed (step, checksum), as the worker says."""
     out = {}
+    assert book.plan is not None  # asked during a run, under its plan
     for slot in book.plan.members:
         info = await group.ask(book.members[slot].handle, "status", timeout=3.0)
         out[slot] = {"step": info["step"], "checksum": info["checksum"]} if info else {"error": "no answer"}

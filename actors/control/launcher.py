@@ -112,6 +112,7 @@ class Launcher:
         starting (imports, data). A worker with no process yet while its resources are free is being
         placed (Ray's worker start can take seconds on a loaded machine), not stuck."""
         w = self.book.cfg.workers
+        assert w.max is not None  # WorkersConfig.__post_init__ fills it in
         started = time.monotonic()
         while True:
             ready = tuple(self.book.ready_to_admit())

@@ -107,6 +107,7 @@ class SparePool:
         spare = next((s for s in self.spares if s.ready), None)
         if spare is None:
             return None
+        assert spare.ready_at is not None  # a ready spare: ready_at is set
         self.spares.remove(spare)
         self.fill_when_settled()
         member.handle, member.actor_name = spare.handle, spare.name

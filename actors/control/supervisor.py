@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from abc import abstractmethod
 from collections.abc import Callable
 from typing import Any
 
@@ -38,24 +39,38 @@ GATHER_MAX_S = 0.1
 
 
 class Actions:
-    """What the supervisor asks of the coordinator shell to carry out a decision."""
+    """What the supervisor asks of the coordinator shell to carry out a decision. Each method is
+    abstract (marked for the type checker; no ABC metaclass): the shell implements every one."""
 
     state: JobState
     stop_kind: str | None
 
+    @abstractmethod
     def view(self) -> JobView: ...
+    @abstractmethod
     def transition(self, to: JobState, reason: str) -> None: ...
+    @abstractmethod
     def set_cause(self, cause: str | None) -> None: ...
+    @abstractmethod
     def reshape(self, members: tuple[str, ...], reason: str, detector: str, detected_at: float,
                 new_epoch: bool = False) -> Any: ...
+    @abstractmethod
     def publish(self, members: tuple[str, ...], reason: str) -> Any: ...
+    @abstractmethod
     def reform(self, reason: str) -> None: ...
+    @abstractmethod
     def abort_epoch(self, reason: str) -> None: ...
+    @abstractmethod
     def begin_stop(self, kind: str, cause: str, stop_step: int) -> None: ...
+    @abstractmethod
     def restore_on_admit(self) -> None: ...
+    @abstractmethod
     def replace(self, slot: str) -> None: ...
+    @abstractmethod
     async def slot_failed(self, member: Member, phase: str, cause: str) -> bool: ...
+    @abstractmethod
     async def end(self, state: JobState, reason: str, detail: dict | None = None, quiet: bool = False) -> None: ...
+    @abstractmethod
     async def finish(self) -> None: ...
 
 
@@ -66,7 +81,7 @@ class Supervisor:
                  note: Callable[..., Any], kind: str, step: Callable[[], int]) -> None:
         self.cfg, self.book, self.group, self.actions, self._note, self.kind = cfg, book, group, actions, note, kind
         self._step = step
-        self.outcomes: asyncio.Queue | None = None  # made on the event loop
+        self.outcomes: asyncio.Queue[tuple[Member, str, dict, float]] | None = None  # made on the event loop (start)
         self.stragglers = StragglerWatch()
         self._stragglers_at = 0.0
         self._probing = False
@@ -84,6 +99,7 @@ class Supervisor:
         async def watched() -> None:
             kind, outcome = await self.group.watch(member.handle)
             outcome.setdefault("slot", member.slot)
+            assert self.outcomes is not None  # start() made it
             await self.outcomes.put((member, kind, outcome, time.time()))
         member.watch_task = asyncio.get_running_loop().create_task(watched())
 
@@ -91,6 +107,7 @@ class Supervisor:
         """The next outcome (waiting at most `timeout`; [] if none), with every one that follows it
         within QUIET_S of the one before (for at most GATHER_MAX_S): members that end together (a
         node's workers, a rack, a storm) are handled as one batch."""
+        assert self.outcomes is not None  # start() made it
         try:
             batch = [await asyncio.wait_for(self.outcomes.get(), timeout)]
         except asyncio.TimeoutError:
@@ -201,6 +218,7 @@ class Supervisor:
         self.group.kill_process(member.node, member.pid)  # a stopped process cannot answer Ray's kill request
         self.group.kill(member.handle)
         # Handled now: Ray may take many seconds to report an actor on a lost node as dead.
+        assert self.outcomes is not None  # start() made it
         await self.outcomes.put((member, "died", {"error": cause}, time.time()))
 
     # ------------------------------------------------------------------ decisions
@@ -214,6 +232,7 @@ class Supervisor:
         d = decide(self.actions.view(), MemberEnded(member.slot, kind, cause, detector, hung))
         if d.ignore:
             return
+        assert d.member is not None  # a member's end that is not ignored gets its new state
         member.state = d.member[1]
         if member.state == S.FINISHED and outcome.get("holds_state") is False:
             member.holds_state = False
