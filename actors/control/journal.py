@@ -15,7 +15,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from actors import checkpoints, runfiles
 from actors.history import History
@@ -71,7 +71,7 @@ class Journal:
         self.recent: collections.deque[tuple[float, int]] = collections.deque()  # (time, step) of the last 5 s
         self.checkpoint: tuple[int, str] | None = None
         """(step, path) of this run's newest checkpoint (what a loss of every member restarts from)."""
-        self._step_times = None
+        self._step_times: TextIO | None = None
         self.listeners: list[Any] = []
         """Whatever follows the run as it is written (metrics, TensorBoard): each has `event(event)` and
         `record(record)`, called for every event and for every record history takes as its newest."""
@@ -123,17 +123,22 @@ class Journal:
         """`live()`: the live members (the each-member kinds' step is the slowest one's)."""
         self._live = live
         self.history = History(self.run_dir / "history.jsonl", reporter, written_step,
-                               note=lambda reason, detail: self.event("info", reason, **detail))
+                               note=self._note)
         return self.history
+
+    def _note(self, reason: str, detail: dict) -> None:
+        self.event("info", reason, **detail)
 
     def offer(self, record: dict) -> bool:
         """A reported record into history; True when it is the job's newest (status moves on)."""
         if record.get("final"):  # evaluation after the last step: status only, not a history line
             self.metrics.update(record.get("metrics", {}))
             return False
-        newest = self.history.offer(record)
-        if self.history.reporter != "each":
-            self._step = max(self._step, self.history.step())
+        history = self.history
+        assert history is not None, "records come only once the coordinator has opened history"
+        newest = history.offer(record)
+        if history.reporter != "each":
+            self._step = max(self._step, history.step())
         if newest is None:
             return False  # a step already in history, a stale report of a redone one, or one ahead of a gap
         if record.get("loss") is not None:
