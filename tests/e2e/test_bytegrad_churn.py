@@ -2,12 +2,15 @@
 all-to-all and a split vote finishes with every step once in history."""
 from __future__ import annotations
 
+import pytest
+
 from orchestrator.config import config_from_dict
 from orchestrator.job import ElasticJob
 
 STEPS = 60
 
 
+@pytest.mark.slow  # the default tier's test of its mechanism: docs/testing.md, "The slow tier"
 def test_bytegrad_through_a_kill_and_a_split_vote_finishes(run_root):
     cfg = {"name": "bytegrad-churn", "seed": 4, "workers": {"count": 3, "max": 3, "cpus": 0.5},
            "workload": {"factory": "orchestrator.workloads.digits:mlp", "params": {"hidden": 32}, "batch_size": 8},

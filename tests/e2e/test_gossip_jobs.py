@@ -20,6 +20,7 @@ PER_WORKER = 2  # 120 steps x 4 x 2 samples stay within one data epoch of digits
 @pytest.mark.parametrize("policy,codec", [("dpsgd", "none"), pytest.param("choco", "uint8", marks=pytest.mark.slow)])
 # choco: its literal simulation, a split exchange and copies restarting at every epoch are checked in process
 # (tests/unit/test_choco.py); end to end through a kill in the slow tier
+@pytest.mark.slow  # the default tier's test of its mechanism: docs/testing.md, "The slow tier"
 def test_gossip_through_a_kill_mid_exchange_a_rejoin_and_a_scale_down(run_root, policy, codec):
     """`choco` too: its public copies start again from zero in every membership epoch."""
     steps, delay = 120, 0.1  # ~12 s of training a member: past the replacement's start and a scale-down

@@ -7,6 +7,7 @@ import signal
 import time
 from pathlib import Path
 
+import pytest
 import ray
 
 from orchestrator.config import config_from_dict
@@ -30,8 +31,11 @@ def failure_events(job: ElasticJob) -> list[dict]:
 
 
 def test_sigstopped_worker_is_evicted_by_heartbeat_and_others_go_on(run_root):
-    job = ElasticJob(config_from_dict(config("sigstop"))).start()
-    wait_until(lambda: job.status().step > 20, what="training")
+    """A stopped process answers nothing: the heartbeat (2 s) evicts it; the step-progress detector is
+    set to 600 s, so only the heartbeat can. How long it took is printed (a figure, not a bound)."""
+    job = ElasticJob(config_from_dict(config("sigstop", workers={"count": 3, "cpus": 0.5, "heartbeat_s": 2.0,
+                                                                 "hang_timeout_s": 600.0}))).start()
+    job.wait_for(step=21)
     victim = next(m for m in job.status().members if m.slot == "w1")
     stopped_at = time.time()
     os.kill(victim.pid, signal.SIGSTOP)
@@ -47,9 +51,7 @@ def test_sigstopped_worker_is_evicted_by_heartbeat_and_others_go_on(run_root):
     print(f"SIGSTOP -> evicted after {failure['time'] - stopped_at:.2f}s by {failure['detail']['detector']}: {hung.cause}")
     assert failure["detail"]["detector"] == "heartbeat" and failure["detail"]["slot"] == "w1"
     assert hung.slot == "w1" and hung.pid == victim.pid and "heartbeat" in hung.cause
-    assert failure["time"] - stopped_at < 2.0 + 3.0
-    step_at_eviction = job.status().step
-    wait_until(lambda: job.status().step > step_at_eviction + 20, what="the others to go on")
+    job.wait_for(step=job.status().step + 20)  # the others go on
     job.stop()
     history = job.history()
     assert [r["step"] for r in history] == list(range(1, len(history) + 1))
@@ -65,8 +67,7 @@ def test_step_that_never_ends_is_evicted_by_step_progress(run_root):
     hung = next(d for d in status.departed if d.slot == "w2")
     print(f"endless step -> {hung.state}: {hung.cause}")
     assert hung.state == "hung" and "computing for" in hung.cause
-    step = status.step
-    wait_until(lambda: job.status().step > step + 20, what="the others to go on")
+    job.wait_for(step=status.step + 20)  # the others go on
     job.stop()
 
 
@@ -76,16 +77,20 @@ class Blocker:
         return True
 
 
-def test_workers_placed_but_still_starting_are_not_reported_paused(run_root, monkeypatch):
+def test_workers_placed_but_still_starting_are_not_reported_paused(run_root, monkeypatch, tmp_path):
     """Workers that Ray has placed but whose start is slow (imports, data) keep the job STARTING,
-    with how many are up; PAUSED is for workers that cannot be placed."""
+    with how many are up; PAUSED is for workers that cannot be placed. The factory waits until the test
+    creates its gate file, after three times `pause_after_s` have passed (the one wait on time here:
+    the time is what the coordinator judges by)."""
     monkeypatch.chdir(REPO / "tests" / "workloads")
+    gate = tmp_path / "go"
     cfg = config("slow-start", workers={"count": 2, "cpus": 0.5, "pause_after_s": 1.0},
-                 workload={"factory": "custom_workload:make", "params": {"start_delay_s": 5.0}, "batch_size": 8},
+                 workload={"factory": "custom_workload:make", "params": {"start_gate": str(gate)}, "batch_size": 8},
                  stop={"max_steps": 20})
     job = ElasticJob(config_from_dict(cfg)).start()
-    time.sleep(3.0)  # past pause_after_s, still inside the factory
+    time.sleep(3.0)  # past pause_after_s; the factory waits for the gate, however long this took
     status = job.status()
+    gate.touch()
     print(f"{status.state}: {status.cause}")
     assert status.state == "STARTING" and "placed" in (status.cause or ""), status.cause
     assert job.wait(timeout=120).state == "FINISHED"
@@ -93,6 +98,7 @@ def test_workers_placed_but_still_starting_are_not_reported_paused(run_root, mon
     assert ("STARTING", "PAUSED") not in transitions, transitions
 
 
+@pytest.mark.slow  # the default tier's test of its mechanism: docs/testing.md, "The slow tier"
 def test_slot_that_always_fails_is_retired_and_the_job_goes_on(run_root, monkeypatch):
     """Ray's side of a start that fails (the workload raises in w2's warm-up): the error reaches the
     slot's cause, each failed worker is killed (its resources and name freed for the next start), and

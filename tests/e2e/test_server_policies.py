@@ -61,6 +61,7 @@ def assert_every_sample_applied_once(job: ElasticJob, steps: int) -> dict:
     pytest.param({"policy": "ssp", "s": 2}, id="ssp", marks=pytest.mark.slow),
     pytest.param({"policy": "quorum", "k": 3}, id="quorum", marks=pytest.mark.slow),
     pytest.param({"policy": "elastic_bsp", "r": 4}, id="elastic_bsp", marks=pytest.mark.slow)])  # and elastic_bsp's
+@pytest.mark.slow  # the default tier's test of its mechanism: docs/testing.md, "The slow tier"
 def test_server_policy_finishes_at_max_steps_versions(run_root, sync):
     steps = 40
     started = time.monotonic()
@@ -89,6 +90,7 @@ def test_server_policy_finishes_at_max_steps_versions(run_root, sync):
           f"refused {({k: v for k, v in server['rejected'].items() if v})}; leases {leases}")
 
 
+@pytest.mark.slow  # the default tier's test of its mechanism: docs/testing.md, "The slow tier"
 def test_ssp_under_churn_keeps_its_bound_and_applies_every_sample_once(run_root):
     """w1 is SIGKILLed at its 8th push (Ray-level death; its slot restarts as a new incarnation), w3 takes
     3x as long per step as the others; 36 versions of 32 samples stay within one data epoch (1437)."""
@@ -117,6 +119,7 @@ def test_ssp_under_churn_keeps_its_bound_and_applies_every_sample_once(run_root)
           f"{job.status().server['staleness']}")
 
 
+@pytest.mark.slow  # the default tier's test of its mechanism: docs/testing.md, "The slow tier"
 @pytest.mark.parametrize("s", [3])
 def test_ssp_survives_a_kill_of_a_member_ahead_replaced_by_a_hot_spare(run_root, s):
     """w1 is fast and w2 a straggler, so w1's last pushes wait staged for w2's when w1 is SIGKILLed (with
@@ -183,6 +186,7 @@ def run_through_a_kill(name: str, sync: dict, steps: int, delay_s: float, kill_s
     return job, assert_every_sample_applied_once(job, steps)
 
 
+@pytest.mark.slow  # the default tier's test of its mechanism: docs/testing.md, "The slow tier"
 def test_quorum_through_a_kill_a_rejoin_and_late_drops_applies_every_sample_once(run_root):
     """quorum k=3 of 4 with a 3x straggler (its late pushes are dropped and their samples requeued) and
     w1 SIGKILLed at its 6th push (its slot comes back as a new incarnation and rejoins): within one
@@ -195,6 +199,7 @@ def test_quorum_through_a_kill_a_rejoin_and_late_drops_applies_every_sample_once
     assert rejoined, "the killed slot's new incarnation must rejoin"
 
 
+@pytest.mark.slow  # the default tier's test of its mechanism: docs/testing.md, "The slow tier"
 def test_a_push_delayed_past_its_senders_eviction_is_fenced_and_its_samples_applied_once(run_root):
     """ASP; w1's push for its 5th clock is held in flight for 6 s (`faults.delayed_pushes`). w1 waits for
     the answer, the coordinator evicts it after `workers.hang_timeout_s` (2 s) and starts w1 again as a
@@ -221,6 +226,7 @@ def test_a_push_delayed_past_its_senders_eviction_is_fenced_and_its_samples_appl
     print(f"a push delayed past its sender's eviction: {evictions[0]['reason']}; refused {rejected}; leases {leases}")
 
 
+@pytest.mark.slow  # the default tier's test of its mechanism: docs/testing.md, "The slow tier"
 def test_resume_continues_from_the_servers_newest_snapshot_without_reapplying_a_sample(run_root):
     """ssp: a run of 20 versions (snapshots every 10), then `--resume` to 40: the new run's server loads
     the snapshot at version 20 and carries on with its data cursor; over both runs (1280 samples, within
@@ -247,6 +253,7 @@ def test_resume_continues_from_the_servers_newest_snapshot_without_reapplying_a_
     print(f"resumed from {ref.path.name} (version {ref.step}) to 40; leases over both runs {leases}")
 
 
+@pytest.mark.slow  # the default tier's test of its mechanism: docs/testing.md, "The slow tier"
 def test_elastic_bsp_through_a_kill_a_rejoin_and_a_straggler_applies_every_sample_once(run_root):
     """elastic_bsp r=4 with a 3x straggler; w1 SIGKILLed at its 5th push (a barrier that waited for it is
     released by the departure; its new incarnation joins at the next round): within one data epoch

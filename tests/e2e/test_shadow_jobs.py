@@ -38,6 +38,7 @@ def check_leases(job: ElasticJob) -> dict:
                                     pytest.param("easgd", marks=pytest.mark.slow)])
 # bmuf's and easgd's rules are checked by value in process (tests/unit/test_shadow.py); one method end to end
 # covers the wiring in the default tier, the others run in the slow tier
+@pytest.mark.slow  # the default tier's test of its mechanism: docs/testing.md, "The slow tier"
 def test_shadow_finishes_with_every_member_at_its_own_stop_and_the_average_as_model(run_root, method):
     steps = 30
     sync = {"policy": "shadow", "method": method, "block_momentum": 0.5 if method == "bmuf" else 0.0}
@@ -59,6 +60,7 @@ def test_shadow_finishes_with_every_member_at_its_own_stop_and_the_average_as_mo
     print(f"shadow {method}: FINISHED at {steps}; leases {leases}; {average[0]['reason']}")
 
 
+@pytest.mark.slow  # the default tier's test of its mechanism: docs/testing.md, "The slow tier"
 @pytest.mark.exclusive  # it measures a time: it runs alone (tests/conftest.py)
 def test_shadow_through_a_kill_a_rejoin_and_a_scale_down(run_root):
     """w1 SIGKILLed at its 15th step while rounds run back to back; its slot rejoins with a live member's

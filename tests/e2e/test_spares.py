@@ -15,19 +15,15 @@ from orchestrator.config import config_from_dict
 from orchestrator.job import ElasticJob
 from testkit.harness import wait_until
 
-JOIN_BOUND_S = 1.0
-"""scale() or a death -> the joiner's first committed step, with a spare: 0.10-0.34 s for scale() and
-0.27-0.56 s for a replacement (it waits for the survivors' first step without the dead member)
-measured here (README, and this test's earlier runs), where a fresh actor takes 1.5-7 s: the
-issue's bound is 1 s."""
-
 
 def ready_spare(job: ElasticJob, other_than: tuple[int, ...] = ()) -> dict | None:
     return next((s for s in job.status().spares if s["state"] == "ready" and s["pid"] not in other_than), None)
 
 
-@pytest.mark.exclusive  # it measures a time: it runs alone (tests/conftest.py)
 def test_a_scale_up_and_a_replacement_take_hot_spares(run_root):
+    """The joiner and the replacement are the spares' own processes (their pids), and each spare behind
+    starts once the membership settled. How soon each took its first step is printed: a figure of
+    benchmarks/recovery.py (`--spares 1`) and of the slow tier's speed gates."""
     cfg = {"name": "spares", "seed": 0, "workers": {"count": 2, "min": 1, "max": 3, "cpus": 0.5, "spares": 1},
            "workload": {"factory": "orchestrator.workloads.digits:mlp", "params": {"hidden": 32}, "batch_size": 8},
            "optimizer": {"name": "sgd", "lr": 0.05}, "sync": {"policy": "bsp"}, "stop": {"max_steps": 1_000_000},
@@ -61,13 +57,13 @@ def test_a_scale_up_and_a_replacement_take_hot_spares(run_root):
         assert third["started_at"] >= back["time"], "the third spare started once the replacement had committed"
         print(f"hot spares: scale() -> w2's first committed step {join_s:.2f}s; SIGKILL of w1 -> its replacement's "
               f"first committed step {replace_s:.2f}s")
-        assert join_s < JOIN_BOUND_S and replace_s < JOIN_BOUND_S, (join_s, replace_s)
     finally:
         job.stop()
     assert not job.status().spares, "the job's end removes its spares"
     wait_until(lambda: not psutil.pid_exists(third["pid"]), 30, "the last spare's process to end")
 
 
+@pytest.mark.slow  # the default tier's test of its mechanism: docs/testing.md, "The slow tier"
 def test_a_spare_admitted_as_the_others_finish_does_not_restart_the_job(run_root):
     """w1 dies in the last step; a ready spare replaces it, and is admitted once the survivors
     commit without w1: that is their last step (redone), so they finish without adopting its plan. The joiner never received

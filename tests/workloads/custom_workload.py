@@ -2,7 +2,8 @@
 
 `fail_at_step` makes the loss raise on its N-th call (a real user-code exception); `fail_slot`
 makes every loss call raise in that slot (read from ORCHESTRATOR_SLOT, which the worker sets);
-`start_delay_s` makes the factory take that long (a slow import or data load).
+`start_delay_s` makes the factory take that long (a slow import or data load); `start_gate`, a path:
+the factory waits until that file exists (a slow start that ends when a test says so).
 """
 from __future__ import annotations
 
@@ -42,6 +43,9 @@ class Blobs:
             return {"accuracy": (model(x).argmax(1) == y).float().mean().item()}
 
 
-def make(n: int = 1200, fail_at_step: int = 0, fail_slot: str = "", start_delay_s: float = 0.0) -> Blobs:
+def make(n: int = 1200, fail_at_step: int = 0, fail_slot: str = "", start_delay_s: float = 0.0,
+         start_gate: str = "") -> Blobs:
     time.sleep(start_delay_s)
+    while start_gate and not os.path.exists(start_gate):
+        time.sleep(0.05)
     return Blobs(n, fail_at_step, fail_slot)
