@@ -80,7 +80,9 @@ class Coordinator(Actions):
         self.prefix = f"{self.name}/{self.run_id}"
         self.group = group or RayWorkerGroup(self.cfg)
         self._parent = ParentWatch()
-        self.sequencer = Sequencer()
+        self.sequencer = Sequencer(gave_up=lambda sender, seq: self.journal.event(
+            "info", f"message {seq} from {sender} waited {self.sequencer.wait_s:g}s for an earlier one that never came "
+                    f"(a call lost, as with a restarting coordinator): it ran without it", sender=sender, seq=seq))
         """Runs each worker's messages in the order it sent them (Ray does not, for an asyncio actor)."""
         self.secret = secrets.token_bytes(32) if self.cfg.comm.sign_rendezvous else b""
         """The job's rendezvous key: its workers sign what they write to the group store (actors/comm.py);

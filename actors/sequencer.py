@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+from collections.abc import Callable
 
 Order = tuple[str, int]
 """(sender, seq): who sent a message, and its number among that sender's messages (from 0)."""
@@ -30,8 +31,11 @@ KEEP_SENDERS = 4096
 
 
 class Sequencer:
-    def __init__(self, wait_s: float = WAIT_S, keep: int = KEEP_SENDERS, trust_first: bool = False) -> None:
+    def __init__(self, wait_s: float = WAIT_S, keep: int = KEEP_SENDERS, trust_first: bool = False,
+                 gave_up: Callable[[str, int], None] = lambda sender, seq: None) -> None:
+        """`gave_up(sender, seq)` is told of each message that stopped waiting for a predecessor."""
         self.wait_s, self.keep, self.trust_first = wait_s, keep, trust_first
+        self._on_give_up = gave_up
         self._next: collections.OrderedDict[str, int] = collections.OrderedDict()
         self._changed: asyncio.Condition | None = None
         self.late = 0
@@ -59,6 +63,7 @@ class Sequencer:
                                            self.wait_s)
                 except asyncio.TimeoutError:
                     self.gave_up += 1
+                    self._on_give_up(sender, seq)
         self._advance(sender, seq + 1)
         async with self._changed:
             self._changed.notify_all()

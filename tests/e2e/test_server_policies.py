@@ -161,7 +161,7 @@ def test_server_sigkill_resumes_from_its_snapshot_and_the_job_finishes(run_root)
     lost = event["detail"]["versions_lost"]
     # a snapshot is taken at a multiple of `every` and written while later versions apply: a kill during
     # that write resumes from the one before (CI, two processes: killed at 35 while 30 was written, 15 lost)
-    assert 0 <= lost < 2 * every and event["detail"]["server_incarnation"] == 1, event
+    assert lost < 2 * every and event["detail"]["server_incarnation"] == 1, event
     status = job.status()
     assert status.server["pid"] != server_pid and status.server["incarnation"] == 1
     assert status.server["rejected"]["fenced_server"] >= 1, status.server["rejected"]

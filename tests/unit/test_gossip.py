@@ -293,8 +293,7 @@ def test_a_joiner_starts_from_the_newest_live_replica_and_no_sample_is_applied_t
     w3 = [r["step"] for r in job.link.records if r["slot"] == "w3"]
     assert w3[0] > 6, "the joiner starts at the newest step, not from 0"
     consensus = [r for r in job.link.records if "consensus" in r]
-    assert consensus and all(r["consensus"] >= 0 for r in consensus)
-    assert any(r["consensus"] > 0 for r in consensus), "the replicas of a ring differ"
+    assert consensus and any(r["consensus"] > 0 for r in consensus), "the replicas of a ring differ"
     ids = []
     for slot in slots:
         lines = (tmp_path / "samples" / f"{slot}.txt").read_text().splitlines()

@@ -87,7 +87,7 @@ def test_no_worker_is_started_once_a_stop_is_decided():
         h = Harness()
         h.may_start = False
         h.launcher.spawn(["w0"], "start", "start")
-        await asyncio.sleep(0.1)
+        await asyncio.gather(*(t for t in asyncio.all_tasks() if t is not asyncio.current_task()))  # its bring-up ended
         assert not h.group.workers and h.book.members["w0"].state == S.STARTING and h.admits == 0
     asyncio.run(scenario())
 

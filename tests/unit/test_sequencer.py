@@ -29,13 +29,14 @@ def test_messages_arriving_out_of_order_run_in_the_order_sent():
 
 
 def test_a_message_whose_predecessor_never_arrives_runs_after_the_bound():
-    seq, ran = Sequencer(wait_s=0.3), []
+    told: list = []
+    seq, ran = Sequencer(wait_s=0.3, gave_up=lambda sender, n: told.append((sender, n))), []
     started = time.monotonic()
     asyncio.run(_deliver(seq, [("a", 0), ("a", 2), ("a", 3)], ran))
     waited = time.monotonic() - started
     assert ran == [("a", 0), ("a", 2), ("a", 3)]
     assert waited >= 0.3, waited  # it waited its bound out (a lower bound: load can only lengthen it)
-    assert seq.gave_up == 1  # ("a", 2) gave up on ("a", 1); ("a", 3) then ran in its turn
+    assert seq.gave_up == 1 and told == [("a", 2)]  # ("a", 2) gave up on ("a", 1); ("a", 3) then ran in its turn
     ran.clear()
     asyncio.run(_deliver(seq, [("a", 1)], ran))  # the lost one, very late: runs at once
     assert ran == [("a", 1)] and seq.late == 1

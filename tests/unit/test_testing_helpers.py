@@ -15,10 +15,17 @@ def test_a_process_that_ends_between_two_looks_counts_as_gone(monkeypatch):
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
     proc.wait()  # gone, and reaped
     assert running(proc.pid) is False
-    # the window a clean-clone CI run hit: `pid_exists` still said yes, and the process was gone when
-    # its status was read (the helper raised psutil.NoSuchProcess and failed the test)
-    monkeypatch.setattr(psutil, "pid_exists", lambda pid: True)
-    assert running(proc.pid) is False
+    # the window a clean-clone CI run hit: the process was there at the first look and gone when its
+    # status was read (the helper raised psutil.NoSuchProcess and failed the test)
+
+    class Vanishing:
+        def __init__(self, pid: int) -> None:
+            self.pid = pid
+
+        def status(self) -> str:
+            raise psutil.NoSuchProcess(self.pid)
+    monkeypatch.setattr(psutil, "Process", Vanishing)
+    assert running(12345) is False
 
 
 def test_a_live_process_is_running():
