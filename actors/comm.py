@@ -260,6 +260,10 @@ class BaseCommunicator:
     def _track(self, handle: Handle) -> None:
         with self._lock:
             self._pending.add(handle)
+        # an abort that looked at the pending handles before this one was added has set the flag first:
+        # release this one too (its launch passed the check as the abort landed)
+        if self.aborted:
+            handle._done.set()
 
     def _untrack(self, handle: Handle) -> None:
         with self._lock:

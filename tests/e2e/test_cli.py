@@ -98,11 +98,14 @@ def test_status_and_stop_from_other_processes(tmp_path, run_root):
 
 
 def test_user_workload_from_working_directory(tmp_path, ray_session):
+    """Attached to this session's Ray (a run that starts a Ray of its own is the test below's): the
+    workers, started by that Ray elsewhere, import the workload from the run's working directory."""
     workdir = REPO / "tests" / "workloads"
     env = _env(tmp_path)
     without_repo(env)  # the workload must come from the working directory alone
-    proc = subprocess.run([sys.executable, "-m", "orchestrator", "run", "custom.yaml"], cwd=workdir, env=env,
-                          capture_output=True, text=True, timeout=300)
+    address = ray.get_runtime_context().gcs_address
+    proc = subprocess.run([sys.executable, "-m", "orchestrator", "run", "custom.yaml", "--address", address], cwd=workdir,
+                          env=env, capture_output=True, text=True, timeout=300)
     print(proc.stdout[-1500:], proc.stderr[-1500:])
     assert proc.returncode == 0
     assert float(re.search(r"accuracy: ([\d.]+)", proc.stdout).group(1)) > 0.9
@@ -112,8 +115,6 @@ def test_user_code_exception_fails_run_with_exit_1(tmp_path, ray_session):
     workdir = REPO / "tests" / "workloads"
     env = _env(tmp_path)
     without_repo(env)
-    # attached to this session's Ray (the test above starts a Ray of its own): the workers, started
-    # elsewhere, still import the workload from the run's working directory
     address = ray.get_runtime_context().gcs_address
     proc = subprocess.run([sys.executable, "-m", "orchestrator", "run", "custom.yaml", "--set",
                            "workload.params.fail_at_step=7", "--address", address], cwd=workdir, env=env,

@@ -2,11 +2,14 @@
 with its ratio, and an event records when it became one."""
 from __future__ import annotations
 
+import pytest
+
 from orchestrator.config import config_from_dict
 from orchestrator.job import ElasticJob
 from testkit.harness import wait_until
 
 
+@pytest.mark.slow  # the default tier's test of its mechanism: docs/testing.md, "The slow tier"
 def test_status_names_a_3x_straggler_with_its_ratio_and_an_event_records_it(run_root):
     # w2's step takes 3x as long as it computed plus 3x the others' modelled 0.01 s: 3x theirs, whatever the
     # load on the machine makes of the compute itself (the ratio is of modelled times, not a bound on time)

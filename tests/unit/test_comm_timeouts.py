@@ -54,3 +54,36 @@ def test_a_backend_timeout_outside_a_handle_is_a_timeout_too():
     assert isinstance(err, CommTimeout), f"{type(err).__name__}: {err}"
     err = reset.failed_in_backend(RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection closed by peer"))
     assert type(err) is CommError, f"{type(err).__name__}: {err}"
+
+
+def test_an_abort_that_lands_while_an_operation_launches_still_releases_its_wait():
+    """The abort fails every pending wait at once; an operation launched as the abort lands (its launch
+    past the aborted check, its handle not yet tracked when the abort looked at the pending ones) must
+    not wait for the group's timeout (60 s here) instead. A shadow round abandoned as it launched its
+    all-reduce waited so in a suite run."""
+    import threading
+
+    comms = local_group(2, timeout_s=60.0)
+    comm = comms[0]
+    real = comm._pg
+
+    class AbortedAsItLaunches:
+        def allreduce(self, tensors, opts):
+            comm.abort("a member died as the round launched")
+            return real.allreduce(tensors, opts)
+
+    comm._pg = AbortedAsItLaunches()
+    handle = comm.all_reduce(torch.ones(1000))  # rank 1 never joins it
+    outcome: list = []
+
+    def wait() -> None:
+        try:
+            handle.wait()
+            outcome.append("finished")
+        except CommError as err:
+            outcome.append(type(err).__name__)
+    waiter = threading.Thread(target=wait, daemon=True)
+    waiter.start()
+    waiter.join(20)
+    comm._pg = real
+    assert outcome == ["CommAborted"], f"the wait is still blocked 20 s after the abort: {outcome}"
