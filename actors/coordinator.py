@@ -227,6 +227,12 @@ class Coordinator(Actions):
         await self._converge(f"scale to {count} requested", "scale request")
         return self._status().to_dict()
 
+    async def _scale_by_fault(self, count: int) -> None:
+        try:
+            await self.scale(count)
+        except ValueError as err:  # the job ended or stops meanwhile: said, not raised into the loop
+            self.journal.event("info", f"faults.scale to {count} not done: {err}")
+
     async def release(self) -> None:
         """Let a terminal coordinator exit now (the driver has read the result)."""
         if self._released is not None:
@@ -492,6 +498,9 @@ class Coordinator(Actions):
         newest = self.journal.offer(record)
         if not newest and not record.get("final"):
             return  # a step already in history, a stale report of a redone one, or one ahead of a gap
+        if newest and self.faults.scales:
+            for count in self.faults.due_scales(self.journal.step):
+                asyncio.get_running_loop().create_task(self._scale_by_fault(count))
         if newest and self.book.pending:
             for detail in self.book.close_reshapes(record):
                 self.journal.event("reshape", f"{detail['cause']}: {detail['old_members']} -> {detail['new_members']} "

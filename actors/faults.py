@@ -176,10 +176,25 @@ class CoordinatorFaults:
     def __init__(self, cfg: FaultsConfig, fired: set[str], save_fired: Callable[[set[str]], None],
                  event: Callable[[str], None]) -> None:
         self.entries = cfg.coordinator
+        self.scales = cfg.scale
         self.fired = fired
         self._save = save_fired
         self._event = event
         self.die_on_report = False
+
+    def due_scales(self, step: int) -> list[int]:
+        """The counts of `faults.scale` entries whose step `step` has reached and that have not fired
+        (each is marked fired and saved now, before the coordinator acts on it)."""
+        due = []
+        for index, scale in enumerate(self.scales):
+            key = f"scale-{index}"
+            if step >= scale.step and key not in self.fired:
+                self.fired.add(key)
+                due.append(scale.count)
+                self._event(f"injected fault: scale to {scale.count} workers at step {scale.step} (step {step} committed)")
+        if due:
+            self._save(self.fired)
+        return due
 
     def maybe_die(self, at: str, version: int = 0, delivered: list = ()) -> None:
         for index, fault in enumerate(self.entries):

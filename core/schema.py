@@ -650,6 +650,22 @@ class CoordinatorFault:
 
 
 @dataclass
+class ScaleFault:
+    """A scale request at a named step: once the job has committed `step`, the coordinator scales it to
+    `count` workers, as `scale` from a shell would (tests and experiments: the order of a scale and
+    other faults is written in the config, not left to when a driver's call arrives)."""
+
+    step: int = 0
+    count: int = 0
+
+    def __post_init__(self) -> None:
+        if self.step < 1:
+            raise FieldError("step", f"must be 1 or more (a committed step), got {self.step}")
+        if self.count < 1:
+            raise FieldError("count", f"must be 1 or more, got {self.count}")
+
+
+@dataclass
 class DelayedPush:
     """A server policy's push held in flight (a slow network): the parameter server takes the first
     push of `slot` for clock `clock` (that slot's `clock`-th push, from 0) `delay_s` seconds after it
@@ -673,6 +689,8 @@ class FaultsConfig:
     stragglers: list[StragglerFault] = field(default_factory=list)
     kills: list[KillFault] = field(default_factory=list)
     coordinator: list[CoordinatorFault] = field(default_factory=list)
+    scale: list[ScaleFault] = field(default_factory=list)
+    """Scale requests at named steps (see `ScaleFault`), each once."""
     delayed_pushes: list[DelayedPush] = field(default_factory=list)
     """Server policies only: pushes the parameter server takes late (see `DelayedPush`)."""
     comm_latency_s: float = 0.0
@@ -871,6 +889,10 @@ class JobConfig:
         for i, kill in enumerate(self.faults.kills):
             if kill.slot not in slots:
                 raise FieldError(f"faults.kills[{i}].slot", f"{kill.slot!r} is not a slot of this job (w0..w{len(slots) - 1})")
+        for i, scale in enumerate(self.faults.scale):
+            if not (self.workers.min <= scale.count <= (self.workers.max or self.workers.count)):
+                raise FieldError(f"faults.scale[{i}].count", f"{scale.count} is outside [workers.min, workers.max] = "
+                                                             f"[{self.workers.min}, {self.workers.max or self.workers.count}]")
         for i, delayed in enumerate(self.faults.delayed_pushes):
             if delayed.slot not in slots:
                 raise FieldError(f"faults.delayed_pushes[{i}].slot", f"{delayed.slot!r} is not a slot of this job "

@@ -77,6 +77,7 @@ class Blocker:
         return True
 
 
+@pytest.mark.slow  # the default tier's test of its mechanism: docs/testing.md, "The slow tier"
 def test_workers_placed_but_still_starting_are_not_reported_paused(run_root, monkeypatch, tmp_path):
     """Workers that Ray has placed but whose start is slow (imports, data) keep the job STARTING,
     with how many are up; PAUSED is for workers that cannot be placed. The factory waits until the test

@@ -113,10 +113,14 @@ def _head_logs(head: Head) -> str:
 
 
 def test_job_submit_trains_user_workload_and_is_attachable(head_node, tmp_path):
+    """The workload holds its 10th step until the test, attached, has seen the job RUNNING: the job
+    cannot end before the attach (a gate file, not a race with the job's length)."""
     workdir = tmp_path / "work"
     shutil.copytree(REPO / "tests" / "workloads", workdir)
+    gate = tmp_path / "attached"
     config = (workdir / "custom.yaml").read_text().replace("name: custom-workload", "name: submitted")
-    (workdir / "custom.yaml").write_text(config.replace("max_steps: 60", "max_steps: 400")
+    (workdir / "custom.yaml").write_text(config.replace("params: {n: 1200}", f"params: {{n: 1200, hold_at_call: 10, "
+                                                                             f"hold_gate: '{gate}'}}")
                                          + f"run_dir: {tmp_path / 'runs'}\n")
     submit = subprocess.Popen(
         ["ray", "job", "submit", "--address", head_node["dashboard"], "--working-dir", str(workdir), "--",
@@ -144,11 +148,13 @@ def test_job_submit_trains_user_workload_and_is_attachable(head_node, tmp_path):
             f"could not attach to the running job: {error}\n{_head_logs(head_node['head'])}"
         print(f"attached while running: {status.state} step {status.step} world {status.world_size}")
         assert [m.slot for m in status.members] == ["w0", "w1"]
+        gate.touch()
         out, _ = submit.communicate(timeout=240)
         print(out[-2500:])
         assert submit.returncode == 0
         assert "succeeded" in out.lower() and "FINISHED: submitted" in out
     finally:
+        gate.touch()  # a failed assertion must not leave the job held on the head node
         if submit.poll() is None:
             submit.kill()
         ray.shutdown()

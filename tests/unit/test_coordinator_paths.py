@@ -280,6 +280,29 @@ def test_below_min_with_no_resources_is_paused_and_resumes_when_placed(tmp_path)
     run(scenario())
 
 
+def test_workers_placed_but_slow_to_start_keep_the_job_starting_never_paused(tmp_path):
+    """PAUSED is for workers Ray cannot place. Placed workers whose start takes 2 s (imports, data; ten
+    times `pause_after_s`) keep the job STARTING, with the cause saying they are placed, until they are
+    up: the job never passes through PAUSED (a negative that load cannot make true by chance: the
+    start lasts at least its 2 s)."""
+    async def scenario():
+        group = FakeWorkerGroup()
+        group.ready_delay_s = 2.0
+        coord = coordinator(config("slow-start", workers={"count": 2, "pause_after_s": 0.2}), tmp_path, group)
+        await coord.start()
+        causes: list = []
+
+        def running() -> bool:
+            causes.append(coord.cause)
+            return coord.state == JobState.RUNNING
+        await until(running, "RUNNING once the workers are up")
+        transitions = [(e.state_from, e.state_to) for e in events(coord, "transition")]
+        assert ("STARTING", "PAUSED") not in transitions, transitions
+        assert any(c and "placed" in c for c in causes), causes
+        await stopped(coord, group, 2)
+    run(scenario())
+
+
 def test_scale_up_and_down(tmp_path):
     async def scenario():
         group = FakeWorkerGroup()
@@ -293,6 +316,29 @@ def test_scale_up_and_down(tmp_path):
         await until(lambda: not group.current("w3").alive or group.current("w3").ended.done(), "w3 told to leave")
         with pytest.raises(ValueError, match="outside"):
             await coord.scale(9)
+        await stopped(coord, group, 2)
+    run(scenario())
+
+
+def test_a_scale_fault_scales_the_job_once_its_step_is_committed_and_only_once(tmp_path):
+    """`faults.scale`: the order of a scale and the job's steps is written in the config. The job grows
+    to 4 once step 3 is committed, shrinks to 2 once step 6 is, and neither entry fires again."""
+    async def scenario():
+        group = FakeWorkerGroup()
+        cfg = config("scale-fault", workers={"count": 2, "max": 4},
+                     faults={"scale": [{"step": 3, "count": 4}, {"step": 6, "count": 2}]})
+        coord = await started(cfg, tmp_path, group)
+        await group.commit(coord, 2)
+        assert len(coord.book.plan.members) == 2, "not before step 3"
+        await group.commit(coord, 1)
+        await until(lambda: len(coord.book.plan.members) == 4, "the scale-up at step 3")
+        await group.commit(coord, 3)
+        await until(lambda: coord.book.plan.members == ("w0", "w1"), "the scale-down at step 6")
+        await group.commit(coord, 4)
+        assert coord.book.plan.members == ("w0", "w1") and coord.book.target_count == 2
+        fired = [e.reason for e in events(coord, "fault")]
+        assert len(fired) == 2 and "scale to 4" in fired[0] and "scale to 2" in fired[1], fired
+        assert sorted(json.loads((tmp_path / "coordinator_faults_fired.json").read_text())) == ["scale-0", "scale-1"]
         await stopped(coord, group, 2)
     run(scenario())
 

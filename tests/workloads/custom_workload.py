@@ -3,7 +3,9 @@
 `fail_at_step` makes the loss raise on its N-th call (a real user-code exception); `fail_slot`
 makes every loss call raise in that slot (read from ORCHESTRATOR_SLOT, which the worker sets);
 `start_delay_s` makes the factory take that long (a slow import or data load); `start_gate`, a path:
-the factory waits until that file exists (a slow start that ends when a test says so).
+the factory waits until that file exists (a slow start that ends when a test says so); `hold_at_call`
+with `hold_gate`: the loss's call of that number waits until the gate file exists (a job held mid-run
+until a test has seen it running).
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from torch.utils.data import TensorDataset
 
 
 class Blobs:
-    def __init__(self, n: int, fail_at_step: int, fail_slot: str) -> None:
+    def __init__(self, n: int, fail_at_step: int, fail_slot: str, hold_at_call: int = 0, hold_gate: str = "") -> None:
         g = torch.Generator().manual_seed(1234)
         centers = torch.randn(4, 16, generator=g) * 3
         y = torch.arange(n) % 4
@@ -27,9 +29,12 @@ class Blobs:
         self.fail_at_step = fail_at_step
         self.fail_here = fail_slot != "" and os.environ.get("ORCHESTRATOR_SLOT") == fail_slot
         self.calls = 0
+        self.hold_at_call, self.hold_gate = hold_at_call, hold_gate
 
     def loss(self, model, batch):
         self.calls += 1
+        while self.calls == self.hold_at_call and not os.path.exists(self.hold_gate):
+            time.sleep(0.05)
         if self.calls == self.fail_at_step:
             raise ValueError(f"user code failed on call {self.calls}")
         if self.fail_here:
@@ -44,8 +49,8 @@ class Blobs:
 
 
 def make(n: int = 1200, fail_at_step: int = 0, fail_slot: str = "", start_delay_s: float = 0.0,
-         start_gate: str = "") -> Blobs:
+         start_gate: str = "", hold_at_call: int = 0, hold_gate: str = "") -> Blobs:
     time.sleep(start_delay_s)
     while start_gate and not os.path.exists(start_gate):
         time.sleep(0.05)
-    return Blobs(n, fail_at_step, fail_slot)
+    return Blobs(n, fail_at_step, fail_slot, hold_at_call, hold_gate)
