@@ -175,28 +175,39 @@ def test_a_coordinator_that_lost_its_nodes_folder_carries_on_from_s3_without_a_g
 
 
 @pytest.mark.parametrize("case", ["unreachable", "no bucket", "no credentials", "unknown scheme", "unknown option"])
-def test_bad_storage_exits_2_with_one_line_naming_storage_before_ray_starts(tmp_path, s3, case):
+def test_bad_storage_exits_2_with_one_line_naming_storage_before_ray_starts(tmp_path, s3, case, monkeypatch, capsys):
+    """`python -m orchestrator run`'s main, in this process: Ray's start and the job's start are made to
+    fail loudly, and nothing may be written (the subprocess' own exit code is
+    tests/e2e/test_cli_bad_input.py::test_subprocess_exit_code_and_no_ray_session's)."""
+    from orchestrator import cli
+    from orchestrator import job as job_module
+
     endpoint = s3.split("endpoint_override=")[1].split("&")[0]
     uri = {"unreachable": "s3://runs/x?endpoint_override=http://127.0.0.1:1&scheme=http&connect_timeout=1",
            "no bucket": f"s3://no-such-bucket/x?endpoint_override={endpoint}&scheme=http",
            "no credentials": f"s3://runs/x?endpoint_override={endpoint}&scheme=http",
            "unknown scheme": "nosuchfs://bucket/x",
            "unknown option": f"s3://runs/x?endpoint={endpoint}"}[case]
-    env = child_env(REPO, ORCHESTRATOR_RUN_ROOT=str(tmp_path / "runs"), HOME=str(tmp_path))
-    env.pop("RAY_ADDRESS", None)
+
+    def boom(*_a, **_k):
+        raise AssertionError("Ray or the job was started before the storage was checked")
+    monkeypatch.setattr(ray, "init", boom)
+    monkeypatch.setattr(job_module.ElasticJob, "start", boom)
+    monkeypatch.setenv("ORCHESTRATOR_RUN_ROOT", str(tmp_path / "runs"))
+    monkeypatch.setenv("HOME", str(tmp_path))
     if case == "no credentials":
         for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_PROFILE", "AWS_SHARED_CREDENTIALS_FILE"):
-            env.pop(name, None)
-        env["AWS_EC2_METADATA_DISABLED"] = "true"
+            monkeypatch.delenv(name, raising=False)
+        monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
     config_path = tmp_path / "bad.yaml"
     config_path.write_text(yaml.safe_dump(dict(CONFIG, name="bad-storage", storage=uri)))
-    began = time.monotonic()
-    proc = cli([str(config_path)], env, timeout=60)
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    print(case, f"{time.monotonic() - began:.1f}s:", lines)
-    assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
+    code = cli.main(["run", str(config_path)])
+    out, err = capsys.readouterr()
+    lines = [line for line in err.splitlines() if line.strip()]
+    print(case, lines)
+    assert code == 2, (code, out, err)
     assert len(lines) == 1 and lines[0].startswith("error: storage:"), lines
-    assert "Ray" not in proc.stdout and not (tmp_path / "runs").exists(), "something started before the check"
+    assert not (tmp_path / "runs").exists(), "something was written before the check"
     assert "testing" not in lines[0], "a credential in the message"
 
 
