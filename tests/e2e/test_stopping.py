@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from orchestrator.config import config_from_dict
 from orchestrator.job import ElasticJob
 from testkit.harness import running, wait_until
@@ -53,6 +55,7 @@ def test_stop_of_a_stalled_job_returns_only_when_its_workers_are_gone(run_root):
     assert_gone(pids, within=0.5)
 
 
+@pytest.mark.slow  # the default tier's test of its mechanism: docs/testing.md, "The slow tier"
 def test_elapsed_is_the_run_time_not_the_time_until_wait(run_root):
     """`elapsed_s` is the coordinator's own span, from `start()` to the job's end: not the time until a
     late `wait()` (the test's own clock only bounds it from above)."""

@@ -482,3 +482,28 @@ def test_the_feed_numbers_events_by_their_line_across_a_restart(tmp_path):
     events, complete = again.since(4)
     assert again.count == 6 and complete and [e["reason"] for e in events] == ["event 4", "after the restart"]
     again.close()
+
+
+def test_a_jobs_elapsed_time_is_the_coordinators_span_not_the_time_until_wait(tmp_path):
+    """`JobResult.elapsed_s` runs from `start()` (the driver hands its time to the coordinator) to the
+    job's end as the coordinator recorded it: a `wait()` called long after the end does not count."""
+    from orchestrator.job import ElasticJob
+
+    cfg = config("elapsed", stop={"max_steps": 3})
+    started_at = time.time() - 100.0  # start() was called 100 s ago
+
+    async def scenario():
+        group = FakeWorkerGroup()
+        coord = Coordinator(cfg, "r1", str(tmp_path), group=group, started_at=started_at)
+        RUNNING_NOW.append(coord)
+        await coord.start()
+        await until(lambda: coord.state == JobState.RUNNING, "RUNNING")
+        await group.commit(coord, 5)
+        assert await ended(coord) == JobState.FINISHED
+    run(scenario())
+    status = json.loads((tmp_path / "status.json").read_text())
+    job = ElasticJob(config_from_dict(cfg))
+    job.run_dir, job.run_id = tmp_path, "r1"  # the coordinator is gone: wait() reads its final status
+    result = job.wait(timeout=10)
+    assert status["started_at"] == started_at and status["ended_at"] < time.time()
+    assert result.elapsed_s == status["ended_at"] - status["started_at"]
