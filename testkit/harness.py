@@ -33,6 +33,22 @@ from actors.comm import in_process_store as local_store
 from actors.plan import Plan, Progress, WorkerSpec
 from algorithms.base import VoteDraft
 
+PACE_S = 0.02
+"""What `paced` gives each step of a test job at least: some five times a digits step's compute here."""
+
+
+def paced(cfg: dict, delay_s: float = PACE_S) -> dict:
+    """`cfg` (a plain config dict) with every slot's steps taking at least `delay_s` (a modelled compute
+    time: `faults.stragglers` on every slot, which combine with the config's own by the largest delay).
+    A job that trains until the test has seen what it waits for then leaves the cores to the tests
+    beside it, instead of burning them on steps nobody looks at; numbers are unchanged (a sleep)."""
+    workers = cfg.get("workers", {})
+    slots = workers.get("max") or workers.get("count", 1)
+    faults = dict(cfg.get("faults", {}))
+    faults["stragglers"] = list(faults.get("stragglers", [])) + [{"slot": f"w{i}", "delay_s": delay_s}
+                                                                 for i in range(slots)]
+    return {**cfg, "faults": faults}
+
 
 def child_env(repo, **over: str) -> dict:
     """The environment for a `python -m orchestrator ...` child process: the repository first on

@@ -14,7 +14,7 @@ import torch
 
 from orchestrator.config import config_from_dict
 from orchestrator.job import ElasticJob
-from testkit.harness import child_env, loaded_torch, wait_until
+from testkit.harness import child_env, loaded_torch, paced, wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -29,7 +29,8 @@ def make_config(name: str, **over) -> dict:
     # every worker in the first membership, however slowly its process starts on a loaded machine: the
     # tests count reshapes and a late worker would join as one more (the default waits 30 s)
     cfg["workers"] = {"start_grace_s": 600, **cfg["workers"]}
-    return cfg
+    # a job that trains until the test stops it paces its steps (the cores are shared with the tests beside it)
+    return paced(cfg) if cfg["stop"]["max_steps"] >= 100_000 else cfg
 
 
 def reshapes(job: ElasticJob) -> list[dict]:

@@ -14,11 +14,11 @@ import time
 
 from orchestrator.config import config_from_dict
 from orchestrator.job import ElasticJob
-from testkit.harness import explain, running
+from testkit.harness import explain, paced, running
 
 
 def make_job(name: str, kills: list | None = None, steps: int = 400) -> ElasticJob:
-    cfg = config_from_dict({
+    cfg = config_from_dict(paced({
         "name": name,
         "workload": {"factory": "orchestrator.workloads.digits:mlp", "params": {"hidden": 64}, "batch_size": 16},
         "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9},
@@ -26,7 +26,7 @@ def make_job(name: str, kills: list | None = None, steps: int = 400) -> ElasticJ
         "comm": {"timeout_s": 120}, "faults": {"kills": kills or []},
         "workers": {"count": 3, "cpus": 0.5, "on_failure": "fail"},  # two survivors to agree
         "log_level": "INFO",  # the workers' logs say what a slow ending waited for (`explain`)
-    })
+    }))
     return ElasticJob(cfg).start()
 
 

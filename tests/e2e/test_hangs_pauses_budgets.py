@@ -12,7 +12,7 @@ import ray
 
 from orchestrator.config import config_from_dict
 from orchestrator.job import ElasticJob
-from testkit.harness import wait_until
+from testkit.harness import paced, wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -23,7 +23,7 @@ def config(name: str, **over) -> dict:
            "workload": {"factory": "orchestrator.workloads.digits:mlp", "params": {"hidden": 32}, "batch_size": 8},
            "optimizer": {"lr": 0.05}, "stop": {"max_steps": 1_000_000}, "eval_every": 0}
     cfg.update(over)
-    return cfg
+    return paced(cfg)
 
 
 def failure_events(job: ElasticJob) -> list[dict]:

@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from actors.metrics import METRICS
 from orchestrator.config import config_from_dict
 from orchestrator.job import ElasticJob
-from testkit.harness import wait_until
+from testkit.harness import paced, wait_until
 
 
 def scrape() -> dict[str, list]:
@@ -43,7 +43,7 @@ def test_the_job_s_metrics_on_ray_s_endpoint_match_status_and_history(run_root):
            "optimizer": {"lr": 0.05}, "stop": {"max_steps": 1_000_000}, "eval_every": 0,
            "tracking": {"tensorboard": "tb", "report": True},
            "faults": {"kills": [{"slot": "w1", "step": 20, "at": "step"}]}}
-    job = ElasticJob(config_from_dict(cfg)).start()
+    job = ElasticJob(config_from_dict(paced(cfg))).start()
     try:
         job.wait_for(step=11)
         run = job.status().run_id

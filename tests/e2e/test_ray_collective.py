@@ -11,7 +11,7 @@ from pathlib import Path
 
 from orchestrator.config import config_from_dict
 from orchestrator.job import ElasticJob
-from testkit.harness import wait_until
+from testkit.harness import paced, wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -27,7 +27,7 @@ def test_workload_allreduce_through_ray_util_collective_across_a_scale_up_and_a_
            "workload": {"factory": "collective_workload:make", "params": {"log_dir": str(logs)}, "batch_size": 8},
            "optimizer": {"name": "sgd", "lr": 0.05}, "stop": {"max_steps": 1_000_000}, "eval_every": 0,
            "comm": {"timeout_s": 120.0}}
-    job = ElasticJob(config_from_dict(cfg)).start()
+    job = ElasticJob(config_from_dict(paced(cfg))).start()
 
     def worlds_logged(slot: str = "") -> set[tuple[str, int]]:
         """(group, world size) of every call logged so far (by `slot` when given)."""

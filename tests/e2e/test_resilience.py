@@ -18,7 +18,7 @@ import yaml
 
 from orchestrator.config import config_from_dict
 from orchestrator.job import NAMESPACE, ElasticJob, ensure_token_env
-from testkit.harness import child_env, wait_until
+from testkit.harness import child_env, paced, wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -28,7 +28,7 @@ def job_config(name: str, **over) -> dict:
            "workload": {"factory": "orchestrator.workloads.digits:mlp", "params": {"hidden": 32}, "batch_size": 8},
            "optimizer": {"lr": 0.05}, "stop": {"max_steps": 1_000_000}, "eval_every": 0}
     cfg.update(over)
-    return cfg
+    return paced(cfg) if cfg["stop"].get("max_steps", 0) >= 100_000 else cfg
 
 
 def test_node_loss_survivors_go_on_at_once_and_replacements_land_elsewhere(tmp_path, monkeypatch, _ray_owner):

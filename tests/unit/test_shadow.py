@@ -79,7 +79,10 @@ def test_foreground_steps_taken_during_a_round_are_kept():
         with syncs[0].foreground(), torch.no_grad():
             seen = [p.detach().clone() for p in params[0]]
             in_step.set()
-            time.sleep(0.2)  # the round reaches its write-back meanwhile
+            lock, deadline = syncs[0].lock, time.monotonic() + 30
+            while lock._next - lock._serving < 2:  # the round now waits for this step's lock to write back
+                assert time.monotonic() < deadline, "the round never came to its write-back"
+                time.sleep(0.005)
             steps = step_of(2, params[0])
             for p, v, s in zip(params[0], seen, steps):
                 p.copy_(v + s)
