@@ -286,7 +286,8 @@ class ElasticJob:
         while True:
             remaining = deadline - time.monotonic()
             if self._coordinator is None:  # the job ended and was released: its events are in the run folder
-                answer = {"events": self.events()[seen:], "complete": True, "step": self.status().step, "state": "ENDED"}
+                final = self.status()
+                answer = {"events": self.events()[seen:], "complete": True, "step": final.step, "state": final.state}
             else:
                 answer = self._ask("watch_feed", seen, _NO_STEP if step is None else step - 1, max(0.0, remaining),
                                    timeout=max(0.0, remaining) + 30)
@@ -298,7 +299,7 @@ class ElasticJob:
             seen += len(events)
             if step is not None and answer["step"] >= step:
                 return {"step": answer["step"], "state": answer["state"]}
-            if answer["state"] in TERMINAL_STATES or answer["state"] == "ENDED":
+            if answer["state"] in TERMINAL_STATES:
                 raise OrchestratorError(f"job {self.name!r} ended ({answer['state']}) before {wanted}")
             if remaining <= 0:
                 raise TimeoutError(f"job {self.name!r}: no {wanted} within {timeout:g}s (step {answer['step']}, "

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import itertools
 import json
 import logging
 import time
@@ -94,7 +95,7 @@ class Journal:
         """The events numbered `seen` and later that are still in memory, and whether that is all of them
         (False: the oldest of them are only in events.jsonl now)."""
         first = self.count - len(self.events)
-        kept = list(self.events)[max(0, seen - first):]
+        kept = itertools.islice(self.events, max(0, seen - first), None)
         return [e.to_dict() for e in kept], seen >= first
 
     def recent_reshapes(self) -> tuple[Event, ...]:

@@ -51,14 +51,20 @@ def test_spares_start_with_their_names_saved_first_and_a_slot_adopts_the_oldest(
     asyncio.run(scenario())
 
 
+async def taken_while_a_reshape_is_pending() -> Harness:
+    """A pool whose one ready spare a slot has just adopted while the membership has not settled."""
+    h = Harness()
+    h.pool.fill()
+    await h.ready(1)
+    h.settled = False
+    await h.pool.adopt(Member("w0", None), spec("w0"), ())
+    return h
+
+
 def test_the_spare_behind_waits_until_the_membership_settles(monkeypatch):
     monkeypatch.setattr("actors.control.spares.SPARE_SETTLE_S", 600.0)  # the fallback is the test below's
     async def scenario():
-        h = Harness()
-        h.pool.fill()
-        await h.ready(1)
-        h.settled = False
-        await h.pool.adopt(Member("w0", None), spec("w0"), ())
+        h = await taken_while_a_reshape_is_pending()
         await asyncio.sleep(0.2)  # a few of its 0.05-s looks at the membership
         assert not h.pool.spares, "no spare starts while a reshape is pending"
         h.settled = True
@@ -69,11 +75,7 @@ def test_the_spare_behind_waits_until_the_membership_settles(monkeypatch):
 def test_the_spare_behind_starts_after_spare_settle_s_if_the_membership_never_settles(monkeypatch):
     monkeypatch.setattr("actors.control.spares.SPARE_SETTLE_S", 0.3)
     async def scenario():
-        h = Harness()
-        h.pool.fill()
-        await h.ready(1)
-        h.settled = False
-        await h.pool.adopt(Member("w0", None), spec("w0"), ())
+        h = await taken_while_a_reshape_is_pending()
         await h.ready(1)  # SPARE_SETTLE_S later, unsettled as it still is
         assert not h.settled
     asyncio.run(scenario())
