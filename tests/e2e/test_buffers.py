@@ -1,7 +1,11 @@
 """Every policy kind's final model carries the model's buffers (a BatchNorm layer's running statistics
 and batch count), not their initial values: a BatchNorm model evaluated in eval mode depends on them.
 The server kinds keep each member's newest buffers (sent with its pushes) and the final model takes
-their floating-point ones averaged over the members, the others from the lowest-ranked member."""
+their floating-point ones averaged over the members, the others from the lowest-ranked member.
+
+Through Ray in the default tier: the `server` kind (the final model from the parameter server actor) and
+the `background` kind (the replicas' states averaged by the coordinator); the other kinds in the slow
+tier. Every kind in process: tests/unit/test_buffers.py."""
 from __future__ import annotations
 
 import pytest
@@ -16,7 +20,10 @@ KINDS = {"synchronous": {"policy": "bsp"}, "periodic": {"policy": "local_sgd", "
          "server": {"policy": "asp"}}
 
 
-@pytest.mark.parametrize("kind", list(KINDS))
+DEFAULT_KINDS = ("background", "server")
+
+
+@pytest.mark.parametrize("kind", [pytest.param(k, marks=() if k in DEFAULT_KINDS else pytest.mark.slow) for k in KINDS])
 def test_the_final_model_of_every_policy_kind_carries_its_buffers(run_root, kind):
     steps = 60
     cfg = {"name": f"bn-{kind}", "seed": 2, "workers": {"count": 2, "cpus": 0.5},

@@ -9,6 +9,7 @@ member trained since the previous round.
 from __future__ import annotations
 
 import copy
+import math
 
 import numpy as np
 import pytest
@@ -77,11 +78,21 @@ def start_model() -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
 def reference_bsp(optimizer: dict, global_batch: int, steps: int = STEPS) -> list[torch.Tensor]:
     model, x, y = start_model()
     opt = make_opt(model.parameters(), optimizer)
+    warm, floor = optimizer.get("warmup_steps", 0), optimizer.get("min_lr", 0.0) / optimizer["lr"]
+
+    def factor(step: int) -> float:  # the README's schedule: linear warm-up, then cosine down to min_lr at the last step
+        if step < warm:
+            return (step + 1) / warm
+        if optimizer.get("schedule") == "cosine":
+            return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * (step - warm) / (steps - warm)))
+        return 1.0
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, factor)
     for step in range(steps):
         index = torch.tensor(global_batch_ids(step, global_batch, len(x)))
         opt.zero_grad()
         F.cross_entropy(model(x[index]), y[index]).backward()
         opt.step()
+        schedule.step()
     return [p.detach() for p in model.parameters()]
 
 
@@ -182,6 +193,22 @@ def test_bsp_in_process_equals_single_process(tmp_path, n, global_batch):
     diff = max_diff(run(tmp_path, {"policy": "bsp", "bucket_mb": 0.004}, SGD_M, n, global_batch),
                     reference_bsp(SGD_M, global_batch))
     print(f"bsp n={n} B={global_batch}: {diff:.2e}")
+    assert diff < 1e-6
+
+
+NESTEROV = {"name": "sgd", "lr": 0.05, "momentum": 0.9, "nesterov": True, "weight_decay": 0.0005}
+ADAMW_WARMUP_COSINE = {"name": "adamw", "lr": 0.01, "weight_decay": 0.01, "warmup_steps": 4, "schedule": "cosine",
+                       "min_lr": 0.001}
+
+
+@pytest.mark.parametrize("optimizer,n,global_batch", [(NESTEROV, 4, 64), (ADAMW_WARMUP_COSINE, 3, 50)],
+                         ids=["sgd_nesterov-4", "adamw_warmup_cosine-3"])
+def test_bsp_in_process_with_nesterov_or_adamw_and_a_schedule_equals_single_process(tmp_path, optimizer, n, global_batch):
+    """The optimizers and the learning-rate schedule of the Ray oracle (tests/actors/test_bsp_oracle.py),
+    here with real replicas in threads: torch's own optimizer and LambdaLR on the concatenated batch."""
+    diff = max_diff(run(tmp_path, {"policy": "bsp", "bucket_mb": 0.004}, optimizer, n, global_batch),
+                    reference_bsp(optimizer, global_batch))
+    print(f"bsp n={n} B={global_batch} {optimizer['name']}: {diff:.2e}")
     assert diff < 1e-6
 
 
