@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import io
+import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -230,18 +232,31 @@ def test_detached_job_outlives_launcher_and_is_scaled_and_stopped_elsewhere(tmp_
     _assert_gone("detached", run_id, ["w0", "w1", "w2"])
 
 
-def test_coordinator_sigkilled_mid_run_is_restarted_and_carries_on(run_root):
-    """Ray restarts the coordinator; it re-attaches to the live workers (same pids), publishes a new
-    membership epoch, fills history from the members, scales up, and stops with no gap in history
-    (a restarted coordinator that runs on to FINISHED: test_coordinator_dies_right_after_publishing_a_plan)."""
+def test_coordinator_sigkilled_mid_run_is_restarted_and_carries_on(run_root, s3):
+    """Ray restarts the coordinator; the run is kept on S3 (a moto server on 127.0.0.1) and the local run
+    folder is deleted with the coordinator (as when Ray restarts it on another node): the new incarnation
+    copies the state file, history and events down from the store, re-attaches the live workers (same
+    pids), publishes a new membership epoch, fills history from the members, scales up, and stops with no
+    gap in history, here and on the store. A driver that attaches afterwards on a node without the run
+    folder reads status, history, events and the model from S3. (A restarted coordinator that runs on to
+    FINISHED: test_coordinator_dies_right_after_publishing_a_plan.)"""
+    from actors import runfiles
+    from actors.mirror import read_appended
+    from actors.storage import open_storage
+
+    uri = s3.format(prefix="restart")
     cfg = job_config("coordinator-loss", workers={"count": 3, "max": 4, "cpus": 0.5}, stop={"max_steps": 1_000_000},
-                     faults={"stragglers": [{"slot": "w0", "delay_s": 0.03}]})
+                     storage=uri, faults={"stragglers": [{"slot": "w0", "delay_s": 0.03}]})
     job = ElasticJob(config_from_dict(cfg)).start()
-    wait_until(lambda: job.status().step > 60, what="training")
+    storage = open_storage(uri)
+    key = f"{job.name}/{job.run_id}"
+    wait_until(lambda: len(runfiles.parse_jsonl(read_appended(storage, f"{key}/history.jsonl"))) >= 40, timeout=120,
+               what="40 steps of history on S3")
     before = job.status()
     pids = {m.slot: m.pid for m in before.members}
     killed_at = time.time()
     os.kill(before.coordinator_pid, signal.SIGKILL)
+    shutil.rmtree(job.run_dir)  # the node's folder goes with it
     after = wait_until(lambda: (s := job.status()).incarnation == 1 and s.state == "RUNNING" and s, timeout=60,
                        what="the restarted coordinator")
     assert after.coordinator_pid != before.coordinator_pid and after.membership_epoch > before.membership_epoch
@@ -258,12 +273,24 @@ def test_coordinator_sigkilled_mid_run_is_restarted_and_carries_on(run_root):
     assert {m.slot: m.pid for m in final.members if m.slot in pids} == pids, "the workers must not be restarted"
     restart = next(e for e in job.events() if e["kind"] == "restart")
     recovered = next(e for e in job.events() if e["kind"] == "reshape" and e["detail"]["detector"] == "coordinator restart")
+    copied = [e for e in job.events() if "copied down from" in e["reason"]]
+    assert copied and "coordinator.json" in copied[0]["reason"] and "history.jsonl" in copied[0]["reason"], copied
     during = [r for r in history if killed_at < r["time"] < restart["time"]]
-    print(f"coordinator SIGKILLed at step {before.step}: restarted after {restart['time'] - killed_at:.2f}s "
-          f"(workers committed {len(during)} steps meanwhile); new epoch {recovered['detail']['membership_epoch']} "
-          f"committed {recovered['detail']['duration_s']:.2f}s after the restart began; history 1..{steps}, no gap")
+    print(f"coordinator SIGKILLed at step {before.step} with its folder deleted: restarted after "
+          f"{restart['time'] - killed_at:.2f}s (workers committed {len(during)} steps meanwhile); {copied[0]['reason']}; "
+          f"new epoch {recovered['detail']['membership_epoch']} committed {recovered['detail']['duration_s']:.2f}s "
+          f"after the restart began; history 1..{steps}, no gap")
     assert restart["detail"]["reattached"] == ["w0", "w1", "w2"] and restart["detail"]["lost"] == []
     assert restart["time"] - killed_at < 29.0  # the README states 2.9 s
+    stored = runfiles.parse_jsonl(read_appended(storage, f"{key}/history.jsonl"))
+    assert [r["step"] for r in stored] == list(range(1, steps + 1)), "the store's history has a gap or a repeat"
+    assert json.loads(storage.read(f"{key}/status.json"))["state"] == "STOPPED"
+    shutil.rmtree(job.run_dir)  # a driver on a node without the folder: everything comes from S3
+    attached = ElasticJob.attach(job.name)
+    assert attached.status().state == "STOPPED" and attached.status().step == steps
+    assert [r["step"] for r in attached.history()] == list(range(1, steps + 1))
+    assert any(e["kind"] == "restart" for e in attached.events())
+    assert attached.model()(torch.zeros(2, 64)).shape == (2, 10)
 
 
 def _history_is_complete(job: ElasticJob, last: int) -> list[dict]:

@@ -1,16 +1,13 @@
 """Runs kept on S3 (a moto server on 127.0.0.1, started here): checkpoints, `--resume` from them after
-the whole run and its local folder are gone, a coordinator that restarts with its node's folder lost
-and carries on from the store, and the bad-storage exits (in process)."""
+the whole run and its local folder are gone, and the bad-storage exits (in process). A coordinator that
+restarts with its node's folder lost and carries on from the store: tests/e2e/test_resilience.py."""
 from __future__ import annotations
 
 import io
 import json
-import os
 import shutil
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -23,11 +20,10 @@ from actors.mirror import read_appended
 from actors.storage import open_storage
 from orchestrator.config import config_from_dict
 from orchestrator.job import ElasticJob
-from testkit.harness import child_env, sigkill_run_at, start_run, wait_until
+from testkit.harness import child_env, sigkill_run_at, start_run
 
-moto_server = pytest.importorskip("moto.server", reason="the S3 tests need moto[server] (the test extra)")
+pytest.importorskip("moto.server", reason="the S3 tests need moto[server] (the test extra)")
 REPO = Path(__file__).resolve().parents[2]
-BUCKET = "runs"
 # `min` = `count`: every run trains at full width from step 1 (a clean-clone CI run's killed run began
 # without its late second worker, and step 1 summed at world size 1: 2.7e-07 off the reference)
 CONFIG = {
@@ -36,23 +32,6 @@ CONFIG = {
     "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9, "weight_decay": 0.0005},
     "checkpoint": {"every_steps": 20}, "stop": {"max_steps": 120}, "eval_every": 0,
 }
-
-
-@pytest.fixture(scope="module")
-def s3():
-    """An S3 server on this machine's loopback, with one bucket; yields the storage URI's root."""
-    import logging
-
-    import boto3
-
-    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # a line per request otherwise
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    endpoint = f"http://{host}:{port}"
-    boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket=BUCKET)
-    yield f"s3://{BUCKET}/{{prefix}}?endpoint_override={endpoint}&scheme=http"
-    server.stop()
 
 
 def params(blob: bytes) -> list[torch.Tensor]:
@@ -113,58 +92,6 @@ def test_a_run_killed_resumes_from_s3_bit_identical(tmp_path, run_root, s3):
     diff = max(float((a - b).abs().max()) for a, b in zip(params(storage.read(f"{second[0]}/model.pt")), expected))
     print(f"killed at step {killed_at}; local folder deleted; resumed from S3 at {start} to 120; max abs diff {diff:.2e}")
     assert diff == 0.0, "resume from S3 must be bit-identical"
-
-
-def test_a_coordinator_that_lost_its_nodes_folder_carries_on_from_s3_without_a_gap(run_root, s3):
-    """The coordinator SIGKILLed mid-run and its local run folder deleted with it (as when Ray restarts
-    it on another node): the new incarnation copies the state file, history and events down from S3,
-    re-attaches the live workers, and the job finishes with history 1..steps, no gap, no repeat. A driver
-    that attaches afterwards on a node without the run folder reads status, history, events and the
-    model from S3."""
-    uri = s3.format(prefix="restart")
-    steps = 200  # the restart lands mid-run: workers that finish while it is down leave it no RUNNING to report
-    cfg = {"name": "s3-coordinator-kill", "seed": 3, "workers": {"count": 3, "cpus": 0.5},
-           "workload": {"factory": "orchestrator.workloads.digits:mlp", "params": {"hidden": 32}, "batch_size": 8},
-           "optimizer": {"name": "sgd", "lr": 0.05}, "stop": {"max_steps": steps}, "eval_every": 0, "storage": uri,
-           "faults": {"stragglers": [{"slot": f"w{i}", "delay_s": 0.04} for i in range(3)]}}
-    job = ElasticJob(config_from_dict(cfg)).start()
-    storage = open_storage(uri)
-    key = f"{job.name}/{job.run_id}"
-    wait_until(lambda: len(runfiles.parse_jsonl(read_appended(storage, f"{key}/history.jsonl"))) >= 40, timeout=120,
-               what="40 steps of history on S3")
-    before = job.status()
-    os.kill(before.coordinator_pid, signal.SIGKILL)
-    shutil.rmtree(job.run_dir)  # the node's folder goes with it
-    began = time.monotonic()
-    seen = []
-
-    def answering() -> bool:  # the new incarnation answers (its workers may have finished meanwhile)
-        status = job.status()
-        seen[:] = [status.state, status.incarnation, status.step]
-        return status.incarnation == 1
-    try:
-        wait_until(answering, timeout=60, what="the restarted coordinator")
-    except TimeoutError:
-        raise AssertionError(f"the restarted coordinator did not answer within 60 s; last seen {seen}") from None
-    restart_s = time.monotonic() - began
-    result = job.wait(timeout=180)
-    assert result.state == "FINISHED" and result.step == steps, result
-    restarts = [e for e in job.events() if e["kind"] == "restart"]
-    assert restarts, [e["reason"] for e in job.events()]
-    copied = [e for e in job.events() if "copied down from" in e["reason"]]
-    assert copied and "coordinator.json" in copied[0]["reason"] and "history.jsonl" in copied[0]["reason"], copied
-    assert [r["step"] for r in job.history()] == list(range(1, steps + 1)), "history has a gap or a repeat"
-    stored = runfiles.parse_jsonl(read_appended(storage, f"{key}/history.jsonl"))
-    assert [r["step"] for r in stored] == list(range(1, steps + 1)), "the store's history has a gap or a repeat"
-    assert json.loads(storage.read(f"{key}/status.json"))["state"] == "FINISHED"
-    shutil.rmtree(job.run_dir)  # a driver on a node without the folder: everything comes from S3
-    attached = ElasticJob.attach(job.name)
-    assert attached.status().state == "FINISHED" and attached.status().step == steps
-    assert [r["step"] for r in attached.history()] == list(range(1, steps + 1))
-    assert any(e["kind"] == "restart" for e in attached.events())
-    assert attached.model()(torch.zeros(2, 64)).shape == (2, 10)
-    print(f"coordinator SIGKILLed at step {before.step} with its folder deleted; running again after {restart_s:.1f}s; "
-          f"{copied[0]['reason']}")
 
 
 @pytest.mark.parametrize("case", ["unreachable", "no bucket", "no credentials", "unknown scheme", "unknown option"])
