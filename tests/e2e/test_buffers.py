@@ -5,7 +5,7 @@ their floating-point ones averaged over the members, the others from the lowest-
 
 Through Ray in the default tier: the `server` kind (the final model from the parameter server actor) and
 the `background` kind (the replicas' states averaged by the coordinator); the other kinds in the slow
-tier. Every kind in process: tests/unit/test_buffers.py."""
+tier. Every kind in process: tests/unit/test_final_model_buffers.py."""
 from __future__ import annotations
 
 import pytest
