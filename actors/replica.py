@@ -130,6 +130,9 @@ class Replica:
         self.comm: BaseCommunicator | None = None
         self.state, self.cause = "ready", ""
         self.phase, self.phase_since = "starting", time.monotonic()
+        self.exit_if_stuck: Callable[[str], None] | None = None
+        """Set by the worker actor: ends this process when a step outlives its group's abort (`watch_release`);
+        None in process (replicas in threads of a test), where the group's timeout ends such a step."""
         self._finished = threading.Event()
         self._left = False
         self._eval_model: torch.nn.Module | None = None
@@ -165,6 +168,12 @@ class Replica:
         comm, plan = self.comm, self.plan
         if comm is not None and plan is not None and plan.membership_epoch <= membership_epoch:
             comm.abort(reason)
+            if self.phase in STEP_PHASES and self.exit_if_stuck is not None:
+                grace = max(STUCK_AFTER_ABORT_S, 5.0 * self.compute_s)
+                watch_release(lambda: self.comm is not comm or self.phase not in STEP_PHASES, grace,
+                              lambda: self.exit_if_stuck(f"the step of {self.slot} still runs {grace:.0f}s after group "
+                                                         f"{comm.name} was aborted ({reason}): an operation stuck in C++ "
+                                                         f"that the abort did not release"))
 
     def heartbeat(self) -> dict:
         """Cheap liveness and progress: what the run thread is doing and for how long."""
@@ -662,6 +671,39 @@ class Replica:
             self.link.report(progress, wait=force)
         except Exception as err:  # noqa: BLE001 - a lost report must not kill training (records are kept)
             log.warning("progress report at step %d lost: %s", self.step, str(err).splitlines()[0][:200])
+
+
+STEP_PHASES = ("compute", "communicate")
+"""The run thread's phases inside a step, where it may wait on the group's operations."""
+STUCK_AFTER_ABORT_S = 10.0
+"""How long the run thread may stay inside its step after its group was aborted (at least; 5 steps'
+compute time where that is longer) before the worker counts it stuck and exits (`watch_release`)."""
+
+
+def watch_release(released: Callable[[], bool], grace_s: float, on_stuck: Callable[[], None],
+                  poll_s: float = 0.05, clock: Callable[[], float] = time.monotonic,
+                  sleep: Callable[[float], None] = time.sleep) -> threading.Thread:
+    """After an abort: a thread that calls `on_stuck` unless `released()` comes true within `grace_s`.
+
+    The abort releases every wait this project makes, and shuts down the pairs of a group lent to torch's
+    reducer, so that gloo's own waits fail. One wait has been seen to outlive it: gloo's ring all-reduce,
+    inside torch's reducer, waiting to receive from a peer that was SIGKILLed as the abort landed (about
+    1 abort in 50 on a loaded 2-core machine; the thread in `UnboundBuffer::waitRecv` with the group's
+    timeout, nothing left to wake it). Nothing in Python can release it; the group's timeout
+    (`comm.timeout_s`, 120 s by default) would hold every member's next membership meanwhile, so the
+    worker exits instead (`on_stuck`), and the coordinator treats it as a death."""
+    def watch() -> None:
+        deadline = clock() + grace_s
+        while clock() < deadline:
+            if released():
+                return
+            sleep(poll_s)
+        if not released():
+            on_stuck()
+
+    thread = threading.Thread(target=watch, name="release watch", daemon=True)
+    thread.start()
+    return thread
 
 
 _MASK64 = (1 << 64) - 1

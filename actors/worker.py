@@ -126,6 +126,7 @@ class Worker:
                                kill_actor=lambda: ray.kill(ray.get_runtime_context().current_actor, no_restart=True),
                                server=RayServerClient(server_name(spec.job, spec.run_id), spec.namespace),
                                workload=workload)
+        self.replica.exit_if_stuck = _exit_stuck
 
     def run(self) -> dict:
         return self.replica.run()
@@ -185,6 +186,20 @@ class Worker:
     @ray.method(concurrency_group="control")
     def records_after(self, step: int) -> tuple[dict, ...]:
         return self.replica.records_after(step)
+
+
+def _exit_stuck(why: str) -> None:
+    """A step that outlived its group's abort (`actors.replica.watch_release`): this process ends, and the
+    coordinator takes it for a death (re-forms without it, or ends a fail-fast job)."""
+    logging.getLogger(__name__).error("exiting: %s", why)
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    sys.stderr.flush()
+    os._exit(STUCK_EXIT_CODE)
+
+
+STUCK_EXIT_CODE = 75
+"""The exit status of a worker whose step outlived its group's abort."""
 
 
 class HostedStore:
