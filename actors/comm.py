@@ -560,6 +560,15 @@ def _addresses(fd: int) -> tuple[tuple[str, int], tuple[str, int] | None] | None
     except OSError:
         return None
     try:
+        return _addresses_of(sock)
+    finally:
+        sock.close()  # the duplicate
+
+
+def _addresses_of(sock: socket.socket) -> tuple[tuple[str, int], tuple[str, int] | None] | None:
+    """(local, remote) TCP address of `sock` (remote None when it listens); None when it is not a TCP
+    socket or not connected."""
+    try:
         if sock.type != socket.SOCK_STREAM or sock.family not in (socket.AF_INET, socket.AF_INET6):
             return None
         local = sock.getsockname()[:2]
@@ -572,8 +581,6 @@ def _addresses(fd: int) -> tuple[tuple[str, int], tuple[str, int] | None] | None
         return local, remote
     except OSError:
         return None
-    finally:
-        sock.close()  # the duplicate
 
 
 def _device_and_address(node_ip: str):
@@ -596,23 +603,31 @@ def _device_and_address(node_ip: str):
 
 def _shut_down_pairs(listen: tuple[str, int], peers: set[tuple[str, int]]) -> int:
     """Shut down (both directions) every connection of this process accepted on `listen` or made to
-    one of `peers`: gloo's pairs of one group. Returns how many."""
+    one of `peers`: gloo's pairs of one group. Returns how many.
+
+    Each descriptor is duplicated once, and the socket that duplicate names is the one checked and the
+    one shut down: between a check on one duplicate and a shutdown through another, gloo may close a
+    pair's descriptor (its peer went away) and another thread of the process (Ray's own connections)
+    open a socket under the same number, which would then be shut down in the pair's place."""
     count = 0
     for fd in _socket_fds():
-        addresses = _addresses(fd)
-        if addresses is None or addresses[1] is None:
+        try:
+            sock = socket.socket(fileno=os.dup(fd))
+        except OSError:  # closed meanwhile
             continue
-        local, remote = addresses
-        if local == listen or remote in peers:
-            try:
-                sock = socket.socket(fileno=os.dup(fd))
+        try:
+            addresses = _addresses_of(sock)
+            if addresses is None or addresses[1] is None:
+                continue
+            local, remote = addresses
+            if local == listen or remote in peers:
                 try:
                     sock.shutdown(socket.SHUT_RDWR)
-                finally:
-                    sock.close()  # the duplicate only: gloo's descriptor stays, shut down
-                count += 1
-            except OSError:
-                pass
+                    count += 1
+                except OSError:
+                    pass
+        finally:
+            sock.close()  # the duplicate only: gloo's descriptor stays, shut down
     return count
 
 

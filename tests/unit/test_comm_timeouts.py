@@ -87,3 +87,45 @@ def test_an_abort_that_lands_while_an_operation_launches_still_releases_its_wait
     waiter.join(20)
     comm._pg = real
     assert outcome == ["CommAborted"], f"the wait is still blocked 20 s after the abort: {outcome}"
+
+
+def test_an_abort_shuts_down_the_pair_it_checked_even_when_its_number_is_reused_meanwhile(monkeypatch):
+    """`_shut_down_pairs` checks a descriptor's addresses and shuts it down through one duplicate: when the
+    number is closed and taken by another socket of the process between the two (gloo closing a pair
+    whose peer went away, Ray opening a connection), the pair is shut down and the other socket is not."""
+    import os
+    import socket
+
+    from actors import comm as comm_module
+
+    peer_listener, other_listener = socket.create_server(("127.0.0.1", 0)), socket.create_server(("127.0.0.1", 0))
+    pair = socket.create_connection(peer_listener.getsockname()[:2])
+    pair_far, _ = peer_listener.accept()
+    other = socket.create_connection(other_listener.getsockname()[:2])
+    other_far, _ = other_listener.accept()
+    number = pair.fileno()
+    real_dup = os.dup
+    kept = real_dup(number)  # the pair's socket stays open after its number is taken
+    reused = []
+
+    def dup(fd: int) -> int:
+        out = real_dup(fd)
+        if fd == number and not reused:  # right after the first duplicate, the number names another socket
+            os.dup2(other.fileno(), number)
+            reused.append(True)
+        return out
+    monkeypatch.setattr(comm_module, "_socket_fds", lambda: {number: "socket:[pair]"})
+    monkeypatch.setattr(comm_module.os, "dup", dup)
+    try:
+        shut = comm_module._shut_down_pairs(("127.0.0.1", 1), {peer_listener.getsockname()[:2]})
+        monkeypatch.undo()
+        assert reused and shut == 1
+        pair_far.settimeout(5)
+        assert pair_far.recv(1) == b"", "the pair was not shut down"
+        other.sendall(b"x")
+        other_far.settimeout(5)
+        assert other_far.recv(1) == b"x", "the socket that took the pair's number was shut down"
+    finally:
+        os.close(kept)
+        for s in (pair, pair_far, other, other_far, peer_listener, other_listener):
+            s.close()
