@@ -31,9 +31,10 @@ def failure_events(job: ElasticJob) -> list[dict]:
 
 
 def test_sigstopped_worker_is_evicted_by_heartbeat_and_others_go_on(run_root):
-    """A stopped process answers nothing: the heartbeat (2 s) evicts it; the step-progress detector is
-    set to 600 s, so only the heartbeat can. How long it took is printed (a figure, not a bound)."""
-    job = ElasticJob(config_from_dict(config("sigstop", workers={"count": 3, "cpus": 0.5, "heartbeat_s": 2.0,
+    """A stopped process answers nothing: the heartbeat (5 s) evicts it; the step-progress detector is
+    set to 600 s, so only the heartbeat can. How long it took is printed (a figure, not a bound). (At 2 s, a
+    healthy worker's answer beside a CPU burner has missed it.)"""
+    job = ElasticJob(config_from_dict(config("sigstop", workers={"count": 3, "cpus": 0.5, "heartbeat_s": 5.0,
                                                                  "hang_timeout_s": 600.0}))).start()
     job.wait_for(step=21)
     victim = next(m for m in job.status().members if m.slot == "w1")
@@ -59,7 +60,10 @@ def test_sigstopped_worker_is_evicted_by_heartbeat_and_others_go_on(run_root):
 
 
 def test_step_that_never_ends_is_evicted_by_step_progress(run_root):
-    job = ElasticJob(config_from_dict(config("endless-step", faults={"kills": [
+    """The heartbeat is set to 60 s, so only the step-progress detector (2 s) can evict (a CI run beside a CPU
+    burner had a healthy worker's first heartbeat answer miss a 2-s heartbeat and evicted it instead)."""
+    job = ElasticJob(config_from_dict(config("endless-step", workers={"count": 3, "cpus": 0.5, "heartbeat_s": 60.0,
+                                                                      "hang_timeout_s": 2.0}, faults={"kills": [
         {"slot": "w2", "step": 15, "at": "step", "how": "hang"}]}))).start()
     failure = wait_until(lambda: failure_events(job), what="eviction")[0]
     assert failure["detail"]["detector"] == "step progress" and failure["detail"]["slot"] == "w2"

@@ -64,10 +64,12 @@ def test_the_job_s_metrics_on_ray_s_endpoint_match_status_and_history(run_root):
         assert len(deaths) == 1 and len(joins) == 1, [e["detail"]["detector"] for e in reshapes]
         detector = deaths[0]["detail"]["detector"]  # Ray's notice or the survivors' failed collective, whichever came first
 
-        def settled():  # the coordinator's last values reach the endpoint within a report interval
-            samples = scrape()
-            return samples if value(samples, METRICS["committed_steps"].exported, run) == len(history) else None
-        samples = wait_until(settled, timeout=15, what="the committed steps on the endpoint", every=0.5)
+        def settled():  # the coordinator's last values reach the endpoint within a report interval; Ray exports each
+            samples = scrape()  # metric on its own, so one counter can be seen ahead of another (a CI run: steps, not samples)
+            return samples if (value(samples, METRICS["committed_steps"].exported, run) == len(history) and
+                               value(samples, "ray_orchestrator_samples_total", run) == sum(r["global_batch"] for r in history)) \
+                else None
+        samples = wait_until(settled, timeout=15, what="the committed steps and samples on the endpoint", every=0.5)
         print({k: [v for t, v in s if t.get("run") == run] for k, s in samples.items() if "orchestrator" in k})
         assert len(history) == status.step
         assert value(samples, "ray_orchestrator_samples_total", run) == sum(r["global_batch"] for r in history)
