@@ -84,6 +84,21 @@ def free_port() -> int:
     raise RuntimeError(f"no free TCP port in {QUIET_PORTS_FROM}..{ephemeral - 1}")
 
 
+def assert_batchnorm_trained(model: torch.nn.Module, label: str) -> None:
+    """`digits:bn_mlp`'s final model carries its BatchNorm statistics (not their initial values) and
+    evaluates well in eval mode, which depends on them."""
+    from orchestrator.workloads.digits import accuracy, bn_mlp
+
+    bn = model[1]
+    tracked = int(bn.num_batches_tracked)
+    moved = float(bn.running_mean.abs().max())
+    acc = accuracy(model, bn_mlp().eval_data)["accuracy"]
+    print(f"{label}: num_batches_tracked {tracked}, max |running_mean| {moved:.3f}, eval-mode accuracy {acc:.3f}")
+    assert tracked > 0 and moved > 0.0, "the final model's BatchNorm statistics are their initial values"
+    assert not torch.allclose(bn.running_var, torch.ones_like(bn.running_var))
+    assert acc > 0.6
+
+
 def wait_until(predicate: Callable[[], Any], timeout: float = 90, what: str = "condition", every: float = 0.05) -> Any:
     """Poll until `predicate()` is truthy and return its value; TimeoutError naming `what` after `timeout` s."""
     deadline = time.monotonic() + timeout

@@ -9,11 +9,10 @@ tier. Every kind in process: tests/unit/test_final_model_buffers.py."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from orchestrator.config import config_from_dict
 from orchestrator.job import ElasticJob
-from orchestrator.workloads.digits import accuracy, bn_mlp
+from testkit.harness import assert_batchnorm_trained
 
 KINDS = {"synchronous": {"policy": "bsp"}, "periodic": {"policy": "local_sgd", "h": 4},
          "decentralized": {"policy": "dpsgd"}, "background": {"policy": "shadow", "method": "ma"},
@@ -34,12 +33,4 @@ def test_the_final_model_of_every_policy_kind_carries_its_buffers(run_root, kind
     result = job.wait(timeout=120)
     assert result.state == "FINISHED", result
     model = job.model()
-    bn = model[1]
-    tracked = int(bn.num_batches_tracked)
-    moved = float(bn.running_mean.abs().max())
-    acc = accuracy(model, bn_mlp().eval_data)["accuracy"]
-    print(f"{KINDS[kind]['policy']}: num_batches_tracked {tracked}, max |running_mean| {moved:.3f}, "
-          f"eval-mode accuracy {acc:.3f}")
-    assert tracked > 0 and moved > 0.0, "the final model's BatchNorm statistics are their initial values"
-    assert not torch.allclose(bn.running_var, torch.ones_like(bn.running_var))
-    assert acc > 0.6
+    assert_batchnorm_trained(model, KINDS[kind]["policy"])
