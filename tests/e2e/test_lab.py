@@ -87,8 +87,11 @@ def test_each_shaped_link_delivers_its_rate_and_a_node_to_itself_is_untouched(mb
     # carries its rate's order, not less
     shaped = [r for r in rows if r["a"] != r["b"]]
     assert len(shaped) == 2 and all(0.5 * mbit <= r["measured_mbit"] <= 1.15 * mbit for r in shaped), shaped
+    # a node to itself is not shaped: it carries more than any shaped link can (the cap above). How it
+    # compares with `lo` alone is a figure of the moment (a clean-clone CI run: 14.4 against 34.7 Gbit/s
+    # measured 1 s apart), not the mechanism
     intra = next(r for r in rows if r["a"] == r["b"])
-    assert intra["asked_mbit"] is None and intra["measured_mbit"] >= 0.5 * alone, (intra, alone)
+    assert intra["asked_mbit"] is None and intra["measured_mbit"] > 1.15 * mbit, (intra, alone)
 
 
 def test_a_short_transfer_after_an_idle_moment_is_not_let_through_by_the_bucket():
