@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import faulthandler
 import json
 import logging
 import os
+import signal
 import sys
 import time
 from collections.abc import Sequence
@@ -80,10 +82,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OrchestratorError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_FAILED
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
 def cmd_run(args: argparse.Namespace) -> int:
     from orchestrator.config import load_config
+
+    if hasattr(signal, "SIGUSR1"):  # `kill -USR1 <pid>`: every thread's stack to stderr (a run that seems stuck)
+        with contextlib.suppress(OSError, ValueError, AttributeError):  # a stderr without a file (called in process)
+            faulthandler.register(signal.SIGUSR1, all_threads=True)
 
     overrides = list(args.overrides) + ([f"log_level={args.log_level}"] if args.log_level else [])
     config = load_config(args.config, overrides)  # validates everything before Ray starts
@@ -133,19 +142,67 @@ def _enter_lab(config, stack: contextlib.ExitStack, keep_up: bool) -> None:
 def _run(config, args: argparse.Namespace, resume_from: str | None) -> int:
     from orchestrator.job import ElasticJob
 
-    job = ElasticJob(config, resume_from=resume_from).start(owned=not args.detach)
+    if args.detach:
+        job = ElasticJob(config, resume_from=resume_from).start(owned=False)
+        _announce(job, config)
+        print(f"detached; follow with: python -m orchestrator status {job.name}", flush=True)
+        return EXIT_OK
+    with CtrlC() as interrupt:  # from here a Ctrl-C stops the job this process owns, once it has started
+        job = ElasticJob(config, resume_from=resume_from).start(owned=True)
+        _announce(job, config)
+        return follow(job, ProgressPrinter(config.stop.max_steps, config.progress_every_s), interrupt)
+
+
+def _announce(job, config) -> None:
     print(f"job {job.name} run {job.run_id}: {config.workers.count} workers, policy {job.config.sync.policy}; "
           f"run dir {job.run_dir}", flush=True)
     if job.policy_choice:
         print(f"policy auto: {job.policy_choice}", flush=True)
-    if args.detach:
-        print(f"detached; follow with: python -m orchestrator status {job.name}", flush=True)
-        return EXIT_OK
-    printer = ProgressPrinter(config.stop.max_steps, config.progress_every_s)
+
+
+class Interrupted(Exception):
+    """Raised by `CtrlC.check` in the main loop once a Ctrl-C has come."""
+
+
+class CtrlC:
+    """SIGINT sets a flag that the main loop looks at between calls, instead of raising
+    KeyboardInterrupt wherever the main thread happens to be. A KeyboardInterrupt raised inside a
+    callback that a C extension runs on the main thread (Ray's core worker runs Python there while it
+    waits in `ray.get`) can be printed as "Exception ignored" and dropped: the Ctrl-C is then lost and
+    the job trains on. A flag cannot be lost. A second Ctrl-C raises KeyboardInterrupt to leave at once
+    (an owned job then stops on its own: its owner is gone)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._previous = None
+
+    def _handler(self, signum, frame) -> None:
+        self.count += 1
+        if self.count > 1:
+            raise KeyboardInterrupt
+
+    def check(self) -> None:
+        if self.count:
+            raise Interrupted
+
+    def __enter__(self) -> CtrlC:
+        self._previous = signal.signal(signal.SIGINT, self._handler)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        signal.signal(signal.SIGINT, self._previous)
+
+
+def follow(job, printer: ProgressPrinter, interrupt: CtrlC) -> int:
+    """Print the job's progress until it ends (its exit code), or stop it gracefully after a Ctrl-C (130)."""
+    def on_status(status: JobStatus) -> None:
+        printer(status)
+        interrupt.check()
+
     try:
-        result = job.wait(on_status=printer)
-    except KeyboardInterrupt:
-        print("interrupted: stopping the job gracefully", flush=True)
+        result = job.wait(on_status=on_status)
+    except Interrupted:
+        print("interrupted: stopping the job gracefully (Ctrl-C again to leave at once)", flush=True)
         job.stop("interrupted (Ctrl-C)")
         return EXIT_INTERRUPTED
     final = job.status()

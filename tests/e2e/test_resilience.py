@@ -1,6 +1,7 @@
 """Beyond one worker: a lost node, and the driver that owns a job (Ctrl-C, SIGKILL, --detach)."""
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -147,14 +148,31 @@ def test_silent_node_survivors_commit_within_two_heartbeats(tmp_path, monkeypatc
 
 
 def _start_run(tmp_path: Path, run_root: Path, name: str, extra: list[str]) -> tuple[subprocess.Popen, Path]:
+    """`run` in its own process group; its output goes to a file (returned), never to a pipe nobody
+    reads while the test waits (a full pipe would block the run's prints)."""
     address = ray.get_runtime_context().gcs_address
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(job_config(name, workers={"count": 2, "max": 3, "cpus": 0.5})))
     env = child_env(REPO, ORCHESTRATOR_RUN_ROOT=str(run_root))
-    proc = subprocess.Popen([sys.executable, "-m", "orchestrator", "run", str(path), "--address", address, *extra],
-                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    return proc, path
+    log = tmp_path / f"{name}.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "orchestrator", "run", str(path), "--address", address, *extra],
+                                cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
+    return proc, log
+
+
+def _exit_code(proc: subprocess.Popen, log: Path, timeout: float) -> int:
+    """The run's exit code; if it is still running after `timeout`, its threads' stacks (`run` dumps
+    them on SIGUSR1) and output tail are the failure's message."""
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.kill(proc.pid, signal.SIGUSR1)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=5)  # a moment for the dump; only on this failure's path
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail(f"run still running {timeout:g}s on; its output and stacks:\n{log.read_text()[-6000:]}")
 
 
 def _attach_when_training(name: str) -> ElasticJob:
@@ -180,17 +198,16 @@ def _assert_gone(name: str, run_id: str, slots: list[str]) -> None:
 
 
 def test_ctrl_c_stops_gracefully_with_checkpoint_and_exit_130(tmp_path, run_root):
-    proc, _ = _start_run(tmp_path, run_root, "ctrl-c", [])
+    proc, log = _start_run(tmp_path, run_root, "ctrl-c", [])
     try:
         job = _attach_when_training("ctrl-c")
         os.killpg(proc.pid, signal.SIGINT)
-        assert proc.wait(timeout=60) == 130
+        assert _exit_code(proc, log, 60) == 130, log.read_text()[-3000:]
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    out = proc.stdout.read()
     status = job.status()
-    print(out[-600:])
+    print(log.read_text()[-600:])
     assert status.state == "STOPPED" and "interrupted" in (status.cause or "")
     assert list((job.run_dir / "checkpoints").glob(f"step-{status.step:08d}.pt")), "no checkpoint at the stop step"
     _assert_gone("ctrl-c", job.run_id, ["w0", "w1"])
@@ -216,8 +233,8 @@ def test_sigkill_of_owning_run_stops_the_job(tmp_path, run_root):
 
 @pytest.mark.slow  # the default tier's test of its mechanism: docs/testing.md, "The slow tier"
 def test_detached_job_outlives_launcher_and_is_scaled_and_stopped_elsewhere(tmp_path, run_root):
-    proc, _ = _start_run(tmp_path, run_root, "detached", ["--detach"])
-    assert proc.wait(timeout=60) == 0
+    proc, log = _start_run(tmp_path, run_root, "detached", ["--detach"])
+    assert _exit_code(proc, log, 60) == 0, log.read_text()[-3000:]
     job = _attach_when_training("detached")
     env = child_env(REPO, ORCHESTRATOR_RUN_ROOT=str(run_root))
     address = ray.get_runtime_context().gcs_address

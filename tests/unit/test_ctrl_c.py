@@ -1,0 +1,76 @@
+"""The Ctrl-C of `python -m orchestrator run`: a SIGINT stops the owned job gracefully (exit 130) even
+when it lands while the main thread runs a callback that swallows exceptions, as Ray's core worker does
+with Python callbacks it runs on the main thread inside `ray.get` ("Exception ignored in ...")."""
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from core.schema import JobResult, JobStatus
+from orchestrator.cli import EXIT_INTERRUPTED, EXIT_OK, CtrlC, ProgressPrinter, follow
+
+
+def _status(step: int, state: str = "RUNNING") -> JobStatus:
+    return JobStatus(name="j", run_id="r", state=state, step=step, membership_epoch=1, world_size=2, members=(),
+                     loss=None, throughput=None, cause=None, run_dir="/nowhere")
+
+
+def _swallowing_callback() -> None:
+    """What a C extension's callback does with an exception it cannot pass on: prints and drops it."""
+    try:
+        os.kill(os.getpid(), signal.SIGINT)  # the handler runs at the next bytecode, here, inside the try
+        sum(range(1000))
+    except BaseException:  # noqa: BLE001 - the point: an interrupt raised here is lost
+        pass
+
+
+class FakeJob:
+    """`wait` polls like ElasticJob.wait; at step 3 the SIGINT lands inside a swallowing callback; the job
+    would finish at step 10 on its own."""
+
+    def __init__(self, interrupt_at: int | None) -> None:
+        self.interrupt_at = interrupt_at
+        self.stopped_with: str | None = None
+
+    def wait(self, on_status) -> JobResult:
+        for step in range(1, 11):
+            if step == self.interrupt_at:
+                _swallowing_callback()
+            state = "FINISHED" if step == 10 else "RUNNING"
+            on_status(_status(step, state))
+        return JobResult(name="j", run_id="r", state="FINISHED", step=10, cause=None, metrics={},
+                         run_dir="/nowhere", elapsed_s=1.0)
+
+    def stop(self, reason: str) -> JobStatus:
+        self.stopped_with = reason
+        return _status(4, "STOPPED")
+
+    def status(self) -> JobStatus:
+        return _status(10, "FINISHED")
+
+
+def test_a_ctrl_c_swallowed_by_a_callback_still_stops_the_job_gracefully(capsys):
+    job = FakeJob(interrupt_at=3)
+    with CtrlC() as interrupt:
+        code = follow(job, ProgressPrinter(10, 0.0), interrupt)
+    assert (code, job.stopped_with) == (EXIT_INTERRUPTED, "interrupted (Ctrl-C)")
+    assert "interrupted: stopping the job gracefully" in capsys.readouterr().out
+
+
+def test_without_a_ctrl_c_the_job_runs_to_its_end():
+    job = FakeJob(interrupt_at=None)
+    with CtrlC() as interrupt:
+        assert follow(job, ProgressPrinter(10, 0.0), interrupt) == EXIT_OK
+    assert job.stopped_with is None
+
+
+def test_a_second_ctrl_c_leaves_at_once_and_the_handler_is_restored():
+    before = signal.getsignal(signal.SIGINT)
+    with pytest.raises(KeyboardInterrupt), CtrlC():
+        os.kill(os.getpid(), signal.SIGINT)
+        sum(range(1000))
+        os.kill(os.getpid(), signal.SIGINT)
+        sum(range(1000))
+    assert signal.getsignal(signal.SIGINT) is before
