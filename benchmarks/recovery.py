@@ -60,7 +60,7 @@ def orchestrator_side(events: int, workers: int, every: int, spares: int = 0) ->
     wait_until(lambda: job.status().step > 50, 120, "training")
     ready_spares = lambda: len([s for s in job.status().spares if s["state"] == "ready"]) >= spares  # noqa: E731
     wait_until(ready_spares, 120, "ready spares")
-    delays, lost, ranks, replaced = [], [], [], []
+    delays, lost, ranks, replaced, phases = [], [], [], [], []
     for i in range(events):
         status = job.status()
         victim = sorted((m for m in status.members if m.state == "training"), key=lambda m: m.rank)[i % workers]
@@ -78,8 +78,10 @@ def orchestrator_side(events: int, workers: int, every: int, spares: int = 0) ->
             raise RuntimeError("history lost or repeated a step")
         lost.append(max(0, before - (first["step"] - 1)))  # committed before the kill, done again after it
         ranks.append(victim.rank)
+        phases.append(recovery_phases(job, killed_at, first["time"]))
         log(f"orchestrator kill {i + 1}/{events} (rank {victim.rank}): next committed step {first['step']} after "
-            f"{delays[-1]:.3f}s (last step in history before the kill {before})")
+            f"{delays[-1]:.3f}s (last step in history before the kill {before}); phases "
+            + ", ".join(f"{k} {v * 1000:.1f} ms" for k, v in phases[-1].items() if v is not None))
         wait_until(lambda: job.status().world_size == workers and job.status().state == "RUNNING", 120, "replacement")
         back = wait_until(lambda: next((e for e in job.events() if e["kind"] == "reshape" and e["time"] > killed_at
                                         and e["detail"]["detector"] == "replacement"), None), 60, "replacement's step")
@@ -97,9 +99,28 @@ def orchestrator_side(events: int, workers: int, every: int, spares: int = 0) ->
     times = {r["step"]: r["time"] for r in history}
     around = [times[s + 1] - times[s] for s in range(first_step - 20, first_step + 20) if s in times and s + 1 in times]
     job.stop()
-    return {"death_to_next_step_s": delays, "steps_lost": lost, "victim_ranks": ranks, "spares": spares,
+    return {"death_to_next_step_s": delays, "steps_lost": lost, "victim_ranks": ranks, "spares": spares, "phases_s": phases,
             "death_to_replacement_step_s": replaced, "scale_to_first_step_s": joined["time"] - decided,
             "join_decided_to_first_step_s": joined["detail"]["duration_s"], "longest_step_during_join_s": max(around)}
+
+
+PHASES = ("kill -> a survivor's failed collective heard", "kill -> death known", "death known -> decided",
+          "decided -> next commit")
+
+
+def recovery_phases(job, killed_at: float, committed_at: float) -> dict[str, float | None]:
+    """One recovery on the job's own timeline (seconds). `heard`: the coordinator received a survivor's
+    report that its collective failed (absent when Ray's death notice came first); `known`: the death
+    was queued as an outcome (a probe's or the member's watch); `decided`: the failure was decided and
+    the survivors' plan published; then the survivors' first commit without the victim."""
+    def failure():
+        return next((e for e in job.events() if e["kind"] == "failure" and e["time"] > killed_at), None)
+
+    failed = wait_until(failure, 30, "the failure event")
+    heard = next((e["time"] for e in job.events() if e["time"] > killed_at and e["detail"].get("probe")), None)
+    known, decided = failed["detail"]["seen_at"], failed["time"]
+    return dict(zip(PHASES, (None if heard is None else heard - killed_at, known - killed_at, decided - known,
+                             committed_at - decided)))
 
 
 # --------------------------------------------------------------------------- Ray Train
@@ -207,6 +228,12 @@ def _fit_quietly(trainer) -> None:
 
 
 # --------------------------------------------------------------------------- main
+def _spread(values: list[float]) -> str:
+    if not values:
+        return "n/a"
+    return f"{statistics.median(values):.3f} [{min(values):.3f}-{max(values):.3f}] ({len(values)})"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--events", type=int, default=5)
@@ -243,6 +270,7 @@ def main() -> int:
         ("death -> next step, Ray Train (s)",
          f"{r_med:.2f} [{min(rt['death_to_next_step_s']):.2f}-{max(rt['death_to_next_step_s']):.2f}]" if rt else "n/a"),
         ("speed-up (Ray Train / orchestrator)", f"{r_med / o_med:.1f}x" if rt else "n/a"),
+        *((f"  {name} (s)", _spread([p[name] for p in orch["phases_s"] if p[name] is not None])) for name in PHASES),
         ("killed ranks, orchestrator", str(orch["victim_ranks"])),
         ("committed steps lost per death, orchestrator", str(orch["steps_lost"])),
         (f"death -> replacement's first step, {args.spares} spares (s)",

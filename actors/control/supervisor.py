@@ -106,19 +106,25 @@ class Supervisor:
     async def next_outcomes(self, timeout: float) -> list[tuple[Member, str, dict, float]]:
         """The next outcome (waiting at most `timeout`; [] if none), with every one that follows it
         within QUIET_S of the one before (for at most GATHER_MAX_S): members that end together (a
-        node's workers, a rack, a storm) are handled as one batch."""
+        node's workers, a rack, a storm) are handled as one batch. A second outcome of a member already
+        in the batch (a death that both its watch and a probe found) is kept but does not extend the
+        wait: only another member's end can be one more of the same storm."""
         assert self.outcomes is not None  # start() made it
         try:
             batch = [await asyncio.wait_for(self.outcomes.get(), timeout)]
         except asyncio.TimeoutError:
             return []
-        end = time.monotonic() + GATHER_MAX_S
-        while time.monotonic() < end:
+        now = time.monotonic()
+        end, quiet_until = now + GATHER_MAX_S, now + QUIET_S
+        while (now := time.monotonic()) < min(end, quiet_until):
             try:
-                batch.append(self.outcomes.get_nowait() if not self.outcomes.empty() else
-                             await asyncio.wait_for(self.outcomes.get(), min(QUIET_S, max(0.0, end - time.monotonic()))))
+                outcome = (self.outcomes.get_nowait() if not self.outcomes.empty() else
+                           await asyncio.wait_for(self.outcomes.get(), min(quiet_until, end) - now))
             except asyncio.TimeoutError:
                 break
+            if all(outcome[0] is not other[0] for other in batch):
+                quiet_until = time.monotonic() + QUIET_S
+            batch.append(outcome)
         return batch
 
     async def handle(self, batch: list[tuple[Member, str, dict, float]]) -> None:
@@ -195,6 +201,8 @@ class Supervisor:
         if epoch != self.book.epoch or self.actions.state not in (JobState.RUNNING, JobState.RESHAPING) or self._probing:
             return
         self._probing = True
+        self._note("info", f"{slot}'s collective failed: probing the members", slot=slot, detector="collective failure",
+                   probe=True)  # when the coordinator first heard of it (benchmarks/recovery.py's phases)
         try:
             members = [self.book.members[s] for s in self.book.live()]
             answers = await asyncio.gather(*(self.group.probe(m.handle, "heartbeat", timeout=PROBE_S) for m in members))

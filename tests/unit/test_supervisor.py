@@ -170,3 +170,26 @@ def test_stragglers_are_named_after_their_warm_up_at_most_every_half_second(monk
     clock[0] += 0.5
     sup.progress(book.members["w3"], STRAGGLER_WARMUP_STEPS + 1, 0.5)
     assert [n[2]["slot"] for n in notes if n[0] == "straggler"] == ["w3"]
+
+
+def test_a_second_outcome_of_the_same_member_does_not_hold_the_batch_open(monkeypatch):
+    """A death found twice (Ray's notice through the member's watch, then a probe's eviction) waits one
+    quiet period after the first, not a second one after the duplicate. With QUIET_S at 2 s (GATHER_MAX_S
+    10 s) and the duplicate 1.5 s in, the batch closes near 2 s; a duplicate that reopened the window would close it
+    near 3.5 s. (A new member's end still extends it: test_deaths_that_come_together_re_form_the_survivors_once.)"""
+    monkeypatch.setattr("actors.control.supervisor.QUIET_S", 2.0)
+    monkeypatch.setattr("actors.control.supervisor.GATHER_MAX_S", 10.0)
+
+    async def scenario():
+        sup, group, book, _, _ = harness(3)
+        sup.start()
+        member = book.members["w1"]
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        await sup.outcomes.put((member, "died", {"error": "watch"}, 0.0))
+        loop.call_later(1.5, sup.outcomes.put_nowait, (member, "died", {"error": "probe"}, 0.0))
+        batch = await sup.next_outcomes(1.0)
+        took = loop.time() - started
+        assert [o[2]["error"] for o in batch] == ["watch", "probe"]
+        assert took < 3.0, f"the duplicate held the batch open: {took:.2f}s"
+    asyncio.run(scenario())
