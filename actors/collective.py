@@ -52,6 +52,12 @@ def _ray_collective():
     return col
 
 
+def prepare() -> None:
+    """Import ray.util.collective and register this module's backend ahead of the first `publish` (a hot
+    spare does it before its adoption: the first epoch's import took 0.13 s of a join here)."""
+    _ray_collective()
+
+
 def _in_worker_process() -> bool:
     try:
         import ray
