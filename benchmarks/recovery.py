@@ -95,8 +95,9 @@ def orchestrator_side(events: int, workers: int, every: int, spares: int = 0) ->
     joined = wait_until(lambda: next((e for e in job.events() if e["kind"] == "reshape"
                                       and e["detail"]["detector"] == "scale request"), None), 120, "join")
     first_step = joined["detail"]["first_committed_step"]  # its record's time is the commit's; the event's is when the
-    history = job.history()                                 # coordinator heard of it (reports come every 0.25 s)
-    times = {r["step"]: r["time"] for r in history}
+    # coordinator heard of it (reports come every 0.25 s); history may take the record a moment after the event
+    times = wait_until(lambda: (lambda t: t if first_step in t else None)({r["step"]: r["time"] for r in job.history()}),
+                       30, "the joiner's first step in history")
     around = [times[s + 1] - times[s] for s in range(first_step - 20, first_step + 20) if s in times and s + 1 in times]
     job.stop()
     return {"death_to_next_step_s": delays, "steps_lost": lost, "victim_ranks": ranks, "spares": spares, "phases_s": phases,
