@@ -31,9 +31,10 @@ def test_bsp_keeps_ddp_pace_at_ddps_memory(ray_session):
 
 @pytest.mark.slow
 def test_recovery_within_100ms_for_every_rank_and_a_spare_within_1s(ray_session):
-    """README: death -> the survivors' next committed step 0.046 s median over 9 kills (every rank's
-    median under 50 ms), 0 steps lost; with a spare, the replacement's first step 0.336 s and
-    scale() -> the joiner's first step 0.17 s."""
+    """README (2026-11-27): death -> the survivors' next committed step 63-74 ms median over 9 kills
+    (about 30 ms of it the kernel's teardown of the dead process), 0 steps lost; with a spare, the
+    replacement's first step about 0.4 s, and scale() -> the joiner's first committed step 0.081-0.094 s
+    (0.254 s when the spare imported its adoption's modules at the adoption: the 0.2-s gate catches that)."""
     from benchmarks.recovery import orchestrator_side
 
     out = orchestrator_side(events=9, workers=3, every=50, spares=1)
@@ -47,4 +48,4 @@ def test_recovery_within_100ms_for_every_rank_and_a_spare_within_1s(ray_session)
     assert all(m <= 0.1 for m in medians.values()), medians
     assert out["steps_lost"] == [0] * 9
     assert statistics.median(out["death_to_replacement_step_s"]) < 1.0, out["death_to_replacement_step_s"]
-    assert out["scale_to_first_step_s"] < 1.0
+    assert out["scale_to_first_step_s"] < 0.2, out["scale_to_first_step_s"]
