@@ -96,8 +96,12 @@ def orchestrator_side(events: int, workers: int, every: int, spares: int = 0) ->
                                       and e["detail"]["detector"] == "scale request"), None), 120, "join")
     first_step = joined["detail"]["first_committed_step"]  # its record's time is the commit's; the event's is when the
     # coordinator heard of it (reports come every 0.25 s); history may take the record a moment after the event
-    times = wait_until(lambda: (lambda t: t if first_step in t else None)({r["step"]: r["time"] for r in job.history()}),
-                       30, "the joiner's first step in history")
+
+    def step_times() -> dict[int, float] | None:
+        times = {r["step"]: r["time"] for r in job.history()}
+        return times if first_step in times else None
+
+    times = wait_until(step_times, 30, "the joiner's first step in history")
     around = [times[s + 1] - times[s] for s in range(first_step - 20, first_step + 20) if s in times and s + 1 in times]
     job.stop()
     return {"death_to_next_step_s": delays, "steps_lost": lost, "victim_ranks": ranks, "spares": spares, "phases_s": phases,
@@ -115,11 +119,13 @@ def recovery_phases(job, killed_at: float, committed_at: float) -> dict[str, flo
     report that its collective failed (absent when Ray's death notice came first); `known`: the death
     was queued as an outcome (a probe's or the member's watch); `decided`: the failure was decided and
     the survivors' plan published; then the survivors' first commit without the victim."""
-    def failure():
-        return next((e for e in job.events() if e["kind"] == "failure" and e["time"] > killed_at), None)
+    def after_kill() -> list[dict] | None:  # the events since the kill, once they hold the failure
+        events = [e for e in job.events() if e["time"] > killed_at]
+        return events if any(e["kind"] == "failure" for e in events) else None
 
-    failed = wait_until(failure, 30, "the failure event")
-    heard = next((e["time"] for e in job.events() if e["time"] > killed_at and e["detail"].get("probe")), None)
+    events = wait_until(after_kill, 30, "the failure event")
+    failed = next(e for e in events if e["kind"] == "failure")
+    heard = next((e["time"] for e in events if e["detail"].get("probe")), None)
     known, decided = failed["detail"]["seen_at"], failed["time"]
     return dict(zip(PHASES, (None if heard is None else heard - killed_at, known - killed_at, decided - known,
                              committed_at - decided)))
