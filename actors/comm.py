@@ -55,16 +55,19 @@ class CommTimeout(CommError):
     """The operation did not finish within comm.timeout_s."""
 
 
-_BACKEND_TIMEOUT = re.compile(r"timed out", re.IGNORECASE)
-"""What a backend's own timeout says (gloo: "Timed out waiting 4000ms for recv operation to complete")."""
+_BACKEND_TIMEOUT = re.compile(r"timed out|timing out|NCCL timeout", re.IGNORECASE)
+"""What a backend's own timeout says (gloo: "Timed out waiting 4000ms for recv operation to complete";
+NCCL's non-blocking communicator: "NCCL timeout in: .../NCCLUtils.cpp:197"; its watchdog: "... ran
+for 3000 milliseconds before timing out")."""
 
 
-def _backend_error(name: str, err: BaseException) -> CommError:
-    """A gloo operation's error as group `name`'s CommError: a CommTimeout where gloo's own deadline
-    (the group's timeout, counted from the launch) passed, which can come before a wait's (counted
-    from the call to `wait`)."""
+def _backend_error(name: str, err: BaseException, backend: str = "") -> CommError:
+    """A backend operation's error as group `name`'s CommError: a CommTimeout where the backend's own
+    deadline (the group's timeout, counted from the launch) passed, which can come before a wait's
+    (counted from the call to `wait`). `backend` prefixes the text ("NCCL")."""
     text = str(err).splitlines()[0][:300] if str(err) else type(err).__name__
-    return (CommTimeout if _BACKEND_TIMEOUT.search(text) else CommError)(f"group {name}: {text}")
+    prefix = f"{backend}: " if backend else ""
+    return (CommTimeout if _BACKEND_TIMEOUT.search(text) else CommError)(f"group {name}: {prefix}{text}")
 
 
 class ForgedRendezvous(CommError):
@@ -736,7 +739,7 @@ class NcclCommunicator(_TorchBackendCommunicator):  # pragma: no cover - needs a
                 work = launch()
             except Exception as err:  # noqa: BLE001 - an NCCL error (or a bad argument)
                 self.mark_failed()
-                raise CommError(f"group {self.name}: NCCL: {str(err).splitlines()[0][:300]}") from None
+                raise _backend_error(self.name, err, "NCCL") from None
             done = torch.cuda.Event()
             with torch.cuda.stream(self._stream):
                 work.wait()  # the side stream waits for NCCL's; the host does not
@@ -836,7 +839,7 @@ class _CudaWork:  # pragma: no cover - needs a GPU
         try:
             self.work.wait()  # the caller's stream waits for NCCL's (done already: no host wait)
         except Exception as err:  # noqa: BLE001
-            raise CommError(f"group {self.comm.name}: NCCL: {str(err).splitlines()[0][:300]}") from None
+            raise _backend_error(self.comm.name, err, "NCCL") from None
 
 
 class _EventPoller:  # pragma: no cover - needs a GPU

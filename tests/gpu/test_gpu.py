@@ -27,9 +27,11 @@ needs_two = pytest.mark.skipif(CUDA and GPUS < 2, reason="gpu2: needs two GPUs (
 SGD = {"name": "sgd", "lr": 0.1, "momentum": 0.9, "weight_decay": 0.001}
 
 
-def config(n: int, gpus: float, backend: str, sync: dict | None = None, steps: int = 20) -> dict:
+def config(n: int, gpus: float, backend: str, sync: dict | None = None, steps: int = 20, hidden: int = 16) -> dict:
+    """The oracle's job (its model, hidden 16, is the one `cpu_reference` trains; tests/unit/
+    test_gpu_tier_on_cpu.py runs it on the CPU, where a mismatch shows before a GPU is lent)."""
     return {"name": "gpu", "seed": 3, "workers": {"count": n, "cpus": 1, "gpus": gpus},
-            "workload": {"factory": "orchestrator.workloads.digits:mlp", "params": {"hidden": 32}, "batch_size": 16},
+            "workload": {"factory": "orchestrator.workloads.digits:mlp", "params": {"hidden": hidden}, "batch_size": 16},
             "optimizer": SGD, "sync": sync or {"policy": "bsp", "bucket_mb": 0.004}, "comm": {"backend": backend},
             "stop": {"max_steps": steps}, "eval_every": 0}
 
@@ -75,18 +77,36 @@ def test_auto_engine_takes_the_reducer_on_nccl(tmp_path):
     assert job.replicas["w0"].impl.reducer is not None
 
 
+def _released_groups(timeout: float = 60.0) -> float:
+    """Wait for the earlier epochs' groups to be released (each `close` runs in a thread of that name,
+    which ends once its group is shut down); the seconds it took."""
+    started = time.monotonic()
+    for thread in [t for t in threading.enumerate() if t.name.startswith("close ")]:
+        thread.join(max(0.0, timeout - (time.monotonic() - started)))
+        assert not thread.is_alive(), f"{thread.name} still releasing its group after {timeout:.0f}s"
+    return time.monotonic() - started
+
+
 @pytest.mark.parametrize("backend", ["gloo", "nccl"])
 def test_no_gpu_memory_left_behind_over_20_membership_changes(tmp_path, backend):
     """20 membership epochs of one replica (each a fresh group, its buffers and, with the reducer,
-    its buckets): the GPU memory allocated after the last is what it was after the first."""
+    its buckets): once the earlier epochs' groups are released, the GPU memory allocated after the
+    last epoch is what it was after the first, to less than one set of gradient buckets. The model
+    (hidden 1024: 4.3 MiB of gradients) makes one leaked set stand well above what NCCL's own small
+    allocations move by (about 70 KiB).
+
+    An old epoch's buffers are freed when its group's release (in the background) ends: on an H200
+    (2026-11-27), measured 5 steps into the next epoch, each NCCL epoch still held its set, and
+    eight sets (35 MiB) were held at once after 8 quick changes. That transient is printed here
+    and described in docs/operations.md; what this test bounds is what stays."""
     if backend == "nccl" and not torch.distributed.is_nccl_available():
         pytest.skip("needs a torch built with NCCL")
     gpus = 1 if backend == "nccl" else 0.5
-    job = LocalJob(config(1, gpus, backend, steps=1_000_000), ["w0"], str(tmp_path))
+    job = LocalJob(config(1, gpus, backend, steps=1_000_000, hidden=1024), ["w0"], str(tmp_path))
     replica = job.replicas["w0"]
     job.publish(("w0",), 1, 16, backend=backend)
     job.start(["w0"])
-    allocated = []
+    transient, settled, release_s = [], [], []
     for epoch in range(2, 23):
         step = replica.step
         deadline = time.monotonic() + 60
@@ -94,14 +114,22 @@ def test_no_gpu_memory_left_behind_over_20_membership_changes(tmp_path, backend)
             assert time.monotonic() < deadline, f"no progress in epoch {epoch - 1}"
             time.sleep(0.01)
         torch.cuda.synchronize()
-        allocated.append(torch.cuda.memory_allocated())
+        transient.append(torch.cuda.memory_allocated())
+        release_s.append(_released_groups())
+        torch.cuda.synchronize()
+        settled.append(torch.cuda.memory_allocated())
         job.publish(("w0",), epoch, 16, backend=backend)
     job.publish(("w0",), 23, 16, backend=backend, stop_step=replica.step + 5)
     job.wait(120)
-    growth = allocated[-1] - allocated[0]
-    print(f"{backend}: GPU memory allocated after epoch 1 {allocated[0] / 2**20:.2f} MiB, after epoch 21 "
-          f"{allocated[-1] / 2**20:.2f} MiB (growth {growth / 2**10:.1f} KiB over 20 membership changes)")
-    assert growth <= 64 * 2**10, allocated
+    growth = settled[-1] - settled[0]
+    gradients = sum(p.numel() * p.element_size() for p in replica.model.parameters())
+    held = max(t - s for t, s in zip(transient, settled))
+    print(f"{backend}: GPU memory allocated after epoch 1 {settled[0] / 2**20:.2f} MiB, after epoch 21 "
+          f"{settled[-1] / 2**20:.2f} MiB (growth {growth / 2**10:.1f} KiB over 20 membership changes; one set "
+          f"of gradients {gradients / 2**10:.0f} KiB); 5 steps into an epoch, before the last one's group "
+          f"was released, up to {held / 2**10:.0f} KiB more ({held / gradients:.2f} sets); releases took up "
+          f"to {max(release_s):.3f}s after that")
+    assert growth < gradients, settled
 
 
 @needs_nccl
@@ -138,15 +166,17 @@ def _pair(name: str, timeout_s: float) -> list:
 
 
 def test_abort_and_timeout_of_a_cuda_collective():
-    """Gloo with CUDA tensors; in each group rank 1 never enters the all-reduce rank 0 waits in."""
-    aborted = _pair("abort", 3.0)[0]
+    """Gloo with CUDA tensors; in each group rank 1 never enters the all-reduce rank 0 waits in. Rank 1
+    is kept alive (an H200 run of 2026-11-27 let it be collected: its group closed its connections
+    and rank 0's wait failed on "Connection closed by peer" before the abort)."""
+    aborted, _quiet = _pair("abort", 3.0)
     handle = aborted.all_reduce(torch.ones(1 << 20, device="cuda"))
     threading.Timer(0.2, lambda: aborted.abort("peer is silent")).start()
     started = time.monotonic()
     with pytest.raises(CommAborted):
         handle.wait()
     took = time.monotonic() - started - 0.2
-    silent = _pair("timeout", 3.0)[0]
+    silent, _silent_peer = _pair("timeout", 3.0)
     started = time.monotonic()
     with pytest.raises(CommTimeout):
         silent.all_reduce(torch.ones(1 << 20, device="cuda")).wait()
