@@ -330,7 +330,8 @@ class Coordinator(Actions):
                 step_times = lambda: {m.slot: round(m.compute_s, 6) for m in self.book.members.values()  # noqa: E731
                                       if m.state is S.TRAINING and m.compute_s > 0}
                 ticked = self.metrics.tick(self.journal.throughput(), step_times,
-                                           self.server.summary if self.server else {}, self.spares.ready())
+                                           self.server.summary if self.server else {}, self.spares.ready(),
+                                           tokens_per_s=self.journal.tokens_throughput())
                 if ticked is not None:  # once a second
                     self.journal.step_times(ticked)
         except Exception as err:  # noqa: BLE001 - the job fails with the cause, never hangs
@@ -593,7 +594,8 @@ class Coordinator(Actions):
                          membership_epoch=self.book.epoch, world_size=len(plan.members) if plan else 0,
                          members=tuple(self.book.member_status(m, self.group.actor_id(m.handle))
                                        for m in self.book.members.values()),
-                         loss=self.journal.loss, throughput=self.journal.throughput(), cause=self.cause,
+                         loss=self.journal.loss, throughput=self.journal.throughput(),
+                         tokens_per_s=self.journal.tokens_throughput(), cause=self.cause,
                          run_dir=str(self.run_dir), metrics=dict(self.journal.metrics),
                          reshapes=self.journal.recent_reshapes(), departed=tuple(self.book.departed),
                          incarnation=self.incarnation, coordinator_pid=os.getpid(),

@@ -43,12 +43,14 @@ clashing one to `exported_job` unless the scrape honours labels."""
 METRICS = {m.name: m for m in (
     Metric("committed_steps", "counter", "Committed steps (server kinds: versions; per-member kinds: each member's)"),
     Metric("samples", "counter", "Samples in committed steps (the global batch of each)"),
+    Metric("tokens", "counter", "Tokens in committed steps (workloads that count them: the language models)"),
     Metric("loss", "gauge", "Training loss of the newest committed step"),
     Metric("eval", "gauge", "Newest evaluation metric", ("metric",)),
     Metric("world_size", "gauge", "Members of the newest plan"),
     Metric("membership_epoch", "gauge", "Membership epoch of the newest plan"),
     Metric("state", "gauge", "1 for the job's current state, 0 for the others", ("state",)),
     Metric("steps_per_second", "gauge", "Committed steps per second over the last 5 s"),
+    Metric("tokens_per_second", "gauge", "Tokens per second over the last 5 s, all members (language models)"),
     Metric("bytes", "counter", "Bytes sent by the members, by what they carried", ("kind",)),
     Metric("recovery_seconds", "histogram", "A death or eviction -> the survivors' first committed step",
            ("detector",), SECONDS),
@@ -138,6 +140,8 @@ class JobMetrics:
             sums[("committed_steps",)] = sums.get(("committed_steps",), 0) + steps
             batch = record.get("samples") or record.get("global_batch") or 0  # a member's own share, per-member kinds
             sums[("samples",)] = sums.get(("samples",), 0) + batch * steps
+            if record.get("tokens"):
+                sums[("tokens",)] = sums.get(("tokens",), 0) + int(record["tokens"]) * steps
         for name in ("loss", "world_size", "membership_epoch"):
             if record.get(name) is not None:
                 newest[(name,)] = record[name]
@@ -189,7 +193,7 @@ class JobMetrics:
                 self.x.observe("recovery_seconds", duration, detector=detector)
 
     def tick(self, throughput: float | None, step_times: Callable[[], dict[str, float]], server: dict,
-             spares: int, now: float | None = None) -> dict[str, float] | None:
+             spares: int, now: float | None = None, tokens_per_s: float | None = None) -> dict[str, float] | None:
         """What status shows, at most once a second. `step_times()`: each training member's step time;
         each one's ratio to the median goes out (a member that left keeps its last ratio, with its slot).
         Returns the step times when it ticked (the journal writes them too), else None."""
@@ -199,6 +203,8 @@ class JobMetrics:
         self._ticked = now
         self.flush()
         self.x.set("steps_per_second", throughput)
+        if tokens_per_s is not None:
+            self.x.set("tokens_per_second", tokens_per_s)
         times = step_times()
         if times:
             median = statistics.median(times.values())

@@ -115,6 +115,7 @@ class Replica:
         self.param_names = [n for n, p in self.model.named_parameters() if p.requires_grad]
         self.sampler = GlobalSampler(len(self.workload.train_data), self.cfg.seed)
         self._fast_index = isinstance(self.workload.train_data, torch.utils.data.TensorDataset)
+        self.tokens_per_sample = int(getattr(self.workload, "tokens_per_sample", None) or 0)
         self.step = self.cursor = 0
         self.holds_state = False
         """It trained a step or loaded a state (entry `average`: a member that never did receives one)."""
@@ -624,6 +625,8 @@ class Replica:
         if self.algorithm.reporter == "each":
             record.update(slot=self.slot, samples=vote.samples)
         record.update(self.impl.record_fields())
+        if self.tokens_per_sample:  # the step's tokens: the global batch's, or this member's own (per-member kinds)
+            record["tokens"] = int(record.get("samples", plan.global_batch)) * self.tokens_per_sample
         if self.dropped:
             record["dropped_samples"], self.dropped = self.dropped, 0
         self.kept.append(record)

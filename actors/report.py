@@ -6,7 +6,7 @@ draws six panels against wall time from the job's start:
 1. loss (one line per member where history is per member) and the evaluation metric;
 2. world size and membership epoch, with each death, join and scale event marked;
 3. each member's step time (a heat map, from `step_times.jsonl`): a straggler is a bright row;
-4. bytes sent per committed step;
+4. bytes sent per committed step (and tokens per second, for workloads that count tokens);
 5. recovery and join times (death or join decided -> first committed step), one mark per event;
 6. a summary: state, steps, policy, deaths, joins, median recovery.
 
@@ -82,6 +82,19 @@ def draw_at_end(run_dir: Path, wanted: bool | None, note: Callable[..., Any]) ->
         draw(run_dir)
     except Exception as err:  # noqa: BLE001 - a picture must not fail the job
         note("info", f"no run report: {type(err).__name__}: {first_line(err)}")
+
+
+def tokens_per_s(history: list[dict], window: int = 20) -> list[tuple[int, float]]:
+    """(step, tokens per second) over each run of `window` records in time order, for histories whose
+    records count tokens; empty for the others."""
+    ordered = sorted((r for r in history if r.get("tokens")), key=lambda r: r["time"])
+    out = []
+    for start in range(0, len(ordered) - window, window):
+        chunk = ordered[start:start + window + 1]
+        span = chunk[-1]["time"] - chunk[0]["time"]
+        if span > 0:
+            out.append((chunk[-1]["step"], sum(r["tokens"] for r in chunk[1:]) / span))
+    return out
 
 
 def draw(run_dir: Path, out: Path | None = None) -> Path:
@@ -180,6 +193,13 @@ def draw(run_dir: Path, out: Path | None = None) -> Path:
     bytes_ax.set_title("communication")
     if len(by_member) > 1:
         bytes_ax.legend(fontsize=8, ncol=2)
+    rates = tokens_per_s(history)
+    if rates:  # a workload that counts tokens: their rate, on the committed steps' axis
+        tokens_ax = bytes_ax.twinx()
+        tokens_ax.plot(*zip(*rates), color="tab:green", lw=1.2, label="tokens/s (all members)")
+        tokens_ax.set_ylabel("tokens/s")
+        tokens_ax.legend(loc="lower right", fontsize=8)
+        bytes_ax.set_title("communication and tokens per second")
 
     # 5. recovery and join times
     timed = [(e, event_kind(e)) for e in events if event_kind(e) and e["detail"].get("duration_s") is not None]

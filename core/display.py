@@ -32,7 +32,8 @@ def status_html(status: JobStatus, events: tuple[dict, ...] = (), max_steps: int
     head = (f'<b>{_e(status.name)}</b> <span style="color:{color};font-weight:bold">{_e(status.state)}</span> '
             f"step {status.step}{f'/{max_steps}' if max_steps else ''} · world {status.world_size} · "
             f"epoch {status.membership_epoch} · loss {fmt(status.loss, '.4f')} · "
-            f"{fmt(status.throughput, '.1f')} steps/s")
+            f"{fmt(status.throughput, '.1f')} steps/s"
+            + (f" · {status.tokens_per_s:,.0f} tokens/s" if status.tokens_per_s else ""))
     metrics = ", ".join(f"{_e(k)} {v:.4f}" for k, v in status.metrics.items() if isinstance(v, (int, float)))
     parts = [f'<div style="{STYLE}">{head}' + (f" · {metrics}" if metrics else "")]
     if max_steps:

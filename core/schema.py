@@ -1094,6 +1094,9 @@ class JobStatus:
     topology: dict = field(default_factory=dict)
     """Gossip policies: the topology's kind, the world size it is built for, and its spectral gap there
     (1 - rho^(1/period), algorithms/topologies.py)."""
+    tokens_per_s: float | None = None
+    """Tokens per second over the last few seconds, all members together: workloads that count tokens
+    (`tokens_per_sample`, the language models); None for the others."""
     spares: tuple[dict, ...] = ()
     """Hot spares (`workers.spares`): name, state (starting or ready), pid, node and started_at (time.time())
     of each."""

@@ -233,6 +233,8 @@ class ProgressPrinter:
         total = f"/{self.max_steps}" if self.max_steps else ""
         loss = f"{status.loss:.4f}" if status.loss is not None else "-"
         rate = f"{status.throughput:.1f}" if status.throughput else "-"
+        if status.tokens_per_s and status.world_size:
+            rate += f" tokens/s {status.tokens_per_s:,.0f} ({status.tokens_per_s / status.world_size:,.0f} a worker)"
         metrics = " ".join(f"{k} {v:.4f}" for k, v in sorted(status.metrics.items()))
         slow = " ".join(f"{slot} {ratio:.1f}x" for slot, ratio in sorted(status.stragglers.items()))
         print(f"[{status.state.lower()}] step {status.step}{total} loss {loss} steps/s {rate} world {status.world_size} "

@@ -69,7 +69,9 @@ class Journal:
         self._live: Callable[[], Iterable[str]] = lambda: ()
         self.loss: float | None = None
         self.metrics: dict = {}
-        self.recent: collections.deque[tuple[float, int]] = collections.deque()  # (time, step) of the last 5 s
+        self.recent: collections.deque[tuple[float, int, int]] = collections.deque()
+        """(time, step, tokens so far) of the records of the last 5 s."""
+        self._tokens = 0
         self.checkpoint: tuple[int, str] | None = None
         """(step, path) of this run's newest checkpoint (what a loss of every member restarts from)."""
         self._step_times: TextIO | None = None
@@ -146,7 +148,8 @@ class Journal:
             self.loss = record["loss"]
         if record.get("metrics"):
             self.metrics = dict(record["metrics"])
-        self.recent.append((record["time"], record["step"]))
+        self._tokens += int(record.get("tokens") or 0)
+        self.recent.append((record["time"], record["step"], self._tokens))
         while self.recent[0][0] <= record["time"] - THROUGHPUT_WINDOW_S:  # amortised O(1) per record
             self.recent.popleft()
         self._tell("record", record)
@@ -173,8 +176,17 @@ class Journal:
                                        f"{type(err).__name__}: {err}")
 
     def throughput(self) -> float | None:
+        """Committed steps per second over the last 5 s."""
+        return self._rate(1)
+
+    def tokens_throughput(self) -> float | None:
+        """Tokens per second over the last 5 s, all members together (None unless the workload counts
+        tokens: `tokens_per_sample`)."""
+        return self._rate(2) if self._tokens else None
+
+    def _rate(self, field: int) -> float | None:
         if len(self.recent) >= 2 and self.recent[-1][0] > self.recent[0][0]:
-            return (self.recent[-1][1] - self.recent[0][1]) / (self.recent[-1][0] - self.recent[0][0])
+            return (self.recent[-1][field] - self.recent[0][field]) / (self.recent[-1][0] - self.recent[0][0])
         return None
 
     # ------------------------------------------------------------------ the state file
