@@ -1,14 +1,18 @@
 """BSP through the orchestrator vs plain torch DDP (gloo), and start-up vs Ray Train, side by side.
 
-Same workload on both sides: the digits MLP (hidden 128), 2 workers, per-worker batch 32, SGD
-(lr 0.05, momentum 0.9), 25 MiB buckets, one torch thread per worker, the same imports and the
-same global-batch sampler. Throughput is timed on rank 0 with the same timer (`time.time()`
-after each optimizer step) over steps 50..550, in alternating pairs (orchestrator, DDP, ...);
-the ratio is taken pair by pair and its median reported. Peak RSS: the largest worker process
-of each side, both sampled the same way (psutil, every 0.1 s while they train). Start-up: from `ElasticJob.start()` to the first
-committed step, next to Ray Train's `TorchTrainer.fit()` to its first completed step, on the same workload and Ray.
+Same workload on both sides, built by the same factory and trained with its own loss: `--workload
+digits` (the default) the digits MLP (hidden 128), per-worker batch 32, SGD (lr 0.05, momentum 0.9);
+`--workload lm` the byte-level GPT (`orchestrator.workloads.lm:gpt`, tiny: 0.83M parameters, 64-byte
+context), per-worker batch 8, AdamW (lr 0.003, betas 0.9/0.95, weight decay 0.01). 2 workers, 25 MiB
+buckets, one torch thread per worker, the same imports and the same global-batch sampler; DDP's side
+uses torch's own optimizer (`foreach=False`) and gathers its rows as a user writes it (`t[ids]`).
+Throughput is timed on rank 0 with the same timer (`time.time()` after each optimizer step) over
+steps 50..550, in alternating pairs (orchestrator, DDP, ...); the ratio is taken pair by pair and its
+median reported. Peak RSS: the largest worker process of each side, both sampled the same way (psutil,
+every 0.1 s while they train). Start-up: from `ElasticJob.start()` to the first committed step, next
+to Ray Train's `TorchTrainer.fit()` to its first completed step, on the same workload and Ray.
 
-    python benchmarks/bsp_vs_ddp.py [--pairs 5] [--steps 550] [--startup-runs 3]
+    python benchmarks/bsp_vs_ddp.py [--pairs 5] [--steps 550] [--startup-runs 3] [--workload digits|lm]
 
 Prints a table, then one JSON line. Figures are measurements, not gates.
 """
@@ -33,10 +37,34 @@ import torch.multiprocessing as mp  # noqa: E402
 
 from algorithms.sampler import GlobalSampler, split_for_rank  # noqa: E402
 from benchmarks.common import PeakRSS, ddp_store  # noqa: E402
-from orchestrator.workloads.digits import mlp  # noqa: E402
+from core.factory import check_factory  # noqa: E402
 
-WORKERS, PER_WORKER, HIDDEN, LR, MOMENTUM, BUCKET_MB, SEED = 2, 32, 128, 0.05, 0.9, 25.0, 0
+WORKERS, BUCKET_MB, SEED = 2, 25.0, 0
 WINDOW = (50, 550)
+WORKLOADS = {
+    "digits": {"factory": "orchestrator.workloads.digits:mlp", "params": {"hidden": 128}, "per_worker": 32,
+               "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9}},
+    "lm": {"factory": "orchestrator.workloads.lm:gpt", "params": {"size": "tiny"}, "per_worker": 8,
+           "optimizer": {"name": "adamw", "lr": 0.003, "betas": [0.9, 0.95], "weight_decay": 0.01}},
+}
+
+
+def build(name: str):
+    """The workload (seeded as a job seeds it) and a factory of torch's own optimizer for it (what a DDP
+    user writes)."""
+    w = WORKLOADS[name]
+    torch.manual_seed(SEED)
+    workload = check_factory(w["factory"])(**w["params"])
+    o = dict(w["optimizer"])
+    if o.pop("name") == "sgd":
+        return workload, lambda params: torch.optim.SGD(params, foreach=False, **o)
+    o["betas"] = tuple(o["betas"])
+    return workload, lambda params: torch.optim.AdamW(params, foreach=False, **o)
+
+
+def batch_of(data, ids: torch.Tensor):
+    """The rows for `ids`, gathered as a user writes it."""
+    return tuple(t[ids] for t in data.tensors)
 
 
 def log(text: str) -> None:
@@ -48,26 +76,24 @@ def steps_per_s(times: dict[int, float], first: int, last: int) -> float:
 
 
 # --------------------------------------------------------------------------- torch DDP
-def _ddp_rank(rank: int, steps: int, out_dir: str) -> None:
+def _ddp_rank(rank: int, steps: int, out_dir: str, name: str) -> None:
     import torch.distributed as dist
-    import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel
 
     torch.set_num_threads(1)
     store = ddp_store(rank, out_dir, WORKERS)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=WORKERS)
-    torch.manual_seed(SEED)
-    workload = mlp(hidden=HIDDEN)
+    workload, make_opt = build(name)
     model = DistributedDataParallel(workload.model, bucket_cap_mb=BUCKET_MB)
-    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM, foreach=False)
-    x_all, y_all = workload.train_data.tensors
-    sampler = GlobalSampler(len(x_all), SEED)
-    global_batch = WORKERS * PER_WORKER
+    opt = make_opt(model.parameters())
+    data = workload.train_data
+    sampler = GlobalSampler(len(data), SEED)
+    global_batch = WORKERS * WORKLOADS[name]["per_worker"]
     times = {}
     for step in range(1, steps + 1):
         ids = torch.from_numpy(split_for_rank(sampler.global_batch((step - 1) * global_batch, global_batch), rank, WORKERS))
         opt.zero_grad(set_to_none=False)
-        F.cross_entropy(model(x_all[ids]), y_all[ids]).backward()
+        workload.loss(model, batch_of(data, ids)).backward()
         opt.step()
         if rank == 0:
             times[step] = time.time()
@@ -78,9 +104,9 @@ def _ddp_rank(rank: int, steps: int, out_dir: str) -> None:
     dist.destroy_process_group()
 
 
-def run_ddp(steps: int) -> dict:
+def run_ddp(steps: int, name: str) -> dict:
     with tempfile.TemporaryDirectory() as out:
-        context = mp.start_processes(_ddp_rank, args=(steps, out), nprocs=WORKERS, join=False)
+        context = mp.start_processes(_ddp_rank, args=(steps, out, name), nprocs=WORKERS, join=False)
         rss = PeakRSS(lambda: [p.pid for p in context.processes])
         try:
             while not context.join():
@@ -96,23 +122,24 @@ def run_ddp(steps: int) -> dict:
 
 
 # --------------------------------------------------------------------------- orchestrator
-def job_config(name: str, steps: int, engine: str = "auto"):
+def job_config(name: str, steps: int, engine: str = "auto", workload: str = "digits"):
     """The orchestrator side's job (also profiled by profile_step.py)."""
     from orchestrator.config import config_from_dict
 
+    w = WORKLOADS[workload]
     return config_from_dict({
         "name": name, "seed": SEED, "workers": {"count": WORKERS, "cpus": 1},
-        "workload": {"factory": "orchestrator.workloads.digits:mlp", "params": {"hidden": HIDDEN}, "batch_size": PER_WORKER},
-        "optimizer": {"name": "sgd", "lr": LR, "momentum": MOMENTUM},
+        "workload": {"factory": w["factory"], "params": w["params"], "batch_size": w["per_worker"]},
+        "optimizer": w["optimizer"],
         "sync": {"policy": "bsp", "bucket_mb": BUCKET_MB, "engine": engine}, "stop": {"max_steps": steps}, "eval_every": 0,
     })
 
 
-def run_orchestrator(name: str, steps: int) -> dict:
+def run_orchestrator(name: str, steps: int, workload: str) -> dict:
     from orchestrator.job import ElasticJob
 
     before = time.time()
-    job = ElasticJob(job_config(name, steps)).start()
+    job = ElasticJob(job_config(name, steps, workload=workload)).start()
     rss = PeakRSS.of_job(job, WORKERS)
     result = job.wait(timeout=600)
     peak = rss.stop()
@@ -126,32 +153,30 @@ def run_orchestrator(name: str, steps: int) -> dict:
 def _ray_train_loop(config: dict) -> None:
     import ray.train
     import ray.train.torch
-    import torch.nn.functional as F
 
     torch.set_num_threads(1)
-    torch.manual_seed(SEED)
-    workload = mlp(hidden=HIDDEN)
+    workload, make_opt = build(config["workload"])
     model = ray.train.torch.prepare_model(workload.model)
-    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
-    x_all, y_all = workload.train_data.tensors
+    opt = make_opt(model.parameters())
+    data = workload.train_data
     rank = ray.train.get_context().get_world_rank()
-    sampler = GlobalSampler(len(x_all), SEED)
-    global_batch = WORKERS * PER_WORKER
+    sampler = GlobalSampler(len(data), SEED)
+    global_batch = WORKERS * WORKLOADS[config["workload"]]["per_worker"]
     for step in range(1, config["steps"] + 1):
         ids = torch.from_numpy(split_for_rank(sampler.global_batch((step - 1) * global_batch, global_batch), rank, WORKERS))
         opt.zero_grad()
-        F.cross_entropy(model(x_all[ids]), y_all[ids]).backward()
+        workload.loss(model, batch_of(data, ids)).backward()
         opt.step()
         if step == 1 and rank == 0:
             Path(config["mark"]).write_text(repr(time.time()))
 
 
-def run_ray_train(storage: str) -> float:
+def run_ray_train(storage: str, workload: str) -> float:
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
     mark = Path(tempfile.mkdtemp()) / "first_step"
-    trainer = TorchTrainer(_ray_train_loop, train_loop_config={"steps": 20, "mark": str(mark)},
+    trainer = TorchTrainer(_ray_train_loop, train_loop_config={"steps": 20, "mark": str(mark), "workload": workload},
                            scaling_config=ScalingConfig(num_workers=WORKERS, use_gpu=False, resources_per_worker={"CPU": 1}),
                            run_config=RunConfig(storage_path=storage, name=f"bench-{time.time_ns()}"))
     before = time.time()
@@ -169,6 +194,7 @@ def main() -> int:
     parser.add_argument("--pairs", type=int, default=5)
     parser.add_argument("--steps", type=int, default=550)
     parser.add_argument("--startup-runs", type=int, default=3)
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="digits")
     args = parser.parse_args()
     if args.steps < WINDOW[1]:  # a short trial run times what it has
         globals()["WINDOW"] = (min(50, args.steps // 3), args.steps)
@@ -183,8 +209,8 @@ def main() -> int:
 
     pairs = []
     for i in range(args.pairs):
-        orch = run_orchestrator(f"bench-bsp-{i}", args.steps)
-        ddp = run_ddp(args.steps)
+        orch = run_orchestrator(f"bench-bsp-{i}", args.steps, args.workload)
+        ddp = run_ddp(args.steps, args.workload)
         pairs.append({"orch": orch, "ddp": ddp, "ratio": orch["steps_per_s"] / ddp["steps_per_s"],
                       "rss_ratio": orch["rss_mib"] / ddp["rss_mib"]})
         log(f"pair {i + 1}/{args.pairs}: orchestrator {orch['steps_per_s']:.1f} steps/s, DDP {ddp['steps_per_s']:.1f} "
@@ -195,7 +221,7 @@ def main() -> int:
     storage = tempfile.mkdtemp(prefix="bench-raytrain-")
     for i in range(args.startup_runs):
         try:
-            startup_rt.append(run_ray_train(storage))
+            startup_rt.append(run_ray_train(storage, args.workload))
             log(f"Ray Train start-up {i + 1}/{args.startup_runs}: {startup_rt[-1]:.2f}s")
         except Exception as err:  # noqa: BLE001 - report it rather than crash the table
             rt_error = f"{type(err).__name__}: {err}"
@@ -222,7 +248,7 @@ def main() -> int:
         value = f"{s['median']:.3f} [{s['min']:.3f}-{s['max']:.3f}]" if s else "n/a"
         print(f"{label:<44}{value:>24}")
     print(f"{'start-up ratio orchestrator / Ray Train':<44}{(f'{startup_ratio:.3f}' if startup_ratio else 'n/a'):>24}")
-    print(json.dumps({"benchmark": "bsp_vs_ddp", "pairs": args.pairs, "window": list(WINDOW), "workers": WORKERS,
+    print(json.dumps({"benchmark": "bsp_vs_ddp", "workload": args.workload, "pairs": args.pairs, "window": list(WINDOW), "workers": WORKERS,
                       "steps_per_s_ratio_median": ratio["median"], "rss_ratio_median": rss_ratio["median"],
                       "startup_ratio_vs_ray_train": startup_ratio, "startup_orchestrator_s": so, "startup_ray_train_s": sr,
                       "ray_train_error": rt_error, "per_pair": pairs}))

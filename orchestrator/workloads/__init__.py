@@ -9,6 +9,7 @@ metrics then show tokens per second).
 """
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -24,3 +25,35 @@ class Workload:
     eval_data: torch.utils.data.Dataset | None = None
     evaluate: Callable[[torch.nn.Module, Any], dict] | None = None
     tokens_per_sample: int | None = None
+
+
+def with_modelled_compute(workload: Any, compute_ms: float = 0.0, slow: dict | None = None, jitter_sigma: float = 0.0,
+                          seed: int = 0) -> Any:
+    """`workload` with a modelled compute time, for the network lab: each loss call (one per step without
+    micro-batches) sleeps `compute_ms`, times `slow[slot]` for the slots named there (a 3x straggler:
+    `{w1: 3}`), times a lognormal factor exp(sigma z) drawn from (seed, slot, call) when `jitter_sigma`
+    is set. The sleep sits in the forward pass, where a GPU would compute: traffic a policy launches
+    before the step (gossip) overlaps it, traffic launched from backward (BSP's buckets) does not. A
+    sleep frees the CPU, as a GPU's compute would."""
+    import time
+
+    import numpy as np
+
+    inner = workload.loss
+    slot = os.environ.get("ORCHESTRATOR_SLOT", "w0")
+    factor = float((slow or {}).get(slot, 1.0))
+    index = int(slot[1:]) if slot[1:].isdigit() else 0
+    calls = [0]
+
+    def loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+        seconds = compute_ms / 1e3 * factor
+        if jitter_sigma > 0:
+            z = np.random.default_rng([seed, index, calls[0]]).standard_normal()
+            seconds *= float(np.exp(jitter_sigma * z))
+        calls[0] += 1
+        if seconds > 0:
+            time.sleep(seconds)
+        return inner(model, batch)
+
+    workload.loss = loss
+    return workload

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from orchestrator.workloads import Workload
+from orchestrator.workloads import Workload, with_modelled_compute
 
 
 def _cache_path() -> Path:
@@ -116,29 +116,6 @@ def bn_mlp(hidden: int = 64) -> Workload:
 
 def lab_mlp(hidden: int = 512, depth: int = 2, compute_ms: float = 0.0, slow: dict | None = None,
             jitter_sigma: float = 0.0, seed: int = 0) -> Workload:
-    """The MLP with a modelled compute time, for the network lab (benchmarks/tradeoffs.py): each loss
-    call (one per step without micro-batches) sleeps `compute_ms`, times `slow[slot]` for the slots
-    named there (a 3x straggler: `{w1: 3}`), times a lognormal factor exp(sigma z) drawn from
-    (seed, slot, call) when `jitter_sigma` is set. The sleep sits in the forward pass, where a GPU
-    would compute: traffic a policy launches before the step (gossip) overlaps it, traffic launched
-    from backward (BSP's buckets) does not. A sleep frees the CPU, as a GPU's compute would."""
-    import time
-
-    inner = mlp(hidden=hidden, depth=depth)
-    slot = os.environ.get("ORCHESTRATOR_SLOT", "w0")
-    factor = float((slow or {}).get(slot, 1.0))
-    index = int(slot[1:]) if slot[1:].isdigit() else 0
-    calls = [0]
-
-    def loss(model: nn.Module, batch) -> torch.Tensor:
-        seconds = compute_ms / 1e3 * factor
-        if jitter_sigma > 0:
-            z = np.random.default_rng([seed, index, calls[0]]).standard_normal()
-            seconds *= float(np.exp(jitter_sigma * z))
-        calls[0] += 1
-        if seconds > 0:
-            time.sleep(seconds)
-        return cross_entropy(model, batch)
-
-    inner.loss = loss
-    return inner
+    """The MLP with a modelled compute time, for the network lab (benchmarks/tradeoffs.py): see
+    `orchestrator.workloads.with_modelled_compute`."""
+    return with_modelled_compute(mlp(hidden=hidden, depth=depth), compute_ms, slow, jitter_sigma, seed)

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from orchestrator.workloads import Workload
+from orchestrator.workloads import Workload, with_modelled_compute
 
 BUILD = 1
 """The text's build version: part of the cache name, bumped when the selection or split changes."""
@@ -226,3 +226,10 @@ def gpt(size: str = "tiny", d_model: int | None = None, n_layer: int | None = No
     return Workload(model=model, train_data=TensorDataset(windows(train, cfg.seq_len)),
                     eval_data=TensorDataset(eval_windows(held, cfg.seq_len, eval_count)),
                     loss=next_byte_loss, evaluate=held_out_loss, tokens_per_sample=cfg.seq_len)
+
+
+def lab_gpt(compute_ms: float = 0.0, slow: dict | None = None, jitter_sigma: float = 0.0, seed: int = 0,
+            **params) -> Workload:
+    """The GPT (`gpt(**params)`) with a modelled compute time added to its own, for the network lab
+    (benchmarks/lm_lab.py): see `orchestrator.workloads.with_modelled_compute`."""
+    return with_modelled_compute(gpt(**params), compute_ms, slow, jitter_sigma, seed)
