@@ -5,7 +5,10 @@ digits` (the default) the digits MLP (hidden 128), per-worker batch 32, SGD (lr 
 `--workload lm` the byte-level GPT (`orchestrator.workloads.lm:gpt`, tiny: 0.83M parameters, 64-byte
 context), per-worker batch 8, AdamW (lr 0.003, betas 0.9/0.95, weight decay 0.01). 2 workers, 25 MiB
 buckets, one torch thread per worker, the same imports and the same global-batch sampler; DDP's side
-uses torch's own optimizer (`foreach=False`) and gathers its rows as a user writes it (`t[ids]`).
+uses torch's own optimizer (`foreach=False`) and gathers its rows as a user writes it (`t[ids]`). Ray
+starts its workers at niceness 15 (so that its own processes stay responsive) and torchrun starts DDP's
+at 0: on a machine whose cores are all busy that alone slows the orchestrator's side; `--ddp-niceness
+ray` runs DDP's ranks at Ray's niceness too.
 Throughput is timed on rank 0 with the same timer (`time.time()` after each optimizer step) over
 steps 50..550, in alternating pairs (orchestrator, DDP, ...); the ratio is taken pair by pair and its
 median reported. Peak RSS: the largest worker process of each side, both sampled the same way (psutil,
@@ -13,6 +16,7 @@ every 0.1 s while they train). Start-up: from `ElasticJob.start()` to the first 
 to Ray Train's `TorchTrainer.fit()` to its first completed step, on the same workload and Ray.
 
     python benchmarks/bsp_vs_ddp.py [--pairs 5] [--steps 550] [--startup-runs 3] [--workload digits|lm]
+        [--ddp-niceness 0|ray]
 
 Prints a table, then one JSON line. Figures are measurements, not gates.
 """
@@ -76,11 +80,13 @@ def steps_per_s(times: dict[int, float], first: int, last: int) -> float:
 
 
 # --------------------------------------------------------------------------- torch DDP
-def _ddp_rank(rank: int, steps: int, out_dir: str, name: str) -> None:
+def _ddp_rank(rank: int, steps: int, out_dir: str, name: str, niceness: int = 0) -> None:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
     torch.set_num_threads(1)
+    if niceness:
+        os.nice(niceness)
     store = ddp_store(rank, out_dir, WORKERS)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=WORKERS)
     workload, make_opt = build(name)
@@ -104,9 +110,9 @@ def _ddp_rank(rank: int, steps: int, out_dir: str, name: str) -> None:
     dist.destroy_process_group()
 
 
-def run_ddp(steps: int, name: str) -> dict:
+def run_ddp(steps: int, name: str, niceness: int = 0) -> dict:
     with tempfile.TemporaryDirectory() as out:
-        context = mp.start_processes(_ddp_rank, args=(steps, out, name), nprocs=WORKERS, join=False)
+        context = mp.start_processes(_ddp_rank, args=(steps, out, name, niceness), nprocs=WORKERS, join=False)
         rss = PeakRSS(lambda: [p.pid for p in context.processes])
         try:
             while not context.join():
@@ -195,6 +201,9 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=550)
     parser.add_argument("--startup-runs", type=int, default=3)
     parser.add_argument("--workload", choices=sorted(WORKLOADS), default="digits")
+    parser.add_argument("--ddp-niceness", choices=["0", "ray"], default="0",
+                        help="DDP's ranks at niceness 0 (as torchrun starts them), or at the niceness Ray gives its "
+                             "workers (15 by default), so that both sides yield alike to Ray's own processes")
     args = parser.parse_args()
     if args.steps < WINDOW[1]:  # a short trial run times what it has
         globals()["WINDOW"] = (min(50, args.steps // 3), args.steps)
@@ -207,10 +216,14 @@ def main() -> int:
     ensure_token_env()
     ray.init(address="local", num_cpus=8, namespace=NAMESPACE, log_to_driver=False, logging_level="ERROR")
 
+    niceness = 0
+    if args.ddp_niceness == "ray":
+        niceness = ray.get(ray.remote(num_cpus=0)(lambda: os.nice(0)).remote())
+        log(f"Ray's workers run at niceness {niceness}: DDP's ranks too")
     pairs = []
     for i in range(args.pairs):
         orch = run_orchestrator(f"bench-bsp-{i}", args.steps, args.workload)
-        ddp = run_ddp(args.steps, args.workload)
+        ddp = run_ddp(args.steps, args.workload, niceness)
         pairs.append({"orch": orch, "ddp": ddp, "ratio": orch["steps_per_s"] / ddp["steps_per_s"],
                       "rss_ratio": orch["rss_mib"] / ddp["rss_mib"]})
         log(f"pair {i + 1}/{args.pairs}: orchestrator {orch['steps_per_s']:.1f} steps/s, DDP {ddp['steps_per_s']:.1f} "
@@ -248,7 +261,8 @@ def main() -> int:
         value = f"{s['median']:.3f} [{s['min']:.3f}-{s['max']:.3f}]" if s else "n/a"
         print(f"{label:<44}{value:>24}")
     print(f"{'start-up ratio orchestrator / Ray Train':<44}{(f'{startup_ratio:.3f}' if startup_ratio else 'n/a'):>24}")
-    print(json.dumps({"benchmark": "bsp_vs_ddp", "workload": args.workload, "pairs": args.pairs, "window": list(WINDOW), "workers": WORKERS,
+    print(json.dumps({"benchmark": "bsp_vs_ddp", "workload": args.workload, "ddp_niceness": niceness,
+                      "pairs": args.pairs, "window": list(WINDOW), "workers": WORKERS,
                       "steps_per_s_ratio_median": ratio["median"], "rss_ratio_median": rss_ratio["median"],
                       "startup_ratio_vs_ray_train": startup_ratio, "startup_orchestrator_s": so, "startup_ray_train_s": sr,
                       "ray_train_error": rt_error, "per_pair": pairs}))

@@ -7,7 +7,7 @@ samples where a thread is not waiting). Each sample whose stack passes through
 `Replica._train_step` goes to every phase its stack passes through (inclusive shares), so a phase
 nested in another (the hooks' launches inside backward) counts in both.
 
-    python benchmarks/profile_step.py [--seconds 10] [--rate 250] [--engine auto] [--raw out.txt]
+    python benchmarks/profile_step.py [--seconds 10] [--rate 250] [--engine auto] [--workload digits|lm] [--raw out.txt]
 
 Needs py-spy (`pip install py-spy`) and permission to read another process's memory (root, or
 ptrace allowed). Prints a table, then one JSON line. Figures are measurements, not gates.
@@ -82,6 +82,7 @@ def main() -> int:
     parser.add_argument("--seconds", type=int, default=10)
     parser.add_argument("--rate", type=int, default=250)
     parser.add_argument("--engine", default="auto", help="sync.engine: auto | reducer | python")
+    parser.add_argument("--workload", default="digits", help="bsp_vs_ddp.py's workload: digits | lm")
     parser.add_argument("--raw", help="also keep py-spy's raw output here")
     args = parser.parse_args()
     pyspy = shutil.which("py-spy")
@@ -98,7 +99,7 @@ def main() -> int:
     os.environ.setdefault("ORCHESTRATOR_RUN_ROOT", tempfile.mkdtemp(prefix="bench-runs-"))
     ensure_token_env()
     ray.init(address="local", num_cpus=8, namespace=NAMESPACE, log_to_driver=False, logging_level="ERROR")
-    job = ElasticJob(job_config("profile-step", 10_000_000, args.engine)).start()
+    job = ElasticJob(job_config("profile-step", 10_000_000, args.engine, args.workload)).start()
     try:
         wait_until(lambda: job.status().step > 200, 120, "training")
         rank0 = next(m for m in job.status().members if m.rank == 0)
