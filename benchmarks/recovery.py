@@ -7,12 +7,16 @@
     (`TorchTrainer`, `FailureConfig(max_failures=...)`): the same kill of a training worker's
     process, time to the next completed step after Ray Train restarts the group from its latest
     checkpoint, and the steps it redoes. Same workload (digits MLP), same world size, same
-    checkpoint interval, in the same Ray, medians over `--events` kills each.
+    checkpoint interval, in the same Ray, medians over `--events` kills each. `--workload digits`
+    (the default): the digits MLP (hidden 64), per-worker batch 16, SGD lr 0.05; `--workload lm`: the
+    byte-level GPT (`orchestrator.workloads.lm:gpt`, tiny: 0.83M parameters), per-worker batch 8,
+    AdamW lr 0.003 (its state, parameters and optimizer, is what a replacement receives).
 (b) `scale()` to the joiner's first committed step, and the survivors' longest step during the join.
 With `--spares k` the job keeps k hot spares (`workers.spares`): each replacement after a kill and
 the join take a spare, and (a) also reports death -> the replacement's first committed step.
 
     python benchmarks/recovery.py [--events 5] [--workers 3] [--checkpoint-every 50] [--spares 0]
+        [--workload digits|lm]
 
 Prints a table, then one JSON line. Figures are measurements, not gates.
 """
@@ -34,10 +38,16 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 
 from algorithms.sampler import GlobalSampler, split_for_rank  # noqa: E402
-from orchestrator.workloads.digits import mlp  # noqa: E402
+from core.factory import check_factory  # noqa: E402
 from testkit.harness import wait_until  # noqa: E402
 
-PER_WORKER, HIDDEN, LR, SEED = 16, 64, 0.05, 0
+SEED = 0
+WORKLOADS = {
+    "digits": {"factory": "orchestrator.workloads.digits:mlp", "params": {"hidden": 64}, "per_worker": 16,
+               "optimizer": {"name": "sgd", "lr": 0.05}},
+    "lm": {"factory": "orchestrator.workloads.lm:gpt", "params": {"size": "tiny"}, "per_worker": 8,
+           "optimizer": {"name": "adamw", "lr": 0.003}},
+}
 
 
 def log(text: str) -> None:
@@ -45,7 +55,7 @@ def log(text: str) -> None:
 
 
 # --------------------------------------------------------------------------- orchestrator
-def orchestrator_side(events: int, workers: int, every: int, spares: int = 0) -> dict:
+def orchestrator_side(events: int, workers: int, every: int, spares: int = 0, workload: str = "digits") -> dict:
     from orchestrator.config import config_from_dict
     from orchestrator.job import ElasticJob
 
@@ -53,8 +63,10 @@ def orchestrator_side(events: int, workers: int, every: int, spares: int = 0) ->
         "name": "bench-recovery", "seed": SEED, "workers": {"count": workers, "max": workers + 1, "cpus": 1,
                                               "failure_budget": 100,  # kills rotate over the slots: none retires
                                               "spares": spares},
-        "workload": {"factory": "orchestrator.workloads.digits:mlp", "params": {"hidden": HIDDEN}, "batch_size": PER_WORKER},
-        "optimizer": {"lr": LR}, "checkpoint": {"every_steps": every}, "stop": {"max_steps": 10_000_000}, "eval_every": 0,
+        "workload": {"factory": WORKLOADS[workload]["factory"], "params": WORKLOADS[workload]["params"],
+                     "batch_size": WORKLOADS[workload]["per_worker"]},
+        "optimizer": WORKLOADS[workload]["optimizer"], "checkpoint": {"every_steps": every},
+        "stop": {"max_steps": 10_000_000}, "eval_every": 0,
     })
     job = ElasticJob(cfg).start()
     wait_until(lambda: job.status().step > 50, 120, "training")
@@ -135,14 +147,15 @@ def recovery_phases(job, killed_at: float, committed_at: float) -> dict[str, flo
 def _ray_train_loop(config: dict) -> None:
     import ray.train
     import ray.train.torch
-    import torch.nn.functional as F
     from ray.train import Checkpoint
 
     torch.set_num_threads(1)
     torch.manual_seed(SEED)
-    workload = mlp(hidden=HIDDEN)
+    w = WORKLOADS[config["workload"]]
+    workload = check_factory(w["factory"])(**w["params"])
     model = ray.train.torch.prepare_model(workload.model)
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    o = dict(w["optimizer"])
+    opt = (torch.optim.SGD if o.pop("name") == "sgd" else torch.optim.AdamW)(model.parameters(), **o)
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     start = 0
@@ -155,13 +168,13 @@ def _ray_train_loop(config: dict) -> None:
         start = int(state["step"])
     marks = Path(config["marks"])
     Path(marks, f"pid-{rank}-{os.getpid()}").write_text(str(time.time()))
-    x_all, y_all = workload.train_data.tensors
-    sampler = GlobalSampler(len(x_all), SEED)
-    global_batch = world * PER_WORKER
+    tensors = workload.train_data.tensors
+    sampler = GlobalSampler(len(tensors[0]), SEED)
+    global_batch = world * w["per_worker"]
     for step in range(start + 1, config["steps"] + 1):
         ids = torch.from_numpy(split_for_rank(sampler.global_batch((step - 1) * global_batch, global_batch), rank, world))
         opt.zero_grad()
-        F.cross_entropy(model(x_all[ids]), y_all[ids]).backward()
+        workload.loss(model, tuple(t[ids] for t in tensors)).backward()
         opt.step()
         if rank == 0:
             with open(marks / "steps.txt", "a") as fh:
@@ -175,7 +188,7 @@ def _ray_train_loop(config: dict) -> None:
                 ray.train.report({"step": step}, checkpoint=Checkpoint.from_directory(folder) if rank == 0 else None)
 
 
-def ray_train_side(events: int, workers: int, every: int) -> dict:
+def ray_train_side(events: int, workers: int, every: int, workload: str = "digits") -> dict:
     import threading
 
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
@@ -184,7 +197,7 @@ def ray_train_side(events: int, workers: int, every: int) -> dict:
     marks = Path(tempfile.mkdtemp(prefix="rt-marks-"))
     storage = Path(tempfile.mkdtemp(prefix="rt-store-"))
     trainer = TorchTrainer(
-        _ray_train_loop, train_loop_config={"steps": 10_000_000, "every": every, "marks": str(marks)},
+        _ray_train_loop, train_loop_config={"steps": 10_000_000, "every": every, "marks": str(marks), "workload": workload},
         scaling_config=ScalingConfig(num_workers=workers, use_gpu=False, resources_per_worker={"CPU": 1}),
         run_config=RunConfig(storage_path=str(storage), name=f"recovery-{time.time_ns()}",
                              failure_config=FailureConfig(max_failures=events + 2),
@@ -249,6 +262,7 @@ def main() -> int:
     parser.add_argument("--checkpoint-every", type=int, default=50)
     parser.add_argument("--spares", type=int, default=0, help="hot spares the orchestrator's job keeps")
     parser.add_argument("--no-ray-train", action="store_true", help="the orchestrator's side only")
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="digits")
     args = parser.parse_args()
 
     import ray
@@ -261,11 +275,11 @@ def main() -> int:
     # controller and the coordinator need room too.
     ray.init(address="local", num_cpus=max(8, args.workers + args.spares + 3), namespace=NAMESPACE, log_to_driver=False,
              logging_level="ERROR")
-    orch = orchestrator_side(args.events, args.workers, args.checkpoint_every, args.spares)
+    orch = orchestrator_side(args.events, args.workers, args.checkpoint_every, args.spares, args.workload)
     rt, rt_error = None, "not run (--no-ray-train)"
     if not args.no_ray_train:
         try:
-            rt, rt_error = ray_train_side(args.events, args.workers, args.checkpoint_every), None
+            rt, rt_error = ray_train_side(args.events, args.workers, args.checkpoint_every, args.workload), None
         except Exception as err:  # noqa: BLE001 - report it rather than crash the table
             rt, rt_error = None, f"{type(err).__name__}: {err}"
             log(f"Ray Train side failed: {rt_error}")
@@ -293,7 +307,7 @@ def main() -> int:
     print(f"{'metric (median [min-max])':<48}{'value':>28}")
     for label, value in rows:
         print(f"{label:<48}{value:>28}")
-    print(json.dumps({"benchmark": "recovery", "events": args.events, "workers": args.workers,
+    print(json.dumps({"benchmark": "recovery", "workload": args.workload, "events": args.events, "workers": args.workers,
                       "checkpoint_every": args.checkpoint_every, "orchestrator": orch, "ray_train": rt,
                       "ray_train_error": rt_error, "speedup_median": (r_med / o_med) if rt else None}), flush=True)
     # Shut Ray down only once the results are out: Ray Train's fit() thread still calls into Ray, and a
