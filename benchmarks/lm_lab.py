@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
 import statistics
 import sys
 import tempfile
@@ -37,7 +36,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks.tradeoffs import NETWORKS, bytes_per_step, load, per_step  # noqa: E402
+from benchmarks.tradeoffs import NETWORKS, bytes_per_step, lab_ready, load, measured_rows, per_step  # noqa: E402
 
 WORKERS = 4
 LABELS = ("bsp", "bsp hierarchical", "diloco h=16", "streaming_diloco h=16 f=4", "dpsgd ring", "dpsgd ring uint8", "shadow ma")
@@ -157,11 +156,7 @@ def measure(args, out: Path) -> int:
     from orchestrator.config import config_from_dict
     from orchestrator.job import NAMESPACE, ensure_token_env
 
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: the lab comes down on a kill too
-    try:
-        lab.check_privileges()
-    except lab.LabUnavailable as err:
-        print(f"error: {err}", file=sys.stderr)
+    if not lab_ready():
         return 2
     done = {(r["policy"], r["network"], r["seed"]) for r in load(out)} if args.resume else set()
     if not args.resume:
@@ -214,15 +209,9 @@ def main() -> int:
     parser.add_argument("--report", action="store_true", help="only print the report from --out")
     parser.add_argument("--png", default=None)
     args = parser.parse_args()
-    out = Path(args.out)
-    if not args.report:
-        code = measure(args, out)
-        if code:
-            return code
-    rows = load(out)
-    if not rows:
-        print(f"no results in {out}")
-        return 1
+    rows = measured_rows(args, Path(args.out), measure)
+    if isinstance(rows, int):
+        return rows
     summary = report(rows)
     if args.png:
         draw(rows, Path(args.png))

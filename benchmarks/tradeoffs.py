@@ -363,15 +363,9 @@ def main() -> int:
     parser.add_argument("--write-factors", action="store_true",
                         help="write the measured convergence factors to orchestrator/convergence.json for plan and auto")
     args = parser.parse_args()
-    out = Path(args.out)
-    if not args.report:
-        code = measure(args, out)
-        if code:
-            return code
-    rows = load(out)
-    if not rows:
-        print(f"no results in {out}")
-        return 1
+    rows = measured_rows(args, Path(args.out), measure)
+    if isinstance(rows, int):
+        return rows
     summary = report(rows, args)
     if args.write_factors and summary["factors"]:
         (REPO / "orchestrator" / "convergence.json").write_text(json.dumps({
@@ -384,6 +378,34 @@ def main() -> int:
     return 0
 
 
+def measured_rows(args, out: Path, measure) -> list[dict] | int:
+    """The rows in `out`, after `measure(args, out)` adds to them (unless `--report`); an exit code where
+    measuring failed or there are none."""
+    if not args.report:
+        code = measure(args, out)
+        if code:
+            return code
+    rows = load(out)
+    if not rows:
+        print(f"no results in {out}")
+        return 1
+    return rows
+
+
+def lab_ready() -> bool:
+    """Whether the lab can run here (root and `tc`; else the reason on stderr); a SIGTERM then unwinds
+    the process, so the lab comes down on a kill too."""
+    from orchestrator import lab
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    try:
+        lab.check_privileges()
+    except lab.LabUnavailable as err:
+        print(f"error: {err}", file=sys.stderr)
+        return False
+    return True
+
+
 def measure(args, out: Path) -> int:
     import ray
 
@@ -391,11 +413,7 @@ def measure(args, out: Path) -> int:
     from orchestrator.config import config_from_dict
     from orchestrator.job import NAMESPACE, ensure_token_env
 
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: the lab comes down on a kill too
-    try:
-        lab.check_privileges()
-    except lab.LabUnavailable as err:
-        print(f"error: {err}", file=sys.stderr)
+    if not lab_ready():
         return 2
     done = {(r["policy"], r["network"], r["condition"], r.get("seed", 0)) for r in load(out)} if args.resume else set()
     seeds = [int(x) for x in args.seeds.split(",") if x.strip()]
