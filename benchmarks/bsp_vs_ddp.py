@@ -40,8 +40,7 @@ import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 from algorithms.sampler import GlobalSampler, split_for_rank  # noqa: E402
-from benchmarks.common import PeakRSS, ddp_store  # noqa: E402
-from core.factory import check_factory  # noqa: E402
+from benchmarks.common import PeakRSS, ddp_store, peer_workload  # noqa: E402
 
 WORKERS, BUCKET_MB, SEED = 2, 25.0, 0
 WINDOW = (50, 550)
@@ -55,15 +54,8 @@ WORKLOADS = {
 
 def build(name: str):
     """The workload (seeded as a job seeds it) and a factory of torch's own optimizer for it (what a DDP
-    user writes)."""
-    w = WORKLOADS[name]
-    torch.manual_seed(SEED)
-    workload = check_factory(w["factory"])(**w["params"])
-    o = dict(w["optimizer"])
-    if o.pop("name") == "sgd":
-        return workload, lambda params: torch.optim.SGD(params, foreach=False, **o)
-    o["betas"] = tuple(o["betas"])
-    return workload, lambda params: torch.optim.AdamW(params, foreach=False, **o)
+    user writes), its per-tensor loop as on the job's side."""
+    return peer_workload(WORKLOADS[name], SEED, foreach=False)
 
 
 def batch_of(data, ids: torch.Tensor):

@@ -1,5 +1,5 @@
 """What the benchmarks share: the peak resident set of a job's worker processes, sampled the same
-way on every side of a comparison."""
+way on every side of a comparison; a benchmark's workload built for a peer (DDP, Ray Train)."""
 from __future__ import annotations
 
 import os
@@ -7,6 +7,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -71,3 +72,21 @@ def ddp_store(rank: int, out_dir: str, world: int):
             raise TimeoutError("rank 0 never published its store port")
         time.sleep(0.01)
     return dist.TCPStore("127.0.0.1", int(path.read_text()), world, False)
+
+
+def peer_workload(spec: dict, seed: int, **optimizer_options: Any) -> tuple[Any, Callable[[Any], Any]]:
+    """A benchmark's workload (`spec`: its `factory`, `params` and `optimizer` as a job's config gives
+    them), seeded as a job seeds it, and a factory of torch's own optimizer for it: what a peer's user
+    (DDP, Ray Train) writes. `optimizer_options` go to the optimizer as well (`foreach=False`)."""
+    import torch
+
+    from core.factory import check_factory
+
+    torch.manual_seed(seed)
+    workload = check_factory(spec["factory"])(**spec["params"])
+    options = dict(spec["optimizer"], **optimizer_options)
+    if options.pop("name") == "sgd":
+        return workload, lambda params: torch.optim.SGD(params, **options)
+    if "betas" in options:
+        options["betas"] = tuple(options["betas"])
+    return workload, lambda params: torch.optim.AdamW(params, **options)

@@ -38,7 +38,7 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 
 from algorithms.sampler import GlobalSampler, split_for_rank  # noqa: E402
-from core.factory import check_factory  # noqa: E402
+from benchmarks.common import peer_workload  # noqa: E402
 from testkit.harness import wait_until  # noqa: E402
 
 SEED = 0
@@ -150,12 +150,10 @@ def _ray_train_loop(config: dict) -> None:
     from ray.train import Checkpoint
 
     torch.set_num_threads(1)
-    torch.manual_seed(SEED)
     w = WORKLOADS[config["workload"]]
-    workload = check_factory(w["factory"])(**w["params"])
+    workload, make_opt = peer_workload(w, SEED)
     model = ray.train.torch.prepare_model(workload.model)
-    o = dict(w["optimizer"])
-    opt = (torch.optim.SGD if o.pop("name") == "sgd" else torch.optim.AdamW)(model.parameters(), **o)
+    opt = make_opt(model.parameters())
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     start = 0
