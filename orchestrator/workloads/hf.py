@@ -28,7 +28,7 @@ from torch.utils.data import Dataset, TensorDataset
 
 from core.factory import check_factory
 from orchestrator.workloads import Workload
-from orchestrator.workloads.lm import VOCAB, eval_windows, text_arrays, windows
+from orchestrator.workloads.lm import VOCAB, eval_windows, mean_loss, text_arrays, windows
 
 try:
     import transformers
@@ -50,17 +50,9 @@ def own_loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
     return loss.float() if loss.dtype in (torch.float16, torch.bfloat16) else loss
 
 
-@torch.no_grad()
 def held_out_loss(model: torch.nn.Module, data: Dataset, batch: int = 32) -> dict:
     rows = data.tensors[0] if isinstance(data, TensorDataset) else torch.stack([_rows(data[i]) for i in range(len(data))])
-    was_training = model.training
-    model.eval()
-    total = 0.0
-    for i in range(0, len(rows), batch):
-        chunk = rows[i:i + batch]
-        total += float(own_loss(model, (chunk,))) * len(chunk)
-    model.train(was_training)
-    loss = total / max(len(rows), 1)
+    loss = mean_loss(model, rows, own_loss, batch)
     return {"eval_loss": loss, "perplexity": math.exp(min(loss, 50.0))}
 
 

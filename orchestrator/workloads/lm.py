@@ -24,9 +24,11 @@ import hashlib
 import math
 import os
 import sysconfig
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -198,17 +200,21 @@ def next_byte_loss(model: nn.Module, batch) -> torch.Tensor:
 
 
 @torch.no_grad()
-def held_out_loss(model: nn.Module, data: TensorDataset, batch: int = 32) -> dict:
-    (rows,) = data.tensors
+def mean_loss(model: nn.Module, rows: torch.Tensor, loss: Callable[[nn.Module, Any], torch.Tensor],
+              batch: int = 32) -> float:
+    """`loss` over `rows` in eval mode, in chunks of `batch` rows, each chunk weighted by its rows."""
     was_training = model.training
     model.eval()
-    total, count = 0.0, 0
+    total = 0.0
     for i in range(0, len(rows), batch):
         chunk = rows[i:i + batch]
-        total += float(next_byte_loss(model, (chunk,))) * len(chunk)
-        count += len(chunk)
+        total += float(loss(model, (chunk,))) * len(chunk)
     model.train(was_training)
-    loss = total / max(count, 1)
+    return total / max(len(rows), 1)
+
+
+def held_out_loss(model: nn.Module, data: TensorDataset, batch: int = 32) -> dict:
+    loss = mean_loss(model, data.tensors[0], next_byte_loss, batch)
     return {"eval_loss": loss, "perplexity": math.exp(min(loss, 50.0)), "bits_per_byte": loss / math.log(2)}
 
 
