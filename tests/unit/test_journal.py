@@ -79,3 +79,26 @@ def test_a_checkpoint_is_verified_before_it_is_read(tmp_path):
 def test_fired_faults_outlive_the_journal(tmp_path):
     Journal(tmp_path, keep_checkpoints=1).fault_fired(2)
     assert Journal(tmp_path, keep_checkpoints=1).fired_faults == {2}
+
+
+def test_a_torn_last_line_does_not_swallow_the_first_record_after_a_restart(tmp_path):
+    """A SIGKILL (or a mirror copy) can leave an appended file ending mid-line; a restarted coordinator
+    appends to it. The fragment is cut on open, so the next record is a line of its own, not glued onto
+    the fragment (read back as garbage and skipped: the record the restart re-collected would be lost)."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "history.jsonl").write_text('{"step": 1}\n{"step": 2}\n{"ste')
+    (run / "events.jsonl").write_text('{"time": 1.0, "kind": "info", "reason": "a"}\n{"time": 2.0, "ki')
+    journal = Journal(run, keep_checkpoints=1)
+    history = journal.open_history("server", written_step=2)
+    history.offer({"step": 3, "time": 3.0})
+    journal.event("info", "after the restart")
+    journal.step_times({"w0": 0.1})
+    journal.close()
+    assert [r["step"] for r in runfiles.read_jsonl(run / "history.jsonl")] == [1, 2, 3]
+    assert [e["reason"] for e in runfiles.read_jsonl(run / "events.jsonl")] == ["a", "after the restart"]
+    (run / "step_times.jsonl").write_bytes((run / "step_times.jsonl").read_bytes() + b'{"time": 9, "st')
+    journal = Journal(run, keep_checkpoints=1)
+    journal.step_times({"w0": 0.2})
+    journal.close()
+    assert [r["step_s"]["w0"] for r in runfiles.read_jsonl(run / "step_times.jsonl")] == [0.1, 0.2]
