@@ -17,6 +17,7 @@ import sys
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+from actors import runfiles
 from actors.ledger import CommittedLedger
 
 
@@ -27,7 +28,7 @@ class History:
         self.reporter = reporter
         self.ledger = CommittedLedger(written_step=written_step)
         self.member_steps: dict[str, int] = {}
-        self._file = open(path, "a", encoding="utf-8")
+        self._file = runfiles.open_appended(path)
         self._note = note
         self._batched = False
 

@@ -37,7 +37,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from actors import collective
+from actors import collective, runfiles
 from actors.comm import BaseCommunicator, CommError, GroupSpec, NoGroup, form_in_thread, make_communicator
 from actors.entry import enter
 from actors.faults import WorkerFaults
@@ -155,7 +155,7 @@ class Replica:
         self._samples = None
         if self.cfg.faults.record_samples and self.algorithm.reporter != "server":  # the server writes what it applies
             os.makedirs(os.path.join(spec.run_dir, "samples"), exist_ok=True)
-            self._samples = open(os.path.join(spec.run_dir, "samples", f"{self.slot}.txt"), "a", encoding="utf-8")
+            self._samples = runfiles.open_appended(os.path.join(spec.run_dir, "samples", f"{self.slot}.txt"))
 
     # ------------------------------------------------------------------ control (any thread)
     def ready(self, fired_faults: tuple[int, ...] = ()) -> dict:

@@ -14,7 +14,7 @@ import tempfile
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO, TextIO
 
 KV_NAMESPACE = "orchestrator"
 log = logging.getLogger(__name__)
@@ -127,6 +127,40 @@ class BackgroundWriter:
                 self._cond.notify_all()
             if error is None and self.written is not None:
                 self.written()
+
+
+def open_appended(path: Path | str) -> TextIO:
+    """An appended JSON-lines file, opened to append: a torn last line (a crash, or a copy taken
+    mid-write, ended it without its newline) is cut off first, so the next record starts a line of its
+    own instead of being glued onto the fragment and lost with it."""
+    path = Path(path)
+    try:
+        with open(path, "rb+") as f:
+            size = f.seek(0, os.SEEK_END)
+            if size:
+                f.seek(max(0, size - 1))
+                if f.read(1) != b"\n":
+                    keep = _last_newline_end(f, size)
+                    log.warning("%s: cutting a torn last line (%d bytes) before appending", path, size - keep)
+                    f.truncate(keep)
+                    f.flush()
+                    os.fsync(f.fileno())
+    except FileNotFoundError:
+        pass
+    return open(path, "a", encoding="utf-8")
+
+
+def _last_newline_end(f: BinaryIO, size: int, chunk: int = 1 << 16) -> int:
+    """The offset just past the file's last newline (0 when it has none), read backwards by chunks."""
+    end = size
+    while end > 0:
+        start = max(0, end - chunk)
+        f.seek(start)
+        at = f.read(end - start).rfind(b"\n")
+        if at >= 0:
+            return start + at + 1
+        end = start
+    return 0
 
 
 def read_json(path: Path, default: Any = None) -> Any:

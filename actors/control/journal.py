@@ -58,7 +58,7 @@ class Journal:
         self.count = 0
         """The events this run has recorded, over every coordinator incarnation: an event's number is its
         line in events.jsonl (what `since` and `ElasticJob.wait_for` count by)."""
-        self._events = open(run_dir / "events.jsonl", "a", encoding="utf-8")
+        self._events = runfiles.open_appended(run_dir / "events.jsonl")
         self._saver = runfiles.BackgroundWriter(run_dir / SAVED, written=lambda: self.put(SAVED))
         self._state_file_error = ""
         """The state file's last write failure that an event already reported."""
@@ -161,7 +161,7 @@ class Journal:
         if not times:
             return
         if self._step_times is None:
-            self._step_times = open(self.run_dir / "step_times.jsonl", "a", encoding="utf-8")
+            self._step_times = runfiles.open_appended(self.run_dir / "step_times.jsonl")
         self._step_times.write(json.dumps({"time": time.time(), "step_s": times}) + "\n")
         self._step_times.flush()
 
