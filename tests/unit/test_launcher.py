@@ -127,3 +127,26 @@ def test_the_first_members_wait_placed_workers_out_and_name_what_cannot_be_place
         h2.group.place()
         assert await waiting == ("w0", "w1")
     asyncio.run(scenario())
+
+
+def test_the_first_members_fail_at_once_when_every_slot_started_is_retired(monkeypatch):
+    """Every worker's start raises (the workload's constructor): once each started slot is retired by
+    its budget, nothing can ever become ready, so the wait ends with the first worker's error (the job
+    ends FAILED) instead of sitting in STARTING; free slots above `count` (max 4 here) are not a reason to
+    wait, since nothing starts them before the first plan."""
+    monkeypatch.setattr("actors.control.launcher.RESTART_AFTER_S", 0.01)
+    async def scenario():
+        h = Harness(budget=2)
+        h.group.start_failures["w0"] = "ValueError: the workload cannot be built"
+        h.group.start_failures["w1"] = "ValueError: the workload cannot be built"
+        h.launcher.spawn(["w0", "w1"], "initial membership", "start")
+        try:  # the bound is the mechanism under test (a wait that never ends), with a wide margin
+            await asyncio.wait_for(h.launcher.first_members(lambda unplaced, cause: None), 30)
+        except asyncio.TimeoutError:
+            raise AssertionError("still waiting for workers 30 s after every slot was retired") from None
+        except RuntimeError as err:
+            assert "ValueError: the workload cannot be built" in str(err), err
+            assert "w0" in str(err) and "w1" in str(err)
+        else:
+            raise AssertionError("no member can be ready, yet the first members were returned")
+    asyncio.run(scenario())
