@@ -36,7 +36,7 @@ from actors.control.book import MembershipBook
 from actors.control.endings import wrap_up
 from actors.control.feed import Feed
 from actors.control.journal import Journal
-from actors.control.launcher import Launcher
+from actors.control.launcher import Launcher, NoWorkerCanStart
 from actors.control.publisher import Publisher
 from actors.control.restart import reattach, records_since, resume
 from actors.control.spares import SparePool
@@ -334,6 +334,9 @@ class Coordinator(Actions):
                                            tokens_per_s=self.journal.tokens_throughput())
                 if ticked is not None:  # once a second
                     self.journal.step_times(ticked)
+        except NoWorkerCanStart as err:  # the workers' own error is the cause, not the coordinator's
+            if not self.state.terminal:
+                await self.end(JobState.FAILED, str(err))
         except Exception as err:  # noqa: BLE001 - the job fails with the cause, never hangs
             if not self.state.terminal:
                 await self.end(JobState.FAILED, f"coordinator error: {type(err).__name__}: {err}",

@@ -102,7 +102,28 @@ def describe(err: BaseException) -> str:
     cause = getattr(err, "cause", None)
     if isinstance(cause, BaseException):
         return f"{type(cause).__name__}: {first_line(cause)}"
+    text = str(err)
+    if CREATION_FAILED in text:  # the actor's constructor raised: Ray keeps only the text of its traceback
+        raised = _raised_line(text)
+        if raised:
+            return f"its constructor raised {raised}"
     return first_line(err)
+
+
+CREATION_FAILED = "raised in its creation task"
+
+
+def _raised_line(traceback_text: str) -> str:
+    """`Type: message` (its first line) of the exception a traceback's text ends with: the first line at
+    column 0 after the last frame ("  File ...", then the frame's indented source line)."""
+    lines = traceback_text.splitlines()
+    frames = [i for i, line in enumerate(lines) if line.startswith("  File ")]
+    if not frames:
+        return ""
+    for line in lines[frames[-1] + 1:]:
+        if line.strip() and not line.startswith(" "):
+            return line.strip()[:500]
+    return ""
 
 
 def is_placed(handle) -> bool | None:

@@ -60,15 +60,16 @@ def ensure_token_env() -> None:
         os.environ["RAY_AUTH_MODE"] = "token"
 
 
-def connect(config: JobConfig | None = None, address: str | None = None, start_local: bool = True) -> None:
-    """Reuse an existing connection; else connect to `address`; else start a local Ray."""
+def connect(config: JobConfig | None = None, address: str | None = None, start_local: bool = True) -> bool:
+    """Reuse an existing connection; else connect to `address`; else start a local Ray. True when this
+    call started a local Ray (no autoscaler: what it has is all there will be)."""
     if ray.is_initialized():
-        return
+        return False
     ensure_token_env()
     address = address or (config.ray.address if config else None) or os.environ.get("RAY_ADDRESS")
     if address:
         ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, logging_level="ERROR")
-        return
+        return False
     if not start_local:
         raise OrchestratorError("no Ray cluster to attach to: pass --address or set RAY_ADDRESS")
     workers = config.workers if config else None
@@ -79,6 +80,19 @@ def connect(config: JobConfig | None = None, address: str | None = None, start_l
     # address connects there, and fails for num_cpus, or lands on a cluster that is not this job's)
     ray.init(address="local", num_cpus=num_cpus, namespace=NAMESPACE, log_to_driver=False, include_dashboard=False,
              logging_level="ERROR")
+    return True
+
+
+def check_local_resources(config: JobConfig, total: dict) -> None:
+    """A local Ray this job started has no autoscaler: a worker asking for a resource the machine lacks
+    (`workers.gpus` with no GPU here) could never be placed, and the job would wait PAUSED for ever.
+    ConfigError naming the key, what one worker asks and what the machine has."""
+    w = config.workers
+    for key, wanted, name in (("workers.gpus", w.gpus, "GPU"),):
+        if wanted and total.get(name, 0) < wanted * w.min:
+            raise ConfigError(f"{key}: each worker asks for {wanted:g} {name}s and workers.min = {w.min}, but the "
+                              f"local Ray this job started has {total.get(name, 0):g} {name}s and no autoscaler "
+                              f"to add any: run on a cluster that has them (ray.address, RAY_ADDRESS) or set {key}: 0")
 
 
 def job_root(config: JobConfig) -> Path:
@@ -157,7 +171,12 @@ class ElasticJob:
                     if self.storage.remote else None)
             else:
                 self.config, self.policy_choice, _ = choose(self.config)
-        connect(self.config)
+        if connect(self.config):
+            try:
+                check_local_resources(self.config, ray.cluster_resources())
+            except ConfigError:
+                ray.shutdown()  # the local Ray this call started goes with the refusal
+                raise
         _warn_local_storage(self.config)
         old = _find_coordinator(self.name)
         if old is not None:

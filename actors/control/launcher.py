@@ -19,7 +19,6 @@ from actors.control.spares import SparePool
 from actors.control.workers import WorkerGroup
 from actors.members import Member, describe, log
 from actors.plan import WorkerSpec
-from algorithms.membership import free_slots
 from algorithms.supervision import JobState, MemberState
 
 S = MemberState
@@ -27,6 +26,11 @@ RESTART_AFTER_S = 1.0
 """A slot whose start failed (within its budget) is started again after this pause."""
 NAME_RELEASE_TRIES = 200
 NAME_RELEASE_WAIT_S = 0.05
+
+
+class NoWorkerCanStart(RuntimeError):
+    """Every slot the job started was retired before any plan: the job cannot begin (its reason names
+    the first worker's error)."""
 
 
 class Launcher:
@@ -44,6 +48,8 @@ class Launcher:
         self._state, self._may_start, self._admit = state, may_start, admit
         self.started = started
         """Worker starts so far."""
+        self._restarting: set[str] = set()
+        """Slots whose failed start waits its pause before the next try."""
         self._hold: asyncio.Task | None = None
 
     def spawn(self, slots: list[str], reason: str, detector: str) -> None:
@@ -119,11 +125,20 @@ class Launcher:
             waited = time.monotonic() - started
             if len(ready) >= w.count or (len(ready) >= w.min and waited >= w.start_grace_s):
                 return ready
-            if not self.book.slots_in(S.STARTING, S.READY) and not free_slots(w.max, set(), set(self.book.retired), 1):
-                raise RuntimeError(f"no slot left to start: {'; '.join(self.book.retired.values())}")
+            if not self.book.slots_in(S.STARTING, S.READY) and not self._restarting:
+                # nothing is starting and nothing starts before the first plan: no member can ever come
+                raise NoWorkerCanStart(self._why_none_started(len(ready)))
             if len(ready) < w.min and waited >= w.pause_after_s:
                 starting(*await self._placement(len(ready)))
             await asyncio.sleep(0.1)
+
+    def _why_none_started(self, up: int) -> str:
+        w = self.book.cfg.workers
+        retired = self.book.retired
+        first = next(iter(retired.values()), "")
+        cause = first.split("; last: ", 1)[-1] if first else "no worker was started"
+        return (f"no worker could start ({up} of workers.min = {w.min} up; slots {', '.join(sorted(retired)) or 'none'} "
+                f"retired by their failure budget): {cause}")
 
     async def _placement(self, up: int) -> tuple[bool, str]:
         w = self.book.cfg.workers
@@ -168,7 +183,11 @@ class Launcher:
             self.book.depart(member, self.group.actor_id(member.handle))
             self.group.kill(member.handle)  # its resources and its name go: the next start of the slot needs them
             self._note("failure", cause, slot=slot, detector="start", failures=self.book.failures[slot])
-            await asyncio.sleep(RESTART_AFTER_S)
-            if self._may_start():
-                self.spawn([slot], f"restart {slot} after: {cause}", "replacement")
+            self._restarting.add(slot)
+            try:
+                await asyncio.sleep(RESTART_AFTER_S)
+                if self._may_start():
+                    self.spawn([slot], f"restart {slot} after: {cause}", "replacement")
+            finally:
+                self._restarting.discard(slot)
         return False

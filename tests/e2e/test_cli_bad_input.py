@@ -163,3 +163,19 @@ def test_subprocess_exit_code_and_no_ray_session(tmp_path):
     assert proc.stderr.strip().count("\n") == 0 and "workers.count" in proc.stderr
     assert proc.stdout == ""
     assert not any(ray_tmp.iterdir()) and not (tmp_path / "runs").exists()
+
+
+def test_a_gpu_the_local_ray_lacks_is_refused_at_once_not_waited_for(tmp_path):
+    """`--set workers.gpus=1` on a machine without a GPU, with the local Ray the run starts itself (no
+    autoscaler can add one): exit 2 at once, naming the key, what a worker asks and what the machine
+    has, instead of `[paused] ... world 0` until killed."""
+    good = tmp_path / "job.yaml"
+    good.write_text(GOOD)
+    env = dict(os.environ, HOME=str(tmp_path), ORCHESTRATOR_RUN_ROOT=str(tmp_path / "runs"), CUDA_VISIBLE_DEVICES="")
+    env.pop("RAY_ADDRESS", None)
+    # the bound is on the test only: the wait this guards against never ends
+    proc = subprocess.run([sys.executable, "-m", "orchestrator", "run", str(good), "--set", "workers.gpus=1"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, (proc.returncode, proc.stdout[-500:], proc.stderr[-500:])
+    assert proc.stderr.strip().count("\n") == 0, proc.stderr
+    assert "workers.gpus" in proc.stderr and "has 0 GPUs" in proc.stderr, proc.stderr

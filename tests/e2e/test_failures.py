@@ -100,3 +100,32 @@ def test_user_exception_fails_job_with_traceback(run_root):
     assert "InjectedFault" in failure["detail"]["traceback"] and "Traceback" in failure["detail"]["traceback"]
     assert "w2" in result.cause
     assert_gone(pids)
+
+
+BROKEN_FACTORY = '''
+def build(cfg):
+    raise ValueError("the workload cannot be built: no such column 'label'")
+'''
+
+
+def test_a_workload_that_cannot_start_in_any_worker_fails_the_job_with_its_error(run_root, tmp_path, monkeypatch):
+    """Every worker's constructor raises: each slot is retired by its failure budget, and then nothing can
+    ever start, so the job ends FAILED (not STARTING for ever) with the workers' own exception, type and
+    message, in its cause and events."""
+    (tmp_path / "broken_workload.py").write_text(BROKEN_FACTORY)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)  # the workers import from the driver's working directory
+    cfg = config_from_dict(paced({
+        "name": "cannot-start",
+        "workload": {"factory": "broken_workload:build", "batch_size": 16},
+        "stop": {"max_steps": 10}, "eval_every": 0,
+        "workers": {"count": 2, "max": 4, "cpus": 0.5, "failure_budget": 2},
+    }))
+    job = ElasticJob(cfg).start()
+    result = job.wait(timeout=120)  # a bound on the test only: the hang this guards against never ends
+    failed = [e for e in job.events() if e.get("state_to") == "FAILED"]
+    print(f"cannot start -> FAILED in {failed[0]['time'] - job.events()[0]['time']:.1f}s" if failed else "")
+    assert result.state == "FAILED", (result.state, result.cause)
+    assert "ValueError: the workload cannot be built: no such column 'label'" in result.cause, result.cause
+    assert "no worker could start" in result.cause
+    assert any("ValueError: the workload cannot be built" in e["reason"] for e in job.events() if e["kind"] == "failure")
