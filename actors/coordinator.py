@@ -30,7 +30,7 @@ from typing import Any
 
 import ray
 
-from actors import runfiles
+from actors import checkpoints, runfiles
 from actors.control.admission import Admission
 from actors.control.book import MembershipBook
 from actors.control.endings import wrap_up
@@ -104,7 +104,9 @@ class Coordinator(Actions):
         storage, run_key = run_storage(self.cfg.storage, self.run_dir)
         mirror = RunMirror(storage, run_key, self.run_dir) if storage.remote else None
         self.journal = Journal(self.run_dir, self.cfg.checkpoint.keep, storage, run_key, mirror,
-                               restarted=self.group.reconstructed, store_delay_s=self.cfg.faults.checkpoint_store_s)
+                               restarted=self.group.reconstructed, store_delay_s=self.cfg.faults.checkpoint_store_s,
+                               fingerprint=checkpoints.fingerprint(self.cfg.workload.factory, self.cfg.workload.params),
+                               store_fails_s=self.cfg.faults.checkpoint_fail_s)
         self.metrics = JobMetrics(Exporter(self.name, run_id, self.cfg.sync.policy, self.cfg.tracking.metrics,
                                            self.group.metric), self.algorithm.kind)
         self.journal.listeners.append(self.metrics)
@@ -605,7 +607,8 @@ class Coordinator(Actions):
                          started_at=self.started_at, ended_at=self.ended_at,
                          stragglers={slot: round(r, 3) for slot, r in self.supervisor.stragglers.current.items()},
                          server=dict(self.server.summary, restarts=self.server.restarts) if self.server else {},
-                         topology=topology_status(getattr(self.cfg.sync, "topology", None), plan), spares=self.spares.status())
+                         topology=topology_status(getattr(self.cfg.sync, "topology", None), plan), spares=self.spares.status(),
+                         checkpoint=self.journal.checkpoint_status())
 
 
 CoordinatorActor = ray.remote(num_cpus=0)(Coordinator)

@@ -27,6 +27,17 @@ def fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+def checkpoint_line(checkpoint: dict, now: float | None = None) -> str:
+    """"last durable checkpoint: step N, 12s ago; 3 failed tries to store one" ("" before any)."""
+    if not checkpoint:
+        return ""
+    age = (now if now is not None else time.time()) - checkpoint["time"] if "time" in checkpoint else None
+    line = (f"last durable checkpoint: step {checkpoint['step']}, {age:.0f}s ago" if age is not None
+            else "last durable checkpoint: none yet")
+    failures = checkpoint.get("failures", 0)
+    return line + (f"; {failures} failed tries to store one (checkpoint_failed events)" if failures else "")
+
+
 def status_html(status: JobStatus, events: tuple[dict, ...] = (), max_steps: int | None = None) -> str:
     color = COLORS.get(status.state, "#424242")
     head = (f'<b>{_e(status.name)}</b> <span style="color:{color};font-weight:bold">{_e(status.state)}</span> '
@@ -42,6 +53,9 @@ def status_html(status: JobStatus, events: tuple[dict, ...] = (), max_steps: int
                      f'<div style="background:{color};width:{done:.1f}%;height:8px"></div></div>')
     if status.cause:
         parts.append(f'<div style="color:#c62828">cause: {_e(status.cause)}</div>')
+    if status.checkpoint:
+        failed = status.checkpoint.get("failures", 0)
+        parts.append(f'<div style="color:{"#c62828" if failed else "#424242"}">{_e(checkpoint_line(status.checkpoint))}</div>')
     rows = "".join(
         f'<tr><td style="{CELL}">{_e(m.slot)}</td><td style="{CELL}">{m.rank if m.rank >= 0 else "-"}</td>'
         f'<td style="{CELL}">{_e(m.state)}</td><td style="{CELL}">{m.pid or "-"}</td>'

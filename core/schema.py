@@ -702,9 +702,12 @@ class FaultsConfig:
     `samples/<slot>.txt` (tests); a step counts in the epoch that history gives for it."""
     checkpoint_store_s: float = 0.0
     """Storing each checkpoint takes at least this long (a slow upload), off the coordinator's event loop."""
+    checkpoint_fail_s: float = 0.0
+    """Every try to store a checkpoint fails for this long after the coordinator starts (a store that is
+    down): each failure is a `checkpoint_failed` event, and the try is made again with backoff."""
 
     def __post_init__(self) -> None:
-        for knob in ("comm_latency_s", "checkpoint_store_s"):
+        for knob in ("comm_latency_s", "checkpoint_store_s", "checkpoint_fail_s"):
             if getattr(self, knob) < 0:
                 raise FieldError(knob, f"must not be negative, got {getattr(self, knob)}")
 
@@ -1100,6 +1103,9 @@ class JobStatus:
     spares: tuple[dict, ...] = ()
     """Hot spares (`workers.spares`): name, state (starting or ready), pid, node and started_at (time.time())
     of each."""
+    checkpoint: dict = field(default_factory=dict)
+    """The last durable checkpoint of this run: `step` and `time` (time.time()) once one is stored, and
+    `failures`, the tries to store one that failed (each a `checkpoint_failed` event); empty before any."""
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -18,6 +18,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from core.display import checkpoint_line
 from core.schema import ConfigError, JobStatus, OrchestratorError
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_STOPPED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
@@ -267,6 +268,8 @@ def format_status(status: JobStatus) -> str:
         lines.append(f"cause: {status.cause}")
     if status.loss is not None:
         lines.append(f"loss {status.loss:.4f}" + (f", {status.throughput:.1f} steps/s" if status.throughput else ""))
+    if status.checkpoint:
+        lines.append(checkpoint_line(status.checkpoint))
     lines.append(f"{'slot':<6}{'rank':>5}  {'state':<10}{'pid':>8}  node")
     for m in status.members:
         lines.append(f"{m.slot:<6}{m.rank:>5}  {m.state:<10}{m.pid:>8}  {m.node}" + (f"  ({m.cause})" if m.cause else ""))

@@ -21,7 +21,7 @@ from typing import Any, TextIO
 from actors import checkpoints, runfiles
 from actors.history import History
 from actors.mirror import RunMirror
-from actors.storage import Storage, open_storage, run_storage
+from actors.storage import Storage, first_line, open_storage, run_storage
 from core.schema import Event
 
 log = logging.getLogger(__name__)
@@ -31,21 +31,34 @@ EVENTS_KEPT = 1000
 RESHAPES_SHOWN = 20
 """The newest reshapes in status (as with departed members)."""
 THROUGHPUT_WINDOW_S = 5.0
+CHECKPOINT_RETRIES_S = (1.0, 2.0, 4.0, 8.0)
+"""A checkpoint whose storing fails is tried again after each of these pauses, then given up (an event
+each time: `checkpoint_failed`); the job trains on either way."""
 
 
 class Journal:
     """One run directory: events, history, the state file, checkpoints, and the progress they show."""
 
     def __init__(self, run_dir: Path, keep_checkpoints: int, storage: Storage | None = None, run_key: str = "",
-                 mirror: RunMirror | None = None, restarted: bool = False, store_delay_s: float = 0.0) -> None:
+                 mirror: RunMirror | None = None, restarted: bool = False, store_delay_s: float = 0.0,
+                 fingerprint: tuple[str, str] | None = None, store_fails_s: float = 0.0) -> None:
         """`storage` and `run_key`: where checkpoints go and `--resume` reads from (default: the run
         folder's grandparent, the local run root, and `<job>/<run id>`). `mirror`: the remote copy of
         the run folder (storage: an object store); a `restarted` coordinator first copies down what it
         holds that this node's folder lacks (Ray may restart it on another node). `store_delay_s`:
-        each checkpoint's storing takes at least this long (`faults.checkpoint_store_s`, tests)."""
+        each checkpoint's storing takes at least this long (`faults.checkpoint_store_s`, tests);
+        `store_fails_s`: every storing fails for this long after the journal opens (`faults.checkpoint_fail_s`).
+        `fingerprint`: (fingerprint, description) of the workload, kept in each checkpoint's manifest."""
         self.run_dir = run_dir
         self.keep_checkpoints = keep_checkpoints
         self.store_delay_s = store_delay_s
+        self.store_fails_until = time.time() + store_fails_s if store_fails_s else 0.0
+        self.fingerprint = fingerprint
+        self._storing: asyncio.Lock | None = None  # one checkpoint stored at a time (made on the event loop)
+        self.checkpoint_failures = 0
+        """Tries to store a checkpoint that failed (each one an event)."""
+        self.durable: tuple[int, float] | None = None
+        """(step, time) of the newest checkpoint this run stored (status: the last durable checkpoint)."""
         if storage is None:
             storage, run_key = run_storage(None, run_dir)
         self.storage, self.run_key, self.mirror = storage, run_key, mirror
@@ -235,18 +248,53 @@ class Journal:
         """The injected faults that fired in this run (a new worker skips them)."""
         return tuple(sorted(self.fired_faults))
 
-    async def save_checkpoint(self, step: int, blob: bytes, note: str = "") -> str:
-        """To the storage (an upload, for an object store), in a thread: the event loop goes on."""
+    async def save_checkpoint(self, step: int, blob: bytes, note: str = "") -> str | None:
+        """To the storage (an upload, for an object store), in a thread: the event loop goes on. One at a
+        time (a slow store holds the next blob back instead of piling uploads up in memory). A failure is
+        an event (`checkpoint_failed`) and is tried again after each of `CHECKPOINT_RETRIES_S`; past
+        them the checkpoint is given up (None), and the job trains on: status shows the last durable one."""
         def store() -> str:
             if self.store_delay_s:
                 time.sleep(self.store_delay_s)
+            if time.time() < self.store_fails_until:
+                raise OSError(f"injected: storing checkpoints fails until {self.store_fails_until - time.time():.1f}s "
+                              f"from now (faults.checkpoint_fail_s)")
+            fingerprint, workload = self.fingerprint or (None, "")
             return checkpoints.save((self.storage, self.run_key), step, blob, self.keep_checkpoints,
-                                    self.run_key.rsplit("/", 1)[-1])
-        location = await asyncio.to_thread(store)
-        self.event("checkpoint", note or f"checkpoint at step {step}", step=step, path=location, bytes=len(blob))
+                                    self.run_key.rsplit("/", 1)[-1], fingerprint, workload)
+        if self._storing is None:
+            self._storing = asyncio.Lock()
+        async with self._storing:
+            for attempt, pause in enumerate((*CHECKPOINT_RETRIES_S, None), start=1):
+                started = time.monotonic()
+                try:
+                    location = await asyncio.to_thread(store)
+                    break
+                except Exception as err:  # noqa: BLE001 - any failure of the store is reported and tried again
+                    self.checkpoint_failures += 1
+                    error = f"{type(err).__name__}: {first_line(err)}"
+                    self.event("checkpoint_failed",
+                               f"checkpoint at step {step} could not be stored (try {attempt}): {error}; "
+                               + (f"trying again in {pause:g}s" if pause is not None else
+                                  "given up: the job trains on, and a restart would go back to "
+                                  + (f"step {self.durable[0]}" if self.durable else "the start")),
+                               step=step, error=error, attempt=attempt, retry=pause is not None, bytes=len(blob))
+                    if pause is None:
+                        return None
+                    await asyncio.sleep(pause)
+            seconds = time.monotonic() - started
+        self.event("checkpoint", note or f"checkpoint at step {step}", step=step, path=location, bytes=len(blob),
+                   seconds=round(seconds, 3), attempts=attempt)
         if self.checkpoint is None or step >= self.checkpoint[0]:
             self.checkpoint = (step, location)
+        if self.durable is None or step >= self.durable[0]:
+            self.durable = (step, time.time())
         return location
+
+    def checkpoint_status(self) -> dict:
+        """Status's `checkpoint`: the last durable one (step, time) and the failed tries to store one."""
+        out: dict = {"step": self.durable[0], "time": self.durable[1]} if self.durable else {}
+        return dict(out, failures=self.checkpoint_failures) if out or self.checkpoint_failures else out
 
     async def read_checkpoint(self, location: str) -> bytes:
         """The checkpoint's bytes, once its manifest (size, sha256) checks out; raises with the problem."""

@@ -18,6 +18,12 @@ def blob(step: int) -> bytes:
     return buf.getvalue()
 
 
+def data_of(run: Path, step: int) -> Path:
+    """The data object a step's manifest names (`step-N-<random>.pt`)."""
+    (data,) = (run / "checkpoints").glob(f"step-{step:08d}-*.pt")
+    return data
+
+
 def test_save_verify_and_find_newest(tmp_path):
     run = tmp_path / "job" / "run-a"
     for step in (20, 40, 60):
@@ -32,30 +38,30 @@ def test_truncated_newest_is_skipped_with_a_warning(tmp_path):
     run = tmp_path / "job" / "run-a"
     for step in (20, 40, 60):
         checkpoints.save(run, step, blob(step), keep=3)
-    newest = run / "checkpoints" / "step-00000060.pt"
+    newest = data_of(run, 60)
     newest.write_bytes(newest.read_bytes()[:100])
     warnings = []
     ref = checkpoints.newest_valid(tmp_path / "job", warn=warnings.append)
     assert ref.step == 40
-    assert len(warnings) == 1 and "step-00000060.pt" in warnings[0] and "bytes" in warnings[0]
+    assert len(warnings) == 1 and newest.name in warnings[0] and "bytes" in warnings[0]
 
 
 def test_corrupted_bytes_of_same_length_are_caught(tmp_path):
     run = tmp_path / "job" / "r"
     checkpoints.save(run, 10, blob(10), keep=3)
-    path = run / "checkpoints" / "step-00000010.pt"
+    path = data_of(run, 10)
     data = bytearray(path.read_bytes())
     data[-5] ^= 0xFF
     path.write_bytes(bytes(data))
-    assert "sha256" in checkpoints.verify(path.with_suffix(".json"))
+    assert "sha256" in checkpoints.verify(run / "checkpoints" / "step-00000010.json")
     assert checkpoints.newest_valid(tmp_path / "job", warn=lambda _: None) is None
 
 
 def test_keep_prunes_oldest_and_newest_run_wins_by_step(tmp_path):
     for step in (10, 20, 30, 40):
         checkpoints.save(tmp_path / "job" / "r1", step, blob(step), keep=2)
-    assert sorted(p.name for p in (tmp_path / "job" / "r1" / "checkpoints").glob("*.pt")) == [
-        "step-00000030.pt", "step-00000040.pt"]
+    assert sorted(p.name[:13] for p in (tmp_path / "job" / "r1" / "checkpoints").glob("*.pt")) == [
+        "step-00000030", "step-00000040"]
     checkpoints.save(tmp_path / "job" / "r2", 50, blob(50), keep=2)
     assert checkpoints.newest_valid(tmp_path / "job").run_id == "r2"
 

@@ -102,3 +102,47 @@ def test_a_torn_last_line_does_not_swallow_the_first_record_after_a_restart(tmp_
     journal.step_times({"w0": 0.2})
     journal.close()
     assert [r["step_s"]["w0"] for r in runfiles.read_jsonl(run / "step_times.jsonl")] == [0.1, 0.2]
+
+
+class FlakyStore:
+    """A local storage whose writes fail `fails` times (an S3 outage), then work."""
+
+    def __init__(self, inner, fails: int):
+        self.inner, self.fails, self.writes = inner, fails, 0
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def write(self, key, data):
+        self.writes += 1
+        if self.fails > 0:
+            self.fails -= 1
+            raise OSError("AWS Error SERVICE_UNAVAILABLE during PutObject operation: Please reduce your request rate.")
+        self.inner.write(key, data)
+
+
+def test_a_checkpoint_that_fails_to_store_is_an_event_and_is_tried_again(tmp_path, monkeypatch):
+    """A failed upload is not silent: each failed try is a `checkpoint_failed` event naming the step and
+    the error, the store is tried again with backoff, and status shows the last durable checkpoint."""
+    from actors.control import journal as journal_module
+    from actors.storage import open_storage
+
+    monkeypatch.setattr(journal_module, "CHECKPOINT_RETRIES_S", (0.01, 0.01, 0.01), raising=False)
+
+    async def scenario():
+        store = FlakyStore(open_storage(str(tmp_path / "store")), fails=2)
+        journal = Journal(tmp_path / "run", keep_checkpoints=2, storage=store, run_key="job/run")
+        location = await journal.save_checkpoint(7, b"x" * 100)
+        failed = [e for e in journal.events if e.kind == "checkpoint_failed"]
+        assert [e.detail["attempt"] for e in failed] == [1, 2], [e.reason for e in journal.events]
+        assert all(e.detail["step"] == 7 and "SERVICE_UNAVAILABLE" in e.detail["error"] for e in failed)
+        assert location is not None and await journal.read_checkpoint(location) == b"x" * 100
+        status = journal.checkpoint_status()
+        assert status["step"] == 7 and status["failures"] == 2, status
+        store.fails = 100  # down for good: given up after the last retry, the job goes on
+        assert await journal.save_checkpoint(9, b"y" * 100) is None
+        given_up = [e for e in journal.events if e.kind == "checkpoint_failed"][-1]
+        assert not given_up.detail["retry"] and "given up" in given_up.reason and "step 7" in given_up.reason
+        assert journal.checkpoint_status()["step"] == 7, "the last durable checkpoint is still step 7"
+        journal.close()
+    asyncio.run(scenario())
