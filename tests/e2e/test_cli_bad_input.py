@@ -179,3 +179,43 @@ def test_a_gpu_the_local_ray_lacks_is_refused_at_once_not_waited_for(tmp_path):
     assert proc.returncode == 2, (proc.returncode, proc.stdout[-500:], proc.stderr[-500:])
     assert proc.stderr.strip().count("\n") == 0, proc.stderr
     assert "workers.gpus" in proc.stderr and "has 0 GPUs" in proc.stderr, proc.stderr
+
+
+def _checkpoint(root: Path, run_id: str, step: int, params: dict) -> None:
+    from actors import checkpoints
+
+    fp, described = checkpoints.fingerprint("orchestrator.workloads.digits:mlp", params)
+    checkpoints.save(root / "ok" / run_id, step, f"state {run_id} {step}".encode(), keep=3, fingerprint=fp,
+                     workload=described)
+
+
+def _resumed_from(sandbox: dict, monkeypatch, argv: list[str], capsys) -> tuple[int, str, str]:
+    """What `run` would start from (the job itself is not started: `_run` is replaced)."""
+    chosen = {}
+    monkeypatch.setattr(cli, "_run", lambda config, args, resume_from: chosen.setdefault("from", resume_from) and 0)
+    code = cli.main(argv)
+    captured = capsys.readouterr()
+    return code, chosen.get("from") or "", captured.err
+
+
+def test_resume_continues_the_newest_run_not_an_older_one_that_got_further(sandbox, capsys, monkeypatch):
+    path = sandbox["cfg"] / "job.yaml"
+    path.write_text(GOOD)
+    _checkpoint(sandbox["root"], "20261101-100000-aaaa", 60, {})
+    _checkpoint(sandbox["root"], "20261102-100000-bbbb", 20, {})
+    code, chosen, err = _resumed_from(sandbox, monkeypatch, ["run", str(path), "--resume"], capsys)
+    assert code == 0 and "20261102-100000-bbbb" in chosen and "step-00000020-" in chosen, (chosen, err)
+    code, chosen, err = _resumed_from(sandbox, monkeypatch, ["run", str(path), "--resume", "20261101-100000-aaaa"], capsys)
+    assert code == 0 and "20261101-100000-aaaa" in chosen and "step-00000060-" in chosen, (chosen, err)
+
+
+def test_resume_refuses_a_checkpoint_of_another_workload_with_one_line(sandbox, capsys, monkeypatch):
+    path = sandbox["cfg"] / "job.yaml"
+    path.write_text(GOOD)
+    _checkpoint(sandbox["root"], "20261101-100000-aaaa", 60, {"hidden": 256})  # GOOD's model has the default width
+    code, chosen, err = _resumed_from(sandbox, monkeypatch, ["run", str(path), "--resume"], capsys)
+    assert code == 2 and not chosen
+    assert_one_line(err, "--resume: the checkpoint at step 60 of run 20261101-100000-aaaa was written by another workload")
+    code, _, err = _resumed_from(sandbox, monkeypatch, ["run", str(path), "--resume", "no-such-run"], capsys)
+    assert code == 2
+    assert_one_line(err, "--resume: no valid checkpoint")
