@@ -181,6 +181,28 @@ def read_verified(storage: Storage, location: str) -> bytes:
     return data
 
 
+def ref_of(storage: Storage, location: str) -> CheckpointRef:
+    """One checkpoint named by its data's location (a path or a URI; a local path outside `storage` is
+    read where it is), once its manifest checks out; RuntimeError with the problem otherwise."""
+    location = str(location)
+    try:
+        key = storage.key_of(location)
+    except RuntimeError:
+        if storage.remote or "://" in location:
+            raise RuntimeError(f"{location} is not under the job's storage {storage.location('')}") from None
+        storage, key = open_storage(str(Path(location).parent)), Path(location).name
+    m = DATA.fullmatch(_base(key))
+    if m is None:
+        raise RuntimeError(f"not a checkpoint's data file (step-N-....pt): {location}")
+    manifest_key = _join(_folder(key), manifest_name(int(m.group(1))))
+    info = _manifest(storage, manifest_key)
+    problem, _, data_key = _checked(storage, manifest_key, info)
+    if problem or info is None:
+        raise RuntimeError(problem or "unreadable manifest")
+    return CheckpointRef(storage.location(data_key), int(m.group(1)), str(info.get("run_id", "")),
+                         info.get("fingerprint"), str(info.get("workload", "")), float(info.get("time", 0.0)))
+
+
 def newest_valid_of_job(job_root: Where, server: bool, warn: Callable[[str], None] = print,
                         run_id: str = "") -> CheckpointRef | None:
     """What `--resume` continues from: the newest valid checkpoint (of run `run_id` when given); for a

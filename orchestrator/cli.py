@@ -18,6 +18,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from actors.storage import first_line
 from core.display import checkpoint_line
 from core.schema import ConfigError, JobStatus, OrchestratorError
 
@@ -36,7 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("config")
     run.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     run.add_argument("--address", default=None)
-    run.add_argument("--resume", action="store_true", help="continue from the newest valid checkpoint")
+    run.add_argument("--resume", nargs="?", const="newest", default=None, metavar="RUN_ID|CHECKPOINT",
+                     help="continue from the most recently written valid checkpoint of the job, of one run "
+                          "(its id), or from one checkpoint (its data file's path or URI)")
     run.add_argument("--detach", action="store_true", help="start the job and return; it outlives this process")
     scale = sub.add_parser("scale", help="grow or shrink a running job")
     scale.add_argument("name")
@@ -107,23 +110,44 @@ def cmd_run(args: argparse.Namespace) -> int:
     storage = check_storage(config)  # an unusable store ends here, exit 2, before Ray starts
     resume_from = None
     if args.resume:
-        from actors.checkpoints import newest_valid_of_job
         from core.schema import SERVER_POLICIES
 
         if config.sync.policy == "shadow":
             raise ConfigError("--resume: policy 'shadow' does not resume from a checkpoint yet (its lease table "
                               "lives on the dispenser and is not saved); start a new run")
 
-        ref = newest_valid_of_job((storage, config.name), config.sync.policy in SERVER_POLICIES,
-                                  warn=lambda text: print(text, file=sys.stderr, flush=True))
-        if ref is None:
-            raise ConfigError(f"--resume: no valid checkpoint for job {config.name!r} under {storage.location(config.name)}")
+        ref = _resume_ref(args.resume, storage, config, config.sync.policy in SERVER_POLICIES)
         print(f"resuming from step {ref.step} of run {ref.run_id} ({ref.location})", flush=True)
         resume_from = ref.location
     with contextlib.ExitStack() as lab:
         if config.network.enabled:
             _enter_lab(config, lab, keep_up=args.detach)
         return _run(config, args, resume_from)
+
+
+def _resume_ref(which: str, storage, config, server: bool):
+    """The checkpoint `--resume [which]` continues from, checked against this config's workload:
+    ConfigError (one line) when there is none or it was written by another workload."""
+    from actors import checkpoints
+
+    warn = lambda text: print(text, file=sys.stderr, flush=True)  # noqa: E731
+    if which != "newest" and (which.endswith(".pt") or "/" in which):  # one checkpoint, by its data's location
+        try:
+            ref = checkpoints.ref_of(storage, which)
+        except (RuntimeError, OSError, ValueError) as err:
+            raise ConfigError(f"--resume {which}: {first_line(err)}") from None
+    else:
+        ref = checkpoints.newest_valid_of_job((storage, config.name), server, warn=warn,
+                                              run_id="" if which == "newest" else which)
+        if ref is None:
+            run = "" if which == "newest" else f" in run {which!r}"
+            raise ConfigError(f"--resume: no valid checkpoint for job {config.name!r}{run} under "
+                              f"{storage.location(config.name)}")
+    fp, described = checkpoints.fingerprint(config.workload.factory, config.workload.params)
+    if ref.fingerprint is not None and ref.fingerprint != fp:
+        raise ConfigError(f"--resume: the checkpoint at step {ref.step} of run {ref.run_id} was written by another "
+                          f"workload ({ref.workload}) than this config's ({described}); its tensors would not fit")
+    return ref
 
 
 def _enter_lab(config, stack: contextlib.ExitStack, keep_up: bool) -> None:
