@@ -27,7 +27,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qsl, urlsplit
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from actors import runfiles
 
@@ -35,7 +35,11 @@ PYARROW_SCHEMES = ("gs", "gcs", "hdfs", "viewfs")
 """Schemes pyarrow opens itself (s3 too, with the options parsed here)."""
 S3_TIMEOUTS_S = {"connect_timeout": 5.0, "request_timeout": 30.0}
 """Default S3 timeouts: an unreachable endpoint fails in seconds, not the SDK's minutes."""
-HIDDEN_OPTIONS = ("access_key", "secret_key", "session_token", "token", "password", "key", "secret")
+HIDDEN_OPTIONS = ("access_key", "secret_key", "session_token", "token", "password", "key", "secret", "account_key",
+                  "sas_token", "client_secret", "connection_string", "credential", "credentials")
+"""Query options that are credentials: never kept with the URI (`move_credentials`), never shown (`redact`)."""
+CREDENTIAL_ENV = "ORCHESTRATOR_STORAGE_{}"
+"""Where a credential taken out of a storage URI goes in the environment (`move_credentials`)."""
 
 
 class StorageError(RuntimeError):
@@ -194,9 +198,39 @@ class Storage:
             raise StorageError(f"storage: bucket {bucket!r} does not exist ({self.uri})")
 
 
-def open_storage(location: str) -> Storage:
-    """The storage at `location` (a path or a URI; see the module's docstring). Raises StorageError
-    for a scheme nothing here can open or options that do not parse, or missing S3 credentials."""
+def move_credentials(location: str) -> tuple[str, dict[str, str], dict[str, str]]:
+    """(the URI without the credentials in its query, {option: environment variable}, {variable: value}):
+    a credential is read from the environment where it is used, so that no copy of it is written down
+    with the config (its file, Ray's KV store, actor arguments, the bucket)."""
+    if not is_remote(location):
+        return location, {}, {}
+    parts = urlsplit(location)
+    kept, options, values = [], {}, {}
+    for name, value in parse_qsl(parts.query, keep_blank_values=True):
+        if name in HIDDEN_OPTIONS:
+            variable = CREDENTIAL_ENV.format(name.upper())
+            options[name], values[variable] = variable, value
+        else:
+            kept.append((name, value))
+    if not options:
+        return location, {}, {}
+    return urlunsplit(parts._replace(query=urlencode(kept, safe=":/"))), options, values
+
+
+def redact(location: str | None) -> str | None:
+    """The location with the value of every credential in its query replaced by `***` (to print)."""
+    if not location or not is_remote(location):
+        return location
+    parts = urlsplit(location)
+    query = [(k, "***" if k in HIDDEN_OPTIONS else v) for k, v in parse_qsl(parts.query, keep_blank_values=True)]
+    return urlunsplit(parts._replace(query=urlencode(query, safe=":/*")))
+
+
+def open_storage(location: str, from_env: dict[str, str] | None = None) -> Storage:
+    """The storage at `location` (a path or a URI; see the module's docstring). `from_env`: options
+    whose values are read from environment variables ({option: variable}, the config's
+    `storage_options`). Raises StorageError for a scheme nothing here can open, options that do not
+    parse, a named variable that is not set, or missing S3 credentials."""
     location = str(location)
     if not is_remote(location):
         path = location[len("file://"):] if location.startswith("file://") else location
@@ -205,6 +239,11 @@ def open_storage(location: str) -> Storage:
     parts = urlsplit(location)
     scheme = parts.scheme.lower()
     options = dict(parse_qsl(parts.query))
+    for option, variable in (from_env or {}).items():
+        if variable not in os.environ:
+            raise StorageError(f"storage: storage_options.{option} names the environment variable {variable}, "
+                               f"which is not set in this process (pid {os.getpid()})")
+        options[option] = os.environ[variable]
     uri = f"{scheme}://{parts.netloc}{parts.path}".rstrip("/")
     base = f"{parts.netloc}{parts.path}".rstrip("/")
     if not parts.netloc:
@@ -281,11 +320,11 @@ def _fsspec(uri: str, scheme: str, base: str, options: dict[str, str]) -> Storag
                    fs=pafs.PyFileSystem(pafs.FSSpecHandler(fs)), scheme=scheme)
 
 
-def run_storage(setting: str | None, run_dir: Path) -> tuple[Storage, str]:
-    """A run's storage and its key (`<job>/<run id>`): the URI `setting` (the config's `storage`), or
-    else the local run root the run folder `run_dir` is in."""
+def run_storage(setting: str | None, run_dir: Path, from_env: dict[str, str] | None = None) -> tuple[Storage, str]:
+    """A run's storage and its key (`<job>/<run id>`): the URI `setting` (the config's `storage`, with
+    `from_env` its `storage_options`), or else the local run root the run folder `run_dir` is in."""
     run_dir = Path(run_dir)
     key = f"{run_dir.parent.name}/{run_dir.name}"
     if is_remote(setting):
-        return open_storage(str(setting)), key
+        return open_storage(str(setting), from_env), key
     return open_storage(str(run_dir.parent.parent)), key

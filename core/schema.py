@@ -533,6 +533,9 @@ class CheckpointConfig:
 class TrackingConfig:
     metrics: bool = True
     """Export the job's metrics through Ray's metrics agent (`ray.util.metrics`: Prometheus, Ray's dashboard)."""
+    per_worker_metrics: bool = False
+    """Also export series per slot: each member's step-time ratio and step-time histogram (some 15 series a
+    member; off, the job-wide step-time histogram and the slowest member's ratio stand for them)."""
     tensorboard: str | None = None
     """A directory for TensorBoard event files (the committed step is the global step); a relative path
     is inside the run directory. None: no TensorBoard."""
@@ -850,6 +853,13 @@ class JobConfig:
     or a URI (`s3://bucket/prefix?endpoint_override=...`, `gs://...`, any fsspec scheme). With a URI,
     the run's files are written to the local run directory and copied there as they change;
     checkpoints, server snapshots and `--resume` use it directly (actors/storage.py)."""
+    storage_options: dict = field(default_factory=dict)
+    """Options of the storage taken from the environment, never written down: a mapping of an option
+    name (`access_key`, `secret_key`, `session_token`, an fsspec filesystem's `account_key`, ...) to the
+    name of an environment variable that holds its value on every node, e.g.
+    `{access_key: MY_S3_KEY, secret_key: MY_S3_SECRET}`. Credentials written in the URI's query are
+    moved here when the config is read (into `ORCHESTRATOR_STORAGE_<OPTION>` of the driver's
+    environment, and the job's Ray runtime environment), so no copy of them is kept anywhere."""
     progress_every_s: float = 5.0
     policy_choice: str = ""
     """Set by `sync.policy: auto` when the job starts: the pick and its reason (the job's first event)."""
@@ -881,6 +891,10 @@ class JobConfig:
                                              f"two NCCL ranks); set comm.backend: gloo to share GPUs, or whole gpus")
         if self.comm.backend == "nccl" and gpus <= 0:
             raise FieldError("comm.backend", "nccl needs workers.gpus >= 1")
+        for option, variable in self.storage_options.items():
+            if not isinstance(variable, str) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", variable):
+                raise FieldError(f"storage_options.{option}", f"names the environment variable that holds the "
+                                                              f"value (letters, digits, '_'), got {variable!r}")
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}", self.name or ""):
             raise FieldError("name", f"must be 1-64 characters of letters, digits, '_', '.', '-', got {self.name!r}")
         if self.eval_every < 0:

@@ -95,6 +95,17 @@ def check_local_resources(config: JobConfig, total: dict) -> None:
                               f"to add any: run on a cluster that has them (ray.address, RAY_ADDRESS) or set {key}: 0")
 
 
+def _credentials_env(config: JobConfig) -> dict:
+    """The coordinator's Ray runtime environment (its workers and server inherit it): the storage
+    credentials the config took out of its URI (`ORCHESTRATOR_STORAGE_*`), so that no node needs them
+    set beforehand; Ray keeps them in its token-authenticated control store, never in a file."""
+    from actors.storage import CREDENTIAL_ENV
+
+    moved = CREDENTIAL_ENV.format("")
+    env = {v: os.environ[v] for v in config.storage_options.values() if v.startswith(moved) and v in os.environ}
+    return {"runtime_env": {"env_vars": env}} if env else {}
+
+
 def job_root(config: JobConfig) -> Path:
     """`<run root>/<job name>`: every run of this job has a folder below it."""
     return (Path(config.run_dir) if config.run_dir else default_run_root()) / config.name
@@ -102,7 +113,9 @@ def job_root(config: JobConfig) -> Path:
 
 def job_storage(config: JobConfig) -> Storage:
     """Where the job's runs are kept: `storage` (a URI), else the local run root."""
-    return open_storage(config.storage) if is_remote(config.storage) else open_storage(str(job_root(config).parent))
+    if is_remote(config.storage):
+        return open_storage(str(config.storage), config.storage_options)
+    return open_storage(str(job_root(config).parent))
 
 
 def check_storage(config: JobConfig) -> Storage:
@@ -195,7 +208,7 @@ class ElasticJob:
             self.storage.write(self._key("config.yaml"), config_yaml)
         self._coordinator = CoordinatorActor.options(
             name=self.name, namespace=NAMESPACE, lifetime="detached", resources=_coordinator_resources(self.config),
-            max_restarts=MAX_RESTARTS,
+            max_restarts=MAX_RESTARTS, **_credentials_env(self.config),
         ).remote(self.config.to_dict(), self.run_id, str(self.run_dir), 0, (os.getcwd(),), self.resume_from,
                  ray.get_runtime_context().get_job_id() if owned else None, started_at)
         ray.get(self._coordinator.start.remote())
@@ -219,7 +232,7 @@ class ElasticJob:
         elif coordinator is not None:  # another node does: the coordinator has the config
             raw = ray.get(coordinator.config.remote(), timeout=30)
         elif is_remote((record or {}).get("storage")):  # the job ended; its runs are on shared storage
-            storage = open_storage(record["storage"])
+            storage = open_storage(record["storage"], record.get("storage_options") or {})
             raw = yaml.safe_load(storage.read(f"{name}/{run_dir.name}/config.yaml"))
         else:
             raise OrchestratorError(f"job {name!r} ended and its run folder {run_dir} is not on this node")

@@ -149,3 +149,48 @@ def test_the_coordinators_node_removed_it_restarts_on_another_node_from_s3(tmp_p
     assert report["second_node"] != report["first_node"], "the coordinator did not move"
     assert report["copied"] and "s3://" in report["copied"][0], report["copied"]
     assert report["history"] == list(range(1, report["steps"] + 1)), "history has a gap or a repeat"
+
+
+ACCESS_KEY, SECRET_KEY = "AKIAEXAMPLELEAKCHECK1", "s3cr3t-value-that-must-never-be-stored"
+
+
+def test_credentials_in_the_storage_uri_leave_no_copy_anywhere(tmp_path, run_root, s3, capfd, monkeypatch):
+    """`?access_key=...&secret_key=...` in the storage URI: the run works, and neither value is found in
+    any file of the run folder, any object of the bucket, Ray's KV store, or the output. Nor is the
+    rendezvous signing key in the bucket (it stays on the coordinator's node and in Ray's KV store)."""
+    from ray.experimental.internal_kv import _internal_kv_get, _internal_kv_list
+
+    from actors.runfiles import KV_NAMESPACE
+
+    for name in ("ORCHESTRATOR_STORAGE_ACCESS_KEY", "ORCHESTRATOR_STORAGE_SECRET_KEY"):
+        monkeypatch.delenv(name, raising=False)  # restored after the test, whatever the driver sets
+    uri = s3.format(prefix="creds") + f"&access_key={ACCESS_KEY}&secret_key={SECRET_KEY}"
+    cfg = config_from_dict(dict(CONFIG, name="creds-s3", storage=uri, stop={"max_steps": 30},
+                                checkpoint={"every_steps": 10}))
+    job = ElasticJob(cfg).start()
+    result = job.wait(timeout=300)
+    assert result.state == "FINISHED", result.cause
+    leaks = []
+    for path in Path(job.run_dir).rglob("*"):
+        if path.is_file():
+            data = path.read_bytes()
+            leaks += [f"run folder {path.name}: {what}" for what, value in (("access key", ACCESS_KEY), ("secret key", SECRET_KEY))
+                      if value.encode() in data]
+    storage = open_storage(s3.format(prefix="creds"))
+    objects = [key for key, size in storage.list("") if size >= 0]
+    assert any(key.endswith("coordinator.json") for key in objects), objects
+    secret = json.loads((Path(job.run_dir) / "coordinator.json").read_text()).get("secret")
+    for key in objects:
+        data = storage.read(key)
+        leaks += [f"bucket {key}: {what}" for what, value in (("access key", ACCESS_KEY), ("secret key", SECRET_KEY))
+                  if value.encode() in data]
+        if key.endswith("coordinator.json") and json.loads(data).get("secret"):
+            leaks.append(f"bucket {key}: the rendezvous signing key")
+    assert not secret, "the rendezvous key is in the state file, which the mirror uploads"
+    for key in _internal_kv_list("", namespace=KV_NAMESPACE):
+        value = _internal_kv_get(key, namespace=KV_NAMESPACE) or b""
+        leaks += [f"Ray KV {key!r}: {what}" for what, v in (("access key", ACCESS_KEY), ("secret key", SECRET_KEY))
+                  if v.encode() in value]
+    out, err = capfd.readouterr()
+    leaks += [f"output: {what}" for what, v in (("access key", ACCESS_KEY), ("secret key", SECRET_KEY)) if v in out + err]
+    assert not leaks, leaks
