@@ -120,13 +120,13 @@ class BackgroundWriter:
             except Exception as err:  # noqa: BLE001 - reported by `error` and `wait()`; the next submit retries
                 log.error("could not write %s: %s", self.path, err)
                 error = err
+            if error is None and self.written is not None:
+                self.written()  # before `wait` returns: a waiter's next step may rely on it (the upload queued)
             with self._cond:
                 self._error, self._attempted = error, number
                 if error is None:
                     self._written = number
                 self._cond.notify_all()
-            if error is None and self.written is not None:
-                self.written()
 
 
 def open_appended(path: Path | str) -> TextIO:

@@ -85,6 +85,7 @@ class Journal:
         self.recent: collections.deque[tuple[float, int, int]] = collections.deque()
         """(time, step, tokens so far) of the records of the last 5 s."""
         self._tokens = 0
+        self._newest_at = 0.0
         self.checkpoint: tuple[int, str] | None = None
         """(step, path) of this run's newest checkpoint (what a loss of every member restarts from)."""
         self._step_times: TextIO | None = None
@@ -163,6 +164,7 @@ class Journal:
             self.metrics = dict(record["metrics"])
         self._tokens += int(record.get("tokens") or 0)
         self.recent.append((record["time"], record["step"], self._tokens))
+        self._newest_at = time.monotonic()
         while self.recent[0][0] <= record["time"] - THROUGHPUT_WINDOW_S:  # amortised O(1) per record
             self.recent.popleft()
         self._tell("record", record)
@@ -198,6 +200,10 @@ class Journal:
         return self._rate(2) if self._tokens else None
 
     def _rate(self, field: int) -> float | None:
+        if self.recent:  # the window ends now, not at the newest record: a stall empties it (on the records' clock)
+            now = self.recent[-1][0] + time.monotonic() - self._newest_at
+            while self.recent and self.recent[0][0] <= now - THROUGHPUT_WINDOW_S:
+                self.recent.popleft()
         if len(self.recent) >= 2 and self.recent[-1][0] > self.recent[0][0]:
             return (self.recent[-1][field] - self.recent[0][field]) / (self.recent[-1][0] - self.recent[0][0])
         return None
@@ -224,7 +230,13 @@ class Journal:
         return self._saver.submit(runfiles.json_bytes(state, compact=True))
 
     def wait_saved(self, number: int, timeout: float) -> bool:
-        return self._saver.wait(number, timeout)
+        """Until state snapshot `number` is on this node's disk and, with remote storage, in the store
+        too (what must survive a restart persists before the action: a coordinator restarted on another
+        node reads the store's copy). False past `timeout`."""
+        deadline = time.monotonic() + timeout
+        if not self._saver.wait(number, timeout):
+            return False
+        return self.mirror is None or self.mirror.flush(max(0.0, deadline - time.monotonic()))
 
     def load_state(self) -> dict:
         """A restarted coordinator's state file, with the events and the step history holds."""

@@ -146,3 +146,34 @@ def test_a_checkpoint_that_fails_to_store_is_an_event_and_is_tried_again(tmp_pat
         assert journal.checkpoint_status()["step"] == 7, "the last durable checkpoint is still step 7"
         journal.close()
     asyncio.run(scenario())
+
+
+def test_with_remote_storage_a_saved_state_is_in_the_store_before_wait_saved_returns(tmp_path):
+    """"Persist before acting" (a spare's name before its start, ...) must reach the store: a coordinator
+    restarted on another node reads the store's copy, not this node's disk."""
+    import threading
+
+    from actors.mirror import RunMirror
+    from actors.storage import open_storage
+
+    gate = threading.Event()
+
+    class SlowStore:  # the store answers only once the test lets it
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        def write(self, key, data):
+            gate.wait(60)
+            self.inner.write(key, data)
+    store = open_storage(str(tmp_path / "store"))
+    mirror = RunMirror(SlowStore(store), "job/run", tmp_path / "run")
+    journal = Journal(tmp_path / "run", keep_checkpoints=1, storage=store, run_key="job/run", mirror=mirror)
+    number = journal.save_state({"spares": ["job/run/spare1"]})
+    assert not journal.wait_saved(number, 0.5), "waited only for the local disk: the store has no copy yet"
+    gate.set()
+    assert journal.wait_saved(number, 30)
+    assert json.loads(store.read("job/run/coordinator.json")) == {"spares": ["job/run/spare1"]}
+    journal.close()
