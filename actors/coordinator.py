@@ -45,7 +45,7 @@ from actors.control.workers import RayWorkerGroup, WorkerGroup
 from actors.faults import CoordinatorFaults
 from actors.members import Member
 from actors.metrics import Exporter, JobMetrics
-from actors.mirror import RunMirror
+from actors.mirror import RunMirror, claim_incarnation
 from actors.plan import ParentWatch, Plan, Progress, WorkerSpec
 from actors.report import draw_at_end
 from actors.sequencer import Order, Sequencer
@@ -102,7 +102,9 @@ class Coordinator(Actions):
         self._released: asyncio.Event | None = None
         self.group.setup(self.run_dir, self.cfg.log_level)
         storage, run_key = run_storage(self.cfg.storage, self.run_dir)
-        mirror = RunMirror(storage, run_key, self.run_dir) if storage.remote else None
+        if storage.remote:  # above every incarnation the store has seen, a zombie's included (actors/fencing.py)
+            self.incarnation = claim_incarnation(storage, run_key, self.run_dir, self.incarnation)
+        mirror = RunMirror(storage, run_key, self.run_dir, self.incarnation) if storage.remote else None
         self.journal = Journal(self.run_dir, self.cfg.checkpoint.keep, storage, run_key, mirror,
                                restarted=self.group.reconstructed, store_delay_s=self.cfg.faults.checkpoint_store_s,
                                fingerprint=checkpoints.fingerprint(self.cfg.workload.factory, self.cfg.workload.params),
@@ -176,7 +178,7 @@ class Coordinator(Actions):
 
     def _load_saved(self) -> dict:
         saved = self.journal.load_state()
-        self.incarnation = saved["incarnation"] + 1
+        self.incarnation = max(self.incarnation, saved["incarnation"] + 1)
         self.sequencer.trust_first = True  # the live workers numbered their messages to the dead incarnation
         self.secret = bytes.fromhex(saved["secret"]) if saved.get("secret") else self.secret
         self.state, self.stop_kind, self.cause = JobState(saved["state"]), saved["stop_kind"], saved["cause"]

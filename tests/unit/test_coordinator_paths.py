@@ -507,3 +507,33 @@ def test_a_jobs_elapsed_time_is_the_coordinators_span_not_the_time_until_wait(tm
     result = job.wait(timeout=10)
     assert status["started_at"] == started_at and status["ended_at"] < time.time()
     assert result.elapsed_s == status["ended_at"] - status["started_at"]
+
+
+def test_a_restart_takes_an_incarnation_above_every_one_the_store_has_seen(tmp_path):
+    """Incarnation 1 claimed the run on the store while incarnation 0, cut off by a partition, went on
+    and uploaded its older state file last; then 1's node is lost too. The restart on a third node
+    hydrates 0's state file, and must still not come back as incarnation 1 (its group names would be 1's)."""
+    import shutil
+    import uuid
+
+    from actors.storage import open_storage
+
+    uri = f"memory://bucket-{uuid.uuid4().hex[:8]}/runs"
+    run_dir = tmp_path / "fenced" / "r1"
+
+    async def scenario():
+        group = FakeWorkerGroup()
+        first = await started(config("fenced", storage=uri), run_dir, group)
+        await group.commit(first, 3)
+        first._released.set()
+        first._main_task.cancel()
+        assert first.journal.mirror.close(10)
+        storage = open_storage(uri)
+        assert json.loads(storage.read("fenced/r1/coordinator.json"))["incarnation"] == 0
+        storage.write("fenced/r1/incarnations/0000000001-0123456789ab", b"{}")  # 1's claim (docs/storage.md)
+        shutil.rmtree(run_dir)  # a new node
+        group.reconstructed = True
+        second = coordinator(config("fenced", storage=uri), run_dir, group)
+        assert second.incarnation == 2, f"the restart took incarnation {second.incarnation}, which the store had seen"
+        second.journal.mirror.close(10)
+    run(scenario())

@@ -324,3 +324,49 @@ def test_a_zombie_incarnation_neither_spoils_the_live_copy_nor_writes_once_it_se
     assert len(said) == 1 and "incarnation 2" in said[0], said
     assert not zombie.flush(1) and not zombie.close(1)
     live.close()
+
+
+def test_a_run_mirrored_in_the_old_layout_reads_back_and_a_restart_carries_on_after_it(tmp_path, remote):
+    """A run already in a bucket in the layout before incarnations (`<name>.parts/<start>-<end>`, a
+    compacted part from 0 beside one it replaced) reads back; a restarted coordinator copies it down,
+    claims an incarnation above its state file's, and its parts carry on after it."""
+    from actors.mirror import claim_incarnation
+
+    data = b"".join(json.dumps({"step": s}).encode() + b"\n" for s in range(1, 7))  # 12 bytes a line
+    parts = "job/run/history.jsonl.parts"
+    for start, end in ((0, 48), (24, 48), (48, 72)):
+        remote.write(f"{parts}/{start:016d}-{end:016d}", data[start:end])
+    remote.write("job/run/coordinator.json", json.dumps({"incarnation": 3}).encode())
+    assert read_appended(remote, "job/run/history.jsonl") == data
+    here = tmp_path / "node"
+    here.mkdir()
+    mirror = RunMirror(remote, "job/run", here, claim_incarnation(remote, "job/run", here), interval_s=0.02)
+    assert mirror.incarnation == 4
+    assert mirror.hydrate() == ["coordinator.json", "history.jsonl"]
+    mirror.start()
+    with open(here / "history.jsonl", "a") as out:
+        out.write(json.dumps({"step": 7}) + "\n")
+    assert mirror.close()
+    assert read_appended(remote, "job/run/history.jsonl") == (here / "history.jsonl").read_bytes() == data + b'{"step": 7}\n'
+    assert mirror.uploaded_bytes == 12
+
+
+def test_a_part_holds_whole_lines_even_past_its_size(tmp_path, remote):
+    mirror = RunMirror(remote, "job/run", tmp_path, interval_s=0.02, part_bytes=16, max_lag_s=3600).start()
+    lines = [json.dumps({"step": s, "pad": "x" * (s % 3) * 10}) + "\n" for s in range(1, 30)]
+    (tmp_path / "events.jsonl").write_text("".join(lines))
+    assert mirror.flush(10)
+    pieces = appended_pieces(remote, "job/run/events.jsonl")
+    assert [remote.read(p.key).decode() for p in pieces] == lines, "one part per line here: each longer than 16 bytes"
+    assert mirror.close()
+
+
+def test_lines_wait_for_the_lag_after_a_part_and_flush_sends_them_at_once(tmp_path, remote):
+    mirror = RunMirror(remote, "job/run", tmp_path, interval_s=0.02, max_lag_s=3600).start()
+    (tmp_path / "events.jsonl").write_text('{"n": 1}\n')
+    wait_for(lambda: read_appended(remote, "job/run/events.jsonl") == b'{"n": 1}\n')  # the first part goes at once
+    with open(tmp_path / "events.jsonl", "a") as out:
+        out.write('{"n": 2}\n{"n": 3}\n')
+    assert mirror.flush(10) and read_appended(remote, "job/run/events.jsonl") == (tmp_path / "events.jsonl").read_bytes()
+    assert len(appended_pieces(remote, "job/run/events.jsonl")) == 2
+    assert mirror.close()
