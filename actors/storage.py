@@ -22,14 +22,20 @@ one line naming `storage` before Ray starts.
 """
 from __future__ import annotations
 
+import concurrent.futures
+import logging
 import os
+import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from actors import runfiles
+
+log = logging.getLogger(__name__)
 
 PYARROW_SCHEMES = ("gs", "gcs", "hdfs", "viewfs")
 """Schemes pyarrow opens itself (s3 too, with the options parsed here)."""
@@ -38,6 +44,24 @@ S3_TIMEOUTS_S = {"connect_timeout": 5.0, "request_timeout": 30.0}
 HIDDEN_OPTIONS = ("access_key", "secret_key", "session_token", "token", "password", "key", "secret", "account_key",
                   "sas_token", "client_secret", "connection_string", "credential", "credentials")
 """Query options that are credentials: never kept with the URI (`move_credentials`), never shown (`redact`)."""
+REMOTE_TIMEOUT_S = 60.0
+"""Schemes other than S3 (whose client times out itself): one try of a read, write, list or delete that
+does not answer within this long has failed (a whole object in one call: generous)."""
+REMOTE_ATTEMPTS = 3
+REMOTE_RETRY_PAUSE_S = 0.5
+"""A failed try of a scheme other than S3 is made again after this pause, doubled each time."""
+_POOL: concurrent.futures.ThreadPoolExecutor | None = None
+
+
+def _remote_pool() -> concurrent.futures.ThreadPoolExecutor:
+    """The threads that make calls to stores held to a timeout (a call that never answers keeps its
+    thread; the caller goes on)."""
+    global _POOL
+    if _POOL is None:
+        _POOL = concurrent.futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="storage-call")
+    return _POOL
+
+
 CREDENTIAL_ENV = "ORCHESTRATOR_STORAGE_{}"
 """Where a credential taken out of a storage URI goes in the environment (`move_credentials`)."""
 
@@ -84,38 +108,75 @@ class Storage:
         key = key.strip("/")
         return str(Path(self.base) / key) if not self.remote else f"{self.uri.rstrip('/')}/{key}"
 
+    def holds(self, location: str) -> bool:
+        """Whether `location` is under this root (by path components: `/runs-other` is not under `/runs`)."""
+        try:
+            self.key_of(location)
+            return True
+        except StorageError:
+            return False
+
     def key_of(self, location: str) -> str:
         """The inverse of `location` (for a location under this root)."""
         location = str(location)
         root = self.base if not self.remote else self.uri.rstrip("/")
-        if not location.startswith(root):
+        if location.rstrip("/") != root.rstrip("/") and not location.startswith(root.rstrip("/") + "/"):
             raise StorageError(f"storage: {location} is not under {root}")
-        return location[len(root):].strip("/")
+        return location[len(root.rstrip("/")):].strip("/")
 
     # ------------------------------------------------------------------ objects
+    def _limited(self, what: str, call: Callable[[], Any]) -> Any:
+        """`call()` held to S3's limits on schemes whose clients set none of their own (gs, fsspec's):
+        each try answers within REMOTE_TIMEOUT_S or counts as failed, and a failed try is made again
+        (REMOTE_ATTEMPTS in all). S3's client does both itself (S3_TIMEOUTS_S, its retry strategy);
+        a missing object is an answer, not a failure."""
+        if self.scheme == "s3":
+            return call()
+        error: BaseException | None = None
+        for attempt in range(REMOTE_ATTEMPTS):
+            future = _remote_pool().submit(call)
+            try:
+                return future.result(timeout=REMOTE_TIMEOUT_S)
+            except FileNotFoundError:
+                raise
+            except concurrent.futures.TimeoutError:
+                error = OSError(f"{what} did not answer within {REMOTE_TIMEOUT_S:g}s")
+            except Exception as err:  # noqa: BLE001 - tried again, then raised as it was
+                error = err
+            if attempt + 1 < REMOTE_ATTEMPTS:
+                time.sleep(REMOTE_RETRY_PAUSE_S * 2 ** attempt)
+        assert error is not None
+        raise error
+
     def write(self, key: str, data: bytes) -> None:
         if not self.remote:
             runfiles.write_bytes_atomic(Path(self.path(key)), data)
             return
-        parent = self.path(key).rsplit("/", 1)[0]
-        if self.scheme not in ("s3", "gs", "gcs"):  # object stores have no folders to make
-            self.fs.create_dir(parent, recursive=True)
-        with self.fs.open_output_stream(self.path(key)) as out:
-            out.write(data)
+
+        def put() -> None:
+            parent = self.path(key).rsplit("/", 1)[0]
+            if self.scheme not in ("s3", "gs", "gcs"):  # object stores have no folders to make
+                self.fs.create_dir(parent, recursive=True)
+            with self.fs.open_output_stream(self.path(key)) as out:
+                out.write(data)
+        self._limited(f"writing {self.location(key)}", put)
 
     def read(self, key: str) -> bytes:
         """The object's bytes; FileNotFoundError when there is none."""
         if not self.remote:
             return Path(self.path(key)).read_bytes()
-        try:
-            with self.fs.open_input_stream(self.path(key)) as src:
-                return src.read()
-        except FileNotFoundError:
-            raise
-        except OSError as err:
-            if "not found" in str(err).lower() or "does not exist" in str(err).lower():
-                raise FileNotFoundError(self.location(key)) from None
-            raise
+
+        def get() -> bytes:
+            try:
+                with self.fs.open_input_stream(self.path(key)) as src:
+                    return src.read()
+            except FileNotFoundError:
+                raise
+            except OSError as err:
+                if "not found" in str(err).lower() or "does not exist" in str(err).lower():
+                    raise FileNotFoundError(self.location(key)) from None
+                raise
+        return self._limited(f"reading {self.location(key)}", get)
 
     def size(self, key: str) -> int | None:
         """The object's size, None when there is none."""
@@ -151,7 +212,7 @@ class Storage:
         selector = pafs.FileSelector(self.path(prefix), allow_not_found=True, recursive=recursive)
         base = self.base.rstrip("/") + "/"
         found = []
-        for info in self.fs.get_file_info(selector):
+        for info in self._limited(f"listing {self.location(prefix)}", lambda: self.fs.get_file_info(selector)):
             rel = info.path[len(base):] if info.path.startswith(base) else info.path
             if info.type == pafs.FileType.File:
                 found.append((rel, info.size))
@@ -164,10 +225,12 @@ class Storage:
         if not self.remote:
             Path(self.path(key)).unlink(missing_ok=True)
             return
-        try:
-            self.fs.delete_file(self.path(key))
-        except FileNotFoundError:
-            pass
+        def rm() -> None:
+            try:
+                self.fs.delete_file(self.path(key))
+            except FileNotFoundError:
+                pass
+        self._limited(f"deleting {self.location(key)}", rm)
 
     # ------------------------------------------------------------------ the probe
     def check(self) -> None:
@@ -193,6 +256,8 @@ class Storage:
         try:
             info = self.fs.get_file_info(bucket)
         except Exception as err:  # noqa: BLE001
+            if "ACCESS_DENIED" in str(err).upper() or "ACCESSDENIED" in str(err).upper():
+                return  # a policy scoped to a prefix may not allow HeadBucket: the object probe decides
             raise StorageError(f"storage: cannot reach the store of {self.uri}: {first_line(err)}") from None
         if info.type == pafs.FileType.NotFound:
             raise StorageError(f"storage: bucket {bucket!r} does not exist ({self.uri})")
@@ -284,10 +349,26 @@ def _s3(uri: str, options: dict[str, str]) -> Any:
             kwargs[name] = options[name]
     if "endpoint_override" in kwargs and "region" not in kwargs:
         kwargs["region"] = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
+    elif "region" not in kwargs:  # AWS itself: the bucket's own region (as pyarrow's from_uri does), not a guess
+        kwargs["region"] = _bucket_region(uri)
     if options.get("force_virtual_addressing", "").lower() in ("1", "true", "yes"):
         kwargs["force_virtual_addressing"] = True
     kwargs["retry_strategy"] = pafs.AwsStandardS3RetryStrategy(max_attempts=3)
     return pafs.S3FileSystem(anonymous=anonymous, **kwargs)
+
+
+def _bucket_region(uri: str) -> str:
+    """The region an AWS bucket lives in (pyarrow asks S3; no credentials needed), else AWS_REGION,
+    AWS_DEFAULT_REGION or us-east-1 (then the probe says what is wrong)."""
+    import pyarrow.fs as pafs
+
+    bucket = urlsplit(uri).netloc
+    try:
+        return pafs.resolve_s3_region(bucket)
+    except Exception as err:  # noqa: BLE001 - no network, no such bucket: the probe reports it
+        fallback = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
+        log.debug("could not resolve the region of bucket %s (%s); using %s", bucket, first_line(err), fallback)
+        return fallback
 
 
 def credentials_source() -> str | None:

@@ -312,7 +312,7 @@ class Journal:
         """The checkpoint's bytes, once its manifest (size, sha256) checks out; raises with the problem."""
         location = str(location)
         storage = self.storage
-        if not storage.remote and not location.startswith(storage.base):  # a local file elsewhere
+        if not storage.remote and not storage.holds(location):  # a local file elsewhere
             storage = open_storage(str(Path(location).parent))
         return await asyncio.to_thread(checkpoints.read_verified, storage, location)
 
