@@ -6,13 +6,15 @@ A pull waits on the condition until `pull_ready` or a short timeout, and then an
 worker's loop comes back to look at its plans; parameters go back as one flat float32 array. Where it
 applies an update it writes `faults.record_samples` (`samples/server.txt`: `version membership_epoch
 ids...`, and `dropped membership_epoch version ids...` for a late push whose samples are requeued),
-reports the version as a history record, and every `server.snapshot_every` versions writes a snapshot
-(`<run dir>/server/checkpoints/`, atomic with a sha256 manifest, as actors/checkpoints.py writes
-checkpoints; it loads with `torch.load(weights_only=True)`).
+reports the version as a history record, and every `server.snapshot_every` versions hands a snapshot of
+its state to a thread that stores it (actors/server_snapshots.py: no push waits for the store) under
+`<run>/server/checkpoints/` on the job's storage, with a sha256 manifest as actors/checkpoints.py writes
+checkpoints; it loads with `torch.load(weights_only=True)`.
 
 `ParameterServer` (actors/server_actor.py, which imports this module only in the server's process) is
 the Ray actor around it, restarted by Ray when its process dies. A restarted server loads its newest
-valid snapshot, takes a new incarnation (pushes addressed to the old one are fenced) and tells the
+valid snapshot, claims a new incarnation on the storage (actors/fencing.py; pushes addressed to an
+older one are fenced) and tells the
 coordinator from which version it resumed: the versions after it are lost (at most `snapshot_every`),
 and the coordinator states them in an event.
 
@@ -23,7 +25,6 @@ once).
 from __future__ import annotations
 
 import io
-import json
 import logging
 import os
 import queue
@@ -40,7 +41,8 @@ import numpy as np
 import ray
 import torch
 
-from actors import checkpoints, runfiles
+from actors import checkpoints, fencing
+from actors.server_snapshots import SnapshotWriter
 from actors.storage import run_storage
 from algorithms.base import get_algorithm
 from algorithms.dispenser import NOTICES_IN_FLIGHT, DispenserCore
@@ -56,6 +58,8 @@ FLAT_POOL = 4
 FREE_REFS = 3
 """`sys.getrefcount` of a pooled array that nobody else holds: the pool's list, the loop's name, the call."""
 SNAPSHOTS_KEPT = 2
+SNAPSHOT_WAIT_S = 60.0
+"""The longest `close` waits for the snapshot being stored."""
 CALL_TIMEOUT_S = 30.0
 """Longest a worker waits for one answer of the server (beyond a pull's own wait)."""
 
@@ -82,8 +86,9 @@ class ServerHost:
         self.run_dir = Path(run_dir)
         storage, run_key = run_storage(self.cfg.storage, self.run_dir)
         self.snapshots = (storage, f"{run_key}/server")
-        """Where the snapshots and `incarnation.json` go: `<run>/server/` on the job's storage (a server
-        that Ray restarts on another node finds them there)."""
+        """Where the snapshots and the incarnation claims go: `<run>/server/` on the job's storage (a
+        server that Ray restarts on another node finds them there)."""
+        self._snapshots = SnapshotWriter(self.snapshots, SNAPSHOTS_KEPT, self.run_dir.name)
         self.reports = reports
         torch.set_num_threads(max(1, int(self.cfg.server.cpus)))
         torch.manual_seed(self.cfg.seed)  # the workers' initial replicas, bit for bit
@@ -92,7 +97,6 @@ class ServerHost:
         self.core = self._make_core()
         self.lock = threading.Lock()
         self.ready = threading.Condition(self.lock)
-        self._snapshot_lock = threading.Lock()
         self._model_lock = threading.Lock()
         """The workload's model holds the parameters only while it is saved or evaluated."""
         self.closed: str | None = None
@@ -135,11 +139,18 @@ class ServerHost:
             return self.core.set_schedule(index, iterations)
 
     def close(self, reason: str) -> None:
-        """The job stops: every pull answers `finished` from now on."""
+        """The job stops: every pull answers `finished` from now on. Waits (`SNAPSHOT_WAIT_S` at most)
+        for the snapshot being stored."""
         with self.lock:
             self.closed = reason
             self._end()
             self.ready.notify_all()
+        if not self.wait_snapshots(SNAPSHOT_WAIT_S):
+            log.warning("closed while a snapshot was still being stored (waited %.0fs)", SNAPSHOT_WAIT_S)
+
+    def wait_snapshots(self, timeout: float) -> bool:
+        """True once no snapshot waits or is being stored; False after `timeout`."""
+        return self._snapshots.wait(timeout)
 
     def _end(self) -> None:
         """Once finished or closed: what is staged or dealt and not pushed is accounted for (under the lock)."""
@@ -157,6 +168,7 @@ class ServerHost:
         return {"pid": os.getpid(), "version": core.version, "incarnation": core.incarnation, "membership_epoch": core.membership_epoch,
                 "staleness": {str(k): v for k, v in sorted(core.staleness.items())}, "rejected": dict(core.rejected),
                 "leases": dict(core.leases.counts, outstanding=core.leases.outstanding), "clocks": dict(core.clocks),
+                "snapshot_failures": self._snapshots.failures,
                 **({"barriers": core.round.index, "schedules": dict(core.schedules)} if core.elastic else {})}
 
     def model_state(self) -> bytes:
@@ -369,31 +381,22 @@ class ServerHost:
         return open(folder / name, "a", encoding="utf-8")
 
     # ------------------------------------------------------------------ incarnations
-    def _last_incarnation(self) -> int:
-        """The newest incarnation any restart of this run's server took (a snapshot may be older than
-        the last restart: two restarts from one snapshot must not both take its incarnation + 1)."""
+    def _claim_incarnation(self, at_least: int) -> int:
+        """A restart's incarnation, claimed on the job's storage before any push is fenced by it: above
+        every one a restart of this run's server took (a snapshot may be older than the last restart:
+        two restarts from one snapshot must not both take its incarnation + 1), even when two restarts
+        claim at once (a read then a write would not do that on an object store; actors/fencing.py)."""
         storage, key = self.snapshots
-        try:
-            return int(json.loads(storage.read(f"{key}/incarnation.json")).get("incarnation", 0))
-        except (OSError, ValueError, AttributeError):
-            return 0
-
-    def _claim_incarnation(self) -> None:
-        """Record this restart's incarnation before any push is fenced by it (atomic: temp, fsync, rename)."""
-        storage, key = self.snapshots
-        storage.write(f"{key}/incarnation.json", runfiles.json_bytes({"incarnation": self.core.incarnation}))
+        return fencing.claim(storage, f"{key}/incarnations", at_least)
 
     # ------------------------------------------------------------------ snapshots
     def _maybe_snapshot(self, updates: tuple[Update, ...]) -> None:
         every = self.cfg.server.snapshot_every
         if not updates or updates[-1].version // every <= (updates[0].version - 1) // every:
             return
-        with self._snapshot_lock:  # one writer; the state is taken under the main lock, written outside it
-            with self.lock:
-                state, version = self.core.state_dict(), self.core.version
-            buf = io.BytesIO()
-            torch.save(state, buf)
-            checkpoints.save(self.snapshots, version, buf.getvalue(), SNAPSHOTS_KEPT, self.run_dir.name)
+        with self.lock:  # the state's tensors are copies: the writer's thread serializes them while pushes go on
+            state, version = self.core.state_dict(), self.core.version
+        self._snapshots.submit(version, state)
 
     def load_checkpoint(self, blob: bytes) -> int:
         """`--resume`: take the server's state from a checkpoint (`model_state`'s) or one of its own
@@ -416,9 +419,8 @@ class ServerHost:
             blob = self.snapshots[0].read(self.snapshots[0].key_of(ref.location))
             state = torch.load(io.BytesIO(blob), weights_only=True, map_location="cpu")
             self.core.load_state_dict(state)
-        self.core.incarnation = max(self.core.incarnation, self._last_incarnation())
-        self.core.new_incarnation()
-        self._claim_incarnation()
+        self.core.incarnation = self._claim_incarnation(self.core.incarnation + 1) - 1
+        self.core.new_incarnation()  # takes the number claimed, and requeues what the snapshot's incarnation dealt
         log.warning("parameter server restarted as incarnation %d from version %d", self.core.incarnation, self.core.version)
         self.reports.restarted(self.core.version, self.core.incarnation, ref.location if ref else None)
 
@@ -477,8 +479,7 @@ class DispenserHost(ServerHost):
         pass
 
     def _resume(self) -> None:
-        self.core.incarnation = max(self.core.incarnation, self._last_incarnation()) + 1
-        self._claim_incarnation()
+        self.core.incarnation = self._claim_incarnation(self.core.incarnation + 1)
         log.warning("lease dispenser restarted as incarnation %d: its lease table starts over", self.core.incarnation)
         self.reports.restarted(0, self.core.incarnation, None)
 

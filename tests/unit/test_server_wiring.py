@@ -167,3 +167,122 @@ def test_two_restarts_without_a_snapshot_between_take_two_incarnations(tmp_path,
     incarnations = [h.core.incarnation for h in hosts]
     print(f"{policy}: incarnations {incarnations}")
     assert incarnations == [0, 1, 2]
+
+
+class Wrapped:
+    """A run's storage as the server opens it (`run_storage`), with the test's hooks around its calls."""
+
+    def __init__(self, inner, before_write=None, after_look=None):
+        self.inner, self.before_write, self.after_look = inner, before_write, after_look
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def write(self, key, data):
+        if self.before_write is not None:
+            self.before_write(key)
+        self.inner.write(key, data)
+
+    def read(self, key):
+        try:
+            return self.inner.read(key)
+        finally:
+            if self.after_look is not None:
+                self.after_look(key)
+
+    def list(self, prefix, recursive=True):
+        try:
+            return self.inner.list(prefix, recursive)
+        finally:
+            if self.after_look is not None:
+                self.after_look(prefix)
+
+
+def wrap_server_storage(monkeypatch, **hooks):
+    import actors.parameter_server as server_module
+
+    real = server_module.run_storage
+    monkeypatch.setattr(server_module, "run_storage",
+                        lambda setting, run_dir: (Wrapped(real(setting, run_dir)[0], **hooks), real(setting, run_dir)[1]))
+
+
+def test_a_push_that_crosses_a_snapshot_returns_while_the_snapshot_uploads(tmp_path, monkeypatch):
+    """The push whose version is a multiple of `snapshot_every` answers at once; the snapshot's upload
+    (held here until released) goes on in the background, and `close` waits for it."""
+    import threading
+
+    from actors import checkpoints
+
+    began, release = threading.Event(), threading.Event()
+
+    def slow_upload(key):
+        if "/checkpoints/" in key:
+            began.set()
+            release.wait(30)
+
+    wrap_server_storage(monkeypatch, before_write=slow_upload)
+    host = ServerHost(config({"policy": "asp"}, server={"snapshot_every": 1}), str(tmp_path / "job" / "run"),
+                      LocalServerReports(LocalLink()))
+    host.set_members(1, [("w0", 1)])
+    fence = Fence(1, "w0", 1, 0)
+    pull, flat = host.pull(fence, 1.0)
+    answered, results = threading.Event(), []
+
+    def push():
+        results.append(host.push(fence, pull.ticket.lease_ids, pull.version, np.zeros_like(flat), 0.5))
+        answered.set()
+
+    threading.Thread(target=push, daemon=True).start()
+    try:
+        assert began.wait(30), "no snapshot was written"
+        assert answered.wait(10), "the push is still waiting for its snapshot's upload"
+        assert results[0].status == "applied" and results[0].version == 1, results
+    finally:
+        release.set()
+    host.close("stopped")
+    ref = checkpoints.newest_valid(host.snapshots, pattern="checkpoints/step-*.json")
+    assert ref is not None and ref.step == 1, "close did not wait for the snapshot"
+    assert host.summary()["snapshot_failures"] == 0
+
+
+def test_a_failed_snapshot_is_counted_and_the_next_one_is_the_retry(tmp_path, monkeypatch):
+    failing = [True]
+
+    def upload(key):
+        if "/checkpoints/" in key and failing[0]:
+            failing[0] = False
+            raise OSError("the store is down")
+
+    wrap_server_storage(monkeypatch, before_write=upload)
+    host = ServerHost(config({"policy": "asp"}, server={"snapshot_every": 1}), str(tmp_path / "job" / "run"),
+                      LocalServerReports(LocalLink()))
+    host.set_members(1, [("w0", 1)])
+    fence = Fence(1, "w0", 1, 0)
+    for _ in range(2):
+        pull, flat = host.pull(fence, 1.0)
+        assert host.push(fence, pull.ticket.lease_ids, pull.version, np.zeros_like(flat), 0.5).status == "applied"
+        host.wait_snapshots(10)
+    host.close("stopped")
+    from actors import checkpoints
+
+    assert checkpoints.newest_valid(host.snapshots, pattern="checkpoints/step-*.json").step == 2
+    assert host.summary()["snapshot_failures"] == 1
+
+
+@pytest.mark.parametrize("policy", ["ssp", "shadow"])
+def test_two_server_restarts_claiming_at_once_take_two_incarnations(tmp_path, monkeypatch, policy):
+    """Two restarts of one run's server (a zombie's and Ray's, say) claim an incarnation at the same
+    moment: the second claims between the first's look at the newest incarnation and its own claim. They
+    must not both come back as incarnation 1 (on an object store, a read then a plain write claims nothing)."""
+    sync = {"policy": "ssp", "s": 1} if policy == "ssp" else {"policy": "shadow", "method": "ma"}
+    run_dir, others = str(tmp_path / "job" / "run"), []
+
+    def race(key):
+        if "incarnation" in key and not others:
+            others.append(None)
+            others.append(make_host(config(sync), run_dir, LocalServerReports(LocalLink()), restarted=True))
+
+    wrap_server_storage(monkeypatch, after_look=race)
+    first = make_host(config(sync), run_dir, LocalServerReports(LocalLink()), restarted=True)
+    incarnations = sorted([first.core.incarnation, others[1].core.incarnation])
+    assert incarnations == [1, 2], f"two restarts took incarnations {incarnations}"
