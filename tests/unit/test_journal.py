@@ -177,3 +177,42 @@ def test_with_remote_storage_a_saved_state_is_in_the_store_before_wait_saved_ret
     assert journal.wait_saved(number, 30)
     assert json.loads(store.read("job/run/coordinator.json")) == {"spares": ["job/run/spare1"]}
     journal.close()
+
+
+def test_the_final_model_is_uploaded_on_its_own_and_waited_for_by_its_size(tmp_path, monkeypatch):
+    """`model.pt` (GBs for a real model) no longer goes through the mirror, where it held up status.json
+    and was cut off by the mirror's 30 s final flush: it is uploaded directly, and the journal's close
+    waits for it as long as its size needs."""
+    import threading
+
+    from actors.control import journal as journal_module
+    from actors.mirror import RunMirror
+    from actors.storage import open_storage
+
+    gate = threading.Event()
+
+    class SlowModelStore:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        def write(self, key, data):
+            if key.endswith("model.pt"):
+                gate.wait(60)
+            self.inner.write(key, data)
+    store = open_storage(str(tmp_path / "store"))
+    slow = SlowModelStore(store)
+    mirror = RunMirror(slow, "job/run", tmp_path / "run")
+    journal = Journal(tmp_path / "run", keep_checkpoints=1, storage=slow, run_key="job/run", mirror=mirror)
+    journal.write_model(b"m" * 1000)
+    journal.write_status({"state": "FINISHED"})
+    assert mirror.flush(5), "status.json waited behind the model's upload"
+    assert json.loads(store.read("job/run/status.json")) == {"state": "FINISHED"}
+    waits = []
+    monkeypatch.setattr(journal_module, "model_upload_timeout", lambda size: waits.append(size) or 60.0, raising=False)
+    threading.Timer(0.2, gate.set).start()
+    journal.close()
+    assert store.read("job/run/model.pt") == b"m" * 1000
+    assert waits == [1000], "the wait for the model's upload is scaled to its size"
