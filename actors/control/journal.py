@@ -13,6 +13,7 @@ import collections
 import itertools
 import json
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -31,9 +32,17 @@ EVENTS_KEPT = 1000
 RESHAPES_SHOWN = 20
 """The newest reshapes in status (as with departed members)."""
 THROUGHPUT_WINDOW_S = 5.0
+MODEL_UPLOAD_BASE_S = 60.0
+MODEL_UPLOAD_MIN_RATE = 10e6
+"""The final model's upload is waited for MODEL_UPLOAD_BASE_S plus its size at this many bytes a second."""
 CHECKPOINT_RETRIES_S = (1.0, 2.0, 4.0, 8.0)
 """A checkpoint whose storing fails is tried again after each of these pauses, then given up (an event
 each time: `checkpoint_failed`); the job trains on either way."""
+
+
+def model_upload_timeout(size: int) -> float:
+    """How long the end of a run waits for the final model's upload: scaled to its size."""
+    return MODEL_UPLOAD_BASE_S + size / MODEL_UPLOAD_MIN_RATE
 
 
 class Journal:
@@ -57,6 +66,8 @@ class Journal:
         self._storing: asyncio.Lock | None = None  # one checkpoint stored at a time (made on the event loop)
         self.checkpoint_failures = 0
         """Tries to store a checkpoint that failed (each one an event)."""
+        self._model_upload: tuple[threading.Thread, int] | None = None
+        self.model_error = ""
         self.durable: tuple[int, float] | None = None
         """(step, time) of the newest checkpoint this run stored (status: the last durable checkpoint)."""
         if storage is None:
@@ -327,8 +338,28 @@ class Journal:
         self.put(name)
 
     def write_model(self, blob: bytes) -> None:
+        """The final model: on this node's disk, and with remote storage uploaded straight to the store
+        by a thread of its own (as checkpoints are; the mirror's whole files, status.json among them,
+        do not wait behind it). `close` waits for it as long as its size needs."""
         runfiles.write_bytes_atomic(self.run_dir / "model.pt", blob)
-        self.put("model.pt")
+        if self.mirror is None:
+            return
+        key = f"{self.run_key}/model.pt"
+
+        def upload() -> None:
+            for attempt, pause in enumerate((*CHECKPOINT_RETRIES_S[:2], None), start=1):
+                try:
+                    self.storage.write(key, blob)
+                    return
+                except Exception as err:  # noqa: BLE001 - reported, tried again
+                    log.warning("the final model could not be uploaded to %s (try %d): %s",
+                                self.storage.location(key), attempt, first_line(err))
+                    if pause is None:
+                        self.model_error = f"{type(err).__name__}: {first_line(err)}"
+                        return
+                    time.sleep(pause)
+        self._model_upload = (threading.Thread(target=upload, name="model upload", daemon=True), len(blob))
+        self._model_upload[0].start()
 
     def write_status(self, status: dict) -> None:
         self.write_json("status.json", status)
@@ -342,5 +373,10 @@ class Journal:
         if self._step_times is not None:
             self._step_times.close()
         self._saver.close()
+        if self._model_upload is not None:
+            thread, size = self._model_upload
+            thread.join(model_upload_timeout(size))
+            if thread.is_alive() or self.model_error:
+                log.warning("the final model is not in the store: %s", self.model_error or "its upload timed out")
         if self.mirror is not None and not self.mirror.close():
             log.warning("the run's remote copy is not complete: %s", self.mirror.error or "the upload timed out")
