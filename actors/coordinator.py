@@ -43,7 +43,7 @@ from actors.control.spares import SparePool
 from actors.control.supervisor import Actions, Supervisor
 from actors.control.workers import RayWorkerGroup, WorkerGroup
 from actors.faults import CoordinatorFaults
-from actors.members import Member
+from actors.members import Member, log
 from actors.metrics import Exporter, JobMetrics
 from actors.mirror import RunMirror, claim_incarnation
 from actors.plan import ParentWatch, Plan, Progress, WorkerSpec
@@ -61,6 +61,12 @@ OWNER_CHECK_S = 1.0
 LINGER_S = 600.0
 """A finished coordinator stays this long for `status`, unless released earlier."""
 MAX_RESTARTS = 5
+WORKER_STARTS_PER_INCARNATION = 1_000_000
+"""Coordinator incarnation n numbers its worker starts from n x this: the count the state file holds can
+lag the dead incarnation (a store one upload behind), and a worker incarnation number must never repeat
+(the parameter server and the lease dispenser fence a slot by it)."""
+SECRET_FILE = "secret.key"
+"""The rendezvous key in the run folder (mode 0600; never mirrored to the storage)."""
 """How often Ray restarts a coordinator whose process dies; each restart carries on from the run
 directory and the live workers (a new incarnation)."""
 FEED_WAIT_S = 30.0
@@ -101,7 +107,7 @@ class Coordinator(Actions):
         self._main_task: asyncio.Task | None = None
         self._released: asyncio.Event | None = None
         self.group.setup(self.run_dir, self.cfg.log_level)
-        storage, run_key = run_storage(self.cfg.storage, self.run_dir)
+        storage, run_key = run_storage(self.cfg.storage, self.run_dir, self.cfg.storage_options)
         if storage.remote:  # above every incarnation the store has seen, a zombie's included (actors/fencing.py)
             self.incarnation = claim_incarnation(storage, run_key, self.run_dir, self.incarnation)
         mirror = RunMirror(storage, run_key, self.run_dir, self.incarnation) if storage.remote else None
@@ -121,6 +127,8 @@ class Coordinator(Actions):
             lambda fired: self.journal.write_json("coordinator_faults_fired.json", sorted(fired)),
             lambda reason: self.journal.event("fault", reason, fired_at=time.time()))
         self._saved: dict | None = self._load_saved() if self.group.reconstructed else None
+        if self._saved is None:
+            self._keep_secret()
         self.spares = SparePool(self.cfg.workers.spares, self.group, self.prefix, lambda slot: self._spec(slot, 0),
                                 self._persist, self.journal.wait_saved, self.journal.event,
                                 wanted=self._may_start,
@@ -134,7 +142,9 @@ class Coordinator(Actions):
                                    self._start_run, lambda reason, detail: self.end(JobState.FAILED, reason, detail))
         self.launcher = Launcher(self.book, self.spares, self.group, self.prefix, self._spec,
                                  self.journal.fired, self.journal.event, lambda: self.state, self._may_start,
-                                 self.admission.request, started=(self._saved or {}).get("started_workers", 0))
+                                 self.admission.request,
+                                 started=max((self._saved or {}).get("started_workers", 0),
+                                             self.incarnation * WORKER_STARTS_PER_INCARNATION))
         self.supervisor = Supervisor(self.cfg, self.book, self.group, self, self.journal.event, self.algorithm.kind,
                                      lambda: self.journal.step)
         self._recovered = asyncio.Event()
@@ -172,15 +182,44 @@ class Coordinator(Actions):
         state.update({"incarnation": self.incarnation, "state": self.state.value, "stop_kind": self.stop_kind,
                       "cause": self.cause, "started_at": self.started_at, "running_since": self.running_since,
                       "loss": self.journal.loss, "metrics": dict(self.journal.metrics), "spares": spares,
-                      "started_workers": self.launcher.started, "started_spares": self.spares.started,
-                      "secret": self.secret.hex()})
+                      "started_workers": self.launcher.started, "started_spares": self.spares.started})
         return self.journal.save_state(state)
+
+    def _keep_secret(self) -> None:
+        """The rendezvous key where a restart finds it and no mirror copies it: `secret.key` (0600) in the
+        run folder and Ray's KV store (another node's restart), never the state file (mirrored to the store)."""
+        if not self.secret:
+            return
+        self._keep_secret_file(self.secret)
+        self.group.keep_secret(f"{self.name}/{self.run_id}", self.secret)
+
+    def _recall_secret(self, saved: dict) -> bytes:
+        """The key the live workers hold: the run folder's, else Ray's KV store's (a restart on another
+        node), else an older run's state file's."""
+        try:
+            return bytes.fromhex((self.run_dir / SECRET_FILE).read_text().strip())
+        except (OSError, ValueError):
+            pass
+        kept = self.group.recall_secret(f"{self.name}/{self.run_id}") if self.cfg.comm.sign_rendezvous else None
+        if kept:
+            self._keep_secret_file(kept)
+            return kept
+        if saved.get("secret"):  # a state file written before the key moved out of it
+            return bytes.fromhex(saved["secret"])
+        if self.secret:
+            log.warning("restarted without the rendezvous key (no %s, nothing in Ray's KV store): the live workers "
+                        "hold another one, and groups they form with new members will refuse it", SECRET_FILE)
+        return self.secret
+
+    def _keep_secret_file(self, secret: bytes) -> None:
+        runfiles.write_bytes_atomic(self.run_dir / SECRET_FILE, secret.hex().encode())
+        os.chmod(self.run_dir / SECRET_FILE, 0o600)
 
     def _load_saved(self) -> dict:
         saved = self.journal.load_state()
         self.incarnation = max(self.incarnation, saved["incarnation"] + 1)
         self.sequencer.trust_first = True  # the live workers numbered their messages to the dead incarnation
-        self.secret = bytes.fromhex(saved["secret"]) if saved.get("secret") else self.secret
+        self.secret = self._recall_secret(saved)
         self.state, self.stop_kind, self.cause = JobState(saved["state"]), saved["stop_kind"], saved["cause"]
         self.running_since, self.started_at = saved["running_since"], saved["started_at"]
         self.book.load(saved)
@@ -499,7 +538,8 @@ class Coordinator(Actions):
         if to.terminal:
             self.journal.wait_saved(number, 30)  # on disk before the driver, told the job ended, reads it
             self.group.publish_record(self.name, {"run_id": self.run_id, "run_dir": str(self.run_dir), "state": to.value,
-                                                  "storage": self.cfg.storage})
+                                                  "storage": self.cfg.storage,
+                                                  "storage_options": dict(self.cfg.storage_options)})
 
     # ------------------------------------------------------------------ history and limits
     def _accept_record(self, record: dict) -> None:

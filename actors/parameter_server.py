@@ -84,7 +84,7 @@ class ServerHost:
     def __init__(self, config: dict, run_dir: str, reports: ServerReports, restarted: bool = False) -> None:
         self.cfg: JobConfig = parse(JobConfig, config)
         self.run_dir = Path(run_dir)
-        storage, run_key = run_storage(self.cfg.storage, self.run_dir)
+        storage, run_key = run_storage(self.cfg.storage, self.run_dir, self.cfg.storage_options)
         self.snapshots = (storage, f"{run_key}/server")
         """Where the snapshots and the incarnation claims go: `<run>/server/` on the job's storage (a
         server that Ray restarts on another node finds them there)."""

@@ -86,6 +86,13 @@ class WorkerGroup:
     def publish_record(self, name: str, record: dict) -> None:
         """A small record a later `status NAME` finds after the actors are gone."""
 
+    def keep_secret(self, key: str, value: bytes) -> None:
+        """A secret a restarted coordinator needs on any node, kept where nothing is mirrored (Ray's KV
+        store, token-authenticated); nothing for a fake (its coordinator keeps it in the run folder)."""
+
+    def recall_secret(self, key: str) -> bytes | None:
+        return None
+
     def call_self(self, name: str, namespace: str, method: str) -> None:
         """A restarted coordinator asks for its own `method` (nobody else will)."""
 
@@ -179,6 +186,21 @@ class RayWorkerGroup(WorkerGroup):
         from actors import runfiles
 
         runfiles.publish_record(name, record)
+
+    def keep_secret(self, key: str, value: bytes) -> None:
+        from ray.experimental.internal_kv import _internal_kv_put
+
+        from actors.runfiles import KV_NAMESPACE
+
+        _internal_kv_put(f"secret/{key}", value.hex().encode(), overwrite=True, namespace=KV_NAMESPACE)
+
+    def recall_secret(self, key: str) -> bytes | None:
+        from ray.experimental.internal_kv import _internal_kv_get
+
+        from actors.runfiles import KV_NAMESPACE
+
+        raw = _internal_kv_get(f"secret/{key}", namespace=KV_NAMESPACE)
+        return bytes.fromhex(raw.decode()) if raw else None
 
     def call_self(self, name: str, namespace: str, method: str) -> None:
         call_self_when_alive(name, namespace, method)

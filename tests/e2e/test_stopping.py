@@ -25,7 +25,7 @@ def assert_saved_at(job: ElasticJob, step: int) -> None:
     history = job.history()
     assert [r["step"] for r in history] == list(range(1, step + 1)), "history must end at the stop step"
     assert (job.run_dir / "model.pt").exists(), "no final model"
-    assert list((job.run_dir / "checkpoints").glob(f"step-{step:08d}.pt")), f"no checkpoint at step {step}"
+    assert list((job.run_dir / "checkpoints").glob(f"step-{step:08d}-*.pt")), f"no checkpoint at step {step}"
     forced = [e for e in job.events() if "did not stop" in e["reason"]]
     assert not forced, forced
 

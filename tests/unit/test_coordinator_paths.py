@@ -168,7 +168,7 @@ def test_stop_while_paused_stops_the_survivors_at_their_committed_step(tmp_path)
         assert stop_plan.members == ("w0", "w2") and stop_plan.stop_step == 0, stop_plan
         assert await ended(coord) == JobState.STOPPED
         assert coord.journal.step == 20
-        assert (tmp_path / "model.pt").exists() and list((tmp_path / "checkpoints").glob("step-00000020.pt"))
+        assert (tmp_path / "model.pt").exists() and list((tmp_path / "checkpoints").glob("step-00000020-*.pt"))
     run(scenario())
 
 
@@ -536,4 +536,31 @@ def test_a_restart_takes_an_incarnation_above_every_one_the_store_has_seen(tmp_p
         second = coordinator(config("fenced", storage=uri), run_dir, group)
         assert second.incarnation == 2, f"the restart took incarnation {second.incarnation}, which the store had seen"
         second.journal.mirror.close(10)
+    run(scenario())
+
+
+def test_a_restart_from_a_lagging_state_file_never_reuses_a_worker_incarnation(tmp_path):
+    """The state file a restart reads can lag the dead incarnation (the store's copy is one upload
+    behind): its count of worker starts is stale. A replacement must still not take a worker incarnation
+    number the dead one gave (the parameter server and the dispenser fence a slot by it)."""
+    async def scenario():
+        group = FakeWorkerGroup()
+        first = await started(config("lagging"), tmp_path, group)
+        await group.commit(first, 3)
+        given = max(m.incarnation for m in first.book.members.values())
+        first._released.set()
+        first._main_task.cancel()
+        await asyncio.sleep(0.05)
+        saved = json.loads((tmp_path / "coordinator.json").read_text())
+        saved["started_workers"] = 1  # written before the other starts
+        (tmp_path / "coordinator.json").write_text(json.dumps(saved))
+        group.die("w2")
+        group.reconstructed = True
+        second = coordinator(config("lagging"), tmp_path, group)
+        await second.start()
+        await until(lambda: second.book.live() == ("w0", "w1", "w2") and second.book.members["w2"].handle is not None
+                    and second.book.members["w2"].state.name == "TRAINING", "w2 replaced")
+        assert second.book.members["w2"].incarnation > given, (second.book.members["w2"].incarnation, given)
+        await group.commit(second, 1)
+        await stopped(second, group, 1)
     run(scenario())
