@@ -114,7 +114,8 @@ class Coordinator(Actions):
         self.journal = Journal(self.run_dir, self.cfg.checkpoint.keep, storage, run_key, mirror,
                                restarted=self.group.reconstructed, store_delay_s=self.cfg.faults.checkpoint_store_s,
                                fingerprint=checkpoints.fingerprint(self.cfg.workload.factory, self.cfg.workload.params),
-                               store_fails_s=self.cfg.faults.checkpoint_fail_s)
+                               store_fails_until=self.started_at + self.cfg.faults.checkpoint_fail_s
+                               if self.cfg.faults.checkpoint_fail_s else 0.0)
         self.metrics = JobMetrics(Exporter(self.name, run_id, self.cfg.sync.policy, self.cfg.tracking.metrics,
                                            self.group.metric), self.algorithm.kind)
         self.journal.listeners.append(self.metrics)

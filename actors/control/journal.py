@@ -50,20 +50,23 @@ class Journal:
 
     def __init__(self, run_dir: Path, keep_checkpoints: int, storage: Storage | None = None, run_key: str = "",
                  mirror: RunMirror | None = None, restarted: bool = False, store_delay_s: float = 0.0,
-                 fingerprint: tuple[str, str] | None = None, store_fails_s: float = 0.0) -> None:
+                 fingerprint: tuple[str, str] | None = None, store_fails_until: float = 0.0) -> None:
         """`storage` and `run_key`: where checkpoints go and `--resume` reads from (default: the run
         folder's grandparent, the local run root, and `<job>/<run id>`). `mirror`: the remote copy of
         the run folder (storage: an object store); a `restarted` coordinator first copies down what it
         holds that this node's folder lacks (Ray may restart it on another node). `store_delay_s`:
         each checkpoint's storing takes at least this long (`faults.checkpoint_store_s`, tests);
-        `store_fails_s`: every storing fails for this long after the journal opens (`faults.checkpoint_fail_s`).
+        `store_fails_until`: every storing fails until this time.time() (`faults.checkpoint_fail_s` after the
+        job's start, over every coordinator incarnation).
         `fingerprint`: (fingerprint, description) of the workload, kept in each checkpoint's manifest."""
         self.run_dir = run_dir
         self.keep_checkpoints = keep_checkpoints
         self.store_delay_s = store_delay_s
-        self.store_fails_until = time.time() + store_fails_s if store_fails_s else 0.0
+        self.store_fails_until = store_fails_until
         self.fingerprint = fingerprint
-        self._storing: asyncio.Lock | None = None  # one checkpoint stored at a time (made on the event loop)
+        self._waiting: tuple[int, bytes, str, asyncio.Future] | None = None
+        """The checkpoint waiting for the one being stored (a newer one replaces it)."""
+        self._storer: asyncio.Task | None = None
         self.checkpoint_failures = 0
         """Tries to store a checkpoint that failed (each one an event)."""
         self._model_upload: tuple[threading.Thread, int] | None = None
@@ -272,40 +275,68 @@ class Journal:
         return tuple(sorted(self.fired_faults))
 
     async def save_checkpoint(self, step: int, blob: bytes, note: str = "") -> str | None:
-        """To the storage (an upload, for an object store), in a thread: the event loop goes on. One at a
-        time (a slow store holds the next blob back instead of piling uploads up in memory). A failure is
-        an event (`checkpoint_failed`) and is tried again after each of `CHECKPOINT_RETRIES_S`; past
-        them the checkpoint is given up (None), and the job trains on: status shows the last durable one."""
+        """To the storage (an upload, for an object store), in a thread: the event loop goes on. One is
+        stored at a time and one more waits: a newer checkpoint replaces the one waiting (an event says
+        so; its caller gets None), so a slow or failing store holds at most two blobs, not a pile. A
+        failure is an event (`checkpoint_failed`) and is tried again after each of
+        `CHECKPOINT_RETRIES_S`; past them the checkpoint is given up (None), and the job trains on:
+        status shows the last durable one."""
+        loop = asyncio.get_running_loop()
+        waiting = self._waiting
+        if waiting is not None and not waiting[3].done():
+            self.event("checkpoint_failed", f"checkpoint at step {waiting[0]} was not stored: the one at step {step} "
+                                            f"replaced it while the store was busy", step=waiting[0], replaced_by=step,
+                       error="replaced while waiting", attempt=0, retry=False, bytes=len(waiting[1]))
+            waiting[3].set_result(None)
+        done: asyncio.Future = loop.create_future()
+        self._waiting = (step, blob, note, done)
+        if self._storer is None or self._storer.done():
+            self._storer = loop.create_task(self._store_waiting())
+        return await done
+
+    async def _store_waiting(self) -> None:
+        while self._waiting is not None:
+            step, blob, note, done = self._waiting
+            self._waiting = None
+            if done.done():
+                continue
+            try:
+                location = await self._store_checkpoint(step, blob, note)
+            except Exception as err:  # noqa: BLE001 - the caller hears it; the next one is stored
+                if not done.done():
+                    done.set_exception(err)
+                continue
+            if not done.done():
+                done.set_result(location)
+
+    async def _store_checkpoint(self, step: int, blob: bytes, note: str) -> str | None:
         def store() -> str:
             if self.store_delay_s:
                 time.sleep(self.store_delay_s)
             if time.time() < self.store_fails_until:
-                raise OSError(f"injected: storing checkpoints fails until {self.store_fails_until - time.time():.1f}s "
-                              f"from now (faults.checkpoint_fail_s)")
+                raise OSError(f"injected: storing checkpoints fails for {self.store_fails_until - time.time():.1f}s "
+                              f"more (faults.checkpoint_fail_s)")
             fingerprint, workload = self.fingerprint or (None, "")
             return checkpoints.save((self.storage, self.run_key), step, blob, self.keep_checkpoints,
                                     self.run_key.rsplit("/", 1)[-1], fingerprint, workload)
-        if self._storing is None:
-            self._storing = asyncio.Lock()
-        async with self._storing:
-            for attempt, pause in enumerate((*CHECKPOINT_RETRIES_S, None), start=1):
-                started = time.monotonic()
-                try:
-                    location = await asyncio.to_thread(store)
-                    break
-                except Exception as err:  # noqa: BLE001 - any failure of the store is reported and tried again
-                    self.checkpoint_failures += 1
-                    error = f"{type(err).__name__}: {first_line(err)}"
-                    self.event("checkpoint_failed",
-                               f"checkpoint at step {step} could not be stored (try {attempt}): {error}; "
-                               + (f"trying again in {pause:g}s" if pause is not None else
-                                  "given up: the job trains on, and a restart would go back to "
-                                  + (f"step {self.durable[0]}" if self.durable else "the start")),
-                               step=step, error=error, attempt=attempt, retry=pause is not None, bytes=len(blob))
-                    if pause is None:
-                        return None
-                    await asyncio.sleep(pause)
-            seconds = time.monotonic() - started
+        for attempt, pause in enumerate((*CHECKPOINT_RETRIES_S, None), start=1):
+            started = time.monotonic()
+            try:
+                location = await asyncio.to_thread(store)
+                break
+            except Exception as err:  # noqa: BLE001 - any failure of the store is reported and tried again
+                self.checkpoint_failures += 1
+                error = f"{type(err).__name__}: {first_line(err)}"
+                self.event("checkpoint_failed",
+                           f"checkpoint at step {step} could not be stored (try {attempt}): {error}; "
+                           + (f"trying again in {pause:g}s" if pause is not None else
+                              "given up: the job trains on, and a restart would go back to "
+                              + (f"step {self.durable[0]}" if self.durable else "the start")),
+                           step=step, error=error, attempt=attempt, retry=pause is not None, bytes=len(blob))
+                if pause is None:
+                    return None
+                await asyncio.sleep(pause)
+        seconds = time.monotonic() - started
         self.event("checkpoint", note or f"checkpoint at step {step}", step=step, path=location, bytes=len(blob),
                    seconds=round(seconds, 3), attempts=attempt)
         if self.checkpoint is None or step >= self.checkpoint[0]:

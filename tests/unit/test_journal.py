@@ -216,3 +216,41 @@ def test_the_final_model_is_uploaded_on_its_own_and_waited_for_by_its_size(tmp_p
     journal.close()
     assert store.read("job/run/model.pt") == b"m" * 1000
     assert waits == [1000], "the wait for the model's upload is scaled to its size"
+
+
+def test_a_busy_store_holds_one_checkpoint_waiting_and_a_newer_one_replaces_it(tmp_path):
+    """One checkpoint is stored at a time and one waits: a third replaces the waiting one (an event names
+    both), so a store that hangs holds two blobs, not every checkpoint since it hung."""
+    import threading
+
+    from actors.storage import open_storage
+
+    gate = threading.Event()
+
+    class HungStore:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        def write(self, key, data):
+            gate.wait(60)
+            self.inner.write(key, data)
+
+    async def scenario():
+        journal = Journal(tmp_path / "run", keep_checkpoints=3, storage=HungStore(open_storage(str(tmp_path / "s"))),
+                          run_key="job/run")
+        first = asyncio.ensure_future(journal.save_checkpoint(10, b"a" * 10))
+        await asyncio.sleep(0.05)
+        second = asyncio.ensure_future(journal.save_checkpoint(20, b"b" * 10))
+        await asyncio.sleep(0.05)
+        third = asyncio.ensure_future(journal.save_checkpoint(30, b"c" * 10))
+        assert await second is None, "the waiting checkpoint is replaced by the newer one"
+        replaced = [e for e in journal.events if e.kind == "checkpoint_failed"]
+        assert replaced and replaced[0].detail["step"] == 20 and replaced[0].detail["replaced_by"] == 30
+        gate.set()
+        assert await first is not None and await third is not None
+        assert [e.detail["step"] for e in journal.events if e.kind == "checkpoint"] == [10, 30]
+        journal.close()
+    asyncio.run(scenario())
