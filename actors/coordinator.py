@@ -117,7 +117,8 @@ class Coordinator(Actions):
                                store_fails_until=self.started_at + self.cfg.faults.checkpoint_fail_s
                                if self.cfg.faults.checkpoint_fail_s else 0.0)
         self.metrics = JobMetrics(Exporter(self.name, run_id, self.cfg.sync.policy, self.cfg.tracking.metrics,
-                                           self.group.metric), self.algorithm.kind)
+                                           self.group.metric), self.algorithm.kind, lambda: self.journal.step,
+                                  self.cfg.tracking.per_worker_metrics)
         self.journal.listeners.append(self.metrics)
         self.feed = Feed()
         """Wakes the drivers' long polls (`watch_feed`) on each event and each newest record."""
@@ -290,6 +291,7 @@ class Coordinator(Actions):
         member = self.book.members.get(progress.slot)
         if member is not None:
             self.supervisor.progress(member, progress.mark, progress.compute_s)
+        self.metrics.steps(progress.step_s)
         with self.history.batch():
             for record in progress.records:
                 try:

@@ -126,6 +126,8 @@ class Progress:
     records: tuple[dict, ...] = ()
     compute_s: float = 0.0
     """EWMA of this worker's compute time per step (forward + backward), for `scale_down: slowest`."""
+    step_s: tuple[float, ...] = ()
+    """The compute time of each step since the previous report (the job's step-time histogram)."""
     mark: int = 0
     """The step of its newest committed state (the last round, for periodic policies)."""
 

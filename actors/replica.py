@@ -145,6 +145,7 @@ class Replica:
         """History records of this replica's newest commit points (every member keeps them)."""
         self._last_report = 0.0
         self.compute_s = 0.0
+        self._step_s: list[float] = []
         self.bytes_before = 0
         """Bytes this member sent in earlier membership epochs (each epoch's communicator counts its own)."""
         self.dropped = 0
@@ -516,6 +517,7 @@ class Replica:
             return self._failed(plan, err)
         spent += self.faults.straggle(started, self.step)  # a modelled straggler's sleep is compute time
         self.compute_s = 0.9 * self.compute_s + 0.1 * spent if self.compute_s else spent
+        self._step_s.append(spent)
         if vote.communicated and self.algorithm.kind == "synchronous" and vote.samples != plan.global_batch:
             raise RuntimeError(f"the commit vote of step {self.step + 1} counted {vote.samples} samples; the plan's "
                                f"global batch is {plan.global_batch}")  # every member runs one plan: a bug, not a vote
@@ -668,8 +670,8 @@ class Replica:
         self._last_report = now
         epoch = self.plan.membership_epoch if self.plan else 0
         progress = Progress(self.slot, self.step, epoch, time.time(), tuple(self._records), self.compute_s,
-                            mark=self._mark())
-        self._records = []
+                            mark=self._mark(), step_s=tuple(self._step_s))
+        self._records, self._step_s = [], []
         try:
             self.link.report(progress, wait=force)
         except Exception as err:  # noqa: BLE001 - a lost report must not kill training (records are kept)

@@ -46,7 +46,8 @@ class RayLink:
         self._checkpoints: list = []
         """The checkpoints sent whose storing has not been seen to end (ObjectRefs of the calls)."""
         config = parse(JobConfig, spec.config)
-        self._metrics = Exporter(spec.job, spec.run_id, config.sync.policy, enabled=config.tracking.metrics)
+        self._metrics = Exporter(spec.job, spec.run_id, config.sync.policy,
+                                 enabled=config.tracking.metrics and config.tracking.per_worker_metrics)
         self._coord()  # found now, not at the first report: that lookup took 0.1-0.45 s here, after step 1
 
     def _coord(self):
@@ -62,8 +63,8 @@ class RayLink:
 
     def report(self, progress: Progress, wait: bool) -> None:
         ref = self._send("report", progress)
-        if progress.compute_s > 0:  # once a report (a batch of steps), never inside a step
-            self._metrics.observe("worker_step_seconds", progress.compute_s, slot=progress.slot)
+        for seconds in progress.step_s:  # at a report (a batch of steps), never inside a step
+            self._metrics.observe("worker_step_compute_seconds", seconds, slot=progress.slot)
         if wait:
             ray.get(ref, timeout=10)
 

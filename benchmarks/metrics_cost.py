@@ -44,10 +44,10 @@ def call_cost(calls: int) -> dict:
     from actors.metrics import Exporter
 
     x = Exporter("cost", "r", "bsp")
-    x.observe("worker_step_seconds", 0.01, slot="w0")  # made on first use
+    x.observe("worker_step_compute_seconds", 0.01, slot="w0")  # made on first use
     began = time.perf_counter()
     for _ in range(calls):
-        x.observe("worker_step_seconds", 0.01, slot="w0")
+        x.observe("worker_step_compute_seconds", 0.01, slot="w0")
     observe = (time.perf_counter() - began) / calls
     began = time.perf_counter()
     for _ in range(calls):

@@ -1,6 +1,7 @@
 """The job's metrics on the local Ray node's Prometheus endpoint, through a kill and a replacement's
 join, against `status()` and history: committed steps, world size back to its count, one recovery
-observation per death, the join; and a worker's step times."""
+observation per death, the join, the last commit's time; each step's compute time, job-wide (the
+coordinator's) and per slot (each worker's, with tracking.per_worker_metrics)."""
 from __future__ import annotations
 
 import urllib.request
@@ -41,16 +42,16 @@ def test_the_job_s_metrics_on_ray_s_endpoint_match_status_and_history(run_root):
     cfg = {"name": "metrics", "seed": 3, "workers": {"count": 3, "cpus": 0.5, "start_grace_s": 600},
            "workload": {"factory": "orchestrator.workloads.digits:mlp", "params": {"hidden": 32}, "batch_size": 8},
            "optimizer": {"lr": 0.05}, "stop": {"max_steps": 1_000_000}, "eval_every": 0,
-           "tracking": {"tensorboard": "tb", "report": True},
+           "tracking": {"tensorboard": "tb", "report": True, "per_worker_metrics": True},
            "faults": {"kills": [{"slot": "w1", "step": 20, "at": "step"}]}}
     job = ElasticJob(config_from_dict(paced(cfg))).start()
     try:
         job.wait_for(step=11)
         run = job.status().run_id
         # each worker process exports on its own (Ray's report interval): wait for both survivors' step times
-        wait_until(lambda: (s := scrape()) and all(value(s, "ray_orchestrator_worker_step_seconds_count", run, slot=slot) > 0
-                                                   for slot in ("w0", "w2")), timeout=15, what="the workers' step times",
-                   every=0.5)
+        wait_until(lambda: (s := scrape()) and all(value(s, "ray_orchestrator_worker_step_compute_seconds_count", run,
+                                                         slot=slot) > 0 for slot in ("w0", "w2")),
+                   timeout=15, what="the workers' step times", every=0.5)
         joined = job.wait_for(lambda e: e["kind"] == "reshape" and e["detail"]["joiners"] == ["w1"], timeout=120)
         job.wait_for(step=joined["detail"]["first_committed_step"] + 10)
         job._ask("request_stop", "the test saw the join and 10 steps after it")  # stop() would also release it
@@ -67,7 +68,8 @@ def test_the_job_s_metrics_on_ray_s_endpoint_match_status_and_history(run_root):
         def settled():  # the coordinator's last values reach the endpoint within a report interval; Ray exports each
             samples = scrape()  # metric on its own, so one counter can be seen ahead of another (a CI run: steps, not samples)
             return samples if (value(samples, METRICS["committed_steps"].exported, run) == len(history) and
-                               value(samples, "ray_orchestrator_samples_total", run) == sum(r["global_batch"] for r in history)) \
+                               value(samples, "ray_orchestrator_samples_total", run) == sum(r["global_batch"] for r in history)
+                               and value(samples, "ray_orchestrator_step_compute_seconds_count", run) >= len(history)) \
                 else None
         samples = wait_until(settled, timeout=15, what="the committed steps and samples on the endpoint", every=0.5)
         print({k: [v for t, v in s if t.get("run") == run] for k, s in samples.items() if "orchestrator" in k})
@@ -87,6 +89,7 @@ def test_the_job_s_metrics_on_ray_s_endpoint_match_status_and_history(run_root):
         assert value(samples, "ray_orchestrator_state", run, state="STOPPED") == 1
         assert value(samples, "ray_orchestrator_bytes_total", run, kind="gradients") > 0
         assert value(samples, "ray_orchestrator_loss", run) == pytest.approx(history[-1]["loss"])
+        assert value(samples, "ray_orchestrator_last_commit_timestamp_seconds", run) == pytest.approx(history[-1]["time"])
         tags = next(t for t, _ in samples["ray_orchestrator_world_size"] if t.get("run") == run)
         assert tags["job_name"] == "metrics" and tags["policy"] == "bsp"
     finally:

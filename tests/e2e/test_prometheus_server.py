@@ -1,5 +1,6 @@
 """A real Prometheus server (Debian's `prometheus` package) scrapes the local Ray node's metrics endpoint
-during a job and answers a query for one of the job's metrics through its HTTP API (slow)."""
+during a job and answers a query for one of the job's metrics through its HTTP API, and every query of
+the Grafana board (dashboards/orchestrator.json) with its variables filled in (slow)."""
 from __future__ import annotations
 
 import json
@@ -7,6 +8,7 @@ import shutil
 import subprocess
 import urllib.parse
 import urllib.request
+from pathlib import Path
 
 import pytest
 import ray
@@ -16,6 +18,7 @@ from orchestrator.job import ElasticJob
 from testkit.harness import free_port, wait_until
 
 PROMETHEUS = shutil.which("prometheus")
+BOARD = Path(__file__).resolve().parents[2] / "dashboards" / "orchestrator.json"
 
 
 def query(port: int, expr: str) -> list:
@@ -51,6 +54,11 @@ def test_a_prometheus_server_scrapes_the_job_s_metrics_and_answers_a_query(tmp_p
         assert 0 < steps <= status.step
         world = query(port, f'max(ray_orchestrator_world_size{{run="{run}"}})')
         assert float(world[0]["value"][1]) == 2
+        since = query(port, f'time() - max(ray_orchestrator_last_commit_timestamp_seconds{{run="{run}"}})')
+        assert 0 <= float(since[0]["value"][1]) < 60, since
+        for panel in json.loads(BOARD.read_text())["panels"]:  # each parses and runs (an error answers status "error")
+            for target in panel["targets"]:
+                query(port, target["expr"].replace("$job", "prom").replace("$run", run).replace("$__range", "5m"))
         job.stop()
     finally:
         server.terminate()

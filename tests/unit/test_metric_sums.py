@@ -18,14 +18,15 @@ def test_records_are_summed_and_exported_once_a_tick_and_at_the_end():
             setattr(m, verb, lambda *a, _o=original, _v=verb, _n=metric.name, **k: (calls.append((_v, _n)), _o(*a, **k)))
         return m
 
-    jm = JobMetrics(Exporter("j", "r", "dpsgd", make=make), "decentralized")
+    jm = JobMetrics(Exporter("j", "r", "dpsgd", make=make), "decentralized", lambda: 500, per_worker=True)
     for step in range(1, 501):
         for slot in ("w0", "w1"):
             jm.record({"step": step, "time": float(step), "loss": 1.0 / step, "world_size": 2, "membership_epoch": 1,
                        "slot": slot, "samples": 8, "bytes_sent": 100 * step})
     assert calls == [], "nothing reaches Ray per record"
     jm.tick(10.0, lambda: {"w0": 0.01, "w1": 0.03, "w2": 0.01}, {}, 0, now=100.0)
-    assert made["committed_steps"].values[()] == 1000 and made["samples"].values[()] == 8000
+    assert made["member_steps"].values[()] == 1000 and made["samples"].values[()] == 8000
+    assert made["committed_steps"].values[()] == 500, "the job's step: the slowest member's"
     assert made["bytes"].values[(("kind", "exchanges"),)] == 2 * 100 * 499
     assert made["loss"].values[()] == 1.0 / 500 and made["world_size"].values[()] == 2
     assert made["step_time_ratio"].values == {(("slot", "w0"),): 1.0, (("slot", "w1"),): 3.0, (("slot", "w2"),): 1.0}
@@ -34,4 +35,4 @@ def test_records_are_summed_and_exported_once_a_tick_and_at_the_end():
     jm.tick(10.0, dict, {}, 0, now=100.5)
     assert len(calls) == exported, "at most once a second"
     jm.event(Event(time=1.0, kind="transition", reason="done", state_from="RUNNING", state_to="FINISHED"))
-    assert made["committed_steps"].values[()] == 1001 and made["loss"].values[()] == 0.1, "flushed at the end"
+    assert made["member_steps"].values[()] == 1001 and made["loss"].values[()] == 0.1, "flushed at the end"
