@@ -10,8 +10,10 @@ draws six panels against wall time from the job's start:
 5. recovery and join times (death or join decided -> first committed step), one mark per event;
 6. a summary: state, steps, policy, deaths, joins, median recovery.
 
-It reads only the run directory (history.jsonl, events.jsonl, step_times.jsonl, coordinator.json,
-config.yaml), so it works for any policy kind and after the job's actors are gone.
+It reads only the run's files (history.jsonl, events.jsonl, step_times.jsonl, status.json,
+config.yaml), so it works for any policy kind and after the job's actors are gone: from the run
+directory, or from the run on its storage (`s3://bucket/prefix/<job>/<run id>`), where the appended
+files are the mirror's parts (read through `actors/mirror.py`'s `read_appended`).
 """
 from __future__ import annotations
 
@@ -21,39 +23,52 @@ import statistics
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import yaml
 
+from actors import runfiles
 from actors.members import first_line
+from actors.mirror import read_appended
+from actors.storage import is_remote, open_storage
 
 MARKS = {"death": ("tab:red", "x"), "join": ("tab:green", "^"), "scale": ("tab:blue", "v"), "other": ("tab:gray", ".")}
 
 
-def _jsonl(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            continue  # a torn last line
-    return out
-
-
-def load(run_dir: Path) -> dict[str, Any]:
-    """What the report draws, from the run directory."""
-    run_dir = Path(run_dir)
-    if not (run_dir / "history.jsonl").exists() and not (run_dir / "events.jsonl").exists():
-        raise FileNotFoundError(f"{run_dir} is not a run directory (no history.jsonl or events.jsonl)")
-    config = yaml.safe_load((run_dir / "config.yaml").read_text()) if (run_dir / "config.yaml").exists() else {}
-    history, events = _jsonl(run_dir / "history.jsonl"), _jsonl(run_dir / "events.jsonl")
-    state = {}
-    if (run_dir / "status.json").exists():
-        state = json.loads((run_dir / "status.json").read_text())
+def load(run: Path | str) -> dict[str, Any]:
+    """What the report draws, from a run directory or its URI on the run's storage."""
+    read = _reader(run)
+    history, events = runfiles.parse_jsonl(read("history.jsonl"), "history"), runfiles.parse_jsonl(read("events.jsonl"), "events")
+    if not history and not events:
+        raise FileNotFoundError(f"{run} is not a run directory (no history.jsonl or events.jsonl)")
+    config = yaml.safe_load(read("config.yaml") or b"{}") or {}
+    status = json.loads(read("status.json") or b"{}")
     times = [r["time"] for r in history] + [e["time"] for e in events]
-    return {"config": config or {}, "history": history, "events": events, "status": state,
-            "step_times": _jsonl(run_dir / "step_times.jsonl"), "t0": min(times) if times else 0.0}
+    return {"config": config, "history": history, "events": events, "status": status,
+            "step_times": runfiles.parse_jsonl(read("step_times.jsonl"), "step_times"), "t0": min(times) if times else 0.0}
+
+
+def _reader(run: Path | str) -> Callable[[str], bytes]:
+    """`read(name)`: a run file's bytes (b"" when there is none). On an object store the appended files
+    are their mirrored parts (actors/mirror.py)."""
+    if not is_remote(str(run)):
+        folder = Path(run)
+        return lambda name: (folder / name).read_bytes() if (folder / name).is_file() else b""
+    storage = open_storage(str(run))
+
+    def read(name: str) -> bytes:
+        if name.endswith(".jsonl"):
+            return read_appended(storage, name)
+        try:
+            return storage.read(name)
+        except FileNotFoundError:
+            return b""
+    return read
+
+
+def run_name(run: Path | str) -> str:
+    """The job's name as the run's path has it (`<job>/<run id>`), for a run without its config."""
+    return urlsplit(str(run)).path.rstrip("/").rsplit("/", 2)[-2] if is_remote(str(run)) else Path(run).parent.name
 
 
 def event_kind(event: dict) -> str | None:
@@ -97,19 +112,19 @@ def tokens_per_s(history: list[dict], window: int = 20) -> list[tuple[int, float
     return out
 
 
-def draw(run_dir: Path, out: Path | None = None) -> Path:
-    """Draw the report of `run_dir` into `out` (default: its report.png); returns the path."""
+def draw(run: Path | str, out: Path | None = None) -> Path:
+    """Draw the report of `run` (a run directory, or its URI on the run's storage) into `out` (default:
+    the directory's report.png; for a URI, report.png here); returns the path."""
     import matplotlib  # the [plot] extra
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    run_dir = Path(run_dir)
-    data = load(run_dir)
-    out = Path(out) if out is not None else run_dir / "report.png"
+    data = load(run)
+    out = Path(out) if out is not None else Path("report.png") if is_remote(str(run)) else Path(run) / "report.png"
     t0, history, events = data["t0"], data["history"], data["events"]
     policy = (data["config"].get("sync") or {}).get("policy", "bsp")
-    name = data["config"].get("name", run_dir.parent.name)
+    name = data["config"].get("name", run_name(run))
     fig, axes = plt.subplots(3, 2, figsize=(14, 11))
     (loss_ax, world_ax), (heat_ax, bytes_ax), (recovery_ax, text_ax) = axes
 
@@ -202,7 +217,7 @@ def draw(run_dir: Path, out: Path | None = None) -> Path:
         bytes_ax.set_title("communication and tokens per second")
 
     # 5. recovery and join times
-    timed = [(e, event_kind(e)) for e in events if event_kind(e) and e["detail"].get("duration_s") is not None]
+    timed = [(e, kind) for e in events if (kind := event_kind(e)) and e["detail"].get("duration_s") is not None]
     for e, kind in timed:
         color, marker = MARKS[kind]
         recovery_ax.scatter(e["detail"].get("decided_at", e["time"]) - t0, e["detail"]["duration_s"], color=color,

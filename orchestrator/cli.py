@@ -65,8 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--compute-ms", type=float, default=None, help="one step's compute (else measured here)")
     plan.add_argument("--json", action="store_true")
     report = sub.add_parser("report", help="draw a run's report (loss, membership, stragglers, bytes, recoveries) as a PNG")
-    report.add_argument("run_dir", help="a run directory (it holds history.jsonl and events.jsonl)")
-    report.add_argument("--out", default=None, help="the PNG to write (default: RUN_DIR/report.png)")
+    report.add_argument("run_dir", help="a run directory (it holds history.jsonl and events.jsonl), or the run on "
+                                        "its storage (s3://bucket/prefix/JOB/RUN_ID)")
+    report.add_argument("--out", default=None, help="the PNG to write (default: RUN_DIR/report.png; ./report.png for a URI)")
     for cmd in sub.choices.values():
         cmd.error = parser.error  # type: ignore[method-assign]
         cmd.add_argument("--log-level", default=None, choices=["DEBUG", "INFO", "WARNING", "ERROR"],
@@ -409,9 +410,10 @@ def _network_of(path: str):
 def cmd_report(args: argparse.Namespace) -> int:
     """The run report of RUN_DIR as a PNG (actors/report.py). Starts nothing."""
     from actors import report
+    from actors.storage import StorageError, is_remote
 
-    run_dir = Path(args.run_dir).expanduser()
-    if not run_dir.is_dir():
+    run_dir = args.run_dir if is_remote(args.run_dir) else Path(args.run_dir).expanduser()  # a URI: the run's storage
+    if isinstance(run_dir, Path) and not run_dir.is_dir():
         raise ConfigError(f"report: {run_dir} is not a directory")
     import importlib.util
 
@@ -419,7 +421,7 @@ def cmd_report(args: argparse.Namespace) -> int:
         raise ConfigError("report: needs matplotlib (pip install 'elastic-orchestrator[plot]')")
     try:
         out = report.draw(run_dir, Path(args.out).expanduser() if args.out else None)
-    except FileNotFoundError as err:
+    except (FileNotFoundError, StorageError) as err:
         raise ConfigError(f"report: {err}") from None
     print(f"report: {out}")
     return 0

@@ -69,3 +69,28 @@ def test_the_cli_draws_a_run_and_refuses_a_directory_that_holds_none(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "orchestrator", "report", str(empty)], cwd=REPO,
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "not a run directory" in bad.stderr and bad.stderr.count("\n") == 1, bad.stderr
+
+
+def test_the_report_reads_a_run_from_its_store(tmp_path, capsys):
+    """A run on an object store holds its appended files as mirrored parts (no `history.jsonl`): the
+    report reads them through `read_appended`, from the run's URI (here fsspec's in-process `memory://`;
+    tests/e2e/test_report_store.py runs the command line against an S3 server)."""
+    from actors.mirror import RunMirror
+    from actors.storage import open_storage
+    from orchestrator.cli import main
+
+    local = run_dir(tmp_path / "run", False) if (tmp_path / "run").mkdir() is None else tmp_path
+    root = f"memory://reports-{tmp_path.name}/runs"
+    storage = open_storage(root)
+    mirror = RunMirror(storage, "rep/run1", local).start()
+    for name in ("config.yaml", "status.json"):
+        mirror.put(name)
+    assert mirror.close(), mirror.error
+    assert not any(key.endswith("history.jsonl") for key, _ in storage.list("rep/run1")), "parts only"
+    uri = f"{root}/rep/run1"
+    assert report.load(uri)["history"] == report.load(local)["history"]
+    out = tmp_path / "remote.png"
+    assert main(["report", uri, "--out", str(out)]) == 0, capsys.readouterr().err
+    assert out.read_bytes()[:8] == PNG and out.stat().st_size > 30_000
+    assert main(["report", f"{root}/rep/nothing", "--out", str(out)]) == 2
+    assert "not a run" in capsys.readouterr().err
