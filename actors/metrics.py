@@ -207,7 +207,8 @@ class JobMetrics:
 
     def steps(self, seconds: Sequence[float]) -> None:
         """A member's report: the compute time of each of its steps since its previous report."""
-        self._step_s.extend(seconds)
+        if self.x.enabled:
+            self._step_s.extend(seconds)
 
     def flush(self) -> None:
         """What came since the last flush, into Ray's metrics."""
