@@ -103,7 +103,7 @@ def test_user_exception_fails_job_with_traceback(run_root):
 
 
 BROKEN_FACTORY = '''
-def build(cfg):
+def build(**params):
     raise ValueError("the workload cannot be built: no such column 'label'")
 '''
 
