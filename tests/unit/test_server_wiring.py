@@ -203,7 +203,8 @@ def wrap_server_storage(monkeypatch, **hooks):
 
     real = server_module.run_storage
     monkeypatch.setattr(server_module, "run_storage",
-                        lambda setting, run_dir: (Wrapped(real(setting, run_dir)[0], **hooks), real(setting, run_dir)[1]))
+                        lambda setting, run_dir, *rest: (Wrapped(real(setting, run_dir, *rest)[0], **hooks),
+                                                         real(setting, run_dir, *rest)[1]))
 
 
 def test_a_push_that_crosses_a_snapshot_returns_while_the_snapshot_uploads(tmp_path, monkeypatch):
