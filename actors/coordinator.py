@@ -377,7 +377,8 @@ class Coordinator(Actions):
                                       if m.state is S.TRAINING and m.compute_s > 0}
                 ticked = self.metrics.tick(self.journal.throughput(), step_times,
                                            self.server.summary if self.server else {}, self.spares.ready(),
-                                           tokens_per_s=self.journal.tokens_throughput())
+                                           tokens_per_s=self.journal.tokens_throughput(),
+                                           mirror_lag_s=self.journal.mirror.lag_s() if self.journal.mirror else None)
                 if ticked is not None:  # once a second
                     self.journal.step_times(ticked)
         except NoWorkerCanStart as err:  # the workers' own error is the cause, not the coordinator's

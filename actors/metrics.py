@@ -87,6 +87,8 @@ METRICS = {m.name: m for m in (
     Metric("checkpoint_step", "gauge", "Step of the newest checkpoint stored (what a loss of every member restarts from)"),
     Metric("checkpoint_timestamp_seconds", "gauge", "Unix time the newest checkpoint was stored"),
     Metric("storage_errors", "counter", "Failures to copy the run to its storage (each new one once, while retried)"),
+    Metric("storage_mirror_lag_seconds", "gauge", "Seconds since the run's copy on its storage last took every upload "
+                                                  "(grows while the store fails; 0 without remote storage)"),
     Metric("incarnation", "gauge", "Restarts so far of the coordinator or the parameter server (its incarnation; "
                                    "the series appears at the first restart)", ("component",)),
 )}
@@ -277,7 +279,8 @@ class JobMetrics:
             self.x.set("checkpoint_timestamp_seconds", event.time)
 
     def tick(self, throughput: float | None, step_times: Callable[[], dict[str, float]], server: dict,
-             spares: int, now: float | None = None, tokens_per_s: float | None = None) -> dict[str, float] | None:
+             spares: int, now: float | None = None, tokens_per_s: float | None = None,
+             mirror_lag_s: float | None = None) -> dict[str, float] | None:
         """What status shows, at most once a second. `step_times()`: each training member's step time.
         A rate that is None (no steps in the last 5 s: a stall) goes out as 0. Returns the step times
         when it ticked (the journal writes them too), else None."""
@@ -295,6 +298,8 @@ class JobMetrics:
         if server:
             self._server(server)
         self.x.set("spares_ready", spares)
+        if mirror_lag_s is not None:
+            self.x.set("storage_mirror_lag_seconds", mirror_lag_s)
         return times
 
     def _ratios_of(self, times: dict[str, float]) -> None:

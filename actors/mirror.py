@@ -231,6 +231,7 @@ class RunMirror:
         self._said: set[str] = set()
         """The failures `on_error` heard since the last pass that succeeded."""
         self._fenced = False
+        self._synced_at: float | None = None
         self._closed = False
         self.uploaded_bytes = 0
         self._thread: threading.Thread | None = None
@@ -271,6 +272,12 @@ class RunMirror:
     def error(self) -> str:
         """The newest upload failure, "" once a pass succeeds; once fenced, that it is."""
         return self._error
+
+    def lag_s(self) -> float:
+        """Seconds since a pass last found the store taking every upload (0 before the first pass):
+        grows while the store fails or a newer incarnation fenced this one off. Appended lines wait
+        up to `max_lag_s` more by design; that wait is not counted."""
+        return 0.0 if self._synced_at is None else max(0.0, time.monotonic() - self._synced_at)
 
     @property
     def fenced(self) -> bool:
@@ -331,6 +338,7 @@ class RunMirror:
                 if ok:
                     if not self._fenced:
                         self._error, self._said = "", set()
+                        self._synced_at = time.monotonic()
                     self._done = max(self._done, target)
                     self._cond.notify_all()
             if not ok:

@@ -188,3 +188,41 @@ def test_checkpoints_storage_errors_restarts_and_the_last_commit_are_exported():
     assert made["storage_errors"].values[()] == 1
     assert made["incarnation"].values == {(("component", "coordinator"),): 2, (("component", "server"),): 1}
     assert made["last_commit_timestamp_seconds"].values[()] == 1236.0
+
+
+def test_the_storage_copys_lag_is_exported_and_grows_while_the_store_fails(tmp_path):
+    import threading
+
+    from actors.mirror import RunMirror
+    from actors.storage import open_storage
+
+    down = threading.Event()
+
+    class FlakyStore:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        def write(self, key, data):
+            if down.is_set():
+                raise OSError("503 Service Unavailable")
+            self.inner.write(key, data)
+    (tmp_path / "run").mkdir()
+    mirror = RunMirror(FlakyStore(open_storage(str(tmp_path / "store"))), "job/run", tmp_path / "run",
+                       interval_s=0.05).start()
+    assert mirror.flush(10) and mirror.lag_s() < 5
+    down.set()
+    (tmp_path / "run" / "status.json").write_text("{}")
+    mirror.put("status.json")
+    assert not mirror.flush(0.5)
+    lag = mirror.lag_s()
+    assert lag >= 0.4, lag
+    made: dict[str, FakeMetric] = {}
+    metrics = JobMetrics(fake_exporter(made), "rank0", lambda: 0)
+    metrics.tick(None, lambda: {}, {}, 0, now=100.0, mirror_lag_s=lag)
+    assert made["storage_mirror_lag_seconds"].values[()] == lag
+    down.clear()
+    assert mirror.flush(10) and mirror.lag_s() < lag
+    mirror.close()
