@@ -373,6 +373,7 @@ class Coordinator(Actions):
                 else:
                     self._parent.exit_if_orphaned()
                     await self._check_limits()
+                    self.journal.check_mirror()
                 step_times = lambda: {m.slot: round(m.compute_s, 6) for m in self.book.members.values()  # noqa: E731
                                       if m.state is S.TRAINING and m.compute_s > 0}
                 ticked = self.metrics.tick(self.journal.throughput(), step_times,

@@ -236,12 +236,21 @@ class Journal:
                                f"change", error=str(error))
         elif error is None:
             self._state_file_error = ""
+        self.check_mirror()
+        return self._saver.submit(runfiles.json_bytes(state, compact=True))
+
+    def check_mirror(self) -> None:
+        """A new failure of the run's remote copy becomes an event (once): called at each state save
+        and from the coordinator's loop, so a quiet job hears it too."""
         failure = self.mirror.error if self.mirror is not None else ""
         if failure and failure != self._mirror_error:
-            self.event("info", f"{failure}: the run's remote copy lags; a coordinator restarted on another node "
-                               f"would carry on from an older state", error=failure)
+            if self.mirror is not None and self.mirror.fenced:
+                self.event("info", f"{failure}: a newer coordinator incarnation owns the run's copy on the storage",
+                           error=failure)
+            else:
+                self.event("info", f"{failure}: the run's remote copy lags; a coordinator restarted on another node "
+                                   f"would carry on from an older state", error=failure)
         self._mirror_error = failure
-        return self._saver.submit(runfiles.json_bytes(state, compact=True))
 
     def wait_saved(self, number: int, timeout: float) -> bool:
         """Until state snapshot `number` is on this node's disk and, with remote storage, in the store

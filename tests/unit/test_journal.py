@@ -254,3 +254,31 @@ def test_a_busy_store_holds_one_checkpoint_waiting_and_a_newer_one_replaces_it(t
         assert [e.detail["step"] for e in journal.events if e.kind == "checkpoint"] == [10, 30]
         journal.close()
     asyncio.run(scenario())
+
+
+def test_a_failing_store_is_an_event_without_waiting_for_the_next_state_save(tmp_path):
+    """The coordinator's loop asks (`check_mirror`) every pass: a quiet job, which saves no state, is told
+    once that its remote copy lags."""
+    from actors.mirror import RunMirror
+    from actors.storage import open_storage
+
+    class DownStore:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        def write(self, key, data):
+            raise OSError("503 Service Unavailable")
+    (tmp_path / "run").mkdir()
+    mirror = RunMirror(DownStore(open_storage(str(tmp_path / "s"))), "job/run", tmp_path / "run", interval_s=0.05)
+    journal = Journal(tmp_path / "run", keep_checkpoints=1, storage=open_storage(str(tmp_path / "s")),
+                      run_key="job/run", mirror=mirror)
+    journal.write_status({"state": "RUNNING"})
+    assert not mirror.flush(0.5) and mirror.error
+    journal.check_mirror()
+    journal.check_mirror()
+    told = [e for e in journal.events if "remote copy lags" in e.reason]
+    assert len(told) == 1 and "503 Service Unavailable" in told[0].reason, [e.reason for e in journal.events]
+    mirror.close(0.1)
