@@ -194,3 +194,23 @@ def test_credentials_in_the_storage_uri_leave_no_copy_anywhere(tmp_path, run_roo
     out, err = capfd.readouterr()
     leaks += [f"output: {what}" for what, v in (("access key", ACCESS_KEY), ("secret key", SECRET_KEY)) if v in out + err]
     assert not leaks, leaks
+
+
+def test_resume_after_an_older_run_that_got_further_continues_the_newer_run(tmp_path, run_root, s3, capsys):
+    """An older run reached step 60, a newer one (started fresh) step 20, both with checkpoints on S3:
+    `run --resume` continues from the newer run's step 20, not the older run's 60."""
+    from orchestrator import cli
+
+    uri = s3.format(prefix="lineage")
+    base = dict(CONFIG, name="lineage", storage=uri, checkpoint={"every_steps": 20})
+    for steps in (60, 20):
+        result = ElasticJob(config_from_dict(dict(base, stop={"max_steps": steps}))).start().wait(timeout=180)
+        assert result.state == "FINISHED" and result.step == steps, result
+    config_path = tmp_path / "lineage.yaml"
+    config_path.write_text(yaml.safe_dump(dict(base, stop={"max_steps": 30})))
+    assert cli.main(["run", str(config_path), "--resume"]) == 0
+    out = capsys.readouterr().out
+    assert "resuming from step 20 of run" in out, out
+    runs = runs_in(open_storage(uri), "lineage")
+    history = runfiles.parse_jsonl(read_appended(open_storage(uri), f"{runs[-1]}/history.jsonl"))
+    assert [r["step"] for r in history] == list(range(21, 31)), [r["step"] for r in history]
