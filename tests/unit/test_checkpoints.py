@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from actors import checkpoints
+from testkit.stores import HookedStore
 
 
 def blob(step: int) -> bytes:
@@ -131,19 +132,12 @@ def test_writing_a_step_again_never_breaks_its_committed_checkpoint(tmp_path):
     run = tmp_path / "job" / "r"
     checkpoints.save(run, 10, blob(10), keep=1)
 
-    class DiesBeforeTheManifest:
-        def __init__(self, inner):
-            self.inner = inner
-
-        def __getattr__(self, name):
-            return getattr(self.inner, name)
-
-        def write(self, key, data):
-            if key.endswith(".json"):
-                raise OSError("the process died here")
-            self.inner.write(key, data)
+    def dies_before_the_manifest(key, data):
+        if key.endswith(".json"):
+            raise OSError("the process died here")
     try:
-        checkpoints.save((DiesBeforeTheManifest(open_storage(str(run))), ""), 10, b"a newer state of step 10", keep=1)
+        checkpoints.save((HookedStore(open_storage(str(run)), dies_before_the_manifest), ""), 10,
+                         b"a newer state of step 10", keep=1)
     except OSError:
         pass
     ref = checkpoints.newest_valid(tmp_path / "job", warn=lambda text: None)

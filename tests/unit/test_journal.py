@@ -8,6 +8,7 @@ from pathlib import Path
 
 from actors import runfiles
 from actors.control.journal import EVENTS_KEPT, RESHAPES_SHOWN, Journal
+from testkit.stores import HookedStore, failing
 
 
 def record(step: int, t: float, **extra) -> dict:
@@ -104,23 +105,6 @@ def test_a_torn_last_line_does_not_swallow_the_first_record_after_a_restart(tmp_
     assert [r["step_s"]["w0"] for r in runfiles.read_jsonl(run / "step_times.jsonl")] == [0.1, 0.2]
 
 
-class FlakyStore:
-    """A local storage whose writes fail `fails` times (an S3 outage), then work."""
-
-    def __init__(self, inner, fails: int):
-        self.inner, self.fails, self.writes = inner, fails, 0
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    def write(self, key, data):
-        self.writes += 1
-        if self.fails > 0:
-            self.fails -= 1
-            raise OSError("AWS Error SERVICE_UNAVAILABLE during PutObject operation: Please reduce your request rate.")
-        self.inner.write(key, data)
-
-
 def test_a_checkpoint_that_fails_to_store_is_an_event_and_is_tried_again(tmp_path, monkeypatch):
     """A failed upload is not silent: each failed try is a `checkpoint_failed` event naming the step and
     the error, the store is tried again with backoff, and status shows the last durable checkpoint."""
@@ -130,7 +114,9 @@ def test_a_checkpoint_that_fails_to_store_is_an_event_and_is_tried_again(tmp_pat
     monkeypatch.setattr(journal_module, "CHECKPOINT_RETRIES_S", (0.01, 0.01, 0.01), raising=False)
 
     async def scenario():
-        store = FlakyStore(open_storage(str(tmp_path / "store")), fails=2)
+        fails = [2]  # an S3 outage: two writes fail, then they work
+        store = HookedStore(open_storage(str(tmp_path / "store")), failing(fails, "AWS Error SERVICE_UNAVAILABLE "
+                                                                                  "during PutObject operation"))
         journal = Journal(tmp_path / "run", keep_checkpoints=2, storage=store, run_key="job/run")
         location = await journal.save_checkpoint(7, b"x" * 100)
         failed = [e for e in journal.events if e.kind == "checkpoint_failed"]
@@ -139,7 +125,7 @@ def test_a_checkpoint_that_fails_to_store_is_an_event_and_is_tried_again(tmp_pat
         assert location is not None and await journal.read_checkpoint(location) == b"x" * 100
         status = journal.checkpoint_status()
         assert status["step"] == 7 and status["failures"] == 2, status
-        store.fails = 100  # down for good: given up after the last retry, the job goes on
+        fails[0] = 100  # down for good: given up after the last retry, the job goes on
         assert await journal.save_checkpoint(9, b"y" * 100) is None
         given_up = [e for e in journal.events if e.kind == "checkpoint_failed"][-1]
         assert not given_up.detail["retry"] and "given up" in given_up.reason and "step 7" in given_up.reason
@@ -158,18 +144,8 @@ def test_with_remote_storage_a_saved_state_is_in_the_store_before_wait_saved_ret
 
     gate = threading.Event()
 
-    class SlowStore:  # the store answers only once the test lets it
-        def __init__(self, inner):
-            self.inner = inner
-
-        def __getattr__(self, name):
-            return getattr(self.inner, name)
-
-        def write(self, key, data):
-            gate.wait(60)
-            self.inner.write(key, data)
     store = open_storage(str(tmp_path / "store"))
-    mirror = RunMirror(SlowStore(store), "job/run", tmp_path / "run")
+    mirror = RunMirror(HookedStore(store, lambda key, data: gate.wait(60)), "job/run", tmp_path / "run")  # answers when let
     journal = Journal(tmp_path / "run", keep_checkpoints=1, storage=store, run_key="job/run", mirror=mirror)
     number = journal.save_state({"spares": ["job/run/spare1"]})
     assert not journal.wait_saved(number, 0.5), "waited only for the local disk: the store has no copy yet"
@@ -191,19 +167,8 @@ def test_the_final_model_is_uploaded_on_its_own_and_waited_for_by_its_size(tmp_p
 
     gate = threading.Event()
 
-    class SlowModelStore:
-        def __init__(self, inner):
-            self.inner = inner
-
-        def __getattr__(self, name):
-            return getattr(self.inner, name)
-
-        def write(self, key, data):
-            if key.endswith("model.pt"):
-                gate.wait(60)
-            self.inner.write(key, data)
     store = open_storage(str(tmp_path / "store"))
-    slow = SlowModelStore(store)
+    slow = HookedStore(store, lambda key, data: key.endswith("model.pt") and gate.wait(60))
     mirror = RunMirror(slow, "job/run", tmp_path / "run")
     journal = Journal(tmp_path / "run", keep_checkpoints=1, storage=slow, run_key="job/run", mirror=mirror)
     journal.write_model(b"m" * 1000)
@@ -227,20 +192,9 @@ def test_a_busy_store_holds_one_checkpoint_waiting_and_a_newer_one_replaces_it(t
 
     gate = threading.Event()
 
-    class HungStore:
-        def __init__(self, inner):
-            self.inner = inner
-
-        def __getattr__(self, name):
-            return getattr(self.inner, name)
-
-        def write(self, key, data):
-            gate.wait(60)
-            self.inner.write(key, data)
-
     async def scenario():
-        journal = Journal(tmp_path / "run", keep_checkpoints=3, storage=HungStore(open_storage(str(tmp_path / "s"))),
-                          run_key="job/run")
+        hung = HookedStore(open_storage(str(tmp_path / "s")), lambda key, data: gate.wait(60))
+        journal = Journal(tmp_path / "run", keep_checkpoints=3, storage=hung, run_key="job/run")
         first = asyncio.ensure_future(journal.save_checkpoint(10, b"a" * 10))
         await asyncio.sleep(0.05)
         second = asyncio.ensure_future(journal.save_checkpoint(20, b"b" * 10))
@@ -262,17 +216,9 @@ def test_a_failing_store_is_an_event_without_waiting_for_the_next_state_save(tmp
     from actors.mirror import RunMirror
     from actors.storage import open_storage
 
-    class DownStore:
-        def __init__(self, inner):
-            self.inner = inner
-
-        def __getattr__(self, name):
-            return getattr(self.inner, name)
-
-        def write(self, key, data):
-            raise OSError("503 Service Unavailable")
     (tmp_path / "run").mkdir()
-    mirror = RunMirror(DownStore(open_storage(str(tmp_path / "s"))), "job/run", tmp_path / "run", interval_s=0.05)
+    down = HookedStore(open_storage(str(tmp_path / "s")), failing([10**9], "503 Service Unavailable"))
+    mirror = RunMirror(down, "job/run", tmp_path / "run", interval_s=0.05)
     journal = Journal(tmp_path / "run", keep_checkpoints=1, storage=open_storage(str(tmp_path / "s")),
                       run_key="job/run", mirror=mirror)
     journal.write_status({"state": "RUNNING"})

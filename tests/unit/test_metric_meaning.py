@@ -14,6 +14,7 @@ from actors.control.journal import Journal
 from actors.metrics import METRICS, Exporter, JobMetrics
 from core.schema import Event, TrackingConfig, parse
 from testkit.fake_workers import FakeMetric
+from testkit.stores import HookedStore
 
 STEPS, SLOW_S = 30, 0.3
 
@@ -198,19 +199,11 @@ def test_the_storage_copys_lag_is_exported_and_grows_while_the_store_fails(tmp_p
 
     down = threading.Event()
 
-    class FlakyStore:
-        def __init__(self, inner):
-            self.inner = inner
-
-        def __getattr__(self, name):
-            return getattr(self.inner, name)
-
-        def write(self, key, data):
-            if down.is_set():
-                raise OSError("503 Service Unavailable")
-            self.inner.write(key, data)
+    def unless_down(key, data):
+        if down.is_set():
+            raise OSError("503 Service Unavailable")
     (tmp_path / "run").mkdir()
-    mirror = RunMirror(FlakyStore(open_storage(str(tmp_path / "store"))), "job/run", tmp_path / "run",
+    mirror = RunMirror(HookedStore(open_storage(str(tmp_path / "store")), unless_down), "job/run", tmp_path / "run",
                        interval_s=0.05).start()
     assert mirror.flush(10) and mirror.lag_s() < 5
     down.set()
