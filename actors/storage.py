@@ -178,6 +178,18 @@ class Storage:
                 raise
         return self._limited(f"reading {self.location(key)}", get)
 
+    def read_range(self, key: str, offset: int, length: int) -> bytes:
+        """`length` bytes of the object from `offset` (fewer at its end), without reading the rest of it."""
+        if not self.remote:
+            with open(self.path(key), "rb") as src:
+                src.seek(offset)
+                return src.read(length)
+
+        def get() -> bytes:
+            with self.fs.open_input_file(self.path(key)) as src:
+                return src.read_at(length, offset)
+        return self._limited(f"reading {self.location(key)} at {offset}", get)
+
     def size(self, key: str) -> int | None:
         """The object's size, None when there is none."""
         if not self.remote:

@@ -51,6 +51,7 @@ class GPTConfig:
     n_layer: int
     n_head: int
     seq_len: int
+    vocab: int = VOCAB
 
 
 SIZES = {
@@ -163,11 +164,11 @@ class GPT(nn.Module):
         if cfg.d_model % cfg.n_head:
             raise ValueError(f"workload lm: d_model {cfg.d_model} is not a multiple of n_head {cfg.n_head}")
         self.cfg = cfg
-        self.tok = nn.Embedding(VOCAB, cfg.d_model)
+        self.tok = nn.Embedding(cfg.vocab, cfg.d_model)
         self.pos = nn.Parameter(torch.zeros(cfg.seq_len, cfg.d_model))
         self.blocks = nn.ModuleList(Block(cfg.d_model, cfg.n_head) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.d_model)
-        self.head = nn.Linear(cfg.d_model, VOCAB, bias=False)
+        self.head = nn.Linear(cfg.d_model, cfg.vocab, bias=False)
         self.head.weight = self.tok.weight  # tied
         for name, p in self.named_parameters():
             if name.endswith("bias"):
@@ -219,19 +220,37 @@ def held_out_loss(model: nn.Module, data: TensorDataset, batch: int = 32) -> dic
 
 
 def gpt(size: str = "tiny", d_model: int | None = None, n_layer: int | None = None, n_head: int | None = None,
-        seq_len: int | None = None, dtype: str = "float32", eval_count: int = 64, text_root: str | None = None) -> Workload:
+        seq_len: int | None = None, dtype: str = "float32", eval_count: int = 64, text_root: str | None = None,
+        shards: str | None = None, eval_shards: str | None = None, shard_dtype: str = "uint16",
+        vocab: int | None = None) -> Workload:
     """The byte-level GPT on the standard library's source (`size`: tiny or small; each field can be
-    overridden), parameters in `dtype` (float32 or bfloat16)."""
+    overridden), parameters in `dtype` (float32 or bfloat16). With `shards` (a directory or storage
+    prefix of `.bin`/`.npy` token files, orchestrator/data/shards.py) it trains on those tokens
+    instead, with a vocabulary of `vocab` (default: all values of `shard_dtype`, up to 65,536), and
+    evaluates on `eval_shards` (the first `eval_count` windows) when given."""
     if size not in SIZES:
         raise ValueError(f"workload lm: size must be one of {sorted(SIZES)}, got {size!r}")
     base = SIZES[size]
+    length = seq_len or base.seq_len
+    if shards is not None:
+        from orchestrator.data.shards import TokenShards
+
+        train_data = TokenShards(shards, length, shard_dtype)
+        eval_data = None
+        if eval_shards is not None:
+            held_shards = TokenShards(eval_shards, length, shard_dtype)
+            eval_data = TensorDataset(torch.stack([held_shards[i][0] for i in range(min(eval_count, len(held_shards)))]))
+        vocab = vocab or min(2 ** (8 * np.dtype(shard_dtype).itemsize), 65_536)
+    else:
+        train, held = text_arrays(text_root)
+        train_data = TensorDataset(windows(train, length))
+        eval_data = TensorDataset(eval_windows(held, length, eval_count))
     cfg = GPTConfig(d_model=d_model or base.d_model, n_layer=n_layer or base.n_layer,
-                    n_head=n_head or base.n_head, seq_len=seq_len or base.seq_len)
-    train, held = text_arrays(text_root)
+                    n_head=n_head or base.n_head, seq_len=length, vocab=vocab or VOCAB)
     model = GPT(cfg).to(getattr(torch, dtype))
-    return Workload(model=model, train_data=TensorDataset(windows(train, cfg.seq_len)),
-                    eval_data=TensorDataset(eval_windows(held, cfg.seq_len, eval_count)),
-                    loss=next_byte_loss, evaluate=held_out_loss, tokens_per_sample=cfg.seq_len)
+    return Workload(model=model, train_data=train_data, eval_data=eval_data,
+                    loss=next_byte_loss, evaluate=held_out_loss if eval_data is not None else None,
+                    tokens_per_sample=cfg.seq_len)
 
 
 def lab_gpt(compute_ms: float = 0.0, slow: dict | None = None, jitter_sigma: float = 0.0, seed: int = 0,

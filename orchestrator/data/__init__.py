@@ -1,0 +1,1 @@
+"""Data sources a workload's factory can hand the orchestrator as its `train_data` (see docs/data.md)."""
