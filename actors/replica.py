@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import hashlib
 import io
 import logging
@@ -41,6 +42,7 @@ from actors import collective, runfiles
 from actors.comm import BaseCommunicator, CommError, GroupSpec, NoGroup, form_in_thread, make_communicator
 from actors.entry import enter
 from actors.faults import WorkerFaults
+from actors.loader import BatchLoader
 from actors.plan import Plan, PlanBook, Progress, WorkerSpec
 from algorithms.base import EpochInfo, StepVote, VoteDraft, get_algorithm
 from algorithms.optim import build_optimizer, lr_at
@@ -115,6 +117,8 @@ class Replica:
         self.param_names = [n for n, p in self.model.named_parameters() if p.requires_grad]
         self.sampler = GlobalSampler(len(self.workload.train_data), self.cfg.seed)
         self._fast_index = isinstance(self.workload.train_data, torch.utils.data.TensorDataset)
+        loader = self.cfg.workload.loader
+        self._loader = BatchLoader(loader.workers, loader.prefetch) if loader.workers > 0 else None
         self.tokens_per_sample = int(getattr(self.workload, "tokens_per_sample", None) or 0)
         self.step = self.cursor = 0
         self.holds_state = False
@@ -228,6 +232,8 @@ class Replica:
             self._outcome = {"ok": False, "step": self.step, "slot": self.slot, "error": f"{type(err).__name__}: {err}",
                              "traceback": traceback.format_exc()}
         finally:
+            if self._loader is not None:
+                self._loader.close()
             collective.withdraw(self.comm)
             self.impl.close(finished=self.state == "finished" and not self._left)
             self._flush_report(force=True)
@@ -448,14 +454,32 @@ class Replica:
     # ------------------------------------------------------------------ steps and rounds
     def _micro_batches(self, plan: Plan, mine: np.ndarray | None) -> tuple[np.ndarray, list[tuple[Any, int]]]:
         """This rank's share of the next global batch (or the ids the policy dealt), in chunks of at
-        most `workload.micro_batch`."""
-        if mine is None:
-            ids = self.sampler.global_batch(self.cursor, plan.global_batch)
-            mine = split_for_rank(ids, plan.rank_of(self.slot), len(plan.members))
+        most `workload.micro_batch`. With a loader (`workload.loader.workers`), the share at the
+        cursor was built ahead while earlier steps computed, and the next ones are asked for now."""
+        if mine is not None:
+            return mine, self._chunks(mine)
+        if self._loader is None:
+            return self._share(plan, self.cursor)
+        built = self._loader.take(self._batch_key(plan, self.cursor))
+        self._loader.ahead([(self._batch_key(plan, cursor), functools.partial(self._share, plan, cursor))
+                            for cursor in (self.cursor + k * plan.global_batch for k in range(1, self._loader.prefetch + 1))])
+        return built if built is not None else self._share(plan, self.cursor)
+
+    def _share(self, plan: Plan, cursor: int) -> tuple[np.ndarray, list[tuple[Any, int]]]:
+        ids = self.sampler.global_batch(cursor, plan.global_batch)
+        mine = split_for_rank(ids, plan.rank_of(self.slot), len(plan.members))
+        return mine, self._chunks(mine)
+
+    def _batch_key(self, plan: Plan, cursor: int) -> tuple:
+        """What a share depends on: a batch built for another split (a reshape) or another cursor (a
+        step that did not commit, a state received) is never taken."""
+        return cursor, plan.global_batch, plan.members, self.slot, self.cfg.workload.micro_batch
+
+    def _chunks(self, mine: np.ndarray) -> list[tuple[Any, int]]:
         size = self.cfg.workload.micro_batch or max(len(mine), 1)
         if size >= len(mine):
-            return mine, [self._collate(mine)]
-        return mine, [self._collate(mine[i:i + size]) for i in range(0, len(mine), size)]
+            return [self._collate(mine)]
+        return [self._collate(mine[i:i + size]) for i in range(0, len(mine), size)]
 
     def _collate(self, ids: np.ndarray) -> tuple[Any, int]:
         data = self.workload.train_data

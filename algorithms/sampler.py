@@ -18,10 +18,11 @@ class GlobalSampler:
         self._cached: tuple[int, np.ndarray] = (-1, np.empty(0, dtype=np.int64))
 
     def permutation(self, data_epoch: int) -> np.ndarray:
-        if self._cached[0] != data_epoch:
+        cached = self._cached  # read once: a loader thread may replace it meanwhile (actors/loader.py)
+        if cached[0] != data_epoch:
             rng = np.random.default_rng([self.seed, data_epoch])
-            self._cached = (data_epoch, rng.permutation(self.n))
-        return self._cached[1]
+            cached = self._cached = (data_epoch, rng.permutation(self.n))
+        return cached[1]
 
     def global_batch(self, cursor: int, size: int) -> np.ndarray:
         """The `size` sample ids that follow global position `cursor`."""

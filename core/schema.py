@@ -97,6 +97,24 @@ class WorkersConfig:
 
 
 @dataclass
+class LoaderConfig:
+    """Background loading: threads that prepare the next steps' batches (index, collate, move to the
+    device) while the current step computes. Off (0 workers): each batch is built on the step."""
+
+    workers: int = 0
+    """Threads that build batches ahead (a dataset whose `__getitem__` waits on a disk or a network
+    overlaps the step; pure-Python decoding holds the GIL and overlaps little)."""
+    prefetch: int = 2
+    """Batches built ahead (each holds one step's share in memory)."""
+
+    def __post_init__(self) -> None:
+        if self.workers < 0:
+            raise FieldError("workers", f"must not be negative, got {self.workers}")
+        if self.prefetch < 1:
+            raise FieldError("prefetch", f"must be at least 1, got {self.prefetch}")
+
+
+@dataclass
 class WorkloadConfig:
     """The model, data and loss: `factory(**params)` returns a workload object."""
 
@@ -110,6 +128,7 @@ class WorkloadConfig:
     """Most samples one forward/backward takes. A larger share of the global batch (keep_global
     after the world shrinks) runs as micro-steps whose gradients accumulate locally; buckets are
     all-reduced on the last micro-step only. None: no limit."""
+    loader: LoaderConfig = field(default_factory=LoaderConfig)
 
     def __post_init__(self) -> None:
         if not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", self.factory or ""):
