@@ -15,8 +15,8 @@ checkpoints; it loads with `torch.load(weights_only=True)`.
 the Ray actor around it, restarted by Ray when its process dies. A restarted server loads its newest
 valid snapshot, claims a new incarnation on the storage (actors/fencing.py; pushes addressed to an
 older one are fenced) and tells the
-coordinator from which version it resumed: the versions after it are lost (at most `snapshot_every`),
-and the coordinator states them in an event.
+coordinator from which version it resumed: the versions after it are lost (`snapshot_every`, plus those
+applied while newer snapshots were still being stored), and the coordinator states them in an event.
 
 `RayServerClient` is a worker's way to it: a call that meets a restarting server answers "wait" (a
 pull) or is retried (a push: the server recognises a retried push by its lease ids and applies it
@@ -168,7 +168,7 @@ class ServerHost:
         return {"pid": os.getpid(), "version": core.version, "incarnation": core.incarnation, "membership_epoch": core.membership_epoch,
                 "staleness": {str(k): v for k, v in sorted(core.staleness.items())}, "rejected": dict(core.rejected),
                 "leases": dict(core.leases.counts, outstanding=core.leases.outstanding), "clocks": dict(core.clocks),
-                "snapshot_failures": self._snapshots.failures,
+                "snapshot_failures": self._snapshots.failures, "snapshot_version": self._snapshots.stored,
                 **({"barriers": core.round.index, "schedules": dict(core.schedules)} if core.elastic else {})}
 
     def model_state(self) -> bytes:
@@ -416,7 +416,7 @@ class ServerHost:
         as a new incarnation."""
         ref = checkpoints.newest_valid(self.snapshots, warn=log.warning, pattern="checkpoints/step-*.json")
         if ref is not None:
-            blob = self.snapshots[0].read(self.snapshots[0].key_of(ref.location))
+            blob = checkpoints.read_verified(self.snapshots[0], ref.location)  # read once: the bytes verified
             state = torch.load(io.BytesIO(blob), weights_only=True, map_location="cpu")
             self.core.load_state_dict(state)
         self.core.incarnation = self._claim_incarnation(self.core.incarnation + 1) - 1

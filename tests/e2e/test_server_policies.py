@@ -150,8 +150,10 @@ def test_server_sigkill_resumes_from_its_snapshot_and_the_job_finishes(run_root)
                       faults={"stragglers": stragglers})
     job = ElasticJob(config_from_dict(cfg)).start()
     workers = wait_until(lambda: (p := pids(job, ("w0", "w1", "w2", "w3"))) and len(p) == 4 and p, what="the workers' pids")
-    wait_until(lambda: job.status().step >= 35, timeout=120, what="35 versions")
-    server_pid = job.status().server["pid"]
+    wait_until(lambda: (s := job.status()).step >= 35 and s.server.get("snapshot_version", -1) >= every,
+               timeout=120, what="35 versions and a snapshot stored")
+    before = job.status().server
+    server_pid = before["pid"]
     killed_at = time.time()
     os.kill(server_pid, signal.SIGKILL)
     result = wait_for_end(job, 180, since=killed_at)
@@ -159,9 +161,13 @@ def test_server_sigkill_resumes_from_its_snapshot_and_the_job_finishes(run_root)
     assert pids(job, ("w0", "w1", "w2", "w3")) == workers, "workers were restarted"
     [event] = server_events(job)
     lost = event["detail"]["versions_lost"]
-    # a snapshot is taken at a multiple of `every` and written while later versions apply: a kill during
-    # that write resumes from the one before (CI, two processes: killed at 35 while 30 was written, 15 lost)
-    assert lost < 2 * every and event["detail"]["server_incarnation"] == 1, event
+    # snapshots are stored by a thread of their own while later versions apply (no push waits for the
+    # store), so how many versions a kill loses depends on the store's speed (a CI run under load: killed
+    # at 37 with 20 and 30 still being written, 27 lost); what holds is that the restart resumes from
+    # the newest snapshot that was stored before the kill, or a newer one stored since
+    assert event["detail"]["resumed_version"] >= before["snapshot_version"] >= every, (event, before)
+    assert lost == event["detail"]["history_step"] - event["detail"]["resumed_version"]
+    assert event["detail"]["server_incarnation"] == 1, event
     status = job.status()
     assert status.server["pid"] != server_pid and status.server["incarnation"] == 1
     assert status.server["rejected"]["fenced_server"] >= 1, status.server["rejected"]
