@@ -233,3 +233,46 @@ def test_rank0_death_right_after_a_split_vote(run_root, split_reference):
           f"{death['detail']['state_sources']}; max abs diff vs fault-free {diff:.1e}")
     assert death["detail"]["state_sources"] == {"w1": {"source": "w2", "step": 31}}
     assert diff < 3e-6
+
+
+def test_exactly_once_on_token_shards_with_background_loading_over_a_kill_a_join_and_a_scale_down(run_root, tmp_path):
+    """The language model on token shards (orchestrator/data/shards.py), its batches built ahead by the
+    loader (two threads, two batches): every window of data epoch 0 is trained exactly once through a
+    SIGKILL inside an all-reduce, the replacement's join and a scale-down. The loader may hold batches
+    built for a split that no longer exists; none of them may be trained."""
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    rng = np.random.default_rng(5)
+    for i, size in enumerate((4001, 3001, 3001)):  # 250 + 187 + 187 = 624 windows of 16 tokens
+        np.save(shards / f"part-{i}.npy", rng.integers(0, 500, size=size).astype(np.uint16))
+    cfg = make_config("exactly-once-shards", workers={"count": 3, "max": 4, "cpus": 0.5},
+                      workload={"factory": "orchestrator.workloads.lm:gpt", "batch_size": 2,
+                                "params": {"size": "tiny", "d_model": 16, "n_layer": 1, "n_head": 2, "seq_len": 16,
+                                           "shards": str(shards), "vocab": 500},
+                                "loader": {"workers": 2, "prefetch": 2}},
+                      optimizer={"name": "adamw", "lr": 0.003},
+                      faults={"kills": [{"slot": "w0", "step": 5, "at": "allreduce"}], "record_samples": True,
+                              "stragglers": [{"slot": "w2", "delay_s": 0.08}]},
+                      stop={"max_steps": 160})
+    job = ElasticJob(config_from_dict(cfg)).start()
+    wait_until(lambda: len(reshapes(job)) >= 2, what="kill and replacement join")
+    job.scale(2)
+    wait_until(lambda: len(reshapes(job)) >= 3, what="scale-down")
+    last_event_step = reshapes(job)[2]["detail"]["first_committed_step"]
+    assert job.wait(timeout=180).state == "FINISHED"
+    n, global_batch = 624, 6
+    epoch_steps = n // global_batch  # steps 1..104 hold all 624 windows of data epoch 0
+    assert last_event_step < epoch_steps, "the kill, join and scale-down must all fall inside one data epoch"
+    committed_in = {r["step"]: r["membership_epoch"] for r in job.history()}
+    per_step: dict[int, list[int]] = {}
+    for path in (job.run_dir / "samples").glob("*.txt"):
+        for line in path.read_text().splitlines():
+            step, epoch, *ids = map(int, line.split())
+            if committed_in.get(step) == epoch:
+                per_step.setdefault(step, []).extend(ids)
+    assert sorted(per_step) == list(range(1, 161))
+    assert all(len(ids) == global_batch == len(set(ids)) for ids in per_step.values()), "a step lost or repeated a sample"
+    epoch = [i for s in range(1, epoch_steps + 1) for i in per_step[s]]
+    print(f"token shards with the loader: data epoch 0 in steps 1..{epoch_steps}: {len(epoch)} ids, "
+          f"{len(set(epoch))} distinct; kill, join and scale-down by step {last_event_step}")
+    assert len(set(epoch)) == len(epoch) == epoch_steps * global_batch == n
