@@ -61,14 +61,14 @@ OWNER_CHECK_S = 1.0
 LINGER_S = 600.0
 """A finished coordinator stays this long for `status`, unless released earlier."""
 MAX_RESTARTS = 5
+"""How often Ray restarts a coordinator whose process dies; each restart carries on from the run
+directory and the live workers (a new incarnation)."""
 WORKER_STARTS_PER_INCARNATION = 1_000_000
 """Coordinator incarnation n numbers its worker starts from n x this: the count the state file holds can
 lag the dead incarnation (a store one upload behind), and a worker incarnation number must never repeat
 (the parameter server and the lease dispenser fence a slot by it)."""
 SECRET_FILE = "secret.key"
 """The rendezvous key in the run folder (mode 0600; never mirrored to the storage)."""
-"""How often Ray restarts a coordinator whose process dies; each restart carries on from the run
-directory and the live workers (a new incarnation)."""
 FEED_WAIT_S = 30.0
 """The longest a driver's long poll waits before it is answered anyway (it then asks again)."""
 FORCE_STOP_AFTER_S = 10.0
