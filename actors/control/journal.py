@@ -71,8 +71,8 @@ class Journal:
         """Tries to store a checkpoint that failed (each one an event)."""
         self._model_upload: tuple[threading.Thread, int] | None = None
         self.model_error = ""
-        self.durable: tuple[int, float] | None = None
-        """(step, time) of the newest checkpoint this run stored (status: the last durable checkpoint)."""
+        self.checkpoint_at = 0.0
+        """When `checkpoint` was stored (time.time(); status: the last durable checkpoint's age)."""
         if storage is None:
             storage, run_key = run_storage(None, run_dir)
         self.storage, self.run_key, self.mirror = storage, run_key, mirror
@@ -340,7 +340,7 @@ class Journal:
                            f"checkpoint at step {step} could not be stored (try {attempt}): {error}; "
                            + (f"trying again in {pause:g}s" if pause is not None else
                               "given up: the job trains on, and a restart would go back to "
-                              + (f"step {self.durable[0]}" if self.durable else "the start")),
+                              + (f"step {self.checkpoint[0]}" if self.checkpoint else "the start")),
                            step=step, error=error, attempt=attempt, retry=pause is not None, bytes=len(blob))
                 if pause is None:
                     return None
@@ -349,14 +349,12 @@ class Journal:
         self.event("checkpoint", note or f"checkpoint at step {step}", step=step, path=location, bytes=len(blob),
                    seconds=round(seconds, 3), attempts=attempt)
         if self.checkpoint is None or step >= self.checkpoint[0]:
-            self.checkpoint = (step, location)
-        if self.durable is None or step >= self.durable[0]:
-            self.durable = (step, time.time())
+            self.checkpoint, self.checkpoint_at = (step, location), time.time()
         return location
 
     def checkpoint_status(self) -> dict:
         """Status's `checkpoint`: the last durable one (step, time) and the failed tries to store one."""
-        out: dict = {"step": self.durable[0], "time": self.durable[1]} if self.durable else {}
+        out: dict = {"step": self.checkpoint[0], "time": self.checkpoint_at} if self.checkpoint else {}
         return dict(out, failures=self.checkpoint_failures) if out or self.checkpoint_failures else out
 
     async def read_checkpoint(self, location: str) -> bytes:
