@@ -50,6 +50,8 @@ class Launcher:
         """Worker starts so far."""
         self._restarting: set[str] = set()
         """Slots whose failed start waits its pause before the next try."""
+        self._first_retired_by = ""
+        """The failure that retired the first slot to be retired (a job that cannot start says it)."""
         self._hold: asyncio.Task | None = None
 
     def spawn(self, slots: list[str], reason: str, detector: str) -> None:
@@ -134,11 +136,9 @@ class Launcher:
 
     def _why_none_started(self, up: int) -> str:
         w = self.book.cfg.workers
-        retired = self.book.retired
-        first = next(iter(retired.values()), "")
-        cause = first.split("; last: ", 1)[-1] if first else "no worker was started"
-        return (f"no worker could start ({up} of workers.min = {w.min} up; slots {', '.join(sorted(retired)) or 'none'} "
-                f"retired by their failure budget): {cause}")
+        retired = ", ".join(sorted(self.book.retired)) or "none"
+        return (f"no worker could start ({up} of workers.min = {w.min} up; slots {retired} retired by their "
+                f"failure budget): {self._first_retired_by or 'no worker was started'}")
 
     async def _placement(self, up: int) -> tuple[bool, str]:
         w = self.book.cfg.workers
@@ -172,6 +172,7 @@ class Launcher:
         again. True if retired."""
         slot = member.slot
         if self.book.count_failure(slot, cause):
+            self._first_retired_by = self._first_retired_by or cause
             member.state, member.cause = S.RETIRED, self.book.retired[slot]
             if phase == "start":
                 self.book.depart(member, self.group.actor_id(member.handle))
