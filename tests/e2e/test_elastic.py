@@ -43,6 +43,18 @@ def assert_steps_exactly_once(job: ElasticJob) -> list[dict]:
     return history
 
 
+def through_a_kill_a_join_and_a_scale_down(cfg: dict, timeout: float) -> tuple[ElasticJob, int]:
+    """Run `cfg` (its kill a fault) past the replacement's join, scale it down to 2 and wait for it to
+    FINISH; returns the job and the first step committed after the scale-down."""
+    job = ElasticJob(config_from_dict(cfg)).start()
+    wait_until(lambda: len(reshapes(job)) >= 2, what="kill and replacement join")
+    job.scale(2)
+    wait_until(lambda: len(reshapes(job)) >= 3, what="scale-down")
+    last_event_step = reshapes(job)[2]["detail"]["first_committed_step"]
+    assert job.wait(timeout=timeout).state == "FINISHED"
+    return job, last_event_step
+
+
 def committed_samples(job: ElasticJob) -> dict[int, list[int]]:
     """Each committed step's sample ids, over every member's ledger (`faults.record_samples`): a line
     counts when its membership epoch is the one history committed the step in (a step applied only by
@@ -132,12 +144,7 @@ def test_exactly_once_data_over_a_kill_a_join_and_a_scale_down(run_root, victim)
                       faults={"kills": [{"slot": victim, "step": 5, "at": "allreduce"}], "record_samples": True,
                               "stragglers": [{"slot": "w2", "delay_s": 0.08}]},  # data epoch 0 lasts ~19 s
                       stop={"max_steps": 300})
-    job = ElasticJob(config_from_dict(cfg)).start()
-    wait_until(lambda: len(reshapes(job)) >= 2, what="kill and replacement join")
-    job.scale(2)
-    wait_until(lambda: len(reshapes(job)) >= 3, what="scale-down")
-    last_event_step = reshapes(job)[2]["detail"]["first_committed_step"]
-    assert job.wait(timeout=120).state == "FINISHED"
+    job, last_event_step = through_a_kill_a_join_and_a_scale_down(cfg, timeout=120)
     n, global_batch = 1437, 6
     epoch_steps = n // global_batch  # steps 1..239 hold positions 0..1433 of data epoch 0
     assert last_event_step < epoch_steps, "the kill, join and scale-down must all fall inside one data epoch"
@@ -262,12 +269,7 @@ def test_exactly_once_on_token_shards_with_background_loading_over_a_kill_a_join
                       faults={"kills": [{"slot": "w0", "step": 5, "at": "allreduce"}], "record_samples": True,
                               "stragglers": [{"slot": "w2", "delay_s": 0.08}]},
                       stop={"max_steps": 160})
-    job = ElasticJob(config_from_dict(cfg)).start()
-    wait_until(lambda: len(reshapes(job)) >= 2, what="kill and replacement join")
-    job.scale(2)
-    wait_until(lambda: len(reshapes(job)) >= 3, what="scale-down")
-    last_event_step = reshapes(job)[2]["detail"]["first_committed_step"]
-    assert job.wait(timeout=180).state == "FINISHED"
+    job, last_event_step = through_a_kill_a_join_and_a_scale_down(cfg, timeout=180)
     n, global_batch = 624, 6
     epoch_steps = n // global_batch  # steps 1..104 hold all 624 windows of data epoch 0
     assert last_event_step < epoch_steps, "the kill, join and scale-down must all fall inside one data epoch"
