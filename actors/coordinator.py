@@ -305,6 +305,13 @@ class Coordinator(Actions):
         self.journal.event("fault", f"injected fault #{index} fires in {slot} at step {step} during {phase}",
                            slot=slot, step=step, phase=phase, fired_at=time.time())
 
+    async def samples_skipped(self, slot: str, step: int, ids: list[int], reason: str, order: Order | None = None) -> None:
+        """`workload.on_bad_sample: skip`: a member trained its share of step `step` without these samples."""
+        await self.sequencer.turn(order)
+        self.journal.event("samples_skipped", f"{slot} skipped {len(ids)} bad sample(s) at step {step}: ids "
+                           f"{ids[:10]}{'...' if len(ids) > 10 else ''} ({reason})", slot=slot, step=step, ids=ids,
+                           reason=reason)
+
     async def state_received(self, slot: str, epoch: int, source: str, step: int, order: Order | None = None) -> None:
         """A member that was behind loaded the state broadcast by `source` at epoch start. When the
         epoch's reshape event already went out (the kinds whose other members train on), an event of
@@ -618,6 +625,7 @@ class Coordinator(Actions):
         if self.server is not None:
             self.server.kill()
         self.spares.kill_all()
+        self.group.release_data(self.name, self.run_id)
         for member in self.book.members.values():
             self.group.kill(member.handle)
             if not member.state.departed:

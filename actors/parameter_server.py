@@ -43,6 +43,7 @@ import torch
 
 from actors import checkpoints, fencing
 from actors.server_snapshots import SnapshotWriter
+from actors.sources import source_for
 from actors.storage import run_storage
 from algorithms.base import get_algorithm
 from algorithms.dispenser import NOTICES_IN_FLIGHT, DispenserCore
@@ -116,9 +117,13 @@ class ServerHost:
         if restarted:
             self._resume()
 
+    def _samples_in(self) -> int:
+        """The training data's size; data a server cannot deal from (a stream, a Ray Data dataset) is refused."""
+        return source_for(self.workload.train_data, self.cfg.seed, kind=get_algorithm(self.cfg.sync.policy).kind).n
+
     def _make_core(self) -> Any:
         return ServerCore(list(self.model.parameters()), self.cfg.optimizer, self.cfg.sync,
-                          n_samples=len(self.workload.train_data), seed=self.cfg.seed,
+                          n_samples=self._samples_in(), seed=self.cfg.seed,
                           global_batch=global_batch(self.cfg), shards=self.cfg.server.shards,
                           max_steps=self.cfg.stop.max_steps)
 
@@ -442,7 +447,7 @@ class DispenserHost(ServerHost):
     from a fresh lease table (no snapshots): the coordinator states it in an event."""
 
     def _make_core(self) -> Any:
-        return DispenserCore(list(self.model.parameters()), n_samples=len(self.workload.train_data), seed=self.cfg.seed,
+        return DispenserCore(list(self.model.parameters()), n_samples=self._samples_in(), seed=self.cfg.seed,
                              global_batch=global_batch(self.cfg))
 
     def _summary(self) -> dict:

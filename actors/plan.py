@@ -17,6 +17,11 @@ def server_name(job: str, run_id: str) -> str:
     return f"{job}/{run_id}/server"
 
 
+def holder_name(job: str, run_id: str) -> str:
+    """The Ray actor name of a run's Ray Data holder (actors/data_holder.py)."""
+    return f"{job}/{run_id}/data"
+
+
 @dataclass(frozen=True)
 class Plan:
     """What every member runs from the step at which the commit vote adopts it."""

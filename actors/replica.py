@@ -46,7 +46,8 @@ from actors.loader import BatchLoader
 from actors.plan import Plan, PlanBook, Progress, WorkerSpec
 from algorithms.base import EpochInfo, StepVote, VoteDraft, get_algorithm
 from algorithms.optim import build_optimizer, lr_at
-from algorithms.sampler import GlobalSampler, split_for_rank
+from actors.sources import BadSample, Fetched, source_for
+from algorithms.sampler import split_for_rank
 from core.factory import check_factory
 from core.schema import JobConfig, parse
 
@@ -71,6 +72,7 @@ class Link(Protocol):
     def state_received(self, slot: str, epoch: int, source: str, step: int) -> None: ...
     def collective_failed(self, slot: str, epoch: int, error: str) -> None: ...
     def fault_fired(self, index: int, slot: str, step: int, phase: str) -> None: ...
+    def samples_skipped(self, slot: str, step: int, ids: list[int], reason: str) -> None: ...
     def save_checkpoint(self, step: int, blob: bytes) -> None: ...
     def checkpoints_stored(self, timeout: float) -> None:
         """Returns once the checkpoints sent so far are stored (or raises, or `timeout` passed)."""
@@ -115,8 +117,8 @@ class Replica:
             self.impl.attach(self._background_group, self._state_bytes, self._load_state_bytes, self._background_failed,
                              lambda source, epoch: self.link.state_received(self.slot, epoch, source, self.step))
         self.param_names = [n for n, p in self.model.named_parameters() if p.requires_grad]
-        self.sampler = GlobalSampler(len(self.workload.train_data), self.cfg.seed)
-        self._fast_index = isinstance(self.workload.train_data, torch.utils.data.TensorDataset)
+        self.source = source_for(self.workload.train_data, self.cfg.seed, self.cfg.workload.on_bad_sample,
+                                 functools.partial(_ray_blocks, spec), self.algorithm.kind)
         loader = self.cfg.workload.loader
         self._loader = BatchLoader(loader.workers, loader.prefetch) if loader.workers > 0 else None
         self.tokens_per_sample = int(getattr(self.workload, "tokens_per_sample", None) or 0)
@@ -234,6 +236,7 @@ class Replica:
         finally:
             if self._loader is not None:
                 self._loader.close()
+            self.source.close()
             collective.withdraw(self.comm)
             self.impl.close(finished=self.state == "finished" and not self._left)
             self._flush_report(force=True)
@@ -398,11 +401,12 @@ class Replica:
         have trained in the steps it skips are counted as dropped."""
         plan = self.trained_plan or self.plan
         while self.step < step:
-            batch = self.sampler.global_batch(self.cursor, plan.global_batch)
+            batch = self.source.global_batch(self.cursor, plan.global_batch)
             self.dropped += len(split_for_rank(batch, plan.rank_of(self.slot) or 0, len(plan.members)))
             self.step += 1
             self.cursor += plan.global_batch
         self.mark_cursor = self.cursor
+        self.source.committed(self.mark_cursor)
 
     def _count_dropped(self, trained: Plan | None, plan: Plan) -> None:
         """The survivors keep their local steps since the last commit: the shares that departed
@@ -414,7 +418,7 @@ class Replica:
         self._dropped_slots.update(departed)
         mark = self._mark()
         for k in range(self.step - mark):
-            batch = self.sampler.global_batch(self.mark_cursor + k * trained.global_batch, trained.global_batch)
+            batch = self.source.global_batch(self.mark_cursor + k * trained.global_batch, trained.global_batch)
             shares = [split_for_rank(batch, trained.rank_of(s), len(trained.members)) for s in departed]
             lost = np.concatenate(shares) if shares else np.empty(0, dtype=np.int64)
             self.dropped += len(lost)
@@ -432,18 +436,25 @@ class Replica:
         buf = io.BytesIO()
         torch.save({"model": model, "optimizer": self.optimizer.state_dict(), "step": self._mark(),
                     "cursor": self.mark_cursor, "algorithm": self.impl.state_dict(),
+                    "data": {"position": self.source.state_dict(), "fingerprint": self.source.fingerprint()},
                     "record": self.kept[-1] if self.kept else None,
                     "rng": {"torch": torch.get_rng_state()}}, buf)
         return buf.getvalue()
 
     def _load_state_bytes(self, data: bytes) -> None:
         state = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+        if "data" in state and state["data"]["fingerprint"] != self.source.fingerprint():
+            raise ValueError(f"the state's data ({state['data']['fingerprint']}) is not this job's "
+                             f"({self.source.fingerprint()}): the training data changed since it was saved, so its "
+                             f"data position would name other samples")
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.impl.load_state_dict(state["algorithm"])
         self.step, self.cursor = int(state["step"]), int(state["cursor"])
         self.holds_state = True
         self.mark_cursor = self.cursor
+        if "data" in state:
+            self.source.load_state_dict(state["data"]["position"])
         self._pending_ids = []
         record = state.get("record")
         if record is not None and (not self.kept or self.kept[-1]["step"] < record["step"]):
@@ -452,12 +463,12 @@ class Replica:
             torch.set_rng_state(state["rng"]["torch"])
 
     # ------------------------------------------------------------------ steps and rounds
-    def _micro_batches(self, plan: Plan, mine: np.ndarray | None) -> tuple[np.ndarray, list[tuple[Any, int]]]:
+    def _micro_batches(self, plan: Plan, mine: np.ndarray | None) -> tuple[np.ndarray, list[Fetched]]:
         """This rank's share of the next global batch (or the ids the policy dealt), in chunks of at
         most `workload.micro_batch`. With a loader (`workload.loader.workers`), the share at the
         cursor was built ahead while earlier steps computed, and the next ones are asked for now."""
         if mine is not None:
-            return mine, self._chunks(mine)
+            return mine, self._chunks(mine, self.cursor)
         if self._loader is None:
             return self._share(plan, self.cursor)
         built = self._loader.take(self._batch_key(plan, self.cursor))
@@ -465,30 +476,26 @@ class Replica:
                             for cursor in (self.cursor + k * plan.global_batch for k in range(1, self._loader.prefetch + 1))])
         return built if built is not None else self._share(plan, self.cursor)
 
-    def _share(self, plan: Plan, cursor: int) -> tuple[np.ndarray, list[tuple[Any, int]]]:
-        ids = self.sampler.global_batch(cursor, plan.global_batch)
+    def _share(self, plan: Plan, cursor: int) -> tuple[np.ndarray, list[Fetched]]:
+        ids = self.source.global_batch(cursor, plan.global_batch)
         mine = split_for_rank(ids, plan.rank_of(self.slot), len(plan.members))
-        return mine, self._chunks(mine)
+        return mine, self._chunks(mine, cursor)
 
     def _batch_key(self, plan: Plan, cursor: int) -> tuple:
         """What a share depends on: a batch built for another split (a reshape) or another cursor (a
         step that did not commit, a state received) is never taken."""
         return cursor, plan.global_batch, plan.members, self.slot, self.cfg.workload.micro_batch
 
-    def _chunks(self, mine: np.ndarray) -> list[tuple[Any, int]]:
+    def _chunks(self, mine: np.ndarray, cursor: int) -> list[Fetched]:
+        """The share `mine` of the global batch at `cursor`, read by the data source (actors/sources.py)
+        in micro-batches and moved to the device."""
         size = self.cfg.workload.micro_batch or max(len(mine), 1)
-        if size >= len(mine):
-            return [self._collate(mine)]
-        return [self._collate(mine[i:i + size]) for i in range(0, len(mine), size)]
-
-    def _collate(self, ids: np.ndarray) -> tuple[Any, int]:
-        data = self.workload.train_data
-        if self._fast_index:  # a gather per tensor (index_select: the rows `t[index]` gives, without its dispatch)
-            index = torch.from_numpy(ids)
-            batch = tuple([torch.index_select(t, 0, index) for t in data.tensors])
-        else:
-            batch = torch.utils.data.default_collate([data[int(i)] for i in ids])
-        return (_to(batch, self.device) if self.device.type != "cpu" else batch), len(ids)
+        chunks = [mine] if size >= len(mine) else [mine[i:i + size] for i in range(0, len(mine), size)]
+        out = [self.source.fetch(ids, cursor) for ids in chunks]
+        if self.device.type != "cpu":
+            for fetched in out:
+                fetched.batch = _to(fetched.batch, self.device)
+        return out
 
     def _seed_step(self) -> None:
         """Randomness (dropout, augmentation in torch) from a stream derived from (seed, slot, step)."""
@@ -512,16 +519,21 @@ class Replica:
         self.faults.maybe_fire("user_exception", self.step)
         if self.step == self._mark():
             self.trained_plan = plan  # the first provisional step after a commit
-        ids, micro = self._micro_batches(plan, dealt)
-        draft = VoteDraft(samples=len(ids), newer_plan=self.plans.latest.version > plan.version)
-        denominator = max(len(ids), 1) if self.algorithm.local_mean else plan.global_batch
+        dealt_ids, micro = self._micro_batches(plan, dealt)
+        ids = micro[0].ids if len(micro) == 1 else np.concatenate([m.ids for m in micro])  # what is trained
+        skipped = [i for m in micro for i in m.skipped]
+        if skipped:
+            self.link.samples_skipped(self.slot, self.step + 1, skipped, "workload.on_bad_sample: skip")
+        draft = VoteDraft(samples=len(dealt_ids), newer_plan=self.plans.latest.version > plan.version)
+        denominator = max(len(dealt_ids), 1) if self.algorithm.local_mean else plan.global_batch
         began = time.perf_counter()
         self._gradients_at = None
         self.impl.begin_step(self.step, draft)  # the background kind waits here for its lock
         waited += time.perf_counter() - began
         try:
             self.impl.before_forward(self.step)  # a gossip exchange launches here (and may fail)
-            for i, (batch, n) in enumerate(micro):
+            for i, fetched in enumerate(micro):
+                batch, n = fetched.batch, len(fetched.ids)
                 self.impl.accumulating = i < len(micro) - 1
                 weight = n / denominator  # each sample counts 1/B (shares) or 1/n_i (own mean), however split
                 scaled = self.workload.loss(self.model, batch) * weight
@@ -588,6 +600,7 @@ class Replica:
         prev = self.kept[-1]["step"] if self.kept else None
         self.impl.commit(self.step)
         self.mark_cursor = self.cursor
+        self.source.committed(self.mark_cursor)
         self.trained_plan = plan
         self._dropped_slots = set()
         self._write_samples(self._pending_ids, plan.membership_epoch)
@@ -769,6 +782,13 @@ def form_group(spec: GroupSpec, superseded: Callable[[], bool]) -> BaseCommunica
     `superseded()` meanwhile: a member that waited for a superseded epoch goes straight to the next
     one. After `spec.timeout_s` (plus a margin) the attempt fails with CommTimeout."""
     return form_in_thread(spec, lambda: make_communicator(spec), superseded)
+
+
+def _ray_blocks(spec: WorkerSpec, dataset: Any) -> list[tuple[Any, int]]:
+    """A Ray Data dataset's blocks, through the run's holder (imported only for a Ray Data job)."""
+    from actors.data_holder import block_reader
+
+    return block_reader(spec.job, spec.run_id, spec.namespace)(dataset)
 
 
 def _device(gpus: float) -> torch.device:

@@ -80,6 +80,9 @@ class RayLink:
     def fault_fired(self, index: int, slot: str, step: int, phase: str) -> None:
         ray.get(self._send("fault_fired", index, slot, step, phase), timeout=5)
 
+    def samples_skipped(self, slot: str, step: int, ids: list[int], reason: str) -> None:
+        self._send("samples_skipped", slot, step, ids, reason)
+
     def save_checkpoint(self, step: int, blob: bytes) -> None:
         if self._checkpoints:  # forget those already stored
             self._checkpoints = ray.wait(self._checkpoints, num_returns=len(self._checkpoints), timeout=0)[1]

@@ -20,9 +20,12 @@ class GlobalSampler:
     def permutation(self, data_epoch: int) -> np.ndarray:
         cached = self._cached  # read once: a loader thread may replace it meanwhile (actors/loader.py)
         if cached[0] != data_epoch:
-            rng = np.random.default_rng([self.seed, data_epoch])
-            cached = self._cached = (data_epoch, rng.permutation(self.n))
+            cached = self._cached = (data_epoch, self.draw(data_epoch))
         return cached[1]
+
+    def draw(self, data_epoch: int) -> np.ndarray:
+        """Data epoch `data_epoch`'s order of the sample ids: a permutation seeded by (seed, epoch)."""
+        return np.random.default_rng([self.seed, data_epoch]).permutation(self.n)
 
     def global_batch(self, cursor: int, size: int) -> np.ndarray:
         """The `size` sample ids that follow global position `cursor`."""

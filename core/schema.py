@@ -129,6 +129,9 @@ class WorkloadConfig:
     after the world shrinks) runs as micro-steps whose gradients accumulate locally; buckets are
     all-reduced on the last micro-step only. None: no limit."""
     loader: LoaderConfig = field(default_factory=LoaderConfig)
+    on_bad_sample: Literal["fail", "skip"] = "fail"
+    """A training sample that raises when read: `fail` fails the job with the sample's id and the error;
+    `skip` trains the rest of its batch and records the id (a `samples_skipped` event)."""
 
     def __post_init__(self) -> None:
         if not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", self.factory or ""):

@@ -266,6 +266,9 @@ class LocalLink:
     def fault_fired(self, index: int, slot: str, step: int, phase: str) -> None:
         self._call("fault_fired", index, slot, step, phase)
 
+    def samples_skipped(self, slot: str, step: int, ids: list[int], reason: str) -> None:
+        self._call("samples_skipped", slot, step, ids, reason)
+
     def save_checkpoint(self, step: int, blob: bytes) -> None:
         self._call("save_checkpoint", step)
 
@@ -458,6 +461,9 @@ class FakeCoordinator:
 
     def fault_fired(self, index: int, slot: str, step: int, phase: str, order=None) -> None:
         self.calls.append(("fault_fired", (index, slot, step, phase)))
+
+    def samples_skipped(self, slot: str, step: int, ids: list, reason: str, order=None) -> None:
+        self.calls.append(("samples_skipped", (slot, step, ids)))
 
     def save_checkpoint(self, step: int, blob: bytes, order=None) -> None:
         self.calls.append(("save_checkpoint", step))

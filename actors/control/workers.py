@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from actors.members import describe, first_line, is_placed, job_is_dead, kill, log, log_to, probe
-from actors.plan import WorkerSpec
+from actors.plan import WorkerSpec, holder_name
 from core.schema import JobConfig
 
 
@@ -67,6 +67,12 @@ class WorkerGroup:
 
     def kill(self, handle: Any) -> None:
         raise NotImplementedError
+
+    def release_data(self, job: str, run_id: str) -> None:
+        """End the run's Ray Data holder (actors/data_holder.py), if it has one."""
+        handle = self.lookup(holder_name(job, run_id))
+        if handle is not None:
+            self.kill(handle)
 
     def kill_process(self, node: str, pid: int) -> None:
         """SIGKILL a worker's process when it runs on this node (a stopped process cannot answer Ray)."""
