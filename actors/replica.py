@@ -44,9 +44,9 @@ from actors.entry import enter
 from actors.faults import WorkerFaults
 from actors.loader import BatchLoader
 from actors.plan import Plan, PlanBook, Progress, WorkerSpec
+from actors.sources import Fetched, source_for
 from algorithms.base import EpochInfo, StepVote, VoteDraft, get_algorithm
 from algorithms.optim import build_optimizer, lr_at
-from actors.sources import BadSample, Fetched, source_for
 from algorithms.sampler import split_for_rank
 from core.factory import check_factory
 from core.schema import JobConfig, parse

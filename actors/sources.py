@@ -191,7 +191,7 @@ class BlockSource(MapSource):
                 self._reattach()  # the holder was restarted: its blocks are new objects
                 block = ray.get(self.refs[b])
             columns = BlockAccessor.for_block(block).to_batch_format("numpy")
-        except Exception as err:  # noqa: BLE001 - a lost object, a failed read task
+        except Exception as err:
             raise BadSample(f"Ray Data block {b} (rows {first}..{last}) could not be read: {_reason(err)}") from err
         if not isinstance(columns, dict):
             columns = {"data": columns}

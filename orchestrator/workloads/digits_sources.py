@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from orchestrator.workloads import Workload
-from orchestrator.workloads.digits import _split, mlp as tensor_mlp
+from orchestrator.workloads.digits import _split
+from orchestrator.workloads.digits import mlp as tensor_mlp
 
 SOURCES = ("tensors", "datasets", "ray_data", "stream", "bad_samples")
 
