@@ -69,13 +69,15 @@ class BadSamples(torch.utils.data.Dataset):
 
 
 def mlp(source: str = "tensors", hidden: int = 32, blocks: int = 120, bad: list[int] | None = None,
-        positioned: bool = True) -> Workload:
+        positioned: bool = True, limit: int | None = None) -> Workload:
     """`source`: tensors (a TensorDataset), datasets (Hugging Face), ray_data (`blocks` blocks), stream,
-    bad_samples (a map-style dataset whose samples `bad` raise)."""
+    bad_samples (a map-style dataset whose samples `bad` raise). `limit`: train on the first `limit`
+    samples of the split only (a short data epoch)."""
     if source not in SOURCES:
         raise ValueError(f"source must be one of {', '.join(SOURCES)}; got {source!r}")
     workload = tensor_mlp(hidden=hidden)
     x, y, _, _ = _split()
+    x, y = x[:limit], y[:limit]
     data: Any
     if source == "datasets":
         import datasets
@@ -91,8 +93,8 @@ def mlp(source: str = "tensors", hidden: int = 32, blocks: int = 120, bad: list[
     elif source == "bad_samples":
         data = BadSamples(x, y, bad or [])
     else:
-        return workload
+        data = torch.utils.data.TensorDataset(x, y)
     workload.train_data = data
-    if source != "bad_samples":
+    if source not in ("bad_samples", "tensors"):
         workload.loss = dict_cross_entropy
     return workload

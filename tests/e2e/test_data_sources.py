@@ -1,0 +1,111 @@
+"""Exactly once for every kind of training data (actors/sources.py, docs/data.md): a job whose data is a
+TensorDataset, a Hugging Face dataset, token shards, a Ray Data dataset of 120 blocks or a positioned
+stream goes through a SIGKILL inside an all-reduce (rank 0), the replacement's join, a scale-up, a
+scale-down and a coordinator restart, all at named steps or plans inside data epoch 0, and is then
+resumed (`--resume`) from a checkpoint inside that epoch. The sample ledgers (`faults.record_samples`)
+of the first run up to the checkpoint and of the resumed run after it hold each id of the epoch once.
+
+The mechanism switched off: `positioned: false` makes the stream ignore the state it is given (a stream
+that cannot be positioned), and its test fails (a joiner starts the stream over)."""
+from __future__ import annotations
+
+import os
+import signal
+
+import numpy as np
+import pytest
+
+from orchestrator.config import config_from_dict
+from orchestrator.job import ElasticJob
+from testkit.harness import wait_until
+
+GLOBAL_BATCH = 6
+EVERY = 10
+"""Checkpoint every EVERY steps."""
+
+
+def workload(source: str, tmp_path) -> tuple[dict, int]:
+    """The workload section for `source`, and the samples in its data epoch."""
+    if source == "token_shards":
+        shards = tmp_path / "shards"
+        shards.mkdir()
+        rng = np.random.default_rng(5)
+        for i, size in enumerate((8001, 6001, 5201)):  # 500 + 375 + 325 = 1200 windows of 16 tokens
+            np.save(shards / f"part-{i}.npy", rng.integers(0, 500, size=size).astype(np.uint16))
+        return {"factory": "orchestrator.workloads.lm:gpt", "batch_size": 2,
+                "params": {"size": "tiny", "d_model": 16, "n_layer": 1, "n_head": 2, "seq_len": 16,
+                           "shards": str(shards), "vocab": 500}}, 1200
+    params = {"source": source, "hidden": 16, "limit": 1200}
+    return {"factory": "orchestrator.workloads.digits_sources:mlp", "batch_size": 2, "params": params}, 1200
+
+
+def config(name: str, work: dict, steps: int, faults: dict) -> dict:
+    cfg = {"name": name, "seed": 11, "workers": {"count": 3, "max": 4, "cpus": 0.5, "start_grace_s": 600},
+           "workload": {**work, "loader": {"workers": 2, "prefetch": 2}},
+           "optimizer": {"name": "adamw", "lr": 0.003}, "stop": {"max_steps": steps}, "eval_every": 0,
+           "checkpoint": {"every_steps": EVERY, "keep": 50},
+           "faults": {"record_samples": True, **faults}}
+    return cfg
+
+
+def ledger(run_dir, history: list[dict], steps: range) -> dict[int, list[int]]:
+    """Each committed step's sample ids in `steps`: a line counts in the membership epoch that history
+    committed its step in (a step applied only by departed members was redone)."""
+    committed_in = {r["step"]: r["membership_epoch"] for r in history}
+    per_step: dict[int, list[int]] = {}
+    for path in (run_dir / "samples").glob("*.txt"):
+        for line in path.read_text().splitlines():
+            step, epoch, *ids = map(int, line.split())
+            if step in steps and committed_in.get(step) == epoch:
+                per_step.setdefault(step, []).extend(ids)
+    return per_step
+
+
+def through_every_membership_change(cfg: dict) -> tuple[ElasticJob, int]:
+    """Run `cfg` (its kill of rank 0 a fault) past the replacement's join, a scale-up to 4, a scale-down
+    to 2 and a SIGKILL of the coordinator (each after the one before has taken effect); returns the job,
+    FINISHED, and the first checkpoint's step after the restarted coordinator runs."""
+    job = ElasticJob(config_from_dict(cfg)).start()
+    reshapes = lambda: [e for e in job.events() if e["kind"] == "reshape"]  # noqa: E731
+    wait_until(lambda: len(reshapes()) >= 2, what="the kill and the replacement's join")
+    for count, seen in ((4, 3), (2, 4)):
+        job.scale(count)
+        wait_until(lambda: len(reshapes()) >= seen, what=f"the scale to {count}")
+    os.kill(job.status().coordinator_pid, signal.SIGKILL)
+    restarted = wait_until(lambda: (s := job.status()).incarnation == 1 and s.state == "RUNNING" and s,
+                           what="the restarted coordinator")
+    result = job.wait(timeout=240)
+    assert result.state == "FINISHED" and result.step == cfg["stop"]["max_steps"], result
+    return job, (restarted.step // EVERY + 1) * EVERY
+
+
+@pytest.mark.parametrize("source", ["tensors", "datasets", "token_shards", "ray_data", "stream"])
+def test_each_sample_once_through_kill_join_scale_up_down_coordinator_restart_and_resume(run_root, tmp_path, source):
+    if source == "datasets":
+        pytest.importorskip("datasets")
+    work, n = workload(source, tmp_path)
+    epoch_steps = n // GLOBAL_BATCH
+    steps = epoch_steps + 1
+    faults = {"kills": [{"slot": "w0", "step": 10, "at": "allreduce"}],
+              "stragglers": [{"slot": "w1", "delay_s": 0.08}]}  # epoch 0 lasts 16 s or more: the changes land in it
+    job, resume_at = through_every_membership_change(config(f"sources-{source}", work, steps, faults))
+    events = job.events()
+    print(f"{source}: reshapes at steps {[e['detail'].get('first_committed_step') for e in events if e['kind'] == 'reshape']}"
+          f"; the coordinator restarted; resuming from step {resume_at} of {epoch_steps}")
+    assert resume_at < epoch_steps, "every change and the checkpoint resumed from must fall inside data epoch 0"
+    first = job.history()
+    checkpoint = next((job.run_dir / "checkpoints").glob(f"step-{resume_at:08d}-*.pt"))
+
+    resumed = ElasticJob(config_from_dict(config(f"sources-{source}", work, steps, {})), resume_from=str(checkpoint)).start()
+    assert resumed.wait(timeout=240).state == "FINISHED"
+    second = resumed.history()
+    assert [r["step"] for r in second] == list(range(resume_at + 1, steps + 1))
+
+    per_step = ledger(job.run_dir, first, range(1, resume_at + 1))
+    per_step.update(ledger(resumed.run_dir, second, range(resume_at + 1, steps + 1)))
+    assert sorted(per_step) == list(range(1, steps + 1))
+    assert all(len(ids) == GLOBAL_BATCH == len(set(ids)) for ids in per_step.values()), "a step lost or repeated a sample"
+    epoch = [i for s in range(1, epoch_steps + 1) for i in per_step[s]]
+    print(f"{source}: data epoch 0 in steps 1..{epoch_steps}: {len(epoch)} ids, {len(set(epoch))} distinct")
+    assert len(set(epoch)) == len(epoch) == epoch_steps * GLOBAL_BATCH
+    assert set(epoch) <= set(range(n))
