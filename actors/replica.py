@@ -121,6 +121,8 @@ class Replica:
                                  functools.partial(_ray_blocks, spec), self.algorithm.kind)
         loader = self.cfg.workload.loader
         self._loader = BatchLoader(loader.workers, loader.prefetch) if loader.workers > 0 else None
+        self._copy_stream: Any = None
+        """The loader's CUDA stream for its copies to the device (created at its first batch on a GPU)."""
         self.tokens_per_sample = int(getattr(self.workload, "tokens_per_sample", None) or 0)
         self.step = self.cursor = 0
         self.holds_state = False
@@ -472,30 +474,50 @@ class Replica:
         if self._loader is None:
             return self._share(plan, self.cursor)
         built = self._loader.take(self._batch_key(plan, self.cursor))
-        self._loader.ahead([(self._batch_key(plan, cursor), functools.partial(self._share, plan, cursor))
+        self._loader.ahead([(self._batch_key(plan, cursor), functools.partial(self._share, plan, cursor, True))
                             for cursor in (self.cursor + k * plan.global_batch for k in range(1, self._loader.prefetch + 1))])
         return built if built is not None else self._share(plan, self.cursor)
 
-    def _share(self, plan: Plan, cursor: int) -> tuple[np.ndarray, list[Fetched]]:
+    def _share(self, plan: Plan, cursor: int, ahead: bool = False) -> tuple[np.ndarray, list[Fetched]]:
         ids = self.source.global_batch(cursor, plan.global_batch)
         mine = split_for_rank(ids, plan.rank_of(self.slot), len(plan.members))
-        return mine, self._chunks(mine, cursor)
+        return mine, self._chunks(mine, cursor, ahead)
 
     def _batch_key(self, plan: Plan, cursor: int) -> tuple:
         """What a share depends on: a batch built for another split (a reshape) or another cursor (a
         step that did not commit, a state received) is never taken."""
         return cursor, plan.global_batch, plan.members, self.slot, self.cfg.workload.micro_batch
 
-    def _chunks(self, mine: np.ndarray, cursor: int) -> list[Fetched]:
+    def _chunks(self, mine: np.ndarray, cursor: int, ahead: bool = False) -> list[Fetched]:
         """The share `mine` of the global batch at `cursor`, read by the data source (actors/sources.py)
-        in micro-batches and moved to the device."""
+        in micro-batches and moved to the device. Built ahead by the loader on a GPU, a batch is pinned
+        and copied on the loader's own CUDA stream, so the copy overlaps the step's kernels; the step
+        waits for the copy's event before it uses the batch (`_ready`)."""
         size = self.cfg.workload.micro_batch or max(len(mine), 1)
         chunks = [mine] if size >= len(mine) else [mine[i:i + size] for i in range(0, len(mine), size)]
         out = [self.source.fetch(ids, cursor) for ids in chunks]
-        if self.device.type != "cpu":
+        if self.device.type == "cuda" and ahead:
+            if self._copy_stream is None:
+                self._copy_stream = torch.cuda.Stream(self.device)
+            with torch.cuda.stream(self._copy_stream):
+                for fetched in out:
+                    fetched.batch = _to(_pinned(fetched.batch), self.device)
+                    fetched.ready = torch.cuda.Event()
+                    fetched.ready.record(self._copy_stream)
+        elif self.device.type != "cpu":
             for fetched in out:
                 fetched.batch = _to(fetched.batch, self.device)
         return out
+
+    def _ready(self, micro: list[Fetched]) -> None:
+        """The step's stream waits for the copies of batches built ahead; their memory is then the
+        step stream's too (the caching allocator must not hand it out while the step uses it)."""
+        stream = torch.cuda.current_stream(self.device)
+        for fetched in micro:
+            if fetched.ready is not None:
+                stream.wait_event(fetched.ready)
+                _each_tensor(fetched.batch, lambda t: t.record_stream(stream))
+                fetched.ready = None
 
     def _seed_step(self) -> None:
         """Randomness (dropout, augmentation in torch) from a stream derived from (seed, slot, step)."""
@@ -520,6 +542,8 @@ class Replica:
         if self.step == self._mark():
             self.trained_plan = plan  # the first provisional step after a commit
         dealt_ids, micro = self._micro_batches(plan, dealt)
+        if self._copy_stream is not None:
+            self._ready(micro)
         ids = micro[0].ids if len(micro) == 1 else np.concatenate([m.ids for m in micro])  # what is trained
         skipped = [i for m in micro for i in m.skipped]
         if skipped:
@@ -809,6 +833,28 @@ def _to(batch: Any, device: torch.device) -> Any:
     if isinstance(batch, dict):
         return {k: _to(v, device) for k, v in batch.items()}
     return batch
+
+
+def _pinned(batch: Any) -> Any:
+    """A batch's CPU tensors in page-locked memory (a copy from there to the GPU is asynchronous)."""
+    if isinstance(batch, torch.Tensor):
+        return batch.pin_memory() if batch.device.type == "cpu" else batch
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(_pinned(b) for b in batch)
+    if isinstance(batch, dict):
+        return {k: _pinned(v) for k, v in batch.items()}
+    return batch
+
+
+def _each_tensor(batch: Any, fn: Callable[[torch.Tensor], Any]) -> None:
+    if isinstance(batch, torch.Tensor):
+        fn(batch)
+    elif isinstance(batch, (tuple, list)):
+        for b in batch:
+            _each_tensor(b, fn)
+    elif isinstance(batch, dict):
+        for b in batch.values():
+            _each_tensor(b, fn)
 
 
 def _crossed(every: int | None, before: int | None, now: int) -> bool:

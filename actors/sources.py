@@ -51,6 +51,8 @@ class Fetched:
     ids: np.ndarray
     """The ids the batch holds: the share's ids less any skipped, or a sample's own `id` field."""
     skipped: list[int] = field(default_factory=list)
+    ready: Any = None
+    """A CUDA event recorded after the batch's copy to the device on a loader's stream (None: ready)."""
 
 
 def _reason(err: BaseException) -> str:

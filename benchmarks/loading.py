@@ -39,8 +39,12 @@ def step_time(config: dict, steps: int, batch: int) -> float:
     return statistics.median(gaps)
 
 
+GPUS = 0.0
+"""`--gpus`: the replica's GPU share (its batches built ahead are pinned and copied on the loader's stream)."""
+
+
 def config(workload: dict, steps: int, loader: dict | None) -> dict:
-    return {"name": "loading", "seed": 1, "workers": {"count": 1, "cpus": 1},
+    return {"name": "loading", "seed": 1, "workers": {"count": 1, "cpus": 1, "gpus": GPUS},
             "workload": {**workload, **({"loader": loader} if loader else {})},
             "optimizer": {"lr": 0.01}, "stop": {"max_steps": steps}, "eval_every": 0}
 
@@ -54,7 +58,11 @@ def main() -> int:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--prefetch", type=int, default=2)
     parser.add_argument("--skip-lm", action="store_true")
+    parser.add_argument("--gpus", type=float, default=0.0, help="run the replica on a GPU (1: the whole GPU)")
+    parser.add_argument("--lm-size", default="tiny", help="the language model's size (tiny, small, ...)")
     args = parser.parse_args()
+    global GPUS
+    GPUS = args.gpus
     batch = 8
     slow = {"factory": "orchestrator.workloads.synthetic:slow_loading", "batch_size": batch,
             "params": {"item_ms": args.item_ms, "compute_ms": args.compute_ms}}
@@ -64,7 +72,7 @@ def main() -> int:
         off.append(step_time(config(slow, args.steps, None), args.steps, batch))
         on.append(step_time(config(slow, args.steps, loader), args.steps, batch))
     loading_s, compute_s = batch * args.item_ms / 1000, args.compute_ms / 1000
-    result = {"benchmark": "loading", "pairs": args.pairs, "steps": args.steps, "batch": batch,
+    result = {"benchmark": "loading", "gpus": args.gpus, "pairs": args.pairs, "steps": args.steps, "batch": batch,
               "loading_s": loading_s, "compute_s": compute_s, "loader": loader,
               "off_step_s": statistics.median(off), "on_step_s": statistics.median(on),
               "off_runs": off, "on_runs": on}
@@ -78,11 +86,14 @@ def main() -> int:
           f"({result['on_vs_max']:.2f}x the larger)  runs {', '.join(f'{t * 1000:.1f}' for t in on)}")
     if not args.skip_lm:
         lm = {"factory": "orchestrator.workloads.lm:gpt", "batch_size": batch,
-              "params": {"size": "tiny"}}
+              "params": {"size": args.lm_size}}
+        from orchestrator.workloads.lm import gpt
+
+        seq_len = int(gpt(size=args.lm_size).tokens_per_sample)
         lm_off, lm_on = [], []
         for _ in range(args.pairs):
-            lm_off.append(batch * 64 / step_time(config(lm, 40, None), 40, batch))
-            lm_on.append(batch * 64 / step_time(config(lm, 40, loader), 40, batch))
+            lm_off.append(batch * seq_len / step_time(config(lm, 40, None), 40, batch))
+            lm_on.append(batch * seq_len / step_time(config(lm, 40, loader), 40, batch))
         result["lm_tokens_per_s_off"] = statistics.median(lm_off)
         result["lm_tokens_per_s_on"] = statistics.median(lm_on)
         print(f"{'language model tokens/s, off':<34}{result['lm_tokens_per_s_off']:8.0f}  runs "

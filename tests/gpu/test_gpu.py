@@ -245,3 +245,26 @@ def test_kill_and_join_of_gpu_workers(run_root):
     assert result.state == "FINISHED" and result.step == 400
     assert any(e["detail"]["joiners"] == ["w1"] for e in reshapes), "the replacement must join"
     assert [r["step"] for r in job.history()] == list(range(1, 401))
+
+
+def test_the_loader_on_a_gpu_copies_on_its_own_stream_and_trains_what_the_step_would(tmp_path):
+    """Background loading on CUDA (actors/replica.py `_chunks`): batches built ahead are pinned and
+    copied on the loader's stream; the step waits for each copy's event. Two workers share the GPU over
+    gloo; with the loader on, the ledger and the parameters are those of the run with it off."""
+    runs = {}
+    for name, loader in (("off", None), ("on", {"workers": 2, "prefetch": 2})):
+        cfg = config(2, 0.5, "gloo", steps=40)
+        cfg["faults"] = {"record_samples": True}
+        if loader:
+            cfg["workload"]["loader"] = loader
+        job = LocalJob(cfg, ["w0", "w1"], str(tmp_path / name))
+        job.run(("w0", "w1"), 32, backend="gloo")
+        replica = job.replicas["w0"]
+        runs[name] = ((tmp_path / name / "samples" / "w0.txt").read_text(), job.parameters("w0"),
+                      replica._copy_stream, replica._loader)
+    assert runs["on"][0] == runs["off"][0], "another sample order or split"
+    diff = max(float((p - q).abs().max()) for p, q in zip(runs["on"][1], runs["off"][1]))
+    stream, loader = runs["on"][2], runs["on"][3]
+    print(f"loader on CUDA: {loader.taken} batches taken ahead, {loader.missed} built on the step; max diff {diff:.2e}")
+    assert stream is not None and runs["off"][2] is None and loader.taken >= 30
+    assert diff <= 1e-6
