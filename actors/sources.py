@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from algorithms.sampler import GlobalSampler
+from core.schema import WorkloadRefused
 
 log = logging.getLogger(__name__)
 
@@ -321,17 +322,17 @@ def _indexable(data: Any) -> bool:
 
 def source_for(data: Any, seed: int, on_bad_sample: str = "fail",
                ray_blocks: Callable[[Any], list[tuple[Any, int]]] | None = None, kind: str = "synchronous") -> Any:
-    """The source for a workload's `train_data`; a ValueError (one line) for data it cannot resume.
+    """The source for a workload's `train_data`; WorkloadRefused (one line) for data it cannot resume.
     `kind`: the policy's kind; those whose samples a server deals (`server`, `background`) take only
     data they can index (a Ray Data or a stream source has no such order)."""
     skip = on_bad_sample == "skip"
     if kind in ("server", "background") and (is_ray_dataset(data) or not _indexable(data)):
-        raise ValueError(f"train_data is a {'Ray Data Dataset' if is_ray_dataset(data) else type(data).__name__}, "
+        raise WorkloadRefused(f"train_data is a {'Ray Data Dataset' if is_ray_dataset(data) else type(data).__name__}, "
                          f"which the {kind} policies cannot deal from (their server leases sample indices): use a "
                          f"map-style dataset, or a policy that shares a cursor (bsp, local_sgd, diloco, gossip ...)")
     if is_ray_dataset(data):
         if ray_blocks is None:
-            raise ValueError("train_data is a Ray Data Dataset, which needs Ray (the worker's holder actor)")
+            raise WorkloadRefused("train_data is a Ray Data Dataset, which needs Ray (the worker's holder actor)")
         return BlockSource(ray_blocks(data), seed, skip, refresh=lambda: ray_blocks(data))
     if is_hf_dataset(data):
         return ArrowSource(data, seed, skip)
@@ -340,11 +341,11 @@ def source_for(data: Any, seed: int, on_bad_sample: str = "fail",
     if hasattr(data, "__iter__"):
         if callable(getattr(data, "state_dict", None)) and callable(getattr(data, "load_state_dict", None)):
             if skip:
-                raise ValueError("workload.on_bad_sample: skip is for map-style data; a stream's samples are "
+                raise WorkloadRefused("workload.on_bad_sample: skip is for map-style data; a stream's samples are "
                                  "read in order (skip bad items inside the stream)")
             return StreamSource(data)
-        raise ValueError(f"train_data is an iterable ({type(data).__name__}) without state_dict()/load_state_dict(): "
+        raise WorkloadRefused(f"train_data is an iterable ({type(data).__name__}) without state_dict()/load_state_dict(): "
                          f"it cannot be positioned after a failure, so samples would be lost or repeated; make it "
                          f"map-style or give it those two methods (docs/data.md)")
-    raise ValueError(f"train_data must be a map-style dataset, a Hugging Face or Ray Data dataset, or a positioned "
+    raise WorkloadRefused(f"train_data must be a map-style dataset, a Hugging Face or Ray Data dataset, or a positioned "
                      f"iterable; got {type(data).__name__}")

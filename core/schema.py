@@ -24,6 +24,11 @@ class ConfigError(OrchestratorError):
     """Bad user input: a config key, a CLI argument or a YAML file. One line, names the key."""
 
 
+class WorkloadRefused(OrchestratorError, ValueError):
+    """The workload cannot be trained as configured (its data cannot be positioned, a policy cannot deal
+    from it): the same in every worker, so a worker that raises it is not started again."""
+
+
 class FieldError(ValueError):
     """Raised by a dataclass check; the parser prefixes the key path and turns it into ConfigError."""
 

@@ -16,7 +16,7 @@ from actors.members import Member
 from actors.plan import Plan
 from algorithms.membership import MemberView, batch_for, choose_leavers, free_slots, server_members, slot_index
 from algorithms.supervision import JobState, JobView, MemberState
-from core.schema import JobConfig, MemberStatus
+from core.schema import JobConfig, MemberStatus, WorkloadRefused
 
 S = MemberState
 ADMIT_HOLD_S = 1.0
@@ -141,9 +141,13 @@ class MembershipBook:
 
     # ------------------------------------------------------------------ slots
     def count_failure(self, slot: str, cause: str) -> bool:
-        """A failure against the slot; True (and the slot retired) past `workers.failure_budget`."""
+        """A failure against the slot; True (and the slot retired) past `workers.failure_budget`, or at
+        once when the workload refused itself (`WorkloadRefused`: every start would fail alike)."""
         self.failures[slot] = self.failures.get(slot, 0) + 1
         budget = self.cfg.workers.failure_budget
+        if WorkloadRefused.__name__ in cause:
+            self.retired[slot] = f"retired: the workload cannot be trained as configured: {cause}"
+            return True
         if self.failures[slot] < budget:
             return False
         self.retired[slot] = f"retired after {self.failures[slot]} failures (workers.failure_budget = {budget}); last: {cause}"

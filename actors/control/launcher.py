@@ -20,6 +20,7 @@ from actors.control.workers import WorkerGroup
 from actors.members import Member, describe, log
 from actors.plan import WorkerSpec
 from algorithms.supervision import JobState, MemberState
+from core.schema import WorkloadRefused
 
 S = MemberState
 RESTART_AFTER_S = 1.0
@@ -137,8 +138,10 @@ class Launcher:
     def _why_none_started(self, up: int) -> str:
         w = self.book.cfg.workers
         retired = ", ".join(sorted(self.book.retired)) or "none"
-        return (f"no worker could start ({up} of workers.min = {w.min} up; slots {retired} retired by their "
-                f"failure budget): {self._first_retired_by or 'no worker was started'}")
+        why = ("the workload refused itself" if WorkloadRefused.__name__ in (self._first_retired_by or "")
+               else "retired by their failure budget")
+        return (f"no worker could start ({up} of workers.min = {w.min} up; slots {retired} {why}): "
+                f"{self._first_retired_by or 'no worker was started'}")
 
     async def _placement(self, up: int) -> tuple[bool, str]:
         w = self.book.cfg.workers

@@ -19,7 +19,7 @@ from orchestrator.workloads import Workload
 from orchestrator.workloads.digits import _split
 from orchestrator.workloads.digits import mlp as tensor_mlp
 
-SOURCES = ("tensors", "datasets", "ray_data", "stream", "bad_samples")
+SOURCES = ("tensors", "datasets", "ray_data", "stream", "bad_samples", "plain_stream")
 
 
 def dict_cross_entropy(model: nn.Module, batch: dict) -> torch.Tensor:
@@ -53,6 +53,17 @@ class DigitsStream(torch.utils.data.IterableDataset):
             self.position = int(state["position"])
 
 
+class PlainStream(torch.utils.data.IterableDataset):
+    """The training split as a stream that cannot be positioned (no `state_dict`): refused."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.x, self.y = x, y
+
+    def __iter__(self):
+        for i in range(len(self.x)):
+            yield {"id": i, "x": self.x[i], "y": self.y[i]}
+
+
 class BadSamples(torch.utils.data.Dataset):
     """The training split, except that reading sample i for i in `bad` raises."""
 
@@ -71,7 +82,8 @@ class BadSamples(torch.utils.data.Dataset):
 def mlp(source: str = "tensors", hidden: int = 32, blocks: int = 120, bad: list[int] | None = None,
         positioned: bool = True, limit: int | None = None) -> Workload:
     """`source`: tensors (a TensorDataset), datasets (Hugging Face), ray_data (`blocks` blocks), stream,
-    bad_samples (a map-style dataset whose samples `bad` raise). `limit`: train on the first `limit`
+    bad_samples (a map-style dataset whose samples `bad` raise), plain_stream (a stream without
+    `state_dict`, which the orchestrator refuses). `limit`: train on the first `limit`
     samples of the split only (a short data epoch)."""
     if source not in SOURCES:
         raise ValueError(f"source must be one of {', '.join(SOURCES)}; got {source!r}")
@@ -90,6 +102,8 @@ def mlp(source: str = "tensors", hidden: int = 32, blocks: int = 120, bad: list[
                                    override_num_blocks=blocks)
     elif source == "stream":
         data = DigitsStream(x, y, positioned)
+    elif source == "plain_stream":
+        data = PlainStream(x, y)
     elif source == "bad_samples":
         data = BadSamples(x, y, bad or [])
     else:

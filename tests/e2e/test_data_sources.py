@@ -40,7 +40,7 @@ def workload(source: str, tmp_path) -> tuple[dict, int]:
 
 
 def config(name: str, work: dict, steps: int, faults: dict) -> dict:
-    cfg = {"name": name, "seed": 11, "workers": {"count": 3, "max": 4, "cpus": 0.5, "start_grace_s": 600},
+    cfg = {"name": name, "seed": 11, "workers": {"count": 3, "max": 4, "cpus": 0.5, "spares": 2, "start_grace_s": 600},
            "workload": {**work, "loader": {"workers": 2, "prefetch": 2}},
            "optimizer": {"name": "adamw", "lr": 0.003}, "stop": {"max_steps": steps}, "eval_every": 0,
            "checkpoint": {"every_steps": EVERY, "keep": 50},
@@ -64,13 +64,20 @@ def ledger(run_dir, history: list[dict], steps: range) -> dict[int, list[int]]:
 def through_every_membership_change(cfg: dict) -> tuple[ElasticJob, int]:
     """Run `cfg` (its kill of rank 0 a fault) past the replacement's join, a scale-up to 4, a scale-down
     to 2 and a SIGKILL of the coordinator (each after the one before has taken effect); returns the job,
-    FINISHED, and the first checkpoint's step after the restarted coordinator runs."""
+    FINISHED, and the first checkpoint's step after the restarted coordinator runs. Two hot spares take
+    the replacement and the scale-up (a process start on a loaded machine would take seconds of the
+    epoch)."""
     job = ElasticJob(config_from_dict(cfg)).start()
     reshapes = lambda: [e for e in job.events() if e["kind"] == "reshape"]  # noqa: E731
-    wait_until(lambda: len(reshapes()) >= 2, what="the kill and the replacement's join")
+    def changed(seen: int) -> bool:
+        if job.status().state in ("FINISHED", "FAILED", "STOPPED"):
+            raise AssertionError(f"the job ended before membership change {seen} took effect (too slow a machine?)")
+        return len(reshapes()) >= seen
+
+    wait_until(lambda: changed(2), what="the kill and the replacement's join")
     for count, seen in ((4, 3), (2, 4)):
         job.scale(count)
-        wait_until(lambda: len(reshapes()) >= seen, what=f"the scale to {count}")
+        wait_until(lambda: changed(seen), what=f"the scale to {count}")
     os.kill(job.status().coordinator_pid, signal.SIGKILL)
     restarted = wait_until(lambda: (s := job.status()).incarnation == 1 and s.state == "RUNNING" and s,
                            what="the restarted coordinator")
@@ -109,3 +116,16 @@ def test_each_sample_once_through_kill_join_scale_up_down_coordinator_restart_an
     print(f"{source}: data epoch 0 in steps 1..{epoch_steps}: {len(epoch)} ids, {len(set(epoch))} distinct")
     assert len(set(epoch)) == len(epoch) == epoch_steps * GLOBAL_BATCH
     assert set(epoch) <= set(range(n))
+
+
+def test_a_stream_that_cannot_be_positioned_fails_the_job_before_any_step_in_one_line(run_root, tmp_path):
+    work = {"factory": "orchestrator.workloads.digits_sources:mlp", "batch_size": 2,
+            "params": {"source": "plain_stream", "hidden": 16}}
+    cfg = config("sources-plain-stream", work, 50, {})
+    cfg["workers"]["count"] = 1
+    job = ElasticJob(config_from_dict(cfg)).start()
+    result = job.wait(timeout=120)
+    failure = next(e for e in job.events() if e["kind"] == "failure")
+    print(f"{result.state}: {failure['reason']}")
+    assert result.state == "FAILED" and not job.history()
+    assert "train_data is an iterable (PlainStream) without state_dict()/load_state_dict()" in failure["reason"]

@@ -136,7 +136,10 @@ def test_sigkill_in_allreduce_the_survivors_go_on_at_once_and_a_replacement_join
     assert replacement["detail"]["joiners"] == ["w2"]  # the replacement takes the slot back
 
 
-@pytest.mark.parametrize("victim", [pytest.param("w1", marks=pytest.mark.slow), "w0"])  # rank 0 is the harder case
+# The default tier's exactly-once test, for every kind of data and with a scale-up, a coordinator restart and
+# a --resume besides: tests/e2e/test_data_sources.py (a TensorDataset among them, rank 0 killed).
+@pytest.mark.parametrize("victim", [pytest.param("w1", marks=pytest.mark.slow),
+                                    pytest.param("w0", marks=pytest.mark.slow)])  # rank 0 is the harder case
 def test_exactly_once_data_over_a_kill_a_join_and_a_scale_down(run_root, victim):
     """`w0` is rank 0: the state source at the next epoch start and the member that reports history."""
     cfg = make_config(f"exactly-once-{victim}", workers={"count": 3, "max": 4, "cpus": 0.5},
@@ -250,6 +253,7 @@ def test_rank0_death_right_after_a_split_vote(run_root, split_reference):
     assert diff < 3e-6
 
 
+@pytest.mark.slow  # the default tier's: tests/e2e/test_data_sources.py, token_shards (the same changes and more)
 def test_exactly_once_on_token_shards_with_background_loading_over_a_kill_a_join_and_a_scale_down(run_root, tmp_path):
     """The language model on token shards (orchestrator/data/shards.py), its batches built ahead by the
     loader (two threads, two batches): every window of data epoch 0 is trained exactly once through a

@@ -9,6 +9,7 @@ import torch
 
 from actors.sources import ArrowSource, BadSample, BlockOrder, MapSource, StreamSource, source_for
 from algorithms.sampler import split_for_rank
+from core.schema import WorkloadRefused
 from orchestrator.workloads.digits_sources import BadSamples, DigitsStream
 from testkit.harness import LocalJob
 
@@ -75,10 +76,10 @@ def test_an_iterable_that_cannot_be_positioned_is_refused_in_one_line():
             return iter(range(3))
 
     for data in (gen(), Plain()):
-        with pytest.raises(ValueError, match="without state_dict") as err:
+        with pytest.raises(WorkloadRefused, match="without state_dict") as err:
             source_for(data, 0)
         assert "\n" not in str(err.value)
-    with pytest.raises(ValueError, match="cannot deal from"):
+    with pytest.raises(WorkloadRefused, match="cannot deal from"):
         source_for(stream(), 0, kind="server")
     assert isinstance(source_for(stream(), 0), StreamSource)
 
