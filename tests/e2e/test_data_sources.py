@@ -129,3 +129,6 @@ def test_a_stream_that_cannot_be_positioned_fails_the_job_before_any_step_in_one
     print(f"{result.state}: {failure['reason']}")
     assert result.state == "FAILED" and not job.history()
     assert "train_data is an iterable (PlainStream) without state_dict()/load_state_dict()" in failure["reason"]
+    retried = [e for e in job.events() if e["kind"] == "failure" and e["detail"].get("detector") == "start"]
+    retired = [e for e in job.events() if e["kind"] == "retired"]
+    assert not retried and len(retired) == 1, "a refusal is the same at every start: never tried again"
