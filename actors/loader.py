@@ -18,8 +18,10 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from typing import Any
+
+import numpy as np
 
 
 class BatchLoader:
@@ -57,4 +59,45 @@ class BatchLoader:
         for future in self._pending.values():
             future.cancel()
         self._pending.clear()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+_SOURCE: Any = None
+"""In a loader process: the job's data source, built once by `_build_source`."""
+
+
+def _build_source(config: dict) -> None:
+    global _SOURCE
+    import torch
+
+    from actors.replica import build_workload
+    from actors.sources import source_for
+    from core.schema import JobConfig, parse
+
+    torch.set_num_threads(1)
+    cfg = parse(JobConfig, config)
+    _SOURCE = source_for(build_workload(cfg).train_data, cfg.seed, cfg.workload.on_bad_sample)
+
+
+def _fetch(ids: np.ndarray, cursor: int) -> Any:
+    return _SOURCE.fetch(ids, cursor)
+
+
+class ProcessFetcher:
+    """`workload.loader.processes`: the loader's threads hand each read to one of `workers` processes,
+    each of which built the workload once (its factory, in a fresh interpreter: `spawn`), so decoding
+    that holds the GIL runs beside the step instead of inside it. A batch comes back through shared
+    memory (torch's multiprocessing pickler). Map-style and Hugging Face data only: the samples a
+    process reads are named by id, and a stream or a Ray Data source has state in the worker."""
+
+    def __init__(self, workers: int, config: dict) -> None:
+        import torch.multiprocessing as tmp
+
+        self._pool = ProcessPoolExecutor(max_workers=workers, mp_context=tmp.get_context("spawn"),
+                                         initializer=_build_source, initargs=(config,))
+
+    def fetch(self, ids: np.ndarray, cursor: int) -> Any:
+        return self._pool.submit(_fetch, ids, cursor).result()
+
+    def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -42,14 +42,14 @@ from actors import collective, runfiles
 from actors.comm import BaseCommunicator, CommError, GroupSpec, NoGroup, form_in_thread, make_communicator
 from actors.entry import enter
 from actors.faults import WorkerFaults
-from actors.loader import BatchLoader
+from actors.loader import BatchLoader, ProcessFetcher
 from actors.plan import Plan, PlanBook, Progress, WorkerSpec
 from actors.sources import Fetched, source_for
 from algorithms.base import EpochInfo, StepVote, VoteDraft, get_algorithm
 from algorithms.optim import build_optimizer, lr_at
 from algorithms.sampler import split_for_rank
 from core.factory import check_factory
-from core.schema import JobConfig, parse
+from core.schema import JobConfig, WorkloadRefused, parse
 
 log = logging.getLogger(__name__)
 REPORT_EVERY_S = 0.25
@@ -121,6 +121,12 @@ class Replica:
                                  functools.partial(_ray_blocks, spec), self.algorithm.kind)
         loader = self.cfg.workload.loader
         self._loader = BatchLoader(loader.workers, loader.prefetch) if loader.workers > 0 else None
+        self._fetcher: ProcessFetcher | None = None
+        if loader.workers > 0 and loader.processes:
+            if self.source.kind not in ("map-style", "datasets"):
+                raise WorkloadRefused(f"workload.loader.processes reads map-style or Hugging Face data by id; this "
+                                      f"train_data is a {self.source.kind} source (use loader threads)")
+            self._fetcher = ProcessFetcher(loader.workers, spec.config)
         self._copy_stream: Any = None
         """The loader's CUDA stream for its copies to the device (created at its first batch on a GPU)."""
         self.tokens_per_sample = int(getattr(self.workload, "tokens_per_sample", None) or 0)
@@ -238,6 +244,8 @@ class Replica:
         finally:
             if self._loader is not None:
                 self._loader.close()
+            if self._fetcher is not None:
+                self._fetcher.close()
             self.source.close()
             collective.withdraw(self.comm)
             self.impl.close(finished=self.state == "finished" and not self._left)
@@ -495,7 +503,8 @@ class Replica:
         waits for the copy's event before it uses the batch (`_ready`)."""
         size = self.cfg.workload.micro_batch or max(len(mine), 1)
         chunks = [mine] if size >= len(mine) else [mine[i:i + size] for i in range(0, len(mine), size)]
-        out = [self.source.fetch(ids, cursor) for ids in chunks]
+        fetch = self._fetcher.fetch if self._fetcher is not None and ahead else self.source.fetch
+        out = [fetch(ids, cursor) for ids in chunks]
         if self.device.type == "cuda" and ahead:
             if self._copy_stream is None:
                 self._copy_stream = torch.cuda.Stream(self.device)

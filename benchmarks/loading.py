@@ -7,10 +7,12 @@ testkit's LocalJob: the worker's own step loop in a thread) runs `--steps` steps
 then on (`--workers` threads, `--prefetch` batches ahead), alternating over `--pairs` pairs. Each run's
 step time is the median of the gaps between its consecutive history records (after 5 warm-up steps).
 Then the language model (tiny, its real compute and its strided-view data) with the loader off and on:
-its tokens per second.
+its tokens per second. `--busy`: each sample's loading computes in Python for `--item-ms` (holding the
+GIL, as pure-Python decoding does) instead of waiting, and a third run per pair reads with loader
+processes (`workload.loader.processes`). `--gpus 1`: the replica on a GPU.
 
     python benchmarks/loading.py [--pairs 3] [--steps 60] [--item-ms 2.5] [--compute-ms 20] [--workers 2]
-        [--prefetch 2] [--skip-lm]
+        [--prefetch 2] [--skip-lm] [--busy] [--gpus 1] [--lm-size tiny]
 
 Prints a table and one JSON line; figures are measurements, not gates.
 """
@@ -58,6 +60,8 @@ def main() -> int:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--prefetch", type=int, default=2)
     parser.add_argument("--skip-lm", action="store_true")
+    parser.add_argument("--busy", action="store_true",
+                        help="loading computes in Python (holds the GIL) instead of waiting; adds loader processes")
     parser.add_argument("--gpus", type=float, default=0.0, help="run the replica on a GPU (1: the whole GPU)")
     parser.add_argument("--lm-size", default="tiny", help="the language model's size (tiny, small, ...)")
     args = parser.parse_args()
@@ -65,12 +69,14 @@ def main() -> int:
     GPUS = args.gpus
     batch = 8
     slow = {"factory": "orchestrator.workloads.synthetic:slow_loading", "batch_size": batch,
-            "params": {"item_ms": args.item_ms, "compute_ms": args.compute_ms}}
+            "params": {"item_ms": args.item_ms, "compute_ms": args.compute_ms, "busy": args.busy}}
     loader = {"workers": args.workers, "prefetch": args.prefetch}
-    off, on = [], []
+    off, on, procs = [], [], []
     for _ in range(args.pairs):
         off.append(step_time(config(slow, args.steps, None), args.steps, batch))
         on.append(step_time(config(slow, args.steps, loader), args.steps, batch))
+        if args.busy:
+            procs.append(step_time(config(slow, args.steps, {**loader, "processes": True}), args.steps, batch))
     loading_s, compute_s = batch * args.item_ms / 1000, args.compute_ms / 1000
     result = {"benchmark": "loading", "gpus": args.gpus, "pairs": args.pairs, "steps": args.steps, "batch": batch,
               "loading_s": loading_s, "compute_s": compute_s, "loader": loader,
@@ -84,6 +90,11 @@ def main() -> int:
           f"({result['off_vs_sum']:.2f}x their sum)  runs {', '.join(f'{t * 1000:.1f}' for t in off)}")
     print(f"{'step, loader on (median)':<34}{result['on_step_s'] * 1000:8.1f} ms  "
           f"({result['on_vs_max']:.2f}x the larger)  runs {', '.join(f'{t * 1000:.1f}' for t in on)}")
+    if procs:
+        result.update(busy=True, processes_step_s=statistics.median(procs), processes_runs=procs)
+        result["processes_vs_max"] = result["processes_step_s"] / max(loading_s, compute_s)
+        print(f"{'step, loader processes (median)':<34}{result['processes_step_s'] * 1000:8.1f} ms  "
+              f"({result['processes_vs_max']:.2f}x the larger)  runs {', '.join(f'{t * 1000:.1f}' for t in procs)}")
     if not args.skip_lm:
         lm = {"factory": "orchestrator.workloads.lm:gpt", "batch_size": batch,
               "params": {"size": args.lm_size}}

@@ -111,6 +111,9 @@ class LoaderConfig:
     overlaps the step; pure-Python decoding holds the GIL and overlaps little)."""
     prefetch: int = 2
     """Batches built ahead (each holds one step's share in memory)."""
+    processes: bool = False
+    """Read the samples in `workers` processes (each builds the workload once) instead of threads: for
+    decoding that computes in Python and holds the GIL. Map-style and Hugging Face data only."""
 
     def __post_init__(self) -> None:
         if self.workers < 0:

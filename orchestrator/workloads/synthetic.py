@@ -36,10 +36,11 @@ def mlp(width: int = 1024, depth: int = 4, features: int = 256, classes: int = 1
 
 class SlowItems(torch.utils.data.Dataset):
     """A dataset whose every sample waits `item_s` before it is returned, as a read from a disk or a
-    network (or decoding in a library that releases the GIL) would."""
+    network (or decoding in a library that releases the GIL) would; `busy`: computes in Python for
+    `item_s` instead, holding the GIL, as pure-Python decoding does."""
 
-    def __init__(self, data: TensorDataset, item_s: float) -> None:
-        self.data, self.item_s = data, item_s
+    def __init__(self, data: TensorDataset, item_s: float, busy: bool = False) -> None:
+        self.data, self.item_s, self.busy = data, item_s, busy
 
     def __len__(self) -> int:
         return len(self.data)
@@ -47,16 +48,22 @@ class SlowItems(torch.utils.data.Dataset):
     def __getitem__(self, index: int):
         import time
 
-        time.sleep(self.item_s)
+        if self.busy:
+            until = time.perf_counter() + self.item_s
+            while time.perf_counter() < until:
+                pass
+        else:
+            time.sleep(self.item_s)
         return self.data[index]
 
 
 def slow_loading(item_ms: float = 2.5, compute_ms: float = 20.0, width: int = 64, features: int = 64,
-                 samples: int = 4096, seed: int = 0) -> Workload:
-    """The synthetic MLP with a loading cost (`item_ms` a sample) and a modelled compute (`compute_ms` a
-    step), for benchmarks/loading.py: batch 8 at 2.5 ms a sample loads for as long as it computes."""
+                 samples: int = 4096, seed: int = 0, busy: bool = False) -> Workload:
+    """The synthetic MLP with a loading cost (`item_ms` a sample; `busy`: Python computing, holding the
+    GIL, instead of waiting) and a modelled compute (`compute_ms` a step), for benchmarks/loading.py:
+    batch 8 at 2.5 ms a sample loads for as long as it computes."""
     from orchestrator.workloads import with_modelled_compute
 
     work = mlp(width=width, depth=1, features=features, classes=8, samples=samples, seed=seed)
-    work.train_data = SlowItems(work.train_data, item_ms / 1000.0)
+    work.train_data = SlowItems(work.train_data, item_ms / 1000.0, busy)
     return with_modelled_compute(work, compute_ms=compute_ms)

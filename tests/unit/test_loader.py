@@ -91,3 +91,29 @@ def test_a_failing_sample_fails_the_step_that_trains_it_and_the_loader_holds_at_
     else:
         raise AssertionError("the sample's error did not reach the step")
     loader.close()
+
+
+def test_loader_processes_train_what_the_step_would_and_read_every_batch_ahead(tmp_path):
+    """`workload.loader.processes`: the reads run in spawned processes that built the workload
+    themselves; the samples, their order and the parameters are those of the run without a loader."""
+    runs = {}
+    for name, loader in (("inline", None), ("processes", {"workers": 2, "prefetch": 2, "processes": True})):
+        job = LocalJob(config(loader), ["w0", "w1"], str(tmp_path / name))
+        job.run(("w0", "w1"), 16)
+        runs[name] = (ledger(tmp_path / name), job.parameters("w0"), job.replicas["w0"])
+    assert runs["processes"][0] == runs["inline"][0], "another sample order or split"
+    assert all(torch.equal(a, b) for a, b in zip(runs["processes"][1], runs["inline"][1]))
+    replica = runs["processes"][2]
+    assert replica._fetcher is not None and replica._loader.taken >= 20
+
+
+def test_loader_processes_refuse_a_stream(tmp_path):
+    import pytest
+
+    from core.schema import WorkloadRefused
+
+    cfg = config({"workers": 1, "processes": True})
+    cfg["workload"] = {**cfg["workload"], "factory": "orchestrator.workloads.digits_sources:mlp",
+                       "params": {"source": "stream"}}
+    with pytest.raises(WorkloadRefused, match="loader.processes reads map-style"):
+        LocalJob(cfg, ["w0"], str(tmp_path))
