@@ -141,7 +141,8 @@ class Prediction:
     comm_s: float
     """Communication time per step that the step waits for (amortized)."""
     bytes_per_step: float
-    """Bytes each rank sends per step (mean over ranks, rounds amortized)."""
+    """Bytes a rank sends per step (rounds amortized): every rank's where all send alike, else the busiest
+    rank's (a hierarchical all-reduce's leader)."""
     basis: str
     notes: str = ""
 
@@ -229,6 +230,9 @@ class PolicySpec:
     warmup_steps: int = 0
     """qadam: full-precision steps before the compressed momentum."""
     total_steps: int = 0
+    """qadam: the run's steps (0: unknown, a run without `stop.max_steps`, taken to outlast its warm-up)."""
+    interval_s: float = 0.0
+    """shadow: seconds from one background round's start to the next (0: back to back)."""
     peers: Callable[[int, int], Sequence[int]] | None = None
     """Gossip: rank -> its topology peers at a world size (default: the ring's two neighbours)."""
 
@@ -248,6 +252,8 @@ def host_patterns(spec: PolicySpec) -> tuple[str, ...]:
         return ("allreduce",)
     if name == "streaming_diloco":
         return (f"allreduce/{spec.fragments}",)
+    if name == "shadow":  # its background rounds: they never hold up a step, but they set its bytes
+        return ("allreduce",)
     if name == "qadam":
         return ("allreduce", f"scatter_gather/{spec.codec}")
     if name in ("bsp", "bytegrad", "dpsgd", "dadam", "choco"):
@@ -314,13 +320,32 @@ def predict(spec: PolicySpec, net: Network, compute: Compute, model_bytes: float
                           "encoding, decoding and mixing do not")
     if name == "shadow":
         own = float(np.median([compute.expected(r) for r in ranks]))
-        return Prediction(name, own, 0.0, 0.0, "each member at its own pace (rounds run beside training)",
-                          notes="background rounds share the links and CPU; not counted")
+        # A round: the model's ring all-reduce (the longer of its links and its host time, or the interval
+        # if longer), plus its snapshot and its write-back, each waiting on average half a foreground step
+        # for the model lock. Rounds run back to back beside the steps: bytes per step = a round's bytes x
+        # rounds per step.
+        round_s = max(_sync(net, "allreduce", ring_allreduce(net, ranks, model_bytes)), spec.interval_s) + own
+        rounds = own / round_s if round_s > 0 else 0.0
+        return Prediction(name, own, 0.0, _ring_bytes(n, model_bytes) * rounds,
+                          "each member at its own pace; background rounds (all-reduce + a step's wait for the lock) "
+                          "run beside training, their bytes spread over the steps they span",
+                          notes="background rounds share the links and CPU; their time is not counted in a step")
     raise KeyError(f"the runtime model has no pattern for policy {name!r}")
 
 
 def _ring_bytes(n: int, size: float) -> float:
     return 2 * (n - 1) / n * size if n > 1 else 0.0
+
+
+def _leader_bytes(net: Network, model_bytes: float, among_size: float) -> float:
+    """What the busiest rank of a hierarchical all-reduce sends: the leader of the largest node, which
+    sends its node's sum to each of its members in full precision and 2(k-1)/k of `among_size` to the
+    other leaders (a ring, or the compressed scatter-gather). Bytes per step are the busiest rank's
+    wherever ranks differ (rank 0, a leader, is the one whose count a job's history records)."""
+    nodes = list(net.node_of_rank)
+    k = len(set(nodes))
+    largest = max(nodes.count(a) for a in set(nodes))
+    return (largest - 1) * model_bytes + _ring_bytes(k, among_size)
 
 
 def _synchronous(spec: PolicySpec, net: Network, compute: Compute, model_bytes: float, everyone: float) -> Prediction:
@@ -330,9 +355,9 @@ def _synchronous(spec: PolicySpec, net: Network, compute: Compute, model_bytes: 
         if spec.hierarchical:
             comm = _sync(net, host_patterns(spec)[0], hierarchical_allreduce(net, model_bytes))
             basis = "E[max_i compute] + max(intra-node reduce + leaders' ring all-reduce + intra-node broadcast, host)"
-        else:
-            comm = _sync(net, host_patterns(spec)[0], ring_allreduce(net, ranks, model_bytes))
-            basis = "E[max_i compute] + max(ring all-reduce of the gradients, host)"
+            return Prediction("bsp", everyone + comm, comm, _leader_bytes(net, model_bytes, model_bytes), basis)
+        comm = _sync(net, host_patterns(spec)[0], ring_allreduce(net, ranks, model_bytes))
+        basis = "E[max_i compute] + max(ring all-reduce of the gradients, host)"
         return Prediction("bsp", everyone + comm, comm, _ring_bytes(n, model_bytes), basis)
     size = model_bytes * spec.codec_ratio
     compressed = host_patterns(spec)[-1]
@@ -340,11 +365,7 @@ def _synchronous(spec: PolicySpec, net: Network, compute: Compute, model_bytes: 
     sg_bytes = 2 * (n - 1) / n * size
     if spec.name == "bytegrad" and spec.hierarchical:
         comm = _sync(net, compressed, hierarchical_allreduce(net, model_bytes, spec.codec_ratio))
-        k = len(set(net.node_of_rank))
-        # members send their gradients to the leader and leaders the sums back, in full precision; the
-        # leaders' scatter-gather sends 2(k-1)/k of the compressed size from each leader
-        sent = (2 * (n - k) * model_bytes + k * 2 * (k - 1) / k * size) / n
-        return Prediction("bytegrad", everyone + comm, comm, sent,
+        return Prediction("bytegrad", everyone + comm, comm, _leader_bytes(net, model_bytes, size),
                           "E[max_i compute] + max(intra-node reduce + leaders' compressed scatter-gather + "
                           "intra-node broadcast, host)")
     if spec.name == "bytegrad":
@@ -352,8 +373,8 @@ def _synchronous(spec: PolicySpec, net: Network, compute: Compute, model_bytes: 
                           "E[max_i compute] + max(all-to-all of compressed chunks + ring all-gather of the sums, host)")
     # qadam: full-precision ring all-reduce during warm-up, then the compressed momentum's scatter-gather
     full = _sync(net, "allreduce", ring_allreduce(net, ranks, model_bytes))
-    total = max(spec.total_steps, 1)
-    warm = min(spec.warmup_steps, total) / total
+    total = spec.total_steps
+    warm = min(spec.warmup_steps, total) / total if total > 0 else 0.0  # no end given: past its warm-up
     comm = warm * full + (1 - warm) * scatter_gather
     return Prediction("qadam", everyone + comm, comm, warm * _ring_bytes(n, model_bytes) + (1 - warm) * sg_bytes,
                       f"E[max_i compute] + {warm:.0%} ring all-reduce (warm-up) + {1 - warm:.0%} compressed "

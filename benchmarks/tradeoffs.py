@@ -372,7 +372,9 @@ def main() -> int:
             "factors": summary["factors"], "bsp_steps": summary["bsp_steps"],
             "source": f"benchmarks/tradeoffs.py, {time.strftime('%Y-%m-%d')}: digits MLP ({args.hidden} hidden), "
                       f"4 workers, SGD momentum 0.9, steps to {args.target} held-out accuracy relative to BSP "
-                      f"(10 Gbit/s, no straggler, {seeds_text(summary['seeds'])})"}, indent=1) + "\n")
+                      f"(10 Gbit/s, no straggler, {seeds_text(summary['seeds'])})",
+            "applies_to": {"workload": "orchestrator.workloads.digits", "optimizer": "sgd", "metric": "accuracy"}},
+            indent=1) + "\n")
         print("wrote orchestrator/convergence.json")
     print(json.dumps(summary))
     return 0

@@ -113,9 +113,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.resume:
         from core.schema import SERVER_POLICIES
 
-        if config.sync.policy == "shadow":
-            raise ConfigError("--resume: policy 'shadow' does not resume from a checkpoint yet (its lease table "
-                              "lives on the dispenser and is not saved); start a new run")
+        from orchestrator.planner import refuse_resume
+
+        refuse_resume(config.sync.policy)  # `auto`: the policy its run picked is checked when the job starts
 
         ref = _resume_ref(args.resume, storage, config, config.sync.policy in SERVER_POLICIES)
         print(f"resuming from step {ref.step} of run {ref.run_id} ({ref.location})", flush=True)
@@ -456,12 +456,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
     line = planner.recommendation(rows)
     if args.json:
         print(json.dumps({"compute_s": compute_s, "model_bytes": model_bytes, "recommendation": line,
+                          "factors": planner.factors_line(config),
                           "rows": [{"policy": r.candidate.label, "step_s": r.step_s, "bytes_per_step": r.bytes_per_step,
-                                    "factor": r.factor, "to_target_s": r.to_target_s, "basis": r.basis} for r in rows]}))
+                                    "factor": r.factor, "to_target_s": r.to_target_s, "exact": r.exact,
+                                    "note": r.note, "basis": r.basis} for r in rows]}))
         return EXIT_OK
     where = "probed" if probed else ("as asked" if config.network.enabled else "one node, unshaped")
     print(f"{config.workers.count} workers, network {where}; one step's compute {compute_s * 1e3:.2f} ms, "
           f"model {model_bytes / 1e6:.3f} MB")
-    print(planner.table(rows, planner.load_factors()["source"]))
+    print(planner.table(rows, planner.factors_line(config)))
     print(f"recommended: {line}")
     return EXIT_OK

@@ -15,6 +15,7 @@ what was picked and why.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import statistics
 import time
@@ -44,9 +45,24 @@ class Row:
     step_s: float
     bytes_per_step: float
     factor: float | None
-    """Steps to the target relative to BSP (measured), or None."""
+    """Steps to the target relative to BSP as ranked (the measured factor, never below 1 for a relaxed
+    policy), or None where no factor applies."""
     to_target_s: float | None
     basis: str
+    exact: bool = False
+    """An exact policy: every step's update is the full-precision average of every member's gradients
+    (BSP, flat or hierarchical); its steps to any target are BSP's by definition."""
+    note: str = ""
+    """Why the row has no time to the target ("convergence unknown for this workload")."""
+
+
+EXACT = frozenset({"bsp", "bsp hierarchical"})
+"""The candidates whose updates equal BSP's (hierarchical BSP sums in another order: the same up to float
+rounding), so their convergence is BSP's whatever the workload."""
+RELAXED_MARGIN = 0.10
+"""A relaxed policy is recommended over the best exact one only if its predicted time to the target is at
+least this much lower: the factors come from a few seeds (over three seeds the same policy's factor
+ranged 0.76-1.07) and the model's step times are within 25%, so a smaller lead is not evidence."""
 
 
 def candidates(cfg: JobConfig) -> list[Candidate]:
@@ -295,27 +311,78 @@ def measure_compute(cfg: JobConfig, steps: int = 12, warmup: int = 3) -> tuple[f
 
 def load_factors(path: Path = FACTORS_PATH) -> dict:
     """{"factors": {label: steps to the target relative to BSP}, "bsp_steps": BSP's steps to the target,
-    "source": "..."} as `benchmarks/tradeoffs.py` wrote them; empty factors when none were measured."""
+    "source": "...", "applies_to": {"workload": module, "optimizer": name, "metric": name}} as
+    `benchmarks/tradeoffs.py` wrote them; empty factors when none were measured."""
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError):
         data = {}
     return {"factors": {k: float(v) for k, v in data.get("factors", {}).items()},
-            "bsp_steps": int(data.get("bsp_steps") or 0) or None, "source": str(data.get("source", ""))}
+            "bsp_steps": int(data.get("bsp_steps") or 0) or None, "source": str(data.get("source", "")),
+            "applies_to": dict(data.get("applies_to") or {})}
+
+
+def factors_apply(cfg: JobConfig, data: dict) -> tuple[bool, str]:
+    """(whether the convergence factors in `data` say anything about this job, and why not): they were
+    measured on one workload family (the factory's module), optimizer and target metric, and are used
+    only for a job with the same three."""
+    if not data.get("factors") or not data.get("bsp_steps"):
+        return False, "no convergence factors were measured"
+    scope = data.get("applies_to") or {}
+    if not scope:
+        return False, "the convergence factors do not say what they were measured on"
+    why = []
+    family = cfg.workload.factory.split(":")[0]
+    if family != scope.get("workload"):
+        why.append(f"workload {family} (factors from {scope.get('workload')})")
+    if cfg.optimizer.name != scope.get("optimizer"):
+        why.append(f"optimizer {cfg.optimizer.name} (factors from {scope.get('optimizer')})")
+    metric = cfg.stop.target.metric if cfg.stop.target is not None else None
+    if metric != scope.get("metric"):
+        why.append(f"target metric {metric or 'none'} (factors to a {scope.get('metric')} target)")
+    return not why, "; ".join(why)
 
 
 def rank(cands: Sequence[Candidate], net: Network, compute: Compute, model_bytes: float,
-         factors: dict[str, float], bsp_steps: int | None = None) -> list[Row]:
-    """Every candidate's prediction, best first: by time to the target where every candidate has a
-    factor, else by time per step (a policy without a factor is never ranked ahead by a guess)."""
+         factors: dict[str, float] | None, bsp_steps: int | None = None, unknown: str = "") -> list[Row]:
+    """Every candidate's prediction, the recommended one first.
+
+    With `factors` (they apply to this job, `factors_apply`): time to the target is step time x BSP's
+    steps x the factor, a relaxed policy's factor taken as at least 1 (it is never credited with
+    converging faster than BSP: factors below 1 were seed noise); a candidate without a factor gets
+    none. The best exact policy is recommended unless a relaxed one's time to the target is at least
+    RELAXED_MARGIN lower. Without factors (`unknown` says why): the exact policies by step time first,
+    then the relaxed ones, shown by step time with "convergence unknown for this workload" and never
+    recommended. On one node with no shaped link there is no network for a relaxed policy to save (its
+    "savings" are copies between processes that share the node's cores and memory, which the model does
+    not see), so the exact policy is recommended there too. Ties keep the candidates' order (exact
+    policies first), never their names."""
+    order = {c.label: i for i, c in enumerate(cands)}
+    local = len(set(net.node_of_rank)) <= 1 and all(b == INF for row in net.bandwidth for b in row)
     rows = []
     for cand in cands:
         p = predict(cand.spec, net, compute, model_bytes)
-        factor = factors.get(cand.label)
+        exact = cand.label in EXACT
+        factor = None if factors is None else (1.0 if exact else factors.get(cand.label))
+        if factor is not None and not exact:
+            factor = max(factor, 1.0)
         to_target = p.step_s * bsp_steps * factor if factor is not None and bsp_steps else None
-        rows.append(Row(cand, p.step_s, p.bytes_per_step, factor, to_target, p.basis))
-    by_target = all(r.to_target_s is not None for r in rows)
-    return sorted(rows, key=lambda r: (r.to_target_s if by_target else r.step_s, r.candidate.label))
+        note = "" if to_target is not None else ("convergence unknown for this workload" + (f": {unknown}" if unknown else ""))
+        rows.append(Row(cand, p.step_s, p.bytes_per_step, factor, to_target, p.basis, exact, "" if exact else note))
+    if local:
+        rows = [r if r.exact else dataclasses.replace(r, note="one node: no network to save") for r in rows]
+        return sorted(rows, key=lambda r: (not r.exact, r.to_target_s if r.to_target_s is not None else INF, r.step_s,
+                                           order[r.candidate.label]))
+    if factors is None or not bsp_steps:
+        return sorted(rows, key=lambda r: (not r.exact, r.step_s, order[r.candidate.label]))
+    known = sorted([r for r in rows if r.to_target_s is not None], key=lambda r: (r.to_target_s, order[r.candidate.label]))
+    rest = sorted([r for r in rows if r.to_target_s is None], key=lambda r: (r.step_s, order[r.candidate.label]))
+    exact_best = next((r for r in known if r.exact), None)
+    if known and exact_best is not None and not known[0].exact \
+            and known[0].to_target_s > (1 - RELAXED_MARGIN) * exact_best.to_target_s:
+        known.remove(exact_best)
+        known.insert(0, exact_best)  # the relaxed lead is within the evidence's error: the exact policy
+    return known + rest
 
 
 def ranked(cfg: JobConfig, cands: Sequence[Candidate], compute_s: float, model_bytes: float,
@@ -325,24 +392,42 @@ def ranked(cfg: JobConfig, cands: Sequence[Candidate], compute_s: float, model_b
     machine, each synchronization pattern's host time is this machine's (`host_s`, measured here by
     `measure_host` when not given); elsewhere none is counted."""
     data = load_factors()
+    applies, why = factors_apply(cfg, data)
     if host_s is None and cfg.network.enabled:
         host_s = measure_host(cfg, cands, model_bytes)
     net = network_for(cfg.network, cfg.workers.count, probed, host_s)
-    return rank(cands, net, compute_spread(cfg, compute_s), model_bytes, data["factors"], data["bsp_steps"])
+    return rank(cands, net, compute_spread(cfg, compute_s), model_bytes, data["factors"] if applies else None,
+                data["bsp_steps"], why)
+
+
+def factors_line(cfg: JobConfig) -> str:
+    """Where the ranking's convergence factors come from, or why none were used (`auto`'s event, `plan`)."""
+    data = load_factors()
+    applies, why = factors_apply(cfg, data)
+    if applies:
+        return f"convergence factors: {data['source']}"
+    return f"no convergence factors apply ({why}): exact policies ranked by step time, relaxed ones not recommended"
 
 
 def recommendation(rows: Sequence[Row]) -> str:
     """One line: the pick and why (against BSP when BSP was a candidate)."""
     best = rows[0]
     bsp = next((r for r in rows if r.candidate.label == "bsp"), None)
-    if bsp is None:
-        return f"{best.candidate.label}: predicted {best.step_s * 1e3:.1f} ms/step, the fastest of the candidates"
+    if bsp is None or bsp is best:
+        fastest = min(rows, key=lambda r: r.step_s)
+        if best.to_target_s is not None:
+            why = f"predicted {best.to_target_s:.1f} s to the target ({best.step_s * 1e3:.1f} ms/step)"
+        else:
+            why = f"predicted {best.step_s * 1e3:.1f} ms/step"
+        if best.exact and fastest is not best:
+            why += (f"; the exact policy: {fastest.candidate.label}'s {fastest.step_s * 1e3:.1f} ms/step is not "
+                    f"enough of a lead ({fastest.note or 'within the evidence'})")
+        return f"{best.candidate.label}: {why}"
     if best.to_target_s is not None:
         why = (f"predicted {best.to_target_s:.1f} s to the target ({best.step_s * 1e3:.1f} ms/step x "
                f"{best.factor:.2f} of BSP's steps) against BSP's {bsp.to_target_s:.1f} s")
     else:
-        why = (f"predicted {best.step_s * 1e3:.1f} ms/step against BSP's {bsp.step_s * 1e3:.1f} ms "
-               f"(no measured convergence factors: ranked by step time)")
+        why = f"predicted {best.step_s * 1e3:.1f} ms/step against BSP's {bsp.step_s * 1e3:.1f} ms"
     return f"{best.candidate.label}: {why}"
 
 
@@ -350,9 +435,10 @@ def table(rows: Sequence[Row], source: str) -> str:
     lines = [f"{'policy':<28} {'ms/step':>9} {'MB/step':>9} {'steps/BSP':>10} {'s to target':>12}"]
     for r in rows:
         factor = f"{r.factor:.2f}" if r.factor is not None else "-"
-        target = f"{r.to_target_s:.1f}" if r.to_target_s is not None else "-"
+        target = f"{r.to_target_s:.1f}" if r.to_target_s is not None else ("-" if r.exact else "unknown")
         lines.append(f"{r.candidate.label:<28} {r.step_s * 1e3:>9.2f} {r.bytes_per_step / 1e6:>9.3f} {factor:>10} {target:>12}")
-    lines.append(f"convergence factors: {source or 'none measured'}")
+    lines.append(source if source.startswith(("convergence factors", "no convergence")) else
+                 f"convergence factors: {source or 'none measured'}")
     return "\n".join(lines)
 
 
@@ -369,10 +455,17 @@ def choose(cfg: JobConfig, compute_s: float | None = None, model_bytes: float | 
         raise ConfigError(f"sync.candidates: none of {sorted(allowed)} applies to this job; applicable: "
                           f"{', '.join(c.label for c in every)}")
     rows = ranked(cfg, cands, compute_s, model_bytes, probed)
-    line = recommendation(rows)
+    line = f"{recommendation(rows)} ({factors_line(cfg)})"
     raw = with_candidate(cfg, rows[0].candidate).to_dict()
     raw["policy_choice"] = f"sync.policy auto picked {line}"
     return parse(JobConfig, raw), line, rows
+
+
+def refuse_resume(policy: str) -> None:
+    """ConfigError for a policy that cannot resume from a checkpoint."""
+    if policy == "shadow":
+        raise ConfigError("--resume: policy 'shadow' does not resume from a checkpoint yet (its lease table "
+                          "lives on the dispenser and is not saved); start a new run")
 
 
 def resumed_choice(cfg: JobConfig, checkpoint: Path, read: Callable[[str], bytes] | None = None) -> tuple[JobConfig, str]:
@@ -389,6 +482,7 @@ def resumed_choice(cfg: JobConfig, checkpoint: Path, read: Callable[[str], bytes
     except (OSError, yaml.YAMLError, KeyError, TypeError) as err:
         raise ConfigError(f"sync.policy: auto with --resume needs the policy the checkpoint's run picked, from "
                           f"{path}: {err}") from None
+    refuse_resume(sync["policy"])  # `auto` picked it: the CLI's check saw only "auto"
     raw = cfg.to_dict()
     raw["sync"], raw["compression"] = sync, {**raw["compression"], "codec": codec}
     line = f"{sync['policy']}: the policy the resumed run picked ({path})"

@@ -92,9 +92,64 @@ def test_rank_orders_by_time_to_target_when_every_candidate_has_a_factor():
     rows = planner.rank(cands, net, compute, size, factors, bsp_steps=200)
     assert [r.candidate.label for r in rows] == sorted(step, key=lambda k: step[k] * factors[k])
     assert rows[0].to_target_s == pytest.approx(step[rows[0].candidate.label] * 200 * factors[rows[0].candidate.label])
-    partial = planner.rank(cands, net, compute, size, {"bsp": 1.0}, bsp_steps=200)  # a factor missing: by step time
-    assert [r.candidate.label for r in partial] == sorted(step, key=step.get)
-    assert "no measured convergence factors" in planner.recommendation(partial)
+    partial = planner.rank(cands, net, compute, size, {"bsp": 1.0}, bsp_steps=200)  # factors missing: no time to target
+    assert [r.to_target_s is None for r in partial] == [False, True, True] and partial[0].candidate.label == "bsp"
+    assert all(r.note.startswith("convergence unknown") for r in partial[1:])
+
+
+def test_a_relaxed_policy_needs_a_clear_lead_and_is_never_credited_with_fewer_steps_than_bsp():
+    """At 100 Mbit/s local SGD's step is far shorter than BSP's: with factor 1.05 it is recommended.
+    Its factor below 1 counts as 1 (factors below 1 were seed noise); a relaxed lead under 10% of
+    BSP's time to the target leaves BSP recommended."""
+    c = cfg(network=LAB)
+    cands = [x for x in planner.candidates(c) if x.label in ("bsp", "local_sgd h=8")]
+    net, size = planner.network_for(c.network, 4), 1.2e6
+    slow_net = planner.rank(cands, net, Compute(0.01), size, {"local_sgd h=8": 1.05}, bsp_steps=100)
+    assert slow_net[0].candidate.label == "local_sgd h=8"
+    credited = planner.rank(cands, net, Compute(0.01), size, {"local_sgd h=8": 0.5}, bsp_steps=100)
+    assert next(r for r in credited if r.candidate.label == "local_sgd h=8").factor == 1.0
+    one_node = planner.network_for(cfg().network, 4)  # no network cost: BSP's step is hardly longer
+    step = {x.label: predict(x.spec, one_node, Compute(0.01), size).step_s for x in cands}
+    assert step["local_sgd h=8"] < step["bsp"] < step["local_sgd h=8"] / (1 - planner.RELAXED_MARGIN)
+    assert planner.rank(cands, one_node, Compute(0.01), size, {"local_sgd h=8": 1.0}, bsp_steps=100)[0].exact
+
+
+def test_factors_apply_only_to_their_workload_family_optimizer_and_target_metric():
+    data = planner.load_factors()
+    target = {"metric": "accuracy", "value": 0.95}
+    assert planner.factors_apply(cfg(stop={"max_steps": 200, "target": target}), data) == (True, "")
+    for over, word in (({"optimizer": {"name": "adamw", "lr": 0.003}}, "optimizer adamw"),
+                       ({"workload": {"factory": "orchestrator.workloads.lm:gpt"}}, "workload orchestrator.workloads.lm"),
+                       ({}, "target metric none")):
+        job = config_from_dict({**BASE, "stop": {"max_steps": 200, **({} if word.startswith("target") else {"target": target})},
+                                **over})
+        applies, why = planner.factors_apply(job, data)
+        assert not applies and word in why, why
+
+
+def test_on_one_unshaped_node_an_exact_policy_is_recommended_with_the_shipped_factors():
+    """(It recommended `dpsgd ring uint8`, "0.0 s to the target against BSP's 0.1 s", for
+    configs/digits_bsp.yaml on one machine.)"""
+    job = cfg(stop={"max_steps": 600, "target": {"metric": "accuracy", "value": 0.96}})
+    rows = planner.ranked(job, planner.candidates(job), 0.004, 1.2e6)
+    assert rows[0].exact and rows[0].candidate.label == "bsp", planner.table(rows, planner.factors_line(job))
+    adam = cfg(optimizer={"name": "adamw", "lr": 0.003}, stop={"max_steps": 600})
+    rows = planner.ranked(adam, planner.candidates(adam), 0.004, 1.2e6)
+    assert rows[0].exact and all(r.to_target_s is None for r in rows)
+    assert all(r.note == "one node: no network to save" for r in rows if not r.exact)
+    # across nodes, without factors for AdamW: the exact policies by step time, the others' convergence unknown
+    two = cfg(optimizer={"name": "adamw", "lr": 0.003}, network=LAB)
+    rows = planner.rank(planner.candidates(two), planner.network_for(two.network, 4), Compute(0.004), 1.2e6, None,
+                        None, "optimizer adamw")
+    assert [r.exact for r in rows[:2]] == [True, True] and not any(r.exact for r in rows[2:])
+    assert all(r.note == "convergence unknown for this workload: optimizer adamw" for r in rows[2:])
+
+
+def test_ties_keep_the_candidates_order_never_their_names():
+    net, compute = planner.network_for(cfg().network, 4), Compute(0.01)
+    twins = [planner.Candidate(label, {"policy": "dpsgd"}, {}, planner.PolicySpec("dpsgd")) for label in ("zz", "aa")]
+    assert [r.candidate.label for r in planner.rank(twins, net, compute, 1e6, None)] == ["zz", "aa"]
+    assert [r.candidate.label for r in planner.rank(twins, net, compute, 1e6, {"zz": 1.0, "aa": 1.0}, 10)] == ["zz", "aa"]
 
 
 def test_auto_writes_the_pick_into_the_config_with_its_reason(monkeypatch):
@@ -103,6 +158,7 @@ def test_auto_writes_the_pick_into_the_config_with_its_reason(monkeypatch):
     monkeypatch.setattr(planner, "measure_host", lambda job, cands, nbytes: {"bsp/none": 0.006, "bytegrad/uint8": 0.004})
     c = cfg(network=LAB, sync={"policy": "auto", "candidates": ["bsp", "bytegrad"]})
     chosen, line, rows = planner.choose(c, compute_s=0.01, model_bytes=1.2e6)
+    assert "(no convergence factors apply (no convergence factors were measured)" in line
     assert {r.candidate.label for r in rows} == {"bsp", "bsp hierarchical", "bytegrad uint8", "bytegrad hierarchical uint8"}
     assert chosen.sync.policy == rows[0].candidate.sync["policy"] and chosen.policy_choice.endswith(line)
     assert chosen.compression.codec == rows[0].candidate.compression.get("codec", "none")
@@ -152,3 +208,19 @@ def test_auto_on_resume_keeps_the_policy_the_checkpoints_run_picked(tmp_path):
     assert kept.sync.policy == "dpsgd" and kept.compression.codec == "uint8" and line.startswith("dpsgd")
     with pytest.raises(ConfigError, match="--resume"):
         planner.resumed_choice(cfg(sync={"policy": "auto"}), tmp_path / "elsewhere" / "checkpoints" / "step-1.pt")
+
+
+def test_auto_on_resume_refuses_a_picked_shadow_as_the_cli_refuses_shadow(tmp_path):
+    """(The CLI's check saw "auto" and let the resume of a shadow pick through.)"""
+    import yaml
+
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(cfg(sync={"policy": "shadow"}).to_dict()))
+    with pytest.raises(ConfigError, match="--resume: policy 'shadow' does not resume"):
+        planner.resumed_choice(cfg(sync={"policy": "auto"}), tmp_path / "checkpoints" / "step-10.pt")
+
+
+def test_autos_line_names_the_factors_source():
+    job = cfg(stop={"max_steps": 600, "target": {"metric": "accuracy", "value": 0.96}}, sync={"policy": "auto"})
+    _, line, _ = planner.choose(job, compute_s=0.004, model_bytes=1.2e6)
+    assert "(convergence factors: benchmarks/tradeoffs.py" in line
