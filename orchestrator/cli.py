@@ -112,7 +112,6 @@ def cmd_run(args: argparse.Namespace) -> int:
     resume_from = None
     if args.resume:
         from core.schema import SERVER_POLICIES
-
         from orchestrator.planner import refuse_resume
 
         refuse_resume(config.sync.policy)  # `auto`: the policy its run picked is checked when the job starts
