@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import signal
+import statistics
 import sys
 import time
 from collections.abc import Sequence
@@ -61,7 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     where = plan.add_mutually_exclusive_group()
     where.add_argument("--network", default=None, metavar="FILE", help="a file with a network: section (else the config's)")
-    where.add_argument("--probe", action="store_true", help="measure the lab's links instead of taking them as asked")
+    where.add_argument("--probe", action="store_true",
+                       help="measure instead of assuming: the lab's links, or (no network: section) the Ray cluster's: "
+                            "probes placed as the job's workers time its compute and every node pair's link")
     plan.add_argument("--compute-ms", type=float, default=None, help="one step's compute (else measured here)")
     plan.add_argument("--json", action="store_true")
     report = sub.add_parser("report", help="draw a run's report (loss, membership, stragglers, bytes, recoveries) as a PNG")
@@ -438,31 +441,46 @@ def cmd_plan(args: argparse.Namespace) -> int:
     config = load_config(args.config, args.overrides)
     if args.network:
         config = dataclasses.replace(config, network=_network_of(args.network))
-    probed = None
-    if args.probe:
-        if not config.network.enabled:
-            raise ConfigError("plan --probe: the config has no network: section to probe (or pass --network FILE)")
+    probed = cluster = None
+    if args.probe and config.network.enabled:  # the lab: its links, shaped on this machine
         try:
             lab.require(config.network)
             probed = lab.probe(config.network)
         except lab.LabUnavailable as err:
             print(f"error: plan --probe: {err}", file=sys.stderr)
             return EXIT_BAD_INPUT
-    compute_s, model_bytes = planner.measure_compute(config)
+    elif args.probe:  # the user's Ray cluster: probes placed as the job's workers, measured there
+        from actors.probe import probe_cluster
+        from orchestrator.job import connect
+
+        connect(config)
+        print(f"probing the cluster with {config.workers.count} probe(s) placed as the job's workers...", flush=True)
+        cluster = probe_cluster(config.to_dict())
+    if cluster is not None:
+        compute_s, model_bytes = statistics.median(statistics.median(t) for t in cluster["compute"]), cluster["model_bytes"]
+    else:
+        compute_s, model_bytes = planner.measure_compute(config)
     if args.compute_ms is not None:
         compute_s = args.compute_ms / 1e3
-    rows = planner.ranked(config, planner.candidates(config), compute_s, model_bytes, probed)
+    cands = planner.candidates(config, len(cluster["nodes"]) if cluster else None)
+    rows = planner.ranked(config, cands, compute_s, model_bytes, probed, cluster=cluster)
     line = planner.recommendation(rows)
     if args.json:
         print(json.dumps({"compute_s": compute_s, "model_bytes": model_bytes, "recommendation": line,
                           "factors": planner.factors_line(config),
+                          "cluster": ({k: v for k, v in cluster.items() if k != "compute"}
+                                      | {"compute_median_s": [statistics.median(t) for t in cluster["compute"]]})
+                          if cluster else None,
                           "rows": [{"policy": r.candidate.label, "step_s": r.step_s, "bytes_per_step": r.bytes_per_step,
                                     "factor": r.factor, "to_target_s": r.to_target_s, "exact": r.exact,
                                     "note": r.note, "basis": r.basis} for r in rows]}))
         return EXIT_OK
-    where = "probed" if probed else ("as asked" if config.network.enabled else "one node, unshaped")
+    where = ("probed" if probed else "measured on the cluster" if cluster else
+             "as asked" if config.network.enabled else "one node, unshaped (not probed: pass --probe)")
     print(f"{config.workers.count} workers, network {where}; one step's compute {compute_s * 1e3:.2f} ms, "
           f"model {model_bytes / 1e6:.3f} MB")
+    if cluster:
+        print(planner.describe_probe(cluster))
     print(planner.table(rows, planner.factors_line(config)))
     print(f"recommended: {line}")
     return EXIT_OK

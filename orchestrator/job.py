@@ -182,7 +182,7 @@ class ElasticJob:
                 self.config, self.policy_choice = resumed_choice(
                     self.config, self.resume_from, (lambda loc: self.storage.read(self.storage.key_of(loc)))
                     if self.storage.remote else None)
-            else:
+            elif self.config.network.enabled:  # the lab: its links as the config shapes them
                 self.config, self.policy_choice, _ = choose(self.config)
         if connect(self.config):
             try:
@@ -190,6 +190,11 @@ class ElasticJob:
             except ConfigError:
                 ray.shutdown()  # the local Ray this call started goes with the refusal
                 raise
+        if self.config.sync.policy == "auto":  # on the cluster itself: probes placed as the workers, measured there
+            from actors.probe import probe_cluster
+            from orchestrator.planner import choose
+
+            self.config, self.policy_choice, _ = choose(self.config, cluster=probe_cluster(self.config.to_dict()))
         _warn_local_storage(self.config)
         old = _find_coordinator(self.name)
         if old is not None:

@@ -17,10 +17,20 @@ subnet to the worker's own node address first.
 `Lab(network)` is a context manager; `python -m orchestrator lab up CONFIG | down | show` does the
 same from a shell. Both are idempotent, and neither touches a root qdisc on `lo` that is not the
 lab's. Without root or without `tc`, `LabUnavailable` says why (the CLI exits 2; lab tests skip).
+
+Who holds the lab is in its state file: each `Lab` block adds its process (pid and start time) and
+removes it on the way out, and the lab comes down when the last live holder leaves, unless a shell's
+`lab up` asked for it to stay (until `lab down`). A holder killed without leaving (SIGKILL, the OOM
+killer) is found dead by the next process that looks: the next run takes the lab over and removes it
+when it leaves, and a lab with another network held by nobody alive is replaced instead of refused.
+Two runs of one config share the lab, and the first to finish no longer takes it from the other.
+The state file is changed under an exclusive lock (`flock`), written atomically, readable by root only.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import hashlib
 import json
 import os
@@ -28,6 +38,7 @@ import shutil
 import socket
 import statistics
 import subprocess
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -112,6 +123,41 @@ def read_state() -> dict | None:
         return None
 
 
+def _write_state(state: dict) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{STATE.name}.", suffix=".tmp", dir=STATE.parent)
+    with os.fdopen(fd, "w") as out:  # mkstemp: an unpredictable name, mode 0600
+        out.write(json.dumps(state))
+    os.replace(tmp, STATE)
+
+
+@contextlib.contextmanager
+def _locked():
+    """The state file's lock: one process at a time changes the lab and its holders."""
+    fd = os.open(STATE.with_suffix(".lock"), os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _process(pid: int) -> list:
+    """[pid, start time]: a process, told apart from a later one that reuses its pid."""
+    try:
+        start = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        start = ""
+    return [pid, start]
+
+
+def _alive(holder: list) -> bool:
+    return _process(int(holder[0])) == list(holder) and holder[1] != ""
+
+
+def _live_holders(state: dict | None) -> list[list]:
+    return [h for h in (state or {}).get("holders", []) if _alive(h)]
+
+
 def current() -> dict | None:
     """The lab that is up: its state (network, since) when `lo`'s root qdisc is the lab's, else None."""
     try:
@@ -123,43 +169,74 @@ def current() -> dict | None:
     return read_state() or {"network": None, "fingerprint": None, "since": None}
 
 
-def up(net: NetworkConfig) -> bool:
+def up(net: NetworkConfig, holder: int | None = None) -> bool:
     """Bring the lab up for `net`; True when this call shaped `lo`, False when the same lab was up.
-    A different lab that is up, or a root qdisc on `lo` that is not the lab's, is an error."""
+    `holder`: the process that holds it (a `Lab` block; it goes down when the last live holder leaves);
+    None: a shell's `lab up`, which keeps it up until `lab down`. A different lab that a live process
+    holds (or a shell asked for), or a root qdisc on `lo` that is not the lab's, is an error; one that
+    nobody alive holds is replaced."""
     if not net.enabled:
         raise LabUnavailable("network.nodes is 0: there is no lab to bring up")
     check_privileges()
     shim_path(build=True)
-    line = root_qdisc()
-    if is_lab_qdisc(line):
+    with _locked():
+        line = root_qdisc()
+        state = read_state() if is_lab_qdisc(line) else None
+        holders = _live_holders(state)
+        if is_lab_qdisc(line):
+            if state and state.get("fingerprint") == fingerprint(net):
+                _write_state({**state, "holders": holders + ([_process(holder)] if holder else []),
+                              "manual": bool(state.get("manual")) or holder is None})
+                return False
+            if holders or (state or {}).get("manual"):
+                raise LabUnavailable("a lab with another network is up: run `python -m orchestrator lab down` first")
+            _down()  # another network's lab, held by nobody alive: a run killed with it up left it
+            line = root_qdisc()
+        if line and not line.startswith("qdisc noqueue"):
+            raise LabUnavailable(f"`lo` has a root qdisc that is not the lab's ({line}): the lab leaves it alone")
+        try:
+            for cmd in tc_commands(net):
+                _tc(*cmd[1:])
+        except BaseException:
+            _down()
+            raise
+        _write_state({"network": dataclasses.asdict(net), "fingerprint": fingerprint(net), "since": time.time(),
+                      "holders": [_process(holder)] if holder else [], "manual": holder is None})
+        return True
+
+
+def leave(holder: int) -> bool:
+    """`holder` no longer uses the lab: down when no live holder is left and no shell asked for it
+    (True), else it stays (False)."""
+    with _locked():
         state = read_state()
-        if state and state.get("fingerprint") == fingerprint(net):
+        if state is None or not is_lab_qdisc(root_qdisc()):
             return False
-        raise LabUnavailable("a lab with another network is up: run `python -m orchestrator lab down` first")
-    if line and not line.startswith("qdisc noqueue"):
-        raise LabUnavailable(f"`lo` has a root qdisc that is not the lab's ({line}): the lab leaves it alone")
-    try:
-        for cmd in tc_commands(net):
-            _tc(*cmd[1:])
-    except BaseException:
-        down()
-        raise
-    tmp = STATE.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"network": dataclasses.asdict(net), "fingerprint": fingerprint(net),
-                               "since": time.time()}))
-    os.replace(tmp, STATE)
-    return True
+        holders = [h for h in _live_holders(state) if int(h[0]) != holder]
+        if holders or state.get("manual"):
+            _write_state({**state, "holders": holders})
+            return False
+        _down()
+        return True
 
 
-def down() -> bool:
-    """Remove the lab's qdisc from `lo` (True) or do nothing when it is not up (False)."""
-    check_privileges()
+def _down() -> bool:
     removed = False
     if is_lab_qdisc(root_qdisc()):
         _tc("qdisc", "del", "dev", DEV, "root")
         removed = True
     STATE.unlink(missing_ok=True)
     return removed
+
+
+def down() -> bool:
+    """Remove the lab's qdisc from `lo` (True) or do nothing when it is not up (False), whoever holds it."""
+    if not hasattr(os, "geteuid") or os.geteuid() != 0:
+        raise LabUnavailable("the lab shapes loopback traffic with tc and needs root (run as root, or skip lab runs)")
+    if shutil.which("tc") is None:
+        raise LabUnavailable("the lab needs Linux `tc` (iproute2), which is not installed")
+    with _locked():
+        return _down()
 
 
 def require(net: NetworkConfig) -> None:
@@ -175,19 +252,19 @@ def require(net: NetworkConfig) -> None:
 
 
 class Lab:
-    """`with Lab(network):` the lab is up inside, and down after if this block brought it up."""
+    """`with Lab(network):` the lab is up inside, held by this process; down after if no other live
+    process holds it (and no shell's `lab up` asked for it)."""
 
     def __init__(self, net: NetworkConfig) -> None:
         self.net = net
         self.brought_up = False
 
     def __enter__(self) -> Lab:
-        self.brought_up = up(self.net)
+        self.brought_up = up(self.net, holder=os.getpid())
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self.brought_up:
-            down()
+        leave(os.getpid())
 
 
 # --------------------------------------------------------------------------- the probe

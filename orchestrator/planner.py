@@ -65,20 +65,22 @@ least this much lower: the factors come from a few seeds (over three seeds the s
 ranged 0.76-1.07) and the model's step times are within 25%, so a smaller lead is not evidence."""
 
 
-def candidates(cfg: JobConfig) -> list[Candidate]:
+def candidates(cfg: JobConfig, nodes: int | None = None) -> list[Candidate]:
     """The policies this job could run with, each with the knobs the comparison uses. Adam-based ones
     (`qadam`, `dadam`) with an AdamW optimizer, the others with SGD; hierarchical BSP where the
     network has more than one node. The server kinds are left out: their pushes and pulls travel on
-    Ray's own transport, which the lab does not shape, so the model would compare them on other terms."""
+    Ray's own transport, which the lab does not shape, so the model would compare them on other terms.
+    `nodes`: the nodes the ranks were measured on (a probe of the user's cluster), else the lab's."""
     adam = cfg.optimizer.name == "adamw"
+    nodes = cfg.network.nodes if nodes is None else nodes
     ring = {"kind": "ring"}
     out = [("bsp", {"policy": "bsp"}, {}, PolicySpec("bsp"))]
-    if cfg.network.nodes > 1:
+    if nodes > 1:
         out.append(("bsp hierarchical", {"policy": "bsp", "hierarchical": True}, {},
                     PolicySpec("bsp", hierarchical=True)))
     out.append(("bytegrad uint8", {"policy": "bytegrad"}, {"codec": "uint8"},
                 PolicySpec("bytegrad", codec_ratio=CODEC_RATIO["uint8"], codec="uint8")))
-    if cfg.network.nodes > 1:
+    if nodes > 1:
         out.append(("bytegrad hierarchical uint8", {"policy": "bytegrad", "hierarchical": True}, {"codec": "uint8"},
                     PolicySpec("bytegrad", codec_ratio=CODEC_RATIO["uint8"], codec="uint8", hierarchical=True)))
     if adam:
@@ -124,6 +126,52 @@ def network_for(net: NetworkConfig, world: int, probed: Sequence[dict] | None = 
         latency[a][b] = row["modelled_latency_ms"] / 1e3 + row["rtt_ms"] / 2e3
     return Network(tuple(net.node_of(f"w{i}") for i in range(world)), tuple(map(tuple, bandwidth)),
                    tuple(map(tuple, latency)), loopback, host, tuple(sorted((host_s or {}).items())))
+
+
+def network_from_probe(cluster: dict) -> Network:
+    """The model's network as `actors/probe.py` measured it on the user's cluster: the ranks on the nodes
+    the probes landed on, each node pair's rate and latency (symmetric: one all-reduce measures both
+    directions at once), and a node's own rate where two probes shared it (else the model's default).
+    Real nodes: no host time is counted (each has its own cores and NIC)."""
+    nodes = len(cluster["nodes"])
+    bandwidth = [[INF] * nodes for _ in range(nodes)]
+    latency = [[0.0] * nodes for _ in range(nodes)]
+    loopback = Network.loopback_bytes_per_s
+    for link in cluster["links"]:
+        a, b = link["a"], link["b"]
+        if a == b:
+            loopback = link["bytes_per_s"]
+            latency[a][a] = link["latency_s"]
+        else:
+            bandwidth[a][b] = bandwidth[b][a] = link["bytes_per_s"]
+            latency[a][b] = latency[b][a] = link["latency_s"]
+    return Network(tuple(cluster["node_of_rank"]), tuple(map(tuple, bandwidth)), tuple(map(tuple, latency)), loopback)
+
+
+def compute_from_probe(cfg: JobConfig, cluster: dict) -> Compute:
+    """The compute side as measured on the placed probes: the median step over ranks, each rank's factor
+    (its median over that), and the jitter (the median over ranks of the standard deviation of log step
+    time), times any modelled `faults.stragglers` of the config."""
+    import math
+
+    medians = [statistics.median(times) for times in cluster["compute"]]
+    overall = statistics.median(medians)
+    modelled = compute_spread(cfg, overall)
+    factors = tuple(m / overall * modelled.factor(r) for r, m in enumerate(medians))
+    spreads = [statistics.pstdev([math.log(t) for t in times]) for times in cluster["compute"] if len(times) > 1]
+    sigma = max(statistics.median(spreads) if spreads else 0.0, modelled.jitter_sigma)
+    return Compute(overall, factors=factors, jitter_sigma=sigma)
+
+
+def describe_probe(cluster: dict) -> str:
+    """One line: what the probe measured (for `plan` and `auto`'s event)."""
+    medians = [statistics.median(t) for t in cluster["compute"]]
+    links = "; ".join(f"{cluster['nodes'][link['a']]}<->{cluster['nodes'][link['b']]} "
+                      f"{link['bytes_per_s'] * 8 / 1e6:.0f} Mbit/s, {link['latency_s'] * 1e3:.2f} ms"
+                      for link in cluster["links"]) or "none (every rank on one node)"
+    return (f"measured on the cluster: {len(cluster['nodes'])} node(s), ranks on nodes {cluster['node_of_rank']}; "
+            f"one step's compute {statistics.median(medians) * 1e3:.2f} ms (ranks {min(medians) * 1e3:.2f}-"
+            f"{max(medians) * 1e3:.2f}) on {cluster['device']} with {cluster['threads']} thread(s); links: {links}")
 
 
 def measure_host(cfg: JobConfig, cands: Sequence[Candidate], model_bytes: float, rounds: int = 40,
@@ -386,13 +434,17 @@ def rank(cands: Sequence[Candidate], net: Network, compute: Compute, model_bytes
 
 
 def ranked(cfg: JobConfig, cands: Sequence[Candidate], compute_s: float, model_bytes: float,
-           probed: Sequence[dict] | None = None, host_s: dict[str, float] | None = None) -> list[Row]:
+           probed: Sequence[dict] | None = None, host_s: dict[str, float] | None = None,
+           cluster: dict | None = None) -> list[Row]:
     """`rank` on the job's own network (as asked, or `probed`) and stragglers, with the shipped
     convergence factors: what `plan` prints and `auto` picks from. In the lab, whose nodes share this
     machine, each synchronization pattern's host time is this machine's (`host_s`, measured here by
     `measure_host` when not given); elsewhere none is counted."""
     data = load_factors()
     applies, why = factors_apply(cfg, data)
+    if cluster is not None:  # measured on the user's cluster (actors/probe.py)
+        return rank(cands, network_from_probe(cluster), compute_from_probe(cfg, cluster), cluster["model_bytes"],
+                    data["factors"] if applies else None, data["bsp_steps"], why)
     if host_s is None and cfg.network.enabled:
         host_s = measure_host(cfg, cands, model_bytes)
     net = network_for(cfg.network, cfg.workers.count, probed, host_s)
@@ -443,19 +495,25 @@ def table(rows: Sequence[Row], source: str) -> str:
 
 
 def choose(cfg: JobConfig, compute_s: float | None = None, model_bytes: float | None = None,
-           probed: Sequence[dict] | None = None) -> tuple[JobConfig, str, list[Row]]:
+           probed: Sequence[dict] | None = None, cluster: dict | None = None) -> tuple[JobConfig, str, list[Row]]:
     """`sync.policy: auto`: the config with the recommended policy's `sync:` and `compression:`, the
-    recommendation line, and the ranked rows (`sync.candidates` narrows the choice)."""
-    if compute_s is None or model_bytes is None:
+    recommendation line, and the ranked rows (`sync.candidates` narrows the choice). `cluster`: what
+    `actors/probe.py` measured on the job's Ray cluster (compute, links, placement), used instead of a
+    measurement in this process and of the config's network."""
+    if cluster is not None:
+        compute_s, model_bytes = statistics.median(statistics.median(t) for t in cluster["compute"]), cluster["model_bytes"]
+    elif compute_s is None or model_bytes is None:
         compute_s, model_bytes = measure_compute(cfg)
     allowed = set(getattr(cfg.sync, "candidates", ()) or ())
-    every = candidates(cfg)
+    every = candidates(cfg, len(cluster["nodes"]) if cluster is not None else None)
     cands = [c for c in every if not allowed or c.sync["policy"] in allowed or c.label in allowed]
     if not cands:
         raise ConfigError(f"sync.candidates: none of {sorted(allowed)} applies to this job; applicable: "
                           f"{', '.join(c.label for c in every)}")
-    rows = ranked(cfg, cands, compute_s, model_bytes, probed)
-    line = f"{recommendation(rows)} ({factors_line(cfg)})"
+    rows = ranked(cfg, cands, compute_s, model_bytes, probed, cluster=cluster)
+    told = ("the network as measured" if cluster is not None else
+            "the network as told (network: section)" if cfg.network.enabled else "one node assumed (no probe)")
+    line = f"{recommendation(rows)} ({factors_line(cfg)}; {told}" + (f"; {describe_probe(cluster)})" if cluster else ")")
     raw = with_candidate(cfg, rows[0].candidate).to_dict()
     raw["policy_choice"] = f"sync.policy auto picked {line}"
     return parse(JobConfig, raw), line, rows

@@ -195,3 +195,62 @@ def test_auto_runs_on_the_lab_and_picks_what_plan_prints(tmp_path):
     picked = re.search(r"policy auto: ([^:]+):", run.stdout)
     assert picked and picked.group(1).strip() == planned, (picked and picked.group(1), planned)
     assert not lab.is_lab_qdisc(lab.root_qdisc())  # `run` took its lab down
+
+
+HOLD = """
+import sys
+from core.schema import NetworkConfig, parse
+from orchestrator import lab
+net = parse(NetworkConfig, {"nodes": 2, "workers_per_node": 2, "subnet": "%s",
+                            "inter": {"mbit": %s, "latency_ms": 0.5}}, "network")
+with lab.Lab(net):
+    print("holding", flush=True)
+    sys.stdin.readline()
+print("left", flush=True)
+"""
+
+
+def holder(mbit: float = 100) -> subprocess.Popen:
+    """A process that holds the lab of `network(mbit)` (a `Lab` block) until a line arrives on its stdin;
+    returns once it holds."""
+    proc = subprocess.Popen([sys.executable, "-c", HOLD % (SUBNET, mbit)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True, cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    assert proc.stdout.readline().strip() == "holding", proc.communicate(timeout=30)
+    return proc
+
+
+def test_a_killed_runs_lab_is_removed_by_the_next_run_and_by_lab_down():
+    """(A run SIGKILLed inside its `Lab` left the qdisc on `lo`, and the next run of the config found it up,
+    did not count it as its own and left it too.)"""
+    proc = holder()
+    proc.kill()
+    proc.wait(timeout=30)
+    assert lab.is_lab_qdisc(lab.root_qdisc()), "the killed run left the lab up (nothing could remove it)"
+    with lab.Lab(network(100)):
+        assert lab.is_lab_qdisc(lab.root_qdisc())
+    assert not lab.is_lab_qdisc(lab.root_qdisc()), "the next run left the killed run's lab up"
+    proc = holder()
+    proc.kill()
+    proc.wait(timeout=30)
+    assert lab.down() and not lab.is_lab_qdisc(lab.root_qdisc())
+    proc = holder(50)  # a lab of another network, held by nobody alive, is replaced
+    proc.kill()
+    proc.wait(timeout=30)
+    with lab.Lab(network(100)):
+        assert lab.read_state()["fingerprint"] == lab.fingerprint(network(100))
+    assert not lab.is_lab_qdisc(lab.root_qdisc())
+
+
+def test_two_runs_of_one_config_share_the_lab_and_the_first_to_finish_leaves_it_to_the_other():
+    """(The run that brought the lab up took it down when it finished, under the other run.)"""
+    first = holder()  # brings it up
+    with lab.Lab(network(100)) as second:
+        assert not second.brought_up
+        first.stdin.write("\n")
+        first.stdin.flush()
+        assert first.stdout.readline().strip() == "left" and first.wait(timeout=30) == 0
+        assert lab.is_lab_qdisc(lab.root_qdisc()), "the first run took the lab from under the second"
+    assert not lab.is_lab_qdisc(lab.root_qdisc())
+    with lab.Lab(network(100)):
+        with pytest.raises(lab.LabUnavailable, match="another network"):
+            lab.up(network(50), holder=os.getpid())
