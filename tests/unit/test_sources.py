@@ -155,3 +155,24 @@ def test_without_skip_a_bad_sample_fails_the_step_with_its_id(tmp_path):
     outcome = job.wait()["w0"]
     assert not outcome["ok"] and outcome["error"].startswith("BadSample: training sample ")
     assert "could not be read: ValueError: corrupt record" in outcome["error"]
+
+
+def test_a_joiner_and_a_resume_continue_a_stream_where_the_committed_state_left_it(tmp_path):
+    """The state a joiner receives (and a checkpoint holds) carries the stream's own state at the
+    committed cursor: a fresh replica that loads it reads on from there. With a stream that ignores the
+    state it is given (`positioned: false`, the mechanism switched off), it starts over at id 0."""
+    def stream_job(name: str, slot: str, positioned: bool = True) -> LocalJob:
+        cfg = {"name": "stream", "seed": 3, "workers": {"count": 1, "cpus": 1},
+               "workload": {"factory": "orchestrator.workloads.digits_sources:mlp",
+                            "params": {"source": "stream", "hidden": 8, "positioned": positioned}, "batch_size": 6},
+               "optimizer": {"lr": 0.05}, "stop": {"max_steps": 7}, "eval_every": 0}
+        return LocalJob(cfg, [slot], str(tmp_path / name))
+
+    first = stream_job("first", "w0")
+    first.run(("w0",), 6)
+    blob = first.replicas["w0"]._state_bytes()
+    for positioned, expected in ((True, list(range(42, 48))), (False, list(range(6)))):
+        joiner = stream_job(f"joiner-{positioned}", "w1", positioned).replicas["w1"]
+        joiner._load_state_bytes(blob)
+        assert joiner.cursor == 42
+        assert joiner.source.fetch(joiner.source.global_batch(42, 6), 42).ids.tolist() == expected
