@@ -5,7 +5,8 @@ probe actors placed as the job's workers would be, on the Ray cluster the job ru
   they land on are the nodes the job's ranks would land on (`node_of_rank`).
 - **Compute:** every probe builds the workload (its factory) and times forward, backward and the
   optimizer's step on one worker's batch, on its device with the job's thread count, all probes at
-  once (as the workers would run): each rank's median, and the spread of its steps.
+  once (as the workers would run): each rank's median, the spread of its steps, and the backward
+  pass's part (BSP's buckets overlap it).
 - **Links:** for each pair of nodes, one probe on each forms a two-rank group over the job's own
   transport (`actors/comm.py`: gloo, or NCCL for GPU jobs) and times all-reduces of a small and a
   large tensor. A two-rank ring all-reduce of P bytes sends P/2 each way twice: t(P) = P/B + 2L, so
@@ -59,19 +60,24 @@ class Probe:
         size = self.cfg.workload.batch_size
         batch = torch.utils.data.default_collate([data[i % len(data)] for i in range(size)])
         batch = _to(batch, device)
-        times = []
+        times, backward = [], []
+        sync = torch.cuda.synchronize if self.gpu else (lambda: None)
         for i in range(steps + warmup):
-            if self.gpu:
-                torch.cuda.synchronize()
+            sync()
             began = time.perf_counter()
             optimizer.zero_grad()
-            workload.loss(model, batch).backward()
+            loss = workload.loss(model, batch)
+            sync()
+            forward_end = time.perf_counter()
+            loss.backward()
+            sync()
+            backward_end = time.perf_counter()
             optimizer.step()
-            if self.gpu:
-                torch.cuda.synchronize()
+            sync()
             if i >= warmup:
                 times.append(time.perf_counter() - began)
-        return {"times": times, "model_bytes": float(sum(p.numel() * p.element_size() for p in model.parameters())),
+                backward.append(backward_end - forward_end)
+        return {"times": times, "backward": backward, "model_bytes": float(sum(p.numel() * p.element_size() for p in model.parameters())),
                 "device": str(device), "threads": torch.get_num_threads()}
 
     def serve(self) -> tuple[str, int]:
@@ -162,6 +168,7 @@ def probe_cluster(config: dict, timeout: float = 300.0) -> dict:
             rate, latency = fit(points_a)
             links.append({"a": a, "b": b, "bytes_per_s": rate, "latency_s": latency, "points": points_a})
         return {"nodes": nodes, "node_of_rank": node_of_rank, "compute": [m["times"] for m in measured],
+                "backward": [m["backward"] for m in measured],
                 "model_bytes": measured[0]["model_bytes"], "device": measured[0]["device"],
                 "threads": measured[0]["threads"], "links": links}
     finally:

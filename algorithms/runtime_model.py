@@ -5,8 +5,9 @@ can measure: the compute time of one step (forward, backward, update; `Compute`)
 in bytes, and the links between nodes (bandwidth each direction and one-way latency; `Network`).
 Compute and communication do not overlap except where the policy launches its traffic before the
 step's compute (gossip launches its exchange before the forward pass; background rounds run beside
-the training thread; streaming DiLoCo's fragments overlap `overlap` steps), the same order the
-workers run them in (actors/replica.py).
+the training thread; streaming DiLoCo's fragments overlap `overlap` steps) or during it (BSP's
+gradient buckets, all-reduced as backward produces them: `overlapped_with_backward`, where the
+backward pass's time is known), the same order the workers run them in (actors/replica.py).
 
 The collectives are gloo's on CPU (what the workers run; actors/comm.py):
 - all-reduce: a ring, 2(n-1) rounds; each round every rank sends P/n bytes to the next rank.
@@ -111,6 +112,9 @@ class Compute:
     """Lognormal jitter of each step on each rank (median factor 1)."""
     samples: int = 4000
     seed: int = 0
+    backward_s: float = 0.0
+    """The part of `seconds` spent in the backward pass, while BSP's gradient buckets are launched (0:
+    unknown, or a compute that is all forward, as the lab's slept compute is)."""
 
     def factor(self, rank: int) -> float:
         return self.factors[rank] if rank < len(self.factors) else 1.0
@@ -231,6 +235,8 @@ class PolicySpec:
     """qadam: full-precision steps before the compressed momentum."""
     total_steps: int = 0
     """qadam: the run's steps (0: unknown, a run without `stop.max_steps`, taken to outlast its warm-up)."""
+    bucket_bytes: float = INF
+    """bsp: the gradient bucket size (`sync.bucket_mb`); INF: one bucket, nothing overlapped."""
     interval_s: float = 0.0
     """shadow: seconds from one background round's start to the next (0: back to back)."""
     peers: Callable[[int, int], Sequence[int]] | None = None
@@ -333,6 +339,18 @@ def predict(spec: PolicySpec, net: Network, compute: Compute, model_bytes: float
     raise KeyError(f"the runtime model has no pattern for policy {name!r}")
 
 
+def overlapped_with_backward(comm: float, backward_s: float, model_bytes: float, bucket_bytes: float) -> float:
+    """The part of a bucketed all-reduce (`comm` seconds in all) that a step waits for after its backward
+    pass: k buckets, ready one by one as backward produces their gradients (bucket i at i/k of it), each
+    all-reduced in comm/k, one after another. If a bucket's all-reduce is shorter than the backward that
+    fills the next, each finishes before the next is ready and only the last one's comm/k is left;
+    otherwise they run back to back from the first bucket's readiness: comm - backward (k-1)/k."""
+    k = max(1, math.ceil(model_bytes / bucket_bytes)) if bucket_bytes < INF else 1
+    if k == 1 or backward_s <= 0:
+        return comm
+    return max(comm / k, comm - backward_s * (k - 1) / k)
+
+
 def _ring_bytes(n: int, size: float) -> float:
     return 2 * (n - 1) / n * size if n > 1 else 0.0
 
@@ -357,8 +375,12 @@ def _synchronous(spec: PolicySpec, net: Network, compute: Compute, model_bytes: 
             basis = "E[max_i compute] + max(intra-node reduce + leaders' ring all-reduce + intra-node broadcast, host)"
             return Prediction("bsp", everyone + comm, comm, _leader_bytes(net, model_bytes, model_bytes), basis)
         comm = _sync(net, host_patterns(spec)[0], ring_allreduce(net, ranks, model_bytes))
+        exposed = overlapped_with_backward(comm, compute.backward_s, model_bytes, spec.bucket_bytes)
         basis = "E[max_i compute] + max(ring all-reduce of the gradients, host)"
-        return Prediction("bsp", everyone + comm, comm, _ring_bytes(n, model_bytes), basis)
+        if exposed < comm:
+            basis += (f", less what overlaps backward: {math.ceil(model_bytes / spec.bucket_bytes)} buckets launched "
+                      f"as backward produces them (the last one's all-reduce after it)")
+        return Prediction("bsp", everyone + exposed, exposed, _ring_bytes(n, model_bytes), basis)
     size = model_bytes * spec.codec_ratio
     compressed = host_patterns(spec)[-1]
     scatter_gather = _sync(net, compressed, all_to_all(net, ranks, size) + ring_allgather(net, ranks, size / n))

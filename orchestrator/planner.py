@@ -74,7 +74,8 @@ def candidates(cfg: JobConfig, nodes: int | None = None) -> list[Candidate]:
     adam = cfg.optimizer.name == "adamw"
     nodes = cfg.network.nodes if nodes is None else nodes
     ring = {"kind": "ring"}
-    out = [("bsp", {"policy": "bsp"}, {}, PolicySpec("bsp"))]
+    bucket = getattr(cfg.sync, "bucket_mb", 25.0) * 2 ** 20  # the job's own bucket size where it sets one
+    out = [("bsp", {"policy": "bsp"}, {}, PolicySpec("bsp", bucket_bytes=bucket))]
     if nodes > 1:
         out.append(("bsp hierarchical", {"policy": "bsp", "hierarchical": True}, {},
                     PolicySpec("bsp", hierarchical=True)))
@@ -160,7 +161,8 @@ def compute_from_probe(cfg: JobConfig, cluster: dict) -> Compute:
     factors = tuple(m / overall * modelled.factor(r) for r, m in enumerate(medians))
     spreads = [statistics.pstdev([math.log(t) for t in times]) for times in cluster["compute"] if len(times) > 1]
     sigma = max(statistics.median(spreads) if spreads else 0.0, modelled.jitter_sigma)
-    return Compute(overall, factors=factors, jitter_sigma=sigma)
+    backward = statistics.median(statistics.median(b) for b in cluster["backward"]) if cluster.get("backward") else 0.0
+    return Compute(overall, factors=factors, jitter_sigma=sigma, backward_s=backward)
 
 
 def describe_probe(cluster: dict) -> str:

@@ -188,3 +188,26 @@ def test_hierarchical_bytegrad_compresses_only_the_leaders_exchange():
     # out in the all-to-all, q/2 in the all-gather): what rank 0 counts (1.25 M measured in the lab)
     assert p.bytes_per_step == pytest.approx(M + q)
     assert p.step_s < predict(PolicySpec("bytegrad", codec_ratio=0.25), NET, Compute(0.05), M).step_s
+
+
+def test_bsps_buckets_overlap_the_backward_pass_that_produces_them():
+    """4 buckets ready at 1/4, 2/4, 3/4 and the end of a 40 ms backward, each all-reduced in comm/4, one
+    after another. comm 100 ms: they run back to back from 10 ms, done at 110 ms, 70 ms after backward;
+    comm 20 ms: each 5-ms bucket is done before the next is ready, only the last one's 5 ms is left.
+    (The model assumed no overlap at all: the step paid the whole all-reduce.)"""
+    def exposed(comm: float, backward: float, buckets: int) -> float:
+        finish = 0.0
+        for i in range(1, buckets + 1):  # bucket i ready at i/k of backward
+            finish = max(finish, backward * i / buckets) + comm / buckets
+        return finish - backward
+    from algorithms.runtime_model import overlapped_with_backward
+
+    for comm in (0.1, 0.02, 0.03):
+        assert overlapped_with_backward(comm, 0.04, 4e6, 1e6) == pytest.approx(exposed(comm, 0.04, 4))
+    assert overlapped_with_backward(0.1, 0.04, 4e6, 1e6) == pytest.approx(0.07)
+    assert overlapped_with_backward(0.1, 0.04, 4e6, 4e6) == 0.1  # one bucket: launched after backward
+    one = NET
+    ring = ring_allreduce(one, [0, 1, 2, 3], 4e6)
+    p = predict(PolicySpec("bsp", bucket_bytes=1e6), one, Compute(0.05, backward_s=0.04), 4e6)
+    assert p.step_s == pytest.approx(0.05 + exposed(ring, 0.04, 4))
+    assert predict(PolicySpec("bsp"), one, Compute(0.05, backward_s=0.04), 4e6).step_s == pytest.approx(0.05 + ring)
