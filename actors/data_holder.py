@@ -21,7 +21,6 @@ from actors.plan import holder_name
 class DataHolder:
     def __init__(self) -> None:
         self._blocks: list[tuple[Any, int]] | None = None
-        self._materialized: Any = None
 
     def blocks(self, dataset: Any) -> list[tuple[Any, int]]:
         """(object ref, rows) of each block; the first call materializes `dataset` (calls run one at a time)."""
@@ -29,10 +28,10 @@ class DataHolder:
             from ray.data import DataContext
 
             DataContext.get_current().enable_progress_bars = False
-            self._materialized = dataset.materialize()
+            materialized = dataset.materialize()
             here = ray.put(None).owner_address()
             self._blocks = []
-            for bundle in self._materialized.iter_internal_ref_bundles():
+            for bundle in materialized.iter_internal_ref_bundles():
                 for entry in bundle.blocks:
                     ref = entry.ref
                     if ref.owner_address() != here:

@@ -45,40 +45,14 @@ class Probe:
     def where(self) -> tuple[str, str]:
         return ray.get_runtime_context().get_node_id(), self.ip
 
-    def compute(self, steps: int = 12, warmup: int = 3) -> dict:
-        """Seconds of each of `steps` steps (forward, backward, update) on this probe, after `warmup`."""
+    def compute(self) -> dict:
+        """Each step's seconds (and its backward pass's) on this probe: `actors.replica.time_steps`."""
         import torch
 
-        from actors.replica import build_workload
-        from algorithms.optim import build_optimizer
+        from actors.replica import time_steps
 
-        workload = build_workload(self.cfg)
         device = torch.device("cuda", 0) if self.gpu else torch.device("cpu")
-        model = workload.model.to(device)
-        optimizer = build_optimizer(model.parameters(), self.cfg.optimizer)
-        data = workload.train_data
-        size = self.cfg.workload.batch_size
-        batch = torch.utils.data.default_collate([data[i % len(data)] for i in range(size)])
-        batch = _to(batch, device)
-        times, backward = [], []
-        sync = torch.cuda.synchronize if self.gpu else (lambda: None)
-        for i in range(steps + warmup):
-            sync()
-            began = time.perf_counter()
-            optimizer.zero_grad()
-            loss = workload.loss(model, batch)
-            sync()
-            forward_end = time.perf_counter()
-            loss.backward()
-            sync()
-            backward_end = time.perf_counter()
-            optimizer.step()
-            sync()
-            if i >= warmup:
-                times.append(time.perf_counter() - began)
-                backward.append(backward_end - forward_end)
-        return {"times": times, "backward": backward, "model_bytes": float(sum(p.numel() * p.element_size() for p in model.parameters())),
-                "device": str(device), "threads": torch.get_num_threads()}
+        return {**time_steps(self.cfg, device), "device": str(device), "threads": torch.get_num_threads()}
 
     def serve(self) -> tuple[str, int]:
         from actors.store import serve_store
@@ -117,16 +91,6 @@ class Probe:
                 size = LARGE_MIN if size < LARGE_MIN else size * 4
         finally:
             comm.close()
-
-
-def _to(batch: Any, device: Any) -> Any:
-    if hasattr(batch, "to"):
-        return batch.to(device)
-    if isinstance(batch, (tuple, list)):
-        return type(batch)(_to(b, device) for b in batch)
-    if isinstance(batch, dict):
-        return {k: _to(v, device) for k, v in batch.items()}
-    return batch
 
 
 def fit(points: list[tuple[int, float]]) -> tuple[float, float]:

@@ -246,7 +246,6 @@ class Replica:
                 self._loader.close()
             if self._fetcher is not None:
                 self._fetcher.close()
-            self.source.close()
             collective.withdraw(self.comm)
             self.impl.close(finished=self.state == "finished" and not self._left)
             self._flush_report(force=True)
@@ -525,7 +524,7 @@ class Replica:
         for fetched in micro:
             if fetched.ready is not None:
                 stream.wait_event(fetched.ready)
-                _each_tensor(fetched.batch, lambda t: t.record_stream(stream))
+                map_tensors(fetched.batch, lambda t: t.record_stream(stream))
                 fetched.ready = None
 
     def _seed_step(self) -> None:
@@ -803,6 +802,39 @@ def build_workload(cfg: JobConfig) -> Any:
     return check_factory(cfg.workload.factory)(**cfg.workload.params)
 
 
+def time_steps(cfg: JobConfig, device: torch.device, steps: int = 12, warmup: int = 3) -> dict:
+    """The job's workload timed as a worker runs it: one worker's batch (the next of the data's global
+    order each time, read outside the timing) through forward, backward and the optimizer's step, on
+    `device`, `steps` times after `warmup`. What `plan` and `auto` take one step's compute from, on a
+    placed probe (actors/probe.py) or in the driver (orchestrator/planner.py `measure_compute`).
+    Returns {"times": seconds of each step, "backward": seconds of each backward pass, "model_bytes"}."""
+    workload = build_workload(cfg)
+    model = workload.model.to(device)
+    optimizer = build_optimizer(model.parameters(), cfg.optimizer)
+    source = source_for(workload.train_data, cfg.seed)
+    size = cfg.workload.batch_size
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    times, backward = [], []
+    for i in range(steps + warmup):
+        batch = _to(source.fetch(source.global_batch(i * size, size), i * size).batch, device)
+        sync()
+        began = time.perf_counter()
+        optimizer.zero_grad()
+        loss = workload.loss(model, batch)
+        sync()
+        forward_end = time.perf_counter()
+        loss.backward()
+        sync()
+        backward_end = time.perf_counter()
+        optimizer.step()
+        sync()
+        if i >= warmup:
+            times.append(time.perf_counter() - began)
+            backward.append(backward_end - forward_end)
+    return {"times": times, "backward": backward,
+            "model_bytes": float(sum(p.numel() * p.element_size() for p in model.parameters()))}
+
+
 def warm_up(cfg: JobConfig, workload: Any) -> None:
     """What a replica's first construction would import (the optimizer's first construction imports
     torch._dynamo: 1.4 s here; the policy's modules): a hot spare pays it before it is needed."""
@@ -833,37 +865,25 @@ def _device(gpus: float) -> torch.device:
     return torch.device("cpu")
 
 
-def _to(batch: Any, device: torch.device) -> Any:
-    """A batch (tensors in tuples, lists or dicts) on `device`."""
+def map_tensors(batch: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    """`batch` (tensors in tuples, lists or dicts) with `fn` applied to each tensor; other leaves as they are."""
     if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
+        return fn(batch)
     if isinstance(batch, (tuple, list)):
-        return type(batch)(_to(b, device) for b in batch)
+        return type(batch)(map_tensors(b, fn) for b in batch)
     if isinstance(batch, dict):
-        return {k: _to(v, device) for k, v in batch.items()}
+        return {k: map_tensors(v, fn) for k, v in batch.items()}
     return batch
+
+
+def _to(batch: Any, device: torch.device) -> Any:
+    """A batch on `device`."""
+    return map_tensors(batch, lambda t: t.to(device, non_blocking=True))
 
 
 def _pinned(batch: Any) -> Any:
     """A batch's CPU tensors in page-locked memory (a copy from there to the GPU is asynchronous)."""
-    if isinstance(batch, torch.Tensor):
-        return batch.pin_memory() if batch.device.type == "cpu" else batch
-    if isinstance(batch, (tuple, list)):
-        return type(batch)(_pinned(b) for b in batch)
-    if isinstance(batch, dict):
-        return {k: _pinned(v) for k, v in batch.items()}
-    return batch
-
-
-def _each_tensor(batch: Any, fn: Callable[[torch.Tensor], Any]) -> None:
-    if isinstance(batch, torch.Tensor):
-        fn(batch)
-    elif isinstance(batch, (tuple, list)):
-        for b in batch:
-            _each_tensor(b, fn)
-    elif isinstance(batch, dict):
-        for b in batch.values():
-            _each_tensor(b, fn)
+    return map_tensors(batch, lambda t: t.pin_memory() if t.device.type == "cpu" else t)
 
 
 def _crossed(every: int | None, before: int | None, now: int) -> bool:

@@ -79,6 +79,10 @@ class MapSource:
         if self._tensors is not None:  # a gather per tensor (index_select: the rows `t[index]` gives, without its dispatch)
             index = torch.from_numpy(ids)
             return Fetched(tuple([torch.index_select(t, 0, index) for t in self._tensors]), ids)
+        return self._one_by_one(ids)
+
+    def _one_by_one(self, ids: np.ndarray) -> Fetched:
+        """Each sample read on its own: one that raises fails the batch with its id, or is skipped."""
         samples, kept, skipped = [], [], []
         for i in ids.tolist():
             try:
@@ -113,9 +117,6 @@ class MapSource:
         """What a checkpoint's cursor means: the same on resume, or the data changed under it."""
         return f"{self.kind} n={self.n}"
 
-    def close(self) -> None:
-        pass
-
 
 class ArrowSource(MapSource):
     """A Hugging Face `datasets.Dataset`: memory-mapped Arrow, a share read in one batched `take`."""
@@ -131,15 +132,7 @@ class ArrowSource(MapSource):
         try:
             return Fetched(self.data[ids.tolist()], ids)  # a dict of columns, rows in `ids` order
         except Exception:  # noqa: BLE001 - find the sample that fails, one by one
-            rows, kept, skipped = [], [], []
-            for i in ids.tolist():
-                try:
-                    rows.append(self.data[i])
-                except Exception as err:  # noqa: BLE001
-                    self._bad(i, err, skipped)
-                    continue
-                kept.append(i)
-            return Fetched(self._collate(rows, ids), np.asarray(kept, dtype=np.int64), skipped)
+            return self._one_by_one(ids)
 
 
 class BlockOrder(GlobalSampler):
@@ -171,7 +164,6 @@ class BlockSource(MapSource):
         super().__init__(None, seed, skip_bad)
         self._cache: collections.OrderedDict[int, dict[str, np.ndarray]] = collections.OrderedDict()
         self._lock = threading.Lock()
-        self.blocks_read = 0
 
     def _sampler(self, seed: int) -> GlobalSampler:
         return self.order
@@ -199,7 +191,6 @@ class BlockSource(MapSource):
         if not isinstance(columns, dict):
             columns = {"data": columns}
         with self._lock:
-            self.blocks_read += 1
             self._cache[b] = columns
             while len(self._cache) > self.CACHED_BLOCKS:
                 self._cache.popitem(last=False)
@@ -302,9 +293,6 @@ class StreamSource:
 
     def fingerprint(self) -> str:
         return f"{self.kind} n={self.n}"
-
-    def close(self) -> None:
-        pass
 
 
 def is_ray_dataset(data: Any) -> bool:
