@@ -457,7 +457,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(f"probing the cluster with {config.workers.count} probe(s) placed as the job's workers...", flush=True)
         cluster = probe_cluster(config.to_dict())
     if cluster is not None:
-        compute_s, model_bytes = statistics.median(statistics.median(t) for t in cluster["compute"]), cluster["model_bytes"]
+        compute_s, model_bytes = planner.probed_compute_s(cluster), cluster["model_bytes"]
     else:
         compute_s, model_bytes = planner.measure_compute(config)
     if args.compute_ms is not None:

@@ -106,13 +106,14 @@ def is_lab_qdisc(line: str) -> bool:
     return line.startswith("qdisc htb ") and line.split()[2] == f"{HANDLE}:"
 
 
-def check_privileges() -> None:
-    """Raise `LabUnavailable` with the reason when this process cannot shape `lo`."""
+def check_privileges(compiler: bool = True) -> None:
+    """Raise `LabUnavailable` with the reason when this process cannot shape `lo` (or, with `compiler`,
+    cannot build the connect() shim that bringing the lab up needs)."""
     if not hasattr(os, "geteuid") or os.geteuid() != 0:
         raise LabUnavailable("the lab shapes loopback traffic with tc and needs root (run as root, or skip lab runs)")
     if shutil.which("tc") is None:
         raise LabUnavailable("the lab needs Linux `tc` (iproute2), which is not installed")
-    if shutil.which("cc") is None and shutil.which("gcc") is None:
+    if compiler and shutil.which("cc") is None and shutil.which("gcc") is None:
         raise LabUnavailable("the lab compiles a small connect() shim and needs a C compiler (cc)")
 
 
@@ -231,10 +232,7 @@ def _down() -> bool:
 
 def down() -> bool:
     """Remove the lab's qdisc from `lo` (True) or do nothing when it is not up (False), whoever holds it."""
-    if not hasattr(os, "geteuid") or os.geteuid() != 0:
-        raise LabUnavailable("the lab shapes loopback traffic with tc and needs root (run as root, or skip lab runs)")
-    if shutil.which("tc") is None:
-        raise LabUnavailable("the lab needs Linux `tc` (iproute2), which is not installed")
+    check_privileges(compiler=False)  # removing it builds nothing
     with _locked():
         return _down()
 

@@ -149,6 +149,11 @@ def network_from_probe(cluster: dict) -> Network:
     return Network(tuple(cluster["node_of_rank"]), tuple(map(tuple, bandwidth)), tuple(map(tuple, latency)), loopback)
 
 
+def probed_compute_s(cluster: dict) -> float:
+    """One step's compute as the probes measured it: the median over ranks of each rank's median."""
+    return statistics.median(statistics.median(times) for times in cluster["compute"])
+
+
 def compute_from_probe(cfg: JobConfig, cluster: dict) -> Compute:
     """The compute side as measured on the placed probes: the median step over ranks, each rank's factor
     (its median over that), and the jitter (the median over ranks of the standard deviation of log step
@@ -156,7 +161,7 @@ def compute_from_probe(cfg: JobConfig, cluster: dict) -> Compute:
     import math
 
     medians = [statistics.median(times) for times in cluster["compute"]]
-    overall = statistics.median(medians)
+    overall = probed_compute_s(cluster)
     modelled = compute_spread(cfg, overall)
     factors = tuple(m / overall * modelled.factor(r) for r, m in enumerate(medians))
     spreads = [statistics.pstdev([math.log(t) for t in times]) for times in cluster["compute"] if len(times) > 1]
@@ -172,7 +177,7 @@ def describe_probe(cluster: dict) -> str:
                       f"{link['bytes_per_s'] * 8 / 1e6:.0f} Mbit/s, {link['latency_s'] * 1e3:.2f} ms"
                       for link in cluster["links"]) or "none (every rank on one node)"
     return (f"measured on the cluster: {len(cluster['nodes'])} node(s), ranks on nodes {cluster['node_of_rank']}; "
-            f"one step's compute {statistics.median(medians) * 1e3:.2f} ms (ranks {min(medians) * 1e3:.2f}-"
+            f"one step's compute {probed_compute_s(cluster) * 1e3:.2f} ms (ranks {min(medians) * 1e3:.2f}-"
             f"{max(medians) * 1e3:.2f}) on {cluster['device']} with {cluster['threads']} thread(s); links: {links}")
 
 
@@ -331,32 +336,13 @@ def compute_spread(cfg: JobConfig, seconds: float) -> Compute:
 
 def measure_compute(cfg: JobConfig, steps: int = 12, warmup: int = 3) -> tuple[float, float]:
     """(median seconds of one step's forward, backward and update on one worker's batch, the model's
-    parameter bytes), measured in this process on the job's workload."""
+    parameter bytes), measured in this process on its CPU (`actors.replica.time_steps`)."""
     import torch  # only `plan` and `auto` measure
 
-    from actors.replica import build_workload
-    from algorithms.optim import build_optimizer
+    from actors.replica import time_steps
 
-    workload = build_workload(cfg)
-    model = workload.model
-    optimizer = build_optimizer(model.parameters(), cfg.optimizer)
-    loader = torch.utils.data.DataLoader(workload.train_data, batch_size=cfg.workload.batch_size, shuffle=False)
-    batches = iter(loader)
-    times = []
-    for i in range(steps + warmup):
-        try:
-            batch = next(batches)
-        except StopIteration:
-            batches = iter(loader)
-            batch = next(batches)
-        began = time.perf_counter()
-        optimizer.zero_grad()
-        workload.loss(model, batch).backward()
-        optimizer.step()
-        if i >= warmup:
-            times.append(time.perf_counter() - began)
-    model_bytes = float(sum(p.numel() * p.element_size() for p in model.parameters()))
-    return statistics.median(times), model_bytes
+    measured = time_steps(cfg, torch.device("cpu"), steps, warmup)
+    return statistics.median(measured["times"]), measured["model_bytes"]
 
 
 def load_factors(path: Path = FACTORS_PATH) -> dict:
@@ -485,14 +471,15 @@ def recommendation(rows: Sequence[Row]) -> str:
     return f"{best.candidate.label}: {why}"
 
 
-def table(rows: Sequence[Row], source: str) -> str:
+def table(rows: Sequence[Row], factors: str) -> str:
+    """The rows, one line each, then `factors` (`factors_line`: the convergence factors' source, or why
+    none apply)."""
     lines = [f"{'policy':<28} {'ms/step':>9} {'MB/step':>9} {'steps/BSP':>10} {'s to target':>12}"]
     for r in rows:
         factor = f"{r.factor:.2f}" if r.factor is not None else "-"
         target = f"{r.to_target_s:.1f}" if r.to_target_s is not None else ("-" if r.exact else "unknown")
         lines.append(f"{r.candidate.label:<28} {r.step_s * 1e3:>9.2f} {r.bytes_per_step / 1e6:>9.3f} {factor:>10} {target:>12}")
-    lines.append(source if source.startswith(("convergence factors", "no convergence")) else
-                 f"convergence factors: {source or 'none measured'}")
+    lines.append(factors)
     return "\n".join(lines)
 
 
@@ -503,7 +490,7 @@ def choose(cfg: JobConfig, compute_s: float | None = None, model_bytes: float | 
     `actors/probe.py` measured on the job's Ray cluster (compute, links, placement), used instead of a
     measurement in this process and of the config's network."""
     if cluster is not None:
-        compute_s, model_bytes = statistics.median(statistics.median(t) for t in cluster["compute"]), cluster["model_bytes"]
+        compute_s, model_bytes = probed_compute_s(cluster), cluster["model_bytes"]
     elif compute_s is None or model_bytes is None:
         compute_s, model_bytes = measure_compute(cfg)
     allowed = set(getattr(cfg.sync, "candidates", ()) or ())
