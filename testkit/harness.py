@@ -99,6 +99,20 @@ def assert_batchnorm_trained(model: torch.nn.Module, label: str) -> None:
     assert acc > 0.6
 
 
+def committed_samples(run_dir: Path, history: list[dict]) -> dict[int, list[int]]:
+    """Each committed step's sample ids, over every member's ledger (`faults.record_samples`) in
+    `run_dir`, for the steps of `history`: a line counts when its membership epoch is the one history
+    committed the step in (a step applied only by departed members was redone later)."""
+    committed_in = {r["step"]: r["membership_epoch"] for r in history}
+    per_step: dict[int, list[int]] = {}
+    for path in (Path(run_dir) / "samples").glob("*.txt"):
+        for line in path.read_text().splitlines():
+            step, epoch, *ids = map(int, line.split())
+            if committed_in.get(step) == epoch:
+                per_step.setdefault(step, []).extend(ids)
+    return per_step
+
+
 def wait_until(predicate: Callable[[], Any], timeout: float = 90, what: str = "condition", every: float = 0.05) -> Any:
     """Poll until `predicate()` is truthy and return its value; TimeoutError naming `what` after `timeout` s."""
     deadline = time.monotonic() + timeout

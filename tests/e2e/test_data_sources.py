@@ -19,7 +19,7 @@ import pytest
 
 from orchestrator.config import config_from_dict
 from orchestrator.job import ElasticJob
-from testkit.harness import wait_until
+from testkit.harness import committed_samples, wait_until
 
 GLOBAL_BATCH = 6
 EVERY = 10
@@ -50,19 +50,6 @@ def config(name: str, work: dict, steps: int, faults: dict) -> dict:
            "checkpoint": {"every_steps": EVERY, "keep": 50},
            "faults": {"record_samples": True, **faults}}
     return cfg
-
-
-def ledger(run_dir, history: list[dict], steps: range) -> dict[int, list[int]]:
-    """Each committed step's sample ids in `steps`: a line counts in the membership epoch that history
-    committed its step in (a step applied only by departed members was redone)."""
-    committed_in = {r["step"]: r["membership_epoch"] for r in history}
-    per_step: dict[int, list[int]] = {}
-    for path in (run_dir / "samples").glob("*.txt"):
-        for line in path.read_text().splitlines():
-            step, epoch, *ids = map(int, line.split())
-            if step in steps and committed_in.get(step) == epoch:
-                per_step.setdefault(step, []).extend(ids)
-    return per_step
 
 
 def through_every_membership_change(cfg: dict) -> tuple[ElasticJob, int, int]:
@@ -112,8 +99,8 @@ def test_each_sample_once_through_kill_join_scale_up_down_coordinator_restart_an
     second = resumed.history()
     assert [r["step"] for r in second] == list(range(resume_at + 1, final + 1))
 
-    per_step = ledger(job.run_dir, first, range(1, resume_at + 1))
-    per_step.update(ledger(resumed.run_dir, second, range(resume_at + 1, final + 1)))
+    per_step = committed_samples(job.run_dir, first)  # the first run's steps up to the checkpoint
+    per_step.update(committed_samples(resumed.run_dir, second))
     assert sorted(per_step) == list(range(1, final + 1))
     assert all(len(ids) == GLOBAL_BATCH == len(set(ids)) for ids in per_step.values()), "a step lost or repeated a sample"
     steps_per_epoch = n // GLOBAL_BATCH

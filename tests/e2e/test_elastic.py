@@ -14,7 +14,7 @@ import torch
 
 from orchestrator.config import config_from_dict
 from orchestrator.job import ElasticJob
-from testkit.harness import child_env, loaded_torch, paced, wait_until
+from testkit.harness import child_env, committed_samples, loaded_torch, paced, wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -53,20 +53,6 @@ def through_a_kill_a_join_and_a_scale_down(cfg: dict, timeout: float) -> tuple[E
     last_event_step = reshapes(job)[2]["detail"]["first_committed_step"]
     assert job.wait(timeout=timeout).state == "FINISHED"
     return job, last_event_step
-
-
-def committed_samples(job: ElasticJob) -> dict[int, list[int]]:
-    """Each committed step's sample ids, over every member's ledger (`faults.record_samples`): a line
-    counts when its membership epoch is the one history committed the step in (a step applied only by
-    departed members was redone later)."""
-    committed_in = {r["step"]: r["membership_epoch"] for r in job.history()}
-    per_step: dict[int, list[int]] = {}
-    for path in (job.run_dir / "samples").glob("*.txt"):
-        for line in path.read_text().splitlines():
-            step, epoch, *ids = map(int, line.split())
-            if committed_in.get(step) == epoch:
-                per_step.setdefault(step, []).extend(ids)
-    return per_step
 
 
 def longest_gap_around(history: list[dict], step: int, around: int = 10) -> float:
@@ -151,7 +137,7 @@ def test_exactly_once_data_over_a_kill_a_join_and_a_scale_down(run_root, victim)
     n, global_batch = 1437, 6
     epoch_steps = n // global_batch  # steps 1..239 hold positions 0..1433 of data epoch 0
     assert last_event_step < epoch_steps, "the kill, join and scale-down must all fall inside one data epoch"
-    per_step = committed_samples(job)
+    per_step = committed_samples(job.run_dir, job.history())
     assert sorted(per_step) == list(range(1, 301))
     assert all(len(ids) == global_batch for ids in per_step.values()), "a step lost or repeated a sample"
     assert all(len(set(ids)) == global_batch for ids in per_step.values()), "two ranks trained on one sample"
@@ -277,7 +263,7 @@ def test_exactly_once_on_token_shards_with_background_loading_over_a_kill_a_join
     n, global_batch = 624, 6
     epoch_steps = n // global_batch  # steps 1..104 hold all 624 windows of data epoch 0
     assert last_event_step < epoch_steps, "the kill, join and scale-down must all fall inside one data epoch"
-    per_step = committed_samples(job)
+    per_step = committed_samples(job.run_dir, job.history())
     assert sorted(per_step) == list(range(1, 161))
     assert all(len(ids) == global_batch == len(set(ids)) for ids in per_step.values()), "a step lost or repeated a sample"
     epoch = [i for s in range(1, epoch_steps + 1) for i in per_step[s]]
