@@ -1,7 +1,8 @@
 """Measuring the user's cluster (actors/probe.py): probes placed as the job's workers would be, on the
 session's Ray (one node here), time the workload's compute on each placed probe and the node's own rate
 over gloo; `plan --probe` without a lab prints what it measured, and on one node recommends an exact
-policy. (Two nodes shaped by the lab: not here yet.)"""
+policy; on two Ray nodes on the lab's addresses, shaped to 100 Mbit/s between them, it reports the
+shaped rate."""
 from __future__ import annotations
 
 import json
@@ -9,9 +10,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import ray
 
 from actors.probe import fit, probe_cluster
+from core.schema import NetworkConfig, parse
 from orchestrator import planner
 from orchestrator.config import config_from_dict
 from testkit.harness import child_env
@@ -56,3 +59,42 @@ def test_plan_probe_without_a_lab_measures_the_cluster(ray_session, tmp_path):
     print(result["recommendation"], result["cluster"])
     assert result["cluster"]["node_of_rank"] == [0, 0] and len(result["cluster"]["compute_median_s"]) == 2
     assert result["rows"][0]["exact"] and result["recommendation"].startswith("bsp")
+
+
+def _lab_reason() -> str:
+    from orchestrator import lab
+
+    try:
+        lab.check_privileges()
+        return ""
+    except lab.LabUnavailable as err:
+        return str(err)
+
+
+@pytest.mark.exclusive  # it shapes the loopback's root qdisc, which every test's traffic crosses
+def test_plan_probe_on_two_nodes_shaped_to_100_mbit_measures_the_link_and_a_workers_compute(tmp_path):
+    """Two Ray nodes (testkit/lab_cluster.py) on lab addresses, the link between them shaped to
+    100 Mbit/s (12.5e6 bytes/s each way): `plan --probe` places one probe on each node, reports the
+    inter-node rate within 15% of the shaping and each rank's compute as measured on it."""
+    reason = _lab_reason()
+    if reason:
+        pytest.skip(f"the lab cannot run here: {reason}")
+    from orchestrator import lab
+    from testkit.lab_cluster import lab_cluster
+
+    net = parse(NetworkConfig, {"nodes": 2, "workers_per_node": 1, "subnet": "127.78.0.0/24",
+                                "inter": {"mbit": 100, "latency_ms": 0.0}}, "network")
+    path = tmp_path / "job.json"
+    path.write_text(json.dumps({**CONFIG, "workers": {"count": 2, "cpus": 1, "placement": "spread"}}))
+    with lab.Lab(net), lab_cluster(net, cpus_per_node=1) as address:
+        out = subprocess.run([sys.executable, "-m", "orchestrator", "plan", str(path), "--probe", "--json"], cwd=REPO,
+                             env=child_env(REPO, RAY_ADDRESS=address), capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    cluster = result["cluster"]
+    print(result["recommendation"], {k: v for k, v in cluster.items() if k not in ("compute", "backward")})
+    assert sorted(cluster["nodes"]) == [net.address(0), net.address(1)] and sorted(cluster["node_of_rank"]) == [0, 1]
+    [link] = cluster["links"]
+    assert link["a"] != link["b"] and abs(link["bytes_per_s"] - 12.5e6) / 12.5e6 < 0.15, link
+    assert len(cluster["compute_median_s"]) == 2 and all(t > 0 for t in cluster["compute_median_s"])
+    assert cluster["threads"] == 1 and cluster["device"] == "cpu"
