@@ -477,7 +477,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return EXIT_OK
     where = ("probed" if probed else "measured on the cluster" if cluster else
              "as asked" if config.network.enabled else "one node, unshaped (not probed: pass --probe)")
-    print(f"{config.workers.count} workers, network {where}; one step's compute {compute_s * 1e3:.2f} ms, "
+    told = " (told: --compute-ms; ranked with it)" if args.compute_ms is not None else ""
+    print(f"{config.workers.count} workers, network {where}; one step's compute {compute_s * 1e3:.2f} ms{told}, "
           f"model {model_bytes / 1e6:.3f} MB")
     if cluster:
         print(planner.describe_probe(cluster))

@@ -154,20 +154,22 @@ def probed_compute_s(cluster: dict) -> float:
     return statistics.median(statistics.median(times) for times in cluster["compute"])
 
 
-def compute_from_probe(cfg: JobConfig, cluster: dict) -> Compute:
+def compute_from_probe(cfg: JobConfig, cluster: dict, told_s: float | None = None) -> Compute:
     """The compute side as measured on the placed probes: the median step over ranks, each rank's factor
     (its median over that), and the jitter (the median over ranks of the standard deviation of log step
-    time), times any modelled `faults.stragglers` of the config."""
+    time), times any modelled `faults.stragglers` of the config. `told_s` (`plan --compute-ms`) replaces
+    the measured median step; the ranks' factors, the spread and backward's share stay as measured."""
     import math
 
     medians = [statistics.median(times) for times in cluster["compute"]]
-    overall = probed_compute_s(cluster)
+    measured = probed_compute_s(cluster)
+    overall = told_s if told_s is not None else measured
     modelled = compute_spread(cfg, overall)
-    factors = tuple(m / overall * modelled.factor(r) for r, m in enumerate(medians))
+    factors = tuple(m / measured * modelled.factor(r) for r, m in enumerate(medians))
     spreads = [statistics.pstdev([math.log(t) for t in times]) for times in cluster["compute"] if len(times) > 1]
     sigma = max(statistics.median(spreads) if spreads else 0.0, modelled.jitter_sigma)
     backward = statistics.median(statistics.median(b) for b in cluster["backward"]) if cluster.get("backward") else 0.0
-    return Compute(overall, factors=factors, jitter_sigma=sigma, backward_s=backward)
+    return Compute(overall, factors=factors, jitter_sigma=sigma, backward_s=backward * overall / measured)
 
 
 def describe_probe(cluster: dict) -> str:
@@ -431,7 +433,7 @@ def ranked(cfg: JobConfig, cands: Sequence[Candidate], compute_s: float, model_b
     data = load_factors()
     applies, why = factors_apply(cfg, data)
     if cluster is not None:  # measured on the user's cluster (actors/probe.py)
-        return rank(cands, network_from_probe(cluster), compute_from_probe(cfg, cluster), cluster["model_bytes"],
+        return rank(cands, network_from_probe(cluster), compute_from_probe(cfg, cluster, compute_s), cluster["model_bytes"],
                     data["factors"] if applies else None, data["bsp_steps"], why)
     if host_s is None and cfg.network.enabled:
         host_s = measure_host(cfg, cands, model_bytes)

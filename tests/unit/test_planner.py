@@ -224,3 +224,20 @@ def test_autos_line_names_the_factors_source():
     job = cfg(stop={"max_steps": 600, "target": {"metric": "accuracy", "value": 0.96}}, sync={"policy": "auto"})
     _, line, _ = planner.choose(job, compute_s=0.004, model_bytes=1.2e6)
     assert "(convergence factors: benchmarks/tradeoffs.py" in line
+
+
+def _probed(step_s: float, ranks: int = 4) -> dict:
+    """What actors/probe.py returns for `ranks` probes on one node, each step `step_s` (12 steps)."""
+    return {"nodes": ["10.0.0.1"], "node_of_rank": [0] * ranks, "compute": [[step_s] * 12 for _ in range(ranks)],
+            "backward": [[step_s / 2] * 12 for _ in range(ranks)], "model_bytes": 35880.0, "device": "cpu",
+            "threads": 1, "links": [{"a": 0, "b": 0, "bytes_per_s": 1e9, "latency_s": 1e-5, "points": []}]}
+
+
+def test_a_told_compute_time_replaces_the_probes_in_the_ranking():
+    """`plan --probe --compute-ms X` on a cluster: the rows are ranked with X (the probe's per-rank spread
+    kept around it), not with the probe's own median; printing X and ranking with the probe's was a bug."""
+    c = cfg()
+    cands = [x for x in planner.candidates(c, 1) if x.label == "bsp"]
+    measured = planner.ranked(c, cands, 0.001, 35880.0, cluster=_probed(0.001))
+    told = planner.ranked(c, cands, 0.050, 35880.0, cluster=_probed(0.001))
+    assert measured[0].step_s < 0.01 and told[0].step_s >= 0.050, (measured[0].step_s, told[0].step_s)
