@@ -41,6 +41,7 @@ from actors.control.publisher import Publisher
 from actors.control.restart import reattach, records_since, resume
 from actors.control.spares import SparePool
 from actors.control.supervisor import Actions, Supervisor
+from actors.control.trial import Trial
 from actors.control.workers import RayWorkerGroup, WorkerGroup
 from actors.faults import CoordinatorFaults
 from actors.members import Member, log
@@ -147,6 +148,11 @@ class Coordinator(Actions):
                                  self.admission.request,
                                  started=max((self._saved or {}).get("started_workers", 0),
                                              self.incarnation * WORKER_STARTS_PER_INCARNATION))
+        self.trial: Trial | None = None
+        """`sync.auto`'s online trial (actors/control/trial.py), on the first incarnation only."""
+        if self.cfg.policy_trial and self._saved is None:
+            self.trial = Trial(self.cfg.policy_trial, self._switch_policy, self.journal.event,
+                               lambda: not self.book.pending and self.stop_kind is None and self.state == JobState.RUNNING)
         self.supervisor = Supervisor(self.cfg, self.book, self.group, self, self.journal.event, self.algorithm.kind,
                                      lambda: self.journal.step)
         self._recovered = asyncio.Event()
@@ -423,6 +429,10 @@ class Coordinator(Actions):
         a formed group needs no coordinator), collect the records they committed meanwhile, and
         publish a membership epoch newer than any they hold, under this incarnation's group names."""
         decided = time.time()
+        if self.cfg.policy_trial:
+            running = self.book.policy["label"] if self.book.policy else self.cfg.policy_trial["candidates"][0]["label"]
+            self.journal.event("info", f"policy trial: not resumed by the restarted coordinator; {running} runs on",
+                               policy=running)
         self.faults.maybe_die("recover")
         found, lost, epochs = await reattach(self._saved, self.book, self.group, self.prefix, self.supervisor.watch)
         server_epoch = 0
@@ -514,6 +524,15 @@ class Coordinator(Actions):
     def abort_epoch(self, reason: str) -> None:
         self.publisher.abort_epoch(reason)
 
+    def _switch_policy(self, policy: dict, reason: str) -> None:
+        """The trial's switch: the live members again, as a new membership epoch whose plan carries `policy`."""
+        self.book.policy = policy
+        self.journal.event("policy_switch", reason, policy=policy["label"])
+        self.reshape(self.book.live(), reason, "policy trial", time.time(), new_epoch=True)
+
+    def _policy_committed(self, policy: dict) -> None:
+        self.book.policy = policy  # no longer fresh: later plans (a join, a re-form) carry it as is
+
     # ------------------------------------------------------------------ what decisions call (Actions)
     def view(self) -> JobView:
         checkpoint = self.journal.checkpoint
@@ -571,6 +590,8 @@ class Coordinator(Actions):
                                                   f"committed step {record['step']}")
             if self.book.slots_in(S.READY):  # joiners held back for the survivors' first step
                 asyncio.get_running_loop().create_task(self.admission.request())
+        if newest and self.trial is not None:
+            self.trial.offer(record, self._policy_committed)
         target, metrics = self.cfg.stop.target, self.journal.metrics
         if target is None or self.stop_kind is not None or target.metric not in metrics:
             return

@@ -73,6 +73,14 @@ def enter_replicated(member: Member, comm: Any) -> int | None:
     return loaded
 
 
+def enter_switched(member: Member, comm: Any) -> int | None:
+    """The first epoch of a policy switched to mid-run (`Plan.policy` fresh): once the members have
+    entered, every one takes rank 0's committed state, so state a policy keeps per member (a periodic
+    policy's inner optimizer state, which the checksum of the parameters does not see) is the same on
+    all of them from the switch on. Returns 0 where this member loaded it."""
+    return _broadcast_state(member, comm, 0, keep=comm.rank == 0)
+
+
 def _broadcast_state(member: Member, comm: Any, src: int, keep: bool = False) -> int | None:
     """The committed state of `src`, to every member (a collective); loaded unless `keep`."""
     size = torch.zeros(1, dtype=torch.int64, device=comm.device)

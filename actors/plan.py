@@ -48,6 +48,11 @@ class Plan:
     nodes: tuple[str, ...] = ()
     """Where each member runs, in rank order (the lab's virtual node, else its Ray node; "" unknown):
     what hierarchical all-reduce groups by."""
+    policy: dict | None = None
+    """The policy the members run when the coordinator switched it mid-run (the online trial of
+    `sync.auto`): `{label, sync, compression, fresh}`; None: the config's. `fresh`: the switch has not
+    committed a step yet, so the epoch's members all take rank 0's state once they have entered (a
+    periodic policy's inner optimizer state is each member's own)."""
 
     def rank_of(self, slot: str) -> int | None:
         return self.members.index(slot) if slot in self.members else None

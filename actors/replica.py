@@ -40,7 +40,7 @@ import torch
 
 from actors import collective, runfiles
 from actors.comm import BaseCommunicator, CommError, GroupSpec, NoGroup, form_in_thread, make_communicator
-from actors.entry import enter
+from actors.entry import enter, enter_switched
 from actors.faults import WorkerFaults
 from actors.loader import BatchLoader, ProcessFetcher
 from actors.plan import Plan, PlanBook, Progress, WorkerSpec
@@ -302,6 +302,8 @@ class Replica:
             collective.withdraw(self.comm)
             self.comm.close()
         self.comm = None
+        if plan.policy is not None:  # the coordinator switched the policy (the online trial of `sync.auto`)
+            self._switch_policy(plan.policy["sync"], plan.policy["compression"])
         rank = plan.rank_of(self.slot)
         spec = GroupSpec(plan.store_host, plan.store_port, plan.group_name, rank, len(plan.members), plan.timeout_s,
                          plan.backend, self.comm_address, secret=self.spec.secret)
@@ -315,6 +317,9 @@ class Replica:
             self.comm = comm
             self._model_latency(comm, plan)
             source = enter(self.algorithm.entry, self, comm)
+            if plan.policy is not None and plan.policy.get("fresh"):
+                switched = enter_switched(self, comm)
+                source = source if switched is None else switched
             if self.impl.commit_mark is None:
                 self._pending_ids = []  # a step that failed everywhere is redone: its samples were not applied
             elif self.step > self.impl.commit_mark:
@@ -417,6 +422,27 @@ class Replica:
         self.mark_cursor = self.cursor
         self.source.committed(self.mark_cursor)
 
+    def _switch_policy(self, sync: dict, compression: dict) -> None:
+        """Run `sync`/`compression` from now on (a policy switched to mid-run, or the policy a state was
+        saved under): called at a commit point, where a switchable policy's replicas agree
+        (orchestrator/planner.py `SWITCHABLE`). The model and the optimizer stay; the old policy's
+        hooks go; the new one starts with fresh state of its own (its outer momentum, its residuals)."""
+        raw = self.cfg.to_dict()
+        raw["sync"], raw["compression"] = sync, compression
+        cfg = parse(JobConfig, raw)
+        if (cfg.sync, cfg.compression) == (self.cfg.sync, self.cfg.compression):
+            return
+        log.info("%s switches policy at step %d: %s -> %s", self.slot, self.step, self.cfg.sync.policy, cfg.sync.policy)
+        self.impl.detach()
+        self.cfg = cfg
+        self.algorithm = get_algorithm(cfg.sync.policy)(cfg.sync, cfg.compression)
+        self.impl = self.algorithm.bind(self.model, self.optimizer)
+        self.impl.on_gradients_ready = self._gradients_ready
+        self.max_steps = cfg.stop.max_steps if self.algorithm.counts_steps else None
+
+    def _policy_state(self) -> dict:
+        return {"sync": dataclasses.asdict(self.cfg.sync), "compression": dataclasses.asdict(self.cfg.compression)}
+
     def _count_dropped(self, trained: Plan | None, plan: Plan) -> None:
         """The survivors keep their local steps since the last commit: the shares that departed
         members trained in those steps died with their replicas (counted, and recorded with
@@ -447,7 +473,7 @@ class Replica:
                     "cursor": self.mark_cursor, "algorithm": self.impl.state_dict(),
                     "data": {"position": self.source.state_dict(), "fingerprint": self.source.fingerprint()},
                     "record": self.kept[-1] if self.kept else None,
-                    "rng": {"torch": torch.get_rng_state()}}, buf)
+                    "rng": {"torch": torch.get_rng_state()}, "policy": self._policy_state()}, buf)
         return buf.getvalue()
 
     def _load_state_bytes(self, data: bytes) -> None:
@@ -456,6 +482,10 @@ class Replica:
             raise ValueError(f"the state's data ({state['data']['fingerprint']}) is not this job's "
                              f"({self.source.fingerprint()}): the training data changed since it was saved, so its "
                              f"data position would name other samples")
+        saved = state.get("policy")
+        if saved is not None and self.cfg.policy_trial and \
+                any(saved["sync"]["policy"] == c["sync"]["policy"] for c in self.cfg.policy_trial["candidates"]):
+            self._switch_policy(saved["sync"], saved["compression"])  # a trial's state: the policy it was saved under
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.impl.load_state_dict(state["algorithm"])
@@ -691,6 +721,8 @@ class Replica:
                   "membership_epoch": plan.membership_epoch, "bytes_sent": self.bytes_before + self.impl.bytes_sent,
                   "lr": self.optimizer.param_groups[0]["lr"], "step_time": time.perf_counter() - started,
                   "wait_s": self._waited}
+        if plan.policy is not None:  # switched mid-run: which policy committed it (the trial measures each)
+            record["policy"] = plan.policy["label"]
         if self.impl.commit_mark is not None:
             record.update(prev=prev if prev is not None else 0, samples=vote.samples)
         if self.algorithm.reporter == "each":

@@ -268,6 +268,10 @@ class AllReduceImpl(AlgorithmImpl):
             hook.remove()
         self._ready_hooks = []
 
+    def detach(self) -> None:
+        self._drop_reducer()
+        self._python_hooks(False)
+
     def _python_hooks(self, on: bool) -> None:
         """Register (or remove) this class's gradient hooks: with the reducer, backward runs no Python."""
         if on and not self._hooks:

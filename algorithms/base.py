@@ -172,6 +172,10 @@ class AlgorithmImpl:
         """The membership epoch is over (aborted, or a new one begins): drop references to its group
         and abandon background work (never join a thread that may be stuck in a collective)."""
 
+    def detach(self) -> None:
+        """The member switches to another policy mid-run (the online trial of `sync.auto`): release what
+        `bind()` attached to the model (gradient hooks, a reducer); this implementation is not used again."""
+
     def step_samples(self, step: int) -> np.ndarray | None:
         """The sample ids of this step when the policy deals them (a server kind's lease), or None: the
         member trains its rank's share of the global sampler's batch. An empty array: nothing to train

@@ -461,6 +461,26 @@ class ChocoConfig(DPSGDConfig):
 
 
 @dataclass
+class TrialConfig:
+    """`sync.auto`: try the shortlist online. The top `candidates` of the ranking that share BSP's
+    replicated state (`bsp`, `bsp hierarchical`, `bytegrad`, `local_sgd`, `diloco`), and that are exact or
+    have convergence factors for this workload, each run `trial_steps` committed steps in turn; the job
+    then runs the one with the best measured step time times its factor. Each switch happens at a commit
+    point (a step for the synchronous policies, a round for the periodic ones), without a restart."""
+
+    trial_steps: int = 0
+    """Steps each candidate runs (0: no trial, the model's pick runs from the start)."""
+    candidates: int = 2
+    """How many of the ranking's switchable candidates to try (at least 2)."""
+
+    def __post_init__(self) -> None:
+        if self.trial_steps < 0:
+            raise FieldError("trial_steps", f"must be 0 (no trial) or a number of steps, got {self.trial_steps}")
+        if self.candidates < 2:
+            raise FieldError("candidates", f"a trial compares at least 2 candidates, got {self.candidates}")
+
+
+@dataclass
 class AutoConfig:
     """`auto`: the runtime model picks the policy when the job starts (orchestrator/planner.py): every
     applicable policy's predicted time to the target on `network:` (time per step where no convergence
@@ -471,6 +491,8 @@ class AutoConfig:
     policy: Literal["auto"] = "auto"
     candidates: list[str] = field(default_factory=list)
     """Policies (or the plan table's labels, e.g. `bsp hierarchical`) to choose among; empty: all that apply."""
+    auto: TrialConfig = field(default_factory=TrialConfig)
+    """The online trial (`trial_steps`, `candidates`); off unless `trial_steps` is set."""
 
 
 SYNC_POLICIES: dict[str, type] = {c.policy: c for c in (BSPConfig, BytegradConfig, QAdamConfig, LocalSGDConfig,
@@ -893,6 +915,10 @@ class JobConfig:
     progress_every_s: float = 5.0
     policy_choice: str = ""
     """Set by `sync.policy: auto` when the job starts: the pick and its reason (the job's first event)."""
+    policy_trial: dict = field(default_factory=dict)
+    """Set by `sync.policy: auto` with `sync.auto.trial_steps`: `{steps, candidates}`, the candidates the
+    coordinator tries in order, each `{label, sync, compression, step_s, factor}` (the first is the
+    config's `sync:`); empty: no trial."""
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "WARNING"
     """Python logging level of the coordinator (`coordinator.log` in the run directory), the workers
     (`workers/<slot>.log`) and the driver; `--log-level` on the command line sets it too."""

@@ -59,6 +59,12 @@ class Row:
 EXACT = frozenset({"bsp", "bsp hierarchical"})
 """The candidates whose updates equal BSP's (hierarchical BSP sums in another order: the same up to float
 rounding), so their convergence is BSP's whatever the workload."""
+SWITCHABLE = frozenset({"bsp", "bytegrad", "local_sgd", "diloco"})
+"""The policies an online trial (`sync.auto`) may switch between mid-run: each holds BSP's replicated
+state at its commit points (the same parameters on every member after a step or a round), so a switch
+at one loses and repeats no sample. Streaming DiLoCo is not among them: its members' parameters differ
+at a commit point by design (fragments merge at different steps). The inner optimizer's state of the
+periodic ones is each member's own: at a switch every member takes rank 0's."""
 RELAXED_MARGIN = 0.10
 """A relaxed policy is recommended over the best exact one only if its predicted time to the target is at
 least this much lower: the factors come from a few seeds (over three seeds the same policy's factor
@@ -505,9 +511,27 @@ def choose(cfg: JobConfig, compute_s: float | None = None, model_bytes: float | 
     told = ("the network as measured" if cluster is not None else
             "the network as told (network: section)" if cfg.network.enabled else "one node assumed (no probe)")
     line = f"{recommendation(rows)} ({factors_line(cfg)}; {told}" + (f"; {describe_probe(cluster)})" if cluster else ")")
-    raw = with_candidate(cfg, rows[0].candidate).to_dict()
+    trial = shortlist(rows, cfg.sync.auto.candidates) if cfg.sync.auto.trial_steps else []
+    first = trial[0].candidate if len(trial) >= 2 else rows[0].candidate
+    raw = with_candidate(cfg, first).to_dict()
+    if len(trial) >= 2:
+        line = (f"trying {', '.join(r.candidate.label for r in trial)} for {cfg.sync.auto.trial_steps} steps each, "
+                f"then the best measured; the model: {line}")
+        raw["policy_trial"] = {"steps": cfg.sync.auto.trial_steps, "candidates": [
+            {"label": r.candidate.label, "sync": copy.deepcopy(r.candidate.sync),
+             "compression": {**raw["compression"], "codec": r.candidate.compression.get("codec", "none")},
+             "step_s": r.step_s, "factor": r.factor if r.factor is not None else 1.0} for r in trial]}
+    elif cfg.sync.auto.trial_steps:
+        line = (f"no trial: {len(trial)} switchable candidate(s) (of {', '.join(sorted(SWITCHABLE))}, exact or with "
+                f"factors for this workload); {line}")
     raw["policy_choice"] = f"sync.policy auto picked {line}"
     return parse(JobConfig, raw), line, rows
+
+
+def shortlist(rows: Sequence[Row], k: int) -> list[Row]:
+    """The online trial's candidates: the best `k` ranked rows a job can switch between mid-run
+    (`SWITCHABLE`) whose convergence is known here (exact, or with factors for this workload)."""
+    return [r for r in rows if r.candidate.sync["policy"] in SWITCHABLE and (r.exact or r.factor is not None)][:k]
 
 
 def refuse_resume(policy: str) -> None:

@@ -42,6 +42,8 @@ class MembershipBook:
         """Reshapes decided but not yet followed by a committed step in their membership epoch."""
         self.stop_step: int | None = None
         """Once a stop is decided, every plan published carries it (a reshape must not lose it)."""
+        self.policy: dict | None = None
+        """A policy switched to mid-run (actors/control/trial.py): every plan published carries it."""
 
     # ------------------------------------------------------------------ who is where
     def live(self) -> tuple[str, ...]:
@@ -84,7 +86,7 @@ class MembershipBook:
             global_batch=global_batch, lr_scale=lr_scale,
             backend="nccl" if w.gpus > 0 and self.cfg.comm.backend != "gloo" else "gloo",
             stop_step=self.stop_step, reason=reason, history_step=history_step,
-            nodes=tuple(self.node_of(slot) for slot in members))
+            nodes=tuple(self.node_of(slot) for slot in members), policy=self.policy)
         return self.plan
 
     def server_membership(self) -> list[tuple[str, int]]:
@@ -212,3 +214,4 @@ class MembershipBook:
         if saved["plan"]:
             fields: dict[str, Any] = {k: tuple(v) if k in ("members", "nodes") else v for k, v in saved["plan"].items()}
             self.plan = Plan(**fields)
+            self.policy = self.plan.policy

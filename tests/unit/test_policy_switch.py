@@ -1,0 +1,135 @@
+"""A policy switched mid-run (the online trial of `sync.auto`; actors/control/trial.py publishes it, the
+replicas switch at the commit point where they adopt the plan): real replicas in threads over in-process
+gloo, no Ray, against plain-torch references written here from the rules (BSP: one optimizer step on
+the mean gradient of each global batch; local SGD: each member's own optimizer on its share, the
+replicas averaged every h steps; at a switch every member takes rank 0's state)."""
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from orchestrator.workloads.digits import mlp
+from testkit.harness import LocalJob, paced, wait_until
+
+SEED, BATCH, N = 3, 8, 4
+OPT = {"name": "sgd", "lr": 0.05, "momentum": 0.9}
+SLOTS = tuple(f"w{i}" for i in range(N))
+
+
+def config(sync: dict) -> dict:
+    return paced({"name": "switch", "seed": SEED, "workers": {"count": N, "cpus": 1},
+                  "workload": {"factory": "orchestrator.workloads.digits:mlp", "params": {"hidden": 16}, "batch_size": BATCH},
+                  "optimizer": OPT, "sync": sync, "stop": {"max_steps": 1_000_000}, "eval_every": 0}, 0.02)
+
+
+def policy(label: str, sync: dict, fresh: bool) -> dict:
+    return {"label": label, "sync": sync, "compression": {"codec": "none"}, "fresh": fresh}
+
+
+def run_switched(tmp_path, first: dict, then: dict, label: str, nodes: tuple[str, ...] = ()) -> tuple[LocalJob, int, int]:
+    """Train under `first`; once w0 passed step 5, publish `then` (fresh) as the trial does; once a step
+    committed under it, publish it again (no longer fresh) with a stop 6 steps on. Returns the job, the
+    switch's commit point (the last step under `first`) and the last step."""
+    job = LocalJob(config(first), list(SLOTS), str(tmp_path))
+    gb = N * BATCH
+    job.publish(SLOTS, 1, gb)
+    job.start()
+    wait_until(lambda: job.replicas["w0"].step >= 5, what="step 5")
+    job.publish(SLOTS, 2, gb, policy=policy(label, then, fresh=True), nodes=nodes)
+    wait_until(lambda: any(r.get("policy") == label for r in job.link.records) or
+               any(rep.kept and rep.kept[-1].get("policy") == label for rep in job.replicas.values()),
+               what="a step committed under the new policy")
+    switched = min(r["step"] for rep in job.replicas.values() for r in rep.kept if r.get("policy") == label) - 1
+    stop = job.replicas["w0"].step + 6
+    job.publish(SLOTS, 3, gb, policy=policy(label, then, fresh=False), nodes=nodes, stop_step=stop)
+    outcomes = job.wait(120)
+    assert all(o["ok"] for o in outcomes.values()), outcomes
+    return job, switched, stop
+
+
+def ids_of(step: int, size: int, n: int) -> list[int]:
+    """The global batch of step `step` (0-based): a permutation per data epoch from (seed, epoch)."""
+    out = []
+    for pos in range(step * size, (step + 1) * size):
+        epoch, i = divmod(pos, n)
+        out.append(int(np.random.default_rng([SEED, epoch]).permutation(n)[i]))
+    return out
+
+
+def share(ids: list[int], rank: int) -> list[int]:
+    size = len(ids) // N
+    return ids[rank * size:(rank + 1) * size]
+
+
+def start():
+    torch.manual_seed(SEED)
+    workload = mlp(hidden=16)
+    x, y = workload.train_data.tensors
+    model = workload.model
+    return model, torch.optim.SGD(model.parameters(), lr=OPT["lr"], momentum=OPT["momentum"]), x, y
+
+
+def bsp_steps(model, opt, x, y, first: int, last: int) -> None:
+    for step in range(first, last):
+        index = torch.tensor(ids_of(step, N * BATCH, len(x)))
+        opt.zero_grad()
+        F.cross_entropy(model(x[index]), y[index]).backward()
+        opt.step()
+
+
+def assert_replicas_equal(job: LocalJob) -> list[torch.Tensor]:
+    params = job.parameters("w0")
+    for slot in SLOTS[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(params, job.parameters(slot))), f"{slot} differs from w0"
+    return params
+
+
+def max_diff(a, b) -> float:
+    return max(float((p.detach() - q.detach()).abs().max()) for p, q in zip(a, b))
+
+
+def test_bsp_switched_to_hierarchical_bsp_equals_single_process_sgd(tmp_path):
+    """Both exact: the switched run is single-process SGD with momentum on the global batches (1e-6)."""
+    job, switched, stop = run_switched(tmp_path, {"policy": "bsp"},
+                                       {"policy": "bsp", "hierarchical": True, "engine": "python"}, "bsp hierarchical",
+                                       nodes=("a", "a", "b", "b"))
+    steps = sorted(r["step"] for r in job.link.records)
+    assert steps == list(range(1, stop + 1)), steps  # every step committed once, through the switch
+    assert 5 <= switched < stop and job.replicas["w0"].algorithm.config.hierarchical
+    model, opt, x, y = start()
+    bsp_steps(model, opt, x, y, 0, stop)
+    diff = max_diff(assert_replicas_equal(job), list(model.parameters()))
+    print(f"switched after step {switched}, stopped at {stop}: max abs diff {diff:.2e}")
+    assert diff <= 1e-6
+
+
+def test_local_sgd_switched_to_bsp_takes_rank0s_optimizer_state(tmp_path):
+    """Local SGD (h=4) until a round, then BSP: at the switch each member's own momentum is replaced by
+    rank 0's (the plan is fresh), so the replicas stay equal and follow the reference: local SGD, then
+    rank 0's replica and optimizer running single-process SGD on the global batches."""
+    h = 4
+    job, switched, stop = run_switched(tmp_path, {"policy": "local_sgd", "h": h}, {"policy": "bsp"}, "bsp")
+    assert switched % h == 0, f"the switch landed at step {switched}, not at a round"
+    model, _, x, y = start()
+    replicas = [copy.deepcopy(model) for _ in range(N)]
+    opts = [torch.optim.SGD(m.parameters(), lr=OPT["lr"], momentum=OPT["momentum"]) for m in replicas]
+    for step in range(switched):
+        ids = ids_of(step, N * BATCH, len(x))
+        for rank, (m, opt) in enumerate(zip(replicas, opts)):
+            index = torch.tensor(share(ids, rank))
+            opt.zero_grad()
+            F.cross_entropy(m(x[index]), y[index]).backward()
+            opt.step()
+        if (step + 1) % h == 0:  # a round: equal shares, so the plain mean of the replicas
+            with torch.no_grad():
+                for ps in zip(*(m.parameters() for m in replicas)):
+                    mean = torch.stack([p.detach() for p in ps]).mean(0)
+                    for p in ps:
+                        p.copy_(mean)
+    bsp_steps(replicas[0], opts[0], x, y, switched, stop)
+    diff = max_diff(assert_replicas_equal(job), list(replicas[0].parameters()))
+    print(f"local_sgd until step {switched}, bsp to {stop}: max abs diff {diff:.2e}")
+    assert diff <= 1e-5
