@@ -254,3 +254,80 @@ def test_two_runs_of_one_config_share_the_lab_and_the_first_to_finish_leaves_it_
     with lab.Lab(network(100)):
         with pytest.raises(lab.LabUnavailable, match="another network"):
             lab.up(network(50), holder=os.getpid())
+
+
+def test_auto_with_a_trial_switches_policy_mid_run_and_stays_exact_and_exactly_once(tmp_path):
+    """`sync.auto.trial_steps` on the lab, between two exact candidates (flat and hierarchical BSP): the
+    job tries each for 8 steps, switches without a restart (the same worker processes), records each
+    candidate's predicted and measured step time, and runs the best on. Every step commits once, every
+    sample of the sampler's global batches is in the ledger once, and the final model equals plain
+    single-process SGD with momentum on the same global batches (1e-6)."""
+    import io
+    import json
+
+    import numpy as np
+    import torch
+    import torch.nn.functional as F
+
+    from orchestrator.workloads.digits import mlp
+    from testkit.harness import child_env, committed_samples, paced
+
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    steps, per_worker, seed = 160, 16, 5
+    optimizer = {"name": "sgd", "lr": 0.05, "momentum": 0.9}
+    config = {"name": "trial", "seed": seed, "workers": {"count": 4, "cpus": 0.5, "start_grace_s": 600},
+              "workload": {"factory": "orchestrator.workloads.digits:mlp", "params": {"hidden": 32},
+                           "batch_size": per_worker},
+              "optimizer": optimizer, "stop": {"max_steps": steps}, "eval_every": 0,
+              "network": {"nodes": 2, "workers_per_node": 2, "subnet": SUBNET, "inter": {"mbit": 100, "latency_ms": 0.5}},
+              "sync": {"policy": "auto", "candidates": ["bsp", "bsp hierarchical"], "auto": {"trial_steps": 8, "candidates": 2}},
+              "faults": {"record_samples": True}}
+    config = paced(config, 0.02)  # steps long enough that each candidate's turn is seen before the job ends
+    path = tmp_path / "trial.json"
+    path.write_text(json.dumps(config))
+    env = child_env(repo, ORCHESTRATOR_RUN_ROOT=str(tmp_path / "runs"))
+    run = subprocess.run([sys.executable, "-m", "orchestrator", "run", str(path)], cwd=repo, env=env,
+                         capture_output=True, text=True, timeout=600)
+    print(run.stdout[-1500:])
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    [run_dir] = [p.parent for p in (tmp_path / "runs").rglob("history.jsonl")]
+    history = [json.loads(line) for line in (run_dir / "history.jsonl").read_text().splitlines()]
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in history] == list(range(1, steps + 1))
+    switches = [e for e in events if e["kind"] == "policy_switch"]
+    [trial] = [e for e in events if e["kind"] == "policy_trial"]
+    print([e["reason"] for e in switches], trial["reason"])
+    tried = [c["label"] for c in trial["detail"]["candidates"]]
+    assert sorted(tried) == ["bsp", "bsp hierarchical"] and switches[0]["detail"]["policy"] == tried[1]
+    assert all(c["measured_step_s"] > 0 and c["predicted_step_s"] > 0 for c in trial["detail"]["candidates"])
+    assert any(r.get("policy") == tried[1] for r in history)  # steps committed under the switched-to policy
+    chosen = trial["detail"]["chosen"]
+    assert history[-1].get("policy", tried[0]) == chosen  # the best measured ran on to the end
+    reshapes = [e["detail"] for e in events if e["kind"] == "reshape"]
+    assert len(reshapes) == len(switches) and all(
+        r["detector"] == "policy trial" and not r["joiners"] and not r["leavers"] for r in reshapes), reshapes  # no restart
+    # the ledger: each step's samples are that step's global batch of the sampler (a permutation per data epoch)
+    workload = mlp(hidden=32)
+    x, y = workload.train_data.tensors
+    n, gb = len(x), 4 * per_worker
+
+    def ids_of(step: int) -> list[int]:
+        return [int(np.random.default_rng([seed, pos // n]).permutation(n)[pos % n]) for pos in range(step * gb, (step + 1) * gb)]
+
+    ledger = committed_samples(run_dir, history)
+    assert sorted(ledger) == list(range(1, steps + 1))
+    for step in range(1, steps + 1):
+        assert sorted(ledger[step]) == sorted(ids_of(step - 1)), f"step {step}'s samples"
+    # exact through the switches: single-process SGD with momentum on the same global batches
+    torch.manual_seed(seed)
+    model = mlp(hidden=32).model
+    opt = torch.optim.SGD(model.parameters(), lr=optimizer["lr"], momentum=optimizer["momentum"])
+    for step in range(steps):
+        index = torch.tensor(ids_of(step))
+        opt.zero_grad()
+        F.cross_entropy(model(x[index]), y[index]).backward()
+        opt.step()
+    state = torch.load(io.BytesIO((run_dir / "model.pt").read_bytes()), weights_only=True)
+    diff = max(float((a - b.detach()).abs().max()) for a, b in zip(state["model"].values(), model.parameters()))
+    print(f"switches {[(e['detail']['policy']) for e in switches]}; max abs diff from single-process SGD {diff:.2e}")
+    assert diff <= 1e-6
