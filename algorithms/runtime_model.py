@@ -69,6 +69,13 @@ class Network:
     host_s: tuple[tuple[str, float], ...] = ()
     """(pattern, seconds): each synchronization pattern's time on this machine's cores with no link
     shaped (`host_patterns` names them; see the module docstring). Empty for real nodes."""
+    nic_bytes_per_s: tuple[float, ...] = ()
+    """Per node: what its network interface moves each way (bytes/s), shared by every flow that leaves
+    the node (egress) or arrives at it (ingress) in a round, whatever node is at the other end. Real
+    nodes have one NIC each; empty: no per-node limit, as in the lab, whose kernel shapes each (source
+    node, destination node) pair on its own, so a node sending to three others at once gets three
+    links' worth. On a ring (each node sends to one other) the two agree; they differ where a node
+    talks to several nodes at once (all-to-all, gossip with several peers, a leader's scatter)."""
 
     @property
     def n(self) -> int:
@@ -155,7 +162,8 @@ class Prediction:
 def _round_time(net: Network, flows: Sequence[tuple[int, int, float]]) -> float:
     """One round of concurrent flows (src rank, dst rank, bytes): the slowest flow, where flows that
     cross the same shaped link share its rate, or all the round's bytes at the host's rate if that is
-    longer (the lab's nodes share one machine); plus the slowest hop's latency."""
+    longer (the lab's nodes share one machine), or a node's bytes to or from other nodes at its NIC's
+    rate if that is longer (real nodes, `Network.nic_bytes_per_s`); plus the slowest hop's latency."""
     if not flows:
         return 0.0
     sharing: dict[tuple[int, int], int] = {}
@@ -167,6 +175,16 @@ def _round_time(net: Network, flows: Sequence[tuple[int, int, float]]) -> float:
         key = (net.node_of_rank[i], net.node_of_rank[j])
         slowest = max(slowest, size / net.flow_rate(i, j, sharing[key]))
     slowest = max(slowest, sum(size for _, _, size in flows) / net.host_bytes_per_s)
+    if net.nic_bytes_per_s:  # each node's NIC carries all its flows to (and from) other nodes
+        out: dict[int, float] = {}
+        into: dict[int, float] = {}
+        for i, j, size in flows:
+            a, b = net.node_of_rank[i], net.node_of_rank[j]
+            if a != b:
+                out[a] = out.get(a, 0.0) + size
+                into[b] = into.get(b, 0.0) + size
+        for node, total in [*out.items(), *into.items()]:
+            slowest = max(slowest, total / net.nic_bytes_per_s[node])
     return slowest + max(net.hop_latency(i, j) for i, j, _ in flows)
 
 

@@ -139,7 +139,9 @@ def network_from_probe(cluster: dict) -> Network:
     """The model's network as `actors/probe.py` measured it on the user's cluster: the ranks on the nodes
     the probes landed on, each node pair's rate and latency (symmetric: one all-reduce measures both
     directions at once), and a node's own rate where two probes shared it (else the model's default).
-    Real nodes: no host time is counted (each has its own cores and NIC)."""
+    Real nodes: no host time is counted (each has its own cores and NIC), and every node's flows to
+    other nodes share its NIC, whose rate is the fastest pair measured from it (the probe times one
+    pair at a time, so one flow had the NIC to itself)."""
     nodes = len(cluster["nodes"])
     bandwidth = [[INF] * nodes for _ in range(nodes)]
     latency = [[0.0] * nodes for _ in range(nodes)]
@@ -152,7 +154,9 @@ def network_from_probe(cluster: dict) -> Network:
         else:
             bandwidth[a][b] = bandwidth[b][a] = link["bytes_per_s"]
             latency[a][b] = latency[b][a] = link["latency_s"]
-    return Network(tuple(cluster["node_of_rank"]), tuple(map(tuple, bandwidth)), tuple(map(tuple, latency)), loopback)
+    nic = tuple(max((bandwidth[a][b] for b in range(nodes) if b != a), default=INF) for a in range(nodes))
+    return Network(tuple(cluster["node_of_rank"]), tuple(map(tuple, bandwidth)), tuple(map(tuple, latency)), loopback,
+                   nic_bytes_per_s=nic)
 
 
 def probed_compute_s(cluster: dict) -> float:

@@ -211,3 +211,28 @@ def test_bsps_buckets_overlap_the_backward_pass_that_produces_them():
     p = predict(PolicySpec("bsp", bucket_bytes=1e6), one, Compute(0.05, backward_s=0.04), 4e6)
     assert p.step_s == pytest.approx(0.05 + exposed(ring, 0.04, 4))
     assert predict(PolicySpec("bsp"), one, Compute(0.05, backward_s=0.04), 4e6).step_s == pytest.approx(0.05 + ring)
+
+
+def test_a_nodes_nic_is_shared_by_its_flows_to_every_other_node_where_the_labs_pairs_are_not():
+    """3 nodes of one rank, links of B bytes/s. An all-to-all of P bytes: each node sends P/3 to each of
+    the two others at once. Shaped per pair (the lab) each flow has a link: (P/3)/B. Through one NIC a
+    node (the model of a real cluster) its two flows share B: 2(P/3)/B. A ring all-reduce sends to one
+    node at a time: 2(n-1) rounds of (P/3)/B either way."""
+    from algorithms.runtime_model import Network, all_to_all, ring_allreduce
+
+    b, p = 1e8, 3e6
+    pairs = Network.uniform(3, 1, b)
+    nic = Network(pairs.node_of_rank, pairs.bandwidth, pairs.latency, nic_bytes_per_s=(b, b, b))
+    assert all_to_all(pairs, [0, 1, 2], p) == pytest.approx(p / 3 / b)
+    assert all_to_all(nic, [0, 1, 2], p) == pytest.approx(2 * p / 3 / b)
+    assert ring_allreduce(nic, [0, 1, 2], p) == pytest.approx(ring_allreduce(pairs, [0, 1, 2], p)) == pytest.approx(4 * p / 3 / b)
+
+
+def test_the_probes_network_shares_each_nodes_nic_at_its_fastest_measured_pair():
+    from orchestrator.planner import network_from_probe
+
+    cluster = {"nodes": ["a", "b", "c"], "node_of_rank": [0, 1, 2],
+               "links": [{"a": 0, "b": 1, "bytes_per_s": 1e8, "latency_s": 0.0},
+                         {"a": 0, "b": 2, "bytes_per_s": 5e7, "latency_s": 0.0},
+                         {"a": 1, "b": 2, "bytes_per_s": 5e7, "latency_s": 0.0}]}
+    assert network_from_probe(cluster).nic_bytes_per_s == (1e8, 1e8, 5e7)
