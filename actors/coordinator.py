@@ -496,7 +496,10 @@ class Coordinator(Actions):
                              leavers=tuple(leavers))
 
     def publish(self, members: tuple[str, ...], reason: str, new_epoch: bool = False) -> Plan:
-        return self.publisher.publish(members, reason, self.history.written_step, new_epoch)
+        plan = self.publisher.publish(members, reason, self.history.written_step, new_epoch)
+        if self.trial is not None:
+            self.trial.membership(plan.nodes)  # a node joining or leaving runs the trial again
+        return plan
 
     def reshape(self, members: tuple[str, ...], reason: str, detector: str, detected_at: float,
                 joiners: tuple[str, ...] = (), leavers: tuple[str, ...] = (), new_epoch: bool = False) -> Plan:
