@@ -438,6 +438,7 @@ class Replica:
         self.algorithm = get_algorithm(cfg.sync.policy)(cfg.sync, cfg.compression)
         self.impl = self.algorithm.bind(self.model, self.optimizer)
         self.impl.on_gradients_ready = self._gradients_ready
+        self.impl.start_at(self.step)  # e.g. a periodic policy's first committed state: this step's, not step 0's
         self.max_steps = cfg.stop.max_steps if self.algorithm.counts_steps else None
 
     def _policy_state(self) -> dict:

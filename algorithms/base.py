@@ -172,6 +172,10 @@ class AlgorithmImpl:
         """The membership epoch is over (aborted, or a new one begins): drop references to its group
         and abandon background work (never join a thread that may be stuck in a collective)."""
 
+    def start_at(self, step: int) -> None:
+        """The member switched to this policy mid-run at `step`, a commit point: its state now is the
+        newest committed one, and nothing of the policy's own schedule is due at that step."""
+
     def detach(self) -> None:
         """The member switches to another policy mid-run (the online trial of `sync.auto`): release what
         `bind()` attached to the model (gradient hooks, a reducer); this implementation is not used again."""

@@ -232,6 +232,13 @@ class PeriodicImpl(AlgorithmImpl):
         for wire in self.wires:
             wire.commit()  # keep the residuals the round staged
 
+    def start_at(self, step: int) -> None:
+        """Switched to at `step`: the replica (bound now, so `snapshot` and `anchor` hold it) is the
+        committed state of `step`, and every fragment's last round is `step` (the first is h steps on)."""
+        self.mark, self.mark_trained = step, self.trained
+        self.last_sync = [step] * len(self.bounds)
+        self.since = [self.trained] * len(self.bounds)
+
     def discard(self, step: int) -> None:
         """The round's vote failed: its staged residuals are dropped (the round is redone)."""
         for wire in self.wires:

@@ -42,7 +42,9 @@ def run_switched(tmp_path, first: dict, then: dict, label: str, nodes: tuple[str
     wait_until(lambda: any(r.get("policy") == label for r in job.link.records) or
                any(rep.kept and rep.kept[-1].get("policy") == label for rep in job.replicas.values()),
                what="a step committed under the new policy")
-    switched = min(r["step"] for rep in job.replicas.values() for r in rep.kept if r.get("policy") == label) - 1
+    # the switch's commit point: the step the new epoch's members agreed on (a periodic policy records
+    # only its rounds, so its first record is not the step after the switch)
+    switched = next(args[1] for name, args in job.link.calls if name == "epoch_agreed" and args[0] == 2)
     stop = job.replicas["w0"].step + 6
     job.publish(SLOTS, 3, gb, policy=policy(label, then, fresh=False), nodes=nodes, stop_step=stop)
     outcomes = job.wait(120)
@@ -132,4 +134,37 @@ def test_local_sgd_switched_to_bsp_takes_rank0s_optimizer_state(tmp_path):
     bsp_steps(replicas[0], opts[0], x, y, switched, stop)
     diff = max_diff(assert_replicas_equal(job), list(replicas[0].parameters()))
     print(f"local_sgd until step {switched}, bsp to {stop}: max abs diff {diff:.2e}")
+    assert diff <= 1e-5
+
+
+def test_bsp_switched_to_local_sgd_commits_from_the_switch_step_and_follows_its_reference(tmp_path):
+    """BSP, then local SGD (h=4) from the switch: its first committed state is the switch's step (a
+    fresh periodic policy counted from step 0, and the next epoch agreed on step 0, below the committed
+    step: the job failed). Reference: single-process SGD to the switch, then each member's copy of the
+    optimizer on its share, the replicas averaged after every step that is a multiple of h and at the stop."""
+    h = 4
+    job, switched, stop = run_switched(tmp_path, {"policy": "bsp"}, {"policy": "local_sgd", "h": h}, "local_sgd")
+    model, opt, x, y = start()
+    bsp_steps(model, opt, x, y, 0, switched)
+    replicas = [copy.deepcopy(model) for _ in range(N)]
+    opts = []
+    for m in replicas:
+        o = torch.optim.SGD(m.parameters(), lr=OPT["lr"], momentum=OPT["momentum"])
+        o.load_state_dict(copy.deepcopy(opt.state_dict()))  # every member starts from the shared momentum, its own copy
+        opts.append(o)
+    for step in range(switched, stop):
+        ids = ids_of(step, N * BATCH, len(x))
+        for rank, (m, o) in enumerate(zip(replicas, opts)):
+            index = torch.tensor(share(ids, rank))
+            o.zero_grad()
+            F.cross_entropy(m(x[index]), y[index]).backward()
+            o.step()
+        if (step + 1) % h == 0 or step + 1 == stop:
+            with torch.no_grad():
+                for ps in zip(*(m.parameters() for m in replicas)):
+                    mean = torch.stack([p.detach() for p in ps]).mean(0)
+                    for p in ps:
+                        p.copy_(mean)
+    diff = max_diff(assert_replicas_equal(job), list(replicas[0].parameters()))
+    print(f"bsp until step {switched}, local_sgd to {stop}: max abs diff {diff:.2e}")
     assert diff <= 1e-5

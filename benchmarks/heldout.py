@@ -1,0 +1,266 @@
+"""Held-out cells for the runtime model and `auto`: configurations not used to build or tune either.
+
+The model's formulas and `plan`'s ranking rule were revised against the in-sample grid of
+`benchmarks/tradeoffs.py` (4 workers on 2 lab nodes, one 25 MiB bucket, the digits MLP, seed 0). This
+benchmark judges them on settings they never saw:
+- `8w4n`: 8 workers on 4 lab nodes (2 a node), the digits MLP of the grid (512 hidden units, 15 ms of
+  modelled compute slept in the forward pass, SGD momentum 0.9, per-worker batch 32, target 0.96
+  held-out accuracy, evaluated every 5 steps);
+- `bucket`: the grid's 4 workers on 2 nodes with BSP's and `bytegrad`'s gradients in 0.25 MiB buckets
+  (the 1.2 MB model in 5 buckets instead of one);
+- `lm`: the tiny byte-level GPT (0.83M parameters; its real compute, no sleep), 4 workers on 2 nodes,
+  AdamW: time per step only (a run to a target loss takes minutes per policy).
+
+Per digits cell (setting x network x seed): every policy `plan` weighs, run to the target, with the
+model's prediction of its time per step (fed the lab's links as probed, the compute measured on the
+placed workers and each pattern's host time, as in the grid); then `sync.policy: auto` with an online
+trial (`sync.auto: {trial_steps, candidates}`), run to the target the same way, and which policy it
+ended with. The report: the model's error per cell (within 25%?), and whether auto's final pick is
+within 10% of the fastest policy's time to the target in the same cell and seed (its standalone run).
+
+    python benchmarks/heldout.py [--settings 8w4n,bucket,lm] [--networks 100m,1g] [--seeds 0,1,2]
+        [--trial-steps 10] [--trial-candidates 3] [--out docs/heldout.jsonl] [--resume] [--report]
+
+Rows are appended to `--out` as each run ends (`--resume` skips those there). Needs root and `tc` (the
+lab); exits 2 with the reason otherwise. Figures are measurements, not gates.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from benchmarks.tradeoffs import NETWORKS, bytes_per_step, lab_ready, load, per_step  # noqa: E402
+
+SETTINGS = {
+    "8w4n": {"nodes": 4, "per_node": 2, "bucket_mb": None, "workload": "digits"},
+    "bucket": {"nodes": 2, "per_node": 2, "bucket_mb": 0.25, "workload": "digits"},
+    "lm": {"nodes": 2, "per_node": 2, "bucket_mb": None, "workload": "lm"},
+}
+LM_LABELS = ("bsp", "bsp hierarchical", "local_sgd h=8", "diloco h=16", "dpsgd ring uint8", "shadow ma")
+LM_STEPS = 60
+TARGET = 0.96
+
+
+def job_dict(setting: str, label: str, sync: dict, compression: dict, network: str, seed: int, root: str,
+             max_steps: int = 600) -> dict:
+    s = SETTINGS[setting]
+    mbit, latency = NETWORKS[network]
+    sync = dict(sync)
+    if sync.get("policy") in ("dpsgd", "dadam", "choco"):
+        sync["consensus_every"] = 0
+    if s["bucket_mb"] and sync.get("policy") in ("bsp", "bytegrad"):
+        sync["bucket_mb"] = s["bucket_mb"]
+    if s["workload"] == "lm":
+        workload = {"factory": "orchestrator.workloads.lm:lab_gpt", "params": {"size": "tiny", "seed": seed}, "batch_size": 8}
+        optimizer = {"name": "adamw", "lr": 0.003, "betas": [0.9, 0.95], "weight_decay": 0.01}
+        stop, every = {"max_steps": LM_STEPS}, 0
+    else:
+        workload = {"factory": "orchestrator.workloads.digits:lab_mlp",
+                    "params": {"hidden": 512, "depth": 2, "compute_ms": 15.0, "seed": seed}, "batch_size": 32}
+        optimizer = {"name": "sgd", "lr": 0.1, "momentum": 0.9}
+        stop, every = {"max_steps": max_steps, "target": {"metric": "accuracy", "value": TARGET}}, 5
+    name = "heldout-" + "".join(ch if ch.isalnum() else "-" for ch in f"{setting}-{label}-{network}-{seed}")
+    return {"name": name[:64], "seed": seed, "run_dir": root,
+            "workers": {"count": s["nodes"] * s["per_node"], "cpus": 0.5},
+            "workload": workload, "optimizer": optimizer, "sync": sync,
+            "compression": dict(compression) or {"codec": "none"},
+            "network": {"nodes": s["nodes"], "workers_per_node": s["per_node"], "inter": {"mbit": mbit, "latency_ms": latency}},
+            "stop": stop, "eval_every": every}
+
+
+def base_config(setting: str):
+    from orchestrator.config import config_from_dict
+
+    return config_from_dict(job_dict(setting, "bsp", {"policy": "bsp"}, {}, "1g", 0, "/tmp"))
+
+
+def candidates(setting: str, only: set[str]) -> list:
+    from orchestrator import planner
+
+    cands = planner.candidates(base_config(setting))
+    if SETTINGS[setting]["workload"] == "lm":
+        cands = [c for c in cands if c.label in LM_LABELS]
+    return [c for c in cands if not only or c.label in only]
+
+
+def run(cfg: dict) -> tuple[dict, list[dict], list[dict]]:
+    from orchestrator.config import config_from_dict
+    from orchestrator.job import ElasticJob
+
+    job = ElasticJob(config_from_dict(cfg)).start()
+    result = job.wait(timeout=1200)
+    events = [json.loads(line) for line in (job.run_dir / "events.jsonl").read_text().splitlines() if line.strip()]
+    return {"state": result.state, "cause": result.cause}, job.history(), events
+
+
+def to_target(history: list[dict]) -> tuple[float | None, int | None]:
+    start = min(r["time"] for r in history)
+    evals = sorted((r["time"] - start, r["step"], r["metrics"]["accuracy"]) for r in history
+                   if r.get("metrics", {}).get("accuracy") is not None)
+    return next(((t, s) for t, s, acc in evals if acc >= TARGET), (None, None))
+
+
+def placed_compute(setting: str, root: str) -> float:
+    """One step's compute as the placed workers see it: the same workers communicating once in 20 steps
+    (local_sgd h 20, unshaped), time per step after step 10 (as benchmarks/tradeoffs.py measures it)."""
+    cfg = job_dict(setting, "calibration", {"policy": "local_sgd", "h": 20}, {}, "10g", 0, root)
+    cfg.pop("network")
+    cfg["stop"] = {"max_steps": 100 if SETTINGS[setting]["workload"] == "digits" else 40}
+    cfg["eval_every"] = 5 if SETTINGS[setting]["workload"] == "digits" else 0
+    result, history, _ = run(cfg)
+    if result["state"] != "FINISHED":
+        raise RuntimeError(f"the compute probe ended {result['state']}: {result['cause']}")
+    return per_step(history)
+
+
+def predict(setting: str, cand, network: str, probed: list[dict], compute_s: float, model_bytes: float,
+            host_s: dict) -> float:
+    from algorithms.runtime_model import Compute
+    from algorithms.runtime_model import predict as model
+    from orchestrator.config import config_from_dict
+    from orchestrator.planner import network_for
+
+    cfg = config_from_dict(job_dict(setting, "bsp", {"policy": "bsp"}, {}, network, 0, "/tmp"))
+    net = network_for(cfg.network, cfg.workers.count, probed, host_s)
+    slept = 0.015 if SETTINGS[setting]["workload"] == "digits" else 0.0
+    compute = Compute(slept, fixed_s=max(compute_s - slept, 0.0)) if slept else Compute(compute_s)
+    return model(cand.spec, net, compute, model_bytes).step_s
+
+
+def measure(args, out: Path) -> int:
+    import ray
+
+    from orchestrator import lab, planner
+    from orchestrator.config import config_from_dict
+    from orchestrator.job import NAMESPACE, ensure_token_env
+
+    if not lab_ready():
+        return 2
+    done = {(r["setting"], r["policy"], r["network"], r["seed"]) for r in load(out)} if args.resume else set()
+    if not args.resume:
+        out.write_text("")
+    seeds = [int(x) for x in args.seeds.split(",") if x.strip()]
+    ensure_token_env()
+    ray.init(address="local", num_cpus=12, namespace=NAMESPACE, log_to_driver=False, include_dashboard=False,
+             logging_level="ERROR")
+    root = tempfile.mkdtemp(prefix="heldout-")
+    for setting in [s.strip() for s in args.settings.split(",") if s.strip()]:
+        only = {x.strip() for x in args.only.split(",") if x.strip()}
+        cands = candidates(setting, only)
+        cfg = base_config(setting)
+        _, model_bytes = planner.measure_compute(cfg)
+        compute_s = placed_compute(setting, root)
+        host_s = planner.measure_host(cfg, cands, model_bytes)
+        print(f"[{setting}] compute among the placed workers {compute_s * 1e3:.2f} ms, model {model_bytes / 1e6:.3f} MB",
+              flush=True)
+        networks = ["100m"] if SETTINGS[setting]["workload"] == "lm" else [n.strip() for n in args.networks.split(",")]
+        for network in networks:
+            net_cfg = config_from_dict(job_dict(setting, "bsp", {"policy": "bsp"}, {}, network, 0, root)).network
+            with lab.Lab(net_cfg):
+                probed = lab.probe(net_cfg)
+                for seed in (seeds if SETTINGS[setting]["workload"] == "digits" else [0]):
+                    runs = [(c.label, c.sync, c.compression, c) for c in cands]
+                    if SETTINGS[setting]["workload"] == "digits" and (not only or "auto trial" in only):
+                        runs.append(("auto trial", {"policy": "auto", "auto": {"trial_steps": args.trial_steps,
+                                                                               "candidates": args.trial_candidates}}, {}, None))
+                    for label, sync, compression, cand in runs:
+                        if (setting, label, network, seed) in done:
+                            continue
+                        began = time.time()
+                        result, history, events = run(job_dict(setting, label, sync, compression, network, seed, root))
+                        t, s = to_target(history) if history and SETTINGS[setting]["workload"] == "digits" else (None, None)
+                        row = {"setting": setting, "policy": label, "network": network, "seed": seed, **result,
+                               "step_s": per_step(history) if history else None,
+                               "bytes_per_step": bytes_per_step(history) if history else None,
+                               "to_target_s": t, "steps_to_target": s, "steps": max((r["step"] for r in history), default=0),
+                               "compute_s": compute_s, "model_bytes": model_bytes, "probed": probed, "host_s": host_s}
+                        if cand is not None:
+                            row["predicted_step_s"] = predict(setting, cand, network, probed, compute_s, model_bytes, host_s)
+                        else:  # the auto run: what it tried, what it measured, what it ran at the end
+                            trials = [e for e in events if e["kind"] == "policy_trial"]
+                            switches = [e["detail"]["policy"] for e in events if e["kind"] == "policy_switch"]
+                            picked = next((e["reason"] for e in events if e["kind"] == "info" and "auto picked" in e["reason"]), "")
+                            row.update(trial=trials[-1]["detail"] if trials else None, switches=switches, picked=picked[:400],
+                                       chosen=trials[-1]["detail"]["chosen"] if trials else (switches[-1] if switches else None))
+                        with open(out, "a") as f:
+                            f.write(json.dumps(row) + "\n")
+                        print(f"[{setting} {network} seed {seed}] {label}: {row['state']}, "
+                              f"{(row['step_s'] or 0) * 1e3:.1f} ms/step"
+                              + (f" (model {row['predicted_step_s'] * 1e3:.1f})" if "predicted_step_s" in row else
+                                 f", chose {row.get('chosen')}")
+                              + f", to target {t} s ({time.time() - began:.0f} s)", flush=True)
+    return 0
+
+
+def report(rows: list[dict]) -> dict:
+    """The model's error per cell (median over seeds) and auto's picks against the fastest."""
+    cells: dict[tuple, list[dict]] = {}
+    for r in rows:
+        if "predicted_step_s" in r and r.get("step_s"):
+            cells.setdefault((r["setting"], r["network"], r["policy"]), []).append(r)
+    errors = []
+    print(f"{'setting':<8}{'network':<8}{'policy':<30}{'ms/step':>9}{'model':>9}{'err':>7}")
+    for (setting, network, policy), group in cells.items():
+        measured = statistics.median(r["step_s"] for r in group)
+        predicted = statistics.median(r["predicted_step_s"] for r in group)
+        err = (predicted - measured) / measured
+        errors.append((abs(err), err, f"{policy} at {setting}/{network}"))
+        print(f"{setting:<8}{network:<8}{policy:<30}{measured * 1e3:>9.1f}{predicted * 1e3:>9.1f}{err:>+7.0%}")
+    within = sum(1 for e in errors if e[0] <= 0.25)
+    worst = max(errors) if errors else (0, 0, None)
+    print(f"\nmodel: within 25% in {within} of {len(errors)} held-out cells; worst {worst[1]:+.0%} ({worst[2]})")
+    picks = []
+    for r in rows:
+        if r["policy"] != "auto trial":
+            continue
+        same = [x for x in rows if x["setting"] == r["setting"] and x["network"] == r["network"] and x["seed"] == r["seed"]
+                and x["policy"] != "auto trial" and x.get("to_target_s") is not None]
+        if not same:
+            continue
+        fastest = min(same, key=lambda x: x["to_target_s"])
+        mine = next((x for x in same if x["policy"] == r.get("chosen")), None)
+        good = mine is not None and mine["to_target_s"] <= 1.10 * fastest["to_target_s"]
+        picks.append(good)
+        print(f"[{r['setting']} {r['network']} seed {r['seed']}] auto ended with {r.get('chosen')} "
+              f"({mine['to_target_s'] if mine else 'missed'} s alone; the auto run itself {r.get('to_target_s')} s); "
+              f"fastest {fastest['policy']} {fastest['to_target_s']:.1f} s: {'within 10%' if good else 'MISS'}")
+    print(f"auto's final pick within 10% of the fastest in {sum(picks)} of {len(picks)} held-out cells")
+    return {"benchmark": "heldout", "model_within_25pct": f"{within}/{len(errors)}", "worst_model_error": worst[1],
+            "worst_model_cell": worst[2], "auto_within_10pct": f"{sum(picks)}/{len(picks)}"}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--settings", default="8w4n,bucket,lm")
+    parser.add_argument("--networks", default="100m,1g")
+    parser.add_argument("--seeds", default="0,1,2")
+    parser.add_argument("--trial-steps", type=int, default=10)
+    parser.add_argument("--trial-candidates", type=int, default=3)
+    parser.add_argument("--only", default="", help="comma-separated plan labels (and `auto trial`): a smoke run")
+    parser.add_argument("--out", default="heldout.jsonl")
+    parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--report", action="store_true", help="only print the report from --out")
+    args = parser.parse_args()
+    out = Path(args.out)
+    if not args.report:
+        code = measure(args, out)
+        if code:
+            return code
+    rows = load(out)
+    if not rows:
+        print(f"no results in {out}")
+        return 1
+    print(json.dumps(report(rows)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
