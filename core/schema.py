@@ -486,7 +486,8 @@ class AutoConfig:
     applicable policy's predicted time to the target on `network:` (time per step where no convergence
     factor was measured), from the compute time of one step measured on the workload; the job's first
     event and its start line say what was picked and why. `python -m orchestrator plan` prints the same
-    table without starting anything."""
+    table without starting anything. With `auto.trial_steps` the job then tries its shortlist online
+    and runs the best measured (docs/lab.md)."""
 
     policy: Literal["auto"] = "auto"
     candidates: list[str] = field(default_factory=list)
