@@ -150,7 +150,7 @@ class Coordinator(Actions):
                                              self.incarnation * WORKER_STARTS_PER_INCARNATION))
         self.trial: Trial | None = None
         """`sync.auto`'s online trial (actors/control/trial.py), on the first incarnation only."""
-        if self.cfg.policy_trial and self._saved is None:
+        if self.cfg.policy_trial and self._saved is None and not self.cfg.policy_trial.get("resumed"):
             self.trial = Trial(self.cfg.policy_trial, self._switch_policy, self.journal.event,
                                lambda: not self.book.pending and self.stop_kind is None and self.state == JobState.RUNNING)
         self.supervisor = Supervisor(self.cfg, self.book, self.group, self, self.journal.event, self.algorithm.kind,

@@ -563,5 +563,10 @@ def resumed_choice(cfg: JobConfig, checkpoint: Path, read: Callable[[str], bytes
     raw = cfg.to_dict()
     raw["sync"], raw["compression"] = sync, {**raw["compression"], "codec": codec}
     line = f"{sync['policy']}: the policy the resumed run picked ({path})"
+    trial = ran.get("policy_trial") if isinstance(ran, dict) else None
+    if trial:  # the trial switched mid-run: the state is under any of its candidates, and says which
+        raw["policy_trial"] = {**trial, "resumed": True}  # the workers take the state's; no new trial
+        line = (f"the policy its state was saved under, among the resumed run's trial candidates "
+                f"({', '.join(c['label'] for c in trial['candidates'])}; {path})")
     raw["policy_choice"] = f"sync.policy auto kept {line}"
     return parse(JobConfig, raw), line

@@ -241,3 +241,23 @@ def test_a_told_compute_time_replaces_the_probes_in_the_ranking():
     measured = planner.ranked(c, cands, 0.001, 35880.0, cluster=_probed(0.001))
     told = planner.ranked(c, cands, 0.050, 35880.0, cluster=_probed(0.001))
     assert measured[0].step_s < 0.01 and told[0].step_s >= 0.050, (measured[0].step_s, told[0].step_s)
+
+
+def test_auto_on_resume_of_a_trials_run_keeps_its_candidates_so_the_state_picks_its_policy(tmp_path):
+    """A trial switched policy mid-run: the checkpoint's state holds the policy it was saved under (any of
+    the candidates), so the resumed config keeps the trial's candidates (the workers switch to the state's
+    policy as they load it) and runs no new trial."""
+    import yaml
+
+    trial = {"steps": 10, "candidates": [
+        {"label": "bsp", "sync": {"policy": "bsp"}, "compression": {"codec": "none"}, "step_s": 0.01, "factor": 1.0},
+        {"label": "diloco h=16", "sync": {"policy": "diloco", "h": 16}, "compression": {"codec": "none"},
+         "step_s": 0.005, "factor": 1.3}]}
+    ran = cfg(sync={"policy": "bsp"}).to_dict()
+    ran["policy_trial"] = trial
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(ran))
+    kept, line = planner.resumed_choice(cfg(sync={"policy": "auto", "auto": {"trial_steps": 10}}),
+                                        tmp_path / "checkpoints" / "step-10.pt")
+    assert kept.policy_trial["candidates"] == trial["candidates"] and kept.policy_trial.get("resumed")
+    assert "the policy its state was saved under" in line
