@@ -37,7 +37,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks.tradeoffs import NETWORKS, bytes_per_step, lab_ready, load, per_step  # noqa: E402
+from benchmarks.tradeoffs import NETWORKS, bytes_per_step, lab_ready, load, measured_rows, per_step  # noqa: E402
 
 SETTINGS = {
     "8w4n": {"nodes": 4, "per_node": 2, "bucket_mb": None, "workload": "digits"},
@@ -249,15 +249,9 @@ def main() -> int:
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--report", action="store_true", help="only print the report from --out")
     args = parser.parse_args()
-    out = Path(args.out)
-    if not args.report:
-        code = measure(args, out)
-        if code:
-            return code
-    rows = load(out)
-    if not rows:
-        print(f"no results in {out}")
-        return 1
+    rows = measured_rows(args, Path(args.out), measure)
+    if isinstance(rows, int):
+        return rows
     print(json.dumps(report(rows)))
     return 0
 

@@ -82,6 +82,24 @@ def bsp_steps(model, opt, x, y, first: int, last: int) -> None:
         opt.step()
 
 
+def local_sgd_steps(replicas, opts, x, y, first: int, last: int, h: int, stop: int | None) -> None:
+    """Steps first..last-1 (0-based) of local SGD: each replica's optimizer on its share; after every
+    step that is a multiple of h, and at the stop, the replicas' mean (equal shares: the plain mean)."""
+    for step in range(first, last):
+        ids = ids_of(step, N * BATCH, len(x))
+        for rank, (m, opt) in enumerate(zip(replicas, opts)):
+            index = torch.tensor(share(ids, rank))
+            opt.zero_grad()
+            F.cross_entropy(m(x[index]), y[index]).backward()
+            opt.step()
+        if (step + 1) % h == 0 or step + 1 == stop:
+            with torch.no_grad():
+                for ps in zip(*(m.parameters() for m in replicas)):
+                    mean = torch.stack([p.detach() for p in ps]).mean(0)
+                    for p in ps:
+                        p.copy_(mean)
+
+
 def assert_replicas_equal(job: LocalJob) -> list[torch.Tensor]:
     params = job.parameters("w0")
     for slot in SLOTS[1:]:
@@ -118,19 +136,7 @@ def test_local_sgd_switched_to_bsp_takes_rank0s_optimizer_state(tmp_path):
     model, _, x, y = start()
     replicas = [copy.deepcopy(model) for _ in range(N)]
     opts = [torch.optim.SGD(m.parameters(), lr=OPT["lr"], momentum=OPT["momentum"]) for m in replicas]
-    for step in range(switched):
-        ids = ids_of(step, N * BATCH, len(x))
-        for rank, (m, opt) in enumerate(zip(replicas, opts)):
-            index = torch.tensor(share(ids, rank))
-            opt.zero_grad()
-            F.cross_entropy(m(x[index]), y[index]).backward()
-            opt.step()
-        if (step + 1) % h == 0:  # a round: equal shares, so the plain mean of the replicas
-            with torch.no_grad():
-                for ps in zip(*(m.parameters() for m in replicas)):
-                    mean = torch.stack([p.detach() for p in ps]).mean(0)
-                    for p in ps:
-                        p.copy_(mean)
+    local_sgd_steps(replicas, opts, x, y, 0, switched, h, stop=None)
     bsp_steps(replicas[0], opts[0], x, y, switched, stop)
     diff = max_diff(assert_replicas_equal(job), list(replicas[0].parameters()))
     print(f"local_sgd until step {switched}, bsp to {stop}: max abs diff {diff:.2e}")
@@ -152,19 +158,7 @@ def test_bsp_switched_to_local_sgd_commits_from_the_switch_step_and_follows_its_
         o = torch.optim.SGD(m.parameters(), lr=OPT["lr"], momentum=OPT["momentum"])
         o.load_state_dict(copy.deepcopy(opt.state_dict()))  # every member starts from the shared momentum, its own copy
         opts.append(o)
-    for step in range(switched, stop):
-        ids = ids_of(step, N * BATCH, len(x))
-        for rank, (m, o) in enumerate(zip(replicas, opts)):
-            index = torch.tensor(share(ids, rank))
-            o.zero_grad()
-            F.cross_entropy(m(x[index]), y[index]).backward()
-            o.step()
-        if (step + 1) % h == 0 or step + 1 == stop:
-            with torch.no_grad():
-                for ps in zip(*(m.parameters() for m in replicas)):
-                    mean = torch.stack([p.detach() for p in ps]).mean(0)
-                    for p in ps:
-                        p.copy_(mean)
+    local_sgd_steps(replicas, opts, x, y, switched, stop, h, stop=stop)
     diff = max_diff(assert_replicas_equal(job), list(replicas[0].parameters()))
     print(f"bsp until step {switched}, local_sgd to {stop}: max abs diff {diff:.2e}")
     assert diff <= 1e-5
