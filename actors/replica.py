@@ -98,7 +98,7 @@ class Replica:
         """Where this member's group traffic leaves from: the node's address, or in the lab its virtual
         node's (orchestrator/lab.py; the preloaded shim binds its connections there too)."""
         network = self.cfg.network
-        if network.enabled and not spec.slot.startswith("spare"):
+        if network.lab and not spec.slot.startswith("spare"):
             self.comm_address = network.address(network.node_of(spec.slot))
             os.environ["ORCHESTRATOR_LAB_SOURCE"] = self.comm_address
         torch.set_num_threads(max(1, int(self.cfg.workers.cpus)))
@@ -367,7 +367,7 @@ class Replica:
         """`faults.comm_latency_s` on every operation, and in the lab each link's modelled latency."""
         comm.latency_s = self.cfg.faults.comm_latency_s
         network = self.cfg.network
-        if network.enabled:
+        if network.lab:
             nodes = [network.node_of(slot) for slot in plan.members]
             matrix = [[network.link(a, b).latency_ms / 1e3 for b in nodes] for a in nodes]
             comm.link_latency_s = matrix if any(any(row) for row in matrix) else None

@@ -798,7 +798,9 @@ class NetworkConfig:
     """An emulated multi-node network on one machine (the lab; orchestrator/lab.py). Slot `w<i>` runs on
     virtual node `i // workers_per_node` (modulo `nodes`), whose address is the `i`-th host of `subnet`
     (127.77.0.1 for node 0 by default); the kernel shapes traffic between different nodes' addresses.
-    `nodes: 0` (the default) is no lab."""
+    `nodes: 0` (the default) is no lab. With `emulate: false` the section describes a real cluster's
+    links instead, for `plan` and `sync.policy: auto` to rank on (as told): nothing is shaped, no lab
+    comes up, and the workers run where Ray places them."""
 
     nodes: int = 0
     workers_per_node: int = 1
@@ -809,6 +811,10 @@ class NetworkConfig:
     links: list[PairLink] = field(default_factory=list)
     subnet: str = "127.77.0.0/24"
     """Loopback addresses of the virtual nodes (all of 127/8 is this machine); nothing outside is shaped."""
+    emulate: bool = True
+    """True: the lab emulates this network on this machine. False: it describes the real cluster the job
+    runs on (`nodes` of `workers_per_node` ranks each, `inter`/`intra`/`links` as measured or specified
+    elsewhere), which only the planner reads."""
 
     def __post_init__(self) -> None:
         _at_least(self, "nodes", 0)
@@ -826,7 +832,13 @@ class NetworkConfig:
 
     @property
     def enabled(self) -> bool:
+        """A network is described (emulated by the lab, or told for a real cluster)."""
         return self.nodes > 0
+
+    @property
+    def lab(self) -> bool:
+        """The lab emulates it on this machine (shaping, virtual node addresses, modelled latency)."""
+        return self.nodes > 0 and self.emulate
 
     def address(self, node: int) -> str:
         return self.subnet.rsplit(".", 1)[0] + f".{node + 1}"
@@ -957,7 +969,7 @@ class JobConfig:
         if self.eval_every < 0:
             raise FieldError("eval_every", f"must not be negative, got {self.eval_every}")
         self._check_server_policy()
-        if self.network.enabled:
+        if self.network.lab:
             self._check_network()
         slots = {f"w{i}" for i in range(self.workers.max or self.workers.count)}
         for i, kill in enumerate(self.faults.kills):

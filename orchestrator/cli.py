@@ -123,7 +123,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"resuming from step {ref.step} of run {ref.run_id} ({ref.location})", flush=True)
         resume_from = ref.location
     with contextlib.ExitStack() as lab:
-        if config.network.enabled:
+        if config.network.lab:
             _enter_lab(config, lab, keep_up=args.detach)
         return _run(config, args, resume_from)
 
@@ -442,7 +442,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.network:
         config = dataclasses.replace(config, network=_network_of(args.network))
     probed = cluster = None
-    if args.probe and config.network.enabled:  # the lab: its links, shaped on this machine
+    if args.probe and config.network.lab:  # the lab: its links, shaped on this machine
         try:
             lab.require(config.network)
             probed = lab.probe(config.network)
@@ -462,7 +462,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         compute_s, model_bytes = planner.measure_compute(config)
     if args.compute_ms is not None:
         compute_s = args.compute_ms / 1e3
-    cands = planner.candidates(config, len(cluster["nodes"]) if cluster else None)
+    cands = planner.candidates(config, len(cluster["nodes"]) if cluster and not planner.told_network(config) else None)
     rows = planner.ranked(config, cands, compute_s, model_bytes, probed, cluster=cluster)
     line = planner.recommendation(rows)
     if args.json:
@@ -475,7 +475,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
                                     "factor": r.factor, "to_target_s": r.to_target_s, "exact": r.exact,
                                     "note": r.note, "basis": r.basis} for r in rows]}))
         return EXIT_OK
-    where = ("probed" if probed else "measured on the cluster" if cluster else
+    where = ("probed" if probed else "as told (a real cluster's: network.emulate false)" if planner.told_network(config)
+             else "measured on the cluster" if cluster else
              "as asked" if config.network.enabled else "one node, unshaped (not probed: pass --probe)")
     told = " (told: --compute-ms; ranked with it)" if args.compute_ms is not None else ""
     print(f"{config.workers.count} workers, network {where}; one step's compute {compute_s * 1e3:.2f} ms{told}, "

@@ -171,7 +171,7 @@ class ElasticJob:
 
         started_at = time.time()
         self.storage = check_storage(self.config)  # before Ray starts
-        if self.config.network.enabled:  # the lab must be up as the config says (orchestrator/lab.py)
+        if self.config.network.lab:  # the lab must be up as the config says (orchestrator/lab.py)
             from orchestrator.lab import require
 
             require(self.config.network)
@@ -182,7 +182,7 @@ class ElasticJob:
                 self.config, self.policy_choice = resumed_choice(
                     self.config, self.resume_from, (lambda loc: self.storage.read(self.storage.key_of(loc)))
                     if self.storage.remote else None)
-            elif self.config.network.enabled:  # the lab: its links as the config shapes them
+            elif self.config.network.lab:  # the lab: its links as the config shapes them
                 self.config, self.policy_choice, _ = choose(self.config)
         if connect(self.config):
             try:

@@ -178,6 +178,8 @@ def up(net: NetworkConfig, holder: int | None = None) -> bool:
     nobody alive holds is replaced."""
     if not net.enabled:
         raise LabUnavailable("network.nodes is 0: there is no lab to bring up")
+    if not net.emulate:
+        raise LabUnavailable("network.emulate is false: the section describes a real cluster, not a lab to bring up")
     check_privileges()
     shim_path(build=True)
     with _locked():

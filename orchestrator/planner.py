@@ -116,7 +116,8 @@ def network_for(net: NetworkConfig, world: int, probed: Sequence[dict] | None = 
     """The model's network for `world` members placed as the job places them (`NetworkConfig.node_of`):
     the links as asked, or as `lab.probe` measured them (`probed` rows), with the host time of each
     synchronization pattern (`host_s`, from `measure_host`) where given. Without a lab (`nodes: 0`)
-    every member shares one unshaped node."""
+    every member shares one unshaped node. A real cluster's links as told (`emulate: false`): each node's
+    flows to other nodes share its NIC, at its fastest told link (the lab shapes pairs, not NICs)."""
     if not net.enabled:
         return Network(tuple(0 for _ in range(world)), ((INF,),), ((0.0,),))
     nodes = net.nodes
@@ -131,8 +132,16 @@ def network_for(net: NetworkConfig, world: int, probed: Sequence[dict] | None = 
         elif a == b:  # an unshaped stream: what a loopback flow moves, and what this machine's cores copy at most
             loopback = host = row["measured_mbit"] * 1e6 / 8
         latency[a][b] = row["modelled_latency_ms"] / 1e3 + row["rtt_ms"] / 2e3
+    nic = tuple(max((bandwidth[a][b] for b in range(nodes) if b != a), default=INF) for a in range(nodes)) \
+        if not net.emulate else ()
     return Network(tuple(net.node_of(f"w{i}") for i in range(world)), tuple(map(tuple, bandwidth)),
-                   tuple(map(tuple, latency)), loopback, host, tuple(sorted((host_s or {}).items())))
+                   tuple(map(tuple, latency)), loopback, host, tuple(sorted((host_s or {}).items())), nic)
+
+
+def told_network(cfg: JobConfig) -> bool:
+    """The config describes the real cluster's links (`network:` with `emulate: false`): the planner ranks
+    on them as told, and measures only the compute (and placement) on the cluster."""
+    return cfg.network.enabled and not cfg.network.lab
 
 
 def network_from_probe(cluster: dict) -> Network:
@@ -313,7 +322,7 @@ def _policy_step(cfg: JobConfig, cand: Candidate, comm, numel: int):
     model.flat = torch.nn.Parameter(torch.randn(numel) * 0.01)
     impl = get_algorithm(job.sync.policy)(job.sync, job.compression).bind(model, build_optimizer(model.parameters(), job.optimizer))
     slots = tuple(f"w{i}" for i in range(comm.world_size))
-    nodes = tuple(str(job.network.node_of(s)) for s in slots) if job.network.enabled else ()
+    nodes = tuple(str(job.network.node_of(s)) for s in slots) if job.network.lab else ()
     impl.on_membership(comm, EpochInfo(comm.rank, comm.world_size, slots, comm.world_size, 1, nodes))
 
     def step(index: int) -> None:
@@ -442,10 +451,11 @@ def ranked(cfg: JobConfig, cands: Sequence[Candidate], compute_s: float, model_b
     `measure_host` when not given); elsewhere none is counted."""
     data = load_factors()
     applies, why = factors_apply(cfg, data)
-    if cluster is not None:  # measured on the user's cluster (actors/probe.py)
-        return rank(cands, network_from_probe(cluster), compute_from_probe(cfg, cluster, compute_s), cluster["model_bytes"],
+    if cluster is not None:  # measured on the user's cluster (actors/probe.py); its links as told, if they were
+        net = network_for(cfg.network, cfg.workers.count) if told_network(cfg) else network_from_probe(cluster)
+        return rank(cands, net, compute_from_probe(cfg, cluster, compute_s), cluster["model_bytes"],
                     data["factors"] if applies else None, data["bsp_steps"], why)
-    if host_s is None and cfg.network.enabled:
+    if host_s is None and cfg.network.lab:
         host_s = measure_host(cfg, cands, model_bytes)
     net = network_for(cfg.network, cfg.workers.count, probed, host_s)
     return rank(cands, net, compute_spread(cfg, compute_s), model_bytes, data["factors"] if applies else None,
@@ -506,14 +516,15 @@ def choose(cfg: JobConfig, compute_s: float | None = None, model_bytes: float | 
     elif compute_s is None or model_bytes is None:
         compute_s, model_bytes = measure_compute(cfg)
     allowed = set(getattr(cfg.sync, "candidates", ()) or ())
-    every = candidates(cfg, len(cluster["nodes"]) if cluster is not None else None)
+    every = candidates(cfg, len(cluster["nodes"]) if cluster is not None and not told_network(cfg) else None)
     cands = [c for c in every if not allowed or c.sync["policy"] in allowed or c.label in allowed]
     if not cands:
         raise ConfigError(f"sync.candidates: none of {sorted(allowed)} applies to this job; applicable: "
                           f"{', '.join(c.label for c in every)}")
     rows = ranked(cfg, cands, compute_s, model_bytes, probed, cluster=cluster)
-    told = ("the network as measured" if cluster is not None else
-            "the network as told (network: section)" if cfg.network.enabled else "one node assumed (no probe)")
+    told = ("the network as told (network: section, a real cluster's; compute measured on it)" if told_network(cfg)
+            else "the network as measured" if cluster is not None else
+            "the lab's network as asked (network: section)" if cfg.network.enabled else "one node assumed (no probe)")
     line = f"{recommendation(rows)} ({factors_line(cfg)}; {told}" + (f"; {describe_probe(cluster)})" if cluster else ")")
     trial = shortlist(rows, cfg.sync.auto.candidates) if cfg.sync.auto.trial_steps else []
     first = trial[0].candidate if len(trial) >= 2 else rows[0].candidate

@@ -62,7 +62,7 @@ class MembershipBook:
 
     def node_of(self, slot: str) -> str:
         """The node a member runs on, for the plan: the lab's virtual node, else its Ray node."""
-        if self.cfg.network.enabled:
+        if self.cfg.network.lab:
             return f"lab{self.cfg.network.node_of(slot)}"
         member = self.members.get(slot)
         return member.node_id if member is not None else ""

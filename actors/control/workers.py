@@ -126,7 +126,7 @@ class RayWorkerGroup(WorkerGroup):
 
         w = self.cfg.workers
         lab = {}
-        if self.cfg.network.enabled:  # the lab: its connect() shim preloaded (orchestrator/lab.py)
+        if self.cfg.network.lab:  # the lab: its connect() shim preloaded (orchestrator/lab.py)
             from actors.lab_shim import worker_env  # only lab jobs need it
 
             lab = {"runtime_env": {"env_vars": worker_env(self.cfg.network)}}

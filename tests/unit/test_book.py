@@ -102,3 +102,20 @@ def test_the_state_file_round_trips_and_the_dispenser_keeps_leavers_until_they_l
     again.load(__import__("json").loads(__import__("json").dumps(b.snapshot())))
     assert (again.plan, again.epoch, again.version) == (b.plan, b.epoch, b.version)
     assert (again.failures, again.retired, again.stop_step, again.departed) == (b.failures, b.retired, 9, b.departed)
+
+
+def test_plans_name_lab_nodes_only_for_an_emulated_network_and_ray_nodes_for_a_told_one():
+    """Hierarchical all-reduce groups by `Plan.nodes`: the lab's virtual nodes when the lab emulates the
+    network; a told real cluster's network (`emulate: false`) is only the planner's, so the members'
+    own Ray nodes there."""
+    def with_network(emulate: bool) -> MembershipBook:
+        cfg = config_from_dict({"name": "b", "workers": {"count": 2},
+                                "workload": {"factory": "orchestrator.workloads.digits:mlp", "batch_size": 8},
+                                "network": {"nodes": 2, "emulate": emulate}, "stop": {"max_steps": 10}})
+        b = MembershipBook(parse(JobConfig, cfg.to_dict()), "r", "lockstep")
+        for i in range(2):
+            b.members[f"w{i}"] = Member(f"w{i}", None, state=S.TRAINING, incarnation=i + 1, node_id=f"ray-node-{i}")
+        return b
+
+    assert plan(with_network(True), ["w0", "w1"]).nodes == ("lab0", "lab1")
+    assert plan(with_network(False), ["w0", "w1"]).nodes == ("ray-node-0", "ray-node-1")

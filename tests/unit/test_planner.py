@@ -261,3 +261,28 @@ def test_auto_on_resume_of_a_trials_run_keeps_its_candidates_so_the_state_picks_
                                         tmp_path / "checkpoints" / "step-10.pt")
     assert kept.policy_trial["candidates"] == trial["candidates"] and kept.policy_trial.get("resumed")
     assert "the policy its state was saved under" in line
+
+
+def test_a_told_network_of_a_real_cluster_is_ranked_as_told_with_compute_measured_on_the_cluster():
+    """`network: {emulate: false, ...}` describes the real cluster's links: no lab (nothing to bring up),
+    the workers run where Ray places them, and `auto`/`plan` rank on the told links with the compute the
+    probes measured (their links, measured on one node here, are not used), and say so."""
+    from orchestrator import lab
+
+    told = {"nodes": 2, "workers_per_node": 2, "emulate": False, "inter": {"mbit": 100, "latency_ms": 1.0}}
+    job = cfg(network=told, sync={"policy": "auto"})
+    assert job.network.enabled and not job.network.lab
+    with pytest.raises(lab.LabUnavailable, match="emulate is false"):
+        lab.up(job.network)
+    cfg(network=told, sync={"policy": "asp"}, workers={"count": 4, "gpus": 1})  # the lab's limits are not a real cluster's
+    chosen, line, rows = planner.choose(job, cluster=_probed(0.005))
+    bsp = next(r for r in rows if r.candidate.label == "bsp")
+    assert "bsp hierarchical" in [r.candidate.label for r in rows]  # two told nodes, though the probes shared one
+    assert bsp.step_s > 0.005 + 0.9 * 2 * 3 / 4 * 35880 / 12.5e6  # the told 100 Mbit/s ring, not the probe's 1 GB/s
+    assert "the network as told" in line and "measured on the cluster" in line
+
+
+def test_a_told_real_cluster_shares_each_nodes_nic_where_the_lab_does_not():
+    told = planner.network_for(cfg(network={"nodes": 3, "emulate": False}).network, 3)
+    emulated = planner.network_for(cfg(network={"nodes": 3}).network, 3)
+    assert told.nic_bytes_per_s == (1000e6 / 8,) * 3 and emulated.nic_bytes_per_s == ()
