@@ -424,14 +424,17 @@ class Replica:
 
     def _switch_policy(self, sync: dict, compression: dict) -> None:
         """Run `sync`/`compression` from now on (a policy switched to mid-run, or the policy a state was
-        saved under): called at a commit point, where a switchable policy's replicas agree
-        (orchestrator/planner.py `SWITCHABLE`). The model and the optimizer stay; the old policy's
+        saved under), from the newest commit point, where a switchable policy's replicas agree
+        (orchestrator/planner.py `SWITCHABLE`): a periodic member that meets the switch between rounds
+        rewinds its provisional local steps first. The model and the optimizer stay; the old policy's
         hooks go; the new one starts with fresh state of its own (its outer momentum, its residuals)."""
         raw = self.cfg.to_dict()
         raw["sync"], raw["compression"] = sync, compression
         cfg = parse(JobConfig, raw)
         if (cfg.sync, cfg.compression) == (self.cfg.sync, self.cfg.compression):
             return
+        if self.impl.commit_mark is not None and self.step > self.impl.commit_mark:
+            self.rewind()  # provisional local steps (met between rounds, after an abort): the new policy redoes them
         log.info("%s switches policy at step %d: %s -> %s", self.slot, self.step, self.cfg.sync.policy, cfg.sync.policy)
         self.impl.detach()
         self.cfg = cfg

@@ -162,3 +162,40 @@ def test_bsp_switched_to_local_sgd_commits_from_the_switch_step_and_follows_its_
     diff = max_diff(assert_replicas_equal(job), list(replicas[0].parameters()))
     print(f"bsp until step {switched}, local_sgd to {stop}: max abs diff {diff:.2e}")
     assert diff <= 1e-5
+
+
+def test_a_switch_reached_by_an_abort_mid_round_redoes_the_provisional_local_steps_under_the_new_policy(tmp_path):
+    """A periodic member can meet a new plan between rounds (its round's collective aborted, as at a
+    death): its local steps since the last round are provisional, so a switch there rewinds them and the
+    new policy trains those steps again. Here no round ever committed: the run is BSP from step 0, equal
+    to single-process SGD, and every sample of every step is in the ledger once (keeping the local
+    steps made rank 0's unaveraged replica everyone's and lost the others' samples)."""
+    cfg = config({"policy": "local_sgd", "h": 8})
+    cfg["faults"] = {**cfg["faults"], "record_samples": True}
+    job = LocalJob(cfg, list(SLOTS), str(tmp_path))
+    gb = N * BATCH
+    job.publish(SLOTS, 1, gb)
+    job.start()
+    wait_until(lambda: min(r.step for r in job.replicas.values()) >= 3, what="three local steps")
+    job.publish(SLOTS, 2, gb, policy=policy("bsp", {"policy": "bsp"}, fresh=True))
+    for replica in job.replicas.values():
+        replica.abort_epoch(1, "a switch mid-round")  # the round at step 8 fails: the members go to plan 2 from there
+    wait_until(lambda: all(any(r.get("policy") == "bsp" for r in rep.kept) for rep in job.replicas.values()),
+               what="a step committed under bsp")
+    stop = job.replicas["w0"].step + 4
+    job.publish(SLOTS, 3, gb, policy=policy("bsp", {"policy": "bsp"}, fresh=False), stop_step=stop)
+    outcomes = job.wait(120)
+    assert all(o["ok"] for o in outcomes.values()), outcomes
+    model, opt, x, y = start()
+    bsp_steps(model, opt, x, y, 0, stop)
+    diff = max_diff(assert_replicas_equal(job), list(model.parameters()))
+    ledger: dict[int, list[int]] = {}
+    for path in (tmp_path / "samples").glob("*.txt"):
+        for line in path.read_text().splitlines():
+            if not line.startswith("dropped"):
+                step, _, *ids = map(int, line.split())
+                ledger.setdefault(step, []).extend(ids)
+    print(f"switched by an abort, stopped at {stop}: max abs diff {diff:.2e}")
+    assert sorted(ledger) == list(range(1, stop + 1))
+    assert all(sorted(ledger[s]) == sorted(ids_of(s - 1, gb, len(x))) for s in ledger), "a step's samples"
+    assert diff <= 1e-6
