@@ -30,7 +30,7 @@ from typing import Any
 
 import ray
 
-from actors import checkpoints, runfiles
+from actors import REMOTE_HOME, checkpoints, runfiles
 from actors.control.admission import Admission
 from actors.control.book import MembershipBook
 from actors.control.endings import wrap_up
@@ -78,6 +78,7 @@ S = MemberState
 
 
 class Coordinator(Actions):
+    __module__ = REMOTE_HOME  # orchestrator/remote.py: Ray imports it from there
     def __init__(self, config: dict, run_id: str, run_dir: str, incarnation: int = 0, search_path: tuple[str, ...] = (),
                  resume_from: str | None = None, owner_job: str | None = None,
                  started_at: float | None = None, group: WorkerGroup | None = None) -> None:

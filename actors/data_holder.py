@@ -14,11 +14,13 @@ from typing import Any
 
 import ray
 
+from actors import REMOTE_HOME
 from actors.plan import holder_name
 
 
 @ray.remote(num_cpus=0, max_restarts=-1)
 class DataHolder:
+    __module__ = REMOTE_HOME  # orchestrator/remote.py: Ray imports it from there
     def __init__(self) -> None:
         self._blocks: list[tuple[Any, int]] | None = None
 

@@ -23,6 +23,8 @@ from typing import Any
 
 import ray
 
+from actors import REMOTE_HOME
+
 SMALL = 4096
 LARGE_MIN, LARGE_MAX = 1 << 20, 64 << 20
 LONG_ENOUGH_S = 0.2
@@ -31,6 +33,7 @@ ROUNDS = 5
 
 @ray.remote(num_cpus=0)
 class Probe:
+    __module__ = REMOTE_HOME  # orchestrator/remote.py: Ray imports it from there
     def __init__(self, config: dict) -> None:
         import torch
 

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 
+from actors import REMOTE_HOME
 from actors.plan import server_name
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -57,6 +58,7 @@ class CoordinatorReports:
 
 
 class ParameterServer:
+    __module__ = REMOTE_HOME  # orchestrator/remote.py: Ray imports it from there
     """The Ray actor: a `ServerHost` in a detached, threaded, restartable process."""
 
     def __init__(self, config: dict, run_dir: str, coordinator: str, namespace: str) -> None:

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 
+from actors import REMOTE_HOME
 from actors.metrics import Exporter
 from actors.plan import ParentWatch, Plan, Progress, WorkerSpec, server_name
 from core.schema import JobConfig, parse
@@ -94,6 +95,7 @@ class RayLink:
 
 
 class Worker:
+    __module__ = REMOTE_HOME  # orchestrator/remote.py: Ray imports it from there
     """The Ray actor: `run()` once in the default group, control methods in their own group."""
 
     def __init__(self, spec: WorkerSpec) -> None:

@@ -136,7 +136,9 @@ class Trial:
             return
         now, self._watch = _rate(self._watch), [point]
         base = self.measured[self.running]
-        off = (now - base) / base if base else 0.0
+        if not base:
+            return  # decided on a measurement of its own turn: never None once chosen
+        off = (now - base) / base
         self._drifted = self._drifted + 1 if abs(off) > DRIFT else 0
         if self._drifted >= DRIFT_WINDOWS:
             self._again(f"{self.label(self.running)}'s step time drifted {off:+.0%} from its trial's "

@@ -111,6 +111,29 @@ def test_user_workload_from_working_directory(tmp_path, ray_session):
     assert float(re.search(r"accuracy: ([\d.]+)", proc.stdout).group(1)) > 0.9
 
 
+def test_a_working_directory_with_its_own_core_actors_and_algorithms_packages_trains(tmp_path, ray_session):
+    """A user project with packages named like this project's (`core/`, `actors/`, `algorithms/`, each
+    of which fails when imported here): the driver (`python -m orchestrator` puts the working directory
+    first) and the Ray processes the job starts (Ray puts it first there too) import this project's, and
+    the workload from the directory trains. Before: the driver died importing the user's `core`, and once
+    past that the coordinator actor failed to import."""
+    workdir = tmp_path / "project"
+    workdir.mkdir()
+    for name in ("custom_workload.py", "custom.yaml"):
+        shutil.copy(REPO / "tests" / "workloads" / name, workdir / name)
+    for package in ("core", "actors", "algorithms"):
+        (workdir / package).mkdir()
+        (workdir / package / "__init__.py").write_text(f"raise ImportError('the project {package} package was imported')\n")
+    env = _env(tmp_path)
+    without_repo(env)  # this project from its install, as a user has it
+    address = ray.get_runtime_context().gcs_address
+    proc = subprocess.run([sys.executable, "-m", "orchestrator", "run", "custom.yaml", "--address", address], cwd=workdir,
+                          env=env, capture_output=True, text=True, timeout=300)
+    print(proc.stdout[-1500:], proc.stderr[-1500:])
+    assert proc.returncode == 0, proc.stderr[-1500:]
+    assert float(re.search(r"accuracy: ([\d.]+)", proc.stdout).group(1)) > 0.9
+
+
 def test_user_code_exception_fails_run_with_exit_1(tmp_path, ray_session):
     workdir = REPO / "tests" / "workloads"
     env = _env(tmp_path)
