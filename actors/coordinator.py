@@ -54,7 +54,7 @@ from actors.server_control import ServerControl, server_restarted
 from actors.storage import run_storage
 from actors.tracking import TensorBoard
 from algorithms.kinds import SERVER_KINDS, PolicyTraits
-from algorithms.supervision import JobState, JobView, MemberState, recovered_epoch
+from algorithms.supervision import JOB_TRANSITIONS, JobState, JobView, MemberState, check_transition, recovered_epoch
 from algorithms.topologies import topology_status
 from core.schema import JobConfig, JobStatus, parse
 
@@ -477,7 +477,7 @@ class Coordinator(Actions):
     # ------------------------------------------------------------------ plans
     def _start_run(self, member: Member) -> None:
         self.group.send(member.handle, "run")
-        member.state = S.TRAINING
+        member.move(S.TRAINING)
         self.supervisor.watch(member)
 
     async def _converge(self, reason: str, detector: str) -> None:
@@ -492,7 +492,7 @@ class Coordinator(Actions):
                 self.launcher.spawn(joiners, reason, detector)
             elif leavers:
                 for slot in leavers:
-                    self.book.members[slot].state = S.LEAVING
+                    self.book.members[slot].move(S.LEAVING)
                 self.reshape(tuple(s for s in self.book.live() if s not in leavers), reason, detector, time.time(),
                              leavers=tuple(leavers))
 
@@ -563,6 +563,7 @@ class Coordinator(Actions):
         return await self.launcher.slot_failed(member, phase, cause)
 
     def transition(self, to: JobState, reason: str, persist: bool = True, **detail: Any) -> None:
+        check_transition(JOB_TRANSITIONS, self.state, to, f"job {self.name}")
         self.journal.event("transition", reason, state_from=self.state.value, state_to=to.value, **detail)
         self.state = to
         if to.terminal:
@@ -654,7 +655,7 @@ class Coordinator(Actions):
         for member in self.book.members.values():
             self.group.kill(member.handle)
             if not member.state.departed:
-                member.state = S.FINISHED if member.state == S.FINISHED else S.STOPPED
+                member.move(S.FINISHED if member.state == S.FINISHED else S.STOPPED)
         self.transition(state, reason, **({"survivors": survivors} if survivors else {}))
         self.journal.write_status(self._status().to_dict())
 

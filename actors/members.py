@@ -10,7 +10,7 @@ from typing import Any
 
 import ray
 
-from algorithms.supervision import MemberState
+from algorithms.supervision import MEMBER_TRANSITIONS, MemberState, check_transition
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +45,12 @@ class Member:
     """(reason, detector, decided at) of the decision that started it."""
     watch_task: asyncio.Task | None = field(default=None, repr=False)
     beat_task: asyncio.Task | None = field(default=None, repr=False)
+
+    def move(self, to: MemberState) -> None:
+        """The one way a member's state changes: IllegalTransition where `MEMBER_TRANSITIONS` (algorithms/
+        supervision.py) does not allow it (a member that ended never trains again)."""
+        check_transition(MEMBER_TRANSITIONS, self.state, to, f"member {self.slot}")
+        self.state = to
 
 
 @dataclass

@@ -26,6 +26,8 @@ import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from core.schema import OrchestratorError
+
 
 class JobState(str, enum.Enum):
     STARTING = "STARTING"
@@ -74,6 +76,50 @@ class MemberState(str, enum.Enum):
 
 
 DEPARTED = frozenset({MemberState.DEAD, MemberState.FAILED, MemberState.HUNG, MemberState.RETIRED, MemberState.LEFT})
+
+
+class IllegalTransition(OrchestratorError):
+    """A job or a member asked to move to a state its transition table does not allow from where it is."""
+
+
+def _table(rows: dict) -> dict:
+    return {state: frozenset(targets) | {state} for state, targets in rows.items()}  # staying is always allowed
+
+
+_J = JobState
+_ENDED = (_J.STOPPED, _J.FINISHED, _J.FAILED)
+JOB_TRANSITIONS: dict[JobState, frozenset[JobState]] = _table({
+    _J.STARTING: (_J.RUNNING, _J.PAUSED, _J.STOPPING, *_ENDED),
+    _J.RUNNING: (_J.RESHAPING, _J.PAUSED, _J.STOPPING, *_ENDED),
+    _J.RESHAPING: (_J.RUNNING, _J.PAUSED, _J.STOPPING, *_ENDED),
+    _J.PAUSED: (_J.STARTING, _J.RUNNING, _J.RESHAPING, _J.STOPPING, *_ENDED),  # STARTING: placed at last, still starting
+    _J.STOPPING: _ENDED,
+    _J.STOPPED: (), _J.FINISHED: (), _J.FAILED: (),
+})
+"""Where a job may go from each state (the coordinator's `transition` is the one place it moves): nothing
+leaves an ended state, a stopping job only ends, and only a paused start goes back to STARTING."""
+
+_M = MemberState
+_GONE = (_M.LEFT, _M.FINISHED, _M.DEAD, _M.FAILED, _M.HUNG, _M.RETIRED, _M.STOPPED)
+MEMBER_TRANSITIONS: dict[MemberState, frozenset[MemberState]] = _table({
+    _M.STARTING: (_M.READY, *_GONE),
+    _M.READY: (_M.TRAINING, _M.LEAVING, *_GONE),
+    _M.TRAINING: (_M.LEAVING, *_GONE),
+    _M.LEAVING: _GONE,
+    _M.LEFT: (_M.RETIRED,), _M.DEAD: (_M.RETIRED,), _M.FAILED: (_M.RETIRED,), _M.HUNG: (_M.RETIRED,),
+    _M.FINISHED: (_M.STOPPED,),
+    _M.RETIRED: (), _M.STOPPED: (),
+})
+"""Where a member may go from each state (`Member.move` is the one place it moves): forward through
+starting, ready, training and leaving, never back; a member that ended never comes back (its slot gets
+a new member); an ended one can still be retired (its failure spent the slot's budget)."""
+
+
+def check_transition(table: dict, now: enum.Enum, to: enum.Enum, who: str) -> None:
+    """IllegalTransition unless `table` lets `now` move to `to`."""
+    if to not in table[now]:
+        raise IllegalTransition(f"{who} cannot go from {now.value} to {to.value} (allowed: "
+                                f"{', '.join(sorted(s.value for s in table[now])) or 'none'})")
 
 
 @dataclass(frozen=True)

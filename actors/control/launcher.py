@@ -110,7 +110,8 @@ class Launcher:
             return
         if self.book.members.get(member.slot) is not member or member.state != S.STARTING:
             return  # stopped or replaced meanwhile
-        member.pid, member.node, member.node_id, member.state = info["pid"], info["node"], info["node_id"], S.READY
+        member.pid, member.node, member.node_id = info["pid"], info["node"], info["node_id"]
+        member.move(S.READY)
         member.store_port = info.get("store_port", 0)
         await self._admit()
 

@@ -241,7 +241,7 @@ class Supervisor:
         if d.ignore:
             return
         assert d.member is not None  # a member's end that is not ignored gets its new state
-        member.state = d.member[1]
+        member.move(d.member[1])
         if member.state == S.FINISHED and outcome.get("holds_state") is False:
             member.holds_state = False
             self._note("info", f"{member.slot} finished without a state of its own (no live member to receive one "
@@ -270,7 +270,7 @@ class Supervisor:
             self.actions.restore_on_admit()
         self._note("failure", d.reason if d.restore else cause, **detail)
         if d.count_failure and await self.actions.slot_failed(member, "run", cause):
-            member.state = S.RETIRED
+            member.move(S.RETIRED)
         self.book.depart(member, self.group.actor_id(member.handle))
         self.apply(d, cause, detector, seen)
         if d.replace:
