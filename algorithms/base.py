@@ -122,8 +122,14 @@ def register(cls: type[Algorithm]) -> type[Algorithm]:
 
 
 def _load_builtin() -> None:
-    # Importing the modules registers their classes; kept lazy so imports stay cheap.
-    from algorithms import allreduce, gossip, periodic, qadam, server_policies, shadow  # noqa: F401
+    """Import every policy's module (the policy table's `module`), which registers its class; lazy, so
+    importing this module stays cheap."""
+    import importlib
+
+    from core.schema import POLICIES
+
+    for module in dict.fromkeys(row.module for row in POLICIES):
+        importlib.import_module(module)
 
 
 def known_policies() -> list[str]:

@@ -8,7 +8,9 @@ the same tables; `tests/unit/test_kinds.py` checks `POLICY_KINDS` against the re
 """
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, cast
+
+from core.schema import POLICIES
 
 Kind = Literal["synchronous", "periodic", "server", "decentralized", "background"]
 Entry = Literal["replicated", "average", "server", "none"]
@@ -26,14 +28,9 @@ LOCAL_MEAN = frozenset({"periodic", "decentralized", "background"})
 """Kinds whose members update their own replica: each uses its mean loss. The others weight each
 member's loss by its share of the global batch, so that summing is the global-batch mean."""
 
-POLICY_KINDS: dict[str, Kind] = {
-    "bsp": "synchronous", "bytegrad": "synchronous", "qadam": "synchronous",
-    "local_sgd": "periodic", "diloco": "periodic", "streaming_diloco": "periodic",
-    "asp": "server", "ssp": "server", "quorum": "server", "elastic_bsp": "server",
-    "dpsgd": "decentralized", "dadam": "decentralized", "choco": "decentralized",
-    "shadow": "background",
-}
-"""Every built-in policy's kind (each policy class declares the same as its `kind`)."""
+POLICY_KINDS: dict[str, Kind] = {row.name: cast(Kind, row.kind) for row in POLICIES}
+"""Every built-in policy's kind, from the policy table (core/schema.py `POLICIES`); each policy class
+declares the same as its `kind`."""
 
 
 class KindTraits:

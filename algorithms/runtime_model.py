@@ -47,6 +47,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from core.schema import POLICY_TABLE
+
 INF = float("inf")
 
 
@@ -302,9 +304,11 @@ def predict(spec: PolicySpec, net: Network, compute: Compute, model_bytes: float
     ranks = list(range(n))
     everyone = compute.expected_max(ranks)
     name = spec.name
-    if name in ("bsp", "bytegrad", "qadam"):
+    row = POLICY_TABLE.get(name)
+    family = row.cost_model if row is not None else None
+    if family == "synchronous":
         return _synchronous(spec, net, compute, model_bytes, everyone)
-    if name in ("local_sgd", "diloco", "streaming_diloco"):
+    if family == "periodic":
         h = max(spec.h, 1)
         waits = compute.expected_max(ranks, steps=h) / h
         pattern = host_patterns(spec)[0]
@@ -319,7 +323,7 @@ def predict(spec: PolicySpec, net: Network, compute: Compute, model_bytes: float
         comm = _sync(net, pattern, ring_allreduce(net, ranks, model_bytes * spec.codec_ratio)) / h
         return Prediction(name, waits + comm, comm, _ring_bytes(n, model_bytes * spec.codec_ratio) / h,
                           f"E[max_i sum of {h} steps]/{h} + max(ring all-reduce, host)/{h}")
-    if name in ("dpsgd", "dadam", "choco"):
+    if family == "gossip":
         spec_peers = spec.peers
         peers = (lambda r: spec_peers(r, n)) if spec_peers else (lambda r: ring_peers(r, n))
         size = model_bytes * spec.codec_ratio
@@ -342,7 +346,7 @@ def predict(spec: PolicySpec, net: Network, compute: Compute, model_bytes: float
                           "max(E[max over a rank and its peers of compute] + its own CPU time in the step, exchange "
                           "with the peers): the exchange launches before the forward pass and overlaps it; "
                           "encoding, decoding and mixing do not")
-    if name == "shadow":
+    if family == "background":
         own = float(np.median([compute.expected(r) for r in ranks]))
         # A round: the model's ring all-reduce (the longer of its links and its host time, or the interval
         # if longer), plus its snapshot and its write-back, each waiting on average half a foreground step
@@ -354,7 +358,8 @@ def predict(spec: PolicySpec, net: Network, compute: Compute, model_bytes: float
                           "each member at its own pace; background rounds (all-reduce + a step's wait for the lock) "
                           "run beside training, their bytes spread over the steps they span",
                           notes="background rounds share the links and CPU; their time is not counted in a step")
-    raise KeyError(f"the runtime model has no pattern for policy {name!r}")
+    raise KeyError(f"the runtime model has no pattern for policy {name!r} (its `cost_model` in the policy table, "
+                   f"core/schema.py `POLICIES`: {family!r})")
 
 
 def overlapped_with_backward(comm: float, backward_s: float, model_bytes: float, bucket_bytes: float) -> float:

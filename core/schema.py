@@ -496,15 +496,55 @@ class AutoConfig:
     """The online trial (`trial_steps`, `candidates`); off unless `trial_steps` is set."""
 
 
-SYNC_POLICIES: dict[str, type] = {c.policy: c for c in (BSPConfig, BytegradConfig, QAdamConfig, LocalSGDConfig,
-                                                        DiLoCoConfig, StreamingDiLoCoConfig, ASPConfig, SSPConfig,
-                                                        QuorumConfig, ElasticBSPConfig, ShadowConfig, DPSGDConfig,
-                                                        DAdamConfig, ChocoConfig)}
+@dataclass(frozen=True)
+class PolicyRow:
+    """One policy, declared once (`POLICIES`): every other list of policies derives from these rows."""
+
+    name: str
+    """`sync.policy`."""
+    knobs: type
+    """Its config dataclass (the `sync:` keys it takes)."""
+    kind: str
+    """Its kind (algorithms/kinds.py `Kind`): what it means to the coordinator."""
+    module: str
+    """The `algorithms` module whose `Algorithm` class registers it (algorithms/base.py imports it)."""
+    codec: bool
+    """Its collectives take `compression.codec` (the others refuse one, naming the key)."""
+    cost_model: str | None
+    """The runtime model's family for it (algorithms/runtime_model.py `predict`): `synchronous`,
+    `periodic`, `gossip` or `background`; None: not modelled, so `plan` and `auto` never weigh it (the
+    server kinds: their traffic is Ray's, which neither the model nor the lab sees)."""
+    server: bool = False
+    """Run by a parameter server (actors/parameter_server.py): the `server:` section applies."""
+
+
+POLICIES: tuple[PolicyRow, ...] = (
+    PolicyRow("bsp", BSPConfig, "synchronous", "algorithms.allreduce", True, "synchronous"),
+    PolicyRow("bytegrad", BytegradConfig, "synchronous", "algorithms.allreduce", True, "synchronous"),
+    PolicyRow("qadam", QAdamConfig, "synchronous", "algorithms.qadam", True, "synchronous"),
+    PolicyRow("local_sgd", LocalSGDConfig, "periodic", "algorithms.periodic", True, "periodic"),
+    PolicyRow("diloco", DiLoCoConfig, "periodic", "algorithms.periodic", True, "periodic"),
+    PolicyRow("streaming_diloco", StreamingDiLoCoConfig, "periodic", "algorithms.periodic", True, "periodic"),
+    PolicyRow("asp", ASPConfig, "server", "algorithms.server_policies", False, None, server=True),
+    PolicyRow("ssp", SSPConfig, "server", "algorithms.server_policies", False, None, server=True),
+    PolicyRow("quorum", QuorumConfig, "server", "algorithms.server_policies", False, None, server=True),
+    PolicyRow("elastic_bsp", ElasticBSPConfig, "server", "algorithms.server_policies", False, None, server=True),
+    PolicyRow("shadow", ShadowConfig, "background", "algorithms.shadow", False, "background"),
+    PolicyRow("dpsgd", DPSGDConfig, "decentralized", "algorithms.gossip", True, "gossip"),
+    PolicyRow("dadam", DAdamConfig, "decentralized", "algorithms.gossip", True, "gossip"),
+    PolicyRow("choco", ChocoConfig, "decentralized", "algorithms.gossip", True, "gossip"),
+)
+"""The policy table: the one place a policy is declared. Adding a policy is its module (an `Algorithm`
+registered under `name`), its config class above, its row here, and its tests; the schema, the kinds,
+the registry, the runtime model and the planner read the rows (docs/architecture.md walks one through)."""
+POLICY_TABLE: dict[str, PolicyRow] = {row.name: row for row in POLICIES}
+SYNC_POLICIES: dict[str, type] = {row.name: row.knobs for row in POLICIES}
 """`sync.policy` -> its config dataclass (its knobs); algorithms/ registers one Algorithm for each that runs."""
 SyncConfig = (BSPConfig | BytegradConfig | QAdamConfig | LocalSGDConfig | DiLoCoConfig | StreamingDiLoCoConfig
               | ASPConfig | SSPConfig | QuorumConfig | ElasticBSPConfig | ShadowConfig | DPSGDConfig | DAdamConfig
-              | AutoConfig)
-SERVER_POLICIES = frozenset({"asp", "ssp", "quorum", "elastic_bsp"})
+              | ChocoConfig | AutoConfig)
+"""The type of `JobConfig.sync` for the type checker (a test checks it names every row's knobs)."""
+SERVER_POLICIES = frozenset(row.name for row in POLICIES if row.server)
 """Policies run by a parameter server (actors/parameter_server.py): the `server:` section applies."""
 NOT_WIRED: frozenset[str] = frozenset()
 """Policies whose settings the schema checks but that cannot run yet: a job naming one is refused
@@ -544,8 +584,7 @@ _FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 """A number written the way people write them (1e-5, 3., .5), for float fields."""
 
 CODECS = ("none", "fp16", "bf16", "uint8", "onebit")
-COMPRESSING_POLICIES = ("bsp", "bytegrad", "qadam", "local_sgd", "diloco", "streaming_diloco", "dpsgd", "dadam",
-                        "choco")
+COMPRESSING_POLICIES = tuple(row.name for row in POLICIES if row.codec)
 """Policies whose collectives take a codec so far (the others refuse one, naming the key)."""
 
 
