@@ -34,6 +34,7 @@ ROUNDS = 5
 @ray.remote(num_cpus=0)
 class Probe:
     __module__ = REMOTE_HOME  # orchestrator/remote.py: Ray imports it from there
+
     def __init__(self, config: dict) -> None:
         import torch
 

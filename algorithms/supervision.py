@@ -87,7 +87,7 @@ def _table(rows: dict) -> dict:
 
 
 _J = JobState
-_ENDED = (_J.STOPPED, _J.FINISHED, _J.FAILED)
+_ENDED = tuple(s for s in JobState if s.terminal)
 JOB_TRANSITIONS: dict[JobState, frozenset[JobState]] = _table({
     _J.STARTING: (_J.RUNNING, _J.PAUSED, _J.STOPPING, *_ENDED),
     _J.RUNNING: (_J.RESHAPING, _J.PAUSED, _J.STOPPING, *_ENDED),
@@ -100,7 +100,7 @@ JOB_TRANSITIONS: dict[JobState, frozenset[JobState]] = _table({
 leaves an ended state, a stopping job only ends, and only a paused start goes back to STARTING."""
 
 _M = MemberState
-_GONE = (_M.LEFT, _M.FINISHED, _M.DEAD, _M.FAILED, _M.HUNG, _M.RETIRED, _M.STOPPED)
+_GONE = (*sorted(DEPARTED), _M.FINISHED, _M.STOPPED)  # every way a member ends
 MEMBER_TRANSITIONS: dict[MemberState, frozenset[MemberState]] = _table({
     _M.STARTING: (_M.READY, *_GONE),
     _M.READY: (_M.TRAINING, _M.LEAVING, *_GONE),

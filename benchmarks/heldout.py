@@ -37,7 +37,17 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks.tradeoffs import NETWORKS, bytes_per_step, lab_ready, load, measured_rows, per_step  # noqa: E402
+from benchmarks.tradeoffs import (  # noqa: E402
+    NETWORKS,
+    accuracy_evals,
+    bytes_per_step,
+    first_at,
+    lab_ready,
+    load,
+    measured_rows,
+    per_step,
+    placed_step_s,
+)
 
 SETTINGS = {
     "8w4n": {"nodes": 4, "per_node": 2, "bucket_mb": None, "workload": "digits"},
@@ -101,24 +111,11 @@ def run(cfg: dict) -> tuple[dict, list[dict], list[dict]]:
     return {"state": result.state, "cause": result.cause}, job.history(), events
 
 
-def to_target(history: list[dict]) -> tuple[float | None, int | None]:
-    start = min(r["time"] for r in history)
-    evals = sorted((r["time"] - start, r["step"], r["metrics"]["accuracy"]) for r in history
-                   if r.get("metrics", {}).get("accuracy") is not None)
-    return next(((t, s) for t, s, acc in evals if acc >= TARGET), (None, None))
-
-
 def placed_compute(setting: str, root: str) -> float:
     """One step's compute as the placed workers see it: the same workers communicating once in 20 steps
     (local_sgd h 20, unshaped), time per step after step 10 (as benchmarks/tradeoffs.py measures it)."""
     cfg = job_dict(setting, "calibration", {"policy": "local_sgd", "h": 20}, {}, "10g", 0, root)
-    cfg.pop("network")
-    cfg["stop"] = {"max_steps": 100 if SETTINGS[setting]["workload"] == "digits" else 40}
-    cfg["eval_every"] = 5 if SETTINGS[setting]["workload"] == "digits" else 0
-    result, history, _ = run(cfg)
-    if result["state"] != "FINISHED":
-        raise RuntimeError(f"the compute probe ended {result['state']}: {result['cause']}")
-    return per_step(history)
+    return placed_step_s(cfg, 100 if SETTINGS[setting]["workload"] == "digits" else 40)
 
 
 def predict(setting: str, cand, network: str, probed: list[dict], compute_s: float, model_bytes: float,
@@ -176,7 +173,8 @@ def measure(args, out: Path) -> int:
                             continue
                         began = time.time()
                         result, history, events = run(job_dict(setting, label, sync, compression, network, seed, root))
-                        t, s = to_target(history) if history and SETTINGS[setting]["workload"] == "digits" else (None, None)
+                        digits = SETTINGS[setting]["workload"] == "digits"
+                        t, s = first_at(accuracy_evals(history), TARGET) if history and digits else (None, None)
                         row = {"setting": setting, "policy": label, "network": network, "seed": seed, **result,
                                "step_s": per_step(history) if history else None,
                                "bytes_per_step": bytes_per_step(history) if history else None,

@@ -106,6 +106,33 @@ def bytes_per_step(history: list[dict]) -> float:
     return statistics.median(rates) if rates else float("nan")
 
 
+def accuracy_evals(history: list[dict]) -> list[tuple[float, int, float]]:
+    """(seconds from the first committed step, step, held-out accuracy) of each evaluation, in order."""
+    start = min(r["time"] for r in history)
+    return sorted((r["time"] - start, r["step"], r["metrics"]["accuracy"]) for r in history
+                  if r.get("metrics", {}).get("accuracy") is not None)
+
+
+def first_at(evals: list[tuple[float, int, float]], target: float) -> tuple[float | None, int | None]:
+    """(seconds, step) of the first evaluation at or above `target`, or (None, None)."""
+    return next(((t, s) for t, s, acc in evals if acc >= target), (None, None))
+
+
+def placed_step_s(cfg: dict, steps: int) -> float:
+    """Time per step (after step 10) of job `cfg` run for `steps` steps without a network: one step's
+    compute as the placed workers see it, with their CPU contention (its `sync` communicates rarely)."""
+    from orchestrator.config import config_from_dict
+    from orchestrator.job import ElasticJob
+
+    cfg = {**cfg, "stop": {"max_steps": steps}}
+    cfg.pop("network", None)
+    job = ElasticJob(config_from_dict(cfg)).start()
+    result = job.wait(timeout=600)
+    if result.state != "FINISHED":
+        raise RuntimeError(f"the compute probe ended {result.state}: {result.cause}")
+    return per_step(job.history())
+
+
 def run_cell(label, cand, network, condition, args, root, seed: int = 0) -> dict:
     from orchestrator.config import config_from_dict
     from orchestrator.job import ElasticJob
@@ -115,10 +142,8 @@ def run_cell(label, cand, network, condition, args, root, seed: int = 0) -> dict
     history = job.history()
     if not history:
         raise RuntimeError(f"{label} {network} {condition}: no history ({result.state}: {result.cause})")
-    start = min(r["time"] for r in history)
-    evals = sorted((r["time"] - start, r["step"], r["metrics"]["accuracy"]) for r in history
-                   if r.get("metrics", {}).get("accuracy") is not None)
-    hit = next(((t, s) for t, s, acc in evals if acc >= args.target), (None, None))
+    evals = accuracy_evals(history)
+    hit = first_at(evals, args.target)
     return {"policy": label, "network": network, "condition": condition, "seed": seed, "state": result.state,
             "step_s": per_step(history), "bytes_per_step": bytes_per_step(history),
             "to_target_s": hit[0], "steps_to_target": hit[1], "steps": max(r["step"] for r in history),
@@ -154,20 +179,10 @@ def placed_compute(args, root: str) -> float:
     workers, workload, evaluation cadence and CPU contention, communicating once in 20 steps (`local_sgd`,
     h 20, unshaped: a round on loopback adds well under 1 ms a step); time per step after step 10."""
     from algorithms.runtime_model import PolicySpec
-    from orchestrator.config import config_from_dict
-    from orchestrator.job import ElasticJob
     from orchestrator.planner import Candidate
 
-    steps = 100
     quiet = Candidate("calibration", {"policy": "local_sgd", "h": 20}, {}, PolicySpec("local_sgd"))
-    cfg = job_dict("calibration", quiet, "10g", "none", args, 0, root)
-    cfg.pop("network")
-    cfg["stop"] = {"max_steps": steps}
-    job = ElasticJob(config_from_dict(cfg)).start()
-    result = job.wait(timeout=600)
-    if result.state != "FINISHED":
-        raise RuntimeError(f"the compute probe ended {result.state}: {result.cause}")
-    return per_step(job.history())
+    return placed_step_s(job_dict("calibration", quiet, "10g", "none", args, 0, root), 100)
 
 
 def predict_cell(cand, network: str, condition: str, probed: list[dict], step_s: float, modelled_s: float,

@@ -516,14 +516,18 @@ class PolicyRow:
     server kinds: their traffic is Ray's, which neither the model nor the lab sees)."""
     server: bool = False
     """Run by a parameter server (actors/parameter_server.py): the `server:` section applies."""
+    switchable: bool = False
+    """An online trial (`sync.auto`) may switch to or from it mid-run: it holds BSP's replicated state at
+    its commit points (the same parameters on every member after a step or a round), so a switch at one
+    loses and repeats no sample (orchestrator/planner.py `SWITCHABLE`)."""
 
 
 POLICIES: tuple[PolicyRow, ...] = (
-    PolicyRow("bsp", BSPConfig, "synchronous", "algorithms.allreduce", True, "synchronous"),
-    PolicyRow("bytegrad", BytegradConfig, "synchronous", "algorithms.allreduce", True, "synchronous"),
+    PolicyRow("bsp", BSPConfig, "synchronous", "algorithms.allreduce", True, "synchronous", switchable=True),
+    PolicyRow("bytegrad", BytegradConfig, "synchronous", "algorithms.allreduce", True, "synchronous", switchable=True),
     PolicyRow("qadam", QAdamConfig, "synchronous", "algorithms.qadam", True, "synchronous"),
-    PolicyRow("local_sgd", LocalSGDConfig, "periodic", "algorithms.periodic", True, "periodic"),
-    PolicyRow("diloco", DiLoCoConfig, "periodic", "algorithms.periodic", True, "periodic"),
+    PolicyRow("local_sgd", LocalSGDConfig, "periodic", "algorithms.periodic", True, "periodic", switchable=True),
+    PolicyRow("diloco", DiLoCoConfig, "periodic", "algorithms.periodic", True, "periodic", switchable=True),
     PolicyRow("streaming_diloco", StreamingDiLoCoConfig, "periodic", "algorithms.periodic", True, "periodic"),
     PolicyRow("asp", ASPConfig, "server", "algorithms.server_policies", False, None, server=True),
     PolicyRow("ssp", SSPConfig, "server", "algorithms.server_policies", False, None, server=True),

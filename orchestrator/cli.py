@@ -13,7 +13,6 @@ import json
 import logging
 import os
 import signal
-import statistics
 import sys
 import time
 from collections.abc import Sequence
@@ -462,14 +461,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
         compute_s, model_bytes = planner.measure_compute(config)
     if args.compute_ms is not None:
         compute_s = args.compute_ms / 1e3
-    cands = planner.candidates(config, len(cluster["nodes"]) if cluster and not planner.told_network(config) else None)
+    cands = planner.candidates_on(config, cluster)
     rows = planner.ranked(config, cands, compute_s, model_bytes, probed, cluster=cluster)
     line = planner.recommendation(rows)
     if args.json:
         print(json.dumps({"compute_s": compute_s, "model_bytes": model_bytes, "recommendation": line,
                           "factors": planner.factors_line(config),
                           "cluster": ({k: v for k, v in cluster.items() if k != "compute"}
-                                      | {"compute_median_s": [statistics.median(t) for t in cluster["compute"]]})
+                                      | {"compute_median_s": planner.rank_medians(cluster)})
                           if cluster else None,
                           "rows": [{"policy": r.candidate.label, "step_s": r.step_s, "bytes_per_step": r.bytes_per_step,
                                     "factor": r.factor, "to_target_s": r.to_target_s, "exact": r.exact,

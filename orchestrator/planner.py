@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from algorithms.runtime_model import CODEC_RATIO, INF, Compute, Network, PolicySpec, cpu_time, host_patterns, predict
-from core.schema import ConfigError, JobConfig, NetworkConfig, parse
+from core.schema import POLICIES, ConfigError, JobConfig, NetworkConfig, parse
 
 FACTORS_PATH = Path(__file__).with_name("convergence.json")
 
@@ -59,12 +59,13 @@ class Row:
 EXACT = frozenset({"bsp", "bsp hierarchical"})
 """The candidates whose updates equal BSP's (hierarchical BSP sums in another order: the same up to float
 rounding), so their convergence is BSP's whatever the workload."""
-SWITCHABLE = frozenset({"bsp", "bytegrad", "local_sgd", "diloco"})
-"""The policies an online trial (`sync.auto`) may switch between mid-run: each holds BSP's replicated
-state at its commit points (the same parameters on every member after a step or a round), so a switch
-at one loses and repeats no sample. Streaming DiLoCo is not among them: its members' parameters differ
-at a commit point by design (fragments merge at different steps). The inner optimizer's state of the
-periodic ones is each member's own: at a switch every member takes rank 0's."""
+SWITCHABLE = frozenset(row.name for row in POLICIES if row.switchable)
+"""The policies an online trial (`sync.auto`) may switch between mid-run (the policy table's
+`switchable`): each holds BSP's replicated state at its commit points (the same parameters on every
+member after a step or a round), so a switch at one loses and repeats no sample. Streaming DiLoCo is not
+among them: its members' parameters differ at a commit point by design (fragments merge at different
+steps). The inner optimizer's state of the periodic ones is each member's own: at a switch every member
+takes rank 0's."""
 RELAXED_MARGIN = 0.10
 """A relaxed policy is recommended over the best exact one only if its predicted time to the target is at
 least this much lower: the factors come from a few seeds (over three seeds the same policy's factor
@@ -132,10 +133,16 @@ def network_for(net: NetworkConfig, world: int, probed: Sequence[dict] | None = 
         elif a == b:  # an unshaped stream: what a loopback flow moves, and what this machine's cores copy at most
             loopback = host = row["measured_mbit"] * 1e6 / 8
         latency[a][b] = row["modelled_latency_ms"] / 1e3 + row["rtt_ms"] / 2e3
-    nic = tuple(max((bandwidth[a][b] for b in range(nodes) if b != a), default=INF) for a in range(nodes)) \
-        if not net.emulate else ()
+    nic = _nic_at_fastest_link(bandwidth) if not net.emulate else ()
     return Network(tuple(net.node_of(f"w{i}") for i in range(world)), tuple(map(tuple, bandwidth)),
                    tuple(map(tuple, latency)), loopback, host, tuple(sorted((host_s or {}).items())), nic)
+
+
+def _nic_at_fastest_link(bandwidth: Sequence[Sequence[float]]) -> tuple[float, ...]:
+    """Each node's NIC rate on a real cluster: its fastest link to another node (links measured or told
+    one pair at a time, so one flow had the NIC to itself); INF for a node with no other."""
+    nodes = len(bandwidth)
+    return tuple(max((bandwidth[a][b] for b in range(nodes) if b != a), default=INF) for a in range(nodes))
 
 
 def told_network(cfg: JobConfig) -> bool:
@@ -163,14 +170,18 @@ def network_from_probe(cluster: dict) -> Network:
         else:
             bandwidth[a][b] = bandwidth[b][a] = link["bytes_per_s"]
             latency[a][b] = latency[b][a] = link["latency_s"]
-    nic = tuple(max((bandwidth[a][b] for b in range(nodes) if b != a), default=INF) for a in range(nodes))
     return Network(tuple(cluster["node_of_rank"]), tuple(map(tuple, bandwidth)), tuple(map(tuple, latency)), loopback,
-                   nic_bytes_per_s=nic)
+                   nic_bytes_per_s=_nic_at_fastest_link(bandwidth))
+
+
+def rank_medians(cluster: dict) -> list[float]:
+    """Each rank's median step as its probe measured it."""
+    return [statistics.median(times) for times in cluster["compute"]]
 
 
 def probed_compute_s(cluster: dict) -> float:
     """One step's compute as the probes measured it: the median over ranks of each rank's median."""
-    return statistics.median(statistics.median(times) for times in cluster["compute"])
+    return statistics.median(rank_medians(cluster))
 
 
 def compute_from_probe(cfg: JobConfig, cluster: dict, told_s: float | None = None) -> Compute:
@@ -180,8 +191,8 @@ def compute_from_probe(cfg: JobConfig, cluster: dict, told_s: float | None = Non
     the measured median step; the ranks' factors, the spread and backward's share stay as measured."""
     import math
 
-    medians = [statistics.median(times) for times in cluster["compute"]]
-    measured = probed_compute_s(cluster)
+    medians = rank_medians(cluster)
+    measured = statistics.median(medians)
     overall = told_s if told_s is not None else measured
     modelled = compute_spread(cfg, overall)
     factors = tuple(m / measured * modelled.factor(r) for r, m in enumerate(medians))
@@ -193,12 +204,12 @@ def compute_from_probe(cfg: JobConfig, cluster: dict, told_s: float | None = Non
 
 def describe_probe(cluster: dict) -> str:
     """One line: what the probe measured (for `plan` and `auto`'s event)."""
-    medians = [statistics.median(t) for t in cluster["compute"]]
+    medians = rank_medians(cluster)
     links = "; ".join(f"{cluster['nodes'][link['a']]}<->{cluster['nodes'][link['b']]} "
                       f"{link['bytes_per_s'] * 8 / 1e6:.0f} Mbit/s, {link['latency_s'] * 1e3:.2f} ms"
                       for link in cluster["links"]) or "none (every rank on one node)"
     return (f"measured on the cluster: {len(cluster['nodes'])} node(s), ranks on nodes {cluster['node_of_rank']}; "
-            f"one step's compute {probed_compute_s(cluster) * 1e3:.2f} ms (ranks {min(medians) * 1e3:.2f}-"
+            f"one step's compute {statistics.median(medians) * 1e3:.2f} ms (ranks {min(medians) * 1e3:.2f}-"
             f"{max(medians) * 1e3:.2f}) on {cluster['device']} with {cluster['threads']} thread(s); links: {links}")
 
 
@@ -336,6 +347,12 @@ def _policy_step(cfg: JobConfig, cand: Candidate, comm, numel: int):
         impl.commit(index)
 
     return step
+
+
+def candidates_on(cfg: JobConfig, cluster: dict | None) -> list[Candidate]:
+    """`candidates` for the nodes the ranks run on: those the probes landed on (`cluster`), unless the
+    config tells the cluster's network (then its nodes), else the lab's."""
+    return candidates(cfg, len(cluster["nodes"]) if cluster is not None and not told_network(cfg) else None)
 
 
 def with_candidate(cfg: JobConfig, cand: Candidate) -> JobConfig:
@@ -516,7 +533,7 @@ def choose(cfg: JobConfig, compute_s: float | None = None, model_bytes: float | 
     elif compute_s is None or model_bytes is None:
         compute_s, model_bytes = measure_compute(cfg)
     allowed = set(getattr(cfg.sync, "candidates", ()) or ())
-    every = candidates(cfg, len(cluster["nodes"]) if cluster is not None and not told_network(cfg) else None)
+    every = candidates_on(cfg, cluster)
     cands = [c for c in every if not allowed or c.sync["policy"] in allowed or c.label in allowed]
     if not cands:
         raise ConfigError(f"sync.candidates: none of {sorted(allowed)} applies to this job; applicable: "

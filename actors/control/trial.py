@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Callable
-from typing import Any
 
 DRIFT = 0.25
 """A chosen policy whose step time moves this far from its trial's measurement, sustained, is re-tried."""
@@ -153,10 +152,6 @@ class Trial:
         self.windows = [[] for _ in self.candidates]
         self.measured = [None] * len(self.candidates)
         self._event("policy_retrial", f"policy trial again: {why}", round=self.rounds, running=self.label(current))
-
-    def summary(self) -> dict[str, Any]:
-        return {"running": self.label(self.running), "chosen": None if self.chosen is None else self.label(self.chosen),
-                "measured": self.measured, "round": self.rounds}
 
 
 def _rate(points: list[tuple[int, float]]) -> float:

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from orchestrator.workloads.digits import mlp
-from testkit.harness import LocalJob, paced, wait_until
+from testkit.harness import LocalJob, committed_samples, paced, wait_until
 
 SEED, BATCH, N = 3, 8, 4
 OPT = {"name": "sgd", "lr": 0.05, "momentum": 0.9}
@@ -190,12 +190,7 @@ def test_a_switch_reached_by_an_abort_mid_round_redoes_the_provisional_local_ste
     assert all(o["ok"] for o in outcomes.values()), outcomes
     _, _, x, _ = start()
     assert_replicas_equal(job)
-    ledger: dict[int, list[int]] = {}
-    for path in (tmp_path / "samples").glob("*.txt"):
-        for line in path.read_text().splitlines():
-            if not line.startswith("dropped"):
-                step, _, *ids = map(int, line.split())
-                ledger.setdefault(step, []).extend(ids)
+    ledger = committed_samples(tmp_path, job.link.records)
     assert sorted(ledger) == list(range(1, stop + 1)), sorted(ledger)
     assert all(sorted(ledger[s]) == sorted(ids_of(s - 1, gb, len(x))) for s in ledger), "a step's samples"
     assert [r["step"] for r in sorted(job.link.records, key=lambda r: r["step"])] == list(range(1, stop + 1))
