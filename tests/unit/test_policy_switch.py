@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import copy
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
-from orchestrator.workloads.digits import mlp
 from testkit.harness import LocalJob, committed_samples, paced, wait_until
+from tests.unit.test_policy_oracles import SEED, global_batch_ids, share, start_model
 
-SEED, BATCH, N = 3, 8, 4
+BATCH, N = 8, 4
 OPT = {"name": "sgd", "lr": 0.05, "momentum": 0.9}
 SLOTS = tuple(f"w{i}" for i in range(N))
 
@@ -52,31 +51,15 @@ def run_switched(tmp_path, first: dict, then: dict, label: str, nodes: tuple[str
     return job, switched, stop
 
 
-def ids_of(step: int, size: int, n: int) -> list[int]:
-    """The global batch of step `step` (0-based): a permutation per data epoch from (seed, epoch)."""
-    out = []
-    for pos in range(step * size, (step + 1) * size):
-        epoch, i = divmod(pos, n)
-        out.append(int(np.random.default_rng([SEED, epoch]).permutation(n)[i]))
-    return out
-
-
-def share(ids: list[int], rank: int) -> list[int]:
-    size = len(ids) // N
-    return ids[rank * size:(rank + 1) * size]
-
-
 def start():
-    torch.manual_seed(SEED)
-    workload = mlp(hidden=16)
-    x, y = workload.train_data.tensors
-    model = workload.model
+    """The oracles' starting model (seed 3, 16 hidden units) and the data, with SGD and momentum."""
+    model, x, y = start_model()
     return model, torch.optim.SGD(model.parameters(), lr=OPT["lr"], momentum=OPT["momentum"]), x, y
 
 
 def bsp_steps(model, opt, x, y, first: int, last: int) -> None:
     for step in range(first, last):
-        index = torch.tensor(ids_of(step, N * BATCH, len(x)))
+        index = torch.tensor(global_batch_ids(step, N * BATCH, len(x)))
         opt.zero_grad()
         F.cross_entropy(model(x[index]), y[index]).backward()
         opt.step()
@@ -86,9 +69,9 @@ def local_sgd_steps(replicas, opts, x, y, first: int, last: int, h: int, stop: i
     """Steps first..last-1 (0-based) of local SGD: each replica's optimizer on its share; after every
     step that is a multiple of h, and at the stop, the replicas' mean (equal shares: the plain mean)."""
     for step in range(first, last):
-        ids = ids_of(step, N * BATCH, len(x))
+        ids = global_batch_ids(step, N * BATCH, len(x))
         for rank, (m, opt) in enumerate(zip(replicas, opts)):
-            index = torch.tensor(share(ids, rank))
+            index = torch.tensor(share(ids, rank, N))
             opt.zero_grad()
             F.cross_entropy(m(x[index]), y[index]).backward()
             opt.step()
@@ -192,5 +175,5 @@ def test_a_switch_reached_by_an_abort_mid_round_redoes_the_provisional_local_ste
     assert_replicas_equal(job)
     ledger = committed_samples(tmp_path, job.link.records)
     assert sorted(ledger) == list(range(1, stop + 1)), sorted(ledger)
-    assert all(sorted(ledger[s]) == sorted(ids_of(s - 1, gb, len(x))) for s in ledger), "a step's samples"
+    assert all(sorted(ledger[s]) == sorted(global_batch_ids(s - 1, gb, len(x))) for s in ledger), "a step's samples"
     assert [r["step"] for r in sorted(job.link.records, key=lambda r: r["step"])] == list(range(1, stop + 1))
