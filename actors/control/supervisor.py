@@ -89,9 +89,13 @@ class Supervisor:
         self._deferred: tuple[tuple[str, ...], str, str, float, int] | None = None
         """A batch's re-form, published once its last outcome is decided: (members, cause, detector,
         first seen, how many ended)."""
+        self._alive: tuple[int, set[str]] = (-1, set())
+        """(epoch, the members of that epoch that reported a failed collective in it): alive when they said so."""
+        self._heard: asyncio.Event | None = None  # set at each such report (made on the event loop: start)
 
     def start(self) -> None:
         self.outcomes = asyncio.Queue()
+        self._heard = asyncio.Event()
 
     # ------------------------------------------------------------------ detectors
     def watch(self, member: Member) -> None:
@@ -108,24 +112,42 @@ class Supervisor:
         within QUIET_S of the one before (for at most GATHER_MAX_S): members that end together (a
         node's workers, a rack, a storm) are handled as one batch. A second outcome of a member already
         in the batch (a death that both its watch and a probe found) is kept but does not extend the
-        wait: only another member's end can be one more of the same storm."""
-        assert self.outcomes is not None  # start() made it
+        wait: only another member's end can be one more of the same storm. The wait ends early once
+        every member of the epoch is accounted for: ended in the batch, or alive by its own report of
+        a failed collective in this epoch (a survivor of a death reports one), so no storm is left to
+        gather."""
+        assert self.outcomes is not None and self._heard is not None  # start() made them
         try:
             batch = [await asyncio.wait_for(self.outcomes.get(), timeout)]
         except asyncio.TimeoutError:
             return []
         now = time.monotonic()
         end, quiet_until = now + GATHER_MAX_S, now + QUIET_S
-        while (now := time.monotonic()) < min(end, quiet_until):
-            try:
-                outcome = (self.outcomes.get_nowait() if not self.outcomes.empty() else
-                           await asyncio.wait_for(self.outcomes.get(), min(quiet_until, end) - now))
-            except asyncio.TimeoutError:
-                break
+        while (now := time.monotonic()) < min(end, quiet_until) and not self._accounted(batch):
+            self._heard.clear()
+            if self.outcomes.empty():
+                getter = asyncio.ensure_future(self.outcomes.get())
+                heard = asyncio.ensure_future(self._heard.wait())
+                await asyncio.wait((getter, heard), timeout=min(quiet_until, end) - now,
+                                   return_when=asyncio.FIRST_COMPLETED)
+                heard.cancel()
+                if not getter.done():
+                    getter.cancel()  # an item a cancelled get was woken for stays in the queue
+                    continue  # a report, or the window's end: the loop's test decides
+                outcome = getter.result()
+            else:
+                outcome = self.outcomes.get_nowait()
             if all(outcome[0] is not other[0] for other in batch):
                 quiet_until = time.monotonic() + QUIET_S
             batch.append(outcome)
         return batch
+
+    def _accounted(self, batch: list[tuple[Member, str, dict, float]]) -> bool:
+        """Whether every member of the epoch's plan has ended in `batch` or said it is alive since."""
+        live = set(self.book.live())
+        ended = {outcome[0].slot for outcome in batch}
+        epoch, alive = self._alive
+        return bool(live & ended) and live <= ended | (alive if epoch == self.book.epoch else set())
 
     async def handle(self, batch: list[tuple[Member, str, dict, float]]) -> None:
         """Decide each outcome of a batch in turn; the survivors' re-form goes out once, after the last."""
@@ -197,7 +219,14 @@ class Supervisor:
 
     async def collective_failed(self, slot: str, epoch: int, error: str) -> None:
         """A member's collective failed: probe that epoch's members and evict any that do not answer;
-        if every one answers, the group itself is broken: re-form it at once as a new epoch."""
+        if every one answers, the group itself is broken: re-form it at once as a new epoch. The report
+        also says the member is alive (next_outcomes: a death's batch waits for no survivor that did)."""
+        if epoch == self.book.epoch:
+            if self._alive[0] != epoch:
+                self._alive = (epoch, set())
+            self._alive[1].add(slot)
+            if self._heard is not None:
+                self._heard.set()
         if epoch != self.book.epoch or self.actions.state not in (JobState.RUNNING, JobState.RESHAPING) or self._probing:
             return
         self._probing = True

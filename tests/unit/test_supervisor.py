@@ -193,3 +193,36 @@ def test_a_second_outcome_of_the_same_member_does_not_hold_the_batch_open(monkey
         assert [o[2]["error"] for o in batch] == ["watch", "probe"]
         assert took < 3.0, f"the duplicate held the batch open: {took:.2f}s"
     asyncio.run(scenario())
+
+
+def test_a_deaths_batch_closes_once_every_survivor_has_said_it_is_alive(monkeypatch):
+    """The batch's quiet window gathers members that end together. Once every other member of the epoch
+    has reported a failed collective (a survivor of a death does), none of them is still to end, and the
+    batch closes at once. With QUIET_S at 2 s: the survivors' reports at 0.1-0.2 s close it near 0.2 s;
+    without them (or with the early close switched off) it waits the full 2 s. A member that has not
+    reported keeps it open, so a second death at 0.5 s joins the first's batch."""
+    monkeypatch.setattr("actors.control.supervisor.QUIET_S", 2.0)
+    monkeypatch.setattr("actors.control.supervisor.GATHER_MAX_S", 10.0)
+
+    async def closes(reporters: tuple[str, ...], dies_later: str | None = None) -> tuple[float, list[str]]:
+        sup, group, book, _, _ = harness(3)
+        sup.start()
+        for m in book.members.values():
+            sup.watch(m)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        group.die("w1")
+        for i, slot in enumerate(reporters):
+            loop.call_later(0.1 * (i + 1), lambda s=slot: loop.create_task(
+                sup.collective_failed(s, book.epoch, "Connection closed by peer")))
+        if dies_later:
+            loop.call_later(0.5, group.die, dies_later)
+        batch = await sup.next_outcomes(1.0)
+        return loop.time() - started, sorted({m.slot for m, *_ in batch})
+
+    took, ended = asyncio.run(closes(("w0", "w2")))
+    assert took < 1.0 and ended == ["w1"], f"every survivor reported: closed after {took:.2f}s"
+    took, ended = asyncio.run(closes(()))
+    assert took > 1.9 and ended == ["w1"], f"no reports: the full window, {took:.2f}s"
+    took, ended = asyncio.run(closes(("w0",), dies_later="w2"))
+    assert ended == ["w1", "w2"], "w2 never said it was alive: its death 0.5 s later is the same batch"
