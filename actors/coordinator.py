@@ -476,7 +476,7 @@ class Coordinator(Actions):
 
     # ------------------------------------------------------------------ plans
     def _start_run(self, member: Member) -> None:
-        self.group.send(member.handle, "run")
+        self.group.run(member.handle)
         member.move(S.TRAINING)
         self.supervisor.watch(member)
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -181,22 +182,24 @@ class FakeWorkerGroup(WorkerGroup):
         worker = self._by_name.get(name)
         return worker if worker is not None and worker.alive else None
 
-    def send(self, handle: FakeWorker, method: str, *args: Any) -> None:
+    def set_plan(self, handle: FakeWorker, plan: Plan) -> None:
         if not handle.alive:
             return
-        if method == "set_plan":
-            self.plans_sent += 1
-            plan = args[0]
-            handle.plans = (handle.plans + [plan])[-4:]
-            handle.plan_at = time.perf_counter()
-            if handle.running and plan.stop_step is not None and plan.stop_step <= handle.step and plan.stop_step >= 0:
-                self.finish(handle.slot, handle.holds_state)  # already at (or past) the stop: done
-            elif handle.running and handle.slot not in self._members_of(plan):
-                self.finish(handle.slot, handle.holds_state)  # dropped by a scale-down: it leaves
-        elif method == "run":
+        self.plans_sent += 1
+        handle.plans = (handle.plans + [plan])[-4:]
+        handle.plan_at = time.perf_counter()
+        if handle.running and plan.stop_step is not None and plan.stop_step <= handle.step and plan.stop_step >= 0:
+            self.finish(handle.slot, handle.holds_state)  # already at (or past) the stop: done
+        elif handle.running and handle.slot not in self._members_of(plan):
+            self.finish(handle.slot, handle.holds_state)  # dropped by a scale-down: it leaves
+
+    def run(self, handle: FakeWorker) -> None:
+        if handle.alive:
             handle.running, handle.phase = True, "waiting"
-        elif method == "abort_epoch":
-            handle.aborted.append(args[0])
+
+    def abort_epoch(self, handle: FakeWorker, membership_epoch: int, reason: str) -> None:
+        if handle.alive:
+            handle.aborted.append(membership_epoch)
 
     def _members_of(self, plan: Plan) -> frozenset:
         """The plan's members as a set, made once per plan (a tuple's `in` per member is O(n^2) per plan)."""
@@ -204,45 +207,72 @@ class FakeWorkerGroup(WorkerGroup):
             self._plan_members = (plan.version, frozenset(plan.members))
         return self._plan_members[1]
 
-    async def call(self, handle: FakeWorker, method: str, *args: Any, timeout: float | None = None) -> Any:
-        if handle.hung and method in ("heartbeat", "status"):
+    async def _reach(self, handle: FakeWorker, timeout: float | None, hangs: bool = False) -> None:
+        """What a call meets before its answer: a hung worker's heartbeat and status never come (the call
+        times out), and a dead worker's calls raise."""
+        if handle.hung and hangs:
             await asyncio.sleep(timeout if timeout is not None else 3600)
             raise asyncio.TimeoutError
         if not handle.alive:
             raise FakeWorkerDied(f"{handle.name} is dead")
-        if method == "ready":
-            if self.unplaced:
-                handle.ready_gate = asyncio.Event()
-                await handle.ready_gate.wait()
-            if self.ready_delay_s:
-                await asyncio.sleep(self.ready_delay_s)
-            if handle.fail_start:  # its workload raised while warming up: the actor itself stays up
-                raise RuntimeError(handle.fail_start)
-            return {"pid": handle.pid, "node": "127.0.0.1", "node_id": "fake-node", "store_port": handle.pid}
-        if method == "adopt":
-            handle.spec = args[0]
-            self._by_slot[handle.spec.slot] = handle
-            return {"pid": handle.pid, "node": "127.0.0.1", "node_id": "fake-node", "store_port": handle.pid}
-        if method == "heartbeat":
-            return {"phase": handle.phase, "phase_age_s": time.monotonic() - handle.phase_since, "step": handle.step}
-        if method == "status":
-            return {"step": handle.step, "checksum": "fake", "plan": handle.plan, "holds_state": handle.holds_state}
-        if method == "records_after":
-            return tuple(r for r in handle.kept if r["step"] > args[0])
-        if method == "final_state":
-            return b"fake-state"
-        if method == "load_checkpoint":
-            return 0
-        if method == "evaluate_state":
-            return {}
-        raise AttributeError(f"a worker has no method {method}")
 
-    async def probe(self, handle: FakeWorker, method: str, *args: Any, timeout: float = 5.0):
+    def _placed(self, handle: FakeWorker) -> dict:
+        return {"pid": handle.pid, "node": "127.0.0.1", "node_id": "fake-node", "store_port": handle.pid}
+
+    async def ready(self, handle: FakeWorker, fired_faults: tuple[int, ...]) -> dict:
+        await self._reach(handle, None)
+        if self.unplaced:
+            handle.ready_gate = asyncio.Event()
+            await handle.ready_gate.wait()
+        if self.ready_delay_s:
+            await asyncio.sleep(self.ready_delay_s)
+        if handle.fail_start:  # its workload raised while warming up: the actor itself stays up
+            raise RuntimeError(handle.fail_start)
+        return self._placed(handle)
+
+    async def adopt(self, handle: FakeWorker, spec: WorkerSpec, fired_faults: tuple[int, ...], timeout: float) -> dict:
+        await self._reach(handle, timeout)
+        handle.spec = spec
+        self._by_slot[spec.slot] = handle
+        return self._placed(handle)
+
+    def _heartbeat(self, handle: FakeWorker) -> dict:
+        return {"phase": handle.phase, "phase_age_s": time.monotonic() - handle.phase_since, "step": handle.step}
+
+    def _status(self, handle: FakeWorker) -> dict:
+        return {"step": handle.step, "checksum": "fake", "plan": handle.plan, "holds_state": handle.holds_state}
+
+    async def heartbeat(self, handle: FakeWorker, timeout: float) -> dict:
+        await self._reach(handle, timeout, hangs=True)
+        return self._heartbeat(handle)
+
+    async def final_state(self, handle: FakeWorker, timeout: float) -> bytes:
+        await self._reach(handle, timeout)
+        return b"fake-state"
+
+    async def load_checkpoint(self, handle: FakeWorker, data: bytes, timeout: float | None = None) -> int:
+        await self._reach(handle, timeout)
+        return 0
+
+    def _probed(self, handle: FakeWorker, answer: Callable[[], Any]) -> tuple[Any | None, str | None]:
+        """A probe's answer: (None, why) for a dead worker, (None, None) for a hung one."""
         if not handle.alive:
             return None, f"{handle.name} died"
         if handle.hung:
             return None, None
-        return await self.call(handle, method, *args, timeout=timeout), None
+        return answer(), None
+
+    async def probe_heartbeat(self, handle: FakeWorker, timeout: float) -> tuple[dict | None, str | None]:
+        return self._probed(handle, lambda: self._heartbeat(handle))
+
+    async def status(self, handle: FakeWorker, timeout: float = 5.0) -> dict | None:
+        return self._probed(handle, lambda: self._status(handle))[0]
+
+    async def records_after(self, handle: FakeWorker, step: int, timeout: float = 5.0) -> tuple[dict, ...] | None:
+        return self._probed(handle, lambda: tuple(r for r in handle.kept if r["step"] > step))[0]
+
+    async def evaluate_state(self, handle: FakeWorker, blob: bytes, timeout: float = 5.0) -> dict | None:
+        return self._probed(handle, lambda: {})[0]
 
     async def watch(self, handle: FakeWorker) -> tuple[str, dict]:
         if handle.ended is None:

@@ -100,7 +100,7 @@ class Admission:
         except RuntimeError as err:
             raise RuntimeError(f"every member was lost and the checkpoint at step {step} is not whole: {err} "
                                f"(resume with --resume from an older one)") from None
-        await self.group.call(self.book.members[slot].handle, "load_checkpoint", data, timeout=60)
+        await self.group.load_checkpoint(self.book.members[slot].handle, data, timeout=60)
         redone = self._history().restore(step)
         self.journal.step = step
         lost = f"; steps {redone[0]}..{redone[1]} were committed by the lost members and are redone" if redone else ""

@@ -63,7 +63,7 @@ async def final_model(final: str, book: MembershipBook, group: WorkerGroup, serv
     rank0 = next((m for m in ranked if m.holds_state and m.state in (S.FINISHED, S.TRAINING)), None)
     if rank0 is None:
         raise RuntimeError("no live member holds the committed state")
-    return await group.call(rank0.handle, "final_state", timeout=CALL_TIMEOUT_S), rank0.slot
+    return await group.final_state(rank0.handle, timeout=CALL_TIMEOUT_S), rank0.slot
 
 
 async def average_of_replicas(book: MembershipBook, group: WorkerGroup, note: Callable[..., Any],
@@ -75,9 +75,9 @@ async def average_of_replicas(book: MembershipBook, group: WorkerGroup, note: Ca
                (m.state == S.FINISHED or (m.state == S.TRAINING and book.plan is not None and m.slot in book.plan.members))]
     if not holders:
         raise RuntimeError("no member holds a trained replica")
-    blobs = await asyncio.gather(*(group.call(m.handle, "final_state", timeout=CALL_TIMEOUT_S) for m in holders))
+    blobs = await asyncio.gather(*(group.final_state(m.handle, timeout=CALL_TIMEOUT_S) for m in holders))
     blob = await asyncio.to_thread(checkpoints.average_states, list(blobs))
-    evaluated = await group.ask(holders[0].handle, "evaluate_state", blob, timeout=CALL_TIMEOUT_S) or {}
+    evaluated = await group.evaluate_state(holders[0].handle, blob, timeout=CALL_TIMEOUT_S) or {}
     metrics.update(evaluated)
     shown = ", ".join(f"{k} {v:.4f}" for k, v in evaluated.items())
     note("info", f"final model: the average of {len(holders)} replicas ({', '.join(m.slot for m in holders)})"
@@ -90,6 +90,6 @@ async def committed_states(book: MembershipBook, group: WorkerGroup) -> dict | N
     out = {}
     assert book.plan is not None  # asked during a run, under its plan
     for slot in book.plan.members:
-        info = await group.ask(book.members[slot].handle, "status", timeout=3.0)
+        info = await group.status(book.members[slot].handle, timeout=3.0)
         out[slot] = {"step": info["step"], "checksum": info["checksum"]} if info else {"error": "no answer"}
     return out or None

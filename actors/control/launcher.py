@@ -103,7 +103,7 @@ class Launcher:
             member.handle = handle
         try:  # no timeout: Ray places the actor when there is room (the job may be PAUSED until then)
             if info is None:
-                info = await self.group.call(member.handle, "ready", fired)
+                info = await self.group.ready(member.handle, fired)
         except Exception as err:  # noqa: BLE001 - the worker could not start (user code in the factory, ...)
             if self.book.members.get(member.slot) is member and member.state == S.STARTING:
                 await self.slot_failed(member, "start", f"worker {member.slot} failed to start: {describe(err)}")

@@ -47,12 +47,12 @@ class Publisher:
         server = self._server()
         if server is not None:
             server.set_members(self.book.epoch, self.book.server_membership())
-        sent = [self.group.send(m.handle, "set_plan", plan) for m in self.book.reachable()]
+        sent = [self.group.set_plan(m.handle, plan) for m in self.book.reachable()]
         self._died_publishing(plan.version, sent)
         self._persist()
         if previous is not None and self.kind == "decentralized":
             for member in self.book.reachable():  # the old epoch's number: a member already in the new one is left alone
-                self.group.send(member.handle, "abort_epoch", previous.membership_epoch, f"plan {plan.version}: {reason}")
+                self.group.abort_epoch(member.handle, previous.membership_epoch, f"plan {plan.version}: {reason}")
         return plan
 
     def abort_epoch(self, reason: str) -> None:
@@ -62,5 +62,5 @@ class Publisher:
             return
         self._aborted = self.book.epoch
         for member in self.book.reachable():
-            self.group.send(member.handle, "abort_epoch", self.book.epoch, reason)
+            self.group.abort_epoch(member.handle, self.book.epoch, reason)
 

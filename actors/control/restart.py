@@ -35,7 +35,7 @@ async def reattach(saved: dict[str, Any], book: MembershipBook, group: WorkerGro
         if was["state"] not in (S.TRAINING.value, S.LEAVING.value):  # a joiner not admitted yet: started again
             group.kill(handle)
             continue
-        info = await group.ask(handle, "status") if handle is not None else None
+        info = await group.status(handle) if handle is not None else None
         member = Member(slot, handle, pid=was["pid"], node=was["node"], node_id=was["node_id"], state=S(was["state"]),
                         store_port=(info or {}).get("store_port", was.get("store_port", 0)),
                         incarnation=was.get("incarnation", 0), actor_name=was.get("actor_name", ""),
@@ -61,7 +61,7 @@ async def records_since(slots: list[str], book: MembershipBook, group: WorkerGro
     """The records after `step` that the members kept, each (step, slot) once, in step order."""
     kept: dict[tuple, dict] = {}
     for slot in slots:
-        for record in await group.ask(book.members[slot].handle, "records_after", step) or ():
+        for record in await group.records_after(book.members[slot].handle, step) or ():
             kept.setdefault((record["step"], record.get("slot", "")), record)
     return [kept[key] for key in sorted(kept)]
 
@@ -76,7 +76,7 @@ async def resume(path: str, first: Member, group: WorkerGroup, server: Any, hist
     if server is not None:
         step = await server.load_checkpoint(data)
     else:
-        step = await group.call(first.handle, "load_checkpoint", data)
+        step = await group.load_checkpoint(first.handle, data)
     journal.step = step
     history.ledger.written_step = step
     journal.event("info", f"resumed from checkpoint at step {step} ({path})", checkpoint=str(path), step=step)

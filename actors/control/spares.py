@@ -91,7 +91,7 @@ class SparePool:
                 self.group.kill(handle)
                 return
             spare.handle = handle
-            info = await self.group.call(handle, "ready")  # no timeout, as for a worker: placed when there is room
+            info = await self.group.ready(handle, ())  # no timeout, as for a worker: placed when there is room
         except Exception as err:  # noqa: BLE001 - its start failed: another one starts after a pause
             if spare in self.spares:
                 self.spares.remove(spare)
@@ -112,7 +112,7 @@ class SparePool:
         self.fill_when_settled()
         member.handle, member.actor_name = spare.handle, spare.name
         try:
-            info = await self.group.call(spare.handle, "adopt", spec, fired, timeout=ADOPT_TIMEOUT_S)
+            info = await self.group.adopt(spare.handle, spec, fired, timeout=ADOPT_TIMEOUT_S)
         except Exception as err:  # noqa: BLE001 - the spare died idle, or the replica could not be built
             self.group.kill(spare.handle)
             member.handle, member.actor_name = None, ""

@@ -198,7 +198,7 @@ class Supervisor:
     async def _beat(self, member: Member) -> None:
         w = self.cfg.workers
         try:
-            info = await self.group.call(member.handle, "heartbeat", timeout=w.heartbeat_s)
+            info = await self.group.heartbeat(member.handle, timeout=w.heartbeat_s)
         except asyncio.TimeoutError:
             await self.evict(member, "heartbeat", f"worker {member.slot} did not answer the heartbeat for "
                                                   f"{w.heartbeat_s:g}s (stopped or frozen)")
@@ -234,7 +234,7 @@ class Supervisor:
                    probe=True)  # when the coordinator first heard of it (benchmarks/recovery.py's phases)
         try:
             members = [self.book.members[s] for s in self.book.live()]
-            answers = await asyncio.gather(*(self.group.probe(m.handle, "heartbeat", timeout=PROBE_S) for m in members))
+            answers = await asyncio.gather(*(self.group.probe_heartbeat(m.handle, timeout=PROBE_S) for m in members))
             for member, (answer, died) in zip(members, answers):
                 if died is not None:  # the probe learnt of a death before the member's watch did
                     await self.evict(member, "actor death", f"worker {member.slot} died (found when {slot}'s "

@@ -22,8 +22,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from actors.members import describe, first_line, is_placed, job_is_dead, kill, log, log_to, probe
-from actors.plan import WorkerSpec, holder_name
+from actors.members import describe, first_line, is_placed, job_is_dead, kill, log, log_to
+from actors.plan import Plan, WorkerSpec, holder_name
 from core.schema import JobConfig
 
 
@@ -45,21 +45,59 @@ class WorkerGroup:
         """The live actor named `name`, or None."""
         raise NotImplementedError
 
-    def send(self, handle: Any, method: str, *args: Any) -> Any:
-        """A call whose answer nobody waits for (set_plan, abort_epoch, run); returns its reference."""
+    # ---- the coordinator's calls to a worker: one typed method per `WorkerActor` method of the same
+    # name (actors/worker.py; tests/unit/test_worker_port.py keeps the three in step). Three shapes:
+    # told (nobody waits: set_plan, abort_epoch, run), asked (the answer is needed; raises what the
+    # worker raised, or TimeoutError: ready, adopt, heartbeat, final_state, load_checkpoint), and
+    # probed (None when the worker is gone or silent: status, records_after, evaluate_state,
+    # probe_heartbeat, which also says why a dead one died).
+    def set_plan(self, handle: Any, plan: Plan) -> Any:
+        """Hand the worker a plan; returns the call's reference (the publisher watches it for a death)."""
         raise NotImplementedError
 
-    async def call(self, handle: Any, method: str, *args: Any, timeout: float | None = None) -> Any:
-        """A call whose answer is needed; raises what the worker raised, or TimeoutError."""
+    def abort_epoch(self, handle: Any, membership_epoch: int, reason: str) -> None:
+        """The worker's collectives of that epoch fail now."""
         raise NotImplementedError
 
-    async def probe(self, handle: Any, method: str, *args: Any, timeout: float = 5.0) -> tuple[Any | None, str | None]:
-        """(answer, None); (None, why) when the worker is known dead; (None, None) when it did not answer."""
+    def run(self, handle: Any) -> None:
+        """Start the worker's run (its end is what `watch` returns)."""
         raise NotImplementedError
 
-    async def ask(self, handle: Any, method: str, *args: Any, timeout: float = 5.0) -> Any | None:
-        """A control call; None if the worker is gone or silent."""
-        return (await self.probe(handle, method, *args, timeout=timeout))[0]
+    async def ready(self, handle: Any, fired_faults: tuple[int, ...]) -> dict:
+        """Wait until a new worker has built its workload: its pid, node, node id and store port."""
+        raise NotImplementedError
+
+    async def adopt(self, handle: Any, spec: WorkerSpec, fired_faults: tuple[int, ...], timeout: float) -> dict:
+        """A hot spare becomes the worker `spec` describes; answers as `ready` does."""
+        raise NotImplementedError
+
+    async def heartbeat(self, handle: Any, timeout: float) -> dict:
+        """The worker's phase, how long it has been in it, and its step."""
+        raise NotImplementedError
+
+    async def final_state(self, handle: Any, timeout: float) -> bytes:
+        """The worker's committed state (the final model)."""
+        raise NotImplementedError
+
+    async def load_checkpoint(self, handle: Any, data: bytes, timeout: float | None = None) -> int:
+        """Load a checkpoint; answers its step."""
+        raise NotImplementedError
+
+    async def probe_heartbeat(self, handle: Any, timeout: float) -> tuple[dict | None, str | None]:
+        """(heartbeat, None); (None, why) when the worker is known dead; (None, None) when it did not answer."""
+        raise NotImplementedError
+
+    async def status(self, handle: Any, timeout: float = 5.0) -> dict | None:
+        """The worker's step, state checksum, plan and whether it holds a state; None if gone or silent."""
+        raise NotImplementedError
+
+    async def records_after(self, handle: Any, step: int, timeout: float = 5.0) -> tuple[dict, ...] | None:
+        """The history records the worker keeps past `step`; None if gone or silent."""
+        raise NotImplementedError
+
+    async def evaluate_state(self, handle: Any, blob: bytes, timeout: float = 5.0) -> dict | None:
+        """The evaluation metrics of a state; None if the worker is gone or silent."""
+        raise NotImplementedError
 
     async def watch(self, handle: Any) -> tuple[str, dict]:
         """Waits until the worker's run ends: ("finished" | "error" | "died", its outcome)."""
@@ -143,15 +181,41 @@ class RayWorkerGroup(WorkerGroup):
         except ValueError:
             return None
 
-    def send(self, handle: Any, method: str, *args: Any) -> Any:
-        return getattr(handle, method).remote(*args)
+    def set_plan(self, handle: Any, plan: Plan) -> Any:
+        return handle.set_plan.remote(plan)
 
-    async def call(self, handle: Any, method: str, *args: Any, timeout: float | None = None) -> Any:
-        future = asyncio.wrap_future(getattr(handle, method).remote(*args).future())
-        return await (asyncio.wait_for(future, timeout) if timeout is not None else future)
+    def abort_epoch(self, handle: Any, membership_epoch: int, reason: str) -> None:
+        handle.abort_epoch.remote(membership_epoch, reason)
 
-    async def probe(self, handle: Any, method: str, *args: Any, timeout: float = 5.0) -> tuple[Any | None, str | None]:
-        return await probe(handle, method, *args, timeout=timeout)
+    def run(self, handle: Any) -> None:
+        handle.run.remote()
+
+    async def ready(self, handle: Any, fired_faults: tuple[int, ...]) -> dict:
+        return await _answer(handle.ready.remote(fired_faults), None)
+
+    async def adopt(self, handle: Any, spec: WorkerSpec, fired_faults: tuple[int, ...], timeout: float) -> dict:
+        return await _answer(handle.adopt.remote(spec, fired_faults), timeout)
+
+    async def heartbeat(self, handle: Any, timeout: float) -> dict:
+        return await _answer(handle.heartbeat.remote(), timeout)
+
+    async def final_state(self, handle: Any, timeout: float) -> bytes:
+        return await _answer(handle.final_state.remote(), timeout)
+
+    async def load_checkpoint(self, handle: Any, data: bytes, timeout: float | None = None) -> int:
+        return await _answer(handle.load_checkpoint.remote(data), timeout)
+
+    async def probe_heartbeat(self, handle: Any, timeout: float) -> tuple[dict | None, str | None]:
+        return await probe_actor("heartbeat", lambda: handle.heartbeat.remote(), timeout)
+
+    async def status(self, handle: Any, timeout: float = 5.0) -> dict | None:
+        return (await probe_actor("status", lambda: handle.status.remote(), timeout))[0]
+
+    async def records_after(self, handle: Any, step: int, timeout: float = 5.0) -> tuple[dict, ...] | None:
+        return (await probe_actor("records_after", lambda: handle.records_after.remote(step), timeout))[0]
+
+    async def evaluate_state(self, handle: Any, blob: bytes, timeout: float = 5.0) -> dict | None:
+        return (await probe_actor("evaluate_state", lambda: handle.evaluate_state.remote(blob), timeout))[0]
 
     async def watch(self, handle: Any) -> tuple[str, dict]:
         from ray.exceptions import ActorDiedError, RayActorError
@@ -220,6 +284,26 @@ class RayWorkerGroup(WorkerGroup):
         import ray
 
         ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
+
+
+async def _answer(ref: Any, timeout: float | None) -> Any:
+    """A Ray call's answer on this event loop, within `timeout` (None: no limit)."""
+    future = asyncio.wrap_future(ref.future())
+    return await (asyncio.wait_for(future, timeout) if timeout is not None else future)
+
+
+async def probe_actor(what: str, call: Callable[[], Any], timeout: float) -> tuple[Any | None, str | None]:
+    """A control call that tells a dead actor apart from a silent one: (answer, None); (None, why)
+    when Ray says the actor died; (None, None) when it did not answer in time, or answered with an error."""
+    from ray.exceptions import ActorDiedError
+
+    try:
+        return await asyncio.wait_for(asyncio.wrap_future(call().future()), timeout), None
+    except ActorDiedError as err:
+        return None, describe(err)
+    except Exception as err:  # noqa: BLE001 - not answering (hung, or on a lost node), or a failed call
+        log.debug("control call %s to a worker got no answer: %s", what, describe(err))
+        return None, None
 
 
 SELF_CALL_DEADLINE_S = 60.0

@@ -8,7 +8,7 @@ import signal
 
 import ray
 
-from actors.members import probe
+from actors.control.workers import probe_actor
 from testkit.harness import CommPeer
 
 
@@ -19,7 +19,7 @@ def test_a_probe_tells_a_dead_worker_from_a_silent_one_and_a_live_one(ray_sessio
     os.kill(pids[1], signal.SIGSTOP)
 
     async def ask_all():
-        return await asyncio.gather(*(probe(p, "pid", timeout=1.0) for p in peers))
+        return await asyncio.gather(*(probe_actor("pid", lambda p=p: p.pid.remote(), timeout=1.0) for p in peers))
     try:
         (d, d_why), (f, f_why), (a, a_why) = asyncio.run(ask_all())
     finally:

@@ -38,12 +38,16 @@ class Harness:
             handle = self.group.create(f"job/r/{slot}", WorkerSpec("job", "r", slot, "/tmp", "job", "ns", {}, ()))
             self.book.members[slot] = Member(slot, handle, node=f"10.0.0.{i}", store_port=7000 + i, state=S.TRAINING,
                                              incarnation=i + 1)
-        original = self.group.send
+        set_plan, abort_epoch = self.group.set_plan, self.group.abort_epoch
 
-        def send(handle, method, *args):
-            self.log.append((method, handle.slot, args[0].version if method == "set_plan" else args[0]))
-            return original(handle, method, *args)
-        self.group.send = send
+        def sent_plan(handle, plan):
+            self.log.append(("set_plan", handle.slot, plan.version))
+            return set_plan(handle, plan)
+
+        def sent_abort(handle, epoch, reason):
+            self.log.append(("abort_epoch", handle.slot, epoch))
+            return abort_epoch(handle, epoch, reason)
+        self.group.set_plan, self.group.abort_epoch = sent_plan, sent_abort  # type: ignore[method-assign]
         self.publisher = Publisher(self.book, self.group, kind, 0, lambda: self.server, self.save,
                                    lambda version, sent: None)
 

@@ -72,7 +72,7 @@ def harness(n: int = 4, **workers):
     book = MembershipBook(cfg, "r", "lockstep")
     for i in range(n):
         handle = group.create(f"s/r/w{i}", WorkerSpec("s", "r", f"w{i}", "/tmp", "s", "ns", {}, ()))
-        group.send(handle, "run")
+        group.run(handle)
         book.members[f"w{i}"] = Member(f"w{i}", handle, state=S.TRAINING)
     book.next_plan(tuple(book.members), "start", incarnation=0, store_host="h", store_port=0, history_step=0)
     actions = Recorder(book)

@@ -1,0 +1,57 @@
+"""The coordinator reaches a worker through typed calls (actors/control/workers.py `WorkerGroup`), one per
+method of the worker actor (actors/worker.py `Worker`), never by a method's name in a string: a renamed
+or re-shaped worker method breaks this test and the type checker, not a job at run time."""
+from __future__ import annotations
+
+import ast
+import inspect
+from pathlib import Path
+
+from actors.control.workers import RayWorkerGroup, WorkerGroup
+from actors.worker import Worker
+from testkit.fake_workers import FakeWorkerGroup
+
+REPO = Path(__file__).resolve().parents[2]
+CALLS = ("set_plan", "abort_epoch", "run", "ready", "adopt", "heartbeat", "final_state", "load_checkpoint",
+         "probe_heartbeat", "status", "records_after", "evaluate_state")
+"""The port's calls to a worker; `probe_heartbeat` is the worker's `heartbeat`, asked as a probe."""
+
+
+def _params(fn, skip: tuple[str, ...]) -> list[str]:
+    return [p for p in inspect.signature(fn).parameters if p not in skip and not p.startswith("_ray")]  # Ray adds its tracing context
+
+
+def test_each_call_of_the_port_is_a_worker_method_with_the_same_arguments():
+    for name in CALLS:
+        worker = getattr(Worker, "heartbeat" if name == "probe_heartbeat" else name)
+        assert _params(getattr(WorkerGroup, name), ("self", "handle", "timeout")) == _params(worker, ("self",)), name
+
+
+def test_the_ray_group_and_the_fake_implement_every_call_with_the_ports_signature():
+    for group in (RayWorkerGroup, FakeWorkerGroup):
+        for name in CALLS:
+            ours = getattr(group, name)
+            assert ours is not getattr(WorkerGroup, name), f"{group.__name__} does not implement {name}"
+            assert _params(ours, ()) == _params(getattr(WorkerGroup, name), ()), (group.__name__, name)
+            assert inspect.iscoroutinefunction(ours) == inspect.iscoroutinefunction(getattr(WorkerGroup, name))
+
+
+def test_no_call_to_a_worker_names_its_method_in_a_string():
+    """No port method takes a method's name, and no module of the coordinator's process looks a method up
+    on a handle by name (`getattr(handle, ...)`); only a restarted coordinator's call to its own `start`
+    (`call_self`) names one."""
+    for group in (WorkerGroup, RayWorkerGroup, FakeWorkerGroup):
+        for name, fn in inspect.getmembers(group, inspect.isfunction):
+            if name != "call_self":
+                assert "method" not in inspect.signature(fn).parameters, f"{group.__name__}.{name}"
+    files = [*sorted((REPO / "actors" / "control").glob("*.py")), REPO / "actors" / "coordinator.py",
+             REPO / "testkit" / "fake_workers.py"]
+    found = []
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr" \
+                    and isinstance(node.args[0], ast.Name) and node.args[0].id == "handle":
+                found.append(f"{path.relative_to(REPO)}:{node.lineno}")
+            if isinstance(node, ast.Compare) and isinstance(node.left, ast.Name) and node.left.id == "method":
+                found.append(f"{path.relative_to(REPO)}:{node.lineno}")
+    assert not found, found
