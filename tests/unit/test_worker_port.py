@@ -44,7 +44,7 @@ def test_no_call_to_a_worker_names_its_method_in_a_string():
         for name, fn in inspect.getmembers(group, inspect.isfunction):
             if name != "call_self":
                 assert "method" not in inspect.signature(fn).parameters, f"{group.__name__}.{name}"
-    files = [*sorted((REPO / "actors" / "control").glob("*.py")), REPO / "actors" / "coordinator.py",
+    files = [*sorted((REPO / "actors" / "control").glob("*.py")), REPO / "actors/coordinator.py",
              REPO / "testkit" / "fake_workers.py"]
     found = []
     for path in files:
