@@ -119,8 +119,8 @@ class Worker:
             self._become(spec)
 
     def _become(self, spec: WorkerSpec, workload=None) -> None:
-        from actors.parameter_server import RayServerClient  # see the imports
         from actors.replica import Replica
+        from actors.server_client import RayServerClient  # see the imports
 
         os.environ["ORCHESTRATOR_SLOT"] = spec.slot
         self.spec = spec
@@ -233,10 +233,10 @@ def prepare_spare(config: JobConfig) -> Any:
     """What a hot spare pays ahead of its adoption (see the imports): its workload, the first-use imports
     of a replica's construction (the optimizer's, the policy's), every module `_become` imports, and
     ray.util.collective (the first epoch publishes its group there). An adoption that imported
-    `actors.parameter_server` and the modules it brings took 0.14-0.18 s of a join here, where Python
+    `actors.server_client` and the modules it brings took 0.14-0.18 s of a join here, where Python
     caches no bytecode for the project and compiles each module from source; the first epoch's import
     of ray.util.collective took 0.13 s more."""
-    import actors.parameter_server  # noqa: F401 - `_become`'s import, paid ahead
+    import actors.server_client  # noqa: F401 - `_become`'s import, paid ahead
     from actors import collective
     from actors.replica import build_workload, warm_up
 
@@ -258,4 +258,5 @@ def _redirect_output(path: str) -> None:
 
 
 # Every coordinator incarnation keeps one watch() pending: the dead one's stays until run() ends.
-WorkerActor = ray.remote(concurrency_groups={"control": 4, "watch": 8})(Worker)
+# Ray's typed overloads of ray.remote list task options only; concurrency_groups is an actor option it takes.
+WorkerActor = ray.remote(concurrency_groups={"control": 4, "watch": 8})(Worker)  # type: ignore[call-overload]
