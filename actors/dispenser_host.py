@@ -25,10 +25,7 @@ log = logging.getLogger(__name__)
 
 
 class DispenserHost(ServerHost):
-    """The background kind's server (`shadow`): the lease dispenser and EASGD's central copy
-    (algorithms/dispenser.py) behind the host's lock. It applies no versions and reports no history
-    (each member reports its own); `model_state` is the central copy. A restarted dispenser starts
-    from a fresh lease table (no snapshots): the coordinator states it in an event."""
+    """A `ServerHost` whose core is the lease dispenser and central copy (see the module's text)."""
 
     def _make_core(self) -> Any:
         return DispenserCore(list(self.model.parameters()), n_samples=self._samples_in(), seed=self.cfg.seed,
