@@ -91,17 +91,18 @@ def withdraw(comm: BaseCommunicator | None) -> None:
     global _current, _no_group_reason
     if comm is None:
         return
+    name = comm.name
     with _lock:
-        if _live.pop(comm.name, None) is None:
+        if _live.pop(name, None) is None:
             return
-        if _current == comm.name:
+        if _current == name:
             _current = None
             _no_group_reason = "the membership epoch ended; the next one's group is not formed yet"
     col = _ray_collective()
     with col._group_mgr_lock:
-        group = col._group_mgr._name_group_map.get(comm.name)
+        group = col._group_mgr._name_group_map.get(name)
         if group is not None and getattr(group, "communicator", None) is comm:
-            del col._group_mgr._name_group_map[comm.name]
+            del col._group_mgr._name_group_map[name]
 
 
 def current_group() -> str:

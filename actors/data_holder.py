@@ -47,7 +47,8 @@ class DataHolder:
 def block_reader(job: str, run_id: str, namespace: str):
     """For actors/sources.py: `dataset -> blocks`, through this run's holder (created by whoever asks first)."""
     def blocks(dataset: Any) -> list[tuple[Any, int]]:
-        holder = DataHolder.options(name=holder_name(job, run_id), namespace=namespace, lifetime="detached",
-                                    get_if_exists=True).remote()
+        # mypy keeps a decorated class's own type (python/mypy#3135): @ray.remote made it an ActorClass
+        holder = DataHolder.options(name=holder_name(job, run_id), namespace=namespace,  # type: ignore[attr-defined]
+                                    lifetime="detached", get_if_exists=True).remote()
         return ray.get(holder.blocks.remote(dataset))
     return blocks

@@ -105,9 +105,9 @@ def enter_average(member: Member, comm: Any) -> int | None:
     skip ahead to the newest step, counting their skipped shares as dropped."""
     mine = torch.tensor([1 if member.holds_state else 0, member.step, *member.impl.exchange_report()],
                         dtype=torch.int64, device=comm.device)
-    views = [torch.zeros_like(mine) for _ in range(comm.world_size)]
-    comm.all_gather(views, mine).wait()
-    views = [v.cpu().tolist() for v in views]
+    gathered = [torch.zeros_like(mine) for _ in range(comm.world_size)]
+    comm.all_gather(gathered, mine).wait()
+    views: list[list[int]] = [v.cpu().tolist() for v in gathered]
     members = member.plan.members
     member.impl.reconcile({members[r]: tuple(v[2:]) for r, v in enumerate(views)})
     newest = max(v[1] for v in views)

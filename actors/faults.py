@@ -16,7 +16,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -24,6 +24,8 @@ import numpy as np
 from core.schema import FaultsConfig, KillFault
 
 if TYPE_CHECKING:  # pragma: no cover
+    from ray import ObjectRef
+
     from actors.comm import BaseCommunicator
 
 log = logging.getLogger(__name__)
@@ -196,7 +198,7 @@ class CoordinatorFaults:
             self._save(self.fired)
         return due
 
-    def maybe_die(self, at: str, version: int = 0, delivered: list = ()) -> None:
+    def maybe_die(self, at: str, version: int = 0, delivered: Sequence[ObjectRef] = ()) -> None:
         for index, fault in enumerate(self.entries):
             key = f"coordinator-{index}"
             if fault.at != at or (at == "publish" and fault.version != version) or key in self.fired:

@@ -33,6 +33,8 @@ def shim_path(build: bool = False) -> Path:
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise LabUnavailable("compiling the lab's connect() shim needs a C compiler: install cc or gcc")
     tmp = out.with_suffix(f".{os.getpid()}.tmp")
     result = subprocess.run([compiler, "-shared", "-fPIC", "-O2", "-o", str(tmp), str(SHIM_SOURCE), "-ldl"],
                             capture_output=True, text=True, timeout=120)

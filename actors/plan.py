@@ -92,17 +92,23 @@ class PlanBook:
         """The newest plan once some plan names `slot`: the plan that admits a worker and its `run()`
         travel on different channels, so `run()` may start first (a later plan may drop it again)."""
         self._wait(lambda: slot in self.named)
-        return self.latest
+        return self._newest()
 
     def newer_than(self, version: int) -> Plan:
         self._wait(lambda: self.latest is not None and self.latest.version > version)
+        return self._newest()
+
+    def _newest(self) -> Plan:
+        """The newest plan, once a wait saw one arrive."""
+        if self.latest is None:
+            raise RuntimeError("no plan has arrived yet")
         return self.latest
 
     def agreed(self, version: int) -> Plan | None:
         """The plan the members' vote agreed on. Every member is sent every plan, so one not received
         yet is on its way: wait for it (the coordinator may be restarting, so never ask it). None when
         a still newer plan arrives first: that one supersedes it."""
-        self._wait(lambda: version in self.plans or self.latest.version > version)
+        self._wait(lambda: version in self.plans or self._newest().version > version)
         return self.plans.get(version)
 
 

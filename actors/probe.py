@@ -114,13 +114,14 @@ def probe_cluster(config: dict, timeout: float = 300.0) -> dict:
     w = cfg.workers
     options: dict = {"num_cpus": w.cpus, "num_gpus": w.gpus,
                      "scheduling_strategy": "SPREAD" if w.placement == "spread" else "DEFAULT"}
-    probes = [Probe.options(**options).remote(config) for _ in range(w.count)]
+    # mypy keeps a decorated class's own type (python/mypy#3135): @ray.remote made it an ActorClass
+    probes = [Probe.options(**options).remote(config) for _ in range(w.count)]  # type: ignore[attr-defined]
     try:
         placed = ray.get([p.where.remote() for p in probes], timeout=timeout)
         nodes = list(dict.fromkeys(ip for _, ip in placed))
         node_of_rank = [nodes.index(ip) for _, ip in placed]
         measured = ray.get([p.compute.remote() for p in probes], timeout=timeout)
-        first_on = {}
+        first_on: dict[int, list[int]] = {}
         for rank, node in enumerate(node_of_rank):
             first_on.setdefault(node, []).append(rank)
         links = []

@@ -1,6 +1,7 @@
 """The parameter server's Ray actor, without torch: the coordinator creates it and finds it by name.
 
-`ParameterServer` is the actor around a `ServerHost` (actors/parameter_server.py): detached and named
+`ParameterServer` is the actor around a `ServerHost` (actors/server_host.py; the background kind's
+`DispenserHost`, actors/dispenser_host.py, is one): detached and named
 `<job>/<run id>/server` like the workers (a coordinator crash does not take it down), threaded,
 restarted by Ray when its process dies. The host, and torch with it, is imported in the server's own
 process when the actor starts, so that a server kind's coordinator (whose members form no group, so
@@ -20,6 +21,7 @@ from actors.plan import server_name
 if TYPE_CHECKING:  # pragma: no cover
     import numpy as np
 
+    from actors.dispenser_host import DispenserHost
     from algorithms.server import Fence, Pull, PushResult
     from core.schema import JobConfig
 
@@ -70,6 +72,11 @@ class ParameterServer:
         restarted = ray.get_runtime_context().was_current_actor_reconstructed
         self.host = make_host(config, run_dir, CoordinatorReports(coordinator, namespace), restarted=restarted)
 
+    def _dispenser(self) -> DispenserHost:
+        from actors.dispenser_host import as_dispenser  # torch: in the server's process only
+
+        return as_dispenser(self.host)
+
     def ready(self) -> dict:
         return {"pid": os.getpid(), "node": ray.util.get_node_ip_address(), **self.host.summary()}
 
@@ -106,18 +113,19 @@ class ParameterServer:
         return self.host.set_schedule(index, iterations)
 
     def lease_block(self, fence: Fence, count: int, size: int) -> tuple[str | None, tuple]:
-        return self.host.lease_block(fence, count, size)
+        return self._dispenser().lease_block(fence, count, size)
 
     def applied(self, fence: Fence, keys: list[int], rounds: int, final: bool = False, upto: int = -1,
                 finished: bool = False) -> int:
-        return self.host.applied(fence, keys, rounds, final, upto, finished)
+        return self._dispenser().applied(fence, keys, rounds, final, upto, finished)
 
     def elastic(self, fence: Fence, x: np.ndarray, alpha: float) -> tuple[str | None, np.ndarray | None]:
-        return self.host.elastic(fence, x, alpha)
+        return self._dispenser().elastic(fence, x, alpha)
 
 
 # Pulls wait at the server (up to PULL_WAIT_S each): one thread per worker and a few for control.
-ParameterServerActor = ray.remote(max_concurrency=32)(ParameterServer)
+# Ray's typed overloads of ray.remote list task options only; max_concurrency is an actor option it takes.
+ParameterServerActor = ray.remote(max_concurrency=32)(ParameterServer)  # type: ignore[call-overload]
 
 
 def start_server(cfg: JobConfig, config: dict, run_id: str, run_dir: str, namespace: str) -> Any:

@@ -1,6 +1,6 @@
 """The parameter server's snapshots, stored by a thread of their own so that no RPC waits for the store.
 
-Every `server.snapshot_every` versions, `ServerHost` (actors/parameter_server.py) hands the server's
+Every `server.snapshot_every` versions, `ServerHost` (actors/server_host.py) hands the server's
 state to a `SnapshotWriter`: `ServerCore.state_dict()`, whose tensors are copies taken under the host's
 lock. The writer's thread serializes it with `torch.save` and stores it as a checkpoint
 (actors/checkpoints.py: the data, then its manifest, then retention's deletes). On an object store that

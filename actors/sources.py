@@ -83,7 +83,9 @@ class MapSource:
 
     def _one_by_one(self, ids: np.ndarray) -> Fetched:
         """Each sample read on its own: one that raises fails the batch with its id, or is skipped."""
-        samples, kept, skipped = [], [], []
+        samples: list[Any] = []
+        kept: list[int] = []
+        skipped: list[int] = []
         for i in ids.tolist():
             try:
                 samples.append(self.data[i])
@@ -183,7 +185,7 @@ class BlockSource(MapSource):
             except ray.exceptions.ObjectLostError:
                 if self._refresh is None:
                     raise
-                self._reattach()  # the holder was restarted: its blocks are new objects
+                self._reattach(self._refresh)  # the holder was restarted: its blocks are new objects
                 block = ray.get(self.refs[b])
             columns = BlockAccessor.for_block(block).to_batch_format("numpy")
         except Exception as err:
@@ -196,8 +198,8 @@ class BlockSource(MapSource):
                 self._cache.popitem(last=False)
         return columns
 
-    def _reattach(self) -> None:
-        blocks = self._refresh()
+    def _reattach(self, refresh: Callable[[], list[tuple[Any, int]]]) -> None:
+        blocks = refresh()
         rows = np.asarray([r for _, r in blocks], dtype=np.int64)
         if not np.array_equal(rows, self.order.rows):
             raise RuntimeError("the Ray Data holder was restarted and materialized other blocks than before")

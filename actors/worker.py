@@ -119,8 +119,8 @@ class Worker:
             self._become(spec)
 
     def _become(self, spec: WorkerSpec, workload=None) -> None:
-        from actors.parameter_server import RayServerClient  # see the imports
         from actors.replica import Replica
+        from actors.server_client import RayServerClient  # see the imports
 
         os.environ["ORCHESTRATOR_SLOT"] = spec.slot
         self.spec = spec
@@ -130,12 +130,18 @@ class Worker:
                                workload=workload)
         self.replica.exit_if_stuck = _exit_stuck
 
+    def _replica(self) -> Replica:
+        """The replica, which a hot spare holds only once adopted."""
+        if self.replica is None:
+            raise AttributeError(f"{self.spec.slot} is a hot spare: it holds no replica until adopted")
+        return self.replica
+
     def run(self) -> dict:
-        return self.replica.run()
+        return self._replica().run()
 
     @ray.method(concurrency_group="watch")
     def watch(self) -> dict:
-        return self.replica.watch()
+        return self._replica().watch()
 
     @ray.method(concurrency_group="control")
     def ready(self, fired_faults: tuple[int, ...] = ()) -> dict:
@@ -159,35 +165,35 @@ class Worker:
     @ray.method(concurrency_group="control")
     def set_plan(self, plan: Plan) -> None:
         self._host.hosts(plan)
-        self.replica.set_plan(plan)
+        self._replica().set_plan(plan)
 
     @ray.method(concurrency_group="control")
     def abort_epoch(self, membership_epoch: int, reason: str) -> None:
-        self.replica.abort_epoch(membership_epoch, reason)
+        self._replica().abort_epoch(membership_epoch, reason)
 
     @ray.method(concurrency_group="control")
     def status(self) -> dict:
-        return dict(self.replica.status(), store_port=self._host.port)
+        return dict(self._replica().status(), store_port=self._host.port)
 
     @ray.method(concurrency_group="control")
     def heartbeat(self) -> dict:
-        return self.replica.heartbeat()
+        return self._replica().heartbeat()
 
     @ray.method(concurrency_group="control")
     def load_checkpoint(self, data: bytes) -> int:
-        return self.replica.load_checkpoint(data)
+        return self._replica().load_checkpoint(data)
 
     @ray.method(concurrency_group="control")
     def final_state(self) -> bytes:
-        return self.replica.final_state()
+        return self._replica().final_state()
 
     @ray.method(concurrency_group="control")
     def evaluate_state(self, blob: bytes) -> dict:
-        return self.replica.evaluate_state(blob)
+        return self._replica().evaluate_state(blob)
 
     @ray.method(concurrency_group="control")
     def records_after(self, step: int) -> tuple[dict, ...]:
-        return self.replica.records_after(step)
+        return self._replica().records_after(step)
 
 
 def _exit_stuck(why: str) -> None:
@@ -233,10 +239,10 @@ def prepare_spare(config: JobConfig) -> Any:
     """What a hot spare pays ahead of its adoption (see the imports): its workload, the first-use imports
     of a replica's construction (the optimizer's, the policy's), every module `_become` imports, and
     ray.util.collective (the first epoch publishes its group there). An adoption that imported
-    `actors.parameter_server` and the modules it brings took 0.14-0.18 s of a join here, where Python
+    `actors.server_client` and the modules it brings took 0.14-0.18 s of a join here, where Python
     caches no bytecode for the project and compiles each module from source; the first epoch's import
     of ray.util.collective took 0.13 s more."""
-    import actors.parameter_server  # noqa: F401 - `_become`'s import, paid ahead
+    import actors.server_client  # noqa: F401 - `_become`'s import, paid ahead
     from actors import collective
     from actors.replica import build_workload, warm_up
 
@@ -258,4 +264,5 @@ def _redirect_output(path: str) -> None:
 
 
 # Every coordinator incarnation keeps one watch() pending: the dead one's stays until run() ends.
-WorkerActor = ray.remote(concurrency_groups={"control": 4, "watch": 8})(Worker)
+# Ray's typed overloads of ray.remote list task options only; concurrency_groups is an actor option it takes.
+WorkerActor = ray.remote(concurrency_groups={"control": 4, "watch": 8})(Worker)  # type: ignore[call-overload]

@@ -18,7 +18,7 @@ last of them). `r: 1` gives every worker one iteration: a barrier after each ste
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -125,7 +125,7 @@ class BarrierPlanner:
         self.r = r
         self.predictor = predictor or EwmaPredictor(alpha)
 
-    def plan(self, members: Sequence[str], intervals: dict[str, Sequence[float]]) -> dict[str, int] | None:
+    def plan(self, members: Sequence[str], intervals: Mapping[str, Sequence[float]]) -> dict[str, int] | None:
         """After how many iterations (1..r) each of `members` synchronizes next, all starting now; None
         when a member has no interval to predict from yet (a joiner: the server's fallback holds)."""
         for slot, seen in intervals.items():

@@ -34,9 +34,9 @@ import numpy as np  # noqa: E402
 import ray  # noqa: E402
 import torch  # noqa: E402
 
-from actors.parameter_server import RayServerClient  # noqa: E402
 from actors.plan import server_name  # noqa: E402
 from actors.server_actor import ParameterServerActor  # noqa: E402
+from actors.server_client import RayServerClient  # noqa: E402
 from algorithms.server import Fence, Push, ServerCore  # noqa: E402
 from core.schema import JobConfig, parse  # noqa: E402
 from orchestrator.workloads.synthetic import mlp  # noqa: E402

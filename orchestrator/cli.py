@@ -15,18 +15,23 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from types import FrameType
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from actors.storage import first_line
 from core.display import checkpoint_line
 from core.schema import ConfigError, JobStatus, OrchestratorError
 
+if TYPE_CHECKING:  # pragma: no cover
+    from core.schema import NetworkConfig
+
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_STOPPED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, exit 2
+    def error(self, message: str) -> NoReturn:  # one line, exit 2
         raise ConfigError(f"arguments: {message}")
 
 
@@ -139,12 +144,13 @@ def _resume_ref(which: str, storage, config, server: bool):
         except (RuntimeError, OSError, ValueError) as err:
             raise ConfigError(f"--resume {which}: {first_line(err)}") from None
     else:
-        ref = checkpoints.newest_valid_of_job((storage, config.name), server, warn=warn,
-                                              run_id="" if which == "newest" else which)
-        if ref is None:
+        newest = checkpoints.newest_valid_of_job((storage, config.name), server, warn=warn,
+                                                 run_id="" if which == "newest" else which)
+        if newest is None:
             run = "" if which == "newest" else f" in run {which!r}"
             raise ConfigError(f"--resume: no valid checkpoint for job {config.name!r}{run} under "
                               f"{storage.location(config.name)}")
+        ref = newest
     fp, described = checkpoints.fingerprint(config.workload.factory, config.workload.params)
     if ref.fingerprint is not None and ref.fingerprint != fp:
         raise ConfigError(f"--resume: the checkpoint at step {ref.step} of run {ref.run_id} was written by another "
@@ -201,7 +207,7 @@ class CtrlC:
 
     def __init__(self) -> None:
         self.count = 0
-        self._previous = None
+        self._previous: Callable[[int, FrameType | None], Any] | int | None = None
 
     def _handler(self, signum, frame) -> None:
         self.count += 1
@@ -357,7 +363,7 @@ def cmd_lab(args: argparse.Namespace) -> int:
     elif args.action == "up" or args.probe:
         raise ConfigError(f"lab {args.action}{' --probe' if args.probe else ''}: needs a CONFIG with a network: section")
     try:
-        if args.action == "up":
+        if args.action == "up" and net is not None:  # `up` without a network was refused above
             brought = lab.up(net)
             print(f"lab {'up' if brought else 'already up'}: {net.nodes} nodes at {net.address(0)}.."
                   f"{net.address(net.nodes - 1)}, inter-node {_link_text(net.inter)}, intra-node {_link_text(net.intra)}")
@@ -386,7 +392,7 @@ def _link_text(link) -> str:
     return f"{rate}{f' + {link.latency_ms:g} ms modelled latency' if link.latency_ms else ''}"
 
 
-def _network_of(path: str):
+def _network_of(path: str) -> NetworkConfig:
     """The `network:` section of a job config, or of a file that holds only that section."""
     import yaml
 

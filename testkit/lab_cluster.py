@@ -45,13 +45,17 @@ def lab_cluster(net: NetworkConfig, cpus_per_node: float = 1, timeout: float = 1
     spec = json.dumps({"network": dataclasses.asdict(net), "cpus_per_node": cpus_per_node})
     child = subprocess.Popen([sys.executable, "-m", "testkit.lab_cluster", spec], cwd=REPO, env=child_env(REPO),
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    stdin, stdout = child.stdin, child.stdout
+    if stdin is None or stdout is None:  # both are pipes (PIPE above): never None
+        child.kill()
+        raise RuntimeError("the lab cluster's pipes did not open")
     try:
-        line = child.stdout.readline().strip()  # the child's first line: the address, once every node is up
+        line = stdout.readline().strip()  # the child's first line: the address, once every node is up
         if not line.startswith("address "):
             raise RuntimeError(f"the lab cluster did not come up (exit {child.poll()}): {line!r}")
         yield line.split(" ", 1)[1]
     finally:
-        child.stdin.close()
+        stdin.close()
         try:
             child.wait(timeout=timeout)
         except subprocess.TimeoutExpired:

@@ -42,8 +42,8 @@ class TokenShards(torch.utils.data.Dataset):
         """(key, data offset in bytes, dtype, tokens) of each shard."""
         self._starts = [0]
         for key in names:
-            offset, dtype, tokens = self._layout(key)
-            self.shards.append((key, offset, dtype, tokens))
+            offset, shard_dtype, tokens = self._layout(key)
+            self.shards.append((key, offset, shard_dtype, tokens))
             self._starts.append(self._starts[-1] + max(0, (tokens - 1) // seq_len))
         self._maps: dict[int, np.ndarray] = {}
 

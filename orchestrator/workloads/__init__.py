@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -25,6 +25,13 @@ class Workload:
     eval_data: torch.utils.data.Dataset | None = None
     evaluate: Callable[[torch.nn.Module, Any], dict] | None = None
     tokens_per_sample: int | None = None
+
+
+class MapData(Protocol):
+    """A map-style dataset that knows its length (torch's `Dataset` declares no `__len__`)."""
+
+    def __len__(self) -> int: ...
+    def __getitem__(self, index: int) -> Any: ...
 
 
 def with_modelled_compute(workload: Any, compute_ms: float = 0.0, slow: dict | None = None, jitter_sigma: float = 0.0,

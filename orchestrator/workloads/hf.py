@@ -24,10 +24,10 @@ import math
 from typing import Any
 
 import torch
-from torch.utils.data import Dataset, TensorDataset
+from torch.utils.data import TensorDataset
 
 from core.factory import check_factory
-from orchestrator.workloads import Workload
+from orchestrator.workloads import MapData, Workload
 from orchestrator.workloads.lm import VOCAB, eval_windows, mean_loss, text_arrays, windows
 
 try:
@@ -50,7 +50,7 @@ def own_loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
     return loss.float() if loss.dtype in (torch.float16, torch.bfloat16) else loss
 
 
-def held_out_loss(model: torch.nn.Module, data: Dataset, batch: int = 32) -> dict:
+def held_out_loss(model: torch.nn.Module, data: TensorDataset | MapData, batch: int = 32) -> dict:
     rows = data.tensors[0] if isinstance(data, TensorDataset) else torch.stack([_rows(data[i]) for i in range(len(data))])
     loss = mean_loss(model, rows, own_loss, batch)
     return {"eval_loss": loss, "perplexity": math.exp(min(loss, 50.0))}
@@ -59,7 +59,8 @@ def held_out_loss(model: torch.nn.Module, data: Dataset, batch: int = 32) -> dic
 def build_model(model_type: str | None, model_dir: str | None, vocab_size: int, fields: dict) -> torch.nn.Module:
     model = _build_model(model_type, model_dir, vocab_size, fields)
     if getattr(model, "loss_type", "") is None:  # a class name transformers does not map (GPT2LMHeadModel): its causal-LM loss
-        model.loss_type = "ForCausalLM"
+        # torch's stubs type Module.__setattr__ for tensors and modules only; any attribute is allowed
+        model.loss_type = "ForCausalLM"  # type: ignore[assignment]
     return model
 
 

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import TensorDataset
+from torch.utils.data import Dataset, TensorDataset
 
 from orchestrator.workloads import Workload, with_modelled_compute
 
@@ -235,7 +235,7 @@ def gpt(size: str = "tiny", d_model: int | None = None, n_layer: int | None = No
     if shards is not None:
         from orchestrator.data.shards import TokenShards
 
-        train_data = TokenShards(shards, length, shard_dtype)
+        train_data: Dataset = TokenShards(shards, length, shard_dtype)
         eval_data = None
         if eval_shards is not None:
             held_shards = TokenShards(eval_shards, length, shard_dtype)

@@ -65,5 +65,7 @@ def slow_loading(item_ms: float = 2.5, compute_ms: float = 20.0, width: int = 64
     from orchestrator.workloads import with_modelled_compute
 
     work = mlp(width=width, depth=1, features=features, classes=8, samples=samples, seed=seed)
+    if not isinstance(work.train_data, TensorDataset):
+        raise TypeError(f"mlp's train_data is a TensorDataset, not {type(work.train_data).__name__}")
     work.train_data = SlowItems(work.train_data, item_ms / 1000.0, busy)
     return with_modelled_compute(work, compute_ms=compute_ms)

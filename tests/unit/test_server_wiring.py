@@ -1,5 +1,5 @@
 """The server policies through the real worker step loop, in process (no Ray): `LocalJob` runs real
-`Replica`s in threads against a `ServerHost` (actors/parameter_server.py), so the worker side (pull a
+`Replica`s in threads against a `ServerHost` (actors/server_host.py), so the worker side (pull a
 lease, train on its samples with the loss weighted n_i / B, push), the host's lock and waits, its
 `record_samples` file and its accounting are exercised exactly as the Ray actors run them."""
 from __future__ import annotations
@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from actors.history import History
-from actors.parameter_server import ServerHost, make_host
+from actors.parameter_server import make_host
 from actors.server_control import restart_event
+from actors.server_host import ServerHost
 from algorithms.server import Fence
 from testkit.harness import LocalJob, LocalLink, LocalServerReports
 
@@ -199,7 +200,7 @@ class Wrapped:
 
 
 def wrap_server_storage(monkeypatch, **hooks):
-    import actors.parameter_server as server_module
+    import actors.server_host as server_module
 
     real = server_module.run_storage
     monkeypatch.setattr(server_module, "run_storage",

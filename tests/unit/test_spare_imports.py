@@ -1,5 +1,5 @@
 """A hot spare imports ahead everything its adoption and its first epoch import
-(`actors.worker.prepare_spare`): an adoption that compiled `actors.parameter_server` and its modules
+(`actors.worker.prepare_spare`): an adoption that compiled `actors.server_client` and its modules
 from source held a join 0.14-0.18 s, and the first epoch's import of ray.util.collective 0.13 s more."""
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ prepare_spare(config_from_dict({"name": "spare", "workload": {"factory": "orches
                                                               "params": {"hidden": 8}}}))
 ours = ("actors.", "algorithms.", "core.", "orchestrator.", "ray.util.collective")
 before = set(sys.modules)
-import actors.parameter_server, actors.replica  # what Worker._become imports
+import actors.replica, actors.server_client  # what Worker._become imports
 from actors.collective import _ray_collective
 _ray_collective()  # what the first epoch's `collective.publish` imports
 print(json.dumps(sorted(m for m in set(sys.modules) - before if m.startswith(ours))))
