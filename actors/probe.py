@@ -50,10 +50,10 @@ class Probe:
         return ray.get_runtime_context().get_node_id(), self.ip
 
     def compute(self) -> dict:
-        """Each step's seconds (and its backward pass's) on this probe: `actors.workload.time_steps`."""
+        """Each step's seconds (and its backward pass's) on this probe: `actors.replica.time_steps`."""
         import torch
 
-        from actors.workload import time_steps
+        from actors.replica import time_steps
 
         device = torch.device("cuda", 0) if self.gpu else torch.device("cpu")
         return {**time_steps(self.cfg, device), "device": str(device), "threads": torch.get_num_threads()}

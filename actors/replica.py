@@ -37,15 +37,18 @@ import torch
 from actors import collective
 from actors.comm import BaseCommunicator, CommError
 from actors.plan import Plan, WorkerSpec
-from actors.replica_base import Link
+from actors.replica_base import Link, Reducing
 from actors.replica_epochs import EpochEntry
 from actors.replica_feed import Feeding
 from actors.replica_reports import Reporting
 from actors.replica_state import checksum
+from actors.workload import build_workload, time_steps, warm_up  # noqa: F401 - their importers' old home (worker, loader, probe, planner)
 from algorithms.base import EpochInfo, StepVote, VoteDraft
 from algorithms.optim import lr_at
 
 log = logging.getLogger(__name__)
+
+
 @runtime_checkable
 class ServerBound(Protocol):
     """A server kind's policy: it pulls from a server that fences it by (slot, worker incarnation)."""
@@ -60,7 +63,6 @@ class Backgrounded(Protocol):
     def attach(self, make_group: Callable[[EpochInfo], BaseCommunicator | None], save_state: Callable[[], bytes],
                load_state: Callable[[bytes], None], on_failure: Callable[[str], None],
                on_state: Callable[[str, int], None]) -> None: ...
-
 
 
 class Replica(EpochEntry, Feeding, Reporting):
@@ -91,10 +93,11 @@ class Replica(EpochEntry, Feeding, Reporting):
         comm, plan = self.comm, self.plan
         if comm is not None and plan is not None and plan.membership_epoch <= membership_epoch:
             comm.abort(reason)
-            if self.phase in STEP_PHASES and self.exit_if_stuck is not None:
+            exit_now = self.exit_if_stuck
+            if self.phase in STEP_PHASES and exit_now is not None:
                 grace = max(STUCK_AFTER_ABORT_S, 5.0 * self.compute_s)
                 watch_release(lambda: self.comm is not comm or self.phase not in STEP_PHASES, grace,
-                              lambda: self.exit_if_stuck(f"the step of {self.slot} still runs {grace:.0f}s after group "
+                              lambda: exit_now(f"the step of {self.slot} still runs {grace:.0f}s after group "
                                                          f"{comm.name} was aborted ({reason}): an operation stuck in C++ "
                                                          f"that the abort did not release"))
 
@@ -165,8 +168,8 @@ class Replica(EpochEntry, Feeding, Reporting):
         self.plan = self.plans.admission(self.slot)
         while True:
             if self.algorithm.entry in ("server", "none"):
-                self.plan = self.plans.latest  # no lockstep to keep: such a member takes a plan at once
-            plan = self.plan
+                self.plan = self._newest_plan()  # no lockstep to keep: such a member takes a plan at once
+            plan = self._plan_now()
             if plan.rank_of(self.slot) is None:
                 self._left = True
                 return  # left the job (scale-down): finish cleanly
@@ -215,7 +218,7 @@ class Replica(EpochEntry, Feeding, Reporting):
         skipped = [i for m in micro for i in m.skipped]
         if skipped:
             self.link.samples_skipped(self.slot, self.step + 1, skipped, "workload.on_bad_sample: skip")
-        draft = VoteDraft(samples=len(dealt_ids), newer_plan=self.plans.latest.version > plan.version)
+        draft = VoteDraft(samples=len(dealt_ids), newer_plan=self._newest_plan().version > plan.version)
         denominator = max(len(dealt_ids), 1) if self.algorithm.local_mean else plan.global_batch
         began = time.perf_counter()
         self._gradients_at = None
@@ -264,7 +267,7 @@ class Replica(EpochEntry, Feeding, Reporting):
         """A periodic round: its vote is the commit point of the local steps since the last one."""
         started = time.perf_counter()
         self._enter_phase("communicate")
-        draft = VoteDraft(newer_plan=self.plans.latest.version > plan.version)
+        draft = VoteDraft(newer_plan=self._newest_plan().version > plan.version)
         try:
             vote = self.impl.sync(self.step, draft)
             if vote is None:
@@ -302,9 +305,12 @@ class Replica(EpochEntry, Feeding, Reporting):
     def _adopt_newest_plan(self) -> bool:
         """Rare path: someone saw a newer plan; agree on the newest with one MAX all-reduce, then every
         member switches to it at this same step."""
-        version = torch.tensor([float(self.plans.latest.version)], device=self.comm.device)
+        comm = self.comm
+        if not isinstance(comm, Reducing):
+            raise RuntimeError(f"{self.slot} has no group to agree on the newest plan in")
+        version = torch.tensor([float(self._newest_plan().version)], device=comm.device)
         try:
-            self.comm.all_reduce(version, "max").wait()
+            comm.all_reduce(version, "max").wait()
         except CommError as err:
             self.cause = str(err)
             return False

@@ -15,13 +15,13 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import torch
 
 from actors import runfiles
-from actors.comm import BaseCommunicator
+from actors.comm import BaseCommunicator, Handle
 from actors.faults import WorkerFaults
 from actors.loader import BatchLoader, ProcessFetcher
 from actors.plan import Plan, PlanBook, Progress, WorkerSpec
@@ -49,6 +49,29 @@ class Link(Protocol):
     def save_checkpoint(self, step: int, blob: bytes) -> None: ...
     def checkpoints_stored(self, timeout: float) -> None:
         """Returns once the checkpoints sent so far are stored (or raises, or `timeout` passed)."""
+
+
+@runtime_checkable
+class Closing(Protocol):
+    """A group with connections of its own to close (every backend's; `BaseCommunicator` does not declare it)."""
+
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class Reducing(Protocol):
+    """A group that reduces (every backend's; `NoGroup`, of the kinds without one, does not)."""
+
+    device: torch.device
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> Handle: ...
+
+
+def close_group(comm: BaseCommunicator) -> None:
+    """Close a membership epoch's group."""
+    if isinstance(comm, Closing):
+        comm.close()
+
 
 class ReplicaBase:
     """A replica's parts and fields (`Replica` in actors/replica.py is the whole)."""
@@ -137,6 +160,19 @@ class ReplicaBase:
         provisional)."""
         mark = self.impl.commit_mark
         return self.step if mark is None else mark
+
+    def _plan_now(self) -> Plan:
+        """The plan this replica runs under (it has one from its admission on)."""
+        if self.plan is None:
+            raise RuntimeError(f"{self.slot} has not been admitted to a plan")
+        return self.plan
+
+    def _rank_in(self, plan: Plan) -> int:
+        """This member's rank in `plan`, which names it."""
+        rank = plan.rank_of(self.slot)
+        if rank is None:
+            raise RuntimeError(f"{self.slot} is not a member of plan {plan.version}")
+        return rank
 
     def _newest_plan(self) -> Plan:
         """The newest plan received (a replica runs only once it has its first)."""

@@ -14,6 +14,7 @@ from actors import collective
 from actors.comm import BaseCommunicator, CommError, GroupSpec, NoGroup, form_in_thread, make_communicator
 from actors.entry import enter, enter_switched
 from actors.plan import Plan
+from actors.replica_base import close_group
 from actors.replica_state import CommittedState
 from algorithms.base import EpochInfo
 
@@ -28,11 +29,11 @@ class EpochEntry(CommittedState):
             self.impl.on_epoch_end(f"membership epoch {plan.membership_epoch} begins")
             self.bytes_before += self.comm.bytes_sent
             collective.withdraw(self.comm)
-            self.comm.close()
+            close_group(self.comm)
         self.comm = None
         if plan.policy is not None:  # the coordinator switched the policy (the online trial of `sync.auto`)
             self._switch_policy(plan.policy["sync"], plan.policy["compression"])
-        rank = plan.rank_of(self.slot)
+        rank = self._rank_in(plan)
         spec = GroupSpec(plan.store_host, plan.store_port, plan.group_name, rank, len(plan.members), plan.timeout_s,
                          plan.backend, self.comm_address, secret=self.spec.secret)
         self.state = "joining"
@@ -59,7 +60,7 @@ class EpochEntry(CommittedState):
             self.cause = str(err)
             self.impl.on_epoch_end(str(err))
             if self.comm is not None:
-                self.comm.close()
+                close_group(self.comm)
                 self.comm = None
             return False
         self.impl.on_membership(self.faults.wrap(comm, lambda: self.step),
@@ -76,7 +77,7 @@ class EpochEntry(CommittedState):
     def _form(self, spec: GroupSpec, plan: Plan) -> BaseCommunicator | None:
         def superseded() -> bool:
             latest = self.plans.latest
-            return latest.version > plan.version and latest.group_name != plan.group_name
+            return latest is not None and latest.version > plan.version and latest.group_name != plan.group_name
         return form_group(spec, superseded)
 
     def _background_group(self, epoch: EpochInfo) -> BaseCommunicator | None:

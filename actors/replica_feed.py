@@ -37,7 +37,7 @@ class Feeding(ReplicaBase):
 
     def _share(self, plan: Plan, cursor: int, ahead: bool = False) -> tuple[np.ndarray, list[Fetched]]:
         ids = self.source.global_batch(cursor, plan.global_batch)
-        mine = split_for_rank(ids, plan.rank_of(self.slot), len(plan.members))
+        mine = split_for_rank(ids, self._rank_in(plan), len(plan.members))
         return mine, self._chunks(mine, cursor, ahead)
 
     def _batch_key(self, plan: Plan, cursor: int) -> tuple:

@@ -51,7 +51,8 @@ class CommittedState(ReplicaBase):
         attempted, epoch = self._pending_ids, self.trained_plan.membership_epoch if self.trained_plan else None
         self._load_state_bytes(blob.cpu().numpy().tobytes())
         record = self.kept[-1] if self.kept else None
-        if attempted and record is not None and record.get("membership_epoch") == epoch and attempted[-1][0] == self.step:
+        if attempted and epoch is not None and record is not None and record.get("membership_epoch") == epoch \
+                and attempted[-1][0] == self.step:
             self._write_samples(attempted, epoch)
 
     def rewind(self) -> None:
@@ -63,7 +64,7 @@ class CommittedState(ReplicaBase):
     def skip_to(self, step: int) -> None:
         """Decentralized entry: a member behind the newest step skips ahead to it; the shares it would
         have trained in the steps it skips are counted as dropped."""
-        plan = self.trained_plan or self.plan
+        plan = self.trained_plan or self._plan_now()
         while self.step < step:
             batch = self.source.global_batch(self.cursor, plan.global_batch)
             self.dropped += len(split_for_rank(batch, plan.rank_of(self.slot) or 0, len(plan.members)))
@@ -108,7 +109,7 @@ class CommittedState(ReplicaBase):
         mark = self._mark()
         for k in range(self.step - mark):
             batch = self.source.global_batch(self.mark_cursor + k * trained.global_batch, trained.global_batch)
-            shares = [split_for_rank(batch, trained.rank_of(s), len(trained.members)) for s in departed]
+            shares = [split_for_rank(batch, trained.members.index(s), len(trained.members)) for s in departed]
             lost = np.concatenate(shares) if shares else np.empty(0, dtype=np.int64)
             self.dropped += len(lost)
             if self._samples is not None and plan.rank_of(self.slot) == 0 and len(lost):
@@ -122,7 +123,6 @@ class CommittedState(ReplicaBase):
         for step, ids in steps:
             self._samples.write(f"{step} {epoch} {' '.join(map(str, ids.tolist()))}\n")
         self._samples.flush()
-
 
     def _state_bytes(self) -> bytes:
         """The committed state: what a joiner receives, what a checkpoint holds, the final model."""

@@ -238,7 +238,7 @@ def prepare_spare(config: JobConfig) -> Any:
     of ray.util.collective took 0.13 s more."""
     import actors.parameter_server  # noqa: F401 - `_become`'s import, paid ahead
     from actors import collective
-    from actors.workload import build_workload, warm_up
+    from actors.replica import build_workload, warm_up
 
     workload = build_workload(config)
     warm_up(config, workload)

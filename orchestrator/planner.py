@@ -374,10 +374,10 @@ def compute_spread(cfg: JobConfig, seconds: float) -> Compute:
 
 def measure_compute(cfg: JobConfig, steps: int = 12, warmup: int = 3) -> tuple[float, float]:
     """(median seconds of one step's forward, backward and update on one worker's batch, the model's
-    parameter bytes), measured in this process on its CPU (`actors.workload.time_steps`)."""
+    parameter bytes), measured in this process on its CPU (`actors.replica.time_steps`)."""
     import torch  # only `plan` and `auto` measure
 
-    from actors.workload import time_steps
+    from actors.replica import time_steps
 
     measured = time_steps(cfg, torch.device("cpu"), steps, warmup)
     return statistics.median(measured["times"]), measured["model_bytes"]
