@@ -66,9 +66,10 @@ class Backgrounded(Protocol):
 
 
 class Replica(EpochEntry, Feeding, Reporting):
-    """The step loop and the calls the worker actor makes; its phases are mixins: membership epochs
-    (actors/replica_epochs.py), the committed state (actors/replica_state.py), the data feed
-    (actors/replica_feed.py), reports and checkpoints (actors/replica_reports.py)."""
+    """The step loop and the calls the worker actor makes. Its parts are built by `ReplicaBase`
+    (actors/replica_base.py) and its phases are mixins: membership epochs (actors/replica_epochs.py),
+    the committed state (actors/replica_state.py), the data feed (actors/replica_feed.py), reports and
+    checkpoints (actors/replica_reports.py)."""
 
     def __init__(self, spec: WorkerSpec, link: Link, node_ip: str, tick: Callable[[], None] = lambda: None,
                  kill_actor: Callable[[], None] = lambda: None, server: Any = None, workload: Any = None) -> None:

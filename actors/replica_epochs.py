@@ -22,7 +22,8 @@ log = logging.getLogger(__name__)
 
 
 class EpochEntry(CommittedState):
-    """Membership epochs of a `Replica` (a mixin of `Replica`)."""
+    """A `Replica`'s membership epochs: leave, form and enter each epoch's group (the entry moves it
+    to another committed state through `CommittedState`)."""
 
     def _enter_epoch(self, plan: Plan) -> bool:
         if self.comm is not None:

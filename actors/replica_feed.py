@@ -20,7 +20,7 @@ from algorithms.sampler import split_for_rank
 
 
 class Feeding(ReplicaBase):
-    """The data feed of a `Replica` (a mixin of `Replica`)."""
+    """A `Replica`'s data feed: its share of each step's batch, on its device, and the step's seed."""
 
     def _micro_batches(self, plan: Plan, mine: np.ndarray | None) -> tuple[np.ndarray, list[Fetched]]:
         """This rank's share of the next global batch (or the ids the policy dealt), in chunks of at

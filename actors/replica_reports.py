@@ -29,7 +29,7 @@ CHECKPOINT_STORED_S = 300.0
 
 
 class Reporting(CommittedState):
-    """Reports and checkpoints of a `Replica` (a mixin of `Replica`)."""
+    """A `Replica`'s records, reports and checkpoints (a checkpoint holds `CommittedState`'s bytes)."""
 
     def _maybe_checkpoint(self, plan: Plan, prev: int | None) -> None:
         every = self.cfg.checkpoint.every_steps

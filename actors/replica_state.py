@@ -34,7 +34,7 @@ def checksum(tensors) -> int:
 
 
 class CommittedState(ReplicaBase):
-    """The committed state of a `Replica` (a mixin of `Replica`)."""
+    """A `Replica`'s committed state: its mark, bytes and checksum, and the moves to another one."""
 
     def committed_view(self) -> tuple[int, int]:
         """(step, checksum) of the newest committed state."""
