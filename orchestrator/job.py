@@ -5,145 +5,66 @@ existing connection), creates the detached coordinator named after the job in th
 `orchestrator` namespace, and returns at once. `attach(name)` reaches a running job from any
 process without re-initializing Ray. After the coordinator is gone, `status()`, `history()`,
 `events()` and `model()` read the run directory, found through Ray's KV store.
+
+The helpers live beside it: connecting to Ray (`orchestrator/connection.py`), where the runs are kept
+(`orchestrator/run_storage.py`), reaching the coordinator actor (`orchestrator/coordinator_handle.py`);
+the names callers import from here are re-exported.
 """
 from __future__ import annotations
 
 import io
 import json
 import logging
-import math
-import os
 import secrets
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import ray
 import yaml
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
+    from ray.actor import ActorHandle
+
+    from actors.storage import Storage
 
 from actors import runfiles
 from actors.plan import server_name
-from actors.storage import Storage, StorageError, is_remote, open_storage
+from actors.storage import is_remote, open_storage
 from core.factory import check_factory
-from core.schema import (
-    SERVER_POLICIES,
-    TERMINAL_STATES,
-    ConfigError,
-    JobConfig,
-    JobResult,
-    JobStatus,
-    OrchestratorError,
-    parse,
+from core.schema import TERMINAL_STATES, ConfigError, JobConfig, JobResult, JobStatus, OrchestratorError, parse
+from orchestrator.connection import NAMESPACE, check_local_resources, connect, ensure_token_env
+from orchestrator.coordinator_handle import (
+    find_coordinator,
+    launch_coordinator,
+    remote_message,
+    restarting,
+    safe_status,
+    wait_actors_gone,
+    wait_gone,
 )
-from orchestrator.config import default_run_root
+from orchestrator.run_storage import check_storage, job_root, job_storage, warn_local_storage
+
+__all__ = [  # with the helpers callers import from here (the CLI, benchmarks, tests)
+    "NAMESPACE", "POLL_S", "RESTART_WAIT_S", "ElasticJob", "check_local_resources", "check_storage", "connect",
+    "ensure_token_env", "job_root", "job_storage",
+]
 
 log = logging.getLogger(__name__)
-NAMESPACE = "orchestrator"
 POLL_S = 0.2
 RESTART_WAIT_S = 60.0
 """How long a call waits for a coordinator that Ray is restarting."""
 
 
-def ensure_token_env() -> None:
-    """Ray >= 2.60 enables token auth; a client in another process needs RAY_AUTH_MODE=token."""
-    if "RAY_AUTH_MODE" in os.environ or not (Path.home() / ".ray" / "auth_token").exists():
-        return
-    try:  # sets the variable and refreshes Ray's cached config in this process
-        from ray._private.authentication.authentication_token_setup import _enable_token_auth
+class _Feed(TypedDict):
+    """The coordinator's answer to a long poll (`watch_feed`), or the run folder's once it is gone."""
 
-        _enable_token_auth()
-    except ImportError:
-        os.environ["RAY_AUTH_MODE"] = "token"
-
-
-def connect(config: JobConfig | None = None, address: str | None = None, start_local: bool = True) -> bool:
-    """Reuse an existing connection; else connect to `address`; else start a local Ray. True when this
-    call started a local Ray (no autoscaler: what it has is all there will be)."""
-    if ray.is_initialized():
-        return False
-    ensure_token_env()
-    address = address or (config.ray.address if config else None) or os.environ.get("RAY_ADDRESS")
-    if address:
-        ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, logging_level="ERROR")
-        return False
-    if not start_local:
-        raise OrchestratorError("no Ray cluster to attach to: pass --address or set RAY_ADDRESS")
-    workers = config.workers if config else None
-    server = config.server.cpus if config and config.sync.policy in SERVER_POLICIES else 0.0  # one server actor
-    wanted = math.ceil((workers.max or workers.count) * workers.cpus + server) if workers else 1
-    num_cpus = max(config.ray.num_cpus or 0 if config else 0, wanted, 1)
-    # "local": a new local Ray, never the address `ray start` left in Ray's temp dir (init() without an
-    # address connects there, and fails for num_cpus, or lands on a cluster that is not this job's)
-    ray.init(address="local", num_cpus=num_cpus, namespace=NAMESPACE, log_to_driver=False, include_dashboard=False,
-             logging_level="ERROR")
-    return True
-
-
-def check_local_resources(config: JobConfig, total: dict) -> None:
-    """A local Ray this job started has no autoscaler: a worker asking for a resource the machine lacks
-    (`workers.gpus` with no GPU here) could never be placed, and the job would wait PAUSED for ever.
-    ConfigError naming the key, what one worker asks and what the machine has."""
-    w = config.workers
-    for key, wanted, name in (("workers.gpus", w.gpus, "GPU"),):
-        if wanted and total.get(name, 0) < wanted * w.min:
-            raise ConfigError(f"{key}: each worker asks for {wanted:g} {name}s and workers.min = {w.min}, but the "
-                              f"local Ray this job started has {total.get(name, 0):g} {name}s and no autoscaler "
-                              f"to add any: run on a cluster that has them (ray.address, RAY_ADDRESS) or set {key}: 0")
-
-
-def _credentials_env(config: JobConfig) -> dict:
-    """The coordinator's Ray runtime environment (its workers and server inherit it): the storage
-    credentials the config took out of its URI (`ORCHESTRATOR_STORAGE_*`), so that no node needs them
-    set beforehand; Ray keeps them in its token-authenticated control store, never in a file."""
-    from actors.storage import CREDENTIAL_ENV
-
-    moved = CREDENTIAL_ENV.format("")
-    env = {v: os.environ[v] for v in config.storage_options.values() if v.startswith(moved) and v in os.environ}
-    return {"runtime_env": {"env_vars": env}} if env else {}
-
-
-def job_root(config: JobConfig) -> Path:
-    """`<run root>/<job name>`: every run of this job has a folder below it."""
-    return (Path(config.run_dir) if config.run_dir else default_run_root()) / config.name
-
-
-def job_storage(config: JobConfig) -> Storage:
-    """Where the job's runs are kept: `storage` (a URI), else the local run root."""
-    if is_remote(config.storage):
-        return open_storage(str(config.storage), config.storage_options)
-    return open_storage(str(job_root(config).parent))
-
-
-def check_storage(config: JobConfig) -> Storage:
-    """The job's storage, tried (a probe object) before anything starts: ConfigError naming `storage`."""
-    try:
-        storage = job_storage(config)
-        if storage.remote:
-            storage.check()
-        return storage
-    except StorageError as err:
-        raise ConfigError(str(err)) from None
-
-
-def _warn_local_storage(config: JobConfig) -> None:
-    """A cluster of several nodes with the runs on one node's disk: Ray may restart the coordinator
-    or the parameter server on another node, which finds nothing there (unless it is a shared mount)."""
-    if is_remote(config.storage):
-        return
-    nodes = [n for n in ray.nodes() if n.get("Alive")]
-    if len(nodes) > 1:
-        print(f"warning: storage: the runs are kept in a local folder ({job_root(config).parent}) on a cluster of "
-              f"{len(nodes)} nodes; other nodes do not see it unless it is a shared mount (set storage: s3://...)",
-              flush=True)
-
-
-def _coordinator_resources(config: JobConfig) -> dict:
-    """Where the coordinator may run: the head node, or any node with `ray.coordinator_resources`."""
-    return {str(k): float(v) for k, v in config.ray.coordinator_resources.items()} or {"node:__internal_head__": 0.001}
+    events: list[dict]
+    complete: bool
+    step: int
+    state: str
 
 
 class ElasticJob:
@@ -157,7 +78,7 @@ class ElasticJob:
         self.run_id: str | None = None
         self.run_dir: Path | None = None
         self.storage: Storage | None = None
-        self._coordinator = None
+        self._coordinator: ActorHandle | None = None
         self._result: JobResult | None = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -167,10 +88,8 @@ class ElasticJob:
         `owned=True` (what `python -m orchestrator run` does without --detach) ties the job to this
         process: if it is killed, the coordinator stops the job cleanly with a checkpoint.
         """
-        from actors.coordinator import MAX_RESTARTS, CoordinatorActor
-
         started_at = time.time()
-        self.storage = check_storage(self.config)  # before Ray starts
+        self.storage = storage = check_storage(self.config)  # before Ray starts
         if self.config.network.lab:  # the lab must be up as the config says (orchestrator/lab.py)
             from orchestrator.lab import require
 
@@ -180,8 +99,8 @@ class ElasticJob:
 
             if self.resume_from:  # the checkpoint's state is the policy its run picked: keep that pick
                 self.config, self.policy_choice = resumed_choice(
-                    self.config, self.resume_from, (lambda loc: self.storage.read(self.storage.key_of(loc)))
-                    if self.storage.remote else None)
+                    self.config, self.resume_from, (lambda loc: storage.read(storage.key_of(loc)))
+                    if storage.remote else None)
             elif self.config.network.lab:  # the lab: its links as the config shapes them
                 self.config, self.policy_choice, _ = choose(self.config)
         if connect(self.config):
@@ -195,27 +114,24 @@ class ElasticJob:
             from orchestrator.planner import choose
 
             self.config, self.policy_choice, _ = choose(self.config, cluster=probe_cluster(self.config.to_dict()))
-        _warn_local_storage(self.config)
-        old = _find_coordinator(self.name)
+        warn_local_storage(self.config)
+        old = find_coordinator(self.name)
         if old is not None:
-            state = _safe_status(old)
+            state = safe_status(old)
             if state is not None and state.get("state") not in TERMINAL_STATES:
                 raise OrchestratorError(f"a job named {self.name!r} is already running; stop it first "
                                         f"(python -m orchestrator stop {self.name}) or choose another name")
             ray.kill(old, no_restart=True)
-            _wait_gone(self.name, 10.0)
+            wait_gone(self.name, 10.0)
         self.run_id = time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(2)
         self.run_dir = job_root(self.config) / self.run_id
         self.run_dir.mkdir(parents=True, exist_ok=True)
         config_yaml = yaml.safe_dump(self.config.to_dict(), sort_keys=False).encode()
         runfiles.write_bytes_atomic(self.run_dir / "config.yaml", config_yaml)
-        if self.storage.remote:
-            self.storage.write(self._key("config.yaml"), config_yaml)
-        self._coordinator = CoordinatorActor.options(
-            name=self.name, namespace=NAMESPACE, lifetime="detached", resources=_coordinator_resources(self.config),
-            max_restarts=MAX_RESTARTS, **_credentials_env(self.config),
-        ).remote(self.config.to_dict(), self.run_id, str(self.run_dir), 0, (os.getcwd(),), self.resume_from,
-                 ray.get_runtime_context().get_job_id() if owned else None, started_at)
+        if storage.remote:
+            storage.write(self._key("config.yaml"), config_yaml)
+        self._coordinator = launch_coordinator(self.config, self.run_id, str(self.run_dir), self.resume_from,
+                                               ray.get_runtime_context().get_job_id() if owned else None, started_at)
         ray.get(self._coordinator.start.remote())
         return self
 
@@ -223,20 +139,20 @@ class ElasticJob:
     def attach(cls, name: str, address: str | None = None) -> ElasticJob:
         """Reach a job by name from any process; never starts a new Ray."""
         connect(None, address, start_local=False)
-        coordinator = _find_coordinator(name)
+        coordinator = find_coordinator(name)
         record = runfiles.lookup_record(name)
-        if coordinator is None and record is None:
-            raise OrchestratorError(f"no job named {name!r} on this Ray cluster")
         if coordinator is not None:
             status = JobStatus.from_dict(ray.get(coordinator.status.remote(), timeout=30))
             run_dir = Path(status.run_dir)
-        else:
+        elif record is not None:
             run_dir = Path(record["run_dir"])
+        else:
+            raise OrchestratorError(f"no job named {name!r} on this Ray cluster")
         if (run_dir / "config.yaml").exists():  # this node holds the run folder
             raw = yaml.safe_load((run_dir / "config.yaml").read_text())
         elif coordinator is not None:  # another node does: the coordinator has the config
             raw = ray.get(coordinator.config.remote(), timeout=30)
-        elif is_remote((record or {}).get("storage")):  # the job ended; its runs are on shared storage
+        elif record is not None and is_remote(record.get("storage")):  # the job ended; its runs are on shared storage
             storage = open_storage(record["storage"], record.get("storage_options") or {})
             raw = yaml.safe_load(storage.read(f"{name}/{run_dir.name}/config.yaml"))
         else:
@@ -249,17 +165,21 @@ class ElasticJob:
         job.storage = job_storage(config) if is_remote(config.storage) else None
         return job
 
-    def _ask(self, method: str, *args, timeout: float = 30.0):
+    def _ask(self, method: str, *args: object, timeout: float = 30.0) -> Any:
         """Call the coordinator, waiting out a restart (Ray restarts it; it carries on). A call the
-        dying process was answering is asked again of the new one: every call here is idempotent."""
+        dying process was answering is asked again of the new one: every call here is idempotent.
+        Returns what the coordinator's method returns (a plain dict or list, as Ray carried it)."""
+        coordinator = self._coordinator
+        if coordinator is None:
+            raise OrchestratorError(f"job {self.name!r} is not running")
         deadline = time.monotonic() + RESTART_WAIT_S
         while True:
             try:
-                return ray.get(getattr(self._coordinator, method).remote(*args), timeout=timeout)
+                return ray.get(getattr(coordinator, method).remote(*args), timeout=timeout)
             except ray.exceptions.ActorUnavailableError:
                 pass
             except ray.exceptions.RayActorError:
-                if not _restarting(self._coordinator):
+                if not restarting(coordinator):
                     raise
             if time.monotonic() > deadline:
                 raise OrchestratorError(f"job {self.name!r}: its coordinator did not come back within {RESTART_WAIT_S:g}s")
@@ -272,9 +192,10 @@ class ElasticJob:
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
                 self._coordinator = None
         data = runfiles.read_json(self.run_dir / "status.json") if self.run_dir else None
-        if data is None and self._remote():
+        storage = self._remote_storage()
+        if data is None and storage is not None:
             try:
-                data = json.loads(self.storage.read(self._key("status.json")))
+                data = json.loads(storage.read(self._key("status.json")))
             except (OSError, ValueError):
                 data = None
         if data is None:
@@ -324,7 +245,7 @@ class ElasticJob:
             remaining = deadline - time.monotonic()
             if self._coordinator is None:  # the job ended and was released: its events are in the run folder
                 final = self.status()
-                answer = {"events": self.events()[seen:], "complete": True, "step": final.step, "state": final.state}
+                answer = _Feed(events=self.events()[seen:], complete=True, step=final.step, state=final.state)
             else:
                 answer = self._ask("watch_feed", seen, _NO_STEP if step is None else step - 1, max(0.0, remaining),
                                    timeout=max(0.0, remaining) + 30)
@@ -357,7 +278,7 @@ class ElasticJob:
         status = self.status()
         self._release()
         names = [f"{self.name}/{status.run_id}/{m.slot}" for m in status.members]
-        _wait_actors_gone(names + ([server_name(self.name, status.run_id)] if status.server else []), timeout=30.0)
+        wait_actors_gone(names + ([server_name(self.name, status.run_id)] if status.server else []), timeout=30.0)
         return status
 
     def scale(self, count: int) -> JobStatus:
@@ -371,7 +292,7 @@ class ElasticJob:
         try:
             return JobStatus.from_dict(self._ask("scale", int(count), timeout=300))
         except ValueError as err:
-            raise ConfigError(_remote_message(err)) from None
+            raise ConfigError(remote_message(err)) from None
 
     def _release(self) -> None:
         if self._coordinator is not None:
@@ -379,7 +300,7 @@ class ElasticJob:
                 ray.get(self._coordinator.release.remote(), timeout=10)
             except Exception as err:  # noqa: BLE001 - already gone
                 log.debug("release: %s", str(err).splitlines()[0][:200])
-            _wait_gone(self.name, 10.0)
+            wait_gone(self.name, 10.0)
             self._coordinator = None
 
     # ------------------------------------------------------------------ results
@@ -389,8 +310,11 @@ class ElasticJob:
     def events(self) -> list[dict]:
         return self._lines("events.jsonl")
 
-    def _remote(self) -> bool:
-        return self.storage is not None and self.storage.remote and self.run_id is not None
+    def _remote_storage(self) -> Storage | None:
+        """The shared storage this run's files are mirrored to, if any."""
+        if self.storage is not None and self.storage.remote and self.run_id is not None:
+            return self.storage
+        return None
 
     def _key(self, name: str) -> str:
         return f"{self.name}/{self.run_id}/{name}"
@@ -400,11 +324,12 @@ class ElasticJob:
         storage's (the driver on another node, or this node's copy lost)."""
         if self.run_dir is None:
             return []
-        if (self.run_dir / name).exists() or not self._remote():
+        storage = self._remote_storage()
+        if (self.run_dir / name).exists() or storage is None:
             return runfiles.read_jsonl(self.run_dir / name)
         from actors.mirror import read_appended
 
-        return runfiles.parse_jsonl(read_appended(self.storage, self._key(name)))
+        return runfiles.parse_jsonl(read_appended(storage, self._key(name)))
 
     # ------------------------------------------------------------------ notebooks (orchestrator/notebook.py)
     def _view(self) -> tuple[JobStatus, tuple[dict, ...]]:
@@ -434,10 +359,11 @@ class ElasticJob:
         server policies, the parameter server's)."""
         import torch  # the CLI's status, scale and stop import this module and need no torch
         path = self.run_dir / "model.pt" if self.run_dir else None
+        storage = self._remote_storage()
         if path is not None and path.exists():
             blob = path.read_bytes()
-        elif path is not None and self._remote() and self.storage.size(self._key("model.pt")) is not None:
-            blob = self.storage.read(self._key("model.pt"))
+        elif path is not None and storage is not None and storage.size(self._key("model.pt")) is not None:
+            blob = storage.read(self._key("model.pt"))
         else:
             raise OrchestratorError(f"job {self.name!r} has no final model yet (state {self.status().state})")
         state = torch.load(io.BytesIO(blob), weights_only=True, map_location="cpu")
@@ -466,54 +392,3 @@ def _describe_wait(what: str | Callable[[dict], bool] | None, step: int | None, 
         return f"an event for which {getattr(what, '__name__', 'the predicate')} holds"
     where = ", ".join(f"{k}={v!r}" for k, v in detail.items())
     return f"a {what!r} event" + (f" with {where}" if where else "")
-
-
-def _remote_message(err: BaseException) -> str:
-    """The original message of an exception raised inside an actor (without Ray's traceback)."""
-    cause = getattr(err, "cause", None) or err
-    lines = [line for line in str(cause).strip().splitlines() if line.strip()]
-    return lines[-1] if lines else type(cause).__name__
-
-
-def _restarting(handle) -> bool:
-    """Whether Ray is restarting this actor (GCS actor table; no dashboard needed)."""
-    try:
-        from ray._private.state import state
-
-        info = state.actor_table(handle._actor_id.hex())
-        return bool(info) and info.get("State") in ("RESTARTING", "PENDING_CREATION", "DEPENDENCIES_UNREADY", "ALIVE")
-    except Exception as err:  # noqa: BLE001 - unknown: do not wait
-        log.debug("could not read the actor table: %s", err)
-        return False
-
-
-def _find_coordinator(name: str):
-    try:
-        return ray.get_actor(name, namespace=NAMESPACE)
-    except ValueError:
-        return None
-
-
-def _safe_status(handle) -> dict | None:
-    try:
-        return ray.get(handle.status.remote(), timeout=10)
-    except Exception as err:  # noqa: BLE001 - an old coordinator that does not answer counts as gone
-        log.debug("status of an old coordinator: %s", str(err).splitlines()[0][:200])
-        return None
-
-
-def _wait_actors_gone(names: list[str], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    for name in names:
-        while time.monotonic() < deadline:
-            try:
-                ray.get_actor(name, namespace=NAMESPACE)
-            except ValueError:
-                break
-            time.sleep(0.1)
-
-
-def _wait_gone(name: str, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while _find_coordinator(name) is not None and time.monotonic() < deadline:
-        time.sleep(0.1)

@@ -1,7 +1,9 @@
 """Test doubles and harnesses shared by `tests/` and `benchmarks/`: not part of the installed product.
 
-- `testkit.harness`: in-process groups and jobs (real replicas in threads, no Ray), Ray actors that host
-  a communicator or stand in for a coordinator, and helpers for tests that start processes;
+- `testkit.harness`: where tests import their harnesses from (re-exports): in-process groups and jobs
+  (`testkit.in_process`: real replicas in threads, no Ray), Ray actors that host a communicator or stand
+  in for a coordinator (`testkit.ray_peers`), a job under test (`testkit.job_checks`: pacing, waiting,
+  explaining) and processes a test starts (`testkit.processes`);
 - `testkit.fake_workers`: `FakeWorkerGroup`, the coordinator's worker seam answered in-process.
 
 The package lives at the repository's root, beside the product's packages, and is left out of the wheel

@@ -188,18 +188,18 @@ def test_a_checkpoint_without_its_manifest_does_not_count(remote):
 
 
 def test_a_local_run_root_on_a_cluster_of_several_nodes_is_warned_about(monkeypatch, capsys, tmp_path):
-    import orchestrator.job as job_module
+    import orchestrator.run_storage as job_module
     from orchestrator.config import config_from_dict
 
     cfg = {"name": "warned", "workload": {"factory": "orchestrator.workloads.digits:mlp"}, "run_dir": str(tmp_path)}
     nodes = [{"Alive": True}, {"Alive": True}, {"Alive": False}]
     monkeypatch.setattr(job_module.ray, "nodes", lambda: nodes)
-    job_module._warn_local_storage(config_from_dict(cfg))
+    job_module.warn_local_storage(config_from_dict(cfg))
     out = capsys.readouterr().out
     assert out.startswith("warning: storage:") and "2 nodes" in out and str(tmp_path) in out, out
-    job_module._warn_local_storage(config_from_dict(dict(cfg, storage="memory://bucket/runs", run_dir=None)))
+    job_module.warn_local_storage(config_from_dict(dict(cfg, storage="memory://bucket/runs", run_dir=None)))
     nodes[1]["Alive"] = False
-    job_module._warn_local_storage(config_from_dict(cfg))
+    job_module.warn_local_storage(config_from_dict(cfg))
     assert capsys.readouterr().out == "", "warned for shared storage, or for one node"
 
 

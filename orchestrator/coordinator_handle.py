@@ -1,0 +1,98 @@
+"""The job's detached coordinator as the driver reaches it through Ray: where it may run and with which
+environment, launching it, finding it by name, asking an old one for its status, telling whether Ray is
+restarting it, and waiting for it (or the job's other named actors) to be gone."""
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import ray
+from ray.actor import ActorHandle
+
+from core.schema import JobConfig
+from orchestrator.connection import NAMESPACE
+
+log = logging.getLogger(__name__)
+
+
+def credentials_env(config: JobConfig) -> dict:
+    """The coordinator's Ray runtime environment (its workers and server inherit it): the storage
+    credentials the config took out of its URI (`ORCHESTRATOR_STORAGE_*`), so that no node needs them
+    set beforehand; Ray keeps them in its token-authenticated control store, never in a file."""
+    from actors.storage import CREDENTIAL_ENV
+
+    moved = CREDENTIAL_ENV.format("")
+    env = {v: os.environ[v] for v in config.storage_options.values() if v.startswith(moved) and v in os.environ}
+    return {"runtime_env": {"env_vars": env}} if env else {}
+
+
+def coordinator_resources(config: JobConfig) -> dict[str, float]:
+    """Where the coordinator may run: the head node, or any node with `ray.coordinator_resources`."""
+    return {str(k): float(v) for k, v in config.ray.coordinator_resources.items()} or {"node:__internal_head__": 0.001}
+
+
+def launch_coordinator(config: JobConfig, run_id: str, run_dir: str, resume_from: str | None, owner: str | None,
+                       started_at: float) -> ActorHandle:
+    """The job's coordinator, created detached under the job's name (Ray restarts it up to MAX_RESTARTS
+    times). `owner`: the Ray job id of a driver that owns the job (it stops when that driver dies)."""
+    from actors.coordinator import MAX_RESTARTS, CoordinatorActor
+
+    handle = CoordinatorActor.options(
+        name=config.name, namespace=NAMESPACE, lifetime="detached", resources=coordinator_resources(config),
+        max_restarts=MAX_RESTARTS, **credentials_env(config),
+    ).remote(config.to_dict(), run_id, run_dir, 0, (os.getcwd(),), resume_from, owner, started_at)
+    if not isinstance(handle, ActorHandle):  # Ray's stubs type remote() as "a handle or the class"
+        raise TypeError(f"creating the coordinator returned {type(handle).__name__}, not an actor handle")
+    return handle
+
+
+def remote_message(err: BaseException) -> str:
+    """The original message of an exception raised inside an actor (without Ray's traceback)."""
+    cause = getattr(err, "cause", None) or err
+    lines = [line for line in str(cause).strip().splitlines() if line.strip()]
+    return lines[-1] if lines else type(cause).__name__
+
+
+def restarting(handle: ActorHandle) -> bool:
+    """Whether Ray is restarting this actor (GCS actor table; no dashboard needed)."""
+    try:
+        from ray._private.state import state
+
+        info = state.actor_table(handle._actor_id.hex())
+        return bool(info) and info.get("State") in ("RESTARTING", "PENDING_CREATION", "DEPENDENCIES_UNREADY", "ALIVE")
+    except Exception as err:  # noqa: BLE001 - unknown: do not wait
+        log.debug("could not read the actor table: %s", err)
+        return False
+
+
+def find_coordinator(name: str) -> ActorHandle | None:
+    try:
+        return ray.get_actor(name, namespace=NAMESPACE)
+    except ValueError:
+        return None
+
+
+def safe_status(handle: ActorHandle) -> dict | None:
+    try:
+        return ray.get(handle.status.remote(), timeout=10)
+    except Exception as err:  # noqa: BLE001 - an old coordinator that does not answer counts as gone
+        log.debug("status of an old coordinator: %s", str(err).splitlines()[0][:200])
+        return None
+
+
+def wait_actors_gone(names: list[str], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    for name in names:
+        while time.monotonic() < deadline:
+            try:
+                ray.get_actor(name, namespace=NAMESPACE)
+            except ValueError:
+                break
+            time.sleep(0.1)
+
+
+def wait_gone(name: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while find_coordinator(name) is not None and time.monotonic() < deadline:
+        time.sleep(0.1)

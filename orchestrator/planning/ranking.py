@@ -1,0 +1,126 @@
+"""Ranking the candidates: each one's predicted step time and bytes per step on a network (the runtime
+model, algorithms/runtime_model.py `predict`), its time to the target where a convergence factor applies
+(`orchestrator/convergence.json`, written by `benchmarks/tradeoffs.py`), and the order that puts the
+recommended policy first: an exact policy unless a relaxed one leads by more than the evidence's error."""
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from algorithms.runtime_model import INF, Compute, Network, predict
+from core.schema import JobConfig
+from orchestrator.planning.candidates import Candidate
+
+FACTORS_PATH = Path(__file__).parent.parent / "convergence.json"
+
+
+@dataclass(frozen=True)
+class Row:
+    candidate: Candidate
+    step_s: float
+    bytes_per_step: float
+    factor: float | None
+    """Steps to the target relative to BSP as ranked (the measured factor, never below 1 for a relaxed
+    policy), or None where no factor applies."""
+    to_target_s: float | None
+    basis: str
+    exact: bool = False
+    """An exact policy: every step's update is the full-precision average of every member's gradients
+    (BSP, flat or hierarchical); its steps to any target are BSP's by definition."""
+    note: str = ""
+    """Why the row has no time to the target ("convergence unknown for this workload")."""
+
+
+EXACT = frozenset({"bsp", "bsp hierarchical"})
+"""The candidates whose updates equal BSP's (hierarchical BSP sums in another order: the same up to float
+rounding), so their convergence is BSP's whatever the workload."""
+RELAXED_MARGIN = 0.10
+"""A relaxed policy is recommended over the best exact one only if its predicted time to the target is at
+least this much lower: the factors come from a few seeds (over three seeds the same policy's factor
+ranged 0.76-1.07) and the model's step times are within 25%, so a smaller lead is not evidence."""
+
+
+def load_factors(path: Path = FACTORS_PATH) -> dict:
+    """{"factors": {label: steps to the target relative to BSP}, "bsp_steps": BSP's steps to the target,
+    "source": "...", "applies_to": {"workload": module, "optimizer": name, "metric": name}} as
+    `benchmarks/tradeoffs.py` wrote them; empty factors when none were measured."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        data = {}
+    return {"factors": {k: float(v) for k, v in data.get("factors", {}).items()},
+            "bsp_steps": int(data.get("bsp_steps") or 0) or None, "source": str(data.get("source", "")),
+            "applies_to": dict(data.get("applies_to") or {})}
+
+
+def factors_apply(cfg: JobConfig, data: dict) -> tuple[bool, str]:
+    """(whether the convergence factors in `data` say anything about this job, and why not): they were
+    measured on one workload family (the factory's module), optimizer and target metric, and are used
+    only for a job with the same three."""
+    if not data.get("factors") or not data.get("bsp_steps"):
+        return False, "no convergence factors were measured"
+    scope = data.get("applies_to") or {}
+    if not scope:
+        return False, "the convergence factors do not say what they were measured on"
+    why = []
+    family = cfg.workload.factory.split(":")[0]
+    if family != scope.get("workload"):
+        why.append(f"workload {family} (factors from {scope.get('workload')})")
+    if cfg.optimizer.name != scope.get("optimizer"):
+        why.append(f"optimizer {cfg.optimizer.name} (factors from {scope.get('optimizer')})")
+    metric = cfg.stop.target.metric if cfg.stop.target is not None else None
+    if metric != scope.get("metric"):
+        why.append(f"target metric {metric or 'none'} (factors to a {scope.get('metric')} target)")
+    return not why, "; ".join(why)
+
+
+def rank(cands: Sequence[Candidate], net: Network, compute: Compute, model_bytes: float,
+         factors: dict[str, float] | None, bsp_steps: int | None = None, unknown: str = "") -> list[Row]:
+    """Every candidate's prediction, the recommended one first.
+
+    With `factors` (they apply to this job, `factors_apply`): time to the target is step time x BSP's
+    steps x the factor, a relaxed policy's factor taken as at least 1 (it is never credited with
+    converging faster than BSP: factors below 1 were seed noise); a candidate without a factor gets
+    none. The best exact policy is recommended unless a relaxed one's time to the target is at least
+    RELAXED_MARGIN lower. Without factors (`unknown` says why): the exact policies by step time first,
+    then the relaxed ones, shown by step time with "convergence unknown for this workload" and never
+    recommended. On one node with no shaped link there is no network for a relaxed policy to save (its
+    "savings" are copies between processes that share the node's cores and memory, which the model does
+    not see), so the exact policy is recommended there too. Ties keep the candidates' order (exact
+    policies first), never their names."""
+    order = {c.label: i for i, c in enumerate(cands)}
+    local = len(set(net.node_of_rank)) <= 1 and all(b == INF for row in net.bandwidth for b in row)
+    rows = []
+    for cand in cands:
+        p = predict(cand.spec, net, compute, model_bytes)
+        exact = cand.label in EXACT
+        factor = None if factors is None else (1.0 if exact else factors.get(cand.label))
+        if factor is not None and not exact:
+            factor = max(factor, 1.0)
+        to_target = p.step_s * bsp_steps * factor if factor is not None and bsp_steps else None
+        note = "" if to_target is not None else ("convergence unknown for this workload" + (f": {unknown}" if unknown else ""))
+        rows.append(Row(cand, p.step_s, p.bytes_per_step, factor, to_target, p.basis, exact, "" if exact else note))
+    if local:
+        rows = [r if r.exact else dataclasses.replace(r, note="one node: no network to save") for r in rows]
+        return sorted(rows, key=lambda r: (not r.exact, r.to_target_s if r.to_target_s is not None else INF, r.step_s,
+                                           order[r.candidate.label]))
+    if factors is None or not bsp_steps:
+        return sorted(rows, key=lambda r: (not r.exact, r.step_s, order[r.candidate.label]))
+    known = sorted([r for r in rows if r.to_target_s is not None], key=lambda r: (r.to_target_s, order[r.candidate.label]))
+    rest = sorted([r for r in rows if r.to_target_s is None], key=lambda r: (r.step_s, order[r.candidate.label]))
+    exact_best = next((r for r in known if r.exact), None)
+    if known and exact_best is not None and not known[0].exact \
+            and _target_s(known[0]) > (1 - RELAXED_MARGIN) * _target_s(exact_best):
+        known.remove(exact_best)
+        known.insert(0, exact_best)  # the relaxed lead is within the evidence's error: the exact policy
+    return known + rest
+
+
+def _target_s(row: Row) -> float:
+    """The time to the target of a row that has one."""
+    if row.to_target_s is None:
+        raise ValueError(f"{row.candidate.label} has no time to the target")
+    return row.to_target_s

@@ -1,0 +1,208 @@
+"""Doubles that run in this process, without Ray (policy oracles in milliseconds):
+
+- `local_group(n)` forms n members of one gloo group in threads of this process, over a `HashStore`
+  (no TCP store, no actors);
+- `LocalJob` runs real `Replica`s (the worker's step loop) in threads, with a recording `LocalLink` for
+  their coordinator and plans the test publishes itself (`LocalServerReports` for an in-process server);
+- `LoopbackComm` is a world-size-1 communicator that only records calls; `drive_step` runs one step of
+  a policy's hooks in the worker's order.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import torch
+
+from actors.comm import in_process_group as local_group  # noqa: F401 - tests form their groups with it
+from actors.comm import in_process_store as local_store
+from actors.plan import Plan, Progress, WorkerSpec
+from algorithms.base import VoteDraft
+
+
+def drive_step(impl, model: torch.nn.Module, step: int, batch: torch.Tensor, samples: int, lr: float) -> None:
+    """One step of a policy's hooks in the worker's order (begin, before forward, backward of
+    `model(batch).square().mean()`, end of backward, vote, update, commit); the vote must commit."""
+    draft = VoteDraft(samples=samples)
+    impl.begin_step(step, draft)
+    impl.before_forward(step)
+    model(batch).square().mean().backward()
+    impl.end_backward(step)
+    assert impl.finish_step(step, draft).commit
+    impl.apply_update(step, lr)
+    impl.commit(step)
+
+
+class LocalLink:
+    """A replica's coordinator, in process: keeps every call, every history record in report order."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, Any]] = []
+        self.records: list[dict] = []
+        self.finals: list[dict] = []
+        self._lock = threading.Lock()
+
+    def report(self, progress: Progress, wait: bool) -> None:
+        with self._lock:
+            for record in progress.records:
+                (self.finals if record.get("final") else self.records).append(record)
+
+    def _call(self, name: str, *args: Any) -> None:
+        with self._lock:
+            self.calls.append((name, args))
+
+    def epoch_agreed(self, epoch: int, step: int, records: tuple) -> None:
+        self._call("epoch_agreed", epoch, step, records)
+
+    def state_received(self, slot: str, epoch: int, source: str, step: int) -> None:
+        self._call("state_received", slot, epoch, source, step)
+
+    def collective_failed(self, slot: str, epoch: int, error: str) -> None:
+        self._call("collective_failed", slot, epoch, error)
+
+    def fault_fired(self, index: int, slot: str, step: int, phase: str) -> None:
+        self._call("fault_fired", index, slot, step, phase)
+
+    def samples_skipped(self, slot: str, step: int, ids: list[int], reason: str) -> None:
+        self._call("samples_skipped", slot, step, ids, reason)
+
+    def save_checkpoint(self, step: int, blob: bytes) -> None:
+        self._call("save_checkpoint", step)
+
+    def checkpoints_stored(self, timeout: float) -> None:
+        pass  # stored as called
+
+
+class LocalServerReports:
+    """An in-process server's reports go to the `LocalLink` as the server's progress."""
+
+    def __init__(self, link: LocalLink, planner: Any = None) -> None:
+        self.link = link
+        self.planner = planner
+        self.host: Any = None
+
+    def records(self, records: tuple[dict, ...], summary: dict) -> None:
+        self.link.report(Progress("server", records[-1]["step"], records[-1]["membership_epoch"], time.time(), records), False)
+
+    def restarted(self, resumed_version: int, incarnation: int, snapshot: str | None) -> None:
+        self.link._call("server_restarted", resumed_version, incarnation, snapshot)
+
+    def barrier(self, index: int, members: tuple[str, ...], intervals: dict[str, list[float]]) -> None:
+        """elastic_bsp: plan with `planner` and hand the schedule to `host`, as the coordinator does
+        (without a planner the server's fallback holds, as with a coordinator that is down)."""
+        self.link._call("server_barrier", index, members)
+        if self.planner is not None and self.host is not None:
+            iterations = self.planner.plan(members, intervals)
+            if iterations is not None:
+                self.host.set_schedule(index, iterations)
+
+
+class LocalJob:
+    """Real replicas in threads of this process; the test publishes the plans (no coordinator)."""
+
+    def __init__(self, config: dict, slots: list[str], run_dir: str, timeout_s: float = 10.0, zipline: bool = True) -> None:
+        """`zipline`: elastic_bsp's barriers are planned as the coordinator plans them (False: the
+        server's fallback, as with a coordinator that is down)."""
+        from actors.parameter_server import LocalServerClient, ServerHost, make_host
+        from actors.replica import Replica
+        from algorithms.base import get_algorithm
+        from algorithms.zipline import BarrierPlanner
+        from core.schema import SERVER_POLICIES, JobConfig, parse
+
+        self.config = parse(JobConfig, config).to_dict()
+        self.link = LocalLink()
+        self.timeout_s = timeout_s
+        self.server: ServerHost | None = None
+        """The parameter server, in process, for the server policies."""
+        policy = self.config["sync"]["policy"]
+        if policy in SERVER_POLICIES or get_algorithm(policy).kind == "background":
+            sync = self.config["sync"]
+            planner = BarrierPlanner(sync["r"], sync["ewma"]) if sync["policy"] == "elastic_bsp" and zipline else None
+            reports = LocalServerReports(self.link, planner)
+            self.server = reports.host = make_host(self.config, run_dir, reports)
+        client = LocalServerClient(self.server) if self.server else None
+        self.replicas = {s: Replica(WorkerSpec("local", "r", s, run_dir, "local", "local", self.config), self.link,
+                                    "127.0.0.1", server=client) for s in slots}
+        self.version = 0
+        self.outcomes: dict[str, dict] = {}
+        self._threads: dict[str, threading.Thread] = {}
+
+    def publish(self, members: tuple[str, ...], epoch: int, global_batch: int, **over: Any) -> Plan:
+        """Send every replica a plan (a fresh group per call)."""
+        host, port = local_store()
+        self.version += 1
+        plan = Plan(version=self.version, membership_epoch=epoch, members=tuple(members),
+                    group_name=f"local/e{epoch}/v{self.version}", store_host=host, store_port=port,
+                    timeout_s=self.timeout_s, global_batch=global_batch, **over)
+        if self.server is not None:  # as the coordinator does: the server learns a membership before its members
+            self.server.set_members(epoch, [(slot, 0) for slot in members])
+        for replica in self.replicas.values():
+            replica.set_plan(plan)
+        return plan
+
+    def start(self, slots: list[str] | None = None) -> None:
+        for slot in slots or list(self.replicas):
+            thread = threading.Thread(target=lambda s=slot: self.outcomes.__setitem__(s, self.replicas[s].run()),
+                                      name=f"replica {slot}", daemon=True)
+            self._threads[slot] = thread
+            thread.start()
+
+    def wait(self, timeout: float = 120.0) -> dict[str, dict]:
+        deadline = time.monotonic() + timeout
+        for slot, thread in self._threads.items():
+            thread.join(max(deadline - time.monotonic(), 0.0))
+            if thread.is_alive():
+                raise TimeoutError(f"replica {slot} still running after {timeout:g}s")
+        if self.server is not None:
+            self.server.flush()  # its history records are reported
+        return dict(self.outcomes)
+
+    def run(self, members: tuple[str, ...], global_batch: int, timeout: float = 120.0, **plan: Any) -> dict[str, dict]:
+        """One plan for `members`, run to the end; every outcome must be ok."""
+        self.publish(members, 1, global_batch, **plan)
+        self.start(list(members))
+        outcomes = self.wait(timeout)
+        failed = {s: o for s, o in outcomes.items() if not o["ok"]}
+        if failed:
+            raise AssertionError(f"replicas failed: {failed}")
+        return outcomes
+
+    def parameters(self, slot: str) -> list[torch.Tensor]:
+        return [p.detach().clone() for p in self.replicas[slot].model.parameters()]
+
+
+class LoopbackHandle:
+    def wait(self, timeout: float | None = None) -> None:
+        pass
+
+    def is_completed(self) -> bool:
+        return True
+
+
+class LoopbackComm:
+    """World size 1: every collective completes at once and leaves its input as the result."""
+
+    rank = 0
+    world_size = 1
+
+    def __init__(self) -> None:
+        self.bytes_sent = 0
+        self.calls: list[tuple[str, int]] = []
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> LoopbackHandle:
+        self.calls.append(("all_reduce", tensor.numel()))
+        return LoopbackHandle()
+
+    def broadcast(self, tensor: torch.Tensor, src: int) -> LoopbackHandle:
+        self.calls.append(("broadcast", tensor.numel()))
+        return LoopbackHandle()
+
+    def all_gather(self, outputs: list[torch.Tensor], tensor: torch.Tensor) -> LoopbackHandle:
+        outputs[0].copy_(tensor)
+        return LoopbackHandle()
+
+    def barrier(self) -> LoopbackHandle:
+        return LoopbackHandle()
+
+
