@@ -208,7 +208,7 @@ class ServerCore:
     def barrier_open(self, slot: str) -> bool:
         """elastic_bsp: whether `slot` may pull now: it is in the round (a joiner waits for the next)
         and has not sent its barrier push yet."""
-        return self.round.open_for(slot, self.clocks[slot])
+        return self.round.open_for(slot, self.clocks)
 
     def _skip_ahead(self, slot: str) -> None:
         """Quorum: the sender's clock was applied without it; its unpushed tickets go back to the queue."""

@@ -33,10 +33,10 @@ class BarrierRound:
     def complete(self) -> bool:
         return bool(self.staged) and all(slot in self.staged for slot in self.at)
 
-    def open_for(self, slot: str, clock: int) -> bool:
-        """Whether `slot`, working on `clock`, may pull: it is in the round and has not passed its barrier."""
+    def open_for(self, slot: str, clocks: dict[str, int]) -> bool:
+        """Whether `slot` may pull: it is in the round and its clock (in `clocks`) has not passed its barrier."""
         at = self.at.get(slot)
-        return at is not None and clock <= at
+        return at is not None and clocks[slot] <= at
 
     def fallback(self, clocks: dict[str, int], r: int) -> None:
         """Every live member's barrier after `r` more iterations from its clock in `clocks`."""
