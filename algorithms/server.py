@@ -43,133 +43,31 @@ or addressed to an older server incarnation is refused and counted; so is a pull
 kinds. The membership epoch is recorded, not compared: a live member's push from the previous epoch
 is still good work, because server kinds never redo a step.
 
-Shards are contiguous ranges of the flat parameter vector (not parameter boundaries: a flat buffer
-may be cut anywhere), each with its own optimizer. SGD and AdamW are elementwise, so any shard count
-gives bit-identical results (tested). Cuts fall on multiples of `ALIGN` elements, so that every
-element sits in the same vector lane as in one unsharded buffer; on the CPU build here unaligned cuts
-were identical too, so this is insurance for kernels whose scalar tail rounds differently (FMA).
+The parameters live in shards, each with its own optimizer (`ShardedParameters`,
+algorithms/server_shards.py); the messages are in algorithms/server_messages.py and elastic_bsp's
+barrier rounds in algorithms/server_barriers.py. Their names are importable from here too.
 """
 from __future__ import annotations
 
-import copy
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Literal
 
 import torch
 
 from algorithms.leases import LeaseService, Ticket
-from algorithms.optim import build_optimizer, lr_at, set_lr
+from algorithms.optim import lr_at
+from algorithms.server_barriers import BarrierRound
+from algorithms.server_messages import NOT_APPLIED, Fence, Pull, PullStatus, Push, PushResult, PushStatus, Update  # noqa: F401
+from algorithms.server_shards import ALIGN, ShardedParameters, combine_buffers, shard_bounds  # noqa: F401
 from core.schema import ASPConfig, ElasticBSPConfig, OptimizerConfig, QuorumConfig, SSPConfig
 
 ServerPolicy = ASPConfig | SSPConfig | QuorumConfig | ElasticBSPConfig
-ALIGN = 64
-"""Shard cuts fall on multiples of this many elements (a multiple of every CPU vector width)."""
-
-PullStatus = Literal["ok", "wait", "finished", "not_member", "fenced_worker"]
-PushStatus = Literal["applied", "staged", "dropped", "duplicate", "stale", "finished",
-                     "not_member", "fenced_worker", "fenced_server"]
-NOT_APPLIED = ("not_member", "fenced_worker", "fenced_server", "duplicate", "stale", "dropped", "finished")
-
-
-@dataclass(frozen=True)
-class Fence:
-    """Who sends a pull or a push, and to which server incarnation."""
-
-    membership_epoch: int
-    slot: str
-    worker_incarnation: int
-    server_incarnation: int
-
-
-@dataclass(frozen=True)
-class Pull:
-    status: PullStatus
-    ticket: Ticket | None = None
-    version: int = 0
-    """The version of the parameters the puller gets (push it back as `pulled_version`)."""
-    clock: int = 0
-    server_incarnation: int = 0
-
-
-@dataclass(frozen=True)
-class Push:
-    fence: Fence
-    lease_ids: tuple[int, ...]
-    pulled_version: int
-    grad: torch.Tensor
-    """Flat float32 gradient of the loss weighted by n_i / B. Held (not copied) until its clock is
-    applied: the sender must not reuse the buffer."""
-    loss: float = 0.0
-    """The member's loss, weighted the same way."""
-    buffers: torch.Tensor | None = None
-    """The member's model buffers (BatchNorm's running statistics, ...) after this step, flat, as float64
-    (integer buffers exactly); None when the model has none."""
-
-
-@dataclass(frozen=True)
-class Update:
-    """One applied version: what history and `record_samples` need."""
-
-    version: int
-    lr: float
-    loss: float
-    """The mean loss over the update's samples."""
-    samples: int
-    tickets: tuple[Ticket, ...]
-    staleness: tuple[int, ...]
-    barrier: int | None = None
-    """elastic_bsp: the index of the barrier this update is (None: a single push applied as in ASP)."""
-
-
-@dataclass
-class BarrierRound:
-    """elastic_bsp: the barrier the live members are heading for. Each member's barrier push is the
-    push of clock `at[slot]`; it waits (staged) until every member of the round has sent its own,
-    and then they are applied as one update and the next round begins."""
-
-    index: int = 0
-    """Barriers passed before this one."""
-    at: dict[str, int] = field(default_factory=dict)
-    """slot -> the clock whose push is its barrier push (members of this round only: a joiner waits
-    for the next round)."""
-    began: dict[str, int] = field(default_factory=dict)
-    """slot -> its clock when the round began (a schedule counts iterations from there)."""
-    staged: dict[str, dict] = field(default_factory=dict)
-    """slot -> its barrier push, once sent (a departed member's stays: it is good work)."""
-    scheduled: bool = False
-    """Whether the coordinator's ZipLine schedule replaced the fallback (a barrier after `r`)."""
-
-    def complete(self) -> bool:
-        return bool(self.staged) and all(slot in self.staged for slot in self.at)
-
-    def state_dict(self) -> dict:
-        return {"index": self.index, "at": dict(self.at), "began": dict(self.began),
-                "staged": {s: dict(p) for s, p in self.staged.items()}, "scheduled": self.scheduled}
-
-    @classmethod
-    def from_state(cls, state: dict) -> BarrierRound:
-        return cls(state["index"], dict(state["at"]), dict(state["began"]),
-                   {s: dict(p) for s, p in state["staged"].items()}, state["scheduled"])
-
-
-@dataclass(frozen=True)
-class PushResult:
-    status: PushStatus
-    version: int
-    updates: tuple[Update, ...] = ()
-    """Versions this push completed (none while staged)."""
-
-
-def shard_bounds(numel: int, shards: int) -> list[tuple[int, int]]:
-    """`shards` contiguous [start, end) ranges of `numel` elements, cut at multiples of ALIGN."""
-    blocks = -(-numel // ALIGN)
-    count = max(1, min(shards, blocks))
-    cuts = [min(numel, round(k * blocks / count) * ALIGN) for k in range(count + 1)]
-    return list(zip(cuts[:-1], cuts[1:]))
 
 
 class ServerCore:
+    """A server policy's whole state and the rules that change it (see the module's docstring)."""
+
     def __init__(self, parameters: Sequence[torch.Tensor], optimizer: OptimizerConfig, policy: ServerPolicy, *,
                  n_samples: int, seed: int, global_batch: int, shards: int = 1, max_steps: int | None = None) -> None:
         if isinstance(policy, QuorumConfig) and policy.k is None:
@@ -178,13 +76,8 @@ class ServerCore:
         self.optimizer_config = optimizer
         self.global_batch = global_batch
         self.max_steps = max_steps
-        flat = torch.cat([p.detach().reshape(-1).to(torch.float32) for p in parameters])
-        self.bounds = shard_bounds(flat.numel(), shards)
-        self.shards = [flat[a:b].clone().requires_grad_() for a, b in self.bounds]
-        self.numel = flat.numel()
-        self._total = torch.empty(self.numel)
-        """Where an update's pushes are summed and scaled."""
-        self.optimizers = [build_optimizer([shard], optimizer) for shard in self.shards]
+        self.model = ShardedParameters(parameters, optimizer, shards)
+        self.numel = self.model.numel
         self.leases = LeaseService(n_samples, seed, global_batch)
         self.version = 0
         self.incarnation = 0
@@ -236,7 +129,7 @@ class ServerCore:
 
     def parameters(self, out: torch.Tensor | None = None) -> torch.Tensor:
         """The flat parameter vector (a copy; into `out` when given)."""
-        return torch.cat([shard.detach() for shard in self.shards], out=out)
+        return self.model.parameters(out)
 
     # ---------------------------------------------------------------- membership
     def set_members(self, epoch: int, members: Sequence[tuple[str, int]]) -> tuple[Update, ...]:
@@ -279,21 +172,27 @@ class ServerCore:
         live = min(self.clocks.values(), default=self.version)
         return max(live, self.version)
 
-    def _refusal(self, fence: Fence, pushing: bool) -> str | None:
+    def _refusal(self, fence: Fence) -> Literal["not_member", "fenced_worker"] | None:
+        """Why a pull or a push from `fence` is refused: its slot is not a member, or its incarnation is gone."""
         if fence.slot not in self.members:
             return "not_member"
         if fence.worker_incarnation != self.members[fence.slot]:
             return "fenced_worker"
-        if pushing and fence.server_incarnation != self.incarnation:
-            return "fenced_server"
         return None
+
+    def _push_refusal(self, fence: Fence) -> PushStatus | None:
+        """`_refusal`, or a push addressed to an older server incarnation."""
+        refusal = self._refusal(fence)
+        if refusal is None and fence.server_incarnation != self.incarnation:
+            return "fenced_server"
+        return refusal
 
     # ---------------------------------------------------------------- pull
     def pull(self, fence: Fence) -> Pull:
         """The ticket for the sender's clock, when `pull_ready`; the caller then sends `parameters()`."""
-        refusal = self._refusal(fence, pushing=False)
+        refusal = self._refusal(fence)
         if refusal:
-            return Pull(refusal)  # type: ignore[arg-type]
+            return Pull(refusal)
         if self.finished:
             return Pull("finished", version=self.version)
         slot = fence.slot
@@ -309,8 +208,7 @@ class ServerCore:
     def barrier_open(self, slot: str) -> bool:
         """elastic_bsp: whether `slot` may pull now: it is in the round (a joiner waits for the next)
         and has not sent its barrier push yet."""
-        at = self.round.at.get(slot)
-        return at is not None and self.clocks[slot] <= at
+        return self.round.open_for(slot, self.clocks)
 
     def _skip_ahead(self, slot: str) -> None:
         """Quorum: the sender's clock was applied without it; its unpushed tickets go back to the queue."""
@@ -327,7 +225,7 @@ class ServerCore:
 
     # ---------------------------------------------------------------- push
     def push(self, push: Push) -> PushResult:
-        status = self._refusal(push.fence, pushing=True)
+        status = self._push_refusal(push.fence)
         if push.buffers is not None and status is None:  # the sender's replica, whatever becomes of its gradient
             self.member_buffers[push.fence.slot] = push.buffers.detach().to(torch.float64)
         ticket = None if status else self.leases.find(push.lease_ids)
@@ -339,7 +237,7 @@ class ServerCore:
             status, ticket = "stale", None
         if status:
             self.rejected[status] += 1
-            return PushResult(status, self.version)  # type: ignore[arg-type]
+            return PushResult(status, self.version)
         assert ticket is not None  # no refusal: the push's open ticket was found
         late = self.clocked and ticket.clock < self.version
         if self.finished or late:
@@ -414,24 +312,17 @@ class ServerCore:
         """Every live member's barrier after `r` more iterations: what holds until (unless) the
         coordinator's ZipLine schedule replaces it."""
         assert isinstance(self.policy, ElasticBSPConfig)  # barrier rounds are elastic_bsp's
-        r = self.policy.r
-        self.round.began = dict(self.clocks)
-        self.round.at = {slot: clock + r - 1 for slot, clock in self.clocks.items()}
+        self.round.fallback(self.clocks, self.policy.r)
         self.schedules["fallback"] += 1
 
     def set_schedule(self, index: int, iterations: dict[str, int]) -> bool:
         """The coordinator's ZipLine schedule for round `index`: after how many iterations (1..r) each
         member synchronizes. Taken once, only for the round under way, naming exactly its members, when
         no member has passed the iteration it names yet; otherwise the fallback stays (counted late)."""
-        rnd, r = self.round, getattr(self.policy, "r", 1)
-        if not self.elastic or index != rnd.index or rnd.scheduled or set(iterations) != set(rnd.at):
+        policy = self.policy
+        if not (isinstance(policy, ElasticBSPConfig) and self.round.take_schedule(index, iterations, policy.r, self.clocks)):
             self.schedules["late"] += 1
             return False
-        at = {slot: rnd.began[slot] + int(k) - 1 for slot, k in iterations.items()}
-        if any(not 1 <= k <= r for k in iterations.values()) or rnd.staged or any(at[s] < self.clocks[s] for s in at):
-            self.schedules["late"] += 1
-            return False
-        rnd.at, rnd.scheduled = at, True
         self.schedules["zipline"] += 1
         self.schedules["fallback"] -= 1
         return True
@@ -441,20 +332,9 @@ class ServerCore:
         pushes = sorted(pushes, key=lambda p: (p["rank"], p["lease"]))
         tickets = [self.leases.open[p["lease"]] for p in pushes]
         samples = sum(t.samples for t in tickets)
-        total, scale = self._total, self.global_batch / samples  # one buffer, reused: no allocation per update
-        if len(pushes) == 1:
-            torch.mul(pushes[0]["grad"], scale, out=total)  # the same rounding as copy then scale, one pass
-        else:
-            total.copy_(pushes[0]["grad"])
-            for p in pushes[1:]:
-                total += p["grad"]
-            total *= scale
+        scale = self.global_batch / samples
         lr = lr_at(self.version, self.optimizer_config, self.max_steps)
-        for shard, opt, (a, b) in zip(self.shards, self.optimizers, self.bounds):
-            shard.grad = total[a:b]
-            set_lr(opt, lr)
-            opt.step()
-            shard.grad = None
+        self.model.step([p["grad"] for p in pushes], scale, lr)
         staleness = tuple(self.version - p["pulled"] for p in pushes)
         for value in staleness:
             self.staleness[value] = self.staleness.get(value, 0) + 1
@@ -497,9 +377,7 @@ class ServerCore:
         and an optimizer's own `state_dict()` holds the live tensors its next step writes into. (A staged
         push's gradient is shared: nothing writes into it.)"""
         return {"policy": self.policy.policy, "version": self.version, "incarnation": self.incarnation,
-                "membership_epoch": self.membership_epoch, "bounds": [list(b) for b in self.bounds],
-                "shards": [s.detach().clone() for s in self.shards],
-                "optimizers": [copy.deepcopy(opt.state_dict()) for opt in self.optimizers],
+                "membership_epoch": self.membership_epoch, **self.model.state_dict(),
                 "members": [[slot, inc] for slot, inc in self.members.items()], "clocks": dict(self.clocks),
                 "staged": {c: [dict(p) for p in pushes] for c, pushes in self.staged.items()},
                 "staleness": dict(self.staleness), "rejected": dict(self.rejected), "leases": self.leases.state_dict(),
@@ -507,14 +385,10 @@ class ServerCore:
                 "buffers": {slot: b.clone() for slot, b in self.member_buffers.items()}}
 
     def load_state_dict(self, state: dict) -> None:
-        if state["policy"] != self.policy.policy or [tuple(b) for b in state["bounds"]] != self.bounds:
+        if state["policy"] != self.policy.policy or not self.model.fits(state):
             raise ValueError(f"a snapshot of policy {state['policy']!r} with shards {state['bounds']} does not fit "
-                             f"this server ({self.policy.policy!r}, shards {self.bounds})")
-        with torch.no_grad():
-            for shard, saved in zip(self.shards, state["shards"]):
-                shard.copy_(saved)
-        for opt, saved in zip(self.optimizers, state["optimizers"]):
-            opt.load_state_dict(saved)
+                             f"this server ({self.policy.policy!r}, shards {self.model.bounds})")
+        self.model.load_state_dict(state)
         self.version, self.incarnation = state["version"], state["incarnation"]
         self.membership_epoch = state["membership_epoch"]
         self.members = {slot: inc for slot, inc in state["members"]}
@@ -525,21 +399,3 @@ class ServerCore:
         self.round = BarrierRound.from_state(state["round"])
         self.schedules = dict(state["schedules"])
         self.member_buffers = {slot: b.clone() for slot, b in state.get("buffers", {}).items()}
-
-
-def combine_buffers(flats: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor]) -> list[torch.Tensor] | None:
-    """The model buffers a server kind's final model takes from its members' newest (`flats`, each the
-    model's buffers flattened as float64, lowest rank first): floating-point buffers averaged over
-    the members, the others (BatchNorm's batch count) the lowest-ranked member's, as the average of
-    replicas does for the kinds whose replicas differ. `buffers` gives the shapes and dtypes. None
-    when no member sent any."""
-    if not flats or not buffers:
-        return None
-    mean = torch.stack(list(flats)).mean(0)
-    out, at = [], 0
-    for b in buffers:
-        n = b.numel()
-        source = mean if torch.is_floating_point(b) else flats[0]
-        out.append(source[at:at + n].reshape(b.shape).to(b.dtype))
-        at += n
-    return out
