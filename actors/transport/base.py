@@ -12,7 +12,7 @@ import re
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -34,12 +34,21 @@ def backend_error(name: str, err: BaseException, backend: str = "") -> CommError
     return (CommTimeout if _BACKEND_TIMEOUT.search(text) else CommError)(f"group {name}: {prefix}{text}")
 
 
+class Work(Protocol):
+    """The part of a c10d `Work` a `WorkHandle` uses (gloo's own works, and the adapters `_WaitedWork`
+    and `_CudaWork` for works without a usable future)."""
+
+    def get_future(self) -> torch.futures.Future[Any]: ...
+    def is_completed(self) -> bool: ...
+    def wait(self) -> object: ...
+
+
 class WorkHandle:
-    """A pending operation. `wait()` raises CommError / CommAborted / CommTimeout."""
+    """A pending operation (core/comm_api.py `Handle`). `wait()` raises CommError / CommAborted / CommTimeout."""
 
     __slots__ = ("_work", "_comm", "_done", "_keep", "_launched", "latency_s")
 
-    def __init__(self, work, comm: BaseCommunicator, keep: Sequence[torch.Tensor]) -> None:
+    def __init__(self, work: Work, comm: BaseCommunicator, keep: Sequence[torch.Tensor]) -> None:
         self._work = work
         self._comm = comm
         self._keep = keep  # the buffers stay alive while the backend may write into them
@@ -241,5 +250,5 @@ class TorchBackendCommunicator(BaseCommunicator):
 
 def _opts(op: str) -> dist.AllreduceOptions:
     opts = dist.AllreduceOptions()
-    opts.reduceOp = _OPS[op]
+    opts.reduceOp = _OPS[op]  # type: ignore[assignment]  # torch's stub types ReduceOp.SUM as RedOpType; pybind converts it
     return opts

@@ -19,7 +19,7 @@ def in_process_group(n: int, name: str = "local", timeout_s: float = 10.0) -> li
         return list(pool.map(make_communicator, specs))
 
 
-def make_communicator(spec: GroupSpec) -> BaseCommunicator:
+def make_communicator(spec: GroupSpec) -> GlooCommunicator | NcclCommunicator:
     """Form the group of one membership epoch (blocks until every member arrives or timeout)."""
     try:
         store = client_store(spec.store_host, spec.store_port, spec.timeout_s)

@@ -4,16 +4,30 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
 
-from actors.transport.base import BaseCommunicator
+from actors.transport.base import Work
 from core.comm_api import CommError, CommTimeout, ForgedRendezvous, GroupSpec
 
+if TYPE_CHECKING:
+    from torch._C._distributed_c10d import Backend
 
-def group_of_one(store: dist.Store, device: str, kind, backend) -> dist.ProcessGroup:
+
+class Closable(Protocol):
+    """A formed group, as `form_in_thread` sees it: one that forms after it was abandoned is closed."""
+
+    def close(self) -> None: ...
+
+
+G = TypeVar("G", bound=Closable)
+
+
+def group_of_one(store: dist.Store, device: str, kind: dist.ProcessGroup.BackendType,
+                 backend: Backend) -> dist.ProcessGroup:
     """A torch ProcessGroup that calls itself rank 0 of 1 over `backend` (the whole group's), for
     torch's reducer: it divides by its group's size, and the gradients arrive already weighted."""
     group = dist.ProcessGroup(store, 0, 1)
@@ -33,7 +47,7 @@ def formation_error(spec: GroupSpec, err: BaseException, what: str) -> CommError
     return CommError(f"group {spec.name}: {what}: {text.splitlines()[0][:300]}")
 
 
-def release(pg, works: list, deadline: float, hold: bool = False) -> None:
+def release(pg: object, works: Sequence[Work], deadline: float, hold: bool = False) -> None:
     """Hold the group (and the buffers its works reference) until they finish or time out; with
     `hold`, until `deadline` whatever the works (operations no one tracks may still be stuck)."""
     while (works or hold) and time.monotonic() < deadline:
@@ -42,15 +56,14 @@ def release(pg, works: list, deadline: float, hold: bool = False) -> None:
     del pg, works
 
 
-def form_in_thread(spec: GroupSpec, build: Callable[[], BaseCommunicator],
-                   stop: Callable[[], bool]) -> BaseCommunicator | None:
+def form_in_thread(spec: GroupSpec, build: Callable[[], G], stop: Callable[[], bool]) -> G | None:
     """`build()` a group in a helper thread; None if `stop()` turns true meanwhile.
 
     Group construction blocks in C++ until every member arrives (NCCL's init has no timeout of its
     own): after `spec.timeout_s` (plus a margin for gloo's own) the attempt is abandoned with
     CommTimeout. Any error while forming comes back here with its own text; a group that forms after
     it was abandoned is closed."""
-    result: dict = {}
+    result: dict[str, Any] = {}  # the group or the error, and whether the caller gave up
     done = threading.Event()
 
     def run() -> None:

@@ -41,7 +41,7 @@ class GlooCommunicator(TorchBackendCommunicator):
 
     def __init__(self, spec: GroupSpec, store: dist.Store) -> None:
         super().__init__(spec)
-        opts = dist.ProcessGroupGloo._Options()
+        opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # torch's stub lists only Options
         opts._timeout = datetime.timedelta(seconds=spec.timeout_s)
         device, self._listen = device_and_address(spec.node_ip)
         opts._devices = [device]
@@ -167,9 +167,10 @@ class _WaitedWork:
     only once waited on: a daemon thread waits (within the group's own timeout) and completes one,
     keeping the outcome for `Handle.wait`."""
 
-    def __init__(self, work) -> None:
-        self._work, self._error = work, None
-        self._future = torch.futures.Future()
+    def __init__(self, work: dist.Work) -> None:
+        self._work = work
+        self._error: Exception | None = None
+        self._future: torch.futures.Future[None] = torch.futures.Future()
         threading.Thread(target=self._run, name="gloo p2p", daemon=True).start()
 
     def _run(self) -> None:
@@ -179,7 +180,7 @@ class _WaitedWork:
             self._error = err
         self._future.set_result(None)
 
-    def get_future(self):
+    def get_future(self) -> torch.futures.Future[None]:
         return self._future
 
     def is_completed(self) -> bool:

@@ -174,12 +174,12 @@ class _CudaWork:  # pragma: no cover - needs a GPU
     """Adapts a CUDA event (recorded after a torch NCCL work) to the part of c10d.Work that Handle
     uses; `_EventPoller` completes it."""
 
-    def __init__(self, event, comm: NcclCommunicator, work) -> None:
+    def __init__(self, event: torch.cuda.Event, comm: NcclCommunicator, work: dist.Work) -> None:
         self.event, self.comm, self.work = event, comm, work
         self.deadline = time.monotonic() + comm.timeout_s
-        self._future = torch.futures.Future()
+        self._future: torch.futures.Future[None] = torch.futures.Future()
 
-    def get_future(self):
+    def get_future(self) -> torch.futures.Future[None]:
         return self._future
 
     def is_completed(self) -> bool:

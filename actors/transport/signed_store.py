@@ -2,8 +2,10 @@
 job's secret and checked on every read (`SignedStore`, `group_store`)."""
 from __future__ import annotations
 
+import datetime
 import hashlib
 import hmac
+from collections.abc import Sequence
 
 import torch.distributed as dist
 
@@ -25,9 +27,10 @@ class SignedStore(dist.Store):
     def _mac(self, key: str, value: bytes) -> bytes:
         return hmac.new(self._secret, key.encode() + b"\0" + value, hashlib.sha256).digest()
 
-    def set(self, key: str, value) -> None:
+    def set(self, key: str, value: str | bytes) -> None:
         data = value.encode() if isinstance(value, str) else bytes(value)
-        self.inner.set(key, self._mac(key, data) + data)
+        # torch's stub says str; c10d's Store.set takes bytes as well (a std::string either way)
+        self.inner.set(key, self._mac(key, data) + data)  # type: ignore[arg-type]
 
     def get(self, key: str) -> bytes:
         raw = bytes(self.inner.get(key))
@@ -40,14 +43,14 @@ class SignedStore(dist.Store):
     def multi_get(self, keys: list[str]) -> list[bytes]:
         return [self.get(k) for k in keys]
 
-    def multi_set(self, keys: list[str], values: list) -> None:
+    def multi_set(self, keys: list[str], values: Sequence[str | bytes]) -> None:
         for k, v in zip(keys, values):
             self.set(k, v)
 
     def add(self, key: str, amount: int) -> int:
         return self.inner.add(key, amount)
 
-    def wait(self, keys: list[str], timeout=None) -> None:
+    def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
         return self.inner.wait(keys) if timeout is None else self.inner.wait(keys, timeout)
 
     def check(self, keys: list[str]) -> bool:
@@ -59,7 +62,7 @@ class SignedStore(dist.Store):
     def num_keys(self) -> int:
         return self.inner.num_keys()
 
-    def set_timeout(self, timeout) -> None:
+    def set_timeout(self, timeout: datetime.timedelta) -> None:
         self.inner.set_timeout(timeout)
 
 

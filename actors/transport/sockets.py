@@ -63,7 +63,7 @@ def _addresses_of(sock: socket.socket) -> tuple[tuple[str, int], tuple[str, int]
         return None
 
 
-def device_and_address(node_ip: str):
+def device_and_address(node_ip: str) -> tuple[dist.ProcessGroupGloo.Device, tuple[str, int] | None]:
     """A gloo device bound to `node_ip`, and the address it listens on (None when it cannot be told
     apart: then an abort cannot shut its pairs down, and a stuck operation waits for its timeout)."""
     with _DEVICE_LOCK:
