@@ -285,6 +285,7 @@ class AllReduceImpl(AlgorithmImpl):
         if self.reducer is None:
             return loss.backward()
         assert self._vote is not None and self._tail is not None and self._one is not None  # set with the reducer
+        assert self.comm is not None  # the reducer runs on the epoch's group (dropped before a group-less epoch)
         try:
             if self.accumulating:  # the reducer does not expect this backward: gradients accumulate
                 return loss.backward()
@@ -372,6 +373,7 @@ class AllReduceImpl(AlgorithmImpl):
         return self.codec is not None or self.hierarchy is not None
 
     def _launch_ready(self, force: bool = False) -> None:
+        assert self.comm is not None  # buckets launch only in an epoch with a group (the hook and end_backward check)
         while self.next_launch < len(self.buffers) and (force or self.pending[self.next_launch] <= 0):
             b = self.next_launch
             buf = self.buffers[b]
@@ -398,6 +400,8 @@ class AllReduceImpl(AlgorithmImpl):
         """SUM each bucket's message in place, in bucket order, with the vote as a float32 tail on the
         last: through the bucket's compressed scatter-gather when `wires` has them, else one plain
         all-reduce of the message with the tail appended. Blocking: a failure raises CommError here."""
+        comm = self.comm
+        assert comm is not None  # end_backward reduces only in an epoch with a group
         device = messages[-1].device
         for b, message in enumerate(messages):
             last = b == len(messages) - 1
@@ -411,7 +415,7 @@ class AllReduceImpl(AlgorithmImpl):
                 if self.hierarchy is not None:
                     self.hierarchy.all_reduce(wire, self._leaders_compressed(wires[b]) if wires else None)
                 else:
-                    self.comm.all_reduce(wire).wait()
+                    comm.all_reduce(wire).wait()
                 message.view(-1).copy_(wire[:-TAIL])
                 summed = wire[-TAIL:]
             if last:
@@ -421,11 +425,14 @@ class AllReduceImpl(AlgorithmImpl):
         """Hierarchical with a codec: the leaders' part, the bucket's compressed scatter-gather on the
         leaders' own group (bound to it at its first use in the membership epoch); the vote's tail is
         summed alongside, as in the flat path."""
+        comm = self.comm
+        assert comm is not None  # made by _reduce_deferred, for the epoch's group
+
         def among(flat: torch.Tensor, group) -> None:
             if wire.comm is not group:
                 wire.bind(group)
             flat[-TAIL:] = wire.all_reduce(flat[:-TAIL], flat[-TAIL:].to(torch.float32)).to(flat.dtype)
-            self.comm.bytes_sent += wire.bytes_sent  # the job counts what the epoch's members sent
+            comm.bytes_sent += wire.bytes_sent  # the job counts what the epoch's members sent
         return among
 
     def finish_step(self, step: int, draft: VoteDraft) -> StepVote:

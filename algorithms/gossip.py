@@ -173,7 +173,7 @@ class GossipImpl(AlgorithmImpl):
 
     def _launch(self, step: int, mine: torch.Tensor, message: torch.Tensor) -> _Exchange:
         """Send `message` to every rank whose row holds this member; post a receive per peer of its row."""
-        assert self.epoch is not None  # exchanges run inside a membership epoch
+        assert self.epoch is not None and self.comm is not None  # exchanges run inside a membership epoch, on its group
         rank, world = self.epoch.rank, self.epoch.world_size
         row = self.topology.peers(rank, world, step)
         received = {peer: torch.empty_like(message) for peer, _ in row if peer != rank}
@@ -186,7 +186,7 @@ class GossipImpl(AlgorithmImpl):
 
     def _measure_consensus(self, step: int) -> None:
         """(1/n) sum_i ||x_i - x̄||^2 over the epoch's members: two all-reduces (a CommError fails the step)."""
-        assert self.epoch is not None  # measured inside a membership epoch
+        assert self.epoch is not None and self.comm is not None  # measured inside a membership epoch, on its group
         n = self.epoch.world_size
         if n == 1:
             self._consensus = (step, 0.0)

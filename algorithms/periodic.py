@@ -192,6 +192,7 @@ class PeriodicImpl(AlgorithmImpl):
             handles = []
         else:
             tail = draft.tail(torch.float64, flat.device)
+            assert self.comm is not None  # a round without compression runs on the epoch's group
             handles = [self.comm.all_reduce(flat), self.comm.all_reduce(tail)]
         return _Launch(f, step, step if self._final else step + self.overlap, flat, tail, handles, self.trained)
 
