@@ -39,6 +39,7 @@ from algorithms.compression import Codec, get_codec
 from algorithms.hierarchical import HierarchicalAllReduce
 from algorithms.optim import contiguous_runs, flat_view
 from algorithms.scatter_gather import ScatterGather
+from core.comm_api import Communicator
 
 if TYPE_CHECKING:
     from torch.distributed import Reducer
@@ -181,24 +182,25 @@ class AllReduceImpl(AlgorithmImpl):
         self.pending = [len(m) for m in self.plan.buckets]
         self.next_launch = 0
 
-    def on_membership(self, comm, epoch: EpochInfo) -> None:
+    def on_membership(self, comm: Communicator | None, epoch: EpochInfo) -> None:
         super().on_membership(comm, epoch)
         self._drop_reducer()  # the last epoch's
         self.hierarchy = None
         if getattr(self.config, "hierarchical", False) and comm is not None and len(set(epoch.nodes)) > 1:
             self.hierarchy = HierarchicalAllReduce(comm, epoch.rank, epoch.nodes)
-        if self.hierarchy is None and self._wants_reducer(comm):
+        if self.hierarchy is None and comm is not None and self._wants_reducer(comm):
             self._start_reducer(comm)
             return
         self._python_hooks(True)
         self._allocate()
         for compressed in self.compressed:
             if self.hierarchy is None:
+                assert comm is not None  # compressed buckets are bound to the epoch's group
                 compressed.bind(comm)
             else:  # bound to the leaders' group when it forms (`_leaders_compressed`)
                 compressed.discard()
 
-    def _wants_reducer(self, comm) -> bool:
+    def _wants_reducer(self, comm: Communicator | None) -> bool:
         """`sync.engine`: `reducer` always (the config refused what cannot run on it), `auto` when the
         group offers a torch process group for the parameters' device (gloo: CPU; NCCL: the GPU), no
         codec is set and no network latency is modelled; `python`, a codec, QAdam or gloo with CUDA
@@ -212,7 +214,7 @@ class AllReduceImpl(AlgorithmImpl):
                                        and not getattr(comm, "models_latency", comm.latency_s > 0)
                                        and all(p.device.type == served for p in self.params))
 
-    def _start_reducer(self, comm) -> None:
+    def _start_reducer(self, comm: Communicator) -> None:
         """torch's `Reducer` (the C++ core of DDP) on this epoch's group, with no Python on its path:
         its autograd hooks fill the buckets and launch their all-reduces in C++, and backward returns
         once every sum is in. The vote rides as one more leaf tensor of the reducer, `_vote`, placed

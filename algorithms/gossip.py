@@ -67,6 +67,7 @@ import torch
 from algorithms.base import Algorithm, AlgorithmImpl, EpochInfo, StepVote, VoteDraft, register
 from algorithms.compression import Codec, get_codec
 from algorithms.topologies import Row, TopologyError, get_topology
+from core.comm_api import Communicator
 
 
 def consensus_distance(replicas) -> float:
@@ -141,7 +142,7 @@ class GossipImpl(AlgorithmImpl):
             out = self._decoded[peer] = torch.empty(numel, dtype=torch.float32, device=payload.device)
         return self.codec.decompress(payload, numel, out=out).to(self.dtype)
 
-    def on_membership(self, comm, epoch: EpochInfo) -> None:
+    def on_membership(self, comm: Communicator | None, epoch: EpochInfo) -> None:
         super().on_membership(comm, epoch)
         self.topology.check(epoch.world_size)
         self.exchange = self.mixed = self._landed = None
@@ -396,7 +397,7 @@ class ChocoImpl(GossipImpl):
         self._terms: dict[int, torch.Tensor] = {}
         self._due = False
 
-    def on_membership(self, comm, epoch: EpochInfo) -> None:
+    def on_membership(self, comm: Communicator | None, epoch: EpochInfo) -> None:
         super().on_membership(comm, epoch)
         if self.topology.period(epoch.world_size) != 1 or self.config.topology.kind == "matching":
             raise TopologyError(f"choco needs a static topology, not {self.config.topology.kind!r}")

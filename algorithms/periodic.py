@@ -48,6 +48,7 @@ from algorithms.base import Algorithm, AlgorithmImpl, EpochInfo, StepVote, VoteD
 from algorithms.compression import get_codec
 from algorithms.optim import SGD
 from algorithms.scatter_gather import ScatterGather
+from core.comm_api import Communicator
 
 
 @dataclass
@@ -248,10 +249,11 @@ class PeriodicImpl(AlgorithmImpl):
     def on_epoch_end(self, reason: str) -> None:
         self.inflight = None  # its buffers are abandoned with the group; the round is due again
 
-    def on_membership(self, comm, epoch: EpochInfo) -> None:
+    def on_membership(self, comm: Communicator | None, epoch: EpochInfo) -> None:
         super().on_membership(comm, epoch)
         self.inflight = None
         for wire in self.wires:
+            assert comm is not None  # a compressed round runs on the epoch's group
             wire.bind(comm)  # also drops what an abandoned round staged
 
     @property

@@ -67,6 +67,8 @@ class Communicator(Protocol):
     """The membership epoch was aborted: every pending and later wait fails."""
     failed: bool
     """An operation of this group failed (or it was aborted): it is never used again."""
+    latency_s: float
+    """A modelled network latency (`faults.comm_latency_s`): each operation completes no sooner."""
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> Handle: ...
     def broadcast(self, tensor: torch.Tensor, src: int) -> Handle: ...

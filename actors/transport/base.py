@@ -17,7 +17,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from core.comm_api import CommAborted, CommError, CommTimeout, GroupSpec
+from core.comm_api import CommAborted, CommError, CommTimeout, Communicator, GroupSpec
 
 _BACKEND_TIMEOUT = re.compile(r"timed out|timing out|NCCL timeout", re.IGNORECASE)
 """What a backend's own timeout says (gloo: "Timed out waiting 4000ms for recv operation to complete";
@@ -173,7 +173,7 @@ class BaseCommunicator:
         group has none (no group: the server kinds)."""
         return None
 
-    def subgroup(self, ranks: Sequence[int], tag: str) -> BaseCommunicator | None:
+    def subgroup(self, ranks: Sequence[int], tag: str) -> Communicator | None:
         """A group of this group's `ranks` (ranked in that order) for collectives among them alone, or
         None where the backend forms none (callers fall back to point-to-point messages)."""
         return None
