@@ -90,9 +90,10 @@ def test_an_abort_that_lands_while_an_operation_launches_still_releases_its_wait
 
 
 def test_an_abort_shuts_down_the_pair_it_checked_even_when_its_number_is_reused_meanwhile(monkeypatch):
-    """`_shut_down_pairs` checks a descriptor's addresses and shuts it down through one duplicate: when the
-    number is closed and taken by another socket of the process between the two (gloo closing a pair
-    whose peer went away, Ray opening a connection), the pair is shut down and the other socket is not."""
+    """`shut_down_pairs` (actors/transport/sockets.py) checks a descriptor's addresses and shuts it down
+    through one duplicate: when the number is closed and taken by another socket of the process between
+    the two (gloo closing a pair whose peer went away, Ray opening a connection), the pair is shut down
+    and the other socket is not."""
     import os
     import socket
 
