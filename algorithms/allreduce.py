@@ -39,6 +39,7 @@ from algorithms.compression import Codec, get_codec
 from algorithms.hierarchical import HierarchicalAllReduce
 from algorithms.optim import contiguous_runs, flat_view
 from algorithms.scatter_gather import ScatterGather
+from core.comm_api import Communicator
 
 if TYPE_CHECKING:
     from torch.distributed import Reducer
@@ -181,24 +182,25 @@ class AllReduceImpl(AlgorithmImpl):
         self.pending = [len(m) for m in self.plan.buckets]
         self.next_launch = 0
 
-    def on_membership(self, comm, epoch: EpochInfo) -> None:
+    def on_membership(self, comm: Communicator | None, epoch: EpochInfo) -> None:
         super().on_membership(comm, epoch)
         self._drop_reducer()  # the last epoch's
         self.hierarchy = None
         if getattr(self.config, "hierarchical", False) and comm is not None and len(set(epoch.nodes)) > 1:
             self.hierarchy = HierarchicalAllReduce(comm, epoch.rank, epoch.nodes)
-        if self.hierarchy is None and self._wants_reducer(comm):
+        if self.hierarchy is None and comm is not None and self._wants_reducer(comm):
             self._start_reducer(comm)
             return
         self._python_hooks(True)
         self._allocate()
         for compressed in self.compressed:
             if self.hierarchy is None:
+                assert comm is not None  # compressed buckets are bound to the epoch's group
                 compressed.bind(comm)
             else:  # bound to the leaders' group when it forms (`_leaders_compressed`)
                 compressed.discard()
 
-    def _wants_reducer(self, comm) -> bool:
+    def _wants_reducer(self, comm: Communicator | None) -> bool:
         """`sync.engine`: `reducer` always (the config refused what cannot run on it), `auto` when the
         group offers a torch process group for the parameters' device (gloo: CPU; NCCL: the GPU), no
         codec is set and no network latency is modelled; `python`, a codec, QAdam or gloo with CUDA
@@ -212,7 +214,7 @@ class AllReduceImpl(AlgorithmImpl):
                                        and not getattr(comm, "models_latency", comm.latency_s > 0)
                                        and all(p.device.type == served for p in self.params))
 
-    def _start_reducer(self, comm) -> None:
+    def _start_reducer(self, comm: Communicator) -> None:
         """torch's `Reducer` (the C++ core of DDP) on this epoch's group, with no Python on its path:
         its autograd hooks fill the buckets and launch their all-reduces in C++, and backward returns
         once every sum is in. The vote rides as one more leaf tensor of the reducer, `_vote`, placed
@@ -285,6 +287,7 @@ class AllReduceImpl(AlgorithmImpl):
         if self.reducer is None:
             return loss.backward()
         assert self._vote is not None and self._tail is not None and self._one is not None  # set with the reducer
+        assert self.comm is not None  # the reducer runs on the epoch's group (dropped before a group-less epoch)
         try:
             if self.accumulating:  # the reducer does not expect this backward: gradients accumulate
                 return loss.backward()
@@ -372,6 +375,7 @@ class AllReduceImpl(AlgorithmImpl):
         return self.codec is not None or self.hierarchy is not None
 
     def _launch_ready(self, force: bool = False) -> None:
+        assert self.comm is not None  # buckets launch only in an epoch with a group (the hook and end_backward check)
         while self.next_launch < len(self.buffers) and (force or self.pending[self.next_launch] <= 0):
             b = self.next_launch
             buf = self.buffers[b]
@@ -398,6 +402,8 @@ class AllReduceImpl(AlgorithmImpl):
         """SUM each bucket's message in place, in bucket order, with the vote as a float32 tail on the
         last: through the bucket's compressed scatter-gather when `wires` has them, else one plain
         all-reduce of the message with the tail appended. Blocking: a failure raises CommError here."""
+        comm = self.comm
+        assert comm is not None  # end_backward reduces only in an epoch with a group
         device = messages[-1].device
         for b, message in enumerate(messages):
             last = b == len(messages) - 1
@@ -411,7 +417,7 @@ class AllReduceImpl(AlgorithmImpl):
                 if self.hierarchy is not None:
                     self.hierarchy.all_reduce(wire, self._leaders_compressed(wires[b]) if wires else None)
                 else:
-                    self.comm.all_reduce(wire).wait()
+                    comm.all_reduce(wire).wait()
                 message.view(-1).copy_(wire[:-TAIL])
                 summed = wire[-TAIL:]
             if last:
@@ -421,11 +427,14 @@ class AllReduceImpl(AlgorithmImpl):
         """Hierarchical with a codec: the leaders' part, the bucket's compressed scatter-gather on the
         leaders' own group (bound to it at its first use in the membership epoch); the vote's tail is
         summed alongside, as in the flat path."""
+        comm = self.comm
+        assert comm is not None  # made by _reduce_deferred, for the epoch's group
+
         def among(flat: torch.Tensor, group) -> None:
             if wire.comm is not group:
                 wire.bind(group)
             flat[-TAIL:] = wire.all_reduce(flat[:-TAIL], flat[-TAIL:].to(torch.float32)).to(flat.dtype)
-            self.comm.bytes_sent += wire.bytes_sent  # the job counts what the epoch's members sent
+            comm.bytes_sent += wire.bytes_sent  # the job counts what the epoch's members sent
         return among
 
     def finish_step(self, step: int, draft: VoteDraft) -> StepVote:

@@ -57,6 +57,7 @@ import numpy as np
 import torch
 
 from algorithms.kinds import ENTRY, FINAL_MODEL, LOCAL_MEAN, REPORTER, SERVER_KINDS, Entry, Kind, KindTraits, Reporter  # noqa: F401
+from core.comm_api import Communicator
 
 _REGISTRY: dict[str, type[Algorithm]] = {}
 
@@ -152,7 +153,7 @@ class AlgorithmImpl:
         self.config = algorithm.config
         self.model = model
         self.optimizer = optimizer
-        self.comm: Any = None
+        self.comm: Communicator | None = None
         self.epoch: EpochInfo | None = None
         self.accumulating = False
         """Set by the worker during micro-steps before the last one of a step (gradient
@@ -170,7 +171,7 @@ class AlgorithmImpl:
     def bytes_sent(self) -> int:
         return 0 if self.comm is None else self.comm.bytes_sent
 
-    def on_membership(self, comm: Any, epoch: EpochInfo) -> None:
+    def on_membership(self, comm: Communicator | None, epoch: EpochInfo) -> None:
         self.comm = comm
         self.epoch = epoch
 

@@ -67,6 +67,7 @@ import torch
 from algorithms.base import Algorithm, AlgorithmImpl, EpochInfo, StepVote, VoteDraft, register
 from algorithms.compression import Codec, get_codec
 from algorithms.topologies import Row, TopologyError, get_topology
+from core.comm_api import Communicator
 
 
 def consensus_distance(replicas) -> float:
@@ -141,7 +142,7 @@ class GossipImpl(AlgorithmImpl):
             out = self._decoded[peer] = torch.empty(numel, dtype=torch.float32, device=payload.device)
         return self.codec.decompress(payload, numel, out=out).to(self.dtype)
 
-    def on_membership(self, comm, epoch: EpochInfo) -> None:
+    def on_membership(self, comm: Communicator | None, epoch: EpochInfo) -> None:
         super().on_membership(comm, epoch)
         self.topology.check(epoch.world_size)
         self.exchange = self.mixed = self._landed = None
@@ -173,7 +174,7 @@ class GossipImpl(AlgorithmImpl):
 
     def _launch(self, step: int, mine: torch.Tensor, message: torch.Tensor) -> _Exchange:
         """Send `message` to every rank whose row holds this member; post a receive per peer of its row."""
-        assert self.epoch is not None  # exchanges run inside a membership epoch
+        assert self.epoch is not None and self.comm is not None  # exchanges run inside a membership epoch, on its group
         rank, world = self.epoch.rank, self.epoch.world_size
         row = self.topology.peers(rank, world, step)
         received = {peer: torch.empty_like(message) for peer, _ in row if peer != rank}
@@ -186,7 +187,7 @@ class GossipImpl(AlgorithmImpl):
 
     def _measure_consensus(self, step: int) -> None:
         """(1/n) sum_i ||x_i - x̄||^2 over the epoch's members: two all-reduces (a CommError fails the step)."""
-        assert self.epoch is not None  # measured inside a membership epoch
+        assert self.epoch is not None and self.comm is not None  # measured inside a membership epoch, on its group
         n = self.epoch.world_size
         if n == 1:
             self._consensus = (step, 0.0)
@@ -396,7 +397,7 @@ class ChocoImpl(GossipImpl):
         self._terms: dict[int, torch.Tensor] = {}
         self._due = False
 
-    def on_membership(self, comm, epoch: EpochInfo) -> None:
+    def on_membership(self, comm: Communicator | None, epoch: EpochInfo) -> None:
         super().on_membership(comm, epoch)
         if self.topology.period(epoch.world_size) != 1 or self.config.topology.kind == "matching":
             raise TopologyError(f"choco needs a static topology, not {self.config.topology.kind!r}")

@@ -19,13 +19,15 @@ member, or the Ray node it runs on). Blocking; a failed message raises the commu
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Literal
 
 import torch
 
+from core.comm_api import Communicator
+
 
 class HierarchicalAllReduce:
-    def __init__(self, comm: Any, rank: int, nodes: Sequence[str]) -> None:
+    def __init__(self, comm: Communicator, rank: int, nodes: Sequence[str]) -> None:
         self.comm, self.rank = comm, rank
         order: dict[str, list[int]] = {}
         for r, node in enumerate(nodes):
@@ -35,14 +37,15 @@ class HierarchicalAllReduce:
         self.leader = self.members[0]
         self.leaders = [ranks[0] for ranks in sorted(order.values())]
         self.bytes_sent = 0
-        self._leader_group: Any = None
+        self._leader_group: Communicator | Literal[False] | None = None
         """The leaders' own group (`comm.subgroup`), once formed; False where the backend has none."""
 
     @property
     def is_leader(self) -> bool:
         return self.rank == self.leader
 
-    def all_reduce(self, tensor: torch.Tensor, among: Callable[[torch.Tensor, Any], None] | None = None) -> None:
+    def all_reduce(self, tensor: torch.Tensor,
+                   among: Callable[[torch.Tensor, Communicator], None] | None = None) -> None:
         """SUM `tensor` over every rank of the group, in place. `among(flat, leaders_group)`, where given,
         replaces the leaders' plain all-reduce of their nodes' sums (a compressed scatter-gather on the
         leaders' own group; it needs a backend that forms one)."""
@@ -69,12 +72,11 @@ class HierarchicalAllReduce:
         self.comm.send(flat, dst).wait()
         self.bytes_sent += flat.numel() * flat.element_size()
 
-    def leader_group(self) -> Any:
+    def leader_group(self) -> Communicator | None:
         """The leaders' own group (formed on the first call, by every leader at once), or None where the
         backend forms no subgroup."""
         if self._leader_group is None:
-            subgroup = getattr(self.comm, "subgroup", None)
-            group = subgroup(self.leaders, "leaders") if subgroup is not None else None
+            group = self.comm.subgroup(self.leaders, "leaders")
             self._leader_group = group if group is not None else False
         return self._leader_group or None
 
@@ -82,10 +84,10 @@ class HierarchicalAllReduce:
         k = len(self.leaders)
         if k <= 1:
             return
-        if self.leader_group() is None:
+        group = self.leader_group()
+        if group is None:
             self._ring(flat)
             return
-        group = self._leader_group
         before = group.bytes_sent
         group.all_reduce(flat).wait()
         sent = group.bytes_sent - before  # the leaders' group counts its own; the job reads the epoch's group

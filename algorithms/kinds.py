@@ -29,7 +29,7 @@ LOCAL_MEAN = frozenset({"periodic", "decentralized", "background"})
 member's loss by its share of the global batch, so that summing is the global-batch mean."""
 
 POLICY_KINDS: dict[str, Kind] = {row.name: cast(Kind, row.kind) for row in POLICIES}
-"""Every built-in policy's kind, from the policy table (core/schema.py `POLICIES`); each policy class
+"""Every built-in policy's kind, from the policy table (core/schema/policies.py `POLICIES`); each policy class
 declares the same as its `kind`."""
 
 

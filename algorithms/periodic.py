@@ -48,6 +48,7 @@ from algorithms.base import Algorithm, AlgorithmImpl, EpochInfo, StepVote, VoteD
 from algorithms.compression import get_codec
 from algorithms.optim import SGD
 from algorithms.scatter_gather import ScatterGather
+from core.comm_api import Communicator
 
 
 @dataclass
@@ -192,6 +193,7 @@ class PeriodicImpl(AlgorithmImpl):
             handles = []
         else:
             tail = draft.tail(torch.float64, flat.device)
+            assert self.comm is not None  # a round without compression runs on the epoch's group
             handles = [self.comm.all_reduce(flat), self.comm.all_reduce(tail)]
         return _Launch(f, step, step if self._final else step + self.overlap, flat, tail, handles, self.trained)
 
@@ -247,10 +249,11 @@ class PeriodicImpl(AlgorithmImpl):
     def on_epoch_end(self, reason: str) -> None:
         self.inflight = None  # its buffers are abandoned with the group; the round is due again
 
-    def on_membership(self, comm, epoch: EpochInfo) -> None:
+    def on_membership(self, comm: Communicator | None, epoch: EpochInfo) -> None:
         super().on_membership(comm, epoch)
         self.inflight = None
         for wire in self.wires:
+            assert comm is not None  # a compressed round runs on the epoch's group
             wire.bind(comm)  # also drops what an abandoned round staged
 
     @property

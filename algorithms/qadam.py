@@ -24,7 +24,8 @@ from __future__ import annotations
 import torch
 
 from algorithms.allreduce import AllReduce, AllReduceImpl
-from algorithms.base import Algorithm, VoteDraft, register
+from algorithms.base import Algorithm, EpochInfo, VoteDraft, register
+from core.comm_api import Communicator
 
 
 class QAdamImpl(AllReduceImpl):
@@ -47,9 +48,10 @@ class QAdamImpl(AllReduceImpl):
     def deferred(self) -> bool:
         return self.m is not None
 
-    def on_membership(self, comm, epoch) -> None:
+    def on_membership(self, comm: Communicator | None, epoch: EpochInfo) -> None:
         super().on_membership(comm, epoch)
         for wire in self.momentum_wire:
+            assert comm is not None  # the momentum's wire runs on the epoch's group
             wire.bind(comm)
 
     def begin_step(self, step: int, draft: VoteDraft) -> None:

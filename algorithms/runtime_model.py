@@ -359,7 +359,7 @@ def predict(spec: PolicySpec, net: Network, compute: Compute, model_bytes: float
                           "run beside training, their bytes spread over the steps they span",
                           notes="background rounds share the links and CPU; their time is not counted in a step")
     raise KeyError(f"the runtime model has no pattern for policy {name!r} (its `cost_model` in the policy table, "
-                   f"core/schema.py `POLICIES`: {family!r})")
+                   f"core/schema/policies.py `POLICIES`: {family!r})")
 
 
 def overlapped_with_backward(comm: float, backward_s: float, model_bytes: float, bucket_bytes: float) -> float:

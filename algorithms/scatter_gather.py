@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from algorithms.compression import Codec, ErrorFeedback
+from core.comm_api import Communicator
 
 _TAIL_DTYPE = torch.float32
 
@@ -42,12 +43,12 @@ class ScatterGather:
         self.tail_numel = tail_numel
         self.worker_feedback: ErrorFeedback | None = ErrorFeedback() if feedback else None
         self.owner_feedback: ErrorFeedback | None = ErrorFeedback() if feedback else None
-        self.comm: Any = None
-        """The group's communicator once bound (duck-typed, as `AlgorithmImpl.comm`)."""
+        self.comm: Communicator | None = None
+        """The group's communicator once bound (`bind`)."""
         self.bytes_sent = 0
         """Bytes this rank's communicator counted during the last call."""
 
-    def bind(self, comm) -> None:
+    def bind(self, comm: Communicator) -> None:
         """Start a membership epoch on `comm`: new buffers, owner residual reset, worker residual kept."""
         self.comm = comm
         n = comm.world_size
@@ -69,9 +70,15 @@ class ScatterGather:
         if self.worker_feedback is not None:
             self.worker_feedback.discard()
 
+    @property
+    def _group(self) -> Communicator:
+        """The bound communicator (every call but `bind` needs one)."""
+        assert self.comm is not None, "bind() a group first"
+        return self.comm
+
     def wire_bytes(self) -> int:
         """What one call sends from this rank: n - 1 messages in each collective."""
-        return 2 * (self.comm.world_size - 1) * self.message
+        return 2 * (self._group.world_size - 1) * self.message
 
     def all_reduce(self, tensor: torch.Tensor, tail: torch.Tensor) -> torch.Tensor:
         """Replace `tensor` (contiguous, `numel` elements) by its SUM over the group; return the SUM
@@ -80,21 +87,21 @@ class ScatterGather:
         if tensor.numel() != self.numel or tail.numel() != self.tail_numel:
             raise ValueError(f"expected {self.numel} elements and a tail of {self.tail_numel}, "
                              f"got {tensor.numel()} and {tail.numel()}")
-        before = self.comm.bytes_sent
+        before = self._group.bytes_sent
         try:
             flat = tensor.view(-1)
             self._compress_chunks(flat, tail.detach().to(_TAIL_DTYPE).contiguous().view(-1))
-            self.comm.all_to_all(self._recv.view(-1), self._send.view(-1)).wait()
+            self._group.all_to_all(self._recv.view(-1), self._send.view(-1)).wait()
             self._reduce_own_chunk()
             outputs = list(self._gathered.unbind(0))
-            self.comm.all_gather(outputs, self._gather_in).wait()
+            self._group.all_gather(outputs, self._gather_in).wait()
             self._decompress_all(flat)
         except BaseException:
             self.discard()
             raise
         finally:
-            self.bytes_sent = self.comm.bytes_sent - before
-        peer = (self.comm.rank + 1) % self.comm.world_size
+            self.bytes_sent = self._group.bytes_sent - before
+        peer = (self._group.rank + 1) % self._group.world_size
         return self._gathered[peer, self.payload:].view(_TAIL_DTYPE).clone()
 
     def commit(self) -> None:
@@ -112,7 +119,7 @@ class ScatterGather:
     def _chunks(self, flat: torch.Tensor) -> Iterator[torch.Tensor]:
         """The n chunks of `flat`, padded with zeros where the tensor ends inside (or before) one.
         A padded chunk lives in one scratch buffer: use each before asking for the next."""
-        for i in range(self.comm.world_size):
+        for i in range(self._group.world_size):
             part = flat[i * self.chunk:(i + 1) * self.chunk]
             if part.numel() == self.chunk:
                 yield part
@@ -140,7 +147,7 @@ class ScatterGather:
     def _reduce_own_chunk(self) -> None:
         owned = self._owned.zero_()
         tail_sum = self._tail_sum.zero_()
-        for j in range(self.comm.world_size):
+        for j in range(self._group.world_size):
             owned.add_(self.codec.decompress(self._recv[j, :self.payload], self.chunk, out=self._decoded))
             tail_sum.add_(self._recv[j, self.payload:].view(_TAIL_DTYPE))
         if self.owner_feedback is not None:
@@ -152,7 +159,7 @@ class ScatterGather:
             self.owner_feedback.stage(owned)
 
     def _decompress_all(self, flat: torch.Tensor) -> None:
-        for j in range(self.comm.world_size):
+        for j in range(self._group.world_size):
             decoded = self.codec.decompress(self._gathered[j, :self.payload], self.chunk, out=self._decoded)
             part = flat[j * self.chunk:(j + 1) * self.chunk]
             part.copy_(decoded[:part.numel()])

@@ -90,13 +90,14 @@ def test_an_abort_that_lands_while_an_operation_launches_still_releases_its_wait
 
 
 def test_an_abort_shuts_down_the_pair_it_checked_even_when_its_number_is_reused_meanwhile(monkeypatch):
-    """`_shut_down_pairs` checks a descriptor's addresses and shuts it down through one duplicate: when the
-    number is closed and taken by another socket of the process between the two (gloo closing a pair
-    whose peer went away, Ray opening a connection), the pair is shut down and the other socket is not."""
+    """`shut_down_pairs` (actors/transport/sockets.py) checks a descriptor's addresses and shuts it down
+    through one duplicate: when the number is closed and taken by another socket of the process between
+    the two (gloo closing a pair whose peer went away, Ray opening a connection), the pair is shut down
+    and the other socket is not."""
     import os
     import socket
 
-    from actors import comm as comm_module
+    from actors.transport import sockets
 
     peer_listener, other_listener = socket.create_server(("127.0.0.1", 0)), socket.create_server(("127.0.0.1", 0))
     pair = socket.create_connection(peer_listener.getsockname()[:2])
@@ -114,10 +115,10 @@ def test_an_abort_shuts_down_the_pair_it_checked_even_when_its_number_is_reused_
             os.dup2(other.fileno(), number)
             reused.append(True)
         return out
-    monkeypatch.setattr(comm_module, "_socket_fds", lambda: {number: "socket:[pair]"})
-    monkeypatch.setattr(comm_module.os, "dup", dup)
+    monkeypatch.setattr(sockets, "_socket_fds", lambda: {number: "socket:[pair]"})
+    monkeypatch.setattr(sockets.os, "dup", dup)
     try:
-        shut = comm_module._shut_down_pairs(("127.0.0.1", 1), {peer_listener.getsockname()[:2]})
+        shut = sockets.shut_down_pairs(("127.0.0.1", 1), {peer_listener.getsockname()[:2]})
         monkeypatch.undo()
         assert reused and shut == 1
         pair_far.settimeout(5)
@@ -135,13 +136,13 @@ def test_nccls_own_timeouts_are_timeouts():
     """The texts torch's NCCL group raises when its deadline passes, as an H200 gave them on
     2026-11-27 (the GPU tier's peer-never-arrives test got a CommError, not a CommTimeout, from the
     first): the non-blocking communicator's and the watchdog's. Other NCCL errors stay CommError."""
-    from actors.comm import _backend_error
+    from actors.transport.base import backend_error
 
     for text in ("NCCL timeout in: /pytorch/torch/csrc/distributed/c10d/NCCLUtils.cpp:197",
                  "[Rank 0] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=1, OpType=ALLREDUCE, "
                  "NumelIn=4, NumelOut=4, Timeout(ms)=13000) ran for 13001 milliseconds before timing out."):
-        err = _backend_error("lonely", RuntimeError(text), "NCCL")
+        err = backend_error("lonely", RuntimeError(text), "NCCL")
         assert isinstance(err, CommTimeout), f"{type(err).__name__}: {err}"
         assert str(err).startswith("group lonely: NCCL: ")
-    err = _backend_error("lonely", RuntimeError("NCCL error in: ProcessGroupNCCL.cpp:3356, unhandled cuda error"), "NCCL")
+    err = backend_error("lonely", RuntimeError("NCCL error in: ProcessGroupNCCL.cpp:3356, unhandled cuda error"), "NCCL")
     assert type(err) is CommError, f"{type(err).__name__}: {err}"

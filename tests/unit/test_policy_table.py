@@ -1,4 +1,4 @@
-"""The policy table (core/schema.py `POLICIES`): the one place a policy is declared. Every other list
+"""The policy table (core/schema/policies.py `POLICIES`): the one place a policy is declared. Every other list
 derives from it, and a policy the runtime model or the planner forgot fails here instead of being
 silently never considered by `auto`."""
 from __future__ import annotations

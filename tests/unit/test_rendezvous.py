@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from actors import comm as comm_module
 from actors.comm import CommError, ForgedRendezvous, GroupSpec, make_communicator
+from actors.transport import sockets, stores
 from testkit.harness import local_store
 
 KEY = b"k" * 32
@@ -31,7 +31,7 @@ def test_members_with_the_jobs_key_form_and_reduce():
     for h in handles:
         h.wait()
     assert all(torch.equal(t, torch.full((3,), 3.0)) for t in tensors)
-    raw = bytes(dist.PrefixStore("job/r/c0/e1/", comm_module._client_stores[(host, port)]).get("gloo-listen/0"))
+    raw = bytes(dist.PrefixStore("job/r/c0/e1/", stores._client_stores[(host, port)]).get("gloo-listen/0"))
     assert len(raw) > 32 and raw[:32] != raw[32:64], "what reaches the store is signed"
 
 
@@ -93,5 +93,5 @@ def test_the_devices_listening_address_is_found_when_its_descriptor_number_was_j
         return create(**kwargs)
 
     monkeypatch.setattr(dist.ProcessGroupGloo, "create_device", closing_first)
-    _device, listen = comm_module._device_and_address("127.0.0.1")
+    _device, listen = sockets.device_and_address("127.0.0.1")
     assert listen is not None and listen[0] == "127.0.0.1", listen

@@ -1,0 +1,191 @@
+"""The CPU communicator: torch's `ProcessGroupGloo` on a `PrefixStore` of the group's name over the
+coordinator's `TCPStore`, with its device bound to the node's address.
+
+ray.util.collective's gloo backend is not used: it creates torch's default process group once per
+process, blocks, ignores the timeout and takes a process-wide lock while a group forms.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from actors.transport.base import TorchBackendCommunicator, WorkHandle
+from actors.transport.formation import form_in_thread, formation_error, group_of_one, release
+from actors.transport.signed_store import group_store
+from actors.transport.sockets import device_and_address, shut_down_pairs
+from core.comm_api import CommAborted, GroupSpec
+
+log = logging.getLogger(__name__)
+
+
+class GlooCommunicator(TorchBackendCommunicator):
+    """torch ProcessGroupGloo on a PrefixStore of the group name over the coordinator's store.
+
+    An abort also shuts down the group's own TCP connections (its pairs): an operation blocked in
+    C++ on a silent peer, which no Python flag can wake (torch's reducer waiting inside backward),
+    then fails at once with "connection closed". Gloo's own `abort()` and `shutdown()` do not release
+    it. The pairs are told apart from every other socket of the process by the gloo device's
+    listening address, which each member publishes in the group's store: a pair is a connection
+    accepted on this member's listening address or made to a peer's. Only a group lent to torch
+    (`process_group()`) is shut down so: every other wait is a `Handle`, which the abort releases,
+    and tests that run several members of one group in one process would otherwise see a member's
+    abort shut down its neighbours' connections to the same peers."""
+
+    def __init__(self, spec: GroupSpec, store: dist.Store) -> None:
+        super().__init__(spec)
+        opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # torch's stub lists only Options
+        opts._timeout = datetime.timedelta(seconds=spec.timeout_s)
+        device, self._listen = device_and_address(spec.node_ip)
+        opts._devices = [device]
+        prefix = group_store(spec, store)
+        self._prefix = prefix
+        self._store = store
+        self._children: list[GlooCommunicator] = []
+        """Subgroups formed from this group (`subgroup`): aborted and released with it."""
+        self._torch_pg: dist.ProcessGroup | None = None
+        self._peers: set[tuple[str, int]] = set()
+        """The peers' gloo listening addresses (a pair is a connection to one of them, or from one)."""
+        try:
+            prefix.set(f"gloo-listen/{spec.rank}", f"{self._listen[0]} {self._listen[1]}" if self._listen else "")
+            self._pg = dist.ProcessGroupGloo(prefix, spec.rank, spec.world_size, opts)
+            others = [f"gloo-listen/{r}" for r in range(spec.world_size) if r != spec.rank]
+            for value in (prefix.multi_get(others) if others else []):
+                host, _, port = value.decode().partition(" ")
+                if port:
+                    self._peers.add((host, int(port)))
+        except Exception as err:  # noqa: BLE001
+            raise formation_error(spec, err, "could not form") from None
+
+    def _abort_pairs(self, reason: str) -> None:
+        super().abort(reason)
+        with self._lock:
+            if self._pg is None or self._torch_pg is None:
+                return
+            if self._listen is None:
+                log.warning("group %s: its gloo listening address is unknown: an operation stuck in C++ waits "
+                            "for its timeout (%.0fs)", self.name, self.timeout_s)
+                return
+            shut = shut_down_pairs(self._listen, self._peers)
+        log.info("group %s aborted (%s): shut down %d gloo connections", self.name, reason, shut)
+
+    def subgroup(self, ranks: Sequence[int], tag: str) -> GlooCommunicator | None:
+        """A gloo group of `ranks` (this group's ranks; rank k of the subgroup is `ranks[k]`), formed
+        over this group's store under `<name>/<tag>`: every rank in `ranks` calls it at the same point
+        (it blocks until all arrive, within the group's timeout); the others get None. It has this
+        group's timeout, modelled latencies and key, and is aborted and released with it."""
+        ranks = list(ranks)
+        if self.rank not in ranks:
+            return None
+        self._check()
+        spec = dataclasses.replace(self.spec, name=f"{self.name}/{tag}", rank=ranks.index(self.rank),
+                                   world_size=len(ranks))
+        child = self._form_child(spec)
+        child.latency_s = self.latency_s
+        if self.link_latency_s:
+            child.link_latency_s = [[self.link_latency_s[a][b] for b in ranks] for a in ranks]
+        with self._lock:
+            self._children.append(child)
+            aborted = self.aborted
+        if aborted:  # an abort that raced the formation
+            child.abort(self.abort_reason)
+        return child
+
+    def _form_child(self, spec: GroupSpec) -> GlooCommunicator:
+        """Form a subgroup in a helper thread (`form_in_thread`); an abort of this group meanwhile
+        abandons it at once."""
+        child = form_in_thread(spec, lambda: GlooCommunicator(spec, self._store), lambda: self.aborted)
+        if child is None:
+            raise self.failure()
+        return child
+
+    def abort(self, reason: str = "aborted by coordinator") -> None:
+        self._abort_pairs(reason)
+        with self._lock:
+            children = list(self._children)
+        for child in children:
+            child.abort(reason)
+
+    def _submit(self, launch: Callable[[], Any], keep: Sequence[torch.Tensor]) -> WorkHandle:
+        self._check()
+        return WorkHandle(launch(), self, keep)
+
+    def _submit_p2p(self, launch: Callable[[], Any], keep: Sequence[torch.Tensor]) -> WorkHandle:
+        """Gloo's send and recv works have no future: a thread waits for each (`_WaitedWork`)."""
+        self._check()
+        return WorkHandle(_WaitedWork(launch()), self, keep)
+
+    def barrier(self) -> WorkHandle:
+        self._check()
+        return self._timed(WorkHandle(self._pg.barrier(), self, ()), "barrier")
+
+    def process_group(self) -> dist.ProcessGroup | None:
+        """A torch ProcessGroup over this group's gloo backend that calls itself a group of one (rank
+        0 of 1): torch's reducer divides every bucket by its group's size before the all-reduce, and
+        here the gradients arrive already weighted by each member's share of the global batch, so the
+        sum is the mean. The all-reduce itself runs on the gloo backend, across the whole group."""
+        if self._torch_pg is None and self._pg is not None:
+            self._torch_pg = group_of_one(self._prefix, "cpu", dist.ProcessGroup.BackendType.GLOO, self._pg)
+        return self._torch_pg
+
+    def _check(self) -> None:
+        if self.aborted:
+            raise CommAborted(f"group {self.name}: membership epoch aborted ({self.abort_reason})")
+
+    def close(self) -> None:
+        """Release the group in the background once its stuck operations have timed out.
+
+        Gloo's destructor joins its worker threads, and it runs holding the GIL: dropped while an
+        operation is stuck, it would freeze the whole process (the control thread too) until that
+        operation's timeout. The operations of a `Handle` are known and waited out first; those torch's
+        reducer launched in C++ are not, so a failed group lent to torch is held for its whole timeout."""
+        with self._lock:  # not while an abort shuts its pairs down
+            pg, self._pg = self._pg, None
+            children, self._children = self._children, []
+        for child in children:
+            child.close()
+        lent, self._torch_pg = self._torch_pg, None
+        with self._lock:
+            works = [h._work for h in self._pending]
+            self._pending.clear()
+        if pg is not None:
+            deadline = time.monotonic() + self.timeout_s + 5.0
+            hold = lent is not None and self.failed
+            threading.Thread(target=release, args=((pg, lent), works, deadline, hold), name=f"close {self.name}",
+                             daemon=True).start()
+
+
+class _WaitedWork:
+    """Gloo's send and recv works have no future (`Work::getFuture not implemented`) and are complete
+    only once waited on: a daemon thread waits (within the group's own timeout) and completes one,
+    keeping the outcome for `Handle.wait`."""
+
+    def __init__(self, work: dist.Work) -> None:
+        self._work = work
+        self._error: Exception | None = None
+        self._future: torch.futures.Future[None] = torch.futures.Future()
+        threading.Thread(target=self._run, name="gloo p2p", daemon=True).start()
+
+    def _run(self) -> None:
+        try:
+            self._work.wait()
+        except Exception as err:  # noqa: BLE001 - re-raised by wait(), where Handle turns it into CommError
+            self._error = err
+        self._future.set_result(None)
+
+    def get_future(self) -> torch.futures.Future[None]:
+        return self._future
+
+    def is_completed(self) -> bool:
+        return self._future.done()
+
+    def wait(self) -> None:
+        if self._error is not None:
+            raise self._error

@@ -1,0 +1,236 @@
+"""The GPU communicator: torch's `ProcessGroupNCCL`, one per membership epoch, with this interface's
+timeout and abort on top (a CUDA event per operation, completed by one poller thread per group)."""
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from actors.transport.base import TorchBackendCommunicator, WorkHandle, backend_error
+from actors.transport.formation import formation_error, group_of_one
+from actors.transport.signed_store import group_store
+from core.comm_api import CommAborted, CommError, GroupSpec
+
+log = logging.getLogger(__name__)
+
+
+NCCL_WATCHDOG_MARGIN_S = 30.0
+"""torch's own NCCL watchdog times an operation out this long after `comm.timeout_s`: the poller of
+this module aborts first (and keeps the process); the watchdog is only the backstop."""
+
+
+def _nccl_environment(timeout_s: float) -> None:
+    """What torch's NCCL backend reads at a group's construction, set where the user did not:
+    on an error or a timeout, abort the communicator and keep the process (the default tears the
+    process down, which would turn a peer's death into this worker's); a non-blocking communicator's
+    initialization gives up after the group's timeout."""
+    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+    os.environ.setdefault("TORCH_NCCL_NONBLOCKING_TIMEOUT", str(int(max(1.0, timeout_s))))
+
+
+class NcclCommunicator(TorchBackendCommunicator):  # pragma: no cover - needs a GPU (tests/gpu)
+    """torch's `ProcessGroupNCCL`, one per membership epoch, on a `PrefixStore` of the group's name
+    (as gloo's), with this interface's timeout and abort on top.
+
+    Why torch's and not cupy's `NcclCommunicator` (which an earlier version drove): torch's group is a
+    torch `ProcessGroup`, so BSP runs on torch's C++ reducer over NCCL exactly as it does over gloo
+    (`process_group()`); torch already ships the NCCL it was built with (cupy brings a second NCCL
+    library into the process, of whatever version its wheel has); it has `abort()` (ncclCommAbort),
+    a non-blocking communicator whose initialization and abort never block the host, and the stream
+    ordering with torch's caching allocator done for us (buffers are recorded on its stream). torchft
+    builds its fault-tolerant NCCL group the same way.
+
+    Every operation is launched by torch on NCCL's internal stream (which first waits for torch's
+    current stream: the inputs are ready, the host never waits), then a completion event is recorded
+    on a side stream made to wait for the operation; one poller thread per communicator completes
+    each handle when its event fires, or at once on an epoch abort, or at `comm.timeout_s` (then it
+    aborts the communicator: a timeout). A `Handle.wait()` after completion makes the caller's stream
+    wait for NCCL's (no host wait). `synchronize()` is the same wait for work torch's reducer
+    launched in C++ (no handle of ours): an event on the current stream, polled against the abort and
+    the timeout. The abort calls `ncclCommAbort`, which releases the kernels stuck on a dead peer.
+    """
+
+    device: torch.device
+
+    def __init__(self, spec: GroupSpec, store: dist.Store) -> None:
+        super().__init__(spec)
+        if not dist.is_nccl_available() or not torch.cuda.is_available():  # not a failed collective: no retry helps
+            raise RuntimeError(f"group {spec.name}: NCCL needs a CUDA device and a torch built with NCCL "
+                            f"(torch.cuda.is_available() = {torch.cuda.is_available()}, "
+                            f"torch.distributed.is_nccl_available() = {dist.is_nccl_available()}); "
+                            f"use comm.backend: gloo")
+        _nccl_environment(spec.timeout_s)
+        self.device = torch.device("cuda", torch.cuda.current_device())
+        self._prefix = group_store(spec, store)
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = datetime.timedelta(seconds=spec.timeout_s + NCCL_WATCHDOG_MARGIN_S)
+        opts.config.blocking = 0
+        self._launch_lock = threading.Lock()
+        self._torch_pg: dist.ProcessGroup | None = None
+        try:
+            self._pg = dist.ProcessGroupNCCL(self._prefix, spec.rank, spec.world_size, opts)
+            self._pg._set_sequence_number_for_group()
+            self._pg.eager_connect_single_device(self.device)  # the communicator forms now, not at the first step
+        except Exception as err:  # noqa: BLE001 - a DistBackendError, a store timeout, a forged value
+            raise formation_error(spec, err, "NCCL group did not form") from None
+        self._stream = torch.cuda.Stream(device=self.device)
+        self._poller = _EventPoller(self)
+
+    def _submit(self, launch: Callable[[], Any], keep: Sequence[torch.Tensor]) -> WorkHandle:
+        with self._launch_lock:
+            if self.aborted or self._pg is None:
+                raise CommAborted(f"group {self.name}: membership epoch aborted ({self.abort_reason})")
+            try:
+                work = launch()
+            except Exception as err:  # noqa: BLE001 - an NCCL error (or a bad argument)
+                self.mark_failed()
+                raise backend_error(self.name, err, "NCCL") from None
+            done = torch.cuda.Event()
+            with torch.cuda.stream(self._stream):
+                work.wait()  # the side stream waits for NCCL's; the host does not
+                done.record(self._stream)
+        cuda_work = _CudaWork(done, self, work)
+        handle = WorkHandle(cuda_work, self, keep)
+        self._poller.watch(cuda_work)
+        return handle
+
+    def barrier(self) -> WorkHandle:
+        """An all-reduce of one element (torch's NCCL barrier blocks the host)."""
+        return self.all_reduce(torch.zeros(1, device=self.device))
+
+    def process_group(self) -> dist.ProcessGroup | None:
+        """A torch ProcessGroup over this NCCL backend that calls itself a group of one, for torch's
+        reducer (see `GlooCommunicator.process_group`: the reducer must not divide)."""
+        if self._torch_pg is None and self._pg is not None:
+            self._torch_pg = group_of_one(self._prefix, "cuda", dist.ProcessGroup.BackendType.NCCL, self._pg)
+        return self._torch_pg
+
+    def synchronize(self, timeout: float | None = None) -> None:
+        """Wait, on the host, for everything queued on torch's current stream so far (the reducer's
+        buckets included), polling the abort flag and the timeout; on the timeout the communicator is
+        aborted. Raises this group's CommError when it failed or was aborted."""
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        deadline = time.monotonic() + (self.timeout_s if timeout is None else timeout)
+        while not event.query():
+            if self.aborted or self.failed:
+                raise self.failure()
+            if time.monotonic() > deadline:
+                self.timed_out = True
+                self.abort(f"NCCL operation did not finish within {self.timeout_s:.1f}s")
+                raise self.failure()
+            time.sleep(0.0002)
+        if self.aborted or self.failed:
+            raise self.failure()
+
+    def abort(self, reason: str = "aborted by coordinator") -> None:
+        """Fail every wait at once and abort the NCCL communicator (its kernels, and the peers' waiting
+        on this one, are released). A launch blocked inside NCCL is exactly what the abort must
+        release, so after a short wait for the launch lock it aborts without it."""
+        super().abort(reason)
+        locked = self._launch_lock.acquire(timeout=0.5)
+        try:
+            pg = self._pg
+            if pg is not None:
+                pg.abort()
+        except Exception as err:  # noqa: BLE001 - an abort that fails still leaves the group failed
+            log.warning("ncclCommAbort of %s: %s", self.name, err)
+        finally:
+            if locked:
+                self._launch_lock.release()
+
+    def close(self) -> None:
+        """Release the communicator in the background: shut down when healthy (once its stream is
+        done), abort when failed. Its buffers stay recorded on NCCL's stream until then."""
+        self._poller.stop()
+        with self._launch_lock:
+            pg, self._pg = self._pg, None
+        self._torch_pg = None
+        if pg is None:
+            return
+        stream, failed = self._stream, self.failed
+
+        def release() -> None:
+            try:
+                if failed:
+                    pg.abort()
+                else:
+                    stream.synchronize()
+                    getattr(pg, "shutdown", pg.abort)()
+            except Exception as err:  # noqa: BLE001
+                log.warning("releasing NCCL group %s: %s", self.name, err)
+
+        threading.Thread(target=release, name=f"close {self.name}", daemon=True).start()
+
+
+class _CudaWork:  # pragma: no cover - needs a GPU
+    """Adapts a CUDA event (recorded after a torch NCCL work) to the part of c10d.Work that Handle
+    uses; `_EventPoller` completes it."""
+
+    def __init__(self, event: torch.cuda.Event, comm: NcclCommunicator, work: dist.Work) -> None:
+        self.event, self.comm, self.work = event, comm, work
+        self.deadline = time.monotonic() + comm.timeout_s
+        self._future: torch.futures.Future[None] = torch.futures.Future()
+
+    def get_future(self) -> torch.futures.Future[None]:
+        return self._future
+
+    def is_completed(self) -> bool:
+        return self._future.done()
+
+    def wait(self) -> None:
+        if not self.event.query():
+            raise CommError(f"group {self.comm.name}: NCCL operation did not complete (aborted)")
+        try:
+            self.work.wait()  # the caller's stream waits for NCCL's (done already: no host wait)
+        except Exception as err:  # noqa: BLE001
+            raise backend_error(self.comm.name, err, "NCCL") from None
+
+
+class _EventPoller:  # pragma: no cover - needs a GPU
+    """One thread per communicator: completes each operation's work when its event fires, or when the
+    epoch is aborted, or at its deadline (then it aborts the communicator: a timeout)."""
+
+    def __init__(self, comm: NcclCommunicator) -> None:
+        self._comm = comm
+        self._works: list[_CudaWork] = []
+        self._cv = threading.Condition()
+        self._stopped = False
+        threading.Thread(target=self._run, name=f"poll {comm.name}", daemon=True).start()
+
+    def watch(self, work: _CudaWork) -> None:
+        with self._cv:
+            self._works.append(work)
+            self._cv.notify()
+
+    def stop(self) -> None:
+        with self._cv:
+            self._stopped = True
+            self._cv.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._works and not self._stopped:
+                    self._cv.wait()
+                if self._stopped and not self._works:
+                    return
+                works = list(self._works)
+            now = time.monotonic()
+            finished = [w for w in works if self._comm.aborted or w.event.query() or now > w.deadline]
+            if any(now > w.deadline and not w.event.query() for w in finished) and not self._comm.aborted:
+                self._comm.timed_out = True
+                self._comm.abort(f"NCCL operation did not finish within {self._comm.timeout_s:.1f}s")
+            with self._cv:
+                self._works = [w for w in self._works if w not in finished]
+            for work in finished:
+                work.get_future().set_result(None)
+            if not finished:
+                time.sleep(0.0002)

@@ -1,0 +1,41 @@
+"""The config error classes, and the small field checks that raise them.
+
+`ConfigError` is what a user sees: one line naming the key, the bad value and what is allowed. A
+dataclass's `__post_init__` raises `FieldError` (it knows only its own field's name); the parser
+(core/schema/parser.py) prefixes the key path and turns it into a `ConfigError`.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+
+class OrchestratorError(Exception):
+    """Root of every error this package raises on purpose."""
+
+
+class ConfigError(OrchestratorError):
+    """Bad user input: a config key, a CLI argument or a YAML file. One line, names the key."""
+
+
+class WorkloadRefused(OrchestratorError, ValueError):
+    """The workload cannot be trained as configured (its data cannot be positioned, a policy cannot deal
+    from it): the same in every worker, so a worker that raises it is not started again."""
+
+
+class FieldError(ValueError):
+    """Raised by a dataclass check; the parser prefixes the key path and turns it into ConfigError."""
+
+    def __init__(self, field_name: str, message: str) -> None:
+        super().__init__(message)
+        self.field_name = field_name
+        self.message = message
+
+
+def positive(obj: Any, name: str) -> None:
+    if getattr(obj, name) <= 0:
+        raise FieldError(name, f"must be positive, got {getattr(obj, name)}")
+
+
+def at_least(obj: Any, name: str, low: int) -> None:
+    if getattr(obj, name) < low:
+        raise FieldError(name, f"must be at least {low}, got {getattr(obj, name)}")

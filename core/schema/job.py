@@ -1,0 +1,136 @@
+"""The whole job (`JobConfig`, one YAML file): its sections, and the checks that span them."""
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+from typing import Literal
+
+from core.schema.errors import FieldError
+from core.schema.faults import FaultsConfig
+from core.schema.network import CommConfig, NetworkConfig, RayConfig
+from core.schema.policies import COMPRESSING_POLICIES, NOT_WIRED, SERVER_POLICIES, BSPConfig, QuorumConfig, SyncConfig
+from core.schema.training import CheckpointConfig, CompressionConfig, ServerConfig, StopConfig, TrackingConfig
+from core.schema.workload import OptimizerConfig, WorkersConfig, WorkloadConfig
+
+
+@dataclass
+class JobConfig:
+    """The whole job, one YAML file."""
+
+    name: str = ""
+    seed: int = 0
+    workers: WorkersConfig = field(default_factory=WorkersConfig)
+    workload: WorkloadConfig = field(default_factory=WorkloadConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    sync: SyncConfig = field(default_factory=BSPConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+    compression: CompressionConfig = field(default_factory=CompressionConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    stop: StopConfig = field(default_factory=lambda: StopConfig(max_steps=100))
+    faults: FaultsConfig = field(default_factory=FaultsConfig)
+    comm: CommConfig = field(default_factory=CommConfig)
+    network: NetworkConfig = field(default_factory=NetworkConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
+    eval_every: int = 50
+    """Evaluate (rank 0, on workload.eval_data) every this many steps; 0 disables."""
+    run_dir: str | None = None
+    """Absolute run directory root; default ~/orchestrator-runs. Relative paths are resolved at load."""
+    storage: str | None = None
+    """Where the job keeps what outlives a node: a local path (then it is the run root, as `run_dir`),
+    or a URI (`s3://bucket/prefix?endpoint_override=...`, `gs://...`, any fsspec scheme). With a URI,
+    the run's files are written to the local run directory and copied there as they change;
+    checkpoints, server snapshots and `--resume` use it directly (actors/storage.py)."""
+    storage_options: dict = field(default_factory=dict)
+    """Options of the storage taken from the environment, never written down: a mapping of an option
+    name (`access_key`, `secret_key`, `session_token`, an fsspec filesystem's `account_key`, ...) to the
+    name of an environment variable that holds its value on every node, e.g.
+    `{access_key: MY_S3_KEY, secret_key: MY_S3_SECRET}`. Credentials written in the URI's query are
+    moved here when the config is read (into `ORCHESTRATOR_STORAGE_<OPTION>` of the driver's
+    environment, and the job's Ray runtime environment), so no copy of them is kept anywhere."""
+    progress_every_s: float = 5.0
+    policy_choice: str = ""
+    """Set by `sync.policy: auto` when the job starts: the pick and its reason (the job's first event)."""
+    policy_trial: dict = field(default_factory=dict)
+    """Set by `sync.policy: auto` with `sync.auto.trial_steps`: `{steps, candidates}`, the candidates the
+    coordinator tries in order, each `{label, sync, compression, step_s, factor}` (the first is the
+    config's `sync:`); empty: no trial."""
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "WARNING"
+    """Python logging level of the coordinator (`coordinator.log` in the run directory), the workers
+    (`workers/<slot>.log`) and the driver; `--log-level` on the command line sets it too."""
+
+    def __post_init__(self) -> None:
+        if self.sync.policy in ("qadam", "dadam") and self.optimizer.name != "adamw":
+            raise FieldError("optimizer.name", f"{self.sync.policy} is Adam: set optimizer.name: adamw "
+                                               f"(got {self.optimizer.name})")
+        if self.compression.codec != "none" and self.sync.policy not in COMPRESSING_POLICIES:
+            raise FieldError("compression.codec", f"policy {self.sync.policy!r} does not compress yet; "
+                                                  f"{', '.join(COMPRESSING_POLICIES)} do")
+        if self.compression.codec == "onebit" and self.sync.policy in ("dpsgd", "dadam"):
+            raise FieldError("compression.codec", f"{self.sync.policy} sends the parameters themselves, and one bit "
+                                                  f"per parameter loses them; use fp16, bf16 or uint8, or policy "
+                                                  f"choco, which sends differences to public copies")
+        gpus = self.workers.gpus
+        if getattr(self.sync, "engine", "auto") == "reducer":
+            if self.sync.policy != "bsp" or self.compression.codec != "none":
+                raise FieldError("sync.engine", "the reducer sends plain gradients: codecs (and bytegrad) run on "
+                                                "engine: python (or auto)")
+            if gpus > 0 and (gpus != int(gpus) or self.comm.backend == "gloo"):
+                raise FieldError("sync.engine", "the reducer runs on gloo with CPU parameters or on NCCL with whole "
+                                                "GPUs; GPU workers over gloo use engine: auto or python")
+        if gpus > 0 and gpus != int(gpus) and self.comm.backend != "gloo":
+            raise FieldError("comm.backend", f"NCCL needs whole GPUs (workers.gpus = {gpus:g}: one GPU cannot hold "
+                                             f"two NCCL ranks); set comm.backend: gloo to share GPUs, or whole gpus")
+        if self.comm.backend == "nccl" and gpus <= 0:
+            raise FieldError("comm.backend", "nccl needs workers.gpus >= 1")
+        for option, variable in self.storage_options.items():
+            if not isinstance(variable, str) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", variable):
+                raise FieldError(f"storage_options.{option}", f"names the environment variable that holds the "
+                                                              f"value (letters, digits, '_'), got {variable!r}")
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}", self.name or ""):
+            raise FieldError("name", f"must be 1-64 characters of letters, digits, '_', '.', '-', got {self.name!r}")
+        if self.eval_every < 0:
+            raise FieldError("eval_every", f"must not be negative, got {self.eval_every}")
+        self._check_server_policy()
+        if self.network.lab:
+            self._check_network()
+        slots = {f"w{i}" for i in range(self.workers.max or self.workers.count)}
+        for i, kill in enumerate(self.faults.kills):
+            if kill.slot not in slots:
+                raise FieldError(f"faults.kills[{i}].slot", f"{kill.slot!r} is not a slot of this job (w0..w{len(slots) - 1})")
+        for i, scale in enumerate(self.faults.scale):
+            if not (self.workers.min <= scale.count <= (self.workers.max or self.workers.count)):
+                raise FieldError(f"faults.scale[{i}].count", f"{scale.count} is outside [workers.min, workers.max] = "
+                                                             f"[{self.workers.min}, {self.workers.max or self.workers.count}]")
+        for i, delayed in enumerate(self.faults.delayed_pushes):
+            if delayed.slot not in slots:
+                raise FieldError(f"faults.delayed_pushes[{i}].slot", f"{delayed.slot!r} is not a slot of this job "
+                                                                     f"(w0..w{len(slots) - 1})")
+            if self.sync.policy not in SERVER_POLICIES:
+                raise FieldError(f"faults.delayed_pushes[{i}]", f"policy {self.sync.policy!r} does not push to a "
+                                                                f"parameter server ({', '.join(sorted(SERVER_POLICIES))} do)")
+
+    def _check_server_policy(self) -> None:
+        if isinstance(self.sync, QuorumConfig):
+            if self.sync.k is None:
+                self.sync.k = max(1, self.workers.count - 1)
+            if self.sync.k > (self.workers.max or self.workers.count):
+                raise FieldError("sync.k", f"must not exceed workers.max = {self.workers.max}, got {self.sync.k}")
+        if self.sync.policy in SERVER_POLICIES and self.workers.batch_mode != "keep_global":
+            raise FieldError("workers.batch_mode", f"policy {self.sync.policy!r} keeps the global batch (the server "
+                                                   f"scales by it): set workers.batch_mode: keep_global")
+        if self.sync.policy in NOT_WIRED:
+            raise FieldError("sync.policy", f"policy {self.sync.policy!r} is not available yet: it runs in process "
+                                            f"only, its end-to-end runs under Ray are not verified")
+
+    def _check_network(self) -> None:
+        if self.sync.policy in SERVER_POLICIES:
+            raise FieldError("network", f"policy {self.sync.policy!r} pushes and pulls through Ray's object "
+                                        f"transport, which the lab does not shape; the lab runs the policies "
+                                        f"whose traffic is their group's (all but {', '.join(sorted(SERVER_POLICIES))})")
+        if self.workers.gpus > 0 or self.comm.backend == "nccl":
+            raise FieldError("network", "the lab shapes TCP on loopback: it runs gloo workers on CPU")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)

@@ -1,0 +1,146 @@
+"""What a job trains and on what: the workers section, the workload with its data loader, and the optimizer."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Literal
+
+from core.schema.errors import FieldError
+
+
+@dataclass
+class WorkersConfig:
+    """How many worker actors, and what each one asks Ray for."""
+
+    count: int = 2
+    """Workers started at launch (and kept after failures when resources allow)."""
+    min: int = 1
+    """Below this many live workers the job pauses."""
+    max: int | None = None
+    """Upper bound for `scale`; defaults to `count`."""
+    cpus: float = 1.0
+    """Logical CPUs per worker actor."""
+    gpus: float = 0.0
+    """GPUs per worker actor; > 0 selects NCCL."""
+    scale_down: Literal["newest", "slowest"] = "newest"
+    """Which workers leave on scale-down."""
+    placement: Literal["pack", "spread"] = "pack"
+    """Ray scheduling strategy for worker actors."""
+    failure_budget: int = 3
+    """Failures a slot may have before it is retired."""
+    batch_mode: Literal["keep_global", "keep_worker"] = "keep_global"
+    """On a reshape: keep the global batch (each worker's share adjusts), or keep the per-worker
+    batch and scale the learning rate linearly with the world size."""
+    on_failure: Literal["reshape", "fail"] = "reshape"
+    """A dead or raising worker: re-form without it and start a replacement, or fail the job."""
+    heartbeat_s: float = 10.0
+    """A worker that does not answer the coordinator's heartbeat for this long (stopped, frozen) is evicted."""
+    hang_timeout_s: float = 300.0
+    """A worker whose step has been computing for this long (a loop that never ends) is evicted."""
+    start_grace_s: float = 30.0
+    """At start, wait this long for all `count` workers before starting with at least `min`."""
+    pause_after_s: float = 10.0
+    """At start, the job is PAUSED once fewer than `min` workers could be placed for this long."""
+    spares: int = 0
+    """Hot spares: this many extra worker actors started (process, imports, the workload built)
+    outside the group. A scale-up or a replacement takes a ready spare first and a new spare starts
+    behind it once the membership has settled (no reshape pending), so that its start does not take
+    the cores from the re-forming members. Each spare holds `cpus` and `gpus` like a worker, for the
+    whole run."""
+
+    def __post_init__(self) -> None:
+        if self.spares < 0:
+            raise FieldError("spares", f"must not be negative, got {self.spares}")
+        if self.max is None:
+            self.max = self.count
+        if self.count < 1:
+            raise FieldError("count", f"must be at least 1, got {self.count}")
+        if self.min < 1:
+            raise FieldError("min", f"must be at least 1, got {self.min}")
+        if self.min > self.max:
+            raise FieldError("min", f"min ({self.min}) must not exceed max ({self.max})")
+        if not self.min <= self.count <= self.max:
+            raise FieldError("count", f"must lie in [min, max] = [{self.min}, {self.max}], got {self.count}")
+        if self.cpus < 0 or self.gpus < 0:
+            raise FieldError("cpus" if self.cpus < 0 else "gpus", "must not be negative")
+        if self.failure_budget < 1:
+            raise FieldError("failure_budget", f"must be at least 1, got {self.failure_budget}")
+        for knob in ("heartbeat_s", "hang_timeout_s", "start_grace_s", "pause_after_s"):
+            if getattr(self, knob) <= 0:
+                raise FieldError(knob, f"must be positive, got {getattr(self, knob)}")
+
+
+@dataclass
+class LoaderConfig:
+    """Background loading: threads that prepare the next steps' batches (index, collate, move to the
+    device) while the current step computes. Off (0 workers): each batch is built on the step."""
+
+    workers: int = 0
+    """Threads that build batches ahead (a dataset whose `__getitem__` waits on a disk or a network
+    overlaps the step; pure-Python decoding holds the GIL and overlaps little)."""
+    prefetch: int = 2
+    """Batches built ahead (each holds one step's share in memory)."""
+    processes: bool = False
+    """Read the samples in `workers` processes (each builds the workload once) instead of threads: for
+    decoding that computes in Python and holds the GIL. Map-style and Hugging Face data only."""
+
+    def __post_init__(self) -> None:
+        if self.workers < 0:
+            raise FieldError("workers", f"must not be negative, got {self.workers}")
+        if self.prefetch < 1:
+            raise FieldError("prefetch", f"must be at least 1, got {self.prefetch}")
+
+
+@dataclass
+class WorkloadConfig:
+    """The model, data and loss: `factory(**params)` returns a workload object."""
+
+    factory: str = ""
+    """`module:function`, importable from the job's working directory."""
+    params: dict = field(default_factory=dict)
+    """Keyword arguments for the factory."""
+    batch_size: int = 32
+    """Per-worker batch size at the starting world size."""
+    micro_batch: int | None = None
+    """Most samples one forward/backward takes. A larger share of the global batch (keep_global
+    after the world shrinks) runs as micro-steps whose gradients accumulate locally; buckets are
+    all-reduced on the last micro-step only. None: no limit."""
+    loader: LoaderConfig = field(default_factory=LoaderConfig)
+    on_bad_sample: Literal["fail", "skip"] = "fail"
+    """A training sample that raises when read: `fail` fails the job with the sample's id and the error;
+    `skip` trains the rest of its batch and records the id (a `samples_skipped` event)."""
+
+    def __post_init__(self) -> None:
+        if not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", self.factory or ""):
+            raise FieldError("factory", f"must look like 'package.module:function', got {self.factory!r}")
+        if self.batch_size < 1:
+            raise FieldError("batch_size", f"must be at least 1, got {self.batch_size}")
+        if self.micro_batch is not None and self.micro_batch < 1:
+            raise FieldError("micro_batch", f"must be at least 1, got {self.micro_batch}")
+
+
+@dataclass
+class OptimizerConfig:
+    """Optimizer and learning-rate schedule (linear warm-up, then constant or cosine)."""
+
+    name: Literal["sgd", "adamw"] = "sgd"
+    lr: float = 0.1
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    nesterov: bool = False
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    schedule: Literal["constant", "cosine"] = "constant"
+    warmup_steps: int = 0
+    min_lr: float = 0.0
+    """Floor of the cosine schedule."""
+
+    def __post_init__(self) -> None:
+        if self.lr <= 0:
+            raise FieldError("lr", f"must be positive, got {self.lr}")
+        if self.momentum < 0 or self.weight_decay < 0:
+            raise FieldError("momentum" if self.momentum < 0 else "weight_decay", "must not be negative")
+        if self.nesterov and (self.name != "sgd" or self.momentum <= 0):
+            raise FieldError("nesterov", "needs name: sgd and momentum > 0")
+        if self.warmup_steps < 0:
+            raise FieldError("warmup_steps", f"must not be negative, got {self.warmup_steps}")
