@@ -190,6 +190,33 @@ class BaseCommunicator:
         n = self.world_size
         return int(2 * (n - 1) * tensor.numel() * tensor.element_size() // max(n, 1))
 
+    # The operations of `core.comm_api.Communicator`, declared here so that code holding any group can
+    # call them; gloo and NCCL implement each (`TorchBackendCommunicator` and its subclasses). A
+    # membership epoch without a group (`NoGroup`) has none of them.
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> WorkHandle:
+        raise NotImplementedError(f"{type(self).__name__} has no all_reduce")
+
+    def broadcast(self, tensor: torch.Tensor, src: int) -> WorkHandle:
+        raise NotImplementedError(f"{type(self).__name__} has no broadcast")
+
+    def barrier(self) -> WorkHandle:
+        raise NotImplementedError(f"{type(self).__name__} has no barrier")
+
+    def all_gather(self, outputs: list[torch.Tensor], tensor: torch.Tensor) -> WorkHandle:
+        raise NotImplementedError(f"{type(self).__name__} has no all_gather")
+
+    def all_to_all(self, output: torch.Tensor, tensor: torch.Tensor) -> WorkHandle:
+        raise NotImplementedError(f"{type(self).__name__} has no all_to_all")
+
+    def send(self, tensor: torch.Tensor, dst: int) -> WorkHandle:
+        raise NotImplementedError(f"{type(self).__name__} has no send")
+
+    def recv(self, tensor: torch.Tensor, src: int) -> WorkHandle:
+        raise NotImplementedError(f"{type(self).__name__} has no recv")
+
+    def close(self) -> None:
+        raise NotImplementedError(f"{type(self).__name__} has no close")
+
 
 class NoGroup(BaseCommunicator):
     """A membership epoch without a group: the members of a server kind talk only to the parameter
