@@ -10,6 +10,7 @@ from typing import Any
 
 import ray
 
+from actors.storage import first_line
 from algorithms.supervision import MEMBER_TRANSITIONS, MemberState, check_transition
 
 log = logging.getLogger(__name__)
@@ -76,19 +77,6 @@ class Spare:
                 "node": self.node, "started_at": self.started_at, "ready_at": self.ready_at}
 
 
-async def probe(handle, method: str, *args: Any, timeout: float = 5.0) -> tuple[Any | None, str | None]:
-    """A control call to a worker, telling a dead actor apart from a silent one: (answer, None); (None,
-    why) when Ray says the actor died; (None, None) when it did not answer in time, or answered with an
-    error."""
-    try:
-        return await asyncio.wait_for(asyncio.wrap_future(getattr(handle, method).remote(*args).future()), timeout), None
-    except ray.exceptions.ActorDiedError as err:
-        return None, describe(err)
-    except Exception as err:  # noqa: BLE001 - not answering (hung, or on a lost node), or a failed call
-        log.debug("control call %s to a worker got no answer: %s", method, describe(err))
-        return None, None
-
-
 def kill(handle) -> None:
     if handle is None:
         return
@@ -96,11 +84,6 @@ def kill(handle) -> None:
         ray.kill(handle, no_restart=True)
     except Exception as err:  # noqa: BLE001 - already gone
         log.debug("ray.kill: %s", first_line(err))
-
-
-def first_line(err: BaseException) -> str:
-    text = str(err).strip().splitlines()
-    return text[0][:500] if text else type(err).__name__
 
 
 def describe(err: BaseException) -> str:

@@ -28,9 +28,8 @@ from urllib.parse import urlsplit
 import yaml
 
 from actors import runfiles
-from actors.members import first_line
 from actors.mirror import read_appended
-from actors.storage import is_remote, open_storage
+from actors.storage import first_line, is_remote, open_storage
 
 MARKS = {"death": ("tab:red", "x"), "join": ("tab:green", "^"), "scale": ("tab:blue", "v"), "other": ("tab:gray", ".")}
 
