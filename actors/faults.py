@@ -26,11 +26,11 @@ from core.schema import FaultsConfig, KillFault
 if TYPE_CHECKING:  # pragma: no cover
     from ray import ObjectRef
 
-    from actors.comm import BaseCommunicator
+    from actors.transport.comm import BaseCommunicator
 
 log = logging.getLogger(__name__)
 # No torch at import (the coordinator imports `CoordinatorFaults`): the worker's side imports
-# actors/comm.py where it raises.
+# actors/transport/comm.py where it raises.
 
 
 def jitter_factor(sigma: float, seed: int, slot: str, step: int) -> float:
@@ -85,7 +85,7 @@ class WorkerFaults:
     def lose_vote(self, step: int) -> None:
         """`at: vote`: this member loses the result of a vote the others commit (a split commit)."""
         if self.due("vote", step) is not None:
-            from actors.comm import CommError  # see the imports
+            from actors.transport.comm import CommError  # see the imports
 
             raise CommError(f"injected fault: {self.slot} lost the result of the commit vote for step {step + 1}")
 

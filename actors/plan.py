@@ -18,7 +18,7 @@ def server_name(job: str, run_id: str) -> str:
 
 
 def holder_name(job: str, run_id: str) -> str:
-    """The Ray actor name of a run's Ray Data holder (actors/data_holder.py)."""
+    """The Ray actor name of a run's Ray Data holder (actors/training/data_holder.py)."""
     return f"{job}/{run_id}/data"
 
 
@@ -43,7 +43,7 @@ class Plan:
     """Members stop once this committed step is reached (target metric, time limit, stop)."""
     history_step: int = 0
     """The newest step in the job's history when the plan was published: at the epoch agreement,
-    rank 0 sends the coordinator the records it keeps after this step (see actors/ledger.py)."""
+    rank 0 sends the coordinator the records it keeps after this step (see actors/control/ledger.py)."""
     reason: str = ""
     nodes: tuple[str, ...] = ()
     """Where each member runs, in rank order (the lab's virtual node, else its Ray node; "" unknown):
@@ -128,7 +128,7 @@ class WorkerSpec:
     pushes of a replaced incarnation."""
     secret: bytes = field(default=b"", repr=False)
     """The job's rendezvous key (travels only over Ray): every value a member writes to the group store
-    is signed with it, and one without a valid signature is refused (actors/comm.py `SignedStore`)."""
+    is signed with it, and one without a valid signature is refused (actors/transport/comm.py `SignedStore`)."""
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,7 @@ import numpy as np  # noqa: E402,F401 - imported on both sides alike (the DDP ra
 import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
-from algorithms.sampler import GlobalSampler, split_for_rank  # noqa: E402
+from algorithms.rules.sampler import GlobalSampler, split_for_rank  # noqa: E402
 from benchmarks.common import PeakRSS, ddp_store, peer_workload  # noqa: E402
 
 WORKERS, BUCKET_MB, SEED = 2, 25.0, 0

@@ -41,10 +41,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from actors.coordinator import Coordinator  # noqa: E402
+from actors.control.coordinator import Coordinator  # noqa: E402
 from actors.plan import Progress  # noqa: E402
-from algorithms.supervision import JobState  # noqa: E402
-from algorithms.zipline import BarrierPlanner  # noqa: E402
+from algorithms.rules.supervision import JobState  # noqa: E402
+from algorithms.rules.zipline import BarrierPlanner  # noqa: E402
 from orchestrator.config import config_from_dict  # noqa: E402
 from testkit.fake_workers import FakeWorkerGroup  # noqa: E402
 

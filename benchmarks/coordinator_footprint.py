@@ -4,7 +4,7 @@ Starts a local Ray, then `--runs` BSP jobs of 3 workers one after the other (dig
 and at step 30 of each reads the coordinator's resident set size, its CPU seconds so far (user +
 system, from its start: the imports, the first plan, 30 steps of reports), whether `libtorch` is
 mapped in it, and the workers' mean resident set size. Since each worker serves the group store
-its epochs rendezvous on (actors/worker.py `HostedStore`), no coordinator loads torch.
+its epochs rendezvous on (actors/training/worker.py `HostedStore`), no coordinator loads torch.
 
     python benchmarks/coordinator_footprint.py [--runs 3] [--out FILE]
 

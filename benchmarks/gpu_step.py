@@ -2,7 +2,7 @@
 
 Both sides train the same synthetic MLP (orchestrator/workloads/synthetic.py) with SGD on the same
 GPU, copying each batch from host memory, one after the other in this process. The orchestrator
-side is the worker's real step loop (actors/replica.py) at world size 1 over NCCL (or gloo with
+side is the worker's real step loop (actors/training/replica.py) at world size 1 over NCCL (or gloo with
 `--backend gloo`): buckets, hooks, the commit vote and the history records included. Timed per
 step after a warm-up: the plain loop with a CUDA synchronize at each end of the window, the
 orchestrator from its history records (each written once the step committed). The default model

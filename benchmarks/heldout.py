@@ -120,8 +120,8 @@ def placed_compute(setting: str, root: str) -> float:
 
 def predict(setting: str, cand, network: str, probed: list[dict], compute_s: float, model_bytes: float,
             host_s: dict) -> float:
-    from algorithms.runtime_model import Compute
-    from algorithms.runtime_model import predict as model
+    from algorithms.rules.runtime_model import Compute
+    from algorithms.rules.runtime_model import predict as model
     from orchestrator.config import config_from_dict
     from orchestrator.planner import network_for
 

@@ -41,7 +41,7 @@ def steps_per_s(metrics_on: bool, steps: int, index: int) -> float:
 @ray.remote(num_cpus=0)
 def call_cost(calls: int) -> dict:
     """One metric call's cost in a Ray worker (what a worker pays per report)."""
-    from actors.metrics import Exporter
+    from actors.observe.metrics import Exporter
 
     x = Exporter("cost", "r", "bsp")
     x.observe("worker_step_compute_seconds", 0.01, slot="w0")  # made on first use

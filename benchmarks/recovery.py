@@ -37,7 +37,7 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from algorithms.sampler import GlobalSampler, split_for_rank  # noqa: E402
+from algorithms.rules.sampler import GlobalSampler, split_for_rank  # noqa: E402
 from benchmarks.common import peer_workload  # noqa: E402
 from testkit.harness import wait_until  # noqa: E402
 

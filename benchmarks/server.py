@@ -1,6 +1,6 @@
 """The parameter server's transfer cost next to Ray's object store, and its apply time, separately.
 
-4 clients (Ray actors, one CPU each) against the server actor of actors/server_actor.py holding a
+4 clients (Ray actors, one CPU each) against the server actor of actors/server/server_actor.py holding a
 synthetic MLP of about 10M parameters (`orchestrator.workloads.synthetic:mlp`, width 2200, depth 3:
 40 MiB as flat float32), policy asp. Each client repeats pull + push (a zero gradient: the work is the
 bytes) and times the round trip; alternating with it (so the machine's noise falls on both alike),
@@ -35,9 +35,9 @@ import ray  # noqa: E402
 import torch  # noqa: E402
 
 from actors.plan import server_name  # noqa: E402
-from actors.server_actor import ParameterServerActor  # noqa: E402
-from actors.server_client import RayServerClient  # noqa: E402
-from algorithms.server import Fence, Push, ServerCore  # noqa: E402
+from actors.server.server_actor import ParameterServerActor  # noqa: E402
+from actors.server.server_client import RayServerClient  # noqa: E402
+from algorithms.policies.server import Fence, Push, ServerCore  # noqa: E402
 from core.schema import JobConfig, parse  # noqa: E402
 from orchestrator.workloads.synthetic import mlp  # noqa: E402
 

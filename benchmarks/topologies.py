@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from algorithms.topologies import TOPOLOGIES, Topology, degree, get_topology, spectral_gap
+from algorithms.rules.topologies import TOPOLOGIES, Topology, degree, get_topology, spectral_gap
 
 
 def cases() -> list[tuple[str, Topology]]:

@@ -20,7 +20,7 @@ Setting (one cell = one network x one condition; every policy runs in every cell
 Per policy and cell: time per step (after step 10, (t_last - t_10) / steps, the median over the
 members that report), bytes each worker sends per step (history's `bytes_sent`), time to the target
 (from the first committed step to the first evaluation at or above it), steps to the target, and the
-model's prediction of the time per step (`algorithms/runtime_model.py`, fed the lab's links as
+model's prediction of the time per step (`algorithms/rules/runtime_model.py`, fed the lab's links as
 probed, one step's compute as the placed workers see it (a 100-step probe of the same 4 workers that
 communicate once in 20 steps, `placed_compute`), of which the modelled sleep is what the cell's straggler or jitter
 scales) with its error.
@@ -167,7 +167,7 @@ def cell_compute(condition: str, step_s: float, modelled_s: float):
     """The model's compute side: `step_s` per step among the placed workers (`placed_compute`), of which
     the modelled `modelled_s` is what the straggler (3x) and the jitter (sigma 0.5) scale, as
     `lab_mlp` scales only its sleep."""
-    from algorithms.runtime_model import Compute
+    from algorithms.rules.runtime_model import Compute
 
     return Compute(modelled_s, fixed_s=max(step_s - modelled_s, 0.0),
                    factors=(1.0, 3.0, 1.0, 1.0) if condition == "straggler" else (),
@@ -178,7 +178,7 @@ def placed_compute(args, root: str) -> float:
     """The compute time of one step as the placed workers see it (the probe's measurement): the same 4
     workers, workload, evaluation cadence and CPU contention, communicating once in 20 steps (`local_sgd`,
     h 20, unshaped: a round on loopback adds well under 1 ms a step); time per step after step 10."""
-    from algorithms.runtime_model import PolicySpec
+    from algorithms.rules.runtime_model import PolicySpec
     from orchestrator.planner import Candidate
 
     quiet = Candidate("calibration", {"policy": "local_sgd", "h": 20}, {}, PolicySpec("local_sgd"))
@@ -187,7 +187,7 @@ def placed_compute(args, root: str) -> float:
 
 def predict_cell(cand, network: str, condition: str, probed: list[dict], step_s: float, modelled_s: float,
                  model_bytes: float, host_s=None) -> float:
-    from algorithms.runtime_model import predict
+    from algorithms.rules.runtime_model import predict
 
     return predict(cand.spec, cell_network(network, probed, host_s),
                    cell_compute(condition, step_s, modelled_s), model_bytes).step_s

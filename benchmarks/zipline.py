@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np
 
-from algorithms.zipline import place_barrier
+from algorithms.rules.zipline import place_barrier
 
 
 def time_one(n: int, r: int, runs: int) -> dict:

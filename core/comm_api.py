@@ -2,7 +2,7 @@
 operations returns (`Handle`), what a policy sees of it (`Communicator`), and the errors it raises
 (`CommError` and its subclasses).
 
-The transport (actors/transport/, through actors/comm.py) implements it over gloo and NCCL; algorithms/
+The transport (actors/transport/, through actors/transport/comm.py) implements it over gloo and NCCL; algorithms/
 and the tests' fakes program against it. Torch-free at import: torch's types appear only in annotations.
 """
 from __future__ import annotations

@@ -46,7 +46,7 @@ def collective_group() -> str:
     group, for `ray.util.collective` calls (`allreduce(t, group_name=collective_group())`). The name
     changes at every membership change; operations on it have the job's timeout and fail at once
     when the epoch is aborted (the step is then redone in the next epoch)."""
-    from actors.collective import current_group
+    from actors.transport.collective import current_group
 
     return current_group()
 

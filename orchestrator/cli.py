@@ -20,7 +20,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from actors.storage import first_line
+from actors.runs.storage import first_line
 from core.display import checkpoint_line
 from core.schema import ConfigError, JobStatus, OrchestratorError
 
@@ -135,7 +135,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 def _resume_ref(which: str, storage, config, server: bool):
     """The checkpoint `--resume [which]` continues from, checked against this config's workload:
     ConfigError (one line) when there is none or it was written by another workload."""
-    from actors import checkpoints
+    from actors.runs import checkpoints
 
     warn = lambda text: print(text, file=sys.stderr, flush=True)  # noqa: E731
     if which != "newest" and (which.endswith(".pt") or "/" in which):  # one checkpoint, by its data's location
@@ -415,9 +415,9 @@ def _network_of(path: str) -> NetworkConfig:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    """The run report of RUN_DIR as a PNG (actors/report.py). Starts nothing."""
-    from actors import report
-    from actors.storage import StorageError, is_remote
+    """The run report of RUN_DIR as a PNG (actors/observe/report.py). Starts nothing."""
+    from actors.observe import report
+    from actors.runs.storage import StorageError, is_remote
 
     run_dir = args.run_dir if is_remote(args.run_dir) else Path(args.run_dir).expanduser()  # a URI: the run's storage
     if isinstance(run_dir, Path) and not run_dir.is_dir():
@@ -455,7 +455,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             print(f"error: plan --probe: {err}", file=sys.stderr)
             return EXIT_BAD_INPUT
     elif args.probe:  # the user's Ray cluster: probes placed as the job's workers, measured there
-        from actors.probe import probe_cluster
+        from actors.training.probe import probe_cluster
         from orchestrator.job import connect
 
         connect(config)

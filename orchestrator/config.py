@@ -49,7 +49,7 @@ def config_from_dict(raw: Any, overrides: Overrides = ()) -> JobConfig:
     if config.run_dir is not None:
         config.run_dir = str(Path(config.run_dir).expanduser().resolve())
     if config.storage is not None:  # credentials in the URI: into this process's environment, not the config
-        from actors.storage import move_credentials
+        from actors.runs.storage import move_credentials
 
         config.storage, options, values = move_credentials(config.storage)
         config.storage_options = {**config.storage_options, **options}

@@ -20,7 +20,7 @@ def credentials_env(config: JobConfig) -> dict:
     """The coordinator's Ray runtime environment (its workers and server inherit it): the storage
     credentials the config took out of its URI (`ORCHESTRATOR_STORAGE_*`), so that no node needs them
     set beforehand; Ray keeps them in its token-authenticated control store, never in a file."""
-    from actors.storage import CREDENTIAL_ENV
+    from actors.runs.storage import CREDENTIAL_ENV
 
     moved = CREDENTIAL_ENV.format("")
     env = {v: os.environ[v] for v in config.storage_options.values() if v.startswith(moved) and v in os.environ}
@@ -36,7 +36,7 @@ def launch_coordinator(config: JobConfig, run_id: str, run_dir: str, resume_from
                        started_at: float) -> ActorHandle:
     """The job's coordinator, created detached under the job's name (Ray restarts it up to MAX_RESTARTS
     times). `owner`: the Ray job id of a driver that owns the job (it stops when that driver dies)."""
-    from actors.coordinator import MAX_RESTARTS, CoordinatorActor
+    from actors.control.coordinator import MAX_RESTARTS, CoordinatorActor
 
     handle = CoordinatorActor.options(
         name=config.name, namespace=NAMESPACE, lifetime="detached", resources=coordinator_resources(config),

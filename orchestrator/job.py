@@ -28,11 +28,11 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
     from ray.actor import ActorHandle
 
-    from actors.storage import Storage
+    from actors.runs.storage import Storage
 
-from actors import runfiles
 from actors.plan import server_name
-from actors.storage import is_remote, open_storage
+from actors.runs import runfiles
+from actors.runs.storage import is_remote, open_storage
 from core.factory import check_factory
 from core.schema import TERMINAL_STATES, ConfigError, JobConfig, JobResult, JobStatus, OrchestratorError, parse
 from orchestrator.connection import NAMESPACE, check_local_resources, connect, ensure_token_env
@@ -69,7 +69,7 @@ class _Feed(TypedDict):
 
 class ElasticJob:
     def __init__(self, config: JobConfig, resume_from: str | None = None) -> None:
-        """`resume_from`: a checkpoint file (see `actors.checkpoints.newest_valid`)."""
+        """`resume_from`: a checkpoint file (see `actors.runs.checkpoints.newest_valid`)."""
         self.config = config
         self.policy_choice = ""
         """`sync.policy: auto`: what `start()` picked and why (the config then names the pick)."""
@@ -110,7 +110,7 @@ class ElasticJob:
                 ray.shutdown()  # the local Ray this call started goes with the refusal
                 raise
         if self.config.sync.policy == "auto":  # on the cluster itself: probes placed as the workers, measured there
-            from actors.probe import probe_cluster
+            from actors.training.probe import probe_cluster
             from orchestrator.planner import choose
 
             self.config, self.policy_choice, _ = choose(self.config, cluster=probe_cluster(self.config.to_dict()))
@@ -327,7 +327,7 @@ class ElasticJob:
         storage = self._remote_storage()
         if (self.run_dir / name).exists() or storage is None:
             return runfiles.read_jsonl(self.run_dir / name)
-        from actors.mirror import read_appended
+        from actors.runs.mirror import read_appended
 
         return runfiles.parse_jsonl(read_appended(storage, self._key(name)))
 

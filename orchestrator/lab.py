@@ -7,11 +7,11 @@ and lets the kernel shape the traffic between different nodes' addresses: an `ht
 `lo` with one class per shaped (source node, destination node) pair and a `u32` filter on both
 addresses. Unclassified traffic (everything outside the lab's addresses, and unshaped pairs) takes
 htb's direct path, unshaped. Latency is not the kernel's (no netem on these machines): the transport
-adds it per operation (`network.*.latency_ms`; actors/comm.py), labelled as modelled.
+adds it per operation (`network.*.latency_ms`; actors/transport/comm.py), labelled as modelled.
 
 Workers bind their gloo device to their node's address. gloo connects without binding, which would
 give every connection the source 127.0.0.1, so lab workers preload a small connect() shim
-(actors/native/lab_bind.c, compiled here by `up`; actors/lab_shim.py) that binds connections into the lab's
+(actors/native/lab_bind.c, compiled here by `up`; actors/transport/lab_shim.py) that binds connections into the lab's
 subnet to the worker's own node address first.
 
 `Lab(network)` is a context manager; `python -m orchestrator lab up CONFIG | down | show` does the
@@ -43,7 +43,7 @@ import threading
 import time
 from pathlib import Path
 
-from actors.lab_shim import LabUnavailable, shim_path, worker_env
+from actors.transport.lab_shim import LabUnavailable, shim_path, worker_env
 from core.schema import NetworkConfig
 
 DEV = "lo"

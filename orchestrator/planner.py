@@ -1,5 +1,5 @@
 """Choosing a policy: every applicable policy's predicted time per step, bytes per step and time to
-the target on a network, from the runtime model (algorithms/runtime_model.py), and a recommendation.
+the target on a network, from the runtime model (algorithms/rules/runtime_model.py), and a recommendation.
 
 The inputs are a job config (its workload, optimizer, world size and stragglers), a network (the
 `network:` section as asked, or the lab's links as probed) and the compute time of one step, measured
@@ -24,7 +24,7 @@ import copy
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from algorithms.runtime_model import PolicySpec
+from algorithms.rules.runtime_model import PolicySpec
 from core.schema import POLICIES, ConfigError, JobConfig, parse
 from orchestrator.planning.candidates import Candidate, candidates, with_candidate
 from orchestrator.planning.cluster import (
@@ -72,7 +72,7 @@ def ranked(cfg: JobConfig, cands: Sequence[Candidate], compute_s: float, model_b
     `measure_host` when not given); elsewhere none is counted."""
     data = load_factors()
     applies, why = factors_apply(cfg, data)
-    if cluster is not None:  # measured on the user's cluster (actors/probe.py); its links as told, if they were
+    if cluster is not None:  # measured on the user's cluster (actors/training/probe.py); its links as told, if they were
         net = network_for(cfg.network, cfg.workers.count) if told_network(cfg) else network_from_probe(cluster)
         return rank(cands, net, compute_from_probe(cfg, cluster, compute_s), cluster["model_bytes"],
                     data["factors"] if applies else None, data["bsp_steps"], why)
@@ -96,7 +96,7 @@ def choose(cfg: JobConfig, compute_s: float | None = None, model_bytes: float | 
            probed: Sequence[dict] | None = None, cluster: dict | None = None) -> tuple[JobConfig, str, list[Row]]:
     """`sync.policy: auto`: the config with the recommended policy's `sync:` and `compression:`, the
     recommendation line, and the ranked rows (`sync.candidates` narrows the choice). `cluster`: what
-    `actors/probe.py` measured on the job's Ray cluster (compute, links, placement), used instead of a
+    `actors/training/probe.py` measured on the job's Ray cluster (compute, links, placement), used instead of a
     measurement in this process and of the config's network."""
     sync = cfg.sync
     if sync.policy != "auto":

@@ -14,8 +14,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-CLASSES = {"Worker": "actors.worker", "Coordinator": "actors.coordinator", "ParameterServer": "actors.server_actor",
-           "DataHolder": "actors.data_holder", "Probe": "actors.probe"}
+CLASSES = {"Worker": "actors.training.worker", "Coordinator": "actors.control.coordinator", "ParameterServer": "actors.server.server_actor",
+           "DataHolder": "actors.training.data_holder", "Probe": "actors.training.probe"}
 """Each actor class by name, and the module that defines it."""
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import ray
 
-from actors.storage import Storage, StorageError, is_remote, open_storage
+from actors.runs.storage import Storage, StorageError, is_remote, open_storage
 from core.schema import ConfigError, JobConfig
 from orchestrator.config import default_run_root
 

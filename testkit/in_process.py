@@ -15,10 +15,10 @@ from typing import Any
 
 import torch
 
-from actors.comm import in_process_group as local_group  # noqa: F401 - tests form their groups with it
-from actors.comm import in_process_store as local_store
 from actors.plan import Plan, Progress, WorkerSpec
-from algorithms.base import VoteDraft
+from actors.transport.comm import in_process_group as local_group  # noqa: F401 - tests form their groups with it
+from actors.transport.comm import in_process_store as local_store
+from algorithms.policies.base import VoteDraft
 
 
 def drive_step(impl, model: torch.nn.Module, step: int, batch: torch.Tensor, samples: int, lr: float) -> None:
@@ -104,10 +104,10 @@ class LocalJob:
     def __init__(self, config: dict, slots: list[str], run_dir: str, timeout_s: float = 10.0, zipline: bool = True) -> None:
         """`zipline`: elastic_bsp's barriers are planned as the coordinator plans them (False: the
         server's fallback, as with a coordinator that is down)."""
-        from actors.parameter_server import LocalServerClient, ServerHost, make_host
-        from actors.replica import Replica
-        from algorithms.base import get_algorithm
-        from algorithms.zipline import BarrierPlanner
+        from actors.server.parameter_server import LocalServerClient, ServerHost, make_host
+        from actors.training.replica import Replica
+        from algorithms.policies.base import get_algorithm
+        from algorithms.rules.zipline import BarrierPlanner
         from core.schema import SERVER_POLICIES, JobConfig, parse
 
         self.config = parse(JobConfig, config).to_dict()

@@ -20,7 +20,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-from actors.lab_shim import shim_path
+from actors.transport.lab_shim import shim_path
 from core.schema import NetworkConfig, parse
 
 REPO = Path(__file__).resolve().parents[1]

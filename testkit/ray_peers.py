@@ -14,7 +14,7 @@ from typing import Any, Protocol, runtime_checkable
 import ray
 import torch
 
-from actors.comm import BaseCommunicator, CommError, GroupSpec, make_communicator, serve_store
+from actors.transport.comm import BaseCommunicator, CommError, GroupSpec, make_communicator, serve_store
 
 
 class Waitable(Protocol):
@@ -132,7 +132,7 @@ class CommPeer:
         if via_ray:
             import ray.util.collective as col
 
-            from actors import collective
+            from actors.transport import collective
 
             comm = self._group()
             if not isinstance(comm, BaseCommunicator):

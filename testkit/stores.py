@@ -1,4 +1,4 @@
-"""A storage (actors/storage.py) with a test's hook before each write: a slow store (the hook waits on
+"""A storage (actors/runs/storage.py) with a test's hook before each write: a slow store (the hook waits on
 an event), a hung one, a failing one (the hook raises), or one that dies between two writes."""
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The coordinator's components, each owning one part of what it knows and does.
 
-`actors/coordinator.py` is the actor: a thin shell that wires these together, takes the calls of
+`actors/control/coordinator.py` is the actor: a thin shell that wires these together, takes the calls of
 drivers and workers, and runs the job's state machine.
 
 - `book.MembershipBook`: members and slots, membership epochs, plans and the reshapes they open.

@@ -17,10 +17,10 @@ from typing import Any
 
 from actors.control.book import ADMIT_HOLD_S, MembershipBook
 from actors.control.journal import Journal
+from actors.control.members import Member
 from actors.control.workers import WorkerGroup
-from actors.members import Member
-from algorithms.membership import joiners_start_stateless
-from algorithms.supervision import JobState, MemberState
+from algorithms.rules.membership import joiners_start_stateless
+from algorithms.rules.supervision import JobState, MemberState
 
 S = MemberState
 

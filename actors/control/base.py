@@ -1,11 +1,11 @@
 """The coordinator's parts, wired, and what the rest of it builds on.
 
-`CoordinatorBase.__init__` builds the components of actors/control/ (see actors/coordinator.py's
+`CoordinatorBase.__init__` builds the components of actors/control/ (see actors/control/coordinator.py's
 docstring for who owns what) and the fields they share. On it: the state file a restarted
 incarnation carries on from, the job's transitions, plans (publish, reshape, converge, re-form,
 the trial's policy switch), records accepted into history (and what they close: reshapes, the
 target), and the job's status. Its subclasses: `Lifecycle` (actors/control/lifecycle.py: the main
-task and the end) and `Coordinator` (actors/coordinator.py: the calls of drivers, workers and the
+task and the end) and `Coordinator` (actors/control/coordinator.py: the calls of drivers, workers and the
 parameter server).
 """
 from __future__ import annotations
@@ -18,30 +18,30 @@ from abc import abstractmethod
 from pathlib import Path
 from typing import Any
 
-from actors import checkpoints, runfiles
 from actors.control.admission import Admission
 from actors.control.book import MembershipBook
 from actors.control.feed import Feed
 from actors.control.journal import Journal
 from actors.control.keys import RendezvousKey
 from actors.control.launcher import Launcher
+from actors.control.members import Member
 from actors.control.publisher import Publisher
+from actors.control.sequencer import Sequencer
+from actors.control.server_control import ServerControl
 from actors.control.spares import SparePool
 from actors.control.supervisor import Actions, Supervisor
 from actors.control.trial import Trial
 from actors.control.workers import RayWorkerGroup, WorkerGroup
 from actors.faults import CoordinatorFaults
-from actors.members import Member
-from actors.metrics import Exporter, JobMetrics
-from actors.mirror import RunMirror, claim_incarnation
+from actors.observe.metrics import Exporter, JobMetrics
+from actors.observe.tracking import TensorBoard
 from actors.plan import ParentWatch, Plan, WorkerSpec
-from actors.sequencer import Sequencer
-from actors.server_control import ServerControl
-from actors.storage import run_storage
-from actors.tracking import TensorBoard
-from algorithms.kinds import SERVER_KINDS, PolicyTraits
-from algorithms.supervision import JOB_TRANSITIONS, JobState, MemberState, check_transition
-from algorithms.topologies import topology_status
+from actors.runs import checkpoints, runfiles
+from actors.runs.mirror import RunMirror, claim_incarnation
+from actors.runs.storage import run_storage
+from algorithms.rules.kinds import SERVER_KINDS, PolicyTraits
+from algorithms.rules.supervision import JOB_TRANSITIONS, JobState, MemberState, check_transition
+from algorithms.rules.topologies import topology_status
 from core.schema import JobConfig, JobStatus, parse
 
 WORKER_STARTS_PER_INCARNATION = 1_000_000
@@ -69,10 +69,10 @@ class CoordinatorBase(Actions):
                     f"(a call lost, as with a restarting coordinator): it ran without it", sender=sender, seq=seq))
         """Runs each worker's messages in the order it sent them (Ray does not, for an asyncio actor)."""
         self.secret = secrets.token_bytes(32) if self.cfg.comm.sign_rendezvous else b""
-        """The job's rendezvous key: its workers sign what they write to the group store (actors/comm.py);
+        """The job's rendezvous key: its workers sign what they write to the group store (actors/transport/comm.py);
         a restarted coordinator keeps the one on disk (its live workers have it)."""
         self.algorithm = PolicyTraits(self.cfg.sync.policy)
-        """What the coordinator needs of the policy: its kind's answers (algorithms/kinds.py)."""
+        """What the coordinator needs of the policy: its kind's answers (algorithms/rules/kinds.py)."""
         self.state: JobState = JobState.STARTING
         self.cause: str | None = None
         self.stop_kind: str | None = None
@@ -88,7 +88,7 @@ class CoordinatorBase(Actions):
         self._released: asyncio.Event | None = None
         self.group.setup(self.run_dir, self.cfg.log_level)
         storage, run_key = run_storage(self.cfg.storage, self.run_dir, self.cfg.storage_options)
-        if storage.remote:  # above every incarnation the store has seen, a zombie's included (actors/fencing.py)
+        if storage.remote:  # above every incarnation the store has seen, a zombie's included (actors/runs/fencing.py)
             self.incarnation = claim_incarnation(storage, run_key, self.run_dir, self.incarnation)
         mirror = RunMirror(storage, run_key, self.run_dir, self.incarnation) if storage.remote else None
         self.journal = Journal(self.run_dir, self.cfg.checkpoint.keep, storage, run_key, mirror,

@@ -3,7 +3,7 @@
 It owns the members (one `Member` per slot), the slot budget (failures, retired slots, the target
 count), the membership epoch and plan version counters, the newest plan, and the reshapes decided
 but not yet closed by a committed step. It decides nothing about failures (that is
-`algorithms/supervision.py`) and sends nothing to anyone: `next_plan` builds the plan and the
+`algorithms/rules/supervision.py`) and sends nothing to anyone: `next_plan` builds the plan and the
 caller hands it out. No Ray, no event loop: every rule here runs in a unit test.
 """
 from __future__ import annotations
@@ -12,10 +12,10 @@ import dataclasses
 import time
 from typing import Any
 
-from actors.members import Member
+from actors.control.members import Member
 from actors.plan import Plan
-from algorithms.membership import MemberView, batch_for, choose_leavers, free_slots, server_members, slot_index
-from algorithms.supervision import JobState, JobView, MemberState
+from algorithms.rules.membership import MemberView, batch_for, choose_leavers, free_slots, server_members, slot_index
+from algorithms.rules.supervision import JobState, JobView, MemberState
 from core.schema import JobConfig, MemberStatus, WorkloadRefused
 
 S = MemberState

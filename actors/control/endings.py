@@ -12,11 +12,11 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
-from actors import checkpoints
 from actors.control.book import MembershipBook
+from actors.control.members import first_line
 from actors.control.workers import WorkerGroup
-from actors.members import first_line
-from algorithms.supervision import JobState, MemberState
+from actors.runs import checkpoints
+from algorithms.rules.supervision import JobState, MemberState
 
 S = MemberState
 CALL_TIMEOUT_S = 60.0

@@ -1,6 +1,6 @@
 """The journal: everything a job run keeps in its run directory, and the progress status shows.
 
-It owns the files (`events.jsonl`, `history.jsonl` through `actors/history.py`, the state file
+It owns the files (`events.jsonl`, `history.jsonl` through `actors/control/history.py`, the state file
 `coordinator.json` written off the event loop, `faults_fired.json`, checkpoints, `status.json`),
 the newest events in memory, and the progress read from history: the job's step, loss, evaluation
 metrics and throughput over the last five seconds. It knows nothing of members or plans: the
@@ -19,10 +19,10 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, TextIO
 
-from actors import checkpoints, runfiles
-from actors.history import History
-from actors.mirror import RunMirror
-from actors.storage import Storage, first_line, open_storage, run_storage
+from actors.control.history import History
+from actors.runs import checkpoints, runfiles
+from actors.runs.mirror import RunMirror
+from actors.runs.storage import Storage, first_line, open_storage, run_storage
 from core.schema import Event
 
 log = logging.getLogger(__name__)

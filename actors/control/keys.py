@@ -1,6 +1,6 @@
 """The job's rendezvous key, kept where a restarted coordinator finds it and no mirror copies it.
 
-Workers sign what they write to their group's store with it (actors/comm.py). The coordinator keeps
+Workers sign what they write to their group's store with it (actors/transport/comm.py). The coordinator keeps
 it in `secret.key` (mode 0600) in the run folder and in Ray's KV store (a restart on another node),
 never in the state file, which is mirrored to the run's storage; a restarted coordinator recalls the
 one its live workers hold.
@@ -10,9 +10,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from actors import runfiles
+from actors.control.members import log
 from actors.control.workers import WorkerGroup
-from actors.members import log
+from actors.runs import runfiles
 
 SECRET_FILE = "secret.key"
 """The rendezvous key in the run folder (mode 0600; never mirrored to the storage)."""

@@ -15,11 +15,11 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from actors.control.book import MembershipBook
+from actors.control.members import Member, describe, log
 from actors.control.spares import SparePool
 from actors.control.workers import WorkerGroup
-from actors.members import Member, describe, log
 from actors.plan import WorkerSpec
-from algorithms.supervision import JobState, MemberState
+from algorithms.rules.supervision import JobState, MemberState
 from core.schema import WorkloadRefused
 
 S = MemberState

@@ -18,10 +18,10 @@ from actors.control.base import CoordinatorBase
 from actors.control.endings import wrap_up
 from actors.control.launcher import NoWorkerCanStart
 from actors.control.restart import reattach, records_since, resume
-from actors.report import draw_at_end
-from actors.server_control import ServerControl
-from algorithms.kinds import SERVER_KINDS
-from algorithms.supervision import JobState, MemberState, recovered_epoch
+from actors.control.server_control import ServerControl
+from actors.observe.report import draw_at_end
+from algorithms.rules.kinds import SERVER_KINDS
+from algorithms.rules.supervision import JobState, MemberState, recovered_epoch
 
 OWNER_CHECK_S = 1.0
 LINGER_S = 600.0
@@ -194,7 +194,7 @@ class Lifecycle(CoordinatorBase):
         self.journal.write_status(self._status().to_dict())
 
     async def _linger(self) -> None:
-        # the run report (actors/report.py), before the driver's release lets this process go
+        # the run report (actors/observe/report.py), before the driver's release lets this process go
         await asyncio.to_thread(draw_at_end, self.run_dir, self.cfg.tracking.report, self.journal.event)
         if (self.run_dir / "report.png").exists():
             self.journal.put("report.png")

@@ -1,7 +1,7 @@
 """The publisher: the publication of each plan.
 
 The book decides the next plan; the publisher names the group store its members rendezvous on (the
-one its rank 0 serves: every worker serves a store of its own, actors/worker.py `HostedStore`, so
+one its rank 0 serves: every worker serves a store of its own, actors/training/worker.py `HostedStore`, so
 the coordinator serves none and never loads torch), hands the plan to every reachable member (and
 the membership to the parameter server first, since the server admits a membership before its
 members pull under it), then saves the coordinator's state. It also aborts an epoch's collectives,

@@ -15,9 +15,9 @@ from collections.abc import Callable
 from typing import Any
 
 from actors.control.book import MembershipBook
+from actors.control.members import Member
 from actors.control.workers import WorkerGroup
-from actors.members import Member
-from algorithms.supervision import MemberState
+from algorithms.rules.supervision import MemberState
 
 S = MemberState
 

@@ -13,8 +13,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from actors.control.members import Member, Spare, describe
 from actors.control.workers import WorkerGroup
-from actors.members import Member, Spare, describe
 from actors.plan import WorkerSpec
 
 SPARE_SETTLE_S = 10.0

@@ -18,10 +18,10 @@ from collections.abc import Callable
 from typing import Any
 
 from actors.control.book import MembershipBook
+from actors.control.members import Member, log
 from actors.control.workers import WorkerGroup
-from actors.members import Member, log
-from algorithms.stragglers import StragglerWatch
-from algorithms.supervision import Decision, JobState, JobView, MemberEnded, MemberState, StopRequested, decide
+from algorithms.rules.stragglers import StragglerWatch
+from algorithms.rules.supervision import Decision, JobState, JobView, MemberEnded, MemberState, StopRequested, decide
 from core.schema import JobConfig
 
 S = MemberState

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from actors.members import describe, first_line, is_placed, job_is_dead, kill, log, log_to
+from actors.control.members import describe, first_line, is_placed, job_is_dead, kill, log, log_to
 from actors.plan import Plan, WorkerSpec, holder_name
 from core.schema import JobConfig
 
@@ -46,7 +46,7 @@ class WorkerGroup:
         raise NotImplementedError
 
     # ---- the coordinator's calls to a worker: one typed method per `WorkerActor` method of the same
-    # name (actors/worker.py; tests/unit/test_worker_port.py keeps the three in step). Three shapes:
+    # name (actors/training/worker.py; tests/unit/test_worker_port.py keeps the three in step). Three shapes:
     # told (nobody waits: set_plan, abort_epoch, run), asked (the answer is needed; raises what the
     # worker raised, or TimeoutError: ready, adopt, heartbeat, final_state, load_checkpoint), and
     # probed (None when the worker is gone or silent: status, records_after, evaluate_state,
@@ -107,7 +107,7 @@ class WorkerGroup:
         raise NotImplementedError
 
     def release_data(self, job: str, run_id: str) -> None:
-        """End the run's Ray Data holder (actors/data_holder.py), if it has one."""
+        """End the run's Ray Data holder (actors/training/data_holder.py), if it has one."""
         handle = self.lookup(holder_name(job, run_id))
         if handle is not None:
             self.kill(handle)
@@ -141,7 +141,7 @@ class WorkerGroup:
         """A restarted coordinator asks for its own `method` (nobody else will)."""
 
     def metric(self, metric: Any, defaults: dict[str, str]) -> Any:
-        """A metric to export (actors/metrics.py): Ray's, through its metrics agent; the fake's records values."""
+        """A metric to export (actors/observe/metrics.py): Ray's, through its metrics agent; the fake's records values."""
         raise NotImplementedError
 
     def exit(self) -> None:
@@ -160,12 +160,12 @@ class RayWorkerGroup(WorkerGroup):
         log_to(run_dir / "coordinator.log", log_level)
 
     def create(self, name: str, spec: WorkerSpec) -> Any:
-        from actors.worker import WorkerActor
+        from actors.training.worker import WorkerActor
 
         w = self.cfg.workers
         lab = {}
         if self.cfg.network.lab:  # the lab: its connect() shim preloaded (orchestrator/lab.py)
-            from actors.lab_shim import worker_env  # only lab jobs need it
+            from actors.transport.lab_shim import worker_env  # only lab jobs need it
 
             lab = {"runtime_env": {"env_vars": worker_env(self.cfg.network)}}
         return WorkerActor.options(name=name, namespace=self.cfg.ray.namespace, lifetime="detached",
@@ -253,21 +253,21 @@ class RayWorkerGroup(WorkerGroup):
         return job_is_dead(job_id)
 
     def publish_record(self, name: str, record: dict) -> None:
-        from actors import runfiles
+        from actors.runs import runfiles
 
         runfiles.publish_record(name, record)
 
     def keep_secret(self, key: str, value: bytes) -> None:
         from ray.experimental.internal_kv import _internal_kv_put
 
-        from actors.runfiles import KV_NAMESPACE
+        from actors.runs.runfiles import KV_NAMESPACE
 
         _internal_kv_put(f"secret/{key}", value.hex().encode(), overwrite=True, namespace=KV_NAMESPACE)
 
     def recall_secret(self, key: str) -> bytes | None:
         from ray.experimental.internal_kv import _internal_kv_get
 
-        from actors.runfiles import KV_NAMESPACE
+        from actors.runs.runfiles import KV_NAMESPACE
 
         raw = _internal_kv_get(f"secret/{key}", namespace=KV_NAMESPACE)
         return bytes.fromhex(raw.decode()) if raw else None
@@ -276,7 +276,7 @@ class RayWorkerGroup(WorkerGroup):
         call_self_when_alive(name, namespace, method)
 
     def metric(self, metric: Any, defaults: dict[str, str]) -> Any:
-        from actors.metrics import ray_metric
+        from actors.observe.metrics import ray_metric
 
         return ray_metric(metric, defaults)
 

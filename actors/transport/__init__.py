@@ -1,11 +1,11 @@
 """The transport: membership-epoch-scoped communicators over gloo (CPU) and NCCL (GPU), one module per
-seam. actors/comm.py re-exports what the rest of the repository uses; the contract itself (errors,
+seam. actors/transport/comm.py re-exports what the rest of the repository uses; the contract itself (errors,
 `GroupSpec`, `Handle`, `Communicator`) is core/comm_api.py.
 
 A group belongs to one membership epoch and is never reused; its name is
 `<job>/<run id>/c<incarnation>/e<epoch>`. Buffers handed to an aborted group are abandoned (the stuck
 operation may still write into them until its own timeout), and failed groups are closed in the
-background. Either backend's group is also reachable through `ray.util.collective` (actors/collective.py).
+background. Either backend's group is also reachable through `ray.util.collective` (actors/transport/collective.py).
 
 - `base`: the handle of a pending operation, the state every group shares, the group-less epoch, and
   the operations both backends run alike.

@@ -41,7 +41,7 @@ class JobConfig:
     """Where the job keeps what outlives a node: a local path (then it is the run root, as `run_dir`),
     or a URI (`s3://bucket/prefix?endpoint_override=...`, `gs://...`, any fsspec scheme). With a URI,
     the run's files are written to the local run directory and copied there as they change;
-    checkpoints, server snapshots and `--resume` use it directly (actors/storage.py)."""
+    checkpoints, server snapshots and `--resume` use it directly (actors/runs/storage.py)."""
     storage_options: dict = field(default_factory=dict)
     """Options of the storage taken from the environment, never written down: a mapping of an option
     name (`access_key`, `secret_key`, `session_token`, an fsspec filesystem's `account_key`, ...) to the

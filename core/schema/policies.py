@@ -208,12 +208,12 @@ class ShadowConfig:
 
 
 TOPOLOGY_KINDS = ("aer", "complete", "exp", "matching", "one_peer_exp", "ring", "shift_one", "torus")
-"""The gossip topologies of algorithms/topologies.py (a unit test keeps the two lists equal)."""
+"""The gossip topologies of algorithms/rules/topologies.py (a unit test keeps the two lists equal)."""
 
 
 @dataclass
 class TopologyConfig:
-    """Who a gossip policy mixes with: a topology of algorithms/topologies.py, recomputed from (rank,
+    """Who a gossip policy mixes with: a topology of algorithms/rules/topologies.py, recomputed from (rank,
     world size) in every membership epoch and from the step for the time-varying ones."""
 
     kind: str = "ring"
@@ -339,17 +339,17 @@ class PolicyRow:
     knobs: type
     """Its config dataclass (the `sync:` keys it takes)."""
     kind: str
-    """Its kind (algorithms/kinds.py `Kind`): what it means to the coordinator."""
+    """Its kind (algorithms/rules/kinds.py `Kind`): what it means to the coordinator."""
     module: str
-    """The `algorithms` module whose `Algorithm` class registers it (algorithms/base.py imports it)."""
+    """The `algorithms` module whose `Algorithm` class registers it (algorithms/policies/base.py imports it)."""
     codec: bool
     """Its collectives take `compression.codec` (the others refuse one, naming the key)."""
     cost_model: str | None
-    """The runtime model's family for it (algorithms/runtime_model.py `predict`): `synchronous`,
+    """The runtime model's family for it (algorithms/rules/runtime_model.py `predict`): `synchronous`,
     `periodic`, `gossip` or `background`; None: not modelled, so `plan` and `auto` never weigh it (the
     server kinds: their traffic is Ray's, which neither the model nor the lab sees)."""
     server: bool = False
-    """Run by a parameter server (actors/parameter_server.py): the `server:` section applies."""
+    """Run by a parameter server (actors/server/parameter_server.py): the `server:` section applies."""
     switchable: bool = False
     """An online trial (`sync.auto`) may switch to or from it mid-run: it holds BSP's replicated state at
     its commit points (the same parameters on every member after a step or a round), so a switch at one
@@ -357,20 +357,20 @@ class PolicyRow:
 
 
 POLICIES: tuple[PolicyRow, ...] = (
-    PolicyRow("bsp", BSPConfig, "synchronous", "algorithms.allreduce", True, "synchronous", switchable=True),
-    PolicyRow("bytegrad", BytegradConfig, "synchronous", "algorithms.allreduce", True, "synchronous", switchable=True),
-    PolicyRow("qadam", QAdamConfig, "synchronous", "algorithms.qadam", True, "synchronous"),
-    PolicyRow("local_sgd", LocalSGDConfig, "periodic", "algorithms.periodic", True, "periodic", switchable=True),
-    PolicyRow("diloco", DiLoCoConfig, "periodic", "algorithms.periodic", True, "periodic", switchable=True),
-    PolicyRow("streaming_diloco", StreamingDiLoCoConfig, "periodic", "algorithms.periodic", True, "periodic"),
-    PolicyRow("asp", ASPConfig, "server", "algorithms.server_policies", False, None, server=True),
-    PolicyRow("ssp", SSPConfig, "server", "algorithms.server_policies", False, None, server=True),
-    PolicyRow("quorum", QuorumConfig, "server", "algorithms.server_policies", False, None, server=True),
-    PolicyRow("elastic_bsp", ElasticBSPConfig, "server", "algorithms.server_policies", False, None, server=True),
-    PolicyRow("shadow", ShadowConfig, "background", "algorithms.shadow", False, "background"),
-    PolicyRow("dpsgd", DPSGDConfig, "decentralized", "algorithms.gossip", True, "gossip"),
-    PolicyRow("dadam", DAdamConfig, "decentralized", "algorithms.gossip", True, "gossip"),
-    PolicyRow("choco", ChocoConfig, "decentralized", "algorithms.gossip", True, "gossip"),
+    PolicyRow("bsp", BSPConfig, "synchronous", "algorithms.policies.allreduce", True, "synchronous", switchable=True),
+    PolicyRow("bytegrad", BytegradConfig, "synchronous", "algorithms.policies.allreduce", True, "synchronous", switchable=True),
+    PolicyRow("qadam", QAdamConfig, "synchronous", "algorithms.policies.qadam", True, "synchronous"),
+    PolicyRow("local_sgd", LocalSGDConfig, "periodic", "algorithms.policies.periodic", True, "periodic", switchable=True),
+    PolicyRow("diloco", DiLoCoConfig, "periodic", "algorithms.policies.periodic", True, "periodic", switchable=True),
+    PolicyRow("streaming_diloco", StreamingDiLoCoConfig, "periodic", "algorithms.policies.periodic", True, "periodic"),
+    PolicyRow("asp", ASPConfig, "server", "algorithms.policies.server_policies", False, None, server=True),
+    PolicyRow("ssp", SSPConfig, "server", "algorithms.policies.server_policies", False, None, server=True),
+    PolicyRow("quorum", QuorumConfig, "server", "algorithms.policies.server_policies", False, None, server=True),
+    PolicyRow("elastic_bsp", ElasticBSPConfig, "server", "algorithms.policies.server_policies", False, None, server=True),
+    PolicyRow("shadow", ShadowConfig, "background", "algorithms.policies.shadow", False, "background"),
+    PolicyRow("dpsgd", DPSGDConfig, "decentralized", "algorithms.policies.gossip", True, "gossip"),
+    PolicyRow("dadam", DAdamConfig, "decentralized", "algorithms.policies.gossip", True, "gossip"),
+    PolicyRow("choco", ChocoConfig, "decentralized", "algorithms.policies.gossip", True, "gossip"),
 )
 """The policy table: the one place a policy is declared. Adding a policy is its module (an `Algorithm`
 registered under `name`), its config class above, its row here, and its tests; the schema, the kinds,
@@ -383,7 +383,7 @@ SyncConfig = (BSPConfig | BytegradConfig | QAdamConfig | LocalSGDConfig | DiLoCo
               | ChocoConfig | AutoConfig)
 """The type of `JobConfig.sync` for the type checker (a test checks it names every row's knobs)."""
 SERVER_POLICIES = frozenset(row.name for row in POLICIES if row.server)
-"""Policies run by a parameter server (actors/parameter_server.py): the `server:` section applies."""
+"""Policies run by a parameter server (actors/server/parameter_server.py): the `server:` section applies."""
 NOT_WIRED: frozenset[str] = frozenset()
 """Policies whose settings the schema checks but that cannot run yet: a job naming one is refused
 (exit 2) rather than started. None today."""

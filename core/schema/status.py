@@ -73,7 +73,7 @@ class JobStatus:
     dropped, requeued, outstanding)."""
     topology: dict = field(default_factory=dict)
     """Gossip policies: the topology's kind, the world size it is built for, and its spectral gap there
-    (1 - rho^(1/period), algorithms/topologies.py)."""
+    (1 - rho^(1/period), algorithms/rules/topologies.py)."""
     tokens_per_s: float | None = None
     """Tokens per second over the last few seconds, all members together: workloads that count tokens
     (`tokens_per_sample`, the language models); None for the others."""

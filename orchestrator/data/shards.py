@@ -1,5 +1,5 @@
 """Token shards: a directory, or a storage prefix (`s3://bucket/tokens/train`, any location
-actors/storage.py opens), of token files read as one map-style dataset of training windows.
+actors/runs/storage.py opens), of token files read as one map-style dataset of training windows.
 
 - A shard is a `.bin` file (raw tokens of `dtype`, the nanoGPT/llm.c layout without a header) or a
   `.npy` file (one 1-D array; its own dtype). Shards are taken in name order.
@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from actors.storage import Storage, is_remote, open_storage
+from actors.runs.storage import Storage, is_remote, open_storage
 
 SUFFIXES = (".bin", ".npy")
 

@@ -1,12 +1,12 @@
 """The policies `plan` weighs: each candidate's label, its `sync:` and `compression:` sections and the
-runtime model's view of it (algorithms/runtime_model.py `PolicySpec`), and the job's config with one of
+runtime model's view of it (algorithms/rules/runtime_model.py `PolicySpec`), and the job's config with one of
 them in place."""
 from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
 
-from algorithms.runtime_model import CODEC_RATIO, PolicySpec
+from algorithms.rules.runtime_model import CODEC_RATIO, PolicySpec
 from core.schema import JobConfig, parse
 
 

@@ -1,5 +1,5 @@
-"""The cluster as the runtime model sees it (algorithms/runtime_model.py `Network`, `Compute`): the links
-as the `network:` section asks (or as `lab.probe` measured them), as `actors/probe.py` measured them on
+"""The cluster as the runtime model sees it (algorithms/rules/runtime_model.py `Network`, `Compute`): the links
+as the `network:` section asks (or as `lab.probe` measured them), as `actors/training/probe.py` measured them on
 the user's cluster, and one step's compute with the config's stragglers or as the probes measured it."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import statistics
 from collections.abc import Sequence
 
-from algorithms.runtime_model import INF, Compute, Network
+from algorithms.rules.runtime_model import INF, Compute, Network
 from core.schema import JobConfig, NetworkConfig
 
 
@@ -55,7 +55,7 @@ def told_network(cfg: JobConfig) -> bool:
 
 
 def network_from_probe(cluster: dict) -> Network:
-    """The model's network as `actors/probe.py` measured it on the user's cluster: the ranks on the nodes
+    """The model's network as `actors/training/probe.py` measured it on the user's cluster: the ranks on the nodes
     the probes landed on, each node pair's rate and latency (symmetric: one all-reduce measures both
     directions at once), and a node's own rate where two probes shared it (else the model's default).
     Real nodes: no host time is counted (each has its own cores and NIC), and every node's flows to

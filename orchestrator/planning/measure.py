@@ -10,12 +10,12 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from algorithms.runtime_model import cpu_time, host_patterns
+from algorithms.rules.runtime_model import cpu_time, host_patterns
 from core.schema import JobConfig, parse
 from orchestrator.planning.candidates import Candidate, candidates, with_candidate
 
 if TYPE_CHECKING:  # pragma: no cover
-    from actors.comm import GlooCommunicator
+    from actors.transport.comm import GlooCommunicator
 
 Step = Callable[[int], object]
 """One synchronization (or one policy step), as a function of the step number."""
@@ -34,7 +34,7 @@ def measure_host(cfg: JobConfig, cands: Sequence[Candidate], model_bytes: float,
     import subprocess
     import sys
 
-    from actors.store import serve_store
+    from actors.transport.store import serve_store
 
     labels: dict[str, str] = {}
     for cand in cands:
@@ -80,7 +80,7 @@ def _host_rank() -> None:
 
     import torch
 
-    from actors.comm import GlooCommunicator, GroupSpec, make_communicator
+    from actors.transport.comm import GlooCommunicator, GroupSpec, make_communicator
 
     task = json.loads(sys.argv[1])
     torch.set_num_threads(1)
@@ -119,8 +119,8 @@ def _pattern_step(cfg: JobConfig, cand: Candidate, pattern: str, comm: GlooCommu
         tensor = torch.ones(max(numel // int(arg or 1), 1))
         return lambda step: comm.all_reduce(tensor).wait()
     if kind == "scatter_gather":
-        from algorithms.compression import get_codec
-        from algorithms.scatter_gather import ScatterGather
+        from algorithms.policies.compression import get_codec
+        from algorithms.policies.scatter_gather import ScatterGather
 
         codec = get_codec(arg)
         sg = ScatterGather(codec, numel, feedback=codec.needs_feedback)
@@ -136,8 +136,8 @@ def _policy_step(cfg: JobConfig, cand: Candidate, comm: GlooCommunicator, numel:
     the step adds to the forward and backward (the gradients' all-reduce, or the exchange and mixing)."""
     import torch
 
-    from algorithms.base import EpochInfo, VoteDraft, get_algorithm
-    from algorithms.optim import build_optimizer
+    from algorithms.policies.base import EpochInfo, VoteDraft, get_algorithm
+    from algorithms.policies.optim import build_optimizer
 
     job = with_candidate(cfg, cand)
     model = torch.nn.Module()
@@ -163,10 +163,10 @@ def _policy_step(cfg: JobConfig, cand: Candidate, comm: GlooCommunicator, numel:
 
 def measure_compute(cfg: JobConfig, steps: int = 12, warmup: int = 3) -> tuple[float, float]:
     """(median seconds of one step's forward, backward and update on one worker's batch, the model's
-    parameter bytes), measured in this process on its CPU (`actors.replica.time_steps`)."""
+    parameter bytes), measured in this process on its CPU (`actors.training.replica.time_steps`)."""
     import torch  # only `plan` and `auto` measure
 
-    from actors.replica import time_steps
+    from actors.training.replica import time_steps
 
     measured = time_steps(cfg, torch.device("cpu"), steps, warmup)
     return statistics.median(measured["times"]), measured["model_bytes"]

@@ -1,5 +1,5 @@
 """Ranking the candidates: each one's predicted step time and bytes per step on a network (the runtime
-model, algorithms/runtime_model.py `predict`), its time to the target where a convergence factor applies
+model, algorithms/rules/runtime_model.py `predict`), its time to the target where a convergence factor applies
 (`orchestrator/convergence.json`, written by `benchmarks/tradeoffs.py`), and the order that puts the
 recommended policy first: an exact policy unless a relaxed one leads by more than the evidence's error."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from algorithms.runtime_model import INF, Compute, Network, predict
+from algorithms.rules.runtime_model import INF, Compute, Network, predict
 from core.schema import JobConfig
 from orchestrator.planning.candidates import Candidate
 

@@ -10,7 +10,7 @@ import psutil
 import pytest
 import ray
 
-from actors.comm import GroupSpec
+from actors.transport.comm import GroupSpec
 from testkit.harness import CommPeer, StoreHost
 
 TIMEOUT_S = 4.0
@@ -151,7 +151,7 @@ def test_a_group_forms_while_an_abandoned_formation_still_waits_in_the_same_proc
     bound below is 10 s (it forms in some 0.1 s)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from actors.comm import make_communicator, serve_store
+    from actors.transport.comm import make_communicator, serve_store
 
     timeout_s = 30.0
     server, port, sock = serve_store("127.0.0.1", timeout_s)

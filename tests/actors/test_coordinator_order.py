@@ -11,9 +11,9 @@ import time
 
 import ray
 
-from actors import runfiles
-from actors.coordinator import CoordinatorActor
+from actors.control.coordinator import CoordinatorActor
 from actors.plan import Progress
+from actors.runs import runfiles
 from orchestrator.config import config_from_dict
 
 

@@ -11,9 +11,9 @@ import pytest
 import torch
 from torch import nn
 
-from actors.comm import CommAborted, CommError, GroupSpec, make_communicator, serve_store
-from algorithms.allreduce import AllReduce, plan_reducer_buckets
-from algorithms.base import EpochInfo, VoteDraft
+from actors.transport.comm import CommAborted, CommError, GroupSpec, make_communicator, serve_store
+from algorithms.policies.allreduce import AllReduce, plan_reducer_buckets
+from algorithms.policies.base import EpochInfo, VoteDraft
 from core.schema import BSPConfig, ConfigError
 from orchestrator.config import config_from_dict
 

@@ -12,7 +12,7 @@ import pytest
 import ray
 
 from actors.plan import Plan, WorkerSpec
-from actors.worker import WorkerActor
+from actors.training.worker import WorkerActor
 from orchestrator.config import config_from_dict
 from testkit.harness import FakeCoordinator, wait_until
 

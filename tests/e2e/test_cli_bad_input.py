@@ -182,7 +182,7 @@ def test_a_gpu_the_local_ray_lacks_is_refused_at_once_not_waited_for(tmp_path):
 
 
 def _checkpoint(root: Path, run_id: str, step: int, params: dict) -> None:
-    from actors import checkpoints
+    from actors.runs import checkpoints
 
     fp, described = checkpoints.fingerprint("orchestrator.workloads.digits:mlp", params)
     checkpoints.save(root / "ok" / run_id, step, f"state {run_id} {step}".encode(), keep=3, fingerprint=fp,

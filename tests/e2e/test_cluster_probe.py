@@ -1,4 +1,4 @@
-"""Measuring the user's cluster (actors/probe.py): probes placed as the job's workers would be, on the
+"""Measuring the user's cluster (actors/training/probe.py): probes placed as the job's workers would be, on the
 session's Ray (one node here), time the workload's compute on each placed probe and the node's own rate
 over gloo; `plan --probe` without a lab prints what it measured, and on one node recommends an exact
 policy; on two Ray nodes on the lab's addresses, shaped to 100 Mbit/s between them, it reports the
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import ray
 
-from actors.probe import fit, probe_cluster
+from actors.training.probe import fit, probe_cluster
 from core.schema import NetworkConfig, parse
 from orchestrator import planner
 from orchestrator.config import config_from_dict

@@ -1,4 +1,4 @@
-"""The Ray Data holder (actors/data_holder.py) owns a run's blocks: a dataset built from in-memory items
+"""The Ray Data holder (actors/training/data_holder.py) owns a run's blocks: a dataset built from in-memory items
 is "materialized" already in the process that built it, so the holder takes its own copy and the
 blocks outlive that process (the mechanism switched off, a block read after the builder's death
 raises OwnerDiedError)."""
@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 import ray
 
-from actors.data_holder import block_reader
-from actors.sources import BlockSource
+from actors.training.data_holder import block_reader
+from actors.training.sources import BlockSource
 
 
 @ray.remote(num_cpus=0)

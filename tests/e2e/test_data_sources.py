@@ -1,4 +1,4 @@
-"""Exactly once for every kind of training data (actors/sources.py, docs/data.md): a job whose data is a
+"""Exactly once for every kind of training data (actors/training/sources.py, docs/data.md): a job whose data is a
 TensorDataset, a Hugging Face dataset, token shards, a Ray Data dataset of 120 blocks or a positioned
 stream goes through a SIGKILL inside an all-reduce (rank 0), the replacement's join, a scale-up, a
 scale-down and a SIGKILL of the coordinator, each after the one before has taken effect, and is then

@@ -11,7 +11,7 @@ import pytest
 import ray
 from prometheus_client.parser import text_string_to_metric_families
 
-from actors.metrics import METRICS
+from actors.observe.metrics import METRICS
 from orchestrator.config import config_from_dict
 from orchestrator.job import ElasticJob
 from testkit.harness import paced, wait_until

@@ -6,7 +6,7 @@ from collections import defaultdict
 
 import pytest
 
-from algorithms.sampler import GlobalSampler
+from algorithms.rules.sampler import GlobalSampler
 from orchestrator.config import config_from_dict
 from orchestrator.job import ElasticJob
 from testkit.harness import wait_until

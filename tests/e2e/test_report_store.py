@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from actors.mirror import RunMirror
-from actors.storage import open_storage
+from actors.runs.mirror import RunMirror
+from actors.runs.storage import open_storage
 from testkit.harness import child_env
 
 pytest.importorskip("matplotlib", reason="the report needs matplotlib (the [plot] extra)")

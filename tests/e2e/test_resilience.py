@@ -257,9 +257,9 @@ def test_coordinator_sigkilled_mid_run_is_restarted_and_carries_on(run_root, s3)
     gap in history, here and on the store. A driver that attaches afterwards on a node without the run
     folder reads status, history, events and the model from S3. (A restarted coordinator that runs on to
     FINISHED: test_coordinator_dies_right_after_publishing_a_plan.)"""
-    from actors import runfiles
-    from actors.mirror import read_appended
-    from actors.storage import open_storage
+    from actors.runs import runfiles
+    from actors.runs.mirror import read_appended
+    from actors.runs.storage import open_storage
 
     uri = s3.format(prefix="restart")
     cfg = job_config("coordinator-loss", workers={"count": 3, "max": 4, "cpus": 0.5}, stop={"max_steps": 1_000_000},

@@ -47,7 +47,7 @@ def test_a_finished_job_s_last_checkpoint_is_stored_before_it_reports_finished(r
     (an upload) while the members finish: the job reports FINISHED only once it is stored. Storing takes
     1.5 s here (faults.checkpoint_store_s); without the wait, the job ended and its coordinator exited
     first, and the step-40 checkpoint was missing (as on S3 in CI: its data without its manifest)."""
-    from actors import checkpoints
+    from actors.runs import checkpoints
 
     cfg = dict(CONFIG, name="last-checkpoint", workers={"count": 2, "cpus": 0.5}, stop={"max_steps": 40},
                faults={"checkpoint_store_s": 1.5})

@@ -16,7 +16,7 @@ import ray
 import torch
 import yaml
 
-from actors import runfiles
+from actors.runs import runfiles
 from orchestrator.config import config_from_dict
 from orchestrator.job import ElasticJob
 from testkit.harness import child_env, sigkill_run_at, start_run

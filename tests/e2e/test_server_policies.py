@@ -237,7 +237,7 @@ def test_resume_continues_from_the_servers_newest_snapshot_without_reapplying_a_
     """ssp: a run of 20 versions (snapshots every 10), then `--resume` to 40: the new run's server loads
     the snapshot at version 20 and carries on with its data cursor; over both runs (1280 samples, within
     one data epoch of 1437) every applied sample id appears once."""
-    from actors.checkpoints import newest_valid_of_job
+    from actors.runs.checkpoints import newest_valid_of_job
     from orchestrator.job import job_root
 
     base = make_config("ps-resume", {"policy": "ssp", "s": 1}, 20, server={"cpus": 1, "snapshot_every": 10},

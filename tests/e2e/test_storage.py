@@ -15,9 +15,9 @@ import ray
 import torch
 import yaml
 
-from actors import runfiles
-from actors.mirror import read_appended
-from actors.storage import open_storage
+from actors.runs import runfiles
+from actors.runs.mirror import read_appended
+from actors.runs.storage import open_storage
 from orchestrator.config import config_from_dict
 from orchestrator.job import ElasticJob
 from testkit.harness import child_env, sigkill_run_at, start_run
@@ -160,7 +160,7 @@ def test_credentials_in_the_storage_uri_leave_no_copy_anywhere(tmp_path, run_roo
     rendezvous signing key in the bucket (it stays on the coordinator's node and in Ray's KV store)."""
     from ray.experimental.internal_kv import _internal_kv_get, _internal_kv_list
 
-    from actors.runfiles import KV_NAMESPACE
+    from actors.runs.runfiles import KV_NAMESPACE
 
     for name in ("ORCHESTRATOR_STORAGE_ACCESS_KEY", "ORCHESTRATOR_STORAGE_SECRET_KEY"):
         monkeypatch.delenv(name, raising=False)  # restored after the test, whatever the driver sets

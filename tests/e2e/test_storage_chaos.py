@@ -16,9 +16,9 @@ import time
 
 import pytest
 
-from actors import checkpoints, runfiles
-from actors.mirror import RunMirror, read_appended
-from actors.storage import open_storage
+from actors.runs import checkpoints, runfiles
+from actors.runs.mirror import RunMirror, read_appended
+from actors.runs.storage import open_storage
 from orchestrator.config import config_from_dict
 from orchestrator.job import ElasticJob
 from testkit.harness import wait_until

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from actors.storage import open_storage
+from actors.runs.storage import open_storage
 
 pytest.importorskip("moto.server", reason="the S3 tests need moto[server] (the test extra)")
 _spec = importlib.util.spec_from_file_location(

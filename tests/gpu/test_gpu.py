@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from actors.comm import CommAborted, CommTimeout, GroupSpec, make_communicator
+from actors.transport.comm import CommAborted, CommTimeout, GroupSpec, make_communicator
 from testkit.harness import LocalJob, local_store
 
 CUDA = torch.cuda.is_available()
@@ -189,7 +189,7 @@ def test_abort_and_timeout_of_a_cuda_collective():
 def test_nccl_group_whose_peer_never_arrives_times_out():
     """Rank 1 of a two-rank NCCL group never arrives: forming gives up after comm.timeout_s, or, where
     the non-blocking communicator returns before its peers are in, the first all-reduce does."""
-    from actors.replica_epochs import form_group
+    from actors.training.replica_epochs import form_group
 
     host, port = local_store()
     started = time.monotonic()
@@ -248,7 +248,7 @@ def test_kill_and_join_of_gpu_workers(run_root):
 
 
 def test_the_loader_on_a_gpu_copies_on_its_own_stream_and_trains_what_the_step_would(tmp_path):
-    """Background loading on CUDA (actors/replica_feed.py `_chunks`): batches built ahead are pinned and
+    """Background loading on CUDA (actors/training/replica_feed.py `_chunks`): batches built ahead are pinned and
     copied on the loader's stream; the step waits for each copy's event. Two workers share the GPU over
     gloo; with the loader on, the ledger and the parameters are those of the run with it off."""
     runs = {}

@@ -8,9 +8,9 @@ import time
 
 from actors.control.admission import Admission
 from actors.control.book import MembershipBook
-from actors.members import Member
+from actors.control.members import Member
 from actors.plan import WorkerSpec
-from algorithms.supervision import JobState, MemberState
+from algorithms.rules.supervision import JobState, MemberState
 from core.schema import JobConfig, parse
 from orchestrator.config import config_from_dict
 from testkit.fake_workers import FakeWorkerGroup

@@ -4,8 +4,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from algorithms.allreduce import AllReduce, plan_buckets
-from algorithms.base import EpochInfo, VoteDraft
+from algorithms.policies.allreduce import AllReduce, plan_buckets
+from algorithms.policies.base import EpochInfo, VoteDraft
 from core.schema import BSPConfig
 from testkit.harness import LoopbackComm
 

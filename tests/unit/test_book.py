@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 from actors.control.book import ADMIT_HOLD_S, MembershipBook
-from actors.members import Member
-from algorithms.supervision import JobState, MemberState
+from actors.control.members import Member
+from algorithms.rules.supervision import JobState, MemberState
 from core.schema import JobConfig, parse
 from orchestrator.config import config_from_dict
 

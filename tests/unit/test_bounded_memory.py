@@ -6,8 +6,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from actors.comm import GroupSpec, make_communicator, serve_store
 from actors.plan import Plan, PlanBook
+from actors.transport.comm import GroupSpec, make_communicator, serve_store
 
 
 def _plan(version: int, members: tuple[str, ...]) -> Plan:
@@ -41,7 +41,7 @@ def _form(port: int, name: str, n: int) -> list:
 
 def test_the_store_keeps_the_keys_of_the_two_newest_epochs_only():
     store, port, _sock = serve_store("127.0.0.1", 10.0)
-    from actors.comm import EpochKeys  # the mechanism under test
+    from actors.transport.comm import EpochKeys  # the mechanism under test
     keys = EpochKeys(store)
     counts = []
     for epoch in range(1, 8):

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from actors import checkpoints
+from actors.runs import checkpoints
 from testkit.stores import HookedStore
 
 
@@ -114,7 +114,7 @@ class CountingStorage:
 
 
 def test_what_is_loaded_is_what_was_verified_read_once(tmp_path):
-    from actors.storage import open_storage
+    from actors.runs.storage import open_storage
 
     location = checkpoints.save(tmp_path / "job" / "r", 10, blob(10), keep=3)
     storage = CountingStorage(open_storage(str(tmp_path)), swap_on_second_read=b"not the verified bytes")
@@ -127,7 +127,7 @@ def test_writing_a_step_again_never_breaks_its_committed_checkpoint(tmp_path):
     """A step saved again (a stop at a checkpoint step, a redo after a restore) whose upload dies between
     the data and the manifest: the committed checkpoint of that step stays whole (a data object's name
     is never reused; the manifest is the commit)."""
-    from actors.storage import open_storage
+    from actors.runs.storage import open_storage
 
     run = tmp_path / "job" / "r"
     checkpoints.save(run, 10, blob(10), keep=1)
@@ -168,7 +168,7 @@ def test_a_manifest_cannot_point_outside_its_folder(tmp_path):
 
 
 def open_storage_of(path):
-    from actors.storage import open_storage
+    from actors.runs.storage import open_storage
 
     return open_storage(str(path))
 

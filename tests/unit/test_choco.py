@@ -10,10 +10,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from algorithms import base
-from algorithms.compression import get_codec
-from algorithms.gossip import Choco, ChocoImpl
-from algorithms.topologies import get_topology
+from algorithms.policies import base
+from algorithms.policies.compression import get_codec
+from algorithms.policies.gossip import Choco, ChocoImpl
+from algorithms.rules.topologies import get_topology
 from core.schema import ChocoConfig, ConfigError, parse
 from orchestrator.config import config_from_dict
 from testkit.harness import LocalJob
@@ -193,7 +193,7 @@ def test_public_copies_start_again_from_zero_at_every_entry():
     empties them, and its first step sends nothing (there is nothing to gossip yet)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from algorithms.base import EpochInfo
+    from algorithms.policies.base import EpochInfo
     from core import schema
     from testkit.harness import drive_step, local_group
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from actors import collective
-from actors.comm import GroupSpec, NoGroup
+from actors.transport import collective
+from actors.transport.comm import GroupSpec, NoGroup
 from orchestrator import collective_group
 
 

@@ -6,7 +6,7 @@ import time
 
 import torch
 
-from actors.comm import CommError, CommTimeout
+from actors.transport.comm import CommError, CommTimeout
 from testkit.harness import local_group
 
 TIMEOUT_S = 0.5

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from algorithms.compression import get_codec
+from algorithms.policies.compression import get_codec
 from tests.unit.test_policy_oracles import SEED, global_batch_ids, make_opt, max_diff, reference_bsp, run_replicas, share, start_model
 from tests.unit.test_scatter_gather import _reference
 

@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from algorithms.base import EpochInfo, VoteDraft, get_algorithm
+from algorithms.policies.base import EpochInfo, VoteDraft, get_algorithm
 from core.schema import ASPConfig, CompressionConfig, ConfigError, FieldError, JobConfig, LocalSGDConfig, WorkloadConfig
 from orchestrator.config import config_from_dict
 from testkit.harness import local_group

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from algorithms.compression import CODECS, ErrorFeedback, get_codec, uint8_bound
+from algorithms.policies.compression import CODECS, ErrorFeedback, get_codec, uint8_bound
 
 SIZES = (0, 1, 2, 7, 31, 1001)
 RELATIVE = {"fp16": 2.0 ** -11, "bf16": 2.0 ** -8}

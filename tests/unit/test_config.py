@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from algorithms.optim import lr_at
+from algorithms.policies.optim import lr_at
 from core.schema import ConfigError, OptimizerConfig
 from orchestrator.config import config_from_dict, load_config
 

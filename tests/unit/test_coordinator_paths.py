@@ -19,8 +19,8 @@ from typing import Any
 
 import pytest
 
-from actors.coordinator import Coordinator
-from algorithms.supervision import JobState
+from actors.control.coordinator import Coordinator
+from algorithms.rules.supervision import JobState
 from orchestrator.config import config_from_dict
 from testkit.fake_workers import FakeWorkerGroup
 
@@ -196,7 +196,7 @@ def test_a_stop_whose_members_never_reach_the_stop_step_kills_their_processes_be
     """Every member is stuck in its step after the stop (nothing commits): past `comm.timeout_s` plus
     the grace, the coordinator SIGKILLs the processes of the live members itself (those on its node die
     at once; Ray's kill alone reaches a process later), then ends the job STOPPED."""
-    import actors.coordinator as coordinator_module
+    import actors.control.coordinator as coordinator_module
 
     monkeypatch.setattr(coordinator_module, "FORCE_STOP_AFTER_S", 0.05)
 
@@ -409,7 +409,7 @@ def test_a_restarted_coordinator_reattaches_the_live_members_and_history_has_no_
 
 
 def test_the_metrics_follow_history_and_count_one_recovery_per_death(tmp_path):
-    """What the coordinator exports (actors/metrics.py) against what history and events say: committed
+    """What the coordinator exports (actors/observe/metrics.py) against what history and events say: committed
     steps and samples, world size back to its count, one departure and one recovery time per death,
     one join, bytes as the records' differences, the state gauge."""
     async def scenario():
@@ -517,7 +517,7 @@ def test_a_restart_takes_an_incarnation_above_every_one_the_store_has_seen(tmp_p
     import shutil
     import uuid
 
-    from actors.storage import open_storage
+    from actors.runs.storage import open_storage
 
     uri = f"memory://bucket-{uuid.uuid4().hex[:8]}/runs"
     run_dir = tmp_path / "fenced" / "r1"

@@ -7,7 +7,7 @@ import os
 import pytest
 import yaml
 
-from actors.storage import StorageError, move_credentials, open_storage, redact
+from actors.runs.storage import StorageError, move_credentials, open_storage, redact
 from orchestrator.config import config_from_dict
 
 URI = "s3://bucket/runs?endpoint_override=http://127.0.0.1:9&scheme=http"

@@ -1,5 +1,5 @@
 """The Grafana board (dashboards/orchestrator.json) is dashboard JSON Grafana loads, and every metric
-its panels query is one the job exports (actors/metrics.py), under the name Prometheus sees. Its import
+its panels query is one the job exports (actors/observe/metrics.py), under the name Prometheus sees. Its import
 asks for the data source; per-slot series are drawn as the top few, never one line per member."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import re
 from pathlib import Path
 
-from actors.metrics import METRICS
+from actors.observe.metrics import METRICS
 
 BOARD = Path(__file__).resolve().parents[2] / "dashboards" / "orchestrator.json"
 PANEL_TYPES = ("timeseries", "stat", "heatmap")

@@ -1,4 +1,4 @@
-"""What an event says when a worker's constructor raised (actors/members.py `describe`): the user's own
+"""What an event says when a worker's constructor raised (actors/control/members.py `describe`): the user's own
 exception (type and message), not Ray's "The actor died because of an error raised in its creation
 task" header, which is all its first line holds."""
 from __future__ import annotations
@@ -7,7 +7,7 @@ import traceback
 
 import ray.exceptions
 
-from actors.members import describe
+from actors.control.members import describe
 
 
 def test_a_constructor_that_raised_is_described_by_its_exception():

@@ -1,14 +1,14 @@
-"""The background kind's lease dispenser (algorithms/dispenser.py), pure: blocks, applied notices in any
+"""The background kind's lease dispenser (algorithms/policies/dispenser.py), pure: blocks, applied notices in any
 order, a death, a finish, a departure, fencing, and the EASGD central copy."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from algorithms.dispenser import DispenserCore
-from algorithms.membership import server_members
-from algorithms.server import Fence
-from algorithms.shadow import easgd_update
+from algorithms.policies.dispenser import DispenserCore
+from algorithms.policies.server import Fence
+from algorithms.policies.shadow import easgd_update
+from algorithms.rules.membership import server_members
 
 N_SAMPLES = 200
 

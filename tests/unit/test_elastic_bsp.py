@@ -11,7 +11,7 @@ import io
 import pytest
 import torch
 
-from algorithms.server import ServerCore
+from algorithms.policies.server import ServerCore
 from core.schema import ElasticBSPConfig
 from tests.unit.test_policy_oracles import ADAMW, SGD_M, max_diff, reference_bsp
 from tests.unit.test_server_core import same

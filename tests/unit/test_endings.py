@@ -7,9 +7,9 @@ import pytest
 
 from actors.control.book import MembershipBook
 from actors.control.endings import committed_states, final_model
-from actors.members import Member
+from actors.control.members import Member
 from actors.plan import WorkerSpec
-from algorithms.supervision import MemberState
+from algorithms.rules.supervision import MemberState
 from core.schema import JobConfig, parse
 from orchestrator.config import config_from_dict
 from testkit.fake_workers import FakeWorkerGroup

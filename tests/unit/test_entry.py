@@ -1,4 +1,4 @@
-"""The `replicated` entry (actors/entry.py) run by fake members over a real in-process gloo group: who
+"""The `replicated` entry (actors/training/entry.py) run by fake members over a real in-process gloo group: who
 loads whose committed state when a membership epoch begins."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import torch
 
-from actors.entry import enter_replicated
+from actors.training.entry import enter_replicated
 from testkit.harness import local_group
 
 

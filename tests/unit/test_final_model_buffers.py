@@ -1,7 +1,7 @@
 """Every policy kind's final model carries the model's buffers (a BatchNorm layer's running statistics
 and batch count), not their initial values, in process: real replicas in threads over in-process gloo
 (the parameter server in process for the server kinds). The final model is put together as the
-coordinator's ending does for the kind (`algorithms.kinds`' `final_model`): the replicas' committed
+coordinator's ending does for the kind (`algorithms.rules.kinds`' `final_model`): the replicas' committed
 states averaged, rank 0's state, or the server's model. Through Ray, the `server` and `background`
 kinds' jobs: tests/e2e/test_buffers.py."""
 from __future__ import annotations
@@ -11,8 +11,8 @@ import io
 import pytest
 import torch
 
-from actors import checkpoints
-from algorithms.kinds import PolicyTraits
+from actors.runs import checkpoints
+from algorithms.rules.kinds import PolicyTraits
 from orchestrator.workloads.digits import bn_mlp
 from testkit.harness import LocalJob, assert_batchnorm_trained
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from algorithms.optim import SGD, contiguous_runs
+from algorithms.policies.optim import SGD, contiguous_runs
 
 SIZES = [(33, 7), (7,), (16, 16), (16,), (5, 3), (3,)]
 CONFIGS = [dict(momentum=0.9), dict(momentum=0.9, nesterov=True, weight_decay=1e-3),
@@ -128,7 +128,7 @@ def test_zero_grad_and_bad_arguments():
 
 def test_no_dynamo_import():
     """Building and stepping it imports no torch._dynamo (torch's optimizers do: ~70 MiB per worker)."""
-    code = ("import sys, torch\nfrom algorithms.optim import SGD\n"
+    code = ("import sys, torch\nfrom algorithms.policies.optim import SGD\n"
             "p = [torch.nn.Parameter(torch.randn(4))]\no = SGD(p, lr=0.1, momentum=0.9)\n"
             "p[0].grad = torch.ones(4)\no.step()\no.load_state_dict(o.state_dict())\n"
             "print('torch._dynamo' in sys.modules)\n")

@@ -1,6 +1,6 @@
 """Gossip policies in process, without Ray: `dpsgd` (and `dadam`) run by real replicas (the worker's
 step loop) in threads over in-process gloo, against a plain-torch simulation of the n replicas that
-mixes with the literal W of algorithms/topologies.py; the consensus distance contracts as W says; the
+mixes with the literal W of algorithms/rules/topologies.py; the consensus distance contracts as W says; the
 exchange is launched before the forward pass."""
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from actors.comm import CommError
-from algorithms import base
-from algorithms.base import EpochInfo
-from algorithms.gossip import DPSGD, DAdam, consensus_distance
-from algorithms.topologies import TOPOLOGIES, contraction, get_topology
+from actors.transport.comm import CommError
+from algorithms.policies import base
+from algorithms.policies.base import EpochInfo
+from algorithms.policies.gossip import DPSGD, DAdam, consensus_distance
+from algorithms.rules.topologies import TOPOLOGIES, contraction, get_topology
 from core import schema
 from core.schema import ConfigError, DPSGDConfig, parse
 from testkit.harness import LocalJob, drive_step, local_group, wait_until
@@ -45,7 +45,7 @@ def run_gossip(tmp_path, sync: dict, optimizer: dict, n: int, global_batch: int,
 
 def literal_w(kind: str, n: int, step: int) -> torch.Tensor:
     """The mixing matrix from the topologies' definitions, written here (not taken from
-    algorithms/topologies.py): `ring`, self and both neighbours at 1/3 (n >= 3); `one_peer_exp`, rank i
+    algorithms/rules/topologies.py): `ring`, self and both neighbours at 1/3 (n >= 3); `one_peer_exp`, rank i
     averages with (i + 2^(t mod ceil(log2 n))) mod n at 1/2."""
     import math
 
@@ -210,8 +210,8 @@ def run_through_split(tmp_path, monkeypatch, fault: str, undo: bool, kind: str =
     receive from rank 0 fails after landing, or it loses the step's result), the test re-plans and
     aborts the epoch as the coordinator does, and the job runs to the end. Returns (average before,
     average after, the records)."""
-    import actors.replica as replica_module
-    from algorithms.gossip import GossipImpl
+    import actors.training.replica as replica_module
+    from algorithms.policies.gossip import GossipImpl
 
     monkeypatch.setattr(replica_module, "lr_at", lambda *args, **kwargs: 0.0)
     monkeypatch.setattr(GossipImpl, "undo_split", undo)
@@ -302,7 +302,7 @@ def test_a_joiner_starts_from_the_newest_live_replica_and_no_sample_is_applied_t
 
 
 def test_status_prints_the_topology_and_its_spectral_gap():
-    from algorithms.topologies import spectral_gap
+    from algorithms.rules.topologies import spectral_gap
     from core.schema import JobStatus
     from orchestrator.cli import format_status
 

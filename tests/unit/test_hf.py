@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from actors import checkpoints
+from actors.runs import checkpoints
 from testkit.harness import LocalJob
 from tests.unit.test_final_model_buffers import final_model
 from tests.unit.test_policy_oracles import global_batch_ids

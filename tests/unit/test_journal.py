@@ -6,8 +6,8 @@ import json
 import time
 from pathlib import Path
 
-from actors import runfiles
 from actors.control.journal import EVENTS_KEPT, RESHAPES_SHOWN, Journal
+from actors.runs import runfiles
 from testkit.stores import HookedStore, failing
 
 
@@ -109,7 +109,7 @@ def test_a_checkpoint_that_fails_to_store_is_an_event_and_is_tried_again(tmp_pat
     """A failed upload is not silent: each failed try is a `checkpoint_failed` event naming the step and
     the error, the store is tried again with backoff, and status shows the last durable checkpoint."""
     from actors.control import journal as journal_module
-    from actors.storage import open_storage
+    from actors.runs.storage import open_storage
 
     monkeypatch.setattr(journal_module, "CHECKPOINT_RETRIES_S", (0.01, 0.01, 0.01), raising=False)
 
@@ -139,8 +139,8 @@ def test_with_remote_storage_a_saved_state_is_in_the_store_before_wait_saved_ret
     restarted on another node reads the store's copy, not this node's disk."""
     import threading
 
-    from actors.mirror import RunMirror
-    from actors.storage import open_storage
+    from actors.runs.mirror import RunMirror
+    from actors.runs.storage import open_storage
 
     gate = threading.Event()
 
@@ -162,8 +162,8 @@ def test_the_final_model_is_uploaded_on_its_own_and_waited_for_by_its_size(tmp_p
     import threading
 
     from actors.control import journal as journal_module
-    from actors.mirror import RunMirror
-    from actors.storage import open_storage
+    from actors.runs.mirror import RunMirror
+    from actors.runs.storage import open_storage
 
     gate = threading.Event()
 
@@ -188,7 +188,7 @@ def test_a_busy_store_holds_one_checkpoint_waiting_and_a_newer_one_replaces_it(t
     both), so a store that hangs holds two blobs, not every checkpoint since it hung."""
     import threading
 
-    from actors.storage import open_storage
+    from actors.runs.storage import open_storage
 
     gate = threading.Event()
 
@@ -213,8 +213,8 @@ def test_a_busy_store_holds_one_checkpoint_waiting_and_a_newer_one_replaces_it(t
 def test_a_failing_store_is_an_event_without_waiting_for_the_next_state_save(tmp_path):
     """The coordinator's loop asks (`check_mirror`) every pass: a quiet job, which saves no state, is told
     once that its remote copy lags."""
-    from actors.mirror import RunMirror
-    from actors.storage import open_storage
+    from actors.runs.mirror import RunMirror
+    from actors.runs.storage import open_storage
 
     (tmp_path / "run").mkdir()
     down = HookedStore(open_storage(str(tmp_path / "s")), failing([10**9], "503 Service Unavailable"))

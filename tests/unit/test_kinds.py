@@ -1,4 +1,4 @@
-"""The coordinator's view of the policies (algorithms/kinds.py) and its torch-free start."""
+"""The coordinator's view of the policies (algorithms/rules/kinds.py) and its torch-free start."""
 from __future__ import annotations
 
 import subprocess
@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
-from algorithms.base import get_algorithm, known_policies
-from algorithms.kinds import POLICY_KINDS, PolicyTraits
+from algorithms.policies.base import get_algorithm, known_policies
+from algorithms.rules.kinds import POLICY_KINDS, PolicyTraits
 
 
 def test_every_policy_has_the_kind_its_class_declares():
@@ -30,7 +30,8 @@ def test_the_control_side_imports_no_torch():
     """The coordinator's process starts the first workers while torch loads in a thread (its store
     needs torch.distributed), and the CLI's status, scale and stop answer without loading it:
     importing what they need must not pull torch in."""
-    code = ("import sys, actors.coordinator, actors.worker, actors.server_control, orchestrator.cli, orchestrator.job; "
+    code = ("import sys, actors.control.coordinator, actors.training.worker, actors.control.server_control, "
+            "orchestrator.cli, orchestrator.job; "
             "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))[:5])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "[]", out.stdout

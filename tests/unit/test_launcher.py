@@ -7,7 +7,7 @@ from actors.control.book import MembershipBook
 from actors.control.launcher import Launcher
 from actors.control.spares import SparePool
 from actors.plan import WorkerSpec
-from algorithms.supervision import JobState, MemberState
+from algorithms.rules.supervision import JobState, MemberState
 from core.schema import JobConfig, parse
 from orchestrator.config import config_from_dict
 from testkit.fake_workers import FakeWorkerGroup

@@ -1,38 +1,151 @@
-"""Folders import in one direction: orchestrator/ -> actors/ -> algorithms/ -> core/, and the two
-bottom layers (pure decisions and the shared vocabulary) never import Ray."""
+"""The folders say what lives in them, and imports follow them.
+
+Each package below may import only the packages its row names (besides itself); the coordinator's
+process (`actors/control/`, the torch-free rules it decides with, `core/`) never imports torch, at any
+level; the bottom layers never import Ray; and no two modules import each other at module scope,
+directly or through others. Run by the default tier; nothing here is an exception list: a new edge
+is a change to the table, made on purpose."""
 from __future__ import annotations
 
 import ast
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-LAYERS = {"core": 0, "algorithms": 1, "actors": 2, "orchestrator": 3}
+TOPS = ("core", "algorithms", "actors", "orchestrator", "testkit")
+
+MAY_IMPORT: dict[str, set[str]] = {
+    "core": set(),
+    "algorithms": {"core"},  # the package itself (its __init__)
+    "algorithms.rules": {"core"},
+    "algorithms.policies": {"core", "algorithms.rules"},
+    "actors": {"core", "algorithms.rules", "actors.transport"},  # what both processes share: plan.py, faults.py
+    "actors.transport": {"core", "actors"},
+    "actors.runs": {"core", "actors"},
+    "actors.observe": {"core", "actors", "actors.runs"},
+    "actors.control": {"core", "algorithms.rules", "actors", "actors.runs", "actors.observe", "actors.transport",
+                       # the two actor classes it creates (each torch-free at import):
+                       "actors.training.worker", "actors.server.server_actor"},
+    "actors.training": {"core", "algorithms.rules", "algorithms.policies", "actors", "actors.transport", "actors.runs",
+                        "actors.observe", "actors.server"},
+    "actors.server": {"core", "algorithms.rules", "algorithms.policies", "actors", "actors.transport", "actors.runs",
+                      "actors.observe", "actors.training"},
+    "orchestrator": {"core", "algorithms.rules", "algorithms.policies", "actors", "actors.transport", "actors.runs",
+                     "actors.observe", "actors.control", "actors.training", "actors.server"},
+    "testkit": {"core", "algorithms.rules", "algorithms.policies", "actors", "actors.transport", "actors.runs",
+                "actors.observe", "actors.control", "actors.training", "actors.server", "orchestrator"},
+}
+NO_TORCH = ("core", "algorithms.rules", "actors.control")
+"""The coordinator's process: it loads no torch (its start and the CLI's status, scale and stop stay fast)."""
+NO_RAY = ("core", "algorithms.rules", "algorithms.policies")
 
 
-def imports(path: Path) -> set[str]:
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            found |= {alias.name.split(".")[0] for alias in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            found.add(node.module.split(".")[0])
+def package_of(module: str) -> str:
+    """The table's row for a module: the longest row name that is a prefix of it."""
+    rows = [row for row in MAY_IMPORT if module == row or module.startswith(row + ".")]
+    return max(rows, key=len)
+
+
+def modules() -> dict[str, Path]:
+    found = {}
+    for top in TOPS:
+        for path in sorted((REPO / top).rglob("*.py")):
+            parts = path.relative_to(REPO).with_suffix("").parts
+            found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     return found
 
 
-def test_each_folder_imports_only_itself_and_the_folders_below():
+def _type_checking(node: ast.AST) -> bool:
+    return isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"
+
+
+def imported(path: Path, module_scope: bool = False, at_run_time: bool = False) -> set[str]:
+    """The absolute modules `path` imports (`from a.b import c` gives a.b and a.b.c); with `module_scope`,
+    only the imports that run when the module is imported (not those inside functions); with
+    `at_run_time`, not those only the type checker reads (`if TYPE_CHECKING:`)."""
+    tree = ast.parse(path.read_text())
+    if at_run_time:
+        tree.body = [n for n in tree.body if not _type_checking(n)]
+    nodes = tree.body if module_scope else list(ast.walk(tree))
+    if module_scope:  # module scope includes `if`/`try` blocks, but not function bodies
+        nodes = [n for top in tree.body for n in ast.walk(top)
+                 if not isinstance(top, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))]
+        nodes += [n for top in tree.body if isinstance(top, ast.ClassDef) for n in top.body
+                  if isinstance(n, (ast.Import, ast.ImportFrom))]
+    out = set()
+    for node in nodes:
+        if isinstance(node, ast.Import):
+            out |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.add(node.module)
+            out |= {f"{node.module}.{alias.name}" for alias in node.names}
+    return out
+
+
+def test_each_package_imports_only_what_its_row_allows():
+    known = modules()
     wrong = []
-    for package, rank in LAYERS.items():
-        for path in sorted((REPO / package).rglob("*.py")):
-            for name in imports(path) & set(LAYERS):
-                if LAYERS[name] > rank:
-                    wrong.append(f"{path.relative_to(REPO)} imports {name}")
+    for module, path in known.items():
+        row = package_of(module)
+        for name in imported(path):
+            if name.split(".")[0] not in TOPS or name not in known:
+                continue
+            target = package_of(name)
+            allowed = MAY_IMPORT[row] | {row}
+            if target not in allowed and name not in allowed:  # a row, or one named module (an actor class)
+                wrong.append(f"{path.relative_to(REPO)} ({row}) imports {name} ({target})")
+    assert not wrong, "\n".join(sorted(set(wrong)))
+
+
+def test_the_coordinators_process_imports_no_torch_and_the_bottom_no_ray():
+    wrong = []
+    for module, path in modules().items():
+        row = package_of(module)
+        names = {n.split(".")[0] for n in imported(path, at_run_time=True)}
+        if row in NO_TORCH and "torch" in names:
+            wrong.append(f"{path.relative_to(REPO)} imports torch")
+        if row in NO_RAY and "ray" in names:
+            wrong.append(f"{path.relative_to(REPO)} imports ray")
+        if row == "actors.control" and any(n.startswith("algorithms.policies") for n in imported(path)):
+            wrong.append(f"{path.relative_to(REPO)} imports a policy")
     assert not wrong, wrong
 
 
-def test_decisions_and_vocabulary_never_import_ray():
-    offenders = [str(p.relative_to(REPO)) for package in ("core", "algorithms")
-                 for p in (REPO / package).rglob("*.py") if "ray" in imports(p)]
-    assert not offenders, offenders
+def test_no_import_cycle_at_module_scope():
+    """Tarjan's strongly connected components over the modules' module-scope imports (a package's
+    `__init__` counts as the package): any component of more than one module is a cycle."""
+    known = modules()
+    graph = {m: sorted(n for n in imported(p, module_scope=True) if n in known and n != m) for m, p in known.items()}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    assert not cycles, cycles
 
 
 def test_test_files_have_unique_basenames():

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from algorithms.leases import LeaseService, share_bounds
-from algorithms.sampler import split_for_rank
+from algorithms.rules.leases import LeaseService, share_bounds
+from algorithms.rules.sampler import split_for_rank
 from tests.unit.test_policy_oracles import SEED, global_batch_ids, share
 
 HOLDERS = ["w0", "w1", "w2"]
@@ -76,7 +76,7 @@ def test_clocks_are_dealt_in_order():
 def test_the_applied_set_stays_bounded_over_a_long_job_and_recent_retries_are_still_told_apart():
     """A week-long job applies millions of leases: the set that tells a retried push from a stale one
     must not keep every id forever (nor go whole into every snapshot under the server's lock)."""
-    from algorithms.leases import LeaseService
+    from algorithms.rules.leases import LeaseService
 
     bound = 40_000  # ids kept, whatever the job's length (here: 100000 leases closed)
 

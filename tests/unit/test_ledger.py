@@ -2,7 +2,7 @@
 departed members applied (a split last vote) is dropped and redone, never written."""
 from __future__ import annotations
 
-from actors.ledger import CommittedLedger
+from actors.control.ledger import CommittedLedger
 
 
 def rec(step: int, epoch: int = 1, loss: float = 0.0) -> dict:

@@ -1,4 +1,4 @@
-"""Background loading (actors/loader.py, `workload.loader`): replicas in threads of this process
+"""Background loading (actors/training/loader.py, `workload.loader`): replicas in threads of this process
 (testkit's LocalJob). The reference is the replica with the loader off: the loader may change when a
 batch is built, never which samples a step trains or what it computes."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ import threading
 import numpy as np
 import torch
 
-from actors.loader import BatchLoader
+from actors.training.loader import BatchLoader
 from testkit.harness import LocalJob
 
 

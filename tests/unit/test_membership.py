@@ -1,7 +1,7 @@
 """Membership decisions without Ray."""
 from __future__ import annotations
 
-from algorithms.membership import MemberView, batch_for, choose_leavers, free_slots
+from algorithms.rules.membership import MemberView, batch_for, choose_leavers, free_slots
 
 
 def test_newest_leave_first():

@@ -1,4 +1,4 @@
-"""Each metric means what its name and help say (actors/metrics.py), tested without Ray through fake
+"""Each metric means what its name and help say (actors/observe/metrics.py), tested without Ray through fake
 metrics: step times are each step's, not a smoothed value per report; cumulative counts are counters
 and staleness a histogram of pushes; job steps and member steps are apart; rates fall to 0 in a stall;
 per-slot series are opt-in; checkpoints, storage errors, restarts and the last commit are exported."""
@@ -11,7 +11,7 @@ import pytest
 
 from actors.control import journal as journal_module
 from actors.control.journal import Journal
-from actors.metrics import METRICS, Exporter, JobMetrics
+from actors.observe.metrics import METRICS, Exporter, JobMetrics
 from core.schema import Event, TrackingConfig, parse
 from testkit.fake_workers import FakeMetric
 from testkit.stores import HookedStore
@@ -62,8 +62,8 @@ def test_each_step_s_compute_time_is_observed_once_with_its_tail(replica_reports
     assert len(job_wide) == STEPS, f"{len(job_wide)} observations for {STEPS} steps in {len(reports)} reports"
     assert max(job_wide) >= SLOW_S and sorted(job_wide)[-2] < SLOW_S, "the one slow step is seen as it was"
 
-    from actors import worker
     from actors.plan import WorkerSpec
+    from actors.training import worker
 
     worker_made: dict[str, FakeMetric] = {}
     monkeypatch.setattr(worker, "Exporter", lambda *a, **k: Exporter(*a, make=fake_exporter(worker_made)._make, **k))
@@ -194,8 +194,8 @@ def test_checkpoints_storage_errors_restarts_and_the_last_commit_are_exported():
 def test_the_storage_copys_lag_is_exported_and_grows_while_the_store_fails(tmp_path):
     import threading
 
-    from actors.mirror import RunMirror
-    from actors.storage import open_storage
+    from actors.runs.mirror import RunMirror
+    from actors.runs.storage import open_storage
 
     down = threading.Event()
 

@@ -1,8 +1,8 @@
-"""The coordinator's metrics (actors/metrics.py) cost a few dictionary operations per record: what
+"""The coordinator's metrics (actors/observe/metrics.py) cost a few dictionary operations per record: what
 records add reaches Ray's metrics once a second and at the job's end, summed."""
 from __future__ import annotations
 
-from actors.metrics import Exporter, JobMetrics
+from actors.observe.metrics import Exporter, JobMetrics
 from core.schema import Event
 from testkit.fake_workers import FakeMetric
 

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from algorithms.runtime_model import INF, Compute, predict
+from algorithms.rules.runtime_model import INF, Compute, predict
 from core.schema import ConfigError
 from orchestrator import planner
 from orchestrator.config import config_from_dict
@@ -227,7 +227,7 @@ def test_autos_line_names_the_factors_source():
 
 
 def _probed(step_s: float, ranks: int = 4) -> dict:
-    """What actors/probe.py returns for `ranks` probes on one node, each step `step_s` (12 steps)."""
+    """What actors/training/probe.py returns for `ranks` probes on one node, each step `step_s` (12 steps)."""
     return {"nodes": ["10.0.0.1"], "node_of_rank": [0] * ranks, "compute": [[step_s] * 12 for _ in range(ranks)],
             "backward": [[step_s / 2] * 12 for _ in range(ranks)], "model_bytes": 35880.0, "device": "cpu",
             "threads": 1, "links": [{"a": 0, "b": 0, "bytes_per_s": 1e9, "latency_s": 1e-5, "points": []}]}

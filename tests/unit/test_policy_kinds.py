@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from actors.plan import Progress
-from algorithms import base
-from algorithms.base import Algorithm, AlgorithmImpl, StepVote, VoteDraft
+from algorithms.policies import base
+from algorithms.policies.base import Algorithm, AlgorithmImpl, StepVote, VoteDraft
 from core import schema
 from testkit.harness import LocalJob
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from algorithms.compression import get_codec
+from algorithms.policies.compression import get_codec
 from orchestrator.workloads.digits import mlp
 from testkit.harness import LocalJob
 from tests.unit.test_scatter_gather import _reference
@@ -296,7 +296,7 @@ def test_hierarchical_bsp_equals_single_process_and_sends_once_per_node(tmp_path
     same model as the single-process reference (and so as flat BSP), and a member that is not its
     node's leader sends its gradients once per step (the flat ring sends 2(n-1)/n of them)."""
     if leaders == "point-to-point":  # a backend that forms no subgroup: the leaders' ring of messages
-        from actors.comm import GlooCommunicator
+        from actors.transport.comm import GlooCommunicator
         monkeypatch.setattr(GlooCommunicator, "subgroup", lambda self, ranks, tag: None)
     slots = ["w0", "w1", "w2", "w3"]
     job = LocalJob(config({"policy": "bsp", "hierarchical": True, "bucket_mb": 0.004}, SGD_M, n=4), slots, str(tmp_path))

@@ -154,7 +154,7 @@ def test_a_switch_reached_by_an_abort_mid_round_redoes_the_provisional_local_ste
     BSP's from step 0: every sample of every step is in the ledger once, and the replicas agree
     (keeping the local steps made rank 0's unaveraged replica everyone's and lost the others' samples).
     Not equal to single-process SGD: a periodic rewind restores the parameters, not the inner
-    optimizer's momentum (algorithms/periodic.py), and the switch gives everyone rank 0's."""
+    optimizer's momentum (algorithms/policies/periodic.py), and the switch gives everyone rank 0's."""
     cfg = config({"policy": "local_sgd", "h": 8})
     cfg["faults"] = {**cfg["faults"], "record_samples": True}
     job = LocalJob(cfg, list(SLOTS), str(tmp_path))

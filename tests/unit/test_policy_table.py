@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import typing
 
-from algorithms.base import get_algorithm, known_policies
-from algorithms.kinds import POLICY_KINDS
-from algorithms.runtime_model import Compute, Network, PolicySpec, predict
+from algorithms.policies.base import get_algorithm, known_policies
+from algorithms.rules.kinds import POLICY_KINDS
+from algorithms.rules.runtime_model import Compute, Network, PolicySpec, predict
 from core.schema import (
     COMPRESSING_POLICIES,
     POLICIES,

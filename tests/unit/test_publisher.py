@@ -3,10 +3,10 @@ aborted once. Over a fake worker group: no Ray."""
 from __future__ import annotations
 
 from actors.control.book import MembershipBook
+from actors.control.members import Member
 from actors.control.publisher import Publisher
-from actors.members import Member
 from actors.plan import WorkerSpec
-from algorithms.supervision import MemberState
+from algorithms.rules.supervision import MemberState
 from core.schema import JobConfig, parse
 from orchestrator.config import config_from_dict
 from testkit.fake_workers import FakeWorkerGroup
@@ -70,7 +70,7 @@ def test_a_plan_reaches_every_reachable_member_after_the_server_and_is_saved():
 
 
 def test_each_epoch_names_the_store_of_its_rank_0_and_skips_a_member_that_serves_none():
-    """Every worker serves a group store of its own (actors/worker.py `HostedStore`); a plan names its
+    """Every worker serves a group store of its own (actors/training/worker.py `HostedStore`); a plan names its
     rank 0's, so the coordinator serves none. A member that reported no store (port 0) is passed over."""
     h = Harness()
     first = h.publisher.publish(("w1", "w2", "w0"), "start", history_step=0)

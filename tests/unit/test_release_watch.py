@@ -1,4 +1,4 @@
-"""A step that outlives its group's abort ends the worker (`actors.replica.watch_release`): gloo's ring
+"""A step that outlives its group's abort ends the worker (`actors.training.replica.watch_release`): gloo's ring
 all-reduce inside torch's reducer has been seen to keep waiting for a SIGKILLed peer after the abort shut
 its pairs down, for the group's whole timeout, holding every member's next membership meanwhile."""
 from __future__ import annotations
@@ -7,8 +7,8 @@ import threading
 
 import pytest
 
-from actors import replica as replica_module
-from actors.replica import watch_release
+from actors.training import replica as replica_module
+from actors.training.replica import watch_release
 from testkit.harness import LocalJob
 
 

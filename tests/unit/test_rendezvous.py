@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from actors.comm import CommError, ForgedRendezvous, GroupSpec, make_communicator
 from actors.transport import sockets, stores
+from actors.transport.comm import CommError, ForgedRendezvous, GroupSpec, make_communicator
 from testkit.harness import local_store
 
 KEY = b"k" * 32
@@ -53,7 +53,7 @@ def test_a_forged_listening_address_is_refused_by_the_signed_store():
     """The abort shuts down the connections to the peers' published gloo listening addresses: a forged
     one (here written straight into the store, after the member's own) would aim it at the worker's
     own Ray connections. Read through the group's signed view, it is refused."""
-    from actors.comm import SignedStore
+    from actors.transport.comm import SignedStore
 
     raw = dist.HashStore()
     view = SignedStore(dist.PrefixStore("job/r/c0/e1/", raw), KEY)

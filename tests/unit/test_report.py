@@ -1,4 +1,4 @@
-"""The run report (actors/report.py, `python -m orchestrator report`): drawn from a run directory for
+"""The run report (actors/observe/report.py, `python -m orchestrator report`): drawn from a run directory for
 the one-reporter and per-member kinds, with its events classified; a directory that holds no run is
 refused with exit 2."""
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("matplotlib", reason="the report needs matplotlib (the [plot] extra)")
 
-from actors import report
+from actors.observe import report
 
 REPO = Path(__file__).resolve().parents[2]
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -75,8 +75,8 @@ def test_the_report_reads_a_run_from_its_store(tmp_path, capsys):
     """A run on an object store holds its appended files as mirrored parts (no `history.jsonl`): the
     report reads them through `read_appended`, from the run's URI (here fsspec's in-process `memory://`;
     tests/e2e/test_report_store.py runs the command line against an S3 server)."""
-    from actors.mirror import RunMirror
-    from actors.storage import open_storage
+    from actors.runs.mirror import RunMirror
+    from actors.runs.storage import open_storage
     from orchestrator.cli import main
 
     local = run_dir(tmp_path / "run", False) if (tmp_path / "run").mkdir() is None else tmp_path

@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from actors import runfiles
+from actors.runs import runfiles
 
 
 def test_a_slow_fsync_does_not_block_submit_and_snapshots_coalesce(tmp_path, monkeypatch):

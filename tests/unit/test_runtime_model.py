@@ -1,4 +1,4 @@
-"""The runtime model (algorithms/runtime_model.py) against the communication patterns written out by
+"""The runtime model (algorithms/rules/runtime_model.py) against the communication patterns written out by
 hand: ring all-reduce 2(n-1) rounds of M/n, a shaped link shared by the flows that cross it, gossip
 overlapped with compute, periodic rounds amortized over h steps."""
 from __future__ import annotations
@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from algorithms.runtime_model import (
+from algorithms.rules.runtime_model import (
     Compute,
     Network,
     PolicySpec,
@@ -200,7 +200,7 @@ def test_bsps_buckets_overlap_the_backward_pass_that_produces_them():
         for i in range(1, buckets + 1):  # bucket i ready at i/k of backward
             finish = max(finish, backward * i / buckets) + comm / buckets
         return finish - backward
-    from algorithms.runtime_model import overlapped_with_backward
+    from algorithms.rules.runtime_model import overlapped_with_backward
 
     for comm in (0.1, 0.02, 0.03):
         assert overlapped_with_backward(comm, 0.04, 4e6, 1e6) == pytest.approx(exposed(comm, 0.04, 4))
@@ -218,7 +218,7 @@ def test_a_nodes_nic_is_shared_by_its_flows_to_every_other_node_where_the_labs_p
     the two others at once. Shaped per pair (the lab) each flow has a link: (P/3)/B. Through one NIC a
     node (the model of a real cluster) its two flows share B: 2(P/3)/B. A ring all-reduce sends to one
     node at a time: 2(n-1) rounds of (P/3)/B either way."""
-    from algorithms.runtime_model import Network, all_to_all, ring_allreduce
+    from algorithms.rules.runtime_model import Network, all_to_all, ring_allreduce
 
     b, p = 1e8, 3e6
     pairs = Network.uniform(3, 1, b)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from algorithms.sampler import GlobalSampler, split_for_rank
+from algorithms.rules.sampler import GlobalSampler, split_for_rank
 
 
 def test_one_data_epoch_sees_every_sample_once_across_world_size_changes():

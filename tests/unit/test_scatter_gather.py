@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 import torch
 
-from actors.comm import CommError
-from algorithms.compression import CODECS, Codec, get_codec
-from algorithms.scatter_gather import ScatterGather
+from actors.transport.comm import CommError
+from algorithms.policies.compression import CODECS, Codec, get_codec
+from algorithms.policies.scatter_gather import ScatterGather
 from testkit.harness import local_group
 
 GROUPS = [(2, 7), (3, 1001), (4, 5), (4, 1), (3, 2)]

@@ -1,10 +1,10 @@
-"""Each sender's messages run in the order sent, whatever order they arrive in (actors/sequencer.py)."""
+"""Each sender's messages run in the order sent, whatever order they arrive in (actors/control/sequencer.py)."""
 from __future__ import annotations
 
 import asyncio
 import time
 
-from actors.sequencer import Sequencer
+from actors.control.sequencer import Sequencer
 
 
 async def _deliver(seq: Sequencer, arrivals: list[tuple[str, int]], ran: list[tuple[str, int]], gap_s: float = 0.01):

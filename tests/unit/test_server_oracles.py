@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from algorithms.server import Fence, Push, PushResult, ServerCore, shard_bounds
+from algorithms.policies.server import Fence, Push, PushResult, ServerCore, shard_bounds
 from core.schema import ASPConfig, OptimizerConfig, QuorumConfig, SSPConfig
 from tests.unit.test_policy_oracles import ADAMW, SEED, SGD_M, flat, max_diff, reference_bsp, set_flat, start_model
 

@@ -1,5 +1,5 @@
 """The server policies through the real worker step loop, in process (no Ray): `LocalJob` runs real
-`Replica`s in threads against a `ServerHost` (actors/server_host.py), so the worker side (pull a
+`Replica`s in threads against a `ServerHost` (actors/server/server_host.py), so the worker side (pull a
 lease, train on its samples with the loss weighted n_i / B, push), the host's lock and waits, its
 `record_samples` file and its accounting are exercised exactly as the Ray actors run them."""
 from __future__ import annotations
@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-from actors.history import History
-from actors.parameter_server import make_host
-from actors.server_control import restart_event
-from actors.server_host import ServerHost
-from algorithms.server import Fence
+from actors.control.history import History
+from actors.control.server_control import restart_event
+from actors.server.parameter_server import make_host
+from actors.server.server_host import ServerHost
+from algorithms.policies.server import Fence
 from testkit.harness import LocalJob, LocalLink, LocalServerReports
 
 N, PER_WORKER, STEPS = 3, 8, 10
@@ -200,7 +200,7 @@ class Wrapped:
 
 
 def wrap_server_storage(monkeypatch, **hooks):
-    import actors.server_host as server_module
+    import actors.server.server_host as server_module
 
     real = server_module.run_storage
     monkeypatch.setattr(server_module, "run_storage",
@@ -213,7 +213,7 @@ def test_a_push_that_crosses_a_snapshot_returns_while_the_snapshot_uploads(tmp_p
     (held here until released) goes on in the background, and `close` waits for it."""
     import threading
 
-    from actors import checkpoints
+    from actors.runs import checkpoints
 
     began, release = threading.Event(), threading.Event()
 
@@ -265,7 +265,7 @@ def test_a_failed_snapshot_is_counted_and_the_next_one_is_the_retry(tmp_path, mo
         assert host.push(fence, pull.ticket.lease_ids, pull.version, np.zeros_like(flat), 0.5).status == "applied"
         host.wait_snapshots(10)
     host.close("stopped")
-    from actors import checkpoints
+    from actors.runs import checkpoints
 
     assert checkpoints.newest_valid(host.snapshots, pattern="checkpoints/step-*.json").step == 2
     assert host.summary()["snapshot_failures"] == 1

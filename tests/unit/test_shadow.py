@@ -1,4 +1,4 @@
-"""Shadow synchronization (algorithms/shadow.py) in one process: members are gloo groups in threads
+"""Shadow synchronization (algorithms/policies/shadow.py) in one process: members are gloo groups in threads
 over a HashStore (`local_group`), no Ray. Oracles are plain-torch references of the rules."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from algorithms.shadow import BackgroundSync, Lifecycle, LocalCentral, ShadowConfig
+from algorithms.policies.shadow import BackgroundSync, Lifecycle, LocalCentral, ShadowConfig
 from core.schema import FieldError
 from testkit.harness import local_group
 

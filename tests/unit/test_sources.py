@@ -1,4 +1,4 @@
-"""Data sources (actors/sources.py): each source's order against a reference written from its
+"""Data sources (actors/training/sources.py): each source's order against a reference written from its
 definition in docs/data.md, positioning, refusals and bad samples; then whole runs of replicas in
 threads of this process (testkit's LocalJob) that check the sample ledger."""
 from __future__ import annotations
@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from actors.sources import ArrowSource, BadSample, BlockOrder, MapSource, StreamSource, source_for
-from algorithms.sampler import split_for_rank
+from actors.training.sources import ArrowSource, BadSample, BlockOrder, MapSource, StreamSource, source_for
+from algorithms.rules.sampler import split_for_rank
 from core.schema import WorkloadRefused
 from orchestrator.workloads.digits_sources import BadSamples, DigitsStream
 from testkit.harness import LocalJob

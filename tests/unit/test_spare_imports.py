@@ -1,5 +1,5 @@
 """A hot spare imports ahead everything its adoption and its first epoch import
-(`actors.worker.prepare_spare`): an adoption that compiled `actors.server_client` and its modules
+(`actors.training.worker.prepare_spare`): an adoption that compiled `actors.server.server_client` and its modules
 from source held a join 0.14-0.18 s, and the first epoch's import of ray.util.collective 0.13 s more."""
 from __future__ import annotations
 
@@ -14,16 +14,16 @@ REPO = Path(__file__).resolve().parents[2]
 
 CHECK = r"""
 import json, sys
-import actors.worker  # what Ray imports for the actor class
-from actors.worker import prepare_spare
+import actors.training.worker  # what Ray imports for the actor class
+from actors.training.worker import prepare_spare
 from orchestrator.config import config_from_dict
 
 prepare_spare(config_from_dict({"name": "spare", "workload": {"factory": "orchestrator.workloads.digits:mlp",
                                                               "params": {"hidden": 8}}}))
 ours = ("actors.", "algorithms.", "core.", "orchestrator.", "ray.util.collective")
 before = set(sys.modules)
-import actors.replica, actors.server_client  # what Worker._become imports
-from actors.collective import _ray_collective
+import actors.training.replica, actors.server.server_client  # what Worker._become imports
+from actors.transport.collective import _ray_collective
 _ray_collective()  # what the first epoch's `collective.publish` imports
 print(json.dumps(sorted(m for m in set(sys.modules) - before if m.startswith(ours))))
 """

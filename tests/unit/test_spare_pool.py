@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import asyncio
 
+from actors.control.members import Member
 from actors.control.spares import SparePool
-from actors.members import Member
 from actors.plan import WorkerSpec
 from testkit.fake_workers import FakeWorkerGroup
 

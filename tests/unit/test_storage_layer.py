@@ -1,4 +1,4 @@
-"""The storage layer (actors/storage.py), the run mirror (actors/mirror.py) and checkpoints on a
+"""The storage layer (actors/runs/storage.py), the run mirror (actors/runs/mirror.py) and checkpoints on a
 remote filesystem, without Ray and without a network: fsspec's in-memory filesystem through pyarrow's
 fsspec handler is the remote store here (the same code path as s3://, which the e2e tests use)."""
 from __future__ import annotations
@@ -9,9 +9,9 @@ import uuid
 
 import pytest
 
-from actors import checkpoints
-from actors.mirror import RunMirror, appended_pieces, read_appended
-from actors.storage import StorageError, is_remote, open_storage
+from actors.runs import checkpoints
+from actors.runs.mirror import RunMirror, appended_pieces, read_appended
+from actors.runs.storage import StorageError, is_remote, open_storage
 
 
 @pytest.fixture
@@ -239,7 +239,7 @@ def test_a_long_run_uploads_each_appended_byte_about_once_and_reads_only_new_byt
     pass reads the new bytes only, never the whole file (what the mirror holds stays bounded)."""
     import builtins
 
-    import actors.mirror as mirror_module
+    import actors.runs.mirror as mirror_module
 
     store = Counting(open_storage(str(tmp_path / "store")))
     run = tmp_path / "run"
@@ -288,7 +288,7 @@ def test_a_zombie_incarnation_neither_spoils_the_live_copy_nor_writes_once_it_se
     incarnation 2 (Ray's restart on another node) mirror the same run. The store's copy is 2's: its
     history byte for byte (none of 1's later lines) and its state file, even though 1 uploads after 2;
     and 1 writes nothing once it has seen 2's claim, which it says once."""
-    from actors.fencing import claim
+    from actors.runs.fencing import claim
 
     zombie_dir, live_dir = tmp_path / "node-a", tmp_path / "node-b"
     zombie_dir.mkdir()
@@ -330,7 +330,7 @@ def test_a_run_mirrored_in_the_old_layout_reads_back_and_a_restart_carries_on_af
     """A run already in a bucket in the layout before incarnations (`<name>.parts/<start>-<end>`, a
     compacted part from 0 beside one it replaced) reads back; a restarted coordinator copies it down,
     claims an incarnation above its state file's, and its parts carry on after it."""
-    from actors.mirror import claim_incarnation
+    from actors.runs.mirror import claim_incarnation
 
     data = b"".join(json.dumps({"step": s}).encode() + b"\n" for s in range(1, 7))  # 12 bytes a line
     parts = "job/run/history.jsonl.parts"

@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from actors import storage as storage_module
-from actors.storage import Storage, StorageError, open_storage
+from actors.runs import storage as storage_module
+from actors.runs.storage import Storage, StorageError, open_storage
 
 
 def test_a_location_beside_the_root_is_not_under_it():

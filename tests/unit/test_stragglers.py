@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from actors.faults import WorkerFaults, jitter_factor
-from algorithms.stragglers import StragglerChange, StragglerWatch
+from algorithms.rules.stragglers import StragglerChange, StragglerWatch
 from core.schema import FaultsConfig, JitterSpec, StragglerFault
 
 

@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from actors.comm import CommAborted, CommTimeout, GroupSpec, make_communicator
+from actors.transport.comm import CommAborted, CommTimeout, GroupSpec, make_communicator
 from testkit.harness import local_store
 
 KEY = b"k" * 32

@@ -1,7 +1,7 @@
 """The coordinator's decisions on deaths, finishes, stops and restarts, without Ray."""
 from __future__ import annotations
 
-from algorithms.supervision import (
+from algorithms.rules.supervision import (
     Decision,
     JobState,
     JobView,
@@ -174,7 +174,7 @@ def test_the_last_holder_dying_while_a_shadow_joiner_waits_for_its_state_fails_t
     replicas are trained (a background joiner receives a live replica over its group). When the last
     member holding one dies meanwhile, the job fails (resumable), as BSP's does; it must not carry on
     with the joiner alone and end FINISHED with an untrained model."""
-    from algorithms.membership import joiners_start_stateless
+    from algorithms.rules.membership import joiners_start_stateless
 
     for kind in ("synchronous", "periodic", "decentralized", "background"):
         stateless = frozenset({"w1"}) if joiners_start_stateless(kind, committed_step=10) else frozenset()

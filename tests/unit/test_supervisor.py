@@ -5,10 +5,10 @@ from __future__ import annotations
 import asyncio
 
 from actors.control.book import MembershipBook
+from actors.control.members import Member
 from actors.control.supervisor import STRAGGLER_WARMUP_STEPS, Actions, Supervisor
-from actors.members import Member
 from actors.plan import WorkerSpec
-from algorithms.supervision import JobState, MemberState
+from algorithms.rules.supervision import JobState, MemberState
 from core.schema import JobConfig, parse
 from orchestrator.config import config_from_dict
 from testkit.fake_workers import FakeWorkerGroup

@@ -1,4 +1,4 @@
-"""TensorBoard (actors/tracking.py): the job's scalars read back with TensorBoard's own reader match
+"""TensorBoard (actors/observe/tracking.py): the job's scalars read back with TensorBoard's own reader match
 history step for step, from one writer thread, with no step written twice across a coordinator restart,
 and redone steps (after a restore) in place of the lost ones."""
 from __future__ import annotations
@@ -15,8 +15,8 @@ event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.ev
 
 from test_coordinator_paths import config, ended, events, run, started, until  # noqa: E402
 
-from actors.tracking import TensorBoard, last_written  # noqa: E402
-from algorithms.supervision import JobState  # noqa: E402
+from actors.observe.tracking import TensorBoard, last_written  # noqa: E402
+from algorithms.rules.supervision import JobState  # noqa: E402
 from testkit.fake_workers import FakeWorkerGroup  # noqa: E402
 
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from actors.storage import open_storage
+from actors.runs.storage import open_storage
 from orchestrator.data.shards import TokenShards
 
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from algorithms.gossip import consensus_distance as consensus
-from algorithms.topologies import TOPOLOGIES, Topology, TopologyError, contraction, degree, get_topology, spectral_gap, validate
+from algorithms.policies.gossip import consensus_distance as consensus
+from algorithms.rules.topologies import TOPOLOGIES, Topology, TopologyError, contraction, degree, get_topology, spectral_gap, validate
 from core.schema import ConfigError
 
 WORLDS = range(2, 17)
@@ -150,7 +150,7 @@ def test_odd_shift_one_lets_every_rank_sit_out_in_turn():
 
 
 def test_torus_shapes_and_prime_fallback_to_ring():
-    from algorithms.topologies import torus_shape
+    from algorithms.rules.topologies import torus_shape
     assert [torus_shape(n) for n in (4, 6, 8, 9, 12, 16)] == [(2, 2), (2, 3), (2, 4), (3, 3), (3, 4), (4, 4)]
     torus, ring = get_topology("torus"), get_topology("ring")
     for prime in (2, 3, 5, 7, 11, 13):

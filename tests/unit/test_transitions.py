@@ -1,12 +1,12 @@
-"""The job's and each member's transition tables (algorithms/supervision.py): the one place each state
+"""The job's and each member's transition tables (algorithms/rules/supervision.py): the one place each state
 changes checks them (`Coordinator.transition`, `Member.move`), so an illegal move is refused, not made.
 The whole coordinator runs under them in tests/unit/test_coordinator_paths.py."""
 from __future__ import annotations
 
 import pytest
 
-from actors.members import Member
-from algorithms.supervision import (
+from actors.control.members import Member
+from algorithms.rules.supervision import (
     JOB_TRANSITIONS,
     MEMBER_TRANSITIONS,
     IllegalTransition,

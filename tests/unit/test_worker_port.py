@@ -1,5 +1,5 @@
 """The coordinator reaches a worker through typed calls (actors/control/workers.py `WorkerGroup`), one per
-method of the worker actor (actors/worker.py `Worker`), never by a method's name in a string: a renamed
+method of the worker actor (actors/training/worker.py `Worker`), never by a method's name in a string: a renamed
 or re-shaped worker method breaks this test and the type checker, not a job at run time."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import inspect
 from pathlib import Path
 
 from actors.control.workers import RayWorkerGroup, WorkerGroup
-from actors.worker import Worker
+from actors.training.worker import Worker
 from testkit.fake_workers import FakeWorkerGroup
 
 REPO = Path(__file__).resolve().parents[2]
@@ -44,7 +44,7 @@ def test_no_call_to_a_worker_names_its_method_in_a_string():
         for name, fn in inspect.getmembers(group, inspect.isfunction):
             if name != "call_self":
                 assert "method" not in inspect.signature(fn).parameters, f"{group.__name__}.{name}"
-    files = [*sorted((REPO / "actors" / "control").glob("*.py")), REPO / "actors/coordinator.py",
+    files = [*sorted((REPO / "actors" / "control").glob("*.py")), REPO / "actors/control/coordinator.py",
              REPO / "testkit" / "fake_workers.py"]
     found = []
     for path in files:

@@ -6,7 +6,7 @@ import itertools
 import numpy as np
 import pytest
 
-from algorithms.zipline import Barrier, EwmaPredictor, place_barrier
+from algorithms.rules.zipline import Barrier, EwmaPredictor, place_barrier
 
 
 def brute_force(last_end: np.ndarray, interval: np.ndarray, r: int) -> Barrier:

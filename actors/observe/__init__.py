@@ -1,0 +1,2 @@
+"""Observability: metrics, experiment tracking and the run's report.
+"""

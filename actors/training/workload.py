@@ -1,0 +1,104 @@
+"""A job's workload outside the step loop: built from its factory (seeded: identical replicas
+everywhere), warmed up for a hot spare, timed for the planner; the device a worker trains on, and
+how a batch (tensors in tuples, lists or dicts) moves to it.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from actors.plan import WorkerSpec
+from actors.training.sources import source_for
+from algorithms.policies.base import get_algorithm
+from algorithms.policies.optim import build_optimizer
+from core.factory import check_factory
+from core.schema import JobConfig
+
+
+def build_workload(cfg: JobConfig) -> Any:
+    """The job's workload from its factory, after seeding: identical initial replicas everywhere
+    (verified by checksum at the first plan)."""
+    torch.manual_seed(cfg.seed)
+    return check_factory(cfg.workload.factory)(**cfg.workload.params)
+
+
+def time_steps(cfg: JobConfig, device: torch.device, steps: int = 12, warmup: int = 3) -> dict:
+    """The job's workload timed as a worker runs it: one worker's batch (the next of the data's global
+    order each time, read outside the timing) through forward, backward and the optimizer's step, on
+    `device`, `steps` times after `warmup`. What `plan` and `auto` take one step's compute from, on a
+    placed probe (actors/training/probe.py) or in the driver (orchestrator/planner.py `measure_compute`).
+    Returns {"times": seconds of each step, "backward": seconds of each backward pass, "model_bytes"}."""
+    workload = build_workload(cfg)
+    model = workload.model.to(device)
+    optimizer = build_optimizer(model.parameters(), cfg.optimizer)
+    source = source_for(workload.train_data, cfg.seed)
+    size = cfg.workload.batch_size
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    times, backward = [], []
+    for i in range(steps + warmup):
+        batch = to_device(source.fetch(source.global_batch(i * size, size), i * size).batch, device)
+        sync()
+        began = time.perf_counter()
+        optimizer.zero_grad()
+        loss = workload.loss(model, batch)
+        sync()
+        forward_end = time.perf_counter()
+        loss.backward()
+        sync()
+        backward_end = time.perf_counter()
+        optimizer.step()
+        sync()
+        if i >= warmup:
+            times.append(time.perf_counter() - began)
+            backward.append(backward_end - forward_end)
+    return {"times": times, "backward": backward,
+            "model_bytes": float(sum(p.numel() * p.element_size() for p in model.parameters()))}
+
+
+def warm_up(cfg: JobConfig, workload: Any) -> None:
+    """What a replica's first construction would import (the optimizer's first construction imports
+    torch._dynamo: 1.4 s here; the policy's modules): a hot spare pays it before it is needed."""
+    build_optimizer(workload.model.parameters(), cfg.optimizer)
+    get_algorithm(cfg.sync.policy)(cfg.sync, cfg.compression)
+
+
+def ray_blocks(spec: WorkerSpec, dataset: Any) -> list[tuple[Any, int]]:
+    """A Ray Data dataset's blocks, through the run's holder (imported only for a Ray Data job)."""
+    from actors.training.data_holder import block_reader
+
+    return block_reader(spec.job, spec.run_id, spec.namespace)(dataset)
+
+
+def device_for(gpus: float) -> torch.device:
+    """The worker's device: its GPU when it asked for one (Ray makes the assigned GPU the only
+    visible one, so it is cuda:0), else the CPU."""
+    if gpus > 0 and torch.cuda.is_available():
+        torch.cuda.set_device(0)
+        return torch.device("cuda", 0)
+    return torch.device("cpu")
+
+
+def map_tensors(batch: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    """`batch` (tensors in tuples, lists or dicts) with `fn` applied to each tensor; other leaves as they are."""
+    if isinstance(batch, torch.Tensor):
+        return fn(batch)
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(map_tensors(b, fn) for b in batch)
+    if isinstance(batch, dict):
+        return {k: map_tensors(v, fn) for k, v in batch.items()}
+    return batch
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    """A batch on `device`."""
+    return map_tensors(batch, lambda t: t.to(device, non_blocking=True))
+
+
+def pinned(batch: Any) -> Any:
+    """A batch's CPU tensors in page-locked memory (a copy from there to the GPU is asynchronous)."""
+    return map_tensors(batch, lambda t: t.pin_memory() if t.device.type == "cpu" else t)
+
+

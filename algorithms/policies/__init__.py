@@ -1,0 +1,3 @@
+"""The per-worker policies (torch, no Ray): each synchronization policy's step logic and its building
+blocks.
+"""
