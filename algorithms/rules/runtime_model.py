@@ -270,20 +270,21 @@ def ring_peers(rank: int, n: int) -> list[int]:
 def host_patterns(spec: PolicySpec) -> tuple[str, ...]:
     """The synchronizations a step of `spec` runs, as keys of `Network.host_s`: "allreduce" (a round's
     all-reduce of the model in float32), "allreduce/F" (one of F fragments), "scatter_gather/CODEC"
-    (qadam's compressed momentum), and for the policies that synchronize in every step, the step's own
+    (qadam's compressed momentum), and for the synchronous and gossip families, the step's own
     synchronization: "POLICY/CODEC" with "/hierarchical" where it applies (the gradients' all-reduce, or
-    the gossip exchange and its mixing). None for the background kind."""
-    name = spec.name
-    if name in ("local_sgd", "diloco") or (name == "streaming_diloco" and spec.fragments <= 1):
-        return ("allreduce",)
-    if name == "streaming_diloco":
-        return (f"allreduce/{spec.fragments}",)
-    if name == "shadow":  # its background rounds: they never hold up a step, but they set its bytes
-        return ("allreduce",)
-    if name == "qadam":
+    the gossip exchange and its mixing). The periodic family's rounds and the background kind's run the
+    model's all-reduce (once per round; the background kind's never hold up a step). None for a policy
+    the model has no family for (the server kinds)."""
+    row = POLICY_TABLE.get(spec.name)
+    family = row.cost_model if row is not None else None
+    if spec.name == "qadam":
         return ("allreduce", f"scatter_gather/{spec.codec}")
-    if name in ("bsp", "bytegrad", "dpsgd", "dadam", "choco"):
-        return (f"{name}/{spec.codec}" + ("/hierarchical" if spec.hierarchical else ""),)
+    if family == "periodic":
+        return ("allreduce" if spec.fragments <= 1 else f"allreduce/{spec.fragments}",)
+    if family == "background":  # its background rounds: they never hold up a step, but they set its bytes
+        return ("allreduce",)
+    if family in ("synchronous", "gossip"):
+        return (f"{spec.name}/{spec.codec}" + ("/hierarchical" if spec.hierarchical else ""),)
     return ()
 
 
@@ -312,7 +313,7 @@ def predict(spec: PolicySpec, net: Network, compute: Compute, model_bytes: float
         h = max(spec.h, 1)
         waits = compute.expected_max(ranks, steps=h) / h
         pattern = host_patterns(spec)[0]
-        if name == "streaming_diloco" and spec.fragments > 1:
+        if spec.fragments > 1:  # streaming DiLoCo: the round in fragments, each overlapping `overlap` steps
             per_fragment = _sync(net, pattern, ring_allreduce(net, ranks, model_bytes * spec.codec_ratio / spec.fragments))
             hidden = spec.overlap * (compute.fixed_s + compute.seconds)
             exposed = max(0.0, per_fragment - hidden) * spec.fragments / h
@@ -390,20 +391,23 @@ def _leader_bytes(net: Network, model_bytes: float, among_size: float) -> float:
 
 
 def _synchronous(spec: PolicySpec, net: Network, compute: Compute, model_bytes: float, everyone: float) -> Prediction:
+    """The synchronous family: `bytegrad`'s compressed scatter-gather and `qadam`'s warm-up have their own
+    formulas; every other synchronous policy (`bsp`, and one added later until it gets its own) all-reduces
+    the gradients each step."""
     n = net.n
     ranks = list(range(n))
-    if spec.name == "bsp":
+    if spec.name not in ("bytegrad", "qadam"):
         if spec.hierarchical:
             comm = _sync(net, host_patterns(spec)[0], hierarchical_allreduce(net, model_bytes))
             basis = "E[max_i compute] + max(intra-node reduce + leaders' ring all-reduce + intra-node broadcast, host)"
-            return Prediction("bsp", everyone + comm, comm, _leader_bytes(net, model_bytes, model_bytes), basis)
+            return Prediction(spec.name, everyone + comm, comm, _leader_bytes(net, model_bytes, model_bytes), basis)
         comm = _sync(net, host_patterns(spec)[0], ring_allreduce(net, ranks, model_bytes))
         exposed = overlapped_with_backward(comm, compute.backward_s, model_bytes, spec.bucket_bytes)
         basis = "E[max_i compute] + max(ring all-reduce of the gradients, host)"
         if exposed < comm:
             basis += (f", less what overlaps backward: {math.ceil(model_bytes / spec.bucket_bytes)} buckets launched "
                       f"as backward produces them (the last one's all-reduce after it)")
-        return Prediction("bsp", everyone + exposed, exposed, _ring_bytes(n, model_bytes), basis)
+        return Prediction(spec.name, everyone + exposed, exposed, _ring_bytes(n, model_bytes), basis)
     size = model_bytes * spec.codec_ratio
     compressed = host_patterns(spec)[-1]
     scatter_gather = _sync(net, compressed, all_to_all(net, ranks, size) + ring_allgather(net, ranks, size / n))

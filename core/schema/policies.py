@@ -330,6 +330,22 @@ class AutoConfig:
     """The online trial (`trial_steps`, `candidates`); off unless `trial_steps` is set."""
 
 
+RING: dict[str, object] = {"kind": "ring"}
+
+
+@dataclass(frozen=True)
+class Weighed:
+    """One configuration of a policy that `plan` and `auto` weigh (orchestrator/planning/candidates.py):
+    its label, its `sync:` keys besides the policy, its codec, and the jobs it applies to."""
+
+    label: str
+    knobs: dict[str, object] = field(default_factory=dict)
+    codec: str = "none"
+    when: Literal["always", "multi_node", "sgd", "adamw"] = "always"
+    """`multi_node`: where the ranks span more than one node; `sgd`/`adamw`: with that optimizer (the
+    Adam-based policies with AdamW, their SGD counterparts otherwise)."""
+
+
 @dataclass(frozen=True)
 class PolicyRow:
     """One policy, declared once (`POLICIES`): every other list of policies derives from these rows."""
@@ -354,23 +370,38 @@ class PolicyRow:
     """An online trial (`sync.auto`) may switch to or from it mid-run: it holds BSP's replicated state at
     its commit points (the same parameters on every member after a step or a round), so a switch at one
     loses and repeats no sample (orchestrator/planner.py `SWITCHABLE`)."""
+    weighed: tuple[Weighed, ...] = ()
+    """The configurations `plan` and `auto` compare it in (none: never weighed; every row with a cost
+    model has some, tests/unit/test_policy_table.py)."""
 
 
 POLICIES: tuple[PolicyRow, ...] = (
-    PolicyRow("bsp", BSPConfig, "synchronous", "algorithms.policies.allreduce", True, "synchronous", switchable=True),
-    PolicyRow("bytegrad", BytegradConfig, "synchronous", "algorithms.policies.allreduce", True, "synchronous", switchable=True),
-    PolicyRow("qadam", QAdamConfig, "synchronous", "algorithms.policies.qadam", True, "synchronous"),
-    PolicyRow("local_sgd", LocalSGDConfig, "periodic", "algorithms.policies.periodic", True, "periodic", switchable=True),
-    PolicyRow("diloco", DiLoCoConfig, "periodic", "algorithms.policies.periodic", True, "periodic", switchable=True),
-    PolicyRow("streaming_diloco", StreamingDiLoCoConfig, "periodic", "algorithms.policies.periodic", True, "periodic"),
+    PolicyRow("bsp", BSPConfig, "synchronous", "algorithms.policies.allreduce", True, "synchronous", switchable=True,
+              weighed=(Weighed("bsp"), Weighed("bsp hierarchical", {"hierarchical": True}, when="multi_node"))),
+    PolicyRow("bytegrad", BytegradConfig, "synchronous", "algorithms.policies.allreduce", True, "synchronous",
+              switchable=True,
+              weighed=(Weighed("bytegrad uint8", codec="uint8"),
+                       Weighed("bytegrad hierarchical uint8", {"hierarchical": True}, "uint8", "multi_node"))),
+    PolicyRow("qadam", QAdamConfig, "synchronous", "algorithms.policies.qadam", True, "synchronous",
+              weighed=(Weighed("qadam uint8", {"warmup_steps": 100}, "uint8", "adamw"),)),
+    PolicyRow("local_sgd", LocalSGDConfig, "periodic", "algorithms.policies.periodic", True, "periodic", switchable=True,
+              weighed=(Weighed("local_sgd h=8", {"h": 8}),)),
+    PolicyRow("diloco", DiLoCoConfig, "periodic", "algorithms.policies.periodic", True, "periodic", switchable=True,
+              weighed=(Weighed("diloco h=16", {"h": 16}),)),
+    PolicyRow("streaming_diloco", StreamingDiLoCoConfig, "periodic", "algorithms.policies.periodic", True, "periodic",
+              weighed=(Weighed("streaming_diloco h=16 f=4", {"h": 16, "fragments": 4, "overlap": 1}),)),
     PolicyRow("asp", ASPConfig, "server", "algorithms.policies.server_policies", False, None, server=True),
     PolicyRow("ssp", SSPConfig, "server", "algorithms.policies.server_policies", False, None, server=True),
     PolicyRow("quorum", QuorumConfig, "server", "algorithms.policies.server_policies", False, None, server=True),
     PolicyRow("elastic_bsp", ElasticBSPConfig, "server", "algorithms.policies.server_policies", False, None, server=True),
-    PolicyRow("shadow", ShadowConfig, "background", "algorithms.policies.shadow", False, "background"),
-    PolicyRow("dpsgd", DPSGDConfig, "decentralized", "algorithms.policies.gossip", True, "gossip"),
-    PolicyRow("dadam", DAdamConfig, "decentralized", "algorithms.policies.gossip", True, "gossip"),
-    PolicyRow("choco", ChocoConfig, "decentralized", "algorithms.policies.gossip", True, "gossip"),
+    PolicyRow("dpsgd", DPSGDConfig, "decentralized", "algorithms.policies.gossip", True, "gossip",
+              weighed=(Weighed("dpsgd ring", {"topology": RING}), Weighed("dpsgd ring uint8", {"topology": RING}, "uint8"))),
+    PolicyRow("dadam", DAdamConfig, "decentralized", "algorithms.policies.gossip", True, "gossip",
+              weighed=(Weighed("dadam ring k=4", {"topology": RING, "k": 4}, when="adamw"),)),
+    PolicyRow("choco", ChocoConfig, "decentralized", "algorithms.policies.gossip", True, "gossip",
+              weighed=(Weighed("choco ring uint8", {"topology": RING}, "uint8", when="sgd"),)),
+    PolicyRow("shadow", ShadowConfig, "background", "algorithms.policies.shadow", False, "background",
+              weighed=(Weighed("shadow ma", {"method": "ma"}),)),
 )
 """The policy table: the one place a policy is declared. Adding a policy is its module (an `Algorithm`
 registered under `name`), its config class above, its row here, and its tests; the schema, the kinds,

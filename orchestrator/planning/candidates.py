@@ -6,8 +6,8 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 
-from algorithms.rules.runtime_model import CODEC_RATIO, PolicySpec
-from core.schema import JobConfig, parse
+from algorithms.rules.runtime_model import CODEC_RATIO, INF, PolicySpec
+from core.schema import POLICIES, JobConfig, Weighed, parse
 
 
 @dataclass(frozen=True)
@@ -21,45 +21,34 @@ class Candidate:
 
 
 def candidates(cfg: JobConfig, nodes: int | None = None) -> list[Candidate]:
-    """The policies this job could run with, each with the knobs the comparison uses. Adam-based ones
-    (`qadam`, `dadam`) with an AdamW optimizer, the others with SGD; hierarchical BSP where the
-    network has more than one node. The server kinds are left out: their pushes and pulls travel on
-    Ray's own transport, which the lab does not shape, so the model would compare them on other terms.
-    `nodes`: the nodes the ranks were measured on (a probe of the user's cluster), else the lab's."""
-    adam = cfg.optimizer.name == "adamw"
+    """The policies this job could run with: each row of the policy table's `weighed` configurations
+    that applies to it (the Adam-based ones with an AdamW optimizer, their SGD counterparts otherwise;
+    hierarchical ones where the ranks span more than one node), in the table's order. The server kinds
+    weigh none: their pushes and pulls travel on Ray's own transport, which the lab does not shape, so
+    the model would compare them on other terms. `nodes`: the nodes the ranks were measured on (a probe
+    of the user's cluster), else the lab's."""
     nodes = cfg.network.nodes if nodes is None else nodes
-    ring = {"kind": "ring"}
+    applies = {"always": True, "multi_node": nodes > 1, "adamw": cfg.optimizer.name == "adamw",
+               "sgd": cfg.optimizer.name != "adamw"}
     bucket = getattr(cfg.sync, "bucket_mb", 25.0) * 2 ** 20  # the job's own bucket size where it sets one
-    out = [Candidate("bsp", {"policy": "bsp"}, {}, PolicySpec("bsp", bucket_bytes=bucket))]
-    if nodes > 1:
-        out.append(Candidate("bsp hierarchical", {"policy": "bsp", "hierarchical": True}, {},
-                             PolicySpec("bsp", hierarchical=True)))
-    out.append(Candidate("bytegrad uint8", {"policy": "bytegrad"}, {"codec": "uint8"},
-                         PolicySpec("bytegrad", codec_ratio=CODEC_RATIO["uint8"], codec="uint8")))
-    if nodes > 1:
-        out.append(Candidate("bytegrad hierarchical uint8", {"policy": "bytegrad", "hierarchical": True},
-                             {"codec": "uint8"},
-                             PolicySpec("bytegrad", codec_ratio=CODEC_RATIO["uint8"], codec="uint8", hierarchical=True)))
-    if adam:
-        steps = cfg.stop.max_steps or 0
-        out.append(Candidate("qadam uint8", {"policy": "qadam", "warmup_steps": 100}, {"codec": "uint8"},
-                             PolicySpec("qadam", codec_ratio=CODEC_RATIO["uint8"], codec="uint8", warmup_steps=100,
-                                        total_steps=steps)))
-    out.append(Candidate("local_sgd h=8", {"policy": "local_sgd", "h": 8}, {}, PolicySpec("local_sgd", h=8)))
-    out.append(Candidate("diloco h=16", {"policy": "diloco", "h": 16}, {}, PolicySpec("diloco", h=16)))
-    out.append(Candidate("streaming_diloco h=16 f=4",
-                         {"policy": "streaming_diloco", "h": 16, "fragments": 4, "overlap": 1}, {},
-                         PolicySpec("streaming_diloco", h=16, fragments=4, overlap=1)))
-    out.append(Candidate("dpsgd ring", {"policy": "dpsgd", "topology": ring}, {}, PolicySpec("dpsgd")))
-    out.append(Candidate("dpsgd ring uint8", {"policy": "dpsgd", "topology": ring}, {"codec": "uint8"},
-                         PolicySpec("dpsgd", codec_ratio=CODEC_RATIO["uint8"], codec="uint8")))
-    if adam:
-        out.append(Candidate("dadam ring k=4", {"policy": "dadam", "topology": ring, "k": 4}, {}, PolicySpec("dadam")))
-    else:
-        out.append(Candidate("choco ring uint8", {"policy": "choco", "topology": ring}, {"codec": "uint8"},
-                             PolicySpec("choco", codec_ratio=CODEC_RATIO["uint8"], codec="uint8")))
-    out.append(Candidate("shadow ma", {"policy": "shadow", "method": "ma"}, {}, PolicySpec("shadow")))
-    return out
+    return [Candidate(w.label, {"policy": row.name, **copy.deepcopy(w.knobs)},
+                      {"codec": w.codec} if w.codec != "none" else {}, spec_of(row.name, w, cfg, bucket))
+            for row in POLICIES for w in row.weighed if applies[w.when]]
+
+
+def spec_of(name: str, weighed: Weighed, cfg: JobConfig, bucket_bytes: float) -> PolicySpec:
+    """The runtime model's view of one weighed configuration: its codec's wire ratio, its knobs, the
+    job's bucket size (flat BSP's overlap with backward) and, for a warm-up, the job's steps."""
+    def number(key: str, default: int) -> int:
+        value = weighed.knobs.get(key, default)
+        assert isinstance(value, int), f"{weighed.label}: {key} is {value!r}"
+        return value
+    hierarchical = weighed.knobs.get("hierarchical", False) is True
+    return PolicySpec(name, codec_ratio=CODEC_RATIO[weighed.codec], codec=weighed.codec, hierarchical=hierarchical,
+                      h=number("h", 1), fragments=number("fragments", 1), overlap=number("overlap", 0),
+                      warmup_steps=number("warmup_steps", 0),
+                      total_steps=(cfg.stop.max_steps or 0) if "warmup_steps" in weighed.knobs else 0,
+                      bucket_bytes=bucket_bytes if name == "bsp" and not hierarchical else INF)
 
 
 def with_candidate(cfg: JobConfig, cand: Candidate) -> JobConfig:
