@@ -45,7 +45,6 @@ from core.schema.policies import (
     ElasticBSPConfig,
     LocalSGDConfig,
     PolicyRow,
-    Weighed,
     QAdamConfig,
     QuorumConfig,
     ShadowConfig,
@@ -54,6 +53,7 @@ from core.schema.policies import (
     SyncConfig,
     TopologyConfig,
     TrialConfig,
+    Weighed,
 )
 from core.schema.status import TERMINAL_STATES, Event, JobResult, JobState, JobStatus, MemberStatus
 from core.schema.training import CODECS, CheckpointConfig, CompressionConfig, ServerConfig, StopConfig, TargetConfig, TrackingConfig
