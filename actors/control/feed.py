@@ -28,6 +28,9 @@ class Feed:
     def record(self, record: dict) -> None:
         self._wake()
 
+    def close(self) -> None:
+        """Nothing to let go of: a waiting `status` call times out on its own."""
+
     def _wake(self) -> None:
         # events are also recorded from threads (the run report's), hence the loop's thread-safe call
         if self._waiting and self._loop is not None and self._changed is not None:

@@ -23,6 +23,7 @@ from actors.control.history import History
 from actors.runs import checkpoints, runfiles
 from actors.runs.mirror import RunMirror
 from actors.runs.storage import Storage, first_line, open_storage, run_storage
+from core.listener import JobListener
 from core.schema import Event
 
 log = logging.getLogger(__name__)
@@ -103,7 +104,8 @@ class Journal:
         self.checkpoint: tuple[int, str] | None = None
         """(step, path) of this run's newest checkpoint (what a loss of every member restarts from)."""
         self._step_times: TextIO | None = None
-        self.listeners: list[Any] = []
+        self.listeners: list[JobListener] = []
+        self._failed_listeners: set[int] = set()  # ids of the listeners whose failure was noted
         """Whatever follows the run as it is written (metrics, TensorBoard): each has `event(event)` and
         `record(record)`, called for every event and for every record history takes as its newest."""
         if self.hydrated:
@@ -118,7 +120,7 @@ class Journal:
         self.count += 1
         self._events.write(json.dumps(event.to_dict()) + "\n")
         self._events.flush()
-        self._tell("event", event)
+        self._tell("event", lambda listener: listener.event(event))
         return event
 
     def since(self, seen: int) -> tuple[list[dict], bool]:
@@ -181,7 +183,7 @@ class Journal:
         self._newest_at = time.monotonic()
         while self.recent[0][0] <= record["time"] - THROUGHPUT_WINDOW_S:  # amortised O(1) per record
             self.recent.popleft()
-        self._tell("record", record)
+        self._tell("record", lambda listener: listener.record(record))
         return True
 
     def step_times(self, times: dict[str, float]) -> None:
@@ -194,13 +196,14 @@ class Journal:
         self._step_times.write(json.dumps({"time": time.time(), "step_s": times}) + "\n")
         self._step_times.flush()
 
-    def _tell(self, what: str, value: Any) -> None:
+    def _tell(self, what: str, tell: Callable[[JobListener], None]) -> None:
+        """Tell every listener (`core/listener.py`); a listener's first failure is one event."""
         for listener in self.listeners:
             try:
-                getattr(listener, what)(value)
+                tell(listener)
             except Exception as err:  # noqa: BLE001 - watching the job must never stop it
-                if not getattr(listener, "failed", False):
-                    listener.failed = True
+                if id(listener) not in self._failed_listeners:
+                    self._failed_listeners.add(id(listener))
                     self.event("info", f"{type(listener).__name__} failed and goes on without that {what}: "
                                        f"{type(err).__name__}: {err}")
 
@@ -404,7 +407,7 @@ class Journal:
 
     def close(self) -> None:
         for listener in self.listeners:
-            getattr(listener, "close", lambda: None)()
+            listener.close()
         if self.history is not None:
             self.history.shut()
         self._events.close()

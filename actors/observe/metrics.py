@@ -228,6 +228,9 @@ class JobMetrics:
         for seconds in step_s:
             self.x.observe("step_compute_seconds", seconds)
 
+    def close(self) -> None:
+        """Nothing to let go of: Ray's metrics agent exports what was set."""
+
     def event(self, event: Any) -> None:
         """An event of the journal: transitions, reshapes (recovery and join times), checkpoints,
         storage failures, restarts."""
