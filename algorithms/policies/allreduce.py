@@ -293,9 +293,7 @@ class AllReduceImpl(AlgorithmImpl):
                 return loss.backward()
             if self.comm.aborted:  # released already: do not launch into shut-down connections
                 raise RuntimeError("membership epoch aborted")
-            fire = getattr(self.comm, "at_launch", None)
-            if fire is not None:
-                fire()  # `faults.kills` at allreduce: this member dies as its buckets go out
+            self.comm.at_launch()  # under `faults.kills` at allreduce, the wrapped group's member dies here
             self.reducer.prepare_for_backward([])
             draft = self._draft
             if self._tail is self._tail_host:  # the tail, written in place (CPU parameters: reading the loss costs nothing)
