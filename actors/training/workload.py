@@ -16,9 +16,10 @@ from algorithms.policies.base import get_algorithm
 from algorithms.policies.optim import build_optimizer
 from core.factory import check_factory
 from core.schema import JobConfig
+from core.workload_api import WorkloadLike
 
 
-def build_workload(cfg: JobConfig) -> Any:
+def build_workload(cfg: JobConfig) -> WorkloadLike:
     """The job's workload from its factory, after seeding: identical initial replicas everywhere
     (verified by checksum at the first plan)."""
     torch.manual_seed(cfg.seed)

@@ -5,33 +5,19 @@ A workload factory is called as `factory(**workload.params)` and returns an obje
 `loss(model, batch) -> Tensor` and optionally `evaluate(model, eval_data) -> dict` and
 `tokens_per_sample` (a sequence model's tokens in one sample: progress, status, history and the
 metrics then show tokens per second).
-`Workload` below is a convenient container for that; any object with those attributes works.
+The contract itself, with `Workload` (a convenient container for it; any object with those attributes
+works), is core/workload_api.py; both are importable from here too.
 """
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
+from core.workload_api import MapData, Workload, WorkloadLike
 
-@dataclass
-class Workload:
-    model: torch.nn.Module
-    train_data: torch.utils.data.Dataset
-    loss: Callable[[torch.nn.Module, Any], torch.Tensor]
-    eval_data: torch.utils.data.Dataset | None = None
-    evaluate: Callable[[torch.nn.Module, Any], dict] | None = None
-    tokens_per_sample: int | None = None
-
-
-class MapData(Protocol):
-    """A map-style dataset that knows its length (torch's `Dataset` declares no `__len__`)."""
-
-    def __len__(self) -> int: ...
-    def __getitem__(self, index: int) -> Any: ...
+__all__ = ["MapData", "Workload", "WorkloadLike", "with_modelled_compute"]
 
 
 def with_modelled_compute(workload: Any, compute_ms: float = 0.0, slow: dict | None = None, jitter_sigma: float = 0.0,

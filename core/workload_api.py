@@ -1,0 +1,42 @@
+"""The workload contract: what a workload factory returns and a worker consumes.
+
+A factory (`workload.factory` in a config, called as `factory(**workload.params)`) returns an object
+with `model` (a torch module), `train_data` (a map-style dataset with a length), `loss(model, batch)`
+(a scalar tensor), and optionally `eval_data`, `evaluate(model, eval_data) -> dict` and
+`tokens_per_sample` (a sequence model's tokens in one sample: progress, status and the metrics then
+show tokens per second). `Workload` is a convenient container for it; any object with those
+attributes works (`WorkloadLike` says which the worker requires). Torch is named for the type checker
+only: this module loads none."""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+
+class MapData(Protocol):
+    """A map-style dataset that knows its length (torch's `Dataset` declares no `__len__`)."""
+
+    def __len__(self) -> int: ...
+    def __getitem__(self, index: int) -> Any: ...
+
+
+class WorkloadLike(Protocol):
+    """What a worker requires of a factory's answer (the optional attributes it reads with defaults)."""
+
+    model: torch.nn.Module
+    train_data: Any
+    loss: Callable[[torch.nn.Module, Any], torch.Tensor]
+
+
+@dataclass
+class Workload:
+    model: torch.nn.Module
+    train_data: torch.utils.data.Dataset
+    loss: Callable[[torch.nn.Module, Any], torch.Tensor]
+    eval_data: torch.utils.data.Dataset | None = None
+    evaluate: Callable[[torch.nn.Module, Any], dict] | None = None
+    tokens_per_sample: int | None = None
