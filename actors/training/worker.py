@@ -17,6 +17,7 @@ import os
 import sys
 import threading
 import uuid
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import ray
@@ -56,38 +57,40 @@ class RayLink:
             self._handle = ray.get_actor(self.spec.coordinator, namespace=self.spec.namespace)
         return self._handle
 
-    def _send(self, method: str, *args: Any) -> ray.ObjectRef:
+    def _send(self, call: Callable[[Any, tuple[str, int]], ray.ObjectRef]) -> ray.ObjectRef:
+        """`call(coordinator, order)`: one of the coordinator's methods, called with this link's next
+        number (the coordinator takes each sender's calls in that order: actors/control/sequencer.py)."""
         with self._lock:  # numbers in the order submitted; a call that could not be sent uses no number
-            ref = getattr(self._coord(), method).remote(*args, order=(self._sender, self._next))
+            ref = call(self._coord(), (self._sender, self._next))
             self._next += 1
             return ref
 
     def report(self, progress: Progress, wait: bool) -> None:
-        ref = self._send("report", progress)
+        ref = self._send(lambda c, order: c.report.remote(progress, order=order))
         for seconds in progress.step_s:  # at a report (a batch of steps), never inside a step
             self._metrics.observe("worker_step_compute_seconds", seconds, slot=progress.slot)
         if wait:
             ray.get(ref, timeout=10)
 
     def epoch_agreed(self, epoch: int, step: int, records: tuple[dict, ...]) -> None:
-        self._send("epoch_agreed", epoch, step, records)
+        self._send(lambda c, order: c.epoch_agreed.remote(epoch, step, records, order=order))
 
     def state_received(self, slot: str, epoch: int, source: str, step: int) -> None:
-        self._send("state_received", slot, epoch, source, step)
+        self._send(lambda c, order: c.state_received.remote(slot, epoch, source, step, order=order))
 
     def collective_failed(self, slot: str, epoch: int, error: str) -> None:
-        self._send("collective_failed", slot, epoch, error)
+        self._send(lambda c, order: c.collective_failed.remote(slot, epoch, error, order=order))
 
     def fault_fired(self, index: int, slot: str, step: int, phase: str) -> None:
-        ray.get(self._send("fault_fired", index, slot, step, phase), timeout=5)
+        ray.get(self._send(lambda c, order: c.fault_fired.remote(index, slot, step, phase, order=order)), timeout=5)
 
     def samples_skipped(self, slot: str, step: int, ids: list[int], reason: str) -> None:
-        self._send("samples_skipped", slot, step, ids, reason)
+        self._send(lambda c, order: c.samples_skipped.remote(slot, step, ids, reason, order=order))
 
     def save_checkpoint(self, step: int, blob: bytes) -> None:
         if self._checkpoints:  # forget those already stored
             self._checkpoints = ray.wait(self._checkpoints, num_returns=len(self._checkpoints), timeout=0)[1]
-        self._checkpoints.append(self._send("save_checkpoint", step, blob))  # answered once stored
+        self._checkpoints.append(self._send(lambda c, order: c.save_checkpoint.remote(step, blob, order=order)))  # answered once stored
 
     def checkpoints_stored(self, timeout: float) -> None:
         pending, self._checkpoints = self._checkpoints, []

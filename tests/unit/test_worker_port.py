@@ -55,3 +55,26 @@ def test_no_call_to_a_worker_names_its_method_in_a_string():
             if isinstance(node, ast.Compare) and isinstance(node.left, ast.Name) and node.left.id == "method":
                 found.append(f"{path.relative_to(REPO)}:{node.lineno}")
     assert not found, found
+
+
+def test_the_workers_calls_to_the_coordinator_name_its_methods_and_carry_their_order():
+    """The other direction: the worker's link (actors/training/worker.py `RayLink`) calls each coordinator
+    method as an attribute of the handle, never by a name in a string, and each one it calls exists on
+    the coordinator actor and takes the link's `order` (its place in the sender's sequence)."""
+    from actors.control.coordinator import Coordinator
+
+    path = REPO / "actors/training/worker.py"
+    called = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr":
+            assert not (isinstance(node.args[0], ast.Call) and getattr(node.args[0].func, "attr", "") == "_coord"), \
+                f"worker.py:{node.lineno} looks a coordinator method up by name"
+        if isinstance(node, ast.Attribute) and node.attr == "remote" and isinstance(node.value, ast.Attribute) \
+                and isinstance(node.value.value, ast.Name) and node.value.value.id == "c":
+            called.add(node.value.attr)
+    assert called >= {"report", "epoch_agreed", "state_received", "collective_failed", "fault_fired",
+                      "samples_skipped", "save_checkpoint"}, called
+    for name in called:
+        method = getattr(Coordinator, name, None)
+        assert method is not None, f"the coordinator has no {name}"
+        assert "order" in inspect.signature(method).parameters, name
