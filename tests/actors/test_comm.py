@@ -132,7 +132,7 @@ def test_without_abort_survivors_of_a_silent_peer_wait_for_the_timeout(store, vi
           [r.get("error") for r in results])
     # The first survivor to time out closes its connections, and a survivor whose own timeout has not
     # fired yet then sees "Connection closed by peer" (the silent peer, stopped, closes nothing): freed
-    # by that timeout too, never sooner (seen once in 10 clean-clone runs: 4.26 s CommTimeout, then
+    # by that timeout too, never sooner (seen once in clean-clone CI, 2026-11-28: 4.26 s CommTimeout, then
     # 4.31 s CommError, 4.33 s CommTimeout).
     timed_out = [r["at"] for r in results if r["outcome"] == "CommTimeout"]
     assert timed_out, "nothing but the timeout frees them"
