@@ -67,6 +67,11 @@ class _Feed(TypedDict):
     state: str
 
 
+def _watch_feed(seen: int, after: int, wait_s: float) -> Callable[[Any], Any]:
+    """The coordinator's `watch_feed` call for `ElasticJob._ask` (its arguments bound now, not at the loop's end)."""
+    return lambda coordinator: coordinator.watch_feed.remote(seen, after, wait_s)
+
+
 class ElasticJob:
     def __init__(self, config: JobConfig, resume_from: str | None = None) -> None:
         """`resume_from`: a checkpoint file (see `actors.runs.checkpoints.newest_valid`)."""
@@ -165,17 +170,18 @@ class ElasticJob:
         job.storage = job_storage(config) if is_remote(config.storage) else None
         return job
 
-    def _ask(self, method: str, *args: object, timeout: float = 30.0) -> Any:
-        """Call the coordinator, waiting out a restart (Ray restarts it; it carries on). A call the
-        dying process was answering is asked again of the new one: every call here is idempotent.
-        Returns what the coordinator's method returns (a plain dict or list, as Ray carried it)."""
+    def _ask(self, call: Callable[[Any], Any], timeout: float = 30.0) -> Any:
+        """`call(coordinator)`, one of the coordinator actor's methods (`c.status.remote()`), waiting out
+        a restart (Ray restarts it; it carries on). A call the dying process was answering is asked again
+        of the new one: every call here is idempotent. Returns what the coordinator's method returns (a
+        plain dict or list, as Ray carried it)."""
         coordinator = self._coordinator
         if coordinator is None:
             raise OrchestratorError(f"job {self.name!r} is not running")
         deadline = time.monotonic() + RESTART_WAIT_S
         while True:
             try:
-                return ray.get(getattr(coordinator, method).remote(*args), timeout=timeout)
+                return ray.get(call(coordinator), timeout=timeout)
             except ray.exceptions.ActorUnavailableError:
                 pass
             except ray.exceptions.RayActorError:
@@ -188,7 +194,7 @@ class ElasticJob:
     def status(self) -> JobStatus:
         if self._coordinator is not None:
             try:
-                return JobStatus.from_dict(self._ask("status"))
+                return JobStatus.from_dict(self._ask(lambda c: c.status.remote()))
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
                 self._coordinator = None
         data = runfiles.read_json(self.run_dir / "status.json") if self.run_dir else None
@@ -247,8 +253,8 @@ class ElasticJob:
                 final = self.status()
                 answer = _Feed(events=self.events()[seen:], complete=True, step=final.step, state=final.state)
             else:
-                answer = self._ask("watch_feed", seen, _NO_STEP if step is None else step - 1, max(0.0, remaining),
-                                   timeout=max(0.0, remaining) + 30)
+                after, wait_s = _NO_STEP if step is None else step - 1, max(0.0, remaining)
+                answer = self._ask(_watch_feed(seen, after, wait_s), timeout=wait_s + 30)
             events = answer["events"] if answer["complete"] else self.events()[seen:]
             if matches is not None:
                 for index, event in enumerate(events, start=seen):
@@ -267,7 +273,7 @@ class ElasticJob:
         """Graceful stop at the next committed step; returns once every actor of the job is gone."""
         if self._coordinator is not None:
             try:
-                self._ask("request_stop", reason)
+                self._ask(lambda c: c.request_stop.remote(reason))
             except ray.exceptions.RayActorError:
                 self._coordinator = None
         deadline = time.monotonic() + timeout
@@ -290,7 +296,7 @@ class ElasticJob:
         if self._coordinator is None:
             raise OrchestratorError(f"job {self.name!r} is not running")
         try:
-            return JobStatus.from_dict(self._ask("scale", int(count), timeout=300))
+            return JobStatus.from_dict(self._ask(lambda c: c.scale.remote(int(count)), timeout=300))
         except ValueError as err:
             raise ConfigError(remote_message(err)) from None
 
