@@ -78,3 +78,20 @@ def test_the_workers_calls_to_the_coordinator_name_its_methods_and_carry_their_o
         method = getattr(Coordinator, name, None)
         assert method is not None, f"the coordinator has no {name}"
         assert "order" in inspect.signature(method).parameters, name
+
+
+def test_the_drivers_calls_to_the_coordinator_name_its_methods():
+    """The driver (orchestrator/job.py `ElasticJob._ask`) names each coordinator method as an attribute
+    of the handle too, and each one it calls exists on the coordinator actor."""
+    from actors.control.coordinator import Coordinator
+
+    tree = ast.parse((REPO / "orchestrator/job.py").read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr":
+            assert not (isinstance(node.args[0], ast.Name) and node.args[0].id in ("coordinator", "c")), \
+                f"job.py:{node.lineno} looks a coordinator method up by name"
+    called = {node.value.attr for node in ast.walk(tree)
+              if isinstance(node, ast.Attribute) and node.attr == "remote" and isinstance(node.value, ast.Attribute)
+              and isinstance(node.value.value, ast.Name) and node.value.value.id in ("c", "coordinator")}
+    assert called >= {"status", "watch_feed", "request_stop", "scale"}, called
+    assert all(hasattr(Coordinator, name) for name in called), called
