@@ -54,7 +54,7 @@ def test_the_job_s_metrics_on_ray_s_endpoint_match_status_and_history(run_root):
                    timeout=15, what="the workers' step times", every=0.5)
         joined = job.wait_for(lambda e: e["kind"] == "reshape" and e["detail"]["joiners"] == ["w1"], timeout=120)
         job.wait_for(step=joined["detail"]["first_committed_step"] + 10)
-        job._ask("request_stop", "the test saw the join and 10 steps after it")  # stop() would also release it
+        job._ask(lambda c: c.request_stop.remote("the test saw the join and 10 steps after it"))  # stop() would also release it
         status = wait_until(lambda: (s := job.status()).state in ("STOPPED", "FAILED") and s, timeout=120,
                             what="the end (the coordinator stays until released: its metrics too)")
         assert status.state == "STOPPED" and status.world_size == 3, status
