@@ -16,6 +16,7 @@ every 0.1 s while they train). Start-up: from `ElasticJob.start()` to the first 
 to Ray Train's `TorchTrainer.fit()` to its first completed step, on the same workload and Ray.
 
     python benchmarks/bsp_vs_ddp.py [--pairs 5] [--steps 550] [--startup-runs 3] [--workload digits|lm]
+        [--set workers.huge_pages=false ...]
         [--ddp-niceness 0|ray]
 
 Prints a table, then one JSON line. Figures are measurements, not gates.
@@ -120,6 +121,10 @@ def run_ddp(steps: int, name: str, niceness: int = 0) -> dict:
 
 
 # --------------------------------------------------------------------------- orchestrator
+OVERRIDES: list[str] = []
+"""Config overrides for the orchestrator's job (`--set`)."""
+
+
 def job_config(name: str, steps: int, engine: str = "auto", workload: str = "digits"):
     """The orchestrator side's job (also profiled by profile_step.py)."""
     from orchestrator.config import config_from_dict
@@ -130,7 +135,7 @@ def job_config(name: str, steps: int, engine: str = "auto", workload: str = "dig
         "workload": {"factory": w["factory"], "params": w["params"], "batch_size": w["per_worker"]},
         "optimizer": w["optimizer"],
         "sync": {"policy": "bsp", "bucket_mb": BUCKET_MB, "engine": engine}, "stop": {"max_steps": steps}, "eval_every": 0,
-    })
+    }, OVERRIDES)
 
 
 def run_orchestrator(name: str, steps: int, workload: str) -> dict:
@@ -196,7 +201,10 @@ def main() -> int:
     parser.add_argument("--ddp-niceness", choices=["0", "ray"], default="0",
                         help="DDP's ranks at niceness 0 (as torchrun starts them), or at the niceness Ray gives its "
                              "workers (15 by default), so that both sides yield alike to Ray's own processes")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a config override for the orchestrator's job (repeatable), e.g. workers.huge_pages=false")
     args = parser.parse_args()
+    OVERRIDES.extend(args.set)
     if args.steps < WINDOW[1]:  # a short trial run times what it has
         globals()["WINDOW"] = (min(50, args.steps // 3), args.steps)
 
@@ -254,7 +262,7 @@ def main() -> int:
         print(f"{label:<44}{value:>24}")
     print(f"{'start-up ratio orchestrator / Ray Train':<44}{(f'{startup_ratio:.3f}' if startup_ratio else 'n/a'):>24}")
     print(json.dumps({"benchmark": "bsp_vs_ddp", "workload": args.workload, "ddp_niceness": niceness,
-                      "pairs": args.pairs, "window": list(WINDOW), "workers": WORKERS,
+                      "pairs": args.pairs, "window": list(WINDOW), "workers": WORKERS, "overrides": args.set,
                       "steps_per_s_ratio_median": ratio["median"], "rss_ratio_median": rss_ratio["median"],
                       "startup_ratio_vs_ray_train": startup_ratio, "startup_orchestrator_s": so, "startup_ray_train_s": sr,
                       "ray_train_error": rt_error, "per_pair": pairs}))

@@ -16,7 +16,7 @@ With `--spares k` the job keeps k hot spares (`workers.spares`): each replacemen
 the join take a spare, and (a) also reports death -> the replacement's first committed step.
 
     python benchmarks/recovery.py [--events 5] [--workers 3] [--checkpoint-every 50] [--spares 0]
-        [--workload digits|lm]
+        [--workload digits|lm] [--set workers.huge_pages=false ...]
 
 Prints a table, then one JSON line. Figures are measurements, not gates.
 """
@@ -55,7 +55,8 @@ def log(text: str) -> None:
 
 
 # --------------------------------------------------------------------------- orchestrator
-def orchestrator_side(events: int, workers: int, every: int, spares: int = 0, workload: str = "digits") -> dict:
+def orchestrator_side(events: int, workers: int, every: int, spares: int = 0, workload: str = "digits",
+                      overrides: tuple[str, ...] = ()) -> dict:
     from orchestrator.config import config_from_dict
     from orchestrator.job import ElasticJob
 
@@ -67,7 +68,7 @@ def orchestrator_side(events: int, workers: int, every: int, spares: int = 0, wo
                      "batch_size": WORKLOADS[workload]["per_worker"]},
         "optimizer": WORKLOADS[workload]["optimizer"], "checkpoint": {"every_steps": every},
         "stop": {"max_steps": 10_000_000}, "eval_every": 0,
-    })
+    }, overrides)
     job = ElasticJob(cfg).start()
     wait_until(lambda: job.status().step > 50, 120, "training")
     ready_spares = lambda: len([s for s in job.status().spares if s["state"] == "ready"]) >= spares  # noqa: E731
@@ -261,6 +262,8 @@ def main() -> int:
     parser.add_argument("--spares", type=int, default=0, help="hot spares the orchestrator's job keeps")
     parser.add_argument("--no-ray-train", action="store_true", help="the orchestrator's side only")
     parser.add_argument("--workload", choices=sorted(WORKLOADS), default="digits")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a config override for the orchestrator's job (repeatable), e.g. workers.huge_pages=false")
     args = parser.parse_args()
 
     import ray
@@ -273,7 +276,8 @@ def main() -> int:
     # controller and the coordinator need room too.
     ray.init(address="local", num_cpus=max(8, args.workers + args.spares + 3), namespace=NAMESPACE, log_to_driver=False,
              logging_level="ERROR")
-    orch = orchestrator_side(args.events, args.workers, args.checkpoint_every, args.spares, args.workload)
+    orch = orchestrator_side(args.events, args.workers, args.checkpoint_every, args.spares, args.workload,
+                             tuple(args.set))
     rt, rt_error = None, "not run (--no-ray-train)"
     if not args.no_ray_train:
         try:
@@ -306,6 +310,7 @@ def main() -> int:
     for label, value in rows:
         print(f"{label:<48}{value:>28}")
     print(json.dumps({"benchmark": "recovery", "workload": args.workload, "events": args.events, "workers": args.workers,
+                      "overrides": args.set,
                       "checkpoint_every": args.checkpoint_every, "orchestrator": orch, "ray_train": rt,
                       "ray_train_error": rt_error, "speedup_median": (r_med / o_med) if rt else None}), flush=True)
     # Shut Ray down only once the results are out: Ray Train's fit() thread still calls into Ray, and a

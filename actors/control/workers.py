@@ -148,6 +148,26 @@ class WorkerGroup:
         """This coordinator is done: its process goes."""
 
 
+HUGE_PAGES_TUNABLE = "glibc.malloc.hugetlb=1"
+"""glibc's malloc asks for transparent huge pages (madvise) for the heap and its mapped chunks."""
+
+
+def worker_process_env(cfg: JobConfig, inherited: str | None = None) -> dict[str, str]:
+    """Variables set in a worker's process at its start (a Ray runtime environment): the lab's shim
+    (lab jobs) and, with `workers.huge_pages`, glibc's huge-page tunable, added to any GLIBC_TUNABLES
+    already set (`inherited`; the coordinator's own by default)."""
+    env: dict[str, str] = {}
+    if cfg.network.lab:  # the lab: its connect() shim preloaded (orchestrator/lab.py)
+        from actors.transport.lab_shim import worker_env  # only lab jobs need it
+
+        env.update(worker_env(cfg.network))
+    if cfg.workers.huge_pages:
+        have = os.environ.get("GLIBC_TUNABLES", "") if inherited is None else inherited
+        if "glibc.malloc.hugetlb" not in have:  # the user's own setting stands
+            env["GLIBC_TUNABLES"] = f"{have}:{HUGE_PAGES_TUNABLE}" if have else HUGE_PAGES_TUNABLE
+    return env
+
+
 class RayWorkerGroup(WorkerGroup):
     def __init__(self, cfg: JobConfig) -> None:
         import ray  # the fake never needs it
@@ -160,18 +180,18 @@ class RayWorkerGroup(WorkerGroup):
         log_to(run_dir / "coordinator.log", log_level)
 
     def create(self, name: str, spec: WorkerSpec) -> Any:
+        import ray
+
         from actors.training.worker import WorkerActor
 
         w = self.cfg.workers
-        lab = {}
-        if self.cfg.network.lab:  # the lab: its connect() shim preloaded (orchestrator/lab.py)
-            from actors.transport.lab_shim import worker_env  # only lab jobs need it
-
-            lab = {"runtime_env": {"env_vars": worker_env(self.cfg.network)}}
+        env = worker_process_env(self.cfg)
+        if env:  # a child's own env_vars replace its parent's unless merged: keep the coordinator's (credentials)
+            env = {**(ray.get_runtime_context().runtime_env or {}).get("env_vars", {}), **env}
         return WorkerActor.options(name=name, namespace=self.cfg.ray.namespace, lifetime="detached",
                                    num_cpus=w.cpus, num_gpus=w.gpus, max_restarts=0,
                                    scheduling_strategy="SPREAD" if w.placement == "spread" else "DEFAULT",
-                                   **lab).remote(spec)
+                                   **({"runtime_env": {"env_vars": env}} if env else {})).remote(spec)
 
     def lookup(self, name: str) -> Any:
         import ray

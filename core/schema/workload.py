@@ -48,6 +48,13 @@ class WorkersConfig:
     the cores from the re-forming members. Each spare holds `cpus` and `gpus` like a worker, for the
     whole run."""
 
+    huge_pages: bool = True
+    """Back each worker's heap with transparent huge pages (glibc's `glibc.malloc.hugetlb=1`, set in the
+    worker process's environment at its start; Linux with THP in `madvise` or `always` mode). A process
+    killed by SIGKILL closes its sockets only after the kernel has freed its memory, page by page; with
+    2-MiB pages that takes a fraction of the time, so the survivors and Ray see the death sooner
+    (docs/benchmarks.md, "kill floor"). Off: the worker's allocator as the system sets it."""
+
     def __post_init__(self) -> None:
         if self.spares < 0:
             raise FieldError("spares", f"must not be negative, got {self.spares}")
