@@ -5,7 +5,9 @@ Ray (the raylet's socket to the worker closes) only once the kernel has closed t
 descriptors, which it does after tearing down its address space. So the time from the SIGKILL to
 the end-of-file on a socket the process held is a floor under every detector of a death here, and
 it grows with the memory the process maps. This times it for a child that imports torch (as a
-worker does) and holds `--mb` MiB more, against one that holds nothing extra, alternating.
+worker does) and holds `--mb` MiB more, against one that holds nothing extra, each with its heap on
+4-KiB pages and on transparent huge pages (glibc's `glibc.malloc.hugetlb=1`, what
+`workers.huge_pages` gives a worker), alternating.
 
     python benchmarks/kill_floor.py [--runs 7] [--mb 0 300]
 
@@ -33,8 +35,17 @@ time.sleep(600)
 """
 
 
-def kill_to_eof_ms(server: socket.socket, mb: int) -> float:
-    child = subprocess.Popen([sys.executable, "-c", CHILD, str(server.getsockname()[1]), str(mb)])
+PAGES = {"4 KiB": None, "huge": "glibc.malloc.hugetlb=1"}
+"""The child's heap: as the system sets it, or on transparent huge pages (GLIBC_TUNABLES)."""
+
+
+def kill_to_eof_ms(server: socket.socket, mb: int, tunable: str | None = None) -> float:
+    env = dict(os.environ)
+    if tunable:
+        env["GLIBC_TUNABLES"] = tunable
+    else:
+        env.pop("GLIBC_TUNABLES", None)
+    child = subprocess.Popen([sys.executable, "-c", CHILD, str(server.getsockname()[1]), str(mb)], env=env)
     try:
         server.settimeout(120)
         conn, _ = server.accept()
@@ -57,19 +68,20 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=7)
     parser.add_argument("--mb", type=int, nargs="+", default=[0, 300], help="extra MiB each child holds")
     args = parser.parse_args()
-    results: dict[int, list[float]] = {mb: [] for mb in args.mb}
+    results: dict[tuple[str, int], list[float]] = {(pages, mb): [] for pages in PAGES for mb in args.mb}
     with socket.socket() as server:
         server.bind(("127.0.0.1", 0))
         server.listen(1)
         for _ in range(args.runs):
-            for mb in args.mb:  # alternating, so that the machine's load falls on every size alike
-                results[mb].append(kill_to_eof_ms(server, mb))
-    print(f"{'child (imports torch) holding':<36}{'kill -> EOF ms, median [min-max]':>36}")
-    for mb, values in results.items():
-        print(f"{f'+{mb} MiB':<36}{f'{statistics.median(values):.1f} [{min(values):.1f}-{max(values):.1f}]':>36}")
+            for pages, mb in results:  # alternating, so that the machine's load falls on every case alike
+                results[pages, mb].append(kill_to_eof_ms(server, mb, PAGES[pages]))
+    print(f"{'child (imports torch) holding':<30}{'pages':>8}{'kill -> EOF ms, median [min-max]':>36}")
+    for (pages, mb), values in results.items():
+        print(f"{f'+{mb} MiB':<30}{pages:>8}"
+              f"{f'{statistics.median(values):.1f} [{min(values):.1f}-{max(values):.1f}]':>36}")
     print(json.dumps({"benchmark": "kill_floor", "runs": args.runs,
-                      "kill_to_eof_ms": {str(mb): v for mb, v in results.items()},
-                      "median_ms": {str(mb): statistics.median(v) for mb, v in results.items()}}))
+                      "kill_to_eof_ms": {f"{pages}/{mb}": v for (pages, mb), v in results.items()},
+                      "median_ms": {f"{pages}/{mb}": statistics.median(v) for (pages, mb), v in results.items()}}))
     return 0
 
 
