@@ -140,7 +140,7 @@ class CoordinatorBase(Actions):
         if self._saved is None:
             self._recovered.set()
         else:
-            self.group.call_self(self.name, self.cfg.ray.namespace, "start")  # nobody else will
+            self.group.start_self(self.name, self.cfg.ray.namespace)  # nobody else will
             if self.algorithm.kind in SERVER_KINDS:  # detached: it trained on without us
                 self.server = ServerControl.attach(self.cfg, self.run_id)
         self.history = self.journal.open_history(self.algorithm.reporter, self.journal.step, self.book.live)

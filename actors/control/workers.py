@@ -137,8 +137,8 @@ class WorkerGroup:
     def recall_secret(self, key: str) -> bytes | None:
         return None
 
-    def call_self(self, name: str, namespace: str, method: str) -> None:
-        """A restarted coordinator asks for its own `method` (nobody else will)."""
+    def start_self(self, name: str, namespace: str) -> None:
+        """A restarted coordinator asks for its own `start` (nobody else will)."""
 
     def metric(self, metric: Any, defaults: dict[str, str]) -> Any:
         """A metric to export (actors/observe/metrics.py): Ray's, through its metrics agent; the fake's records values."""
@@ -292,8 +292,8 @@ class RayWorkerGroup(WorkerGroup):
         raw = _internal_kv_get(f"secret/{key}", namespace=KV_NAMESPACE)
         return bytes.fromhex(raw.decode()) if raw else None
 
-    def call_self(self, name: str, namespace: str, method: str) -> None:
-        call_self_when_alive(name, namespace, method)
+    def start_self(self, name: str, namespace: str) -> None:
+        start_self_when_alive(name, namespace)
 
     def metric(self, metric: Any, defaults: dict[str, str]) -> Any:
         from actors.observe.metrics import ray_metric
@@ -330,10 +330,10 @@ SELF_CALL_DEADLINE_S = 60.0
 """A restarted coordinator whose own `start` is not taken within this long kills itself (Ray restarts it)."""
 
 
-def call_self_when_alive(name: str, namespace: str, method: str, deadline_s: float = SELF_CALL_DEADLINE_S,
-                         call: Callable[[], Any] | None = None,
-                         give_up: Callable[[], None] | None = None) -> threading.Thread:
-    """Call `method` of this restarted actor once it accepts calls, from a thread of its own.
+def start_self_when_alive(name: str, namespace: str, deadline_s: float = SELF_CALL_DEADLINE_S,
+                          call: Callable[[], Any] | None = None,
+                          give_up: Callable[[], None] | None = None) -> threading.Thread:
+    """Call this restarted coordinator's own `start` once it accepts calls, from a thread of its own.
 
     A call an actor sends itself from `__init__` during a restart can reach Ray's submitter while
     the actor is still RESTARTING; Ray then fails it ("the actor is restarting") and does not retry
@@ -345,10 +345,10 @@ def call_self_when_alive(name: str, namespace: str, method: str, deadline_s: flo
     from ray.exceptions import GetTimeoutError, RayActorError
 
     def ray_call() -> Any:
-        return ray.get(getattr(ray.get_actor(name, namespace=namespace), method).remote(), timeout=30)
+        return ray.get(ray.get_actor(name, namespace=namespace).start.remote(), timeout=30)
 
     def kill_self() -> None:
-        log.error("%s.%s was not taken within %.0fs: this incarnation exits and Ray restarts it", name, method, deadline_s)
+        log.error("%s.start was not taken within %.0fs: this incarnation exits and Ray restarts it", name, deadline_s)
         os.kill(os.getpid(), signal.SIGKILL)
 
     def run() -> None:
@@ -358,10 +358,10 @@ def call_self_when_alive(name: str, namespace: str, method: str, deadline_s: flo
                 (call or ray_call)()
                 return
             except (RayActorError, GetTimeoutError, ValueError) as err:  # not accepting calls yet
-                log.warning("%s.%s not taken yet (%s); asking again", name, method, first_line(err))
+                log.warning("%s.start not taken yet (%s); asking again", name, first_line(err))
                 time.sleep(0.2)
         (give_up or kill_self)()
 
-    thread = threading.Thread(target=run, name=f"call-self-{method}", daemon=True)
+    thread = threading.Thread(target=run, name="start-self", daemon=True)
     thread.start()
     return thread

@@ -394,7 +394,7 @@ def test_a_restarted_coordinator_reattaches_the_live_members_and_history_has_no_
         group.reconstructed = True
         second = coordinator(config("restart"), tmp_path, group)
         assert second.incarnation == 1 and second.state == JobState.RESHAPING
-        await second.start()  # Ray's restart calls it (call_self_when_alive)
+        await second.start()  # Ray's restart calls it (start_self_when_alive)
         await until(lambda: second.book.live() == ("w0", "w1", "w2") and second.book.members["w2"].incarnation > 3,
                     "the re-attached members and w2's replacement")
         restart = events(second, "restart")[0]

@@ -1,4 +1,4 @@
-"""A restarted coordinator's call to its own `start` (actors/control/workers.py: `call_self_when_alive`).
+"""A restarted coordinator's call to its own `start` (actors/control/workers.py: `start_self_when_alive`).
 
 Ray refuses a call an actor sends itself while it is still RESTARTING ("the actor is restarting")
 and does not retry it; a coordinator whose `start` was refused never ran, and its job hung. These
@@ -9,7 +9,7 @@ import threading
 
 from ray.exceptions import ActorUnavailableError
 
-from actors.control.workers import call_self_when_alive
+from actors.control.workers import start_self_when_alive
 
 
 def refused_then_taken(refusals: int):
@@ -26,7 +26,7 @@ def refused_then_taken(refusals: int):
 def test_a_refused_start_is_asked_again_until_taken():
     calls, call = refused_then_taken(3)
     gave_up = threading.Event()
-    thread = call_self_when_alive("job", "ns", "start", deadline_s=30, call=call, give_up=gave_up.set)
+    thread = start_self_when_alive("job", "ns", deadline_s=30, call=call, give_up=gave_up.set)
     thread.join(timeout=10)
     assert not thread.is_alive() and len(calls) == 4 and not gave_up.is_set()
 
@@ -34,6 +34,6 @@ def test_a_refused_start_is_asked_again_until_taken():
 def test_a_start_never_taken_gives_up_at_the_deadline():
     calls, call = refused_then_taken(10**6)
     gave_up = threading.Event()
-    thread = call_self_when_alive("job", "ns", "start", deadline_s=0.5, call=call, give_up=gave_up.set)
+    thread = start_self_when_alive("job", "ns", deadline_s=0.5, call=call, give_up=gave_up.set)
     assert gave_up.wait(timeout=10) and len(calls) >= 2
     thread.join(timeout=5)

@@ -38,12 +38,10 @@ def test_the_ray_group_and_the_fake_implement_every_call_with_the_ports_signatur
 
 def test_no_call_to_a_worker_names_its_method_in_a_string():
     """No port method takes a method's name, and no module of the coordinator's process looks a method up
-    on a handle by name (`getattr(handle, ...)`); only a restarted coordinator's call to its own `start`
-    (`call_self`) names one."""
+    on a handle by name (`getattr(handle, ...)`), not even a restarted coordinator's call to its own `start`."""
     for group in (WorkerGroup, RayWorkerGroup, FakeWorkerGroup):
         for name, fn in inspect.getmembers(group, inspect.isfunction):
-            if name != "call_self":
-                assert "method" not in inspect.signature(fn).parameters, f"{group.__name__}.{name}"
+            assert "method" not in inspect.signature(fn).parameters, f"{group.__name__}.{name}"
     files = [*sorted((REPO / "actors" / "control").glob("*.py")), REPO / "actors/control/coordinator.py",
              REPO / "testkit" / "fake_workers.py"]
     found = []
