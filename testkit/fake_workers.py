@@ -108,6 +108,8 @@ class FakeWorkerGroup(WorkerGroup):
         self._plan_members: tuple[int, frozenset] = (-1, frozenset())
         self.kills = 0
         self.processes_killed: list[tuple[str, int]] = []
+        self.exiting: set[int] = set()
+        """Pids a test marks as exiting on this node (`process_exiting`)."""
         """(node, pid) of each SIGKILL the coordinator sent to a worker's process (recorded only)."""
         self.metrics: dict[str, FakeMetric] = {}
         """What the coordinator exported, by metric name."""
@@ -288,6 +290,9 @@ class FakeWorkerGroup(WorkerGroup):
 
     def kill_process(self, node: str, pid: int) -> None:
         self.processes_killed.append((node, pid))
+
+    def process_exiting(self, node: str, pid: int) -> bool:
+        return pid in self.exiting
 
     def actor_id(self, handle: Any) -> str:
         return f"fake{handle.pid}" if handle is not None else ""

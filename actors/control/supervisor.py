@@ -218,9 +218,11 @@ class Supervisor:
                                                       f"(workers.hang_timeout_s = {w.hang_timeout_s:g})")
 
     async def collective_failed(self, slot: str, epoch: int, error: str) -> None:
-        """A member's collective failed: probe that epoch's members and evict any that do not answer;
-        if every one answers, the group itself is broken: re-form it at once as a new epoch. The report
-        also says the member is alive (next_outcomes: a death's batch waits for no survivor that did)."""
+        """A member's collective failed: evict at once any member whose process is exiting on this node
+        (a killed worker's peers hear of it only as its sockets close, and Ray later still), probe that
+        epoch's members and evict any that do not answer; if every one answers, the group itself is
+        broken: re-form it at once as a new epoch. The report also says the member is alive
+        (next_outcomes: a death's batch waits for no survivor that did)."""
         if epoch == self.book.epoch:
             if self._alive[0] != epoch:
                 self._alive = (epoch, set())
@@ -234,6 +236,10 @@ class Supervisor:
                    probe=True)  # when the coordinator first heard of it (benchmarks/recovery.py's phases)
         try:
             members = [self.book.members[s] for s in self.book.live()]
+            for member in members:  # a dying process on this node is seen at once, long before Ray's notice
+                if member.slot != slot and self.group.process_exiting(member.node, member.pid):
+                    await self.evict(member, "actor death", f"worker {member.slot}'s process is exiting (found when "
+                                                            f"{slot}'s collective failed)")
             answers = await asyncio.gather(*(self.group.probe_heartbeat(m.handle, timeout=PROBE_S) for m in members))
             for member, (answer, died) in zip(members, answers):
                 if died is not None:  # the probe learnt of a death before the member's watch did

@@ -115,6 +115,11 @@ class WorkerGroup:
     def kill_process(self, node: str, pid: int) -> None:
         """SIGKILL a worker's process when it runs on this node (a stopped process cannot answer Ray)."""
 
+    def process_exiting(self, node: str, pid: int) -> bool:
+        """Whether a worker's process runs on this node and has begun to exit, or is gone (False for one
+        elsewhere, or when it cannot be told)."""
+        return False
+
     def actor_id(self, handle: Any) -> str:
         return ""
 
@@ -258,6 +263,9 @@ class RayWorkerGroup(WorkerGroup):
             except OSError as err:
                 log.debug("SIGKILL of pid %s: %s", pid, err)
 
+    def process_exiting(self, node: str, pid: int) -> bool:
+        return node == self.node_ip and bool(pid) and exiting(pid)
+
     def actor_id(self, handle: Any) -> str:
         return handle._actor_id.hex() if handle is not None else ""
 
@@ -304,6 +312,27 @@ class RayWorkerGroup(WorkerGroup):
         import ray
 
         ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
+
+
+PF_EXITING = 0x4
+"""The kernel's flag for a task in its exit (include/linux/sched.h), in /proc/<pid>/stat's ninth field."""
+
+
+def exiting(pid: int, proc: Path = Path("/proc")) -> bool:
+    """Whether process `pid` of this machine has begun to exit (a SIGKILL, a crash, an OOM kill) or is
+    gone. The kernel flags a task PF_EXITING as its exit begins, and closes its sockets only after it
+    has freed its memory: tens of milliseconds later for a worker (benchmarks/kill_floor.py), which
+    is when its peers and Ray hear of the death. False where there is no /proc (not Linux)."""
+    if not (proc / "self" / "stat").exists():
+        return False
+    try:
+        stat = (proc / str(pid) / "stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return True  # gone (and reaped)
+    except OSError:
+        return False
+    fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) ": state, ppid, ..., flags (the 7th)
+    return fields[0] in ("Z", "X") or bool(int(fields[6]) & PF_EXITING)
 
 
 async def _answer(ref: Any, timeout: float | None) -> Any:

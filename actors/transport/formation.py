@@ -47,12 +47,22 @@ def formation_error(spec: GroupSpec, err: BaseException, what: str) -> CommError
     return CommError(f"group {spec.name}: {what}: {text.splitlines()[0][:300]}")
 
 
-def release(pg: object, works: Sequence[Work], deadline: float, hold: bool = False) -> None:
+RELEASE_GRACE_S = 0.5
+"""How long a group is still held after its operations finished, before its last reference goes."""
+
+
+def release(pg: object, works: Sequence[Work], deadline: float, hold: bool = False,
+            grace_s: float = RELEASE_GRACE_S) -> None:
     """Hold the group (and the buffers its works reference) until they finish or time out; with
-    `hold`, until `deadline` whatever the works (operations no one tracks may still be stuck)."""
+    `hold`, until `deadline` whatever the works (operations no one tracks may still be stuck); then
+    for `grace_s` more. The backend's destructor joins its worker threads holding the GIL, and a worker
+    thread that has just completed an operation may still need the GIL (a Python callback on the
+    operation's future, and the release of that callback): destroyed then, the process would freeze
+    for good. This thread, not a member's, drops the last reference, once they are idle."""
     while (works or hold) and time.monotonic() < deadline:
         works = [w for w in works if not w.is_completed()]
         time.sleep(0.1)
+    time.sleep(grace_s)
     del pg, works
 
 

@@ -274,6 +274,13 @@ class AllReduceImpl(AlgorithmImpl):
         self._drop_reducer()
         self._python_hooks(False)
 
+    def on_epoch_end(self, reason: str) -> None:
+        """The reducer goes before its group is closed: it holds a reference to the group's backend, and
+        the last reference must go in the group's release thread, never in the member's (see
+        `actors/transport/formation.release`; dropped here after the close, the backend's destructor
+        froze the process once, its worker thread waiting for the GIL the member's thread held)."""
+        self._drop_reducer()
+
     def _python_hooks(self, on: bool) -> None:
         """Register (or remove) this class's gradient hooks: with the reducer, backward runs no Python."""
         if on and not self._hooks:

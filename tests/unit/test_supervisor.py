@@ -145,6 +145,30 @@ def test_a_failed_collective_with_everyone_answering_re_forms_and_a_silent_membe
     asyncio.run(scenario())
 
 
+def test_a_member_whose_process_is_exiting_is_evicted_at_the_first_failed_collective():
+    """A killed worker's peers hear of it when its sockets close, and Ray later still; its process was
+    flagged exiting long before. The first failed collective's report finds it so on this node, and its
+    death is an outcome at once, not once the probe has waited out its silence (detector `collective
+    failure`, PROBE_S later)."""
+    async def scenario():
+        sup, group, book, actions, _ = harness()
+        sup.start()
+        for member in book.members.values():
+            member.pid = group.current(member.slot).pid
+        victim = book.members["w2"]
+        group.hang("w2")  # dying: it answers nothing, and Ray has not said it died
+        group.exiting.add(victim.pid)
+        probing = asyncio.get_running_loop().create_task(
+            sup.collective_failed("w0", book.epoch, "Connection closed by peer"))
+        batch = await sup.next_outcomes(30.0)
+        assert [m.slot for m, *_ in batch] == ["w2"], batch
+        assert victim.evicted is not None and victim.evicted[0] == "actor death" and "exiting" in victim.evicted[1]
+        assert group.processes_killed == [("", victim.pid)]
+        await probing
+        assert [c for c in actions.calls if c[0] == "reform"] == [], "a member died: no re-form of the same members"
+    asyncio.run(scenario())
+
+
 def test_stop_while_paused_stops_at_the_held_step_and_a_running_stop_at_the_next(monkeypatch):
     async def scenario():
         sup, _, _, actions, _ = harness()
