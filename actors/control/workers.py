@@ -116,8 +116,8 @@ class WorkerGroup:
         """SIGKILL a worker's process when it runs on this node (a stopped process cannot answer Ray)."""
 
     def process_exiting(self, node: str, pid: int) -> bool:
-        """Whether a worker's process runs on this node and has begun to exit, or is gone (False for one
-        elsewhere, or when it cannot be told)."""
+        """Whether a worker's process runs on this node and has begun to exit (False for one elsewhere,
+        or when it cannot be told)."""
         return False
 
     def actor_id(self, handle: Any) -> str:
@@ -319,16 +319,15 @@ PF_EXITING = 0x4
 
 
 def exiting(pid: int, proc: Path = Path("/proc")) -> bool:
-    """Whether process `pid` of this machine has begun to exit (a SIGKILL, a crash, an OOM kill) or is
-    gone. The kernel flags a task PF_EXITING as its exit begins, and closes its sockets only after it
-    has freed its memory: tens of milliseconds later for a worker (benchmarks/kill_floor.py), which
-    is when its peers and Ray hear of the death. False where there is no /proc (not Linux)."""
+    """Whether process `pid` of this machine has begun to exit (a SIGKILL, a crash, an OOM kill). The
+    kernel flags a task PF_EXITING as its exit begins, and closes its sockets only after it has freed
+    its memory: tens of milliseconds later for a worker (benchmarks/kill_floor.py), which is when its
+    peers and Ray hear of the death. False where it cannot be told: no /proc (not Linux), or no such
+    pid (reaped already, when Ray's notice is due anyway, or in another PID namespace: a container)."""
     if not (proc / "self" / "stat").exists():
         return False
     try:
         stat = (proc / str(pid) / "stat").read_text()
-    except (FileNotFoundError, ProcessLookupError):
-        return True  # gone (and reaped)
     except OSError:
         return False
     fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) ": state, ppid, ..., flags (the 7th)
