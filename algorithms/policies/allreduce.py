@@ -277,7 +277,7 @@ class AllReduceImpl(AlgorithmImpl):
     def on_epoch_end(self, reason: str) -> None:
         """The reducer goes before its group is closed: it holds a reference to the group's backend, and
         the last reference must go in the group's release thread, never in the member's (see
-        `actors/transport/formation.release`; dropped here after the close, the backend's destructor
+        `release` in actors/transport/formation.py; dropped here after the close, the backend's destructor
         froze the process once, its worker thread waiting for the GIL the member's thread held)."""
         self._drop_reducer()
 
