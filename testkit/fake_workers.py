@@ -110,6 +110,8 @@ class FakeWorkerGroup(WorkerGroup):
         self.processes_killed: list[tuple[str, int]] = []
         self.exiting: set[int] = set()
         """Pids a test marks as exiting on this node (`process_exiting`)."""
+        self.running: set[int] = set()
+        """Pids a test marks as running on this node (`process_running`)."""
         """(node, pid) of each SIGKILL the coordinator sent to a worker's process (recorded only)."""
         self.metrics: dict[str, FakeMetric] = {}
         """What the coordinator exported, by metric name."""
@@ -293,6 +295,9 @@ class FakeWorkerGroup(WorkerGroup):
 
     def process_exiting(self, node: str, pid: int) -> bool:
         return pid in self.exiting
+
+    def process_running(self, node: str, pid: int) -> bool:
+        return pid in self.running and pid not in self.exiting
 
     def actor_id(self, handle: Any) -> str:
         return f"fake{handle.pid}" if handle is not None else ""

@@ -113,9 +113,9 @@ class Supervisor:
         node's workers, a rack, a storm) are handled as one batch. A second outcome of a member already
         in the batch (a death that both its watch and a probe found) is kept but does not extend the
         wait: only another member's end can be one more of the same storm. The wait ends early once
-        every member of the epoch is accounted for: ended in the batch, or alive by its own report of
-        a failed collective in this epoch (a survivor of a death reports one), so no storm is left to
-        gather."""
+        every member of the epoch is accounted for: ended in the batch, alive by its own report of a
+        failed collective in this epoch (a survivor of a death reports one), or running on this node
+        with its process not exiting, so no storm is left to gather."""
         assert self.outcomes is not None and self._heard is not None  # start() made them
         try:
             batch = [await asyncio.wait_for(self.outcomes.get(), timeout)]
@@ -143,11 +143,16 @@ class Supervisor:
         return batch
 
     def _accounted(self, batch: list[tuple[Member, str, dict, float]]) -> bool:
-        """Whether every member of the epoch's plan has ended in `batch` or said it is alive since."""
+        """Whether every member of the epoch's plan has ended in `batch`, or said it is alive since, or
+        runs on this node with its process not exiting (the kernel flags a killed process at once, so a
+        member killed with the others would show it)."""
         live = set(self.book.live())
         ended = {outcome[0].slot for outcome in batch}
+        if not live & ended:
+            return False
         epoch, alive = self._alive
-        return bool(live & ended) and live <= ended | (alive if epoch == self.book.epoch else set())
+        unheard = live - ended - (alive if epoch == self.book.epoch else set())
+        return all(self.group.process_running(m.node, m.pid) for m in (self.book.members[s] for s in unheard))
 
     async def handle(self, batch: list[tuple[Member, str, dict, float]]) -> None:
         """Decide each outcome of a batch in turn; the survivors' re-form goes out once, after the last."""

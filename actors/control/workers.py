@@ -120,6 +120,11 @@ class WorkerGroup:
         or when it cannot be told)."""
         return False
 
+    def process_running(self, node: str, pid: int) -> bool:
+        """Whether a worker's process runs on this node and has not begun to exit (False for one
+        elsewhere, or when it cannot be told)."""
+        return False
+
     def actor_id(self, handle: Any) -> str:
         return ""
 
@@ -264,7 +269,10 @@ class RayWorkerGroup(WorkerGroup):
                 log.debug("SIGKILL of pid %s: %s", pid, err)
 
     def process_exiting(self, node: str, pid: int) -> bool:
-        return node == self.node_ip and bool(pid) and exiting(pid)
+        return node == self.node_ip and bool(pid) and process_state(pid) == "exiting"
+
+    def process_running(self, node: str, pid: int) -> bool:
+        return node == self.node_ip and bool(pid) and process_state(pid) == "running"
 
     def actor_id(self, handle: Any) -> str:
         return handle._actor_id.hex() if handle is not None else ""
@@ -318,20 +326,26 @@ PF_EXITING = 0x4
 """The kernel's flag for a task in its exit (include/linux/sched.h), in /proc/<pid>/stat's ninth field."""
 
 
-def exiting(pid: int, proc: Path = Path("/proc")) -> bool:
-    """Whether process `pid` of this machine has begun to exit (a SIGKILL, a crash, an OOM kill). The
-    kernel flags a task PF_EXITING as its exit begins, and closes its sockets only after it has freed
-    its memory: tens of milliseconds later for a worker (benchmarks/kill_floor.py), which is when its
-    peers and Ray hear of the death. False where it cannot be told: no /proc (not Linux), or no such
-    pid (reaped already, when Ray's notice is due anyway, or in another PID namespace: a container)."""
+def process_state(pid: int, proc: Path = Path("/proc")) -> str | None:
+    """"exiting" once process `pid` of this machine has begun to exit (a SIGKILL, a crash, an OOM kill),
+    "running" before, None where it cannot be told: no /proc (not Linux), or no such pid (reaped already,
+    when Ray's notice is due anyway, or in another PID namespace: a container). The kernel flags a task
+    PF_EXITING as its exit begins, and closes its sockets only after it has freed its memory: tens of
+    milliseconds later for a worker (benchmarks/kill_floor.py), which is when its peers and Ray hear of
+    the death."""
     if not (proc / "self" / "stat").exists():
-        return False
+        return None
     try:
         stat = (proc / str(pid) / "stat").read_text()
     except OSError:
-        return False
+        return None
     fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) ": state, ppid, ..., flags (the 7th)
-    return fields[0] in ("Z", "X") or bool(int(fields[6]) & PF_EXITING)
+    return "exiting" if fields[0] in ("Z", "X") or int(fields[6]) & PF_EXITING else "running"
+
+
+def exiting(pid: int, proc: Path = Path("/proc")) -> bool:
+    """Whether process `pid` of this machine has begun to exit (`process_state`)."""
+    return process_state(pid, proc) == "exiting"
 
 
 async def _answer(ref: Any, timeout: float | None) -> Any:

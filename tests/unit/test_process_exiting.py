@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from actors.control.workers import exiting
+from actors.control.workers import exiting, process_state
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="no /proc here (not Linux)")
 
@@ -37,14 +37,14 @@ def test_a_killed_process_is_exiting_by_the_time_its_peer_reads_end_of_file_and_
             with conn:
                 conn.settimeout(60)
                 assert conn.recv(1) == b"r"
-                assert not exiting(child.pid), "a running process"
+                assert not exiting(child.pid) and process_state(child.pid) == "running", "a running process"
                 child.kill()
                 assert conn.recv(1) == b"", "end-of-file: its sockets are closed"
                 assert exiting(child.pid), "not yet reaped: a zombie, flagged exiting"
         finally:
             child.kill()
             child.wait()
-    assert not exiting(child.pid), "reaped: no such pid here, which is also what a process in another PID namespace looks like"
+    assert process_state(child.pid) is None, "reaped: no such pid here, which is also what a process in another PID namespace looks like"
 
 
 def fake_proc(tmp_path: Path, state: str, flags: int) -> Path:

@@ -250,3 +250,34 @@ def test_a_deaths_batch_closes_once_every_survivor_has_said_it_is_alive(monkeypa
     assert took > 1.9 and ended == ["w1"], f"no reports: the full window, {took:.2f}s"
     took, ended = asyncio.run(closes(("w0",), dies_later="w2"))
     assert ended == ["w1", "w2"], "w2 never said it was alive: its death 0.5 s later is the same batch"
+
+
+def test_a_deaths_batch_closes_at_once_when_the_other_members_processes_run_on_this_node(monkeypatch):
+    """Where the others run on the coordinator's node, their processes say whether they are ending too:
+    the kernel flags a killed process as exiting within a millisecond, long before anyone hears of its
+    death. Every other process running: the batch closes at once, without the survivors' reports (on
+    a small machine they come no sooner than Ray's notice). One of them exiting: the batch waits for it.
+    With QUIET_S at 2 s; switched off, every case waits the full 2 s."""
+    monkeypatch.setattr("actors.control.supervisor.QUIET_S", 2.0)
+    monkeypatch.setattr("actors.control.supervisor.GATHER_MAX_S", 10.0)
+
+    async def closes(exiting: str | None) -> tuple[float, list[str]]:
+        sup, group, book, _, _ = harness(3)
+        sup.start()
+        for m in book.members.values():
+            m.pid = group.current(m.slot).pid
+            group.running.add(m.pid)
+            sup.watch(m)
+        if exiting:
+            group.exiting.add(book.members[exiting].pid)
+            asyncio.get_running_loop().call_later(0.5, group.die, exiting)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        group.die("w1")
+        batch = await sup.next_outcomes(1.0)
+        return loop.time() - started, sorted({m.slot for m, *_ in batch})
+
+    took, ended = asyncio.run(closes(None))
+    assert took < 1.0 and ended == ["w1"], f"the others' processes run: closed after {took:.2f}s"
+    took, ended = asyncio.run(closes("w2"))
+    assert ended == ["w1", "w2"], "w2's process was exiting: its death 0.5 s later is the same batch"
