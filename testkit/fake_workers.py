@@ -108,11 +108,9 @@ class FakeWorkerGroup(WorkerGroup):
         self._plan_members: tuple[int, frozenset] = (-1, frozenset())
         self.kills = 0
         self.processes_killed: list[tuple[str, int]] = []
-        self.exiting: set[int] = set()
-        """Pids a test marks as exiting on this node (`process_exiting`)."""
-        self.running: set[int] = set()
-        """Pids a test marks as running on this node (`process_running`)."""
         """(node, pid) of each SIGKILL the coordinator sent to a worker's process (recorded only)."""
+        self.processes: dict[int, str] = {}
+        """pid -> "running" or "exiting": what a test says of a process on this node (`process_state`)."""
         self.metrics: dict[str, FakeMetric] = {}
         """What the coordinator exported, by metric name."""
 
@@ -293,11 +291,8 @@ class FakeWorkerGroup(WorkerGroup):
     def kill_process(self, node: str, pid: int) -> None:
         self.processes_killed.append((node, pid))
 
-    def process_exiting(self, node: str, pid: int) -> bool:
-        return pid in self.exiting
-
-    def process_running(self, node: str, pid: int) -> bool:
-        return pid in self.running and pid not in self.exiting
+    def process_state(self, node: str, pid: int) -> str | None:
+        return self.processes.get(pid)
 
     def actor_id(self, handle: Any) -> str:
         return f"fake{handle.pid}" if handle is not None else ""

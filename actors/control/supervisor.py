@@ -152,7 +152,7 @@ class Supervisor:
             return False
         epoch, alive = self._alive
         unheard = live - ended - (alive if epoch == self.book.epoch else set())
-        return all(self.group.process_running(m.node, m.pid) for m in (self.book.members[s] for s in unheard))
+        return all(self.group.process_state(m.node, m.pid) == "running" for m in (self.book.members[s] for s in unheard))
 
     async def handle(self, batch: list[tuple[Member, str, dict, float]]) -> None:
         """Decide each outcome of a batch in turn; the survivors' re-form goes out once, after the last."""
@@ -242,7 +242,7 @@ class Supervisor:
         try:
             members = [self.book.members[s] for s in self.book.live()]
             for member in members:  # a dying process on this node is seen at once, long before Ray's notice
-                if member.slot != slot and self.group.process_exiting(member.node, member.pid):
+                if member.slot != slot and self.group.process_state(member.node, member.pid) == "exiting":
                     await self.evict(member, "actor death", f"worker {member.slot}'s process is exiting (found when "
                                                             f"{slot}'s collective failed)")
             answers = await asyncio.gather(*(self.group.probe_heartbeat(m.handle, timeout=PROBE_S) for m in members))

@@ -115,15 +115,10 @@ class WorkerGroup:
     def kill_process(self, node: str, pid: int) -> None:
         """SIGKILL a worker's process when it runs on this node (a stopped process cannot answer Ray)."""
 
-    def process_exiting(self, node: str, pid: int) -> bool:
-        """Whether a worker's process runs on this node and has begun to exit (False for one elsewhere,
-        or when it cannot be told)."""
-        return False
-
-    def process_running(self, node: str, pid: int) -> bool:
-        """Whether a worker's process runs on this node and has not begun to exit (False for one
-        elsewhere, or when it cannot be told)."""
-        return False
+    def process_state(self, node: str, pid: int) -> str | None:
+        """A worker's process on this node: "running", or "exiting" once its exit has begun; None for
+        one elsewhere, or when it cannot be told (`local_process_state`)."""
+        return None
 
     def actor_id(self, handle: Any) -> str:
         return ""
@@ -268,11 +263,8 @@ class RayWorkerGroup(WorkerGroup):
             except OSError as err:
                 log.debug("SIGKILL of pid %s: %s", pid, err)
 
-    def process_exiting(self, node: str, pid: int) -> bool:
-        return node == self.node_ip and bool(pid) and process_state(pid) == "exiting"
-
-    def process_running(self, node: str, pid: int) -> bool:
-        return node == self.node_ip and bool(pid) and process_state(pid) == "running"
+    def process_state(self, node: str, pid: int) -> str | None:
+        return local_process_state(pid) if node == self.node_ip and pid else None
 
     def actor_id(self, handle: Any) -> str:
         return handle._actor_id.hex() if handle is not None else ""
@@ -326,7 +318,7 @@ PF_EXITING = 0x4
 """The kernel's flag for a task in its exit (include/linux/sched.h), in /proc/<pid>/stat's ninth field."""
 
 
-def process_state(pid: int, proc: Path = Path("/proc")) -> str | None:
+def local_process_state(pid: int, proc: Path = Path("/proc")) -> str | None:
     """"exiting" once process `pid` of this machine has begun to exit (a SIGKILL, a crash, an OOM kill),
     "running" before, None where it cannot be told: no /proc (not Linux), or no such pid (reaped already,
     when Ray's notice is due anyway, or in another PID namespace: a container). The kernel flags a task
@@ -341,11 +333,6 @@ def process_state(pid: int, proc: Path = Path("/proc")) -> str | None:
         return None
     fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) ": state, ppid, ..., flags (the 7th)
     return "exiting" if fields[0] in ("Z", "X") or int(fields[6]) & PF_EXITING else "running"
-
-
-def exiting(pid: int, proc: Path = Path("/proc")) -> bool:
-    """Whether process `pid` of this machine has begun to exit (`process_state`)."""
-    return process_state(pid, proc) == "exiting"
 
 
 async def _answer(ref: Any, timeout: float | None) -> Any:

@@ -1,4 +1,4 @@
-"""`exiting(pid)` (actors/control/workers.py): a process of this machine is seen exiting as soon as its
+"""`local_process_state(pid)` (actors/control/workers.py): a process of this machine is seen exiting as soon as its
 exit begins, before the kernel has freed its memory and closed its sockets.
 A pid not found says nothing (reaped already, or in another PID namespace). The kernel's mechanism, on
 real processes (Linux; elsewhere the check says nothing)."""
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from actors.control.workers import exiting, process_state
+from actors.control.workers import local_process_state
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="no /proc here (not Linux)")
 
@@ -37,14 +37,15 @@ def test_a_killed_process_is_exiting_by_the_time_its_peer_reads_end_of_file_and_
             with conn:
                 conn.settimeout(60)
                 assert conn.recv(1) == b"r"
-                assert not exiting(child.pid) and process_state(child.pid) == "running", "a running process"
+                assert local_process_state(child.pid) == "running", "a running process"
                 child.kill()
                 assert conn.recv(1) == b"", "end-of-file: its sockets are closed"
-                assert exiting(child.pid), "not yet reaped: a zombie, flagged exiting"
+                assert local_process_state(child.pid) == "exiting", "not yet reaped: a zombie, flagged exiting"
         finally:
             child.kill()
             child.wait()
-    assert process_state(child.pid) is None, "reaped: no such pid here, which is also what a process in another PID namespace looks like"
+    assert local_process_state(child.pid) is None, \
+        "reaped: no such pid here, which is also what a process in another PID namespace looks like"
 
 
 def fake_proc(tmp_path: Path, state: str, flags: int) -> Path:
@@ -59,12 +60,12 @@ def fake_proc(tmp_path: Path, state: str, flags: int) -> Path:
 def test_the_exiting_flag_is_read_before_the_process_is_a_zombie(tmp_path):
     """A SIGKILLed worker is flagged PF_EXITING (0x4) at once, in state R or D while the kernel frees its
     memory (about 0.5 ms against 107 ms to the zombie for 600 MiB here); the flag is what is read."""
-    assert exiting(42, proc=fake_proc(tmp_path, "R", 4194304 | 0x4))
-    assert exiting(42, proc=fake_proc(tmp_path, "D", 0x4))
-    assert not exiting(42, proc=fake_proc(tmp_path, "S", 4194304))
-    assert exiting(42, proc=fake_proc(tmp_path, "Z", 4194304))
-    assert not exiting(43, proc=tmp_path), "no such process: not ours to call dead"
+    assert local_process_state(42, proc=fake_proc(tmp_path, "R", 4194304 | 0x4)) == "exiting"
+    assert local_process_state(42, proc=fake_proc(tmp_path, "D", 0x4)) == "exiting"
+    assert local_process_state(42, proc=fake_proc(tmp_path, "S", 4194304)) != "exiting"
+    assert local_process_state(42, proc=fake_proc(tmp_path, "Z", 4194304)) == "exiting"
+    assert local_process_state(43, proc=tmp_path) != "exiting", "no such process: not ours to call dead"
 
 
 def test_without_proc_nothing_is_said(tmp_path):
-    assert not exiting(1, proc=tmp_path)
+    assert local_process_state(1, proc=tmp_path) != "exiting"

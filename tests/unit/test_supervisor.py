@@ -157,7 +157,7 @@ def test_a_member_whose_process_is_exiting_is_evicted_at_the_first_failed_collec
             member.pid = group.current(member.slot).pid
         victim = book.members["w2"]
         group.hang("w2")  # dying: it answers nothing, and Ray has not said it died
-        group.exiting.add(victim.pid)
+        group.processes[victim.pid] = "exiting"
         probing = asyncio.get_running_loop().create_task(
             sup.collective_failed("w0", book.epoch, "Connection closed by peer"))
         batch = await sup.next_outcomes(30.0)
@@ -266,10 +266,10 @@ def test_a_deaths_batch_closes_at_once_when_the_other_members_processes_run_on_t
         sup.start()
         for m in book.members.values():
             m.pid = group.current(m.slot).pid
-            group.running.add(m.pid)
+            group.processes[m.pid] = "running"
             sup.watch(m)
         if exiting:
-            group.exiting.add(book.members[exiting].pid)
+            group.processes[book.members[exiting].pid] = "exiting"
             asyncio.get_running_loop().call_later(0.5, group.die, exiting)
         loop = asyncio.get_running_loop()
         started = loop.time()
