@@ -25,6 +25,8 @@ import subprocess
 import sys
 import time
 
+from actors.control.workers import HUGE_PAGES_TUNABLE
+
 CHILD = """
 import socket, sys, time
 import torch
@@ -35,7 +37,7 @@ time.sleep(600)
 """
 
 
-PAGES = {"4 KiB": None, "huge": "glibc.malloc.hugetlb=1"}
+PAGES = {"4 KiB": None, "huge": HUGE_PAGES_TUNABLE}
 """The child's heap: as the system sets it, or on transparent huge pages (GLIBC_TUNABLES)."""
 
 
