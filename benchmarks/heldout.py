@@ -94,8 +94,11 @@ def base_config(setting: str):
 
 def candidates(setting: str, only: set[str]) -> list:
     from orchestrator import planner
+    from orchestrator.planning.candidates import with_layout
+    from orchestrator.planning.measure import parameter_layout
 
-    cands = planner.candidates(base_config(setting))
+    cfg = base_config(setting)
+    cands = with_layout(planner.candidates(cfg), parameter_layout(cfg), lab=True)
     if SETTINGS[setting]["workload"] == "lm":
         cands = [c for c in cands if c.label in LM_LABELS]
     return [c for c in cands if not only or c.label in only]

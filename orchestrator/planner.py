@@ -26,7 +26,7 @@ from pathlib import Path
 
 from algorithms.rules.runtime_model import PolicySpec
 from core.schema import POLICIES, ConfigError, JobConfig, parse
-from orchestrator.planning.candidates import Candidate, candidates, with_candidate
+from orchestrator.planning.candidates import Candidate, candidates, with_candidate, with_layout
 from orchestrator.planning.cluster import (
     compute_from_probe,
     compute_spread,
@@ -36,7 +36,7 @@ from orchestrator.planning.cluster import (
     rank_medians,
     told_network,
 )
-from orchestrator.planning.measure import measure_compute, measure_host
+from orchestrator.planning.measure import measure_compute, measure_host, parameter_layout
 from orchestrator.planning.ranking import EXACT, FACTORS_PATH, RELAXED_MARGIN, Row, factors_apply, load_factors, rank
 from orchestrator.planning.report import describe_probe, recommendation, table
 
@@ -76,8 +76,10 @@ def ranked(cfg: JobConfig, cands: Sequence[Candidate], compute_s: float, model_b
         net = network_for(cfg.network, cfg.workers.count) if told_network(cfg) else network_from_probe(cluster)
         return rank(cands, net, compute_from_probe(cfg, cluster, compute_s), cluster["model_bytes"],
                     data["factors"] if applies else None, data["bsp_steps"], why)
+    layout = parameter_layout(cfg)
+    cands = with_layout(cands, layout, cfg.network.lab)
     if host_s is None and cfg.network.lab:
-        host_s = measure_host(cfg, cands, model_bytes)
+        host_s = measure_host(cfg, cands, model_bytes, layout=layout)
     net = network_for(cfg.network, cfg.workers.count, probed, host_s)
     return rank(cands, net, compute_spread(cfg, compute_s), model_bytes, data["factors"] if applies else None,
                 data["bsp_steps"], why)

@@ -30,7 +30,13 @@ its links' time and its host time, as a roofline takes the slower of two resourc
 a slow link leave the cores free, and on a fast link the cores are the bottleneck. Periodic kinds pay it
 once per round (amortized over h), gossip once per exchange, the background kind never. D-PSGD's
 exchange runs beside its forward pass, so it pays only its own thread's CPU time in the step ("PATTERN:cpu":
-encoding, decoding and mixing); CHOCO mixes before the forward pass and pays the whole exchange.
+encoding, decoding and mixing), which every rank runs at about the same time: where more ranks than cores
+share the machine, each gets its share of a core (`Network.cpu_share`). CHOCO mixes before the forward pass
+and pays the whole exchange (its wall time, measured among as many ranks, already shared).
+
+A bucketed synchronization (BSP's and `bytegrad`'s gradients in `sync.bucket_mb` buckets) is one collective
+per bucket, one after another: each pays its own rounds' latencies, and the host time is measured on the
+model's own parameters in the job's buckets.
 
 The compute side: a step's compute on rank i is `fixed_s + seconds * factors[i] * exp(sigma * z)` with z
 standard normal, independent across ranks and steps (`Compute`). A step that waits for every member
@@ -78,6 +84,11 @@ class Network:
     node, destination node) pair on its own, so a node sending to three others at once gets three
     links' worth. On a ring (each node sends to one other) the two agree; they differ where a node
     talks to several nodes at once (all-to-all, gossip with several peers, a leader's scatter)."""
+    cpu_share: float = 1.0
+    """How many ranks share each core where the ranks share one machine's cores (the lab: its ranks over this
+    machine's cores, at least 1); 1 for real nodes, each rank with cores of its own. A rank's own CPU work in a
+    step (`Network.host_s`'s "PATTERN:cpu", a CPU time) runs while every other rank runs the same work, so it
+    takes `cpu_share` times as long on the clock."""
 
     @property
     def n(self) -> int:
@@ -256,7 +267,12 @@ class PolicySpec:
     total_steps: int = 0
     """qadam: the run's steps (0: unknown, a run without `stop.max_steps`, taken to outlast its warm-up)."""
     bucket_bytes: float = INF
-    """bsp: the gradient bucket size (`sync.bucket_mb`); INF: one bucket, nothing overlapped."""
+    """The synchronous kinds (`bsp`, `bytegrad`, hierarchical or not): the gradient bucket size
+    (`sync.bucket_mb`); INF: one bucket, nothing overlapped."""
+    bucket_sizes: tuple[float, ...] = ()
+    """Bytes of each gradient bucket, in launch order, as the job's bucketing makes them from the model's
+    parameters (`orchestrator/planning/candidates.py`: `with_layout`); empty: `bucket_bytes` split evenly.
+    Each bucket is its own collective: it pays its rounds' latencies and launches on its own."""
     interval_s: float = 0.0
     """shadow: seconds from one background round's start to the next (0: back to back)."""
     peers: Callable[[int, int], Sequence[int]] | None = None
@@ -342,11 +358,11 @@ def predict(spec: PolicySpec, net: Network, compute: Compute, model_bytes: float
                               "max(exchange with every flow sharing, E[max over a rank and its peers of compute] + "
                               "the longer of its slowest incoming message alone and the host time): CHOCO mixes "
                               "before its forward pass")
-        step = max(neighbourhood + net.host(cpu_time(pattern)), comm)
+        step = max(neighbourhood + net.host(cpu_time(pattern)) * net.cpu_share, comm)
         return Prediction(name, step, max(0.0, step - neighbourhood), sent,
-                          "max(E[max over a rank and its peers of compute] + its own CPU time in the step, exchange "
-                          "with the peers): the exchange launches before the forward pass and overlaps it; "
-                          "encoding, decoding and mixing do not")
+                          "max(E[max over a rank and its peers of compute] + its own CPU time in the step (times "
+                          "the ranks sharing a core), exchange with the peers): the exchange launches before the "
+                          "forward pass and overlaps it; encoding, decoding and mixing do not")
     if family == "background":
         own = float(np.median([compute.expected(r) for r in ranks]))
         # A round: the model's ring all-reduce (the longer of its links and its host time, or the interval
@@ -361,6 +377,18 @@ def predict(spec: PolicySpec, net: Network, compute: Compute, model_bytes: float
                           notes="background rounds share the links and CPU; their time is not counted in a step")
     raise KeyError(f"the runtime model has no pattern for policy {name!r} (its `cost_model` in the policy table, "
                    f"core/schema/policies.py `POLICIES`: {family!r})")
+
+
+def buckets(spec: PolicySpec, model_bytes: float) -> list[float]:
+    """The bytes of each of `spec`'s gradient buckets (one bucket of the whole model where it has none):
+    `bucket_sizes` in their proportions, scaled to `model_bytes`."""
+    if spec.bucket_sizes:
+        total = sum(spec.bucket_sizes)
+        return [b * model_bytes / total for b in spec.bucket_sizes]
+    if spec.bucket_bytes >= INF or spec.bucket_bytes <= 0:
+        return [model_bytes]
+    k = max(1, math.ceil(model_bytes / spec.bucket_bytes))
+    return [model_bytes / k] * k
 
 
 def overlapped_with_backward(comm: float, backward_s: float, model_bytes: float, bucket_bytes: float) -> float:
@@ -396,30 +424,36 @@ def _synchronous(spec: PolicySpec, net: Network, compute: Compute, model_bytes: 
     the gradients each step."""
     n = net.n
     ranks = list(range(n))
+    parts = buckets(spec, model_bytes) if spec.name != "qadam" else [model_bytes]
+    each = f", one per bucket ({len(parts)} buckets)" if len(parts) > 1 else ""
     if spec.name not in ("bytegrad", "qadam"):
         if spec.hierarchical:
-            comm = _sync(net, host_patterns(spec)[0], hierarchical_allreduce(net, model_bytes))
-            basis = "E[max_i compute] + max(intra-node reduce + leaders' ring all-reduce + intra-node broadcast, host)"
+            links = sum(hierarchical_allreduce(net, b) for b in parts)
+            comm = _sync(net, host_patterns(spec)[0], links)
+            basis = ("E[max_i compute] + max(intra-node reduce + leaders' ring all-reduce + intra-node broadcast"
+                     f"{each}, host)")
             return Prediction(spec.name, everyone + comm, comm, _leader_bytes(net, model_bytes, model_bytes), basis)
-        comm = _sync(net, host_patterns(spec)[0], ring_allreduce(net, ranks, model_bytes))
+        comm = _sync(net, host_patterns(spec)[0], sum(ring_allreduce(net, ranks, b) for b in parts))
         exposed = overlapped_with_backward(comm, compute.backward_s, model_bytes, spec.bucket_bytes)
-        basis = "E[max_i compute] + max(ring all-reduce of the gradients, host)"
+        basis = f"E[max_i compute] + max(ring all-reduce of the gradients{each}, host)"
         if exposed < comm:
             basis += (f", less what overlaps backward: {math.ceil(model_bytes / spec.bucket_bytes)} buckets launched "
                       f"as backward produces them (the last one's all-reduce after it)")
         return Prediction(spec.name, everyone + exposed, exposed, _ring_bytes(n, model_bytes), basis)
     size = model_bytes * spec.codec_ratio
     compressed = host_patterns(spec)[-1]
-    scatter_gather = _sync(net, compressed, all_to_all(net, ranks, size) + ring_allgather(net, ranks, size / n))
+    scatter_gather = _sync(net, compressed, sum(all_to_all(net, ranks, b * spec.codec_ratio)
+                                                + ring_allgather(net, ranks, b * spec.codec_ratio / n) for b in parts))
     sg_bytes = 2 * (n - 1) / n * size
     if spec.name == "bytegrad" and spec.hierarchical:
-        comm = _sync(net, compressed, hierarchical_allreduce(net, model_bytes, spec.codec_ratio))
+        comm = _sync(net, compressed, sum(hierarchical_allreduce(net, b, spec.codec_ratio) for b in parts))
         return Prediction("bytegrad", everyone + comm, comm, _leader_bytes(net, model_bytes, size),
                           "E[max_i compute] + max(intra-node reduce + leaders' compressed scatter-gather + "
-                          "intra-node broadcast, host)")
+                          f"intra-node broadcast{each}, host)")
     if spec.name == "bytegrad":
         return Prediction("bytegrad", everyone + scatter_gather, scatter_gather, sg_bytes,
-                          "E[max_i compute] + max(all-to-all of compressed chunks + ring all-gather of the sums, host)")
+                          "E[max_i compute] + max(all-to-all of compressed chunks + ring all-gather of the sums"
+                          f"{each}, host)")
     # qadam: full-precision ring all-reduce during warm-up, then the compressed momentum's scatter-gather
     full = _sync(net, "allreduce", ring_allreduce(net, ranks, model_bytes))
     total = spec.total_steps

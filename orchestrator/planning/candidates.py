@@ -4,6 +4,8 @@ them in place."""
 from __future__ import annotations
 
 import copy
+import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from algorithms.rules.runtime_model import CODEC_RATIO, INF, PolicySpec
@@ -48,7 +50,39 @@ def spec_of(name: str, weighed: Weighed, cfg: JobConfig, bucket_bytes: float) ->
                       h=number("h", 1), fragments=number("fragments", 1), overlap=number("overlap", 0),
                       warmup_steps=number("warmup_steps", 0),
                       total_steps=(cfg.stop.max_steps or 0) if "warmup_steps" in weighed.knobs else 0,
-                      bucket_bytes=bucket_bytes if name == "bsp" and not hierarchical else INF)
+                      bucket_bytes=bucket_bytes if name in BUCKETED else INF)
+
+
+BUCKETED = ("bsp", "bytegrad")
+"""The policies whose gradients travel in `sync.bucket_mb` buckets (algorithms/policies/allreduce.py)."""
+
+
+def with_layout(cands: Sequence[Candidate], layout: Sequence[tuple[int, str]], lab: bool) -> list[Candidate]:
+    """`cands` with each bucketed policy's buckets as the job makes them from the model's parameters
+    (`layout`: each trainable parameter's element count and dtype, in the model's order): the Python
+    bucket hooks' grouping where the reducer is not used (a codec, a hierarchical all-reduce, the lab's
+    modelled latency), else torch's reducer's (algorithms/policies/allreduce.py)."""
+    import torch  # only where a model's layout was measured
+
+    from algorithms.policies.allreduce import TAIL, plan_buckets, plan_reducer_buckets
+
+    sizes = [(numel, getattr(torch, dtype)) for numel, dtype in layout]
+    itemsize = [torch.empty((), dtype=dtype).element_size() for _, dtype in sizes]
+    out = []
+    for cand in cands:
+        spec = cand.spec
+        if spec.name not in BUCKETED or spec.bucket_bytes >= INF or not sizes:
+            out.append(cand)
+            continue
+        python_hooks = lab or spec.hierarchical or spec.codec != "none"
+        if python_hooks:
+            plan = plan_buckets(sizes, int(spec.bucket_bytes)).buckets
+            parts = [float(sum(sizes[i][0] * itemsize[i] for i in b)) for b in plan]
+        else:  # the reducer's buckets hold the vote's leaf first (a few bytes), then the parameters
+            plan = plan_reducer_buckets([(TAIL, sizes[0][1]), *sizes], int(spec.bucket_bytes)).buckets
+            parts = [float(sum(sizes[i - 1][0] * itemsize[i - 1] for i in b if i > 0)) for b in plan]
+        out.append(dataclasses.replace(cand, spec=dataclasses.replace(spec, bucket_sizes=tuple(p for p in parts if p > 0))))
+    return out
 
 
 def with_candidate(cfg: JobConfig, cand: Candidate) -> JobConfig:

@@ -37,8 +37,19 @@ def network_for(net: NetworkConfig, world: int, probed: Sequence[dict] | None = 
             loopback = host = row["measured_mbit"] * 1e6 / 8
         latency[a][b] = row["modelled_latency_ms"] / 1e3 + row["rtt_ms"] / 2e3
     nic = _nic_at_fastest_link(bandwidth) if not net.emulate else ()
+    share = max(1.0, world / machine_cores()) if net.lab else 1.0  # the lab's nodes share this machine's cores
     return Network(tuple(net.node_of(f"w{i}") for i in range(world)), tuple(map(tuple, bandwidth)),
-                   tuple(map(tuple, latency)), loopback, host, tuple(sorted((host_s or {}).items())), nic)
+                   tuple(map(tuple, latency)), loopback, host, tuple(sorted((host_s or {}).items())), nic, share)
+
+
+def machine_cores() -> int:
+    """The cores this process may run on (the lab's emulated nodes all run on them)."""
+    import os
+
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
 
 
 def _nic_at_fastest_link(bandwidth: Sequence[Sequence[float]]) -> tuple[float, ...]:

@@ -21,15 +21,26 @@ Step = Callable[[int], object]
 """One synchronization (or one policy step), as a function of the step number."""
 
 
+def parameter_layout(cfg: JobConfig) -> list[tuple[int, str]]:
+    """Each trainable parameter of the job's model (element count, torch dtype name), in the model's order:
+    what its gradient buckets are made of. Builds the workload once on the CPU."""
+    from actors.training.workload import build_workload
+
+    model = build_workload(cfg).model
+    return [(p.numel(), str(p.dtype).removeprefix("torch.")) for p in model.parameters() if p.requires_grad]
+
+
 def measure_host(cfg: JobConfig, cands: Sequence[Candidate], model_bytes: float, rounds: int = 40,
-                 warmup: int = 5) -> dict[str, float]:
+                 warmup: int = 5, layout: Sequence[tuple[int, str]] | None = None) -> dict[str, float]:
     """Each synchronization pattern the candidates run (`host_patterns`), timed among the job's count of
     ranks on this machine, each rank a process of its own as the lab's workers are, over gloo on
     127.0.0.1 with no link shaped, by the project's own code for it (the all-reduce, the compressed
     scatter-gather, the gossip policy's exchange and mixing). For each pattern, "PATTERN" is the median
     wall time of one synchronization and "PATTERN:cpu" the median CPU time of the rank's own thread in
     it (encoding, decoding, arithmetic; not the transport's threads): what the lab's emulated nodes,
-    which share this machine's cores, pay for a synchronization however fast the links are."""
+    which share this machine's cores, pay for a synchronization however fast the links are. A policy's
+    step runs on a model of the job's own parameters (`layout`, else `parameter_layout`), so a bucketed
+    policy launches as many buckets as the job would."""
     import os  # only plan, auto and the benchmark measure
     import subprocess
     import sys
@@ -43,12 +54,13 @@ def measure_host(cfg: JobConfig, cands: Sequence[Candidate], model_bytes: float,
     if not labels:
         return {}
     world = cfg.workers.count
+    numels = [numel for numel, _ in (layout if layout is not None else parameter_layout(cfg))]
     _store, port, sock = serve_store("127.0.0.1", 120.0)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
     procs: list[subprocess.Popen[str]] = []
     try:  # fresh interpreters (not multiprocessing: a spawned child would import the caller's main module)
         for rank in range(world):
-            task = json.dumps({"config": cfg.to_dict(), "labels": labels, "model_bytes": model_bytes, "port": port,
+            task = json.dumps({"config": cfg.to_dict(), "labels": labels, "model_bytes": model_bytes, "port": port, "layout": numels,
                                "rank": rank, "rounds": rounds, "warmup": warmup})
             procs.append(subprocess.Popen([sys.executable, "-c",
                                            "from orchestrator.planning.measure import _host_rank; _host_rank()", task],
@@ -95,7 +107,7 @@ def _host_rank() -> None:
         if not isinstance(comm, GlooCommunicator):  # the spec asks for gloo
             raise TypeError(f"expected a gloo group, got {type(comm).__name__}")
         try:
-            run = _pattern_step(cfg, by_label[label], pattern, comm, numel)
+            run = _pattern_step(cfg, by_label[label], pattern, comm, numel, task.get("layout") or [numel])
             times, cpu = [], []
             for step in range(1, warmup + task["rounds"] + 1):
                 began, began_cpu = time.perf_counter(), time.thread_time()
@@ -110,8 +122,10 @@ def _host_rank() -> None:
     os._exit(0)  # past here only the store's and gloo's threads, whose teardown at exit can abort the process
 
 
-def _pattern_step(cfg: JobConfig, cand: Candidate, pattern: str, comm: GlooCommunicator, numel: int) -> Step:
-    """One synchronization of `pattern` on `comm` (a model of `numel` floats), as a function of the step."""
+def _pattern_step(cfg: JobConfig, cand: Candidate, pattern: str, comm: GlooCommunicator, numel: int,
+                  layout: Sequence[int]) -> Step:
+    """One synchronization of `pattern` on `comm` (a model of `numel` floats, whose parameters have `layout`'s
+    element counts), as a function of the step."""
     import torch
 
     kind, _, arg = pattern.partition("/")
@@ -127,13 +141,14 @@ def _pattern_step(cfg: JobConfig, cand: Candidate, pattern: str, comm: GlooCommu
         sg.bind(comm)
         tensor, tail = torch.randn(numel), torch.zeros(sg.tail_numel)
         return lambda step: sg.all_reduce(tensor, tail)
-    return _policy_step(cfg, cand, comm, numel)
+    return _policy_step(cfg, cand, comm, layout)
 
 
-def _policy_step(cfg: JobConfig, cand: Candidate, comm: GlooCommunicator, numel: int) -> Step:
-    """One step of the candidate's policy on a model of one flat parameter of `numel` floats, in the
-    worker's order of hooks, with a backward that only sets the gradient and the update at lr 0: what
-    the step adds to the forward and backward (the gradients' all-reduce, or the exchange and mixing)."""
+def _policy_step(cfg: JobConfig, cand: Candidate, comm: GlooCommunicator, layout: Sequence[int]) -> Step:
+    """One step of the candidate's policy on a model of float parameters of `layout`'s element counts (the
+    job's, so its gradients fill the job's buckets), in the worker's order of hooks, with a backward that
+    only sets the gradients and the update at lr 0: what the step adds to the forward and backward (the
+    gradients' all-reduce, bucket by bucket, or the exchange and mixing)."""
     import torch
 
     from algorithms.policies.base import EpochInfo, VoteDraft, get_algorithm
@@ -141,8 +156,9 @@ def _policy_step(cfg: JobConfig, cand: Candidate, comm: GlooCommunicator, numel:
 
     job = with_candidate(cfg, cand)
     model = torch.nn.Module()
-    flat = torch.nn.Parameter(torch.randn(numel) * 0.01)
-    model.flat = flat
+    params = [torch.nn.Parameter(torch.randn(max(int(n), 1)) * 0.01) for n in layout]
+    for i, param in enumerate(params):
+        model.register_parameter(f"p{i}", param)
     impl = get_algorithm(job.sync.policy)(job.sync, job.compression).bind(model, build_optimizer(model.parameters(), job.optimizer))
     slots = tuple(f"w{i}" for i in range(comm.world_size))
     nodes = tuple(str(job.network.node_of(s)) for s in slots) if job.network.lab else ()
@@ -152,7 +168,7 @@ def _policy_step(cfg: JobConfig, cand: Candidate, comm: GlooCommunicator, numel:
         draft = VoteDraft(samples=1)
         impl.begin_step(index, draft)
         impl.before_forward(index)
-        impl.backward(flat.sum())
+        impl.backward(sum(param.sum() for param in params))
         impl.end_backward(index)
         impl.finish_step(index, draft)
         impl.apply_update(index, 0.0)

@@ -67,7 +67,7 @@ def test_the_labs_host_times_are_measured_per_pattern_and_only_in_the_lab(monkey
     net = planner.network_for(c.network, 4, None, {"bsp/none": 0.006})
     assert net.host("bsp/none") == 0.006 and net.host("bytegrad/uint8") == 0.0
     calls = []
-    monkeypatch.setattr(planner, "measure_host", lambda job, cands, nbytes: calls.append(job.workers.count) or {"bsp/none": 0.006})
+    monkeypatch.setattr(planner, "measure_host", lambda job, cands, nbytes, **_: calls.append(job.workers.count) or {"bsp/none": 0.006})
     bsp = [x for x in planner.candidates(c) if x.label == "bsp"]
     with_host = planner.ranked(c, bsp, 0.01, 1.2e6)[0].step_s
     assert calls == [4]
@@ -155,7 +155,7 @@ def test_ties_keep_the_candidates_order_never_their_names():
 def test_auto_writes_the_pick_into_the_config_with_its_reason(monkeypatch):
     monkeypatch.setattr(planner, "load_factors", lambda: {"factors": {}, "bsp_steps": None, "source": ""})
     # the host times as measured (the test above measures them; 4 processes and 13 s here)
-    monkeypatch.setattr(planner, "measure_host", lambda job, cands, nbytes: {"bsp/none": 0.006, "bytegrad/uint8": 0.004})
+    monkeypatch.setattr(planner, "measure_host", lambda job, cands, nbytes, **_: {"bsp/none": 0.006, "bytegrad/uint8": 0.004})
     c = cfg(network=LAB, sync={"policy": "auto", "candidates": ["bsp", "bytegrad"]})
     chosen, line, rows = planner.choose(c, compute_s=0.01, model_bytes=1.2e6)
     assert "(no convergence factors apply (no convergence factors were measured)" in line
@@ -286,3 +286,21 @@ def test_a_told_real_cluster_shares_each_nodes_nic_where_the_lab_does_not():
     told = planner.network_for(cfg(network={"nodes": 3, "emulate": False}).network, 3)
     emulated = planner.network_for(cfg(network={"nodes": 3}).network, 3)
     assert told.nic_bytes_per_s == (1000e6 / 8,) * 3 and emulated.nic_bytes_per_s == ()
+
+
+def test_a_bucketed_policys_buckets_are_the_jobs_own_from_the_models_parameters():
+    """The lab's digits MLP (hidden 512, depth 2): parameters of 32768, 512, 262144, 512, 5120 and 10 floats.
+    In 0.25 MiB (262144-byte) buckets, filled from the last parameter back (the Python hooks' order, which the
+    lab runs: its latency is modelled): 10 + 5120 + 512 floats (22568 bytes) fill the first, the 1 MiB weight
+    is a bucket alone, then 512 + 32768 floats (133120 bytes). Policies that do not bucket keep none."""
+    from orchestrator.planning.candidates import with_layout
+
+    layout = [(32768, "float32"), (512, "float32"), (262144, "float32"), (512, "float32"), (5120, "float32"),
+              (10, "float32")]
+    c = cfg(network=LAB, sync={"policy": "bsp", "bucket_mb": 0.25})
+    cands = {x.label: x for x in with_layout(planner.candidates(c), layout, lab=True)}
+    for label in ("bsp", "bsp hierarchical", "bytegrad uint8"):
+        assert cands[label].spec.bucket_sizes == (22568.0, 1048576.0, 133120.0), label
+    assert cands["local_sgd h=8"].spec.bucket_sizes == ()
+    one = {x.label: x for x in with_layout(planner.candidates(cfg(network=LAB)), layout, lab=True)}
+    assert one["bsp"].spec.bucket_sizes == (1204264.0,)  # 25 MiB: the whole model in one bucket

@@ -207,10 +207,11 @@ def test_bsps_buckets_overlap_the_backward_pass_that_produces_them():
     assert overlapped_with_backward(0.1, 0.04, 4e6, 1e6) == pytest.approx(0.07)
     assert overlapped_with_backward(0.1, 0.04, 4e6, 4e6) == 0.1  # one bucket: launched after backward
     one = NET
-    ring = ring_allreduce(one, [0, 1, 2, 3], 4e6)
+    ring = 4 * ring_allreduce(one, [0, 1, 2, 3], 1e6)  # four buckets, an all-reduce each
     p = predict(PolicySpec("bsp", bucket_bytes=1e6), one, Compute(0.05, backward_s=0.04), 4e6)
     assert p.step_s == pytest.approx(0.05 + exposed(ring, 0.04, 4))
-    assert predict(PolicySpec("bsp"), one, Compute(0.05, backward_s=0.04), 4e6).step_s == pytest.approx(0.05 + ring)
+    whole = ring_allreduce(one, [0, 1, 2, 3], 4e6)
+    assert predict(PolicySpec("bsp"), one, Compute(0.05, backward_s=0.04), 4e6).step_s == pytest.approx(0.05 + whole)
 
 
 def test_a_nodes_nic_is_shared_by_its_flows_to_every_other_node_where_the_labs_pairs_are_not():
@@ -236,3 +237,47 @@ def test_the_probes_network_shares_each_nodes_nic_at_its_fastest_measured_pair()
                          {"a": 0, "b": 2, "bytes_per_s": 5e7, "latency_s": 0.0},
                          {"a": 1, "b": 2, "bytes_per_s": 5e7, "latency_s": 0.0}]}
     assert network_from_probe(cluster).nic_bytes_per_s == (1e8, 1e8, 5e7)
+
+
+def test_each_bucket_is_a_collective_of_its_own_and_pays_its_rounds_latencies():
+    """k buckets reduced one after another on the 2x2 ring: each 6 rounds of (b/4)/B + L, so k buckets of
+    M/k move the same bytes as one bucket and pay 6kL of latency instead of 6L. The same for hierarchical
+    BSP (gather, the leaders' 2-rank ring, scatter per bucket) and bytegrad's scatter-gather per bucket."""
+    from algorithms.rules.runtime_model import Compute, PolicySpec
+
+    c = Compute(0.02)
+    one = predict(PolicySpec("bsp"), NET, c, M).step_s - 0.02
+    five = predict(PolicySpec("bsp", bucket_sizes=(M / 5,) * 5), NET, c, M).step_s - 0.02
+    assert one == pytest.approx(6 * (M / 4 / B + L))
+    assert five == pytest.approx(5 * 6 * (M / 20 / B + L))
+    assert five - one == pytest.approx(24 * L)
+    # unequal buckets as the job makes them: each its own bandwidth term, each its latencies
+    sizes = (0.9e6, 0.2e6, 0.1e6)
+    assert predict(PolicySpec("bsp", bucket_sizes=sizes), NET, c, M).step_s - 0.02 == pytest.approx(
+        sum(6 * (b / 4 / B + L) for b in sizes))
+    # hierarchical: node-local gather and scatter over loopback, the two leaders' ring (2 rounds of b/2)
+    hier = predict(PolicySpec("bsp", hierarchical=True, bucket_sizes=(M / 2,) * 2), NET, c, M).step_s - 0.02
+    assert hier == pytest.approx(2 * ((M / 2) / LO + 2 * ((M / 4) / B + L) + (M / 2) / LO))
+    # bytegrad uint8: all-to-all of q/4 chunks (node 0's two ranks send two chunks each to node 1: 4 flows
+    # share the link) then a ring all-gather of q/4 sums, 3 rounds; per bucket
+    q = 0.25
+    sg = predict(PolicySpec("bytegrad", codec_ratio=q, bucket_sizes=(M / 3,) * 3), NET, c, M).step_s - 0.02
+    per = (M / 3 * q / 4) / (B / 4) + L + 3 * ((M / 3 * q / 4) / B + L)
+    assert sg == pytest.approx(3 * per)
+    # `bucket_bytes` alone: split evenly into ceil(M / bucket) buckets
+    assert predict(PolicySpec("bsp", bucket_bytes=M / 5), NET, c, M).step_s == pytest.approx(0.02 + five)
+
+
+def test_a_ranks_own_cpu_work_in_a_gossip_step_takes_its_share_of_a_core():
+    """D-PSGD's step: its compute plus its own thread's CPU time (encoding, decoding, mixing), which every
+    rank runs at once: with 8 ranks on 2 cores each rank's 4 ms of CPU take 4 x 4 = 16 ms on the clock."""
+    import dataclasses
+
+    from algorithms.rules.runtime_model import Compute, PolicySpec
+
+    host = (("dpsgd/uint8", 0.001), ("dpsgd/uint8:cpu", 0.004))
+    fast = Network.uniform(2, 2, 1e12, 0.0, loopback_bytes_per_s=LO, host_s=host)
+    spec = PolicySpec("dpsgd", codec_ratio=0.25, codec="uint8")
+    assert predict(spec, fast, Compute(0.02), M).step_s == pytest.approx(0.02 + 0.004)
+    shared = dataclasses.replace(fast, cpu_share=4.0)
+    assert predict(spec, shared, Compute(0.02), M).step_s == pytest.approx(0.02 + 4 * 0.004)
