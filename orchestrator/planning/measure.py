@@ -168,7 +168,7 @@ def _policy_step(cfg: JobConfig, cand: Candidate, comm: GlooCommunicator, layout
         draft = VoteDraft(samples=1)
         impl.begin_step(index, draft)
         impl.before_forward(index)
-        impl.backward(sum(param.sum() for param in params))
+        impl.backward(torch.stack([param.sum() for param in params]).sum())
         impl.end_backward(index)
         impl.finish_step(index, draft)
         impl.apply_update(index, 0.0)
