@@ -157,3 +157,13 @@ class ParentWatch:
     def exit_if_orphaned(self) -> None:
         if os.getppid() != self.parent:
             os._exit(1)
+
+
+def turn_steps(candidate: dict, steps: int) -> int:
+    """A candidate of `sync.auto`'s online trial (a `policy_trial` entry, with its `sync:` section) runs
+    `steps` steps in its turn, rounded up to whole rounds where it synchronizes every h steps: the turn's
+    step time then carries its share of each round. The coordinator's trial and the members (who report
+    a turn's last step at once) read it alike."""
+    h = candidate.get("sync", {}).get("h", 1)
+    h = h if isinstance(h, int) and h > 1 else 1
+    return -(-max(int(steps), 1) // h) * h

@@ -26,6 +26,8 @@ from __future__ import annotations
 import statistics
 from collections.abc import Callable
 
+from actors.plan import turn_steps
+
 DRIFT = 0.25
 """A chosen policy whose step time moves this far from its trial's measurement, sustained, is re-tried."""
 DRIFT_WINDOWS = 2
@@ -64,8 +66,18 @@ class Trial:
         return self.candidates[index]["label"]
 
     def policy(self, index: int, fresh: bool) -> dict:
+        """What a plan carries to switch to candidate `index`; during the trial also its turn's length, so
+        the members report the turn's last step at once rather than at their next report."""
         c = self.candidates[index]
-        return {"label": c["label"], "sync": c["sync"], "compression": c["compression"], "fresh": fresh}
+        policy = {"label": c["label"], "sync": c["sync"], "compression": c["compression"], "fresh": fresh}
+        if self.chosen is None:
+            policy["turn_steps"] = self.length(index)
+        return policy
+
+    def length(self, index: int) -> int:
+        """Candidate `index`'s turn in steps: `trial_steps`, rounded up to whole rounds of a periodic kind
+        (h local steps per round), so its measured step time carries its share of every round."""
+        return turn_steps(self.candidates[index], self.steps)
 
     # ------------------------------------------------------------------ what the coordinator calls
     def offer(self, record: dict, set_policy: Callable[[dict], None]) -> None:
@@ -83,9 +95,10 @@ class Trial:
             return
         window = self.windows[self.running]
         window.append(point)
-        if window[-1][0] - window[0][0] < self.steps or not self._can_switch():
+        length = self.length(self.running)
+        if window[-1][0] - window[0][0] < length or not self._can_switch():
             return
-        self.measured[self.running] = _rate(window)
+        self.measured[self.running] = _rate(whole_turns(window, length))
         if self.turn + 1 < len(self.order):
             self.turn += 1
             self._publish(self.running, f"policy trial: {self.label(self.running)} for {self.steps} steps "
@@ -152,6 +165,15 @@ class Trial:
         self.windows = [[] for _ in self.candidates]
         self.measured = [None] * len(self.candidates)
         self._event("policy_retrial", f"policy trial again: {why}", round=self.rounds, running=self.label(current))
+
+
+def whole_turns(points: list[tuple[int, float]], length: int) -> list[tuple[int, float]]:
+    """`points` up to the last one a whole number of turns of `length` steps after the first (a record
+    that arrived late, in the same report as the turn's last step, would add part of a round); all of
+    them where commits jumped past every such step."""
+    s0 = points[0][0]
+    ends = [i for i, (step, _) in enumerate(points) if step > s0 and (step - s0) % length == 0]
+    return points[:ends[-1] + 1] if ends else points
 
 
 def _rate(points: list[tuple[int, float]]) -> float:

@@ -141,6 +141,9 @@ class ReplicaBase:
         self.kept: deque[dict] = deque(maxlen=KEEP_RECORDS)
         """History records of this replica's newest commit points (every member keeps them)."""
         self._last_report = 0.0
+        self._turn: tuple[str, int, bool] | None = None
+        """`sync.auto`'s trial: (the policy's label, the first step it committed, whether its turn's last
+        step was reported at once)."""
         self.compute_s = 0.0
         self._step_s: list[float] = []
         self.bytes_before = 0

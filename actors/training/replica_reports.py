@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from actors.plan import Plan, Progress
+from actors.plan import Plan, Progress, turn_steps
 from actors.training.replica_state import CommittedState
 from algorithms.policies.base import StepVote
 
@@ -74,7 +74,27 @@ class Reporting(CommittedState):
             if self._evaluates(plan) and crossed(self.cfg.eval_every, prev if prev is not None else self.step - 1, self.step):
                 record.update(self._evaluate())
             self._records.append(record)
-        self._flush_report()
+        self._flush_report(force=self._turn_ends(plan), wait=False)
+
+    def _turn_ends(self, plan: Plan) -> bool:
+        """Whether this step ends a turn of `sync.auto`'s trial: the policy running has committed its turn's
+        steps (`turn_steps`) since its first. The turn's last record then goes to the coordinator at once,
+        not up to REPORT_EVERY_S later, so the trial moves on without running the candidate for longer."""
+        trial = self.cfg.policy_trial
+        if not trial or not self._reports(plan):
+            return False
+        if plan.policy is not None:
+            label, length = plan.policy["label"], plan.policy.get("turn_steps")
+        else:  # the first candidate, the job's own policy until a switch
+            first = trial["candidates"][0]
+            label, length = first["label"], turn_steps(first, trial["steps"])
+        if self._turn is None or self._turn[0] != label:
+            self._turn = (label, self.step, False)
+            return False
+        if not length or self._turn[2] or self.step - self._turn[1] < length:
+            return False
+        self._turn = (label, self._turn[1], True)
+        return True
 
     def _evaluates(self, plan: Plan) -> bool:
         """Who evaluates: every reporter, except that a background kind's rank 0 alone evaluates the
@@ -100,7 +120,9 @@ class Reporting(CommittedState):
         if self.plan is not None and self.plan.rank_of(self.slot) == 0:
             self._records.append({"step": self.step, "time": time.time(), "final": True, **self._evaluate()})
 
-    def _flush_report(self, force: bool = False) -> None:
+    def _flush_report(self, force: bool = False, wait: bool | None = None) -> None:
+        """Send the records gathered since the last report: every REPORT_EVERY_S, or now with `force`
+        (waiting for the coordinator's answer unless `wait` is False)."""
         now = time.monotonic()
         world = len(self.plan.members) if self.plan else 1
         if not force and now - self._last_report < max(REPORT_EVERY_S, world / REPORTS_PER_S):
@@ -111,7 +133,7 @@ class Reporting(CommittedState):
                             mark=self._mark(), step_s=tuple(self._step_s))
         self._records, self._step_s = [], []
         try:
-            self.link.report(progress, wait=force)
+            self.link.report(progress, wait=force if wait is None else wait)
         except Exception as err:  # noqa: BLE001 - a lost report must not kill training (records are kept)
             log.warning("progress report at step %d lost: %s", self.step, str(err).splitlines()[0][:200])
 

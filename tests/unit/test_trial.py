@@ -25,11 +25,12 @@ class Coordinator:
                            lambda kind, reason, **detail: self.events.append((kind, reason, detail)), lambda: self.allowed)
         self.step, self.time = 0, 0.0
 
-    def run(self, label: str | None, steps: int, step_s: float) -> None:
-        """`steps` committed steps of `step_s` each under `label` (None: the config's own, unlabelled)."""
+    def run(self, label: str | None, steps: int, step_s: float, round_s: float = 0.0, h: int = 0) -> None:
+        """`steps` committed steps of `step_s` each under `label` (None: the config's own, unlabelled); with
+        `h`, every step that is a multiple of h also pays a round of `round_s`."""
         for _ in range(steps):
             self.step += 1
-            self.time += step_s
+            self.time += step_s + (round_s if h and self.step % h == 0 else 0.0)
             record = {"step": self.step, "time": self.time}
             if label is not None:
                 record["policy"] = label
@@ -41,7 +42,7 @@ def test_each_candidate_runs_its_turn_and_the_best_measured_times_its_factor_run
     c.run(None, 11, 0.010)  # bsp, the config's policy: 10 steps after its first record
     assert [p["label"] for p in c.switches] == ["local_sgd h=8"] and c.switches[0]["fresh"]
     c.run("bsp", 2, 0.010)  # adopted at the next commit: steps still committed under bsp do not count
-    c.run("local_sgd h=8", 11, 0.005)
+    c.run("local_sgd h=8", 17, 0.005)  # its turn: 10 steps rounded up to whole rounds of 8, 16
     assert c.carried == {**c.trial.policy(1, False)}  # its first committed step: later plans carry it, not fresh
     assert [p["label"] for p in c.switches] == ["local_sgd h=8", "bsp hierarchical"]
     c.run("bsp hierarchical", 11, 0.009)
@@ -71,7 +72,7 @@ def test_a_node_joining_after_the_decision_runs_the_trial_again_starting_with_th
     c = Coordinator({**SPEC, "candidates": SPEC["candidates"][:2]})
     c.trial.membership(("n0", "n0", "n1", "n1"))
     c.run(None, 11, 0.010)
-    c.run("local_sgd h=8", 11, 0.020)  # bsp wins (10 ms against 30)
+    c.run("local_sgd h=8", 17, 0.020)  # bsp wins (10 ms against 30)
     assert c.trial.chosen == 0 and [p["label"] for p in c.switches] == ["local_sgd h=8", "bsp"]
     c.trial.membership(("n0", "n0", "n1", "n1"))  # the same nodes (a worker replaced on one): nothing
     assert not [e for e in c.events if e[0] == "policy_retrial"]
@@ -85,7 +86,7 @@ def test_a_node_joining_after_the_decision_runs_the_trial_again_starting_with_th
 def test_a_sustained_drift_runs_the_trial_again_and_one_slow_window_does_not():
     c = Coordinator({**SPEC, "candidates": SPEC["candidates"][:2]})
     c.run(None, 11, 0.010)
-    c.run("local_sgd h=8", 11, 0.020)
+    c.run("local_sgd h=8", 17, 0.020)
     c.run("bsp", 1, 0.010)
     c.run("bsp", 20, 0.020)  # one window 2x slower (a recovery): not yet
     c.run("bsp", 20, 0.010)
@@ -93,3 +94,24 @@ def test_a_sustained_drift_runs_the_trial_again_and_one_slow_window_does_not():
     c.run("bsp", 41, 0.015)  # two windows 50% slower in a row
     [(_, reason, _)] = [e for e in c.events if e[0] == "policy_retrial"]
     assert "drifted +50%" in reason, reason
+
+
+def test_a_periodic_candidates_turn_spans_whole_rounds_so_its_step_time_carries_their_cost():
+    """local_sgd h=8: 4-ms local steps, and every 8th step a 16-ms round: 4 + 16/8 = 6 ms a step in the long
+    run. Its turn, from its first committed step (step 12 here), is 10 steps rounded up to 16: it spans
+    exactly two rounds (steps 16 and 24), (16 x 4 + 2 x 16) / 16 = 6 ms. A 10-step turn (steps 12 to 22)
+    would have seen one round: (10 x 4 + 16) / 10 = 5.6 ms. Where the switch has to wait (a reshape
+    pending) past the turn's end, the steps after it are not counted: to step 31, (19 x 4 + 2 x 16) / 19
+    = 5.7 ms."""
+    c = Coordinator({**SPEC, "candidates": SPEC["candidates"][:2]})
+    c.run(None, 11, 0.010)
+    assert [p["label"] for p in c.switches] == ["local_sgd h=8"]
+    assert c.switches[0]["turn_steps"] == 16 and c.trial.policy(0, True)["turn_steps"] == 10
+    c.allowed = False
+    c.run("local_sgd h=8", 19, 0.004, round_s=0.016, h=8)  # steps 12..30
+    c.allowed = True
+    c.run("local_sgd h=8", 1, 0.004, round_s=0.016, h=8)  # step 31
+    [(_, _, detail)] = [e for e in c.events if e[0] == "policy_trial"]
+    measured = {r["label"]: r["measured_step_s"] for r in detail["candidates"]}
+    assert abs(measured["local_sgd h=8"] - 0.006) < 1e-9
+    assert "turn_steps" not in c.trial.policy(1, False)  # decided: later plans carry no turn
