@@ -24,6 +24,7 @@ import copy
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from actors.plan import turn_steps
 from algorithms.rules.runtime_model import PolicySpec
 from core.schema import POLICIES, ConfigError, JobConfig, parse
 from orchestrator.planning.candidates import Candidate, candidates, with_candidate, with_layout
@@ -119,20 +120,55 @@ def choose(cfg: JobConfig, compute_s: float | None = None, model_bytes: float | 
             "the lab's network as asked (network: section)" if cfg.network.enabled else "one node assumed (no probe)")
     line = f"{recommendation(rows)} ({factors_line(cfg)}; {told}" + (f"; {describe_probe(cluster)})" if cluster else ")")
     trial = shortlist(rows, sync.auto.candidates) if sync.auto.trial_steps else []
+    asked = len(trial)
+    job = job_steps(cfg, trial)
+    while len(trial) >= 2 and job is not None and trial_cost(trial, sync.auto.trial_steps) > sync.auto.max_share * job:
+        trial = trial[:-1]
     first = trial[0].candidate if len(trial) >= 2 else rows[0].candidate
     raw = with_candidate(cfg, first).to_dict()
     if len(trial) >= 2:
-        line = (f"trying {', '.join(r.candidate.label for r in trial)} for {sync.auto.trial_steps} steps each, "
-                f"then the best measured; the model: {line}")
+        fewer = (f" ({len(trial)} of the {asked} asked: the job's predicted {job:.0f} steps allow a trial of about "
+                 f"{trial_cost(trial, sync.auto.trial_steps)}, sync.auto.max_share {sync.auto.max_share:g})"
+                 if len(trial) < asked and job is not None else "")
+        line = (f"trying {', '.join(r.candidate.label for r in trial)} for {sync.auto.trial_steps} steps each "
+                f"(whole rounds for a periodic kind){fewer}, then the best measured; the model: {line}")
         raw["policy_trial"] = {"steps": sync.auto.trial_steps, "candidates": [
             {"label": r.candidate.label, "sync": copy.deepcopy(r.candidate.sync),
              "compression": {**raw["compression"], "codec": r.candidate.compression.get("codec", "none")},
              "step_s": r.step_s, "factor": r.factor if r.factor is not None else 1.0} for r in trial]}
+    elif sync.auto.trial_steps and asked >= 2:
+        line = (f"no trial: the job's predicted {job:.0f} steps are too few (a trial of {asked} candidates takes about "
+                f"{trial_cost(shortlist(rows, asked), sync.auto.trial_steps)} steps, of 2 about "
+                f"{trial_cost(shortlist(rows, 2), sync.auto.trial_steps)}; sync.auto.max_share "
+                f"{sync.auto.max_share:g} of the job); {line}")
     elif sync.auto.trial_steps:
         line = (f"no trial: {len(trial)} switchable candidate(s) (of {', '.join(sorted(SWITCHABLE))}, exact or with "
                 f"factors for this workload); {line}")
     raw["policy_choice"] = f"sync.policy auto picked {line}"
     return parse(JobConfig, raw), line, rows
+
+
+def job_steps(cfg: JobConfig, trial: Sequence[Row]) -> float | None:
+    """The job's predicted length in steps: `stop.max_steps`, or, with a target and convergence factors that
+    apply, BSP's steps to it times the factor of the policy it starts on (the trial's first); the shorter of
+    the two. None where neither is known (the job stops on time, or on a target without factors)."""
+    limits: list[float] = [float(cfg.stop.max_steps)] if cfg.stop.max_steps else []
+    data = load_factors()
+    if cfg.stop.target is not None and trial and data.get("bsp_steps") and factors_apply(cfg, data)[0]:
+        limits.append(data["bsp_steps"] * (trial[0].factor or 1.0))
+    return min(limits) if limits else None
+
+
+def trial_cost(trial: Sequence[Row], steps: int) -> int:
+    """About how many steps a trial of `trial`'s candidates takes: each candidate's first commit (a periodic
+    kind's first round, h steps after the switch), its turn (`turn_steps`: whole rounds), and the wait for
+    the commit at which the members adopt the next switch (up to a round)."""
+    total = 0
+    for row in trial:
+        h = row.candidate.sync.get("h", 1)
+        h = h if isinstance(h, int) and h > 1 else 1
+        total += h + turn_steps({"sync": row.candidate.sync}, steps) + h
+    return total
 
 
 def shortlist(rows: Sequence[Row], k: int) -> list[Row]:

@@ -306,12 +306,20 @@ class TrialConfig:
     """Steps each candidate runs (0: no trial, the model's pick runs from the start)."""
     candidates: int = 2
     """How many of the ranking's switchable candidates to try (at least 2)."""
+    max_share: float = 0.25
+    """The trial may take at most this share of the job's predicted steps (`stop.max_steps`, or BSP's steps
+    to the target times the first candidate's factor where factors apply): candidates are dropped from the
+    end of the shortlist until it fits, and with fewer than 2 left no trial runs (the start line says
+    why). A job whose length is unknown (`stop.time_s` only, or a target without factors) runs the trial
+    as asked. 1: as long as the job."""
 
     def __post_init__(self) -> None:
         if self.trial_steps < 0:
             raise FieldError("trial_steps", f"must be 0 (no trial) or a number of steps, got {self.trial_steps}")
         if self.candidates < 2:
             raise FieldError("candidates", f"a trial compares at least 2 candidates, got {self.candidates}")
+        if not 0 < self.max_share <= 1:
+            raise FieldError("max_share", f"must be a share of the job's steps in (0, 1], got {self.max_share}")
 
 
 @dataclass

@@ -304,3 +304,41 @@ def test_a_bucketed_policys_buckets_are_the_jobs_own_from_the_models_parameters(
     assert cands["local_sgd h=8"].spec.bucket_sizes == ()
     one = {x.label: x for x in with_layout(planner.candidates(cfg(network=LAB)), layout, lab=True)}
     assert one["bsp"].spec.bucket_sizes == (1204264.0,)  # 25 MiB: the whole model in one bucket
+
+
+def test_the_trial_takes_at_most_its_share_of_the_jobs_predicted_steps():
+    """A trial costs, per candidate, its first commit (h steps for a periodic kind, 1 otherwise), its turn
+    (`trial_steps` rounded up to whole rounds of h) and the wait for the commit at which the next switch is
+    adopted (up to h): 2h + ceil(10/h) h. With `max_share` 0.25 the trial fits in a quarter of the job's
+    predicted steps (`stop.max_steps`, or BSP's steps to the target times the first candidate's factor),
+    candidates dropped from the end of the shortlist until it does; with fewer than two left no trial runs
+    and the line says why. A long job tries all it asked for."""
+    told = {"emulate": False, "nodes": 2, "workers_per_node": 2, "inter": {"mbit": 100, "latency_ms": 1.0}}
+
+    def job(max_steps: int, target: bool = False, share: float = 0.25) -> object:
+        stop = {"max_steps": max_steps, **({"target": {"metric": "accuracy", "value": 0.96}} if target else {})}
+        return cfg(network=told, stop=stop, eval_every=5,
+                   sync={"policy": "auto", "auto": {"trial_steps": 10, "candidates": 3, "max_share": share}})
+
+    def cost(c) -> int:
+        h = c.sync.get("h", 1)
+        return 2 * h + -(-10 // h) * h
+
+    # no target: no factors apply, the exact policies alone (flat and hierarchical BSP, 12 steps each)
+    chosen, line, _ = planner.choose(job(100_000), compute_s=0.02, model_bytes=1.2e6)
+    assert [c["label"] for c in chosen.policy_trial["candidates"]] == ["bsp hierarchical", "bsp"]
+    assert line.startswith("trying bsp hierarchical, bsp for 10 steps each")
+    chosen, line, _ = planner.choose(job(95), compute_s=0.02, model_bytes=1.2e6)  # 24 steps > 95 / 4
+    assert not chosen.policy_trial
+    assert line.startswith("no trial: the job's predicted 95 steps are too few (a trial of 2 candidates takes about 24")
+    assert planner.choose(job(96), compute_s=0.02, model_bytes=1.2e6)[0].policy_trial  # 24 = 96 / 4
+    # a target the factors apply to: the job's length is BSP's steps to it times the first candidate's factor
+    factors = planner.load_factors()
+    for share in (0.25, 1.0):
+        chosen, line, rows = planner.choose(job(100_000, target=True, share=share), compute_s=0.02, model_bytes=1.2e6)
+        asked = planner.shortlist(rows, 3)
+        predicted = factors["bsp_steps"] * (asked[0].factor or 1.0)
+        fits = [k for k in (3, 2) if sum(cost(r.candidate) for r in asked[:k]) <= share * predicted]
+        tried = [c["label"] for c in chosen.policy_trial.get("candidates", [])]
+        assert tried == ([r.candidate.label for r in asked[:fits[0]]] if fits else []), (share, predicted, line)
+    assert len(tried) >= 2, "as long as the job: a trial fits"
