@@ -205,6 +205,7 @@ def measure(args, out: Path) -> int:
                             picked = next((e["reason"] for e in events if e["kind"] == "info" and "auto picked" in e["reason"]), "")
                             row.update(trial=trials[-1]["detail"] if trials else None, switches=switches, picked=picked[:400],
                                        chosen=trials[-1]["detail"]["chosen"] if trials else (switches[-1] if switches else None))
+                            row["chosen"] = row["chosen"] or model_pick(picked)
                         with open(out, "a") as f:
                             f.write(json.dumps(row) + "\n")
                         print(f"[{setting} {network} seed {seed}] {label}: {row['state']}, "
@@ -213,6 +214,15 @@ def measure(args, out: Path) -> int:
                                  f", chose {row.get('chosen')}")
                               + f", to target {t} s ({time.time() - began:.0f} s)", flush=True)
     return 0
+
+
+def model_pick(picked: str) -> str | None:
+    """The policy `auto` started on, from its start line ("... the model: LABEL: predicted ..." or, without
+    a trial, "no trial: ...); LABEL: predicted ..."): what ran where no trial switched it."""
+    import re
+
+    found = re.search(r"(?:the model: |\); |picked )([A-Za-z_][^:;()]*?): predicted", picked)
+    return found.group(1) if found else None
 
 
 def report(rows: list[dict]) -> dict:
@@ -242,7 +252,8 @@ def report(rows: list[dict]) -> dict:
             continue
         fastest = min(same, key=lambda x: x["to_target_s"])
         decided = bool(r.get("trial"))
-        mine = next((x for x in same if x["policy"] == r.get("chosen")), None)
+        chosen = r.get("chosen") or model_pick(r.get("picked", ""))
+        mine = next((x for x in same if x["policy"] == chosen), None)
         good = mine is not None and mine["to_target_s"] <= 1.10 * fastest["to_target_s"]
         own = r.get("to_target_s")
         own_good = own is not None and own <= 1.10 * fastest["to_target_s"]
@@ -251,8 +262,10 @@ def report(rows: list[dict]) -> dict:
         undecided += not decided
         alone = f"{mine['to_target_s']:.1f}" if mine else "missed"
         itself = f"{own:.1f}" if own is not None else "missed"
-        how = "chose" if decided else "was still trying at the target; ran last"
-        print(f"[{r['setting']} {r['network']} seed {r['seed']}] auto {how} {r.get('chosen')} ({alone} s alone; "
+        no_trial = not decided and not r.get("switches") and "no trial" in r.get("picked", "")
+        undecided -= no_trial
+        how = "ran the model's pick (no trial)" if no_trial else "chose" if decided else "was still trying at the target; ran last"
+        print(f"[{r['setting']} {r['network']} seed {r['seed']}] auto {how} {chosen} ({alone} s alone; "
               f"the auto run itself {itself} s, trial included); fastest {fastest['policy']} "
               f"{fastest['to_target_s']:.1f} s: pick {'within 10%' if good else 'MISS'}, run {'within 10%' if own_good else 'MISS'}")
     print(f"auto's final policy within 10% of the fastest in {sum(picks)} of {len(picks)} held-out cells "
