@@ -5,8 +5,9 @@ relaxed policy beats BSP. The lab gives each virtual node of `network:` its own 
 (all of 127/8 is this machine; node k is the k+1-th host of `network.subnet`, 127.77.0.1 for node 0)
 and lets the kernel shape the traffic between different nodes' addresses: an `htb` root qdisc on
 `lo` with one class per shaped (source node, destination node) pair and a `u32` filter on both
-addresses. Unclassified traffic (everything outside the lab's addresses, and unshaped pairs) takes
-htb's direct path, unshaped. Latency is not the kernel's (no netem on these machines): the transport
+addresses; TCP's bare acknowledgements pass beside the shaping (`ACK_LENGTHS` says why).
+Unclassified traffic (everything outside the lab's addresses, and unshaped pairs) takes htb's direct
+path, unshaped. Latency is not the kernel's (no netem on these machines): the transport
 adds it per operation (`network.*.latency_ms`; actors/transport/comm.py), labelled as modelled.
 
 Workers bind their gloo device to their node's address. gloo connects without binding, which would
@@ -69,9 +70,28 @@ def _burst_bytes(mbit: float) -> int:
     return max(65536, int(mbit * 1e6 / 8 * 0.0001))
 
 
+ACKS = 0xFFFF
+"""The class of TCP's bare acknowledgements: at 10 Gbit/s, in effect unshaped (see `ACK_LENGTHS`)."""
+ACK_LENGTHS = (40, 52, 64, 72, 80)
+"""IPv4 lengths of a bare TCP acknowledgement: 40 bytes of headers, 52 with timestamps (Linux's
+default), 64-80 with one to three SACK blocks. On `lo` a data packet is up to 64 KiB, 5.2 ms at
+100 Mbit/s, and a shaped pair's queue holds several of them. An acknowledgement for a flow the other
+way that waits in that queue holds its sender back: with both directions of a pair loaded (a ring's
+all-reduce, gossip's exchange), 1.2 MB each way took 158 ms where one direction took 91. On a real
+link an acknowledgement waits behind at most a 1,500-byte frame (0.12 ms at 100 Mbit/s). So the lab
+lets them pass beside the shaping (2026-11-28: 92 ms both ways; `tests/e2e/test_lab.py`). They are
+about 0.1% of the bytes on `lo`."""
+
+
 def tc_commands(net: NetworkConfig) -> list[list[str]]:
-    """The `tc` commands that bring the lab up on an unshaped `lo` (pure; tested)."""
-    cmds = [["tc", "qdisc", "add", "dev", DEV, "root", "handle", f"{HANDLE}:", "htb", "default", "0"]]
+    """The `tc` commands that bring the lab up on an unshaped `lo` (pure; tested): the acknowledgements'
+    class and filters first (`ACK_LENGTHS`), then one class and filter per shaped pair."""
+    cmds = [["tc", "qdisc", "add", "dev", DEV, "root", "handle", f"{HANDLE}:", "htb", "default", "0"],
+            ["tc", "class", "add", "dev", DEV, "parent", f"{HANDLE}:", "classid", f"{HANDLE}:{ACKS:x}", "htb",
+             "rate", "10gbit", "ceil", "10gbit", "quantum", "65536"]]
+    for length in ACK_LENGTHS:  # u32: the IPv4 header's total length (bytes 2-3), exactly
+        cmds.append(["tc", "filter", "add", "dev", DEV, "parent", f"{HANDLE}:", "protocol", "ip", "prio", "1", "u32",
+                     "match", "u16", f"0x{length:04x}", "0xffff", "at", "2", "flowid", f"{HANDLE}:{ACKS:x}"])
     classid = 0
     for a in range(net.nodes):
         for b in range(net.nodes):
@@ -83,7 +103,7 @@ def tc_commands(net: NetworkConfig) -> list[list[str]]:
             cmds.append(["tc", "class", "add", "dev", DEV, "parent", f"{HANDLE}:", "classid", f"{HANDLE}:{classid:x}",
                          "htb", "rate", _rate(link.mbit), "ceil", _rate(link.mbit), "burst", str(burst),
                          "cburst", str(burst), "quantum", "65536"])
-            cmds.append(["tc", "filter", "add", "dev", DEV, "parent", f"{HANDLE}:", "protocol", "ip", "prio", "1",
+            cmds.append(["tc", "filter", "add", "dev", DEV, "parent", f"{HANDLE}:", "protocol", "ip", "prio", "2",
                          "u32", "match", "ip", "src", f"{net.address(a)}/32", "match", "ip", "dst",
                          f"{net.address(b)}/32", "flowid", f"{HANDLE}:{classid:x}"])
     return cmds

@@ -30,14 +30,19 @@ def test_links_default_and_per_pair():
 def test_tc_commands_shape_only_the_lab_pairs_in_both_directions():
     cmds = tc_commands(net(inter={"mbit": 100}))
     assert cmds[0] == ["tc", "qdisc", "add", "dev", "lo", "root", "handle", f"{HANDLE}:", "htb", "default", "0"]
-    classes = [c for c in cmds if c[1] == "class"]
-    filters = [c for c in cmds if c[1] == "filter"]
+    acks = [c for c in cmds if f"{HANDLE}:ffff" in c]  # the acknowledgements' class and its filters
+    assert acks[0][1] == "class" and [c[c.index("u16") + 1] for c in acks[1:]] == ["0x0028", "0x0034", "0x0040",
+                                                                                  "0x0048", "0x0050"]
+    assert all(c[c.index("prio") + 1] == "1" for c in acks[1:])
+    classes = [c for c in cmds if c[1] == "class" and c not in acks]
+    filters = [c for c in cmds if c[1] == "filter" and c not in acks]
+    assert all(f[f.index("prio") + 1] == "2" for f in filters)  # after the acknowledgements' filters
     assert len(classes) == len(filters) == 2  # 0 -> 1 and 1 -> 0; intra-node unshaped: unclassified, direct
     assert all(c[c.index("rate") + 1] == "100000kbit" == c[c.index("ceil") + 1] for c in classes)
     pairs = {(f[f.index("src") + 1], f[f.index("dst") + 1]) for f in filters}
     assert pairs == {("127.77.0.1/32", "127.77.0.2/32"), ("127.77.0.2/32", "127.77.0.1/32")}
     shaped_intra = tc_commands(net(intra={"mbit": 1000}, inter={"mbit": 100}))
-    assert len([c for c in shaped_intra if c[1] == "filter"]) == 4
+    assert len([c for c in shaped_intra if c[1] == "filter" and f"{HANDLE}:ffff" not in c]) == 4
 
 
 @pytest.mark.parametrize("bad,key", [
