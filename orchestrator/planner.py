@@ -163,12 +163,7 @@ def trial_cost(trial: Sequence[Row], steps: int) -> int:
     """About how many steps a trial of `trial`'s candidates takes: each candidate's first commit (a periodic
     kind's first round, h steps after the switch), its turn (`turn_steps`: whole rounds), and the wait for
     the commit at which the members adopt the next switch (up to a round)."""
-    total = 0
-    for row in trial:
-        h = row.candidate.sync.get("h", 1)
-        h = h if isinstance(h, int) and h > 1 else 1
-        total += h + turn_steps({"sync": row.candidate.sync}, steps) + h
-    return total
+    return sum(2 * row.candidate.spec.h + turn_steps({"sync": row.candidate.sync}, steps) for row in trial)
 
 
 def shortlist(rows: Sequence[Row], k: int) -> list[Row]:

@@ -26,12 +26,13 @@ def build_workload(cfg: JobConfig) -> WorkloadLike:
     return check_factory(cfg.workload.factory)(**cfg.workload.params)
 
 
-def time_steps(cfg: JobConfig, device: torch.device, steps: int = 12, warmup: int = 3) -> dict:
+def time_steps(cfg: JobConfig, device: torch.device, steps: int = 12, warmup: int = 3, layout: bool = False) -> dict:
     """The job's workload timed as a worker runs it: one worker's batch (the next of the data's global
     order each time, read outside the timing) through forward, backward and the optimizer's step, on
     `device`, `steps` times after `warmup`. What `plan` and `auto` take one step's compute from, on a
     placed probe (actors/training/probe.py) or in the driver (orchestrator/planner.py `measure_compute`).
-    Returns {"times": seconds of each step, "backward": seconds of each backward pass, "model_bytes"}."""
+    Returns {"times": seconds of each step, "backward": seconds of each backward pass, "model_bytes"}, and
+    with `layout` each trainable parameter's (element count, dtype name), in the model's order."""
     workload = build_workload(cfg)
     model = workload.model.to(device)
     optimizer = build_optimizer(model.parameters(), cfg.optimizer)
@@ -55,8 +56,17 @@ def time_steps(cfg: JobConfig, device: torch.device, steps: int = 12, warmup: in
         if i >= warmup:
             times.append(time.perf_counter() - began)
             backward.append(backward_end - forward_end)
-    return {"times": times, "backward": backward,
-            "model_bytes": float(sum(p.numel() * p.element_size() for p in model.parameters()))}
+    out = {"times": times, "backward": backward,
+           "model_bytes": float(sum(p.numel() * p.element_size() for p in model.parameters()))}
+    if layout:
+        out["layout"] = layout_of(model)
+    return out
+
+
+def layout_of(model: torch.nn.Module) -> list[tuple[int, str]]:
+    """Each trainable parameter of `model` (element count, torch dtype name), in the model's order: what
+    its gradient buckets are made of."""
+    return [(p.numel(), str(p.dtype).removeprefix("torch.")) for p in model.parameters() if p.requires_grad]
 
 
 def warm_up(cfg: JobConfig, workload: Any) -> None:

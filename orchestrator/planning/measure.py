@@ -21,13 +21,25 @@ Step = Callable[[int], object]
 """One synchronization (or one policy step), as a function of the step number."""
 
 
+_LAYOUTS: dict[str, list[tuple[int, str]]] = {}
+"""Layouts already known in this process, by workload (`_workload_key`): `measure_compute` builds the model
+anyway, and `parameter_layout` then need not build it again."""
+
+
+def _workload_key(cfg: JobConfig) -> str:
+    return json.dumps({"workload": cfg.to_dict()["workload"], "seed": cfg.seed}, sort_keys=True, default=str)
+
+
 def parameter_layout(cfg: JobConfig) -> list[tuple[int, str]]:
     """Each trainable parameter of the job's model (element count, torch dtype name), in the model's order:
-    what its gradient buckets are made of. Builds the workload once on the CPU."""
-    from actors.training.workload import build_workload
+    what its gradient buckets are made of. The layout `measure_compute` saw, else the workload built once
+    on the CPU."""
+    key = _workload_key(cfg)
+    if key not in _LAYOUTS:
+        from actors.training.workload import build_workload, layout_of
 
-    model = build_workload(cfg).model
-    return [(p.numel(), str(p.dtype).removeprefix("torch.")) for p in model.parameters() if p.requires_grad]
+        _LAYOUTS[key] = layout_of(build_workload(cfg).model)
+    return _LAYOUTS[key]
 
 
 def measure_host(cfg: JobConfig, cands: Sequence[Candidate], model_bytes: float, rounds: int = 40,
@@ -184,5 +196,6 @@ def measure_compute(cfg: JobConfig, steps: int = 12, warmup: int = 3) -> tuple[f
 
     from actors.training.replica import time_steps
 
-    measured = time_steps(cfg, torch.device("cpu"), steps, warmup)
+    measured = time_steps(cfg, torch.device("cpu"), steps, warmup, layout=True)
+    _LAYOUTS[_workload_key(cfg)] = measured["layout"]
     return statistics.median(measured["times"]), measured["model_bytes"]
