@@ -259,11 +259,10 @@ def report(rows: list[dict]) -> dict:
         own_good = own is not None and own <= 1.10 * fastest["to_target_s"]
         picks.append(good)
         runs.append(own_good)
-        undecided += not decided
         alone = f"{mine['to_target_s']:.1f}" if mine else "missed"
         itself = f"{own:.1f}" if own is not None else "missed"
         no_trial = not decided and not r.get("switches") and "no trial" in r.get("picked", "")
-        undecided -= no_trial
+        undecided += not decided and not no_trial
         how = "ran the model's pick (no trial)" if no_trial else "chose" if decided else "was still trying at the target; ran last"
         print(f"[{r['setting']} {r['network']} seed {r['seed']}] auto {how} {chosen} ({alone} s alone; "
               f"the auto run itself {itself} s, trial included); fastest {fastest['policy']} "

@@ -76,11 +76,13 @@ ACK_LENGTHS = (40, 52, 64, 72, 80)
 """IPv4 lengths of a bare TCP acknowledgement: 40 bytes of headers, 52 with timestamps (Linux's
 default), 64-80 with one to three SACK blocks. On `lo` a data packet is up to 64 KiB, 5.2 ms at
 100 Mbit/s, and a shaped pair's queue holds several of them. An acknowledgement for a flow the other
-way that waits in that queue holds its sender back: with both directions of a pair loaded (a ring's
-all-reduce, gossip's exchange), 1.2 MB each way took 158 ms where one direction took 91. On a real
-link an acknowledgement waits behind at most a 1,500-byte frame (0.12 ms at 100 Mbit/s). So the lab
-lets them pass beside the shaping (2026-11-28: 92 ms both ways; `tests/e2e/test_lab.py`). They are
-about 0.1% of the bytes on `lo`."""
+way that waits in that queue holds its sender back: with both directions of a pair loaded by
+connections of their own (a ring's all-reduce on two nodes), 1.2 MB each way took 158 ms where one
+direction took 91. On a real link an acknowledgement waits behind at most a 1,500-byte frame (0.12 ms
+at 100 Mbit/s). So the lab lets them pass beside the shaping (2026-11-28: 92 ms both ways;
+`tests/e2e/test_lab.py`). They are about 0.1% of the bytes on `lo`. One connection loaded both ways
+(gossip's exchange over gloo's one connection per pair) is not helped: its acknowledgements ride on
+its data packets (docs/lab.md)."""
 
 
 def tc_commands(net: NetworkConfig) -> list[list[str]]:
