@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -113,6 +114,8 @@ class FakeWorkerGroup(WorkerGroup):
         """pid -> "running" or "exiting": what a test says of a process on this node (`process_state`)."""
         self.metrics: dict[str, FakeMetric] = {}
         """What the coordinator exported, by metric name."""
+        self.exit_watches: dict[int, tuple[Callable[[], None], Callable[[], bool]]] = {}
+        """pid -> (on_end, wanted) of each lifeline the coordinator watches (`watch_exit`; `exit_begins`)."""
 
     # ------------------------------------------------------------------ what a test does to workers
     def current(self, slot: str) -> FakeWorker:
@@ -134,6 +137,18 @@ class FakeWorkerGroup(WorkerGroup):
 
     def hang(self, slot: str) -> None:
         self.current(slot).hung = True
+
+    def exit_begins(self, slot: str) -> threading.Thread:
+        """The worker's process is SIGKILLed and its exit has begun: flagged exiting, answering nothing,
+        and not yet reported dead (its memory is still being freed), while its lifeline's watcher is
+        woken from a thread of its own, as the real one is (actors/lifeline.py)."""
+        worker = self.current(slot)
+        worker.hung = True
+        self.processes[worker.pid] = "exiting"
+        on_end, _ = self.exit_watches[worker.pid]
+        thread = threading.Thread(target=on_end)
+        thread.start()
+        return thread
 
     def place(self) -> None:
         self.unplaced = False
@@ -293,6 +308,13 @@ class FakeWorkerGroup(WorkerGroup):
 
     def process_state(self, node: str, pid: int) -> str | None:
         return self.processes.get(pid)
+
+    def watch_exit(self, node: str, pid: int, lifeline: dict | None, on_end: Callable[[], None],
+                   wanted: Callable[[], bool]) -> bool:
+        if not lifeline or self.processes.get(pid) is None:  # one on this node, with a lifeline
+            return False
+        self.exit_watches[pid] = (on_end, wanted)
+        return True
 
     def actor_id(self, handle: Any) -> str:
         return f"fake{handle.pid}" if handle is not None else ""

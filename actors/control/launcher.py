@@ -113,6 +113,7 @@ class Launcher:
         member.pid, member.node, member.node_id = info["pid"], info["node"], info["node_id"]
         member.move(S.READY)
         member.store_port = info.get("store_port", 0)
+        member.lifeline = info.get("lifeline")
         await self._admit()
 
     async def first_members(self, starting: Callable[[bool, str], None]) -> tuple[str, ...]:

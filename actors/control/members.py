@@ -25,6 +25,8 @@ class Member:
     node_id: str = ""
     store_port: int = 0
     """The port of the group store its process serves on `node` (a plan whose rank 0 it is names it)."""
+    lifeline: dict | None = None
+    """Where its process's lifeline is (actors/lifeline.py), as its ready answer said; None: it has none."""
     state: MemberState = MemberState.STARTING
     step: int = 0
     last_report: float = 0.0

@@ -87,6 +87,8 @@ class Supervisor:
         self._probing = False
         self._batching = False
         self._deferred: tuple[tuple[str, ...], str, str, float, int] | None = None
+        self._to_kill: list[Any] = []
+        """Actors of a batch's ended members, killed once the survivors' plan is out (`handle`)."""
         """A batch's re-form, published once its last outcome is decided: (members, cause, detector,
         first seen, how many ended)."""
         self._alive: tuple[int, set[str]] = (-1, set())
@@ -105,7 +107,30 @@ class Supervisor:
             outcome.setdefault("slot", member.slot)
             assert self.outcomes is not None  # start() made it
             await self.outcomes.put((member, kind, outcome, time.time()))
-        member.watch_task = asyncio.get_running_loop().create_task(watched())
+        loop = asyncio.get_running_loop()
+        member.watch_task = loop.create_task(watched())
+        # on this node, its process's lifeline: the death known as the kill lands, not once Ray hears
+        self.group.watch_exit(member.node, member.pid, member.lifeline,
+                              on_end=lambda: self._call_soon(loop, self._lifeline_ended, member),
+                              wanted=lambda: member.state == S.TRAINING and member.evicted is None)
+
+    @staticmethod
+    def _call_soon(loop: asyncio.AbstractEventLoop, call: Callable[[Member], None], member: Member) -> None:
+        loop.call_soon_threadsafe(call, member)
+
+    def _lifeline_ended(self, member: Member) -> None:
+        """A member's process on this node has begun to end (its lifeline's mutex was released): evict it
+        at once, before its memory is freed and its sockets close (actors/lifeline.py), if it was
+        training and is found exiting (or gone). An end the coordinator caused (an eviction, a retirement,
+        the job's end) finds the member no longer training: nothing to do."""
+        if member.state != S.TRAINING or member.evicted is not None or self.actions.state.terminal:
+            return
+        state = self.group.process_state(member.node, member.pid)
+        if state == "running":  # the holder thread ended without its process: not a death
+            log.warning("the lifeline of %s ended with its process running", member.slot)
+            return
+        asyncio.get_running_loop().create_task(self.evict(
+            member, "actor death", f"worker {member.slot}'s process is exiting (its lifeline ended)", exiting=True))
 
     async def next_outcomes(self, timeout: float) -> list[tuple[Member, str, dict, float]]:
         """The next outcome (waiting at most `timeout`; [] if none), with every one that follows it
@@ -163,11 +188,16 @@ class Supervisor:
         finally:
             self._batching = False
             deferred, self._deferred = self._deferred, None
-        if deferred is not None and not self.actions.state.terminal:
-            members, cause, detector, seen, ended = deferred
-            if ended > 1:
-                cause = f"{ended} members ended together; the last: {cause}"
-            self.actions.reshape(members, cause, detector, seen)
+        try:
+            if deferred is not None and not self.actions.state.terminal:
+                members, cause, detector, seen, ended = deferred
+                if ended > 1:
+                    cause = f"{ended} members ended together; the last: {cause}"
+                self.actions.reshape(members, cause, detector, seen)
+        finally:
+            to_kill, self._to_kill = self._to_kill, []
+            for handle in to_kill:  # each a synchronous call to Ray's GCS (about 3 ms here): after the plan
+                self.group.kill(handle)
 
     def progress(self, member: Member, mark: int, compute_s: float) -> None:
         """A member's report: its step and step time, and the stragglers among the training members
@@ -244,7 +274,7 @@ class Supervisor:
             for member in members:  # a dying process on this node is seen at once, long before Ray's notice
                 if member.slot != slot and self.group.process_state(member.node, member.pid) == "exiting":
                     await self.evict(member, "actor death", f"worker {member.slot}'s process is exiting (found when "
-                                                            f"{slot}'s collective failed)")
+                                                            f"{slot}'s collective failed)", exiting=True)
             answers = await asyncio.gather(*(self.group.probe_heartbeat(m.handle, timeout=PROBE_S) for m in members))
             for member, (answer, died) in zip(members, answers):
                 if died is not None:  # the probe learnt of a death before the member's watch did
@@ -258,13 +288,17 @@ class Supervisor:
         finally:
             self._probing = False
 
-    async def evict(self, member: Member, detector: str, cause: str) -> None:
+    async def evict(self, member: Member, detector: str, cause: str, exiting: bool = False) -> None:
+        """Take the member for dead now, and kill it (a stopped or frozen process cannot answer Ray's kill
+        request) unless its process is `exiting` already: then its outcome's handling kills its actor,
+        after the survivors' plan is out."""
         if member.state != S.TRAINING or member.evicted is not None:
             return
         member.evicted = (detector, cause)
         self._note("info", f"evicting: {cause}", slot=member.slot, detector=detector)
-        self.group.kill_process(member.node, member.pid)  # a stopped process cannot answer Ray's kill request
-        self.group.kill(member.handle)
+        if not exiting:
+            self.group.kill_process(member.node, member.pid)
+            self.group.kill(member.handle)
         # Handled now: Ray may take many seconds to report an actor on a lost node as dead.
         assert self.outcomes is not None  # start() made it
         await self.outcomes.put((member, "died", {"error": cause}, time.time()))
@@ -298,7 +332,10 @@ class Supervisor:
         if outcome.get("traceback"):
             detail["traceback"] = outcome["traceback"]
         self.actions.abort_epoch(cause)
-        self.group.kill(member.handle)
+        if self._batching and not (d.finish or d.end_now is not None):
+            self._to_kill.append(member.handle)  # its process is gone or going: the survivors' plan first
+        else:
+            self.group.kill(member.handle)
         if d.finish:  # the others had all finished: nothing is left to train
             self._note("failure", d.reason, **detail)
             await self.actions.finish()

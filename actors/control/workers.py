@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from actors.control.members import describe, first_line, is_placed, job_is_dead, kill, log, log_to
+from actors.lifeline import watch as lifeline_watch
 from actors.plan import Plan, WorkerSpec, holder_name
 from core.schema import JobConfig
 
@@ -119,6 +120,13 @@ class WorkerGroup:
         """A worker's process on this node: "running", or "exiting" once its exit has begun; None for
         one elsewhere, or when it cannot be told (`local_process_state`)."""
         return None
+
+    def watch_exit(self, node: str, pid: int, lifeline: dict | None, on_end: Callable[[], None],
+                   wanted: Callable[[], bool]) -> bool:
+        """Call `on_end()` from another thread as soon as the worker's process on this node begins to end
+        (actors/lifeline.py), while `wanted()`; False, with nothing started, for one elsewhere or one
+        without a lifeline."""
+        return False
 
     def actor_id(self, handle: Any) -> str:
         return ""
@@ -265,6 +273,12 @@ class RayWorkerGroup(WorkerGroup):
 
     def process_state(self, node: str, pid: int) -> str | None:
         return local_process_state(pid) if node == self.node_ip and pid else None
+
+    def watch_exit(self, node: str, pid: int, lifeline: dict | None, on_end: Callable[[], None],
+                   wanted: Callable[[], bool]) -> bool:
+        if node != self.node_ip or not pid or not lifeline:
+            return False
+        return lifeline_watch(pid, lifeline, on_end, wanted, name=f"lifeline-{pid}") is not None
 
     def actor_id(self, handle: Any) -> str:
         return handle._actor_id.hex() if handle is not None else ""

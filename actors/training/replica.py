@@ -189,7 +189,9 @@ class Replica(EpochEntry, Feeding, Reporting):
                 ok = self._train_step(plan)
             if not ok:
                 self.state = "waiting"
-                self._flush_report(force=True)  # committed steps reach history before any teardown
+                # committed steps go to history now, without waiting for the answer: the coordinator is busy
+                # with the failure, and its plan is what this member waits for next (reports keep their order)
+                self._flush_report(force=True, wait=False)
                 self._enter_phase("waiting")
                 self.plan = self.plans.newer_than(plan.version)
 

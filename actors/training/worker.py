@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import ray
 
 from actors import REMOTE_HOME
+from actors.lifeline import Lifeline
 from actors.observe.metrics import Exporter
 from actors.plan import ParentWatch, Plan, Progress, WorkerSpec, server_name
 from core.schema import JobConfig, parse
@@ -102,6 +103,7 @@ class Worker:
     """The Ray actor: `run()` once in the default group, control methods in their own group."""
 
     def __init__(self, spec: WorkerSpec) -> None:
+        self._lifeline = Lifeline.hold()  # first: a death from here on is seen at once on this node
         self._parent = ParentWatch()
         self.spec = spec
         _redirect_output(os.path.join(spec.run_dir, "workers", f"{spec.slot}.log"))
@@ -149,10 +151,11 @@ class Worker:
     @ray.method(concurrency_group="control")
     def ready(self, fired_faults: tuple[int, ...] = ()) -> dict:
         node_id = ray.get_runtime_context().get_node_id()
+        lifeline = self._lifeline.info() if self._lifeline is not None else None
         if self.replica is None:  # a spare
             return {"slot": self.spec.slot, "pid": os.getpid(), "node": ray.util.get_node_ip_address(), "node_id": node_id,
-                    "store_port": self._host.port}
-        return dict(self.replica.ready(fired_faults), node_id=node_id, store_port=self._host.port)
+                    "store_port": self._host.port, "lifeline": lifeline}
+        return dict(self.replica.ready(fired_faults), node_id=node_id, store_port=self._host.port, lifeline=lifeline)
 
     @ray.method(concurrency_group="control")
     def adopt(self, spec: WorkerSpec, fired_faults: tuple[int, ...] = ()) -> dict:

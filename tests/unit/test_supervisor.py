@@ -163,9 +163,11 @@ def test_a_member_whose_process_is_exiting_is_evicted_at_the_first_failed_collec
         batch = await sup.next_outcomes(30.0)
         assert [m.slot for m, *_ in batch] == ["w2"], batch
         assert victim.evicted is not None and victim.evicted[0] == "actor death" and "exiting" in victim.evicted[1]
-        assert group.processes_killed == [("", victim.pid)]
+        assert group.processes_killed == [] and group.kills == 0, "exiting already: no kill before its outcome is handled"
         await probing
         assert [c for c in actions.calls if c[0] == "reform"] == [], "a member died: no re-form of the same members"
+        await sup.handle(batch)
+        assert group.kills == 1 and not group.current("w2").alive, "its actor killed once the survivors' plan is out"
     asyncio.run(scenario())
 
 
@@ -281,3 +283,40 @@ def test_a_deaths_batch_closes_at_once_when_the_other_members_processes_run_on_t
     assert took < 1.0 and ended == ["w1"], f"the others' processes run: closed after {took:.2f}s"
     took, ended = asyncio.run(closes("w2"))
     assert ended == ["w1", "w2"], "w2's process was exiting: its death 0.5 s later is the same batch"
+
+
+def test_a_member_whose_lifeline_ends_is_evicted_before_anyone_hears_of_its_death():
+    """A member on the coordinator's node holds a lifeline (actors/lifeline.py): its watcher wakes as the
+    kill lands, long before Ray's notice or the survivors' failed collectives. That wake alone, from
+    the watcher's own thread, makes the death an outcome: nothing else here says the member died. An
+    end the coordinator caused (the member evicted already) or a lifeline that ended while its process
+    runs on is not a death. Switched off (no `watch_exit` in `watch`), the batch never comes."""
+    async def scenario():
+        sup, group, book, actions, notes = harness()
+        sup.start()
+        for member in book.members.values():
+            member.pid, member.lifeline = group.current(member.slot).pid, {"fd": 3, "token": "00"}
+            group.processes[member.pid] = "running"
+            sup.watch(member)
+        assert set(group.exit_watches) == {m.pid for m in book.members.values()}, "each member's lifeline watched"
+        victim = book.members["w2"]
+        group.exit_begins("w2").join()
+        batch = await sup.next_outcomes(10.0)
+        assert [m.slot for m, *_ in batch] == ["w2"], batch
+        assert victim.evicted == ("actor death", "worker w2's process is exiting (its lifeline ended)")
+        kill = group.kill
+        group.kill = lambda handle: (actions.calls.append(("kill", handle.name)), kill(handle))  # type: ignore[method-assign]
+        await sup.handle(batch)
+        assert [c for c in actions.calls if c[0] == "reshape"] == [("reshape", ("w0", "w1", "w3"), "actor death")]
+        order = [c[0] for c in actions.calls if c[0] in ("abort", "reshape", "kill")]
+        assert order == ["abort", "reshape", "kill"], f"the survivors' plan before the dead actor's kill: {order}"
+
+        on_end, wanted = group.exit_watches[victim.pid]
+        assert not wanted(), "an evicted member's watcher stops"
+        on_end()  # a second wake (or one for an eviction the coordinator made): nothing more
+        other = book.members["w1"]
+        group.exit_watches[other.pid][0]()  # a lifeline that ended with its process running
+        await asyncio.sleep(0.05)
+        queued = [sup.outcomes.get_nowait()[0].slot for _ in range(sup.outcomes.qsize())]
+        assert set(queued) <= {"w2"} and other.evicted is None, queued  # w2's watch: the kill it was sent
+    asyncio.run(scenario())
