@@ -9,6 +9,10 @@ worker does) and holds `--mb` MiB more, against one that holds nothing extra, ea
 4-KiB pages and on transparent huge pages (glibc's `glibc.malloc.hugetlb=1`, what
 `workers.huge_pages` gives a worker), alternating.
 
+It also times the child's lifeline (actors/lifeline.py, as a worker holds one): kill -> the watcher's
+wake, which the kernel gives as the exit begins, before the teardown. That is how soon the coordinator
+learns of a death on its own node; the end-of-file is how soon everyone else does.
+
     python benchmarks/kill_floor.py [--runs 7] [--mb 0 300]
 
 Prints a table, then one JSON line. Figures are measurements, not gates.
@@ -23,16 +27,24 @@ import socket
 import statistics
 import subprocess
 import sys
+import threading
 import time
+from pathlib import Path
 
-from actors.control.workers import HUGE_PAGES_TUNABLE
+REPO = str(Path(__file__).resolve().parent.parent)
+sys.path.insert(0, REPO)
+
+from actors.control.workers import HUGE_PAGES_TUNABLE  # noqa: E402
+from actors.lifeline import watch  # noqa: E402
 
 CHILD = """
-import socket, sys, time
+import json, socket, sys, time
 import torch
+from actors.lifeline import Lifeline
 held = torch.ones(int(sys.argv[2]) * 2**18)  # MiB of float32
+line = Lifeline.hold()
 s = socket.create_connection(("127.0.0.1", int(sys.argv[1])))
-s.sendall(b"r")
+s.sendall(json.dumps(line.info() if line else {}).encode() + b"\\n")
 time.sleep(600)
 """
 
@@ -41,8 +53,10 @@ PAGES = {"4 KiB": None, "huge": HUGE_PAGES_TUNABLE}
 """The child's heap: as the system sets it, or on transparent huge pages (GLIBC_TUNABLES)."""
 
 
-def kill_to_eof_ms(server: socket.socket, mb: int, tunable: str | None = None) -> float:
+def kill_to_eof_ms(server: socket.socket, mb: int, tunable: str | None = None) -> tuple[float, float | None]:
+    """(kill -> end-of-file, kill -> the lifeline's wake or None where there is none), in ms."""
     env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, env.get("PYTHONPATH")) if p)
     if tunable:
         env["GLIBC_TUNABLES"] = tunable
     else:
@@ -53,13 +67,24 @@ def kill_to_eof_ms(server: socket.socket, mb: int, tunable: str | None = None) -
         conn, _ = server.accept()
         with conn:
             conn.settimeout(60)
-            if conn.recv(1) != b"r":
-                raise RuntimeError("the child did not report ready")
+            hello = b""
+            while not hello.endswith(b"\n"):
+                part = conn.recv(4096)
+                if not part:
+                    raise RuntimeError("the child did not report ready")
+                hello += part
+            woke: list[float] = []
+            ended = threading.Event()
+            watcher = watch(child.pid, json.loads(hello), lambda: (woke.append(time.perf_counter()), ended.set()),
+                            wanted=lambda: not ended.is_set())
             killed = time.perf_counter()
             os.kill(child.pid, signal.SIGKILL)
             if conn.recv(1) != b"":
                 raise RuntimeError("expected end-of-file")
-            return (time.perf_counter() - killed) * 1000
+            eof = (time.perf_counter() - killed) * 1000
+            if watcher is not None:
+                ended.wait(60)
+            return eof, (woke[0] - killed) * 1000 if woke else None
     finally:
         child.kill()
         child.wait()
@@ -71,19 +96,28 @@ def main() -> int:
     parser.add_argument("--mb", type=int, nargs="+", default=[0, 300], help="extra MiB each child holds")
     args = parser.parse_args()
     results: dict[tuple[str, int], list[float]] = {(pages, mb): [] for pages in PAGES for mb in args.mb}
+    lifeline: dict[tuple[str, int], list[float]] = {case: [] for case in results}
     with socket.socket() as server:
         server.bind(("127.0.0.1", 0))
         server.listen(1)
         for _ in range(args.runs):
             for pages, mb in results:  # alternating, so that the machine's load falls on every case alike
-                results[pages, mb].append(kill_to_eof_ms(server, mb, PAGES[pages]))
-    print(f"{'child (imports torch) holding':<30}{'pages':>8}{'kill -> EOF ms, median [min-max]':>36}")
+                eof, woke = kill_to_eof_ms(server, mb, PAGES[pages])
+                results[pages, mb].append(eof)
+                if woke is not None:
+                    lifeline[pages, mb].append(woke)
+
+    def spread(values: list[float]) -> str:
+        return f"{statistics.median(values):.2f} [{min(values):.2f}-{max(values):.2f}]" if values else "n/a"
+    print(f"{'child (imports torch) holding':<30}{'pages':>8}{'kill -> EOF ms':>26}{'kill -> lifeline ms':>26}")
     for (pages, mb), values in results.items():
-        print(f"{f'+{mb} MiB':<30}{pages:>8}"
-              f"{f'{statistics.median(values):.1f} [{min(values):.1f}-{max(values):.1f}]':>36}")
+        print(f"{f'+{mb} MiB':<30}{pages:>8}{spread(values):>26}{spread(lifeline[pages, mb]):>26}")
     print(json.dumps({"benchmark": "kill_floor", "runs": args.runs,
                       "kill_to_eof_ms": {f"{pages}/{mb}": v for (pages, mb), v in results.items()},
-                      "median_ms": {f"{pages}/{mb}": statistics.median(v) for (pages, mb), v in results.items()}}))
+                      "median_ms": {f"{pages}/{mb}": statistics.median(v) for (pages, mb), v in results.items()},
+                      "kill_to_lifeline_ms": {f"{pages}/{mb}": v for (pages, mb), v in lifeline.items()},
+                      "lifeline_median_ms": {f"{pages}/{mb}": statistics.median(v) if v else None
+                                             for (pages, mb), v in lifeline.items()}}))
     return 0
 
 

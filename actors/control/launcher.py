@@ -81,12 +81,16 @@ class Launcher:
         member.incarnation = self.started
         spec = self._spec_for(member.slot, member.incarnation)
         fired = self._fired()
+        # A start would take the cores of a small node from the survivors of a departure while they
+        # re-form: a fresh actor's (a process, imports: about a second of CPU), and a spare's adoption too
+        # (its replica built and its group store served: about 10 ms of a core, measured at the survivors'
+        # re-form). It waits for their first step without the departed member (at most ADMIT_HOLD_S; a
+        # joiner is admitted only after that step anyway).
+        await self._departure_settled()
+        if not self._still_starting(member):
+            return
         info = await self.spares.adopt(member, spec, fired)
         if info is None:
-            # A fresh actor's start (a process, imports: about a second of CPU) would take the cores of a
-            # small node from the survivors of a departure: it waits for their first step without the
-            # departed member (at most ADMIT_HOLD_S; it is admitted only after that step anyway).
-            await self._departure_settled()
             name = f"{self.prefix}/{member.slot}"
             for _ in range(NAME_RELEASE_TRIES):  # a replacement waits for its slot's previous actor name to go
                 if self.group.lookup(name) is None:

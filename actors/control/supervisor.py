@@ -120,17 +120,17 @@ class Supervisor:
 
     def _lifeline_ended(self, member: Member) -> None:
         """A member's process on this node has begun to end (its lifeline's mutex was released): evict it
-        at once, before its memory is freed and its sockets close (actors/lifeline.py), if it was
-        training and is found exiting (or gone). An end the coordinator caused (an eviction, a retirement,
-        the job's end) finds the member no longer training: nothing to do."""
+        at once, before its memory is freed and its sockets close (actors/lifeline.py). The lifeline's
+        holder is a thread that ends only with its process, and a SIGKILL ends a process's threads one by
+        one: the main thread, whose flags /proc shows, may not be flagged exiting yet when the holder's
+        end wakes the watcher (seen under load here), so the lifeline's word is taken either way; a process
+        not yet seen exiting is also sent its SIGKILL. An end the coordinator caused (an eviction, a
+        retirement, the job's end) finds the member no longer training: nothing to do."""
         if member.state != S.TRAINING or member.evicted is not None or self.actions.state.terminal:
             return
-        state = self.group.process_state(member.node, member.pid)
-        if state == "running":  # the holder thread ended without its process: not a death
-            log.warning("the lifeline of %s ended with its process running", member.slot)
-            return
+        exiting = self.group.process_state(member.node, member.pid) != "running"
         asyncio.get_running_loop().create_task(self.evict(
-            member, "actor death", f"worker {member.slot}'s process is exiting (its lifeline ended)", exiting=True))
+            member, "actor death", f"worker {member.slot}'s process is exiting (its lifeline ended)", exiting=exiting))
 
     async def next_outcomes(self, timeout: float) -> list[tuple[Member, str, dict, float]]:
         """The next outcome (waiting at most `timeout`; [] if none), with every one that follows it

@@ -68,6 +68,32 @@ def test_a_ready_spare_is_used_before_a_fresh_actor():
     asyncio.run(scenario())
 
 
+def test_a_spare_is_adopted_only_once_the_survivors_of_a_departure_have_committed_without_it():
+    """The survivors of a death re-form on the node's cores: a spare's adoption (its replica built) waits
+    for their first step without the dead member, as a fresh start does. Switched off, the spare is taken
+    while the departure is still held."""
+    async def scenario():
+        h = Harness(spares=1)
+        h.pool.fill()
+        await h.until(lambda: h.pool.spares and h.pool.spares[0].ready, "a ready spare")
+        spare = h.pool.spares[0]
+        held, looks = [True], [0]
+
+        def held_departure(state):
+            looks[0] += 1
+            return held[0]
+        h.book.held_departure = held_departure  # type: ignore[method-assign]
+        h.launcher.spawn(["w0"], "replace", "replacement")
+        await h.until(lambda: looks[0] >= 3, "the departure looked at while held")
+        assert h.book.members["w0"].state == S.STARTING and h.book.members["w0"].handle is None, \
+            "no spare adopted while the survivors have not committed"
+        assert spare in h.pool.spares
+        held[0] = False
+        await h.until(lambda: h.book.slots_in(S.READY) == ["w0"], "w0 ready once the departure settled")
+        assert h.book.members["w0"].handle is spare.handle
+    asyncio.run(scenario())
+
+
 def test_a_start_that_fails_is_tried_again_until_the_budget_retires_the_slot(monkeypatch):
     monkeypatch.setattr("actors.control.launcher.RESTART_AFTER_S", 0.01)
     async def scenario():
