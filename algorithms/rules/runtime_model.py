@@ -391,16 +391,26 @@ def buckets(spec: PolicySpec, model_bytes: float) -> list[float]:
     return [model_bytes / k] * k
 
 
-def overlapped_with_backward(comm: float, backward_s: float, model_bytes: float, bucket_bytes: float) -> float:
+def overlapped_with_backward(comm: float, backward_s: float, sizes: list[float],
+                             shares: list[float] | None = None) -> float:
     """The part of a bucketed all-reduce (`comm` seconds in all) that a step waits for after its backward
-    pass: k buckets, ready one by one as backward produces their gradients (bucket i at i/k of it), each
-    all-reduced in comm/k, one after another. If a bucket's all-reduce is shorter than the backward that
-    fills the next, each finishes before the next is ready and only the last one's comm/k is left;
-    otherwise they run back to back from the first bucket's readiness: comm - backward (k-1)/k."""
-    k = max(1, math.ceil(model_bytes / bucket_bytes)) if bucket_bytes < INF else 1
-    if k == 1 or backward_s <= 0:
+    pass. Bucket i holds `sizes[i]` bytes and is ready once backward has produced them: at the running
+    sum of the sizes up to it, over their total, of `backward_s`. Its all-reduce takes its share of
+    `comm` (`shares`, each bucket's own link time, its latencies included; by default its bytes) and
+    starts when both it is ready and the bucket before it is done. What is left after backward is the
+    last one's finish less `backward_s`. Equal buckets that each all-reduce faster than backward fills
+    the next leave only the last one's comm/k; slower ones run back to back from the first one's
+    readiness: comm - backward (k-1)/k. One bucket: launched after backward, all of `comm`."""
+    k = len(sizes)
+    if k <= 1 or backward_s <= 0:
         return comm
-    return max(comm / k, comm - backward_s * (k - 1) / k)
+    weights = shares if shares is not None and sum(shares) > 0 else sizes
+    total, weight = sum(sizes), sum(weights)
+    finish, produced = 0.0, 0.0
+    for size, share in zip(sizes, weights):
+        produced += size
+        finish = max(finish, backward_s * produced / total) + comm * share / weight
+    return max(finish - backward_s, 0.0)
 
 
 def _ring_bytes(n: int, size: float) -> float:
@@ -433,11 +443,12 @@ def _synchronous(spec: PolicySpec, net: Network, compute: Compute, model_bytes: 
             basis = ("E[max_i compute] + max(intra-node reduce + leaders' ring all-reduce + intra-node broadcast"
                      f"{each}, host)")
             return Prediction(spec.name, everyone + comm, comm, _leader_bytes(net, model_bytes, model_bytes), basis)
-        comm = _sync(net, host_patterns(spec)[0], sum(ring_allreduce(net, ranks, b) for b in parts))
-        exposed = overlapped_with_backward(comm, compute.backward_s, model_bytes, spec.bucket_bytes)
+        links = [ring_allreduce(net, ranks, b) for b in parts]
+        comm = _sync(net, host_patterns(spec)[0], sum(links))
+        exposed = overlapped_with_backward(comm, compute.backward_s, parts, links)
         basis = f"E[max_i compute] + max(ring all-reduce of the gradients{each}, host)"
         if exposed < comm:
-            basis += (f", less what overlaps backward: {math.ceil(model_bytes / spec.bucket_bytes)} buckets launched "
+            basis += (f", less what overlaps backward: {len(parts)} buckets launched "
                       f"as backward produces them (the last one's all-reduce after it)")
         return Prediction(spec.name, everyone + exposed, exposed, _ring_bytes(n, model_bytes), basis)
     size = model_bytes * spec.codec_ratio

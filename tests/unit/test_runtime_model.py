@@ -203,15 +203,43 @@ def test_bsps_buckets_overlap_the_backward_pass_that_produces_them():
     from algorithms.rules.runtime_model import overlapped_with_backward
 
     for comm in (0.1, 0.02, 0.03):
-        assert overlapped_with_backward(comm, 0.04, 4e6, 1e6) == pytest.approx(exposed(comm, 0.04, 4))
-    assert overlapped_with_backward(0.1, 0.04, 4e6, 1e6) == pytest.approx(0.07)
-    assert overlapped_with_backward(0.1, 0.04, 4e6, 4e6) == 0.1  # one bucket: launched after backward
+        assert overlapped_with_backward(comm, 0.04, [1e6] * 4) == pytest.approx(exposed(comm, 0.04, 4))
+    assert overlapped_with_backward(0.1, 0.04, [1e6] * 4) == pytest.approx(0.07)
+    assert overlapped_with_backward(0.1, 0.04, [4e6]) == 0.1  # one bucket: launched after backward
     one = NET
     ring = 4 * ring_allreduce(one, [0, 1, 2, 3], 1e6)  # four buckets, an all-reduce each
     p = predict(PolicySpec("bsp", bucket_bytes=1e6), one, Compute(0.05, backward_s=0.04), 4e6)
     assert p.step_s == pytest.approx(0.05 + exposed(ring, 0.04, 4))
     whole = ring_allreduce(one, [0, 1, 2, 3], 4e6)
     assert predict(PolicySpec("bsp"), one, Compute(0.05, backward_s=0.04), 4e6).step_s == pytest.approx(0.05 + whole)
+
+
+def test_the_overlap_counts_the_jobs_real_buckets_each_ready_as_backward_produces_its_bytes():
+    """The digits MLP in 0.25 MiB buckets is three buckets of 22568, 1048576 and 133120 bytes (torch's
+    reducer's grouping; test_planner.py works them out). Backward produces them in that order, each
+    ready once its bytes are: at 22568/T, (22568+1048576)/T and T/T of a 40 ms backward (T the total).
+    Each all-reduce is a ring's 6 (b/4/B + L) on the 2x2 lab ring and starts when its bucket is ready
+    and the one before is done. Counted as ceil(T / 0.25 MiB) = 5 equal buckets, as before, the wait
+    after backward is another figure."""
+    from algorithms.rules.runtime_model import buckets, overlapped_with_backward
+
+    sizes = [22568.0, 1048576.0, 133120.0]
+    total = sum(sizes)
+    bandwidth, latency = 1.25e7, 0.001  # 100 Mbit/s, 1 ms: the lab's pairs
+    net = Network.uniform(2, 2, bandwidth, latency)  # 2 nodes of 2 ranks
+    spec = PolicySpec("bsp", bucket_bytes=0.25 * 2**20, bucket_sizes=tuple(int(b) for b in sizes))
+    assert buckets(spec, total) == pytest.approx(sizes)
+    each = [6 * (b / 4 / bandwidth + latency) for b in sizes]
+    assert each == pytest.approx([ring_allreduce(net, [0, 1, 2, 3], b) for b in sizes])
+    backward, finish, produced = 0.04, 0.0, 0.0
+    for size, comm_i in zip(sizes, each):  # the reference: one bucket after another, from the equations
+        produced += size
+        finish = max(finish, backward * produced / total) + comm_i
+    wait = finish - backward
+    p = predict(spec, net, Compute(0.05, backward_s=backward), total)
+    assert p.comm_s == pytest.approx(wait) and p.step_s == pytest.approx(0.05 + wait)
+    five = overlapped_with_backward(sum(each), backward, [total / 5] * 5)
+    assert abs(five - wait) > 1e-3, "five equal buckets are not the job's three"
 
 
 def test_a_nodes_nic_is_shared_by_its_flows_to_every_other_node_where_the_labs_pairs_are_not():
