@@ -443,9 +443,9 @@ def _synchronous(spec: PolicySpec, net: Network, compute: Compute, model_bytes: 
             basis = ("E[max_i compute] + max(intra-node reduce + leaders' ring all-reduce + intra-node broadcast"
                      f"{each}, host)")
             return Prediction(spec.name, everyone + comm, comm, _leader_bytes(net, model_bytes, model_bytes), basis)
-        links = [ring_allreduce(net, ranks, b) for b in parts]
-        comm = _sync(net, host_patterns(spec)[0], sum(links))
-        exposed = overlapped_with_backward(comm, compute.backward_s, parts, links)
+        per_bucket = [ring_allreduce(net, ranks, b) for b in parts]
+        comm = _sync(net, host_patterns(spec)[0], sum(per_bucket))
+        exposed = overlapped_with_backward(comm, compute.backward_s, parts, per_bucket)
         basis = f"E[max_i compute] + max(ring all-reduce of the gradients{each}, host)"
         if exposed < comm:
             basis += (f", less what overlaps backward: {len(parts)} buckets launched "
