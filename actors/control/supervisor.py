@@ -87,10 +87,10 @@ class Supervisor:
         self._probing = False
         self._batching = False
         self._deferred: tuple[tuple[str, ...], str, str, float, int] | None = None
-        self._to_kill: list[Any] = []
-        """Actors of a batch's ended members, killed once the survivors' plan is out (`handle`)."""
         """A batch's re-form, published once its last outcome is decided: (members, cause, detector,
         first seen, how many ended)."""
+        self._to_kill: list[Any] = []
+        """Actors of a batch's ended members, killed once the survivors' plan is out (`handle`)."""
         self._alive: tuple[int, set[str]] = (-1, set())
         """(epoch, the members of that epoch that reported a failed collective in it): alive when they said so."""
         self._heard: asyncio.Event | None = None  # set at each such report (made on the event loop: start)
