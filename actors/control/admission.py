@@ -83,6 +83,9 @@ class Admission:
         restore = None
         if self.restore is not None and not live:  # every member was lost: the first joiner starts from the checkpoint
             restore, self.restore = self.restore, None
+            newest = await self.journal.newest_checkpoint()  # one stored since the decision is newer
+            if newest is not None and newest[0] > restore[0]:
+                restore = newest
             await self._restore_from(ready[0], *restore)
         if joiners_start_stateless(self.kind, self._history().step(live)):
             for slot in ready:  # until it loads the committed state (or commits in its epoch)

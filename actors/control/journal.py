@@ -306,6 +306,15 @@ class Journal:
             self._storer = loop.create_task(self._store_waiting())
         return await done
 
+    async def newest_checkpoint(self) -> tuple[int, str] | None:
+        """The newest durable checkpoint once the stores under way have ended (stored or given up): a
+        checkpoint still being stored when every member was lost is the one to restore from, not the one
+        before it. (The death of every member is now known within a millisecond or two of the kill, often
+        before the store of a checkpoint taken a few steps earlier has finished.)"""
+        while self._storer is not None and not self._storer.done():
+            await asyncio.shield(self._storer)
+        return self.checkpoint
+
     async def _store_waiting(self) -> None:
         while self._waiting is not None:
             step, blob, note, done = self._waiting
