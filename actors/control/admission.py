@@ -39,7 +39,9 @@ class Admission:
         self._state, self._may_start, self._history = state, may_start, history
         self._reshape, self._start_run, self._fail = reshape, start_run, fail
         self.restore: tuple[int, str] | None = None
-        """Set when every member was lost: the next admitted worker starts from this checkpoint (step, path)."""
+        """Set when every member was lost: the next admitted worker starts from this checkpoint (step, path),
+        or from the newest stored once the stores under way have ended (a path of "": the checkpoint at
+        that step was still being stored when the members were lost)."""
         self._task: asyncio.Task | None = None
         self._wanted = False
 
@@ -84,8 +86,11 @@ class Admission:
         if self.restore is not None and not live:  # every member was lost: the first joiner starts from the checkpoint
             restore, self.restore = self.restore, None
             newest = await self.journal.newest_checkpoint()  # one stored since the decision is newer
-            if newest is not None and newest[0] > restore[0]:
+            if newest is not None and (newest[0] > restore[0] or not restore[1]):
                 restore = newest
+            elif not restore[1]:
+                raise RuntimeError(f"every member was lost, and the checkpoint at step {restore[0]}, which was being "
+                                   f"stored then, could not be stored (resume with --resume)")
             await self._restore_from(ready[0], *restore)
         if joiners_start_stateless(self.kind, self._history().step(live)):
             for slot in ready:  # until it loads the committed state (or commits in its epoch)

@@ -33,6 +33,7 @@ import time
 import ray
 
 from actors import REMOTE_HOME
+from actors.control.journal import restorable_step
 from actors.control.lifecycle import Lifecycle
 from actors.control.members import Member
 from actors.control.sequencer import Order
@@ -187,9 +188,8 @@ class Coordinator(Lifecycle):
 
     # ------------------------------------------------------------------ what decisions call (Actions)
     def view(self) -> JobView:
-        checkpoint = self.journal.checkpoint
-        return self.book.view(self.state, self.stop_kind, checkpoint[0] if checkpoint and
-                              self.algorithm.kind not in SERVER_KINDS else None)
+        return self.book.view(self.state, self.stop_kind, None if self.algorithm.kind in SERVER_KINDS
+                              else restorable_step(self.journal.checkpoint, self.journal.pending_checkpoint()))
 
     def set_cause(self, cause: str | None) -> None:
         self.cause = cause
@@ -202,7 +202,9 @@ class Coordinator(Lifecycle):
         self.faults.die_on_report = True
 
     def restore_on_admit(self) -> None:
-        self.admission.restore = self.journal.checkpoint
+        pending = self.journal.pending_checkpoint()
+        # one being stored (the first, or one newer than the last stored): the admission waits for it
+        self.admission.restore = self.journal.checkpoint if pending is None else (pending, "")
 
     def replace(self, slot: str) -> None:
         asyncio.get_running_loop().create_task(self._converge(f"replace {slot}", "replacement"))

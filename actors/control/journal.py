@@ -46,6 +46,13 @@ def model_upload_timeout(size: int) -> float:
     return MODEL_UPLOAD_BASE_S + size / MODEL_UPLOAD_MIN_RATE
 
 
+def restorable_step(stored: tuple[int, str] | None, pending: int | None) -> int | None:
+    """The step a loss of every member restarts from: the newest stored checkpoint's, or that of a newer
+    one still being stored (the restore waits for its store; `Journal.newest_checkpoint`)."""
+    steps = [s for s in (stored[0] if stored else None, pending) if s is not None]
+    return max(steps) if steps else None
+
+
 class Journal:
     """One run directory: events, history, the state file, checkpoints, and the progress they show."""
 
@@ -68,6 +75,8 @@ class Journal:
         self._waiting: tuple[int, bytes, str, asyncio.Future] | None = None
         """The checkpoint waiting for the one being stored (a newer one replaces it)."""
         self._storer: asyncio.Task | None = None
+        self._storing: int | None = None
+        """The step of the checkpoint being stored now."""
         self.checkpoint_failures = 0
         """Tries to store a checkpoint that failed (each one an event)."""
         self._model_upload: tuple[threading.Thread, int] | None = None
@@ -306,6 +315,12 @@ class Journal:
             self._storer = loop.create_task(self._store_waiting())
         return await done
 
+    def pending_checkpoint(self) -> int | None:
+        """The step of the newest checkpoint being stored or waiting to be (None: none is)."""
+        waiting = self._waiting[0] if self._waiting is not None and not self._waiting[3].done() else None
+        steps = [s for s in (self._storing, waiting) if s is not None]
+        return max(steps) if steps else None
+
     async def newest_checkpoint(self) -> tuple[int, str] | None:
         """The newest durable checkpoint once the stores under way have ended (stored or given up): a
         checkpoint still being stored when every member was lost is the one to restore from, not the one
@@ -321,12 +336,15 @@ class Journal:
             self._waiting = None
             if done.done():
                 continue
+            self._storing = step
             try:
                 location = await self._store_checkpoint(step, blob, note)
             except Exception as err:  # noqa: BLE001 - the caller hears it; the next one is stored
                 if not done.done():
                     done.set_exception(err)
                 continue
+            finally:
+                self._storing = None
             if not done.done():
                 done.set_result(location)
 

@@ -42,6 +42,22 @@ def test_every_member_killed_at_once_restarts_from_the_newest_checkpoint_and_mat
     assert diff == 0.0
 
 
+def test_every_member_killed_while_the_first_checkpoint_is_being_stored_restarts_from_it(run_root):
+    """Storing a checkpoint takes 1 s here (`faults.checkpoint_store_s`, an upload to a slow store); all
+    three members are killed at step 25, five steps after the first checkpoint was taken, while it is
+    still being stored. The job does not fail for want of a checkpoint: it waits for that store and
+    restarts from step 20."""
+    kills = [{"slot": f"w{i}", "step": 25, "how": "sigkill"} for i in range(3)]
+    cfg = {**CONFIG, "name": "restore-storing", "stop": {"max_steps": 40},
+           "faults": {"kills": kills, "checkpoint_store_s": 1.0}}
+    job = ElasticJob(config_from_dict(cfg)).start()
+    result = job.wait(timeout=180)
+    restores = [e for e in job.events() if e["kind"] == "restore"]
+    print(f"{result.state} at {result.step}; {[e['reason'] for e in restores]}")
+    assert result.state == "FINISHED" and result.step == 40, (result, restores)
+    assert len(restores) == 1 and restores[0]["detail"]["step"] == 20, restores
+
+
 def test_a_finished_job_s_last_checkpoint_is_stored_before_it_reports_finished(run_root):
     """The checkpoint taken at the last step goes to the coordinator, which stores it off its event loop
     (an upload) while the members finish: the job reports FINISHED only once it is stored. Storing takes

@@ -187,6 +187,27 @@ def test_a_checkpoint_still_being_stored_when_every_member_was_lost_is_the_one_r
     asyncio.run(scenario())
 
 
+def test_every_member_lost_while_the_first_checkpoint_is_being_stored_restores_from_it_once_stored():
+    """The decision saw no stored checkpoint but one being stored at step 8 (restore = (8, "")): the first
+    joiner starts from it once its store has ended. A store that then fails ends the job with the reason."""
+    async def scenario(stored):
+        h = Harness()
+        h.start("w0")
+        h.book.members["w0"].state = S.DEAD
+        h.admission.restore = (8, "")
+        h.journal.storing = asyncio.get_running_loop().create_future()
+        h.journal.storing.set_result(stored)
+        h.member("w1", S.READY, ("replace w0", "replacement", 1.0))
+        await h.admission.request()
+        await h.admission._task
+        return h
+    h = asyncio.run(scenario((8, "/runs/checkpoints/step-00000008.pt")))
+    assert h.history.restored == [8] and h.failures == []
+    h = asyncio.run(scenario(None))
+    assert h.history.restored == [] and h.reshapes == [] and len(h.failures) == 1
+    assert "checkpoint at step 8, which was being stored then, could not be stored" in h.failures[0]
+
+
 def test_a_checkpoint_that_is_not_whole_fails_the_job_with_the_reason():
     async def scenario():
         h = Harness(whole_checkpoint=False)

@@ -6,7 +6,7 @@ import json
 import time
 from pathlib import Path
 
-from actors.control.journal import EVENTS_KEPT, RESHAPES_SHOWN, Journal
+from actors.control.journal import EVENTS_KEPT, RESHAPES_SHOWN, Journal, restorable_step
 from actors.runs import runfiles
 from testkit.stores import HookedStore, failing
 
@@ -228,3 +228,23 @@ def test_a_failing_store_is_an_event_without_waiting_for_the_next_state_save(tmp
     told = [e for e in journal.events if "remote copy lags" in e.reason]
     assert len(told) == 1 and "503 Service Unavailable" in told[0].reason, [e.reason for e in journal.events]
     mirror.close(0.1)
+
+
+def test_a_checkpoint_being_stored_is_pending_and_counts_as_restorable_until_its_store_ends(tmp_path):
+    """A loss of every member restarts from the newest checkpoint, a stored one or one still being
+    stored (the restore waits for it): a job that loses every member while its first checkpoint is being
+    stored does not fail for want of one. The store takes 0.3 s here (`store_delay_s`); the test waits
+    for the store's own events, not for time."""
+    async def scenario():
+        journal = Journal(tmp_path, keep_checkpoints=2, store_delay_s=0.3)
+        assert journal.pending_checkpoint() is None and restorable_step(journal.checkpoint, None) is None
+        saving = asyncio.get_running_loop().create_task(journal.save_checkpoint(20, b"state at 20"))
+        await asyncio.sleep(0)  # the store starts (in a thread): the checkpoint is pending, not stored
+        assert journal.checkpoint is None and journal.pending_checkpoint() == 20
+        assert restorable_step(journal.checkpoint, journal.pending_checkpoint()) == 20
+        newest = await journal.newest_checkpoint()  # waits for the store under way
+        assert newest is not None and newest[0] == 20 and journal.pending_checkpoint() is None
+        await saving
+        assert restorable_step(journal.checkpoint, None) == 20
+        assert restorable_step((20, "p"), 40) == 40 and restorable_step((40, "p"), None) == 40
+    asyncio.run(scenario())
