@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import logging
 import mmap
 import os
@@ -54,9 +55,12 @@ class _Timespec(ctypes.Structure):
     _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
 
 
+@functools.cache
 def _libc() -> ctypes.CDLL | None:
     """glibc's pthread functions (ctypes releases the GIL while a call blocks), or None where there are
-    none to be had (not Linux, another C library)."""
+    none to be had (not Linux, another C library). Looked up once per process: `find_library` runs
+    `ldconfig` (about 1 ms), and the coordinator watches a lifeline for every member it starts, on its
+    event loop."""
     if not os.path.isdir("/proc/self/fd") or not hasattr(os, "memfd_create"):
         return None
     try:
