@@ -53,6 +53,11 @@ class Plan:
     `sync.auto`): `{label, sync, compression, fresh}`; None: the config's. `fresh`: the switch has not
     committed a step yet, so the epoch's members all take rank 0's state once they have entered (a
     periodic policy's inner optimizer state is each member's own)."""
+    aborts_epoch: int | None = None
+    """The membership epoch this plan's receipt aborts (its collectives fail at once, as `abort_epoch`
+    does), or None. The survivors' plan after a death carries the abort of the epoch the death ended:
+    one call to each member, not an abort and then a plan. Not part of the book's plan: only the
+    copy sent carries it."""
 
     def rank_of(self, slot: str) -> int | None:
         return self.members.index(slot) if slot in self.members else None

@@ -203,6 +203,8 @@ class FakeWorkerGroup(WorkerGroup):
         if not handle.alive:
             return
         self.plans_sent += 1
+        if plan.aborts_epoch is not None:
+            handle.aborted.append(plan.aborts_epoch)
         handle.plans = (handle.plans + [plan])[-4:]
         handle.plan_at = time.perf_counter()
         if handle.running and plan.stop_step is not None and plan.stop_step <= handle.step and plan.stop_step >= 0:

@@ -222,20 +222,23 @@ class CoordinatorBase(Actions):
                 self.reshape(tuple(s for s in self.book.live() if s not in leavers), reason, detector, time.time(),
                              leavers=tuple(leavers))
 
-    def publish(self, members: tuple[str, ...], reason: str, new_epoch: bool = False) -> Plan:
-        plan = self.publisher.publish(members, reason, self.history.written_step, new_epoch)
+    def publish(self, members: tuple[str, ...], reason: str, new_epoch: bool = False, aborts: bool = False) -> Plan:
+        plan = self.publisher.publish(members, reason, self.history.written_step, new_epoch, aborts)
         if self.trial is not None:
             self.trial.membership(plan.nodes)  # a node joining or leaving runs the trial again
         return plan
 
     def reshape(self, members: tuple[str, ...], reason: str, detector: str, detected_at: float,
-                new_epoch: bool = False, joiners: tuple[str, ...] = (), leavers: tuple[str, ...] = ()) -> Plan:
+                new_epoch: bool = False, joiners: tuple[str, ...] = (), leavers: tuple[str, ...] = (), *,
+                aborts: bool = False) -> Plan:
+        """Publish `members` as the next plan (a reshape); with `aborts`, its receipt also aborts the current
+        epoch (the survivors' plan after a death: one call to each, not an abort and then a plan)."""
         if self.book.plan is None:
             raise RuntimeError("a reshape needs a membership to reshape: none was published")
         old = self.book.plan.members
         if self.state in (JobState.RUNNING, JobState.PAUSED):
             self.transition(JobState.RESHAPING, reason, persist=False)  # the publication below saves both
-        plan = self.publish(members, reason, new_epoch=new_epoch)
+        plan = self.publish(members, reason, new_epoch=new_epoch, aborts=aborts)
         self.book.open_reshape(plan, old, reason, detector, detected_at, joiners, leavers)
         return plan
 
@@ -250,8 +253,7 @@ class CoordinatorBase(Actions):
         if live and not any(self.book.members[s].holds_state for s in live):
             return  # joiners alone cannot form an epoch: the finish or failure of the state's holders decides
         if live:
-            self.abort_epoch(reason)
-            self.reshape(live, reason, "collective failure", time.time(), new_epoch=True)
+            self.reshape(live, reason, "collective failure", time.time(), new_epoch=True, aborts=True)
 
     def abort_epoch(self, reason: str) -> None:
         self.publisher.abort_epoch(reason)

@@ -9,6 +9,7 @@ once per epoch however many deaths ask for it.
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -38,16 +39,24 @@ class Publisher:
                 return member.node, member.store_port
         return self.group.node_ip, 0
 
-    def publish(self, members: tuple[str, ...], reason: str, history_step: int, new_epoch: bool = False) -> Plan:
-        """The book's next plan over `members`, handed to every reachable member; saved."""
+    def publish(self, members: tuple[str, ...], reason: str, history_step: int, new_epoch: bool = False,
+                aborts: bool = False) -> Plan:
+        """The book's next plan over `members`, handed to every reachable member; saved. With `aborts`,
+        the copy sent also aborts the current epoch (`Plan.aborts_epoch`; once per epoch, as
+        `abort_epoch`)."""
         previous = self.book.plan
+        ending = self.book.epoch if aborts and self._aborted != self.book.epoch else None
         host, port = self.store_of(members)
         plan = self.book.next_plan(members, reason, incarnation=self.incarnation, store_host=host,
                                    store_port=port, history_step=history_step, new_epoch=new_epoch)
         server = self._server()
         if server is not None:
             server.set_members(self.book.epoch, self.book.server_membership())
-        sent = [self.group.set_plan(m.handle, plan) for m in self.book.reachable()]
+        sent_plan = plan
+        if ending is not None:
+            self._aborted = ending
+            sent_plan = dataclasses.replace(plan, aborts_epoch=ending)
+        sent = [self.group.set_plan(m.handle, sent_plan) for m in self.book.reachable()]
         self._died_publishing(plan.version, sent)
         self._persist()
         if previous is not None and self.kind == "decentralized":

@@ -53,7 +53,7 @@ class Actions:
     def set_cause(self, cause: str | None) -> None: ...
     @abstractmethod
     def reshape(self, members: tuple[str, ...], reason: str, detector: str, detected_at: float,
-                new_epoch: bool = False) -> Any: ...
+                new_epoch: bool = False, *, aborts: bool = False) -> Any: ...
     @abstractmethod
     def publish(self, members: tuple[str, ...], reason: str) -> Any: ...
     @abstractmethod
@@ -86,6 +86,8 @@ class Supervisor:
         self._stragglers_at = 0.0
         self._probing = False
         self._batching = False
+        self._abort: str | None = None
+        """A batch's abort of the epoch (the first death's cause) until its plan carries it."""
         self._deferred: tuple[tuple[str, ...], str, str, float, int] | None = None
         """A batch's re-form, published once its last outcome is decided: (members, cause, detector,
         first seen, how many ended)."""
@@ -181,7 +183,7 @@ class Supervisor:
 
     async def handle(self, batch: list[tuple[Member, str, dict, float]]) -> None:
         """Decide each outcome of a batch in turn; the survivors' re-form goes out once, after the last."""
-        self._batching, self._deferred = True, None
+        self._batching, self._deferred, self._abort = True, None, None
         try:
             for outcome in batch:
                 await self.on_outcome(*outcome)
@@ -193,8 +195,13 @@ class Supervisor:
                 members, cause, detector, seen, ended = deferred
                 if ended > 1:
                     cause = f"{ended} members ended together; the last: {cause}"
-                self.actions.reshape(members, cause, detector, seen)
+                # the plan carries the epoch's abort: one call to each survivor, and the plan sooner
+                self.actions.reshape(members, cause, detector, seen, aborts=self._abort is not None)
+                self._abort = None
         finally:
+            abort, self._abort = self._abort, None
+            if abort is not None:  # no plan went out to carry it
+                self.actions.abort_epoch(abort)
             to_kill, self._to_kill = self._to_kill, []
             for handle in to_kill:  # each a synchronous call to Ray's GCS (about 3 ms here): after the plan
                 self.group.kill(handle)
@@ -331,10 +338,11 @@ class Supervisor:
                   "step": self._step(), "membership_epoch": self.book.epoch}
         if outcome.get("traceback"):
             detail["traceback"] = outcome["traceback"]
-        self.actions.abort_epoch(cause)
         if self._batching and not (d.finish or d.end_now is not None):
+            self._abort = self._abort or cause  # carried by the batch's plan, or sent once the batch is decided
             self._to_kill.append(member.handle)  # its process is gone or going: the survivors' plan first
         else:
+            self.actions.abort_epoch(cause)
             self.group.kill(member.handle)
         if d.finish:  # the others had all finished: nothing is left to train
             self._note("failure", d.reason, **detail)

@@ -89,6 +89,8 @@ class Replica(EpochEntry, Feeding, Reporting):
 
     def set_plan(self, plan: Plan) -> None:
         self.plans.add(plan)
+        if plan.aborts_epoch is not None:  # after: the failed step finds the plan that follows it here
+            self.abort_epoch(plan.aborts_epoch, plan.reason)
 
     def abort_epoch(self, membership_epoch: int, reason: str) -> None:
         comm, plan = self.comm, self.plan
@@ -189,10 +191,14 @@ class Replica(EpochEntry, Feeding, Reporting):
                 ok = self._train_step(plan)
             if not ok:
                 self.state = "waiting"
-                # committed steps go to history now, without waiting for the answer: the coordinator is busy
-                # with the failure, and its plan is what this member waits for next (reports keep their order)
-                self._flush_report(force=True, wait=False)
                 self._enter_phase("waiting")
+                if self._newest_plan().version == plan.version:
+                    # committed steps go to history now, without waiting for the answer: the coordinator is
+                    # busy with the failure, and its plan is what this member waits for next (reports keep
+                    # their order). Where that plan is here already (a death's plan carries its abort), they
+                    # go with the next report instead, off the re-form's path (rank 0's epoch agreement
+                    # sends the coordinator any it lacks).
+                    self._flush_report(force=True, wait=False)
                 self.plan = self.plans.newer_than(plan.version)
 
     def _stop_at(self, plan: Plan) -> int | None:
@@ -304,6 +310,9 @@ class Replica(EpochEntry, Feeding, Reporting):
         self._pending_ids = []
         self._record(plan, vote, started, micro_steps, prev)
         self._maybe_checkpoint(plan, prev)
+        if self._settle_due and self.comm is not None:
+            self._settle_due = False
+            self.comm.settled()  # off the next re-form's path, now that this one's first step is done
 
     def _adopt_newest_plan(self) -> bool:
         """Rare path: someone saw a newer plan; agree on the newest with one MAX all-reduce, then every

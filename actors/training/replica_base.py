@@ -125,6 +125,8 @@ class ReplicaBase:
         """The plan under which the provisional steps since the last commit were trained."""
         self._dropped_slots: set[str] = set()
         """Departed members whose shares of those steps were already counted as dropped."""
+        self._settle_due = False
+        """The epoch's group has committed no step yet: its first commit settles it (`comm.settled`)."""
         self.comm: BaseCommunicator | None = None
         self.state, self.cause = "ready", ""
         self.phase, self.phase_since = "starting", time.monotonic()

@@ -70,6 +70,7 @@ class EpochEntry(CommittedState):
         if self.step == self._mark():
             self.trained_plan = plan  # else the kept local steps were trained under the plan before
         collective.publish(comm, self.cfg.sync.policy)  # the workload's `ray.util.collective` calls reach it
+        self._settle_due = True
         if source is not None:
             self.link.state_received(self.slot, plan.membership_epoch, plan.members[source], self.step)
             self.faults.maybe_fire("join", self.step)  # a joiner that has its state but has not trained yet

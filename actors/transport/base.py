@@ -186,6 +186,10 @@ class BaseCommunicator:
             self.error = backend_error(self.name, err)
         return self.failure()
 
+    def settled(self) -> None:
+        """The group's first step has committed: work that would slow a re-form is done now, off its
+        path (gloo: its pairs are found, and the next group's device made). Nothing here."""
+
     def at_launch(self) -> None:
         """A step's buckets go out on torch's reducer: nothing to do (a fault wrapper fires here)."""
 

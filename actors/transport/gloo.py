@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import logging
+import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -20,7 +21,7 @@ import torch.distributed as dist
 from actors.transport.base import TorchBackendCommunicator, WorkHandle
 from actors.transport.formation import form_in_thread, formation_error, group_of_one, release
 from actors.transport.signed_store import group_store
-from actors.transport.sockets import device_and_address, shut_down_pairs
+from actors.transport.sockets import device_and_address, pairs, prepare_device, shut_down, shut_down_pairs
 from core.comm_api import CommAborted, GroupSpec
 
 log = logging.getLogger(__name__)
@@ -53,6 +54,10 @@ class GlooCommunicator(TorchBackendCommunicator):
         self._torch_pg: dist.ProcessGroup | None = None
         self._peers: set[tuple[str, int]] = set()
         """The peers' gloo listening addresses (a pair is a connection to one of them, or from one)."""
+        self._held: list[socket.socket] | None = None
+        """A duplicate of each of the group's pairs, found once its first step committed (`settled`): an
+        abort then shuts them down without looking through the process's descriptors (5 ms of a re-form
+        here, on two busy cores). None until then: the abort looks."""
         try:
             prefix.set(f"gloo-listen/{spec.rank}", f"{self._listen[0]} {self._listen[1]}" if self._listen else "")
             self._pg = dist.ProcessGroupGloo(prefix, spec.rank, spec.world_size, opts)
@@ -73,8 +78,27 @@ class GlooCommunicator(TorchBackendCommunicator):
                 log.warning("group %s: its gloo listening address is unknown: an operation stuck in C++ waits "
                             "for its timeout (%.0fs)", self.name, self.timeout_s)
                 return
-            shut = shut_down_pairs(self._listen, self._peers)
+            shut = shut_down(self._held) if self._held is not None else shut_down_pairs(self._listen, self._peers)
         log.info("group %s aborted (%s): shut down %d gloo connections", self.name, reason, shut)
+
+    def settled(self) -> None:
+        """Its first step committed: in a helper thread, hold a duplicate of each of its pairs (only a
+        group lent to torch is shut down so, `_abort_pairs`) and make the next group's device ahead."""
+        threading.Thread(target=self._settle, name=f"settle {self.name}", daemon=True).start()
+
+    def _settle(self) -> None:
+        try:
+            prepare_device(self.spec.node_ip)
+            if self._listen is None or self._torch_pg is None:
+                return
+            found = pairs(self._listen, self._peers)
+            with self._lock:  # an abort or a close meanwhile found (or needs) none of them
+                if self._pg is not None and not self.aborted and self._held is None:
+                    self._held, found = found, []
+            for sock in found:
+                sock.close()
+        except Exception as err:  # noqa: BLE001 - an abort then looks for the pairs itself, as before
+            log.warning("group %s: could not find its pairs ahead: %s", self.name, err)
 
     def subgroup(self, ranks: Sequence[int], tag: str) -> GlooCommunicator | None:
         """A gloo group of `ranks` (this group's ranks; rank k of the subgroup is `ranks[k]`), formed
@@ -149,6 +173,9 @@ class GlooCommunicator(TorchBackendCommunicator):
         with self._lock:  # not while an abort shuts its pairs down
             pg, self._pg = self._pg, None
             children, self._children = self._children, []
+            held, self._held = self._held or [], None
+        for sock in held:
+            sock.close()  # the duplicates: gloo's own descriptors close with the group
         for child in children:
             child.close()
         lent, self._torch_pg = self._torch_pg, None

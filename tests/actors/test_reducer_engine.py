@@ -133,12 +133,15 @@ def test_micro_steps_accumulate_and_reduce_once(store_port):
     assert diff < 1e-6
 
 
-def _silent_peer(port: int, name: str, abort: bool) -> tuple[BaseException, float]:
+def _silent_peer(port: int, name: str, abort: bool, before_abort=None) -> tuple[BaseException, float]:
     """Rank 1 formed the group but never runs its backward; rank 0 waits inside backward (in the
     reducer's C++ wait on its last bucket) until the abort, or the group's timeout, releases it. With the
-    abort, the group's timeout is 60 s: only the abort releases it within the test's 30 s."""
+    abort, the group's timeout is 60 s: only the abort releases it within the test's 30 s.
+    `before_abort(comm)`: called on rank 0's group once it is lent to torch, before its backward."""
     comms = _groups(port, name, timeout_s=60.0 if abort else TIMEOUT_S)
     model, impl = _member("reducer", comms[0], 0)
+    if before_abort is not None:
+        before_abort(comms[0])
     outcome: dict = {}
     waiting = threading.Event()
 
@@ -173,6 +176,29 @@ def _silent_peer(port: int, name: str, abort: bool) -> tuple[BaseException, floa
 
 def test_an_abort_releases_a_backward_stuck_in_the_reducer(store_port):
     error, after = _silent_peer(store_port, "silent-abort/e1", abort=True)
+    print(f"released {after:.3f}s after the abort: {type(error).__name__}: {error}")
+    assert isinstance(error, CommAborted)
+
+
+def test_a_settled_groups_abort_shuts_its_pairs_down_without_looking_through_the_descriptors(store_port, monkeypatch):
+    """Once its first step committed, a group holds a duplicate of each of its pairs (`settled`): an abort
+    on the re-form's path then shuts them down at once, without the scan of the process's descriptors
+    (actors/transport/sockets.py). Here the scan is made to fail after `settled`: the abort still
+    releases the backward. Without `settled` the abort would need the scan, and fail."""
+    from actors.transport import sockets
+
+    def settle(comm) -> None:
+        comm.settled()
+        deadline = time.monotonic() + 30
+        while comm._held is None and time.monotonic() < deadline:  # the helper thread found them
+            time.sleep(0.01)
+        assert comm._held, "the group's pairs were not found ahead"
+
+        def no_scan():
+            raise AssertionError("the abort looked through the descriptors")
+        monkeypatch.setattr(sockets, "_socket_fds", no_scan)
+    error, after = _silent_peer(store_port, "silent-settled/e1", abort=True, before_abort=settle)
+    monkeypatch.undo()
     print(f"released {after:.3f}s after the abort: {type(error).__name__}: {error}")
     assert isinstance(error, CommAborted)
 

@@ -107,3 +107,24 @@ def test_gossip_members_are_told_to_leave_the_previous_epoch_with_each_new_plan(
     set_plans = [i for i, entry in enumerate(h.log) if entry[0] == "set_plan" and entry[2] == 2]
     assert max(set_plans) < min(i for i, entry in enumerate(h.log) if entry[0] == "abort_epoch"), \
         "the new plan goes out before the old epoch is aborted"
+
+
+def test_a_plan_that_aborts_the_epoch_carries_the_abort_once_and_only_in_the_copies_sent():
+    """The survivors' plan after a death aborts the epoch it ends (`Plan.aborts_epoch`): one call to
+    each member instead of an abort and then a plan. Once an epoch is aborted, neither a second plan
+    nor `abort_epoch` aborts it again; the book's own plan does not carry it."""
+    h = Harness()
+    h.publisher.publish(("w0", "w1", "w2"), "start", history_step=0)
+    h.log.clear()
+    plan = h.publisher.publish(("w0", "w1"), "w2 died", history_step=0, aborts=True)
+    sent = [handle.plans[-1] for handle in (h.group.current(s) for s in ("w0", "w1", "w2"))]
+    assert {p.aborts_epoch for p in sent} == {1} and {p.version for p in sent} == {plan.version}, sent
+    assert plan.aborts_epoch is None and h.book.plan.aborts_epoch is None, "the book's plan aborts nothing"
+    assert not [entry for entry in h.log if entry[0] == "abort_epoch"], "no call of its own"
+    assert [h.group.current(s).aborted for s in ("w0", "w1")] == [[1], [1]]
+    h.publisher.abort_epoch("a probe finds w2 gone")  # epoch 2 is not aborted: this one is
+    assert [entry[2] for entry in h.log if entry[0] == "abort_epoch"] == [2, 2, 2]
+    h.log.clear()
+    again = h.publisher.publish(("w0",), "w1 died", history_step=0, aborts=True)
+    assert h.group.current("w0").plans[-1].aborts_epoch is None and again.membership_epoch == 3, \
+        "epoch 2 was aborted already: once per epoch"

@@ -95,3 +95,28 @@ def test_the_devices_listening_address_is_found_when_its_descriptor_number_was_j
     monkeypatch.setattr(dist.ProcessGroupGloo, "create_device", closing_first)
     _device, listen = sockets.device_and_address("127.0.0.1")
     assert listen is not None and listen[0] == "127.0.0.1", listen
+
+
+def test_a_device_made_ahead_is_the_next_groups_and_no_creation_is_paid_then(monkeypatch):
+    """`prepare_device` makes the next group's gloo device (and finds its listening address) off a
+    re-form's path; `device_and_address` then hands that one out and creates none, and the one after
+    it is a new device again."""
+    import socket
+
+    import torch.distributed as dist
+
+    from actors.transport import sockets
+
+    sockets.prepare_device("127.0.0.1")
+    ahead = sockets._SPARE_DEVICES["127.0.0.1"]
+    create = dist.ProcessGroupGloo.create_device
+
+    def refused(**kwargs):
+        raise AssertionError("a device was created with one made ahead")
+    monkeypatch.setattr(dist.ProcessGroupGloo, "create_device", refused)
+    device, listen = sockets.device_and_address("127.0.0.1")
+    assert (device, listen) == ahead and listen is not None and listen[0] == "127.0.0.1"
+    socket.create_connection(listen, timeout=5).close()  # the address it listens on, found ahead
+    monkeypatch.setattr(dist.ProcessGroupGloo, "create_device", create)
+    _, again = sockets.device_and_address("127.0.0.1")
+    assert again is not None and again != listen, "one made ahead serves one group"

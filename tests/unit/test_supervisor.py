@@ -20,6 +20,8 @@ class Recorder(Actions):
     def __init__(self, book: MembershipBook) -> None:
         self.book, self.state, self.stop_kind, self.cause = book, JobState.RUNNING, None, None
         self.calls: list[tuple] = []
+        self.plan_aborts: list[bool] = []
+        """Per reshape: whether its plan carries the abort of the epoch (`Plan.aborts_epoch`)."""
 
     def view(self):
         return self.book.view(self.state, self.stop_kind, None)
@@ -31,8 +33,9 @@ class Recorder(Actions):
     def set_cause(self, cause):
         self.cause = cause
 
-    def reshape(self, members, reason, detector, detected_at, new_epoch=False):
+    def reshape(self, members, reason, detector, detected_at, new_epoch=False, aborts=False):
         self.calls.append(("reshape", members, detector))
+        self.plan_aborts.append(aborts)
 
     def publish(self, members, reason):
         self.calls.append(("publish", members))
@@ -96,6 +99,8 @@ def test_deaths_that_come_together_re_form_the_survivors_once():
         await sup.handle(batch)
         reshapes = [c for c in actions.calls if c[0] == "reshape"]
         assert reshapes == [("reshape", ("w0", "w2", "w5"), "actor death")], actions.calls
+        assert actions.plan_aborts == [True] and ("abort",) not in actions.calls, \
+            "the epoch's abort goes out once, in the survivors' plan, not as a call of its own before it"
         assert [c[1] for c in actions.calls if c[0] == "replace"] == ["w1", "w3", "w4"]
         assert [d["slot"] for k, _, d in notes if k == "failure"] == ["w1", "w3", "w4"]
     asyncio.run(scenario())
@@ -112,6 +117,7 @@ def test_a_later_death_that_pauses_the_job_drops_the_batchs_re_form():
         await sup.handle(await sup.next_outcomes(1.0))
         assert not [c for c in actions.calls if c[0] == "reshape"], "below workers.min: no plan, PAUSED"
         assert ("transition", JobState.PAUSED) in actions.calls
+        assert actions.calls.count(("abort",)) == 1, "no plan carries the epoch's abort: it goes out on its own"
     asyncio.run(scenario())
 
 
@@ -309,7 +315,8 @@ def test_a_member_whose_lifeline_ends_is_evicted_before_anyone_hears_of_its_deat
         await sup.handle(batch)
         assert [c for c in actions.calls if c[0] == "reshape"] == [("reshape", ("w0", "w1", "w3"), "actor death")]
         order = [c[0] for c in actions.calls if c[0] in ("abort", "reshape", "kill")]
-        assert order == ["abort", "reshape", "kill"], f"the survivors' plan before the dead actor's kill: {order}"
+        assert order == ["reshape", "kill"], f"the survivors' plan before the dead actor's kill: {order}"
+        assert actions.plan_aborts == [True], "the plan carries the epoch's abort"
 
         on_end, wanted = group.exit_watches[victim.pid]
         assert not wanted(), "an evicted member's watcher stops"
