@@ -212,5 +212,8 @@ class Coordinator(Lifecycle):
     async def slot_failed(self, member: Member, phase: str, cause: str) -> bool:
         return await self.launcher.slot_failed(member, phase, cause)
 
+    async def departure_settled(self) -> None:
+        await self.launcher.departure_settled()
+
 
 CoordinatorActor = ray.remote(num_cpus=0)(Coordinator)

@@ -86,7 +86,7 @@ class Launcher:
         # (its replica built and its group store served: about 10 ms of a core, measured at the survivors'
         # re-form). It waits for their first step without the departed member (at most ADMIT_HOLD_S; a
         # joiner is admitted only after that step anyway).
-        await self._departure_settled()
+        await self.departure_settled()
         if not self._still_starting(member):
             return
         info = await self.spares.adopt(member, spec, fired)
@@ -163,7 +163,7 @@ class Launcher:
         return False, (f"{len(waiting) + len(self.book.slots_in(S.READY))} of {w.count} workers placed, {up} up: "
                        f"waiting for the others to start (imports, workload)")
 
-    async def _departure_settled(self) -> None:
+    async def departure_settled(self) -> None:
         """Until the survivors of a departure committed without it (or the hold ended): one poll shared
         by every joiner waiting (each polling the membership on its own cost joiners x members)."""
         if self._hold is None or self._hold.done():

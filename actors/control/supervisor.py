@@ -69,6 +69,9 @@ class Actions:
     @abstractmethod
     async def slot_failed(self, member: Member, phase: str, cause: str) -> bool: ...
     @abstractmethod
+    async def departure_settled(self) -> None:
+        """Returns once the survivors of a departure have committed a step without it (or the hold ended)."""
+    @abstractmethod
     async def end(self, state: JobState, reason: str, detail: dict | None = None, quiet: bool = False) -> None: ...
     @abstractmethod
     async def finish(self) -> None: ...
@@ -92,7 +95,7 @@ class Supervisor:
         """A batch's re-form, published once its last outcome is decided: (members, cause, detector,
         first seen, how many ended)."""
         self._to_kill: list[Any] = []
-        """Actors of a batch's ended members, killed once the survivors' plan is out (`handle`)."""
+        """Actors of a batch's ended members, killed once the survivors committed without them (`handle`)."""
         self._alive: tuple[int, set[str]] = (-1, set())
         """(epoch, the members of that epoch that reported a failed collective in it): alive when they said so."""
         self._heard: asyncio.Event | None = None  # set at each such report (made on the event loop: start)
@@ -203,7 +206,17 @@ class Supervisor:
             if abort is not None:  # no plan went out to carry it
                 self.actions.abort_epoch(abort)
             to_kill, self._to_kill = self._to_kill, []
-            for handle in to_kill:  # each a synchronous call to Ray's GCS (about 3 ms here): after the plan
+            if to_kill:
+                asyncio.get_running_loop().create_task(self._kill_once_settled(to_kill))
+
+    async def _kill_once_settled(self, handles: list[Any]) -> None:
+        """Kill a batch's ended actors once the survivors have committed without them: each kill is a
+        synchronous call to Ray's GCS (about 3 ms of the event loop here, and the GCS's own work), and
+        their processes are gone or going already."""
+        try:
+            await self.actions.departure_settled()
+        finally:
+            for handle in handles:
                 self.group.kill(handle)
 
     def progress(self, member: Member, mark: int, compute_s: float) -> None:

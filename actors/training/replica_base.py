@@ -140,6 +140,9 @@ class ReplicaBase:
         """Seconds the newest step waited on others: for its samples, the policy's lock, its collectives."""
         self._outcome: dict = {}
         self._records: list[dict] = []
+        self._agreement: tuple[int, int, tuple[dict, ...]] | None = None
+        """Rank 0's epoch agreement (epoch, agreed step, records after the plan's history step), sent
+        ahead of its next report (`_flush_report`): after the epoch's first commit, off the re-form's path."""
         self.kept: deque[dict] = deque(maxlen=KEEP_RECORDS)
         """History records of this replica's newest commit points (every member keeps them)."""
         self._last_report = 0.0

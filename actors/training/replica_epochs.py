@@ -56,7 +56,7 @@ class EpochEntry(CommittedState):
                 self._count_dropped(previous, plan)  # local steps kept: the departed members' shares are lost
             if rank == 0 and self.algorithm.entry == "replicated":  # history takes the agreed step, and any it lacks
                 missing = tuple(r for r in self.kept if r["step"] > plan.history_step)
-                self.link.epoch_agreed(plan.membership_epoch, self._mark(), missing)
+                self._agreement = (plan.membership_epoch, self._mark(), missing)  # sent ahead of the next report
         except CommError as err:
             self.cause = str(err)
             self.impl.on_epoch_end(str(err))

@@ -122,7 +122,12 @@ class Reporting(CommittedState):
 
     def _flush_report(self, force: bool = False, wait: bool | None = None) -> None:
         """Send the records gathered since the last report: every REPORT_EVERY_S, or now with `force`
-        (waiting for the coordinator's answer unless `wait` is False)."""
+        (waiting for the coordinator's answer unless `wait` is False). Rank 0's epoch agreement, if one is
+        pending, goes first whatever the time: the coordinator takes a sender's calls in order, and history
+        needs the agreed step and the records it lacked before any record of the new epoch."""
+        if self._agreement is not None:
+            agreement, self._agreement = self._agreement, None
+            self.link.epoch_agreed(*agreement)
         now = time.monotonic()
         world = len(self.plan.members) if self.plan else 1
         if not force and now - self._last_report < max(REPORT_EVERY_S, world / REPORTS_PER_S):

@@ -59,6 +59,9 @@ class Recorder(Actions):
     async def slot_failed(self, member, phase, cause):
         return False
 
+    async def departure_settled(self):
+        self.calls.append(("settled",))
+
     async def end(self, state, reason, detail=None, quiet=False):
         self.calls.append(("end", state))
 
@@ -173,7 +176,11 @@ def test_a_member_whose_process_is_exiting_is_evicted_at_the_first_failed_collec
         await probing
         assert [c for c in actions.calls if c[0] == "reform"] == [], "a member died: no re-form of the same members"
         await sup.handle(batch)
-        assert group.kills == 1 and not group.current("w2").alive, "its actor killed once the survivors' plan is out"
+        for _ in range(100):  # the kill waits for the survivors' first commit without w2 (a task)
+            if group.kills:
+                break
+            await asyncio.sleep(0.01)
+        assert group.kills == 1 and not group.current("w2").alive, "its actor killed once the survivors committed"
     asyncio.run(scenario())
 
 
@@ -313,9 +320,14 @@ def test_a_member_whose_lifeline_ends_is_evicted_before_anyone_hears_of_its_deat
         kill = group.kill
         group.kill = lambda handle: (actions.calls.append(("kill", handle.name)), kill(handle))  # type: ignore[method-assign]
         await sup.handle(batch)
+        for _ in range(100):  # the kill waits for the survivors' first commit without w2 (a task)
+            if ("kill", "s/r/w2") in actions.calls:
+                break
+            await asyncio.sleep(0.01)
         assert [c for c in actions.calls if c[0] == "reshape"] == [("reshape", ("w0", "w1", "w3"), "actor death")]
-        order = [c[0] for c in actions.calls if c[0] in ("abort", "reshape", "kill")]
-        assert order == ["reshape", "kill"], f"the survivors' plan before the dead actor's kill: {order}"
+        order = [c[0] for c in actions.calls if c[0] in ("abort", "reshape", "settled", "kill")]
+        assert order == ["reshape", "settled", "kill"], \
+            f"the survivors' plan, then their first commit without it, then the dead actor's kill: {order}"
         assert actions.plan_aborts == [True], "the plan carries the epoch's abort"
 
         on_end, wanted = group.exit_watches[victim.pid]
