@@ -2,6 +2,7 @@
 failed formation raises, torch's group-of-one view for its reducer, and the background release."""
 from __future__ import annotations
 
+import _thread
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -66,6 +67,14 @@ def release(pg: object, works: Sequence[Work], deadline: float, hold: bool = Fal
     del pg, works
 
 
+def spawn(target: Callable[..., object], *args: object) -> None:
+    """Run `target(*args)` in a new daemon thread, without waiting for that thread to be scheduled.
+    `threading.Thread.start` waits until the new thread runs (a context switch and a GIL handoff): on a
+    node whose cores are busy, as they are while a dead worker's memory is torn down, a re-form paid that
+    wait twice (the old group's release, the new one's formation). `target` catches its own errors."""
+    _thread.start_new_thread(target, args)
+
+
 def form_in_thread(spec: GroupSpec, build: Callable[[], G], stop: Callable[[], bool]) -> G | None:
     """`build()` a group in a helper thread; None if `stop()` turns true meanwhile.
 
@@ -86,7 +95,7 @@ def form_in_thread(spec: GroupSpec, build: Callable[[], G], stop: Callable[[], b
             if result.get("abandoned") and "comm" in result:
                 result["comm"].close()
 
-    threading.Thread(target=run, name=f"form {spec.name}", daemon=True).start()
+    spawn(run)
     deadline = time.monotonic() + spec.timeout_s + 5.0
     while not done.wait(0.02):
         if stop() or time.monotonic() > deadline:

@@ -19,9 +19,10 @@ import torch
 import torch.distributed as dist
 
 from actors.transport.base import TorchBackendCommunicator, WorkHandle
-from actors.transport.formation import form_in_thread, formation_error, group_of_one, release
+from actors.transport.formation import form_in_thread, formation_error, group_of_one, release, spawn
 from actors.transport.signed_store import group_store
 from actors.transport.sockets import device_and_address, pairs, prepare_device, shut_down, shut_down_pairs
+from actors.transport.stores import prepare_client
 from core.comm_api import CommAborted, GroupSpec
 
 log = logging.getLogger(__name__)
@@ -83,22 +84,27 @@ class GlooCommunicator(TorchBackendCommunicator):
 
     def settled(self) -> None:
         """Its first step committed: in a helper thread, hold a duplicate of each of its pairs (only a
-        group lent to torch is shut down so, `_abort_pairs`) and make the next group's device ahead."""
-        threading.Thread(target=self._settle, name=f"settle {self.name}", daemon=True).start()
+        group lent to torch is shut down so, `_abort_pairs`), and make the next group's device and store
+        connection ahead."""
+        spawn(self._settle)
 
     def _settle(self) -> None:
-        try:
-            prepare_device(self.spec.node_ip)
-            if self._listen is None or self._torch_pg is None:
-                return
-            found = pairs(self._listen, self._peers)
-            with self._lock:  # an abort or a close meanwhile found (or needs) none of them
-                if self._pg is not None and not self.aborted and self._held is None:
-                    self._held, found = found, []
-            for sock in found:
-                sock.close()
-        except Exception as err:  # noqa: BLE001 - an abort then looks for the pairs itself, as before
-            log.warning("group %s: could not find its pairs ahead: %s", self.name, err)
+        if self._listen is not None and self._torch_pg is not None:
+            try:
+                found = pairs(self._listen, self._peers)
+                with self._lock:  # an abort or a close meanwhile found (or needs) none of them
+                    if self._pg is not None and not self.aborted and self._held is None:
+                        self._held, found = found, []
+                for sock in found:
+                    sock.close()
+            except Exception as err:  # noqa: BLE001 - an abort then looks for the pairs itself, as before
+                log.warning("group %s: could not find its pairs ahead: %s", self.name, err)
+        for ahead in (lambda: prepare_device(self.spec.node_ip),
+                      lambda: prepare_client(self.spec.store_host, self.spec.store_port, self.spec.timeout_s)):
+            try:
+                ahead()
+            except Exception as err:  # noqa: BLE001 - the next formation makes its own, as before
+                log.warning("group %s: could not prepare the next group's device or store connection: %s", self.name, err)
 
     def subgroup(self, ranks: Sequence[int], tag: str) -> GlooCommunicator | None:
         """A gloo group of `ranks` (this group's ranks; rank k of the subgroup is `ranks[k]`), formed
@@ -185,8 +191,7 @@ class GlooCommunicator(TorchBackendCommunicator):
         if pg is not None:
             deadline = time.monotonic() + self.timeout_s + 5.0
             hold = lent is not None and self.failed
-            threading.Thread(target=release, args=((pg, lent), works, deadline, hold), name=f"close {self.name}",
-                             daemon=True).start()
+            spawn(release, (pg, lent), works, deadline, hold)
 
 
 class _WaitedWork:

@@ -120,3 +120,30 @@ def test_a_device_made_ahead_is_the_next_groups_and_no_creation_is_paid_then(mon
     monkeypatch.setattr(dist.ProcessGroupGloo, "create_device", create)
     _, again = sockets.device_and_address("127.0.0.1")
     assert again is not None and again != listen, "one made ahead serves one group"
+
+
+def test_a_store_connection_made_ahead_is_the_next_formations_own(monkeypatch):
+    """`prepare_client` connects the next formation's client to the epoch's store off a re-form's path;
+    `client_store` then hands that one out (and connects none), once; a later one is new again."""
+    import torch.distributed as dist
+
+    from actors.transport import stores
+    from actors.transport.comm import serve_store
+
+    _server, port, sock = serve_store("127.0.0.1", 5.0)
+    try:
+        stores.prepare_client("127.0.0.1", port, 5.0)
+        ahead = stores._spare_client[("127.0.0.1", port, 5.0)]
+        real = dist.TCPStore
+
+        def refused(*args, **kwargs):
+            raise AssertionError("a client was connected with one made ahead")
+        monkeypatch.setattr(stores.dist, "TCPStore", refused)
+        client = stores.client_store("127.0.0.1", port, 5.0)
+        assert client is ahead
+        client.set("k", "v")
+        assert client.get("k") == b"v", "the client made ahead works"
+        monkeypatch.setattr(stores.dist, "TCPStore", real)
+        assert stores.client_store("127.0.0.1", port, 5.0) is not ahead, "one made ahead serves one formation"
+    finally:
+        sock.close()
