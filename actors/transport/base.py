@@ -188,7 +188,8 @@ class BaseCommunicator:
 
     def settled(self) -> None:
         """The group's first step has committed: work that would slow a re-form is done now, off its
-        path (gloo: its pairs are found, and the next group's device made). Nothing here."""
+        path (gloo: its pairs are found, and the next group's device and store connection made).
+        Nothing here."""
 
     def at_launch(self) -> None:
         """A step's buckets go out on torch's reducer: nothing to do (a fault wrapper fires here)."""
