@@ -274,6 +274,41 @@ def report(rows: list[dict]) -> dict:
             "auto_run_within_10pct": f"{sum(runs)}/{len(runs)}", "auto_undecided": undecided}
 
 
+def rerank(rows: list[dict]) -> dict:
+    """The model's pick now (`plan`'s ranking with the shipped convergence factors and their settings, no
+    trial) in each digits cell of recorded rows, from the inputs measured with them (the lab's probed links
+    and host times, the placed compute), against the fastest policy's recorded time to the target: how the
+    ranking as it stands would have chosen on runs already made. Nothing is run."""
+    from algorithms.rules.runtime_model import Compute
+    from orchestrator import planner
+    from orchestrator.config import config_from_dict
+
+    data = planner.load_factors()
+    good = []
+    for key in sorted({(r["setting"], r["network"], r["seed"]) for r in rows if r["policy"] == "auto trial"}):
+        setting, network, _seed = key
+        same = [r for r in rows if (r["setting"], r["network"], r["seed"]) == key and r["policy"] != "auto trial"
+                and r.get("to_target_s") is not None]
+        if not same or SETTINGS.get(setting, {}).get("workload", "digits") != "digits":
+            continue
+        ref = same[0]
+        cfg = config_from_dict(job_dict(setting, "bsp", {"policy": "bsp"}, {}, network, 0, "/tmp"))
+        net = planner.network_for(cfg.network, cfg.workers.count, ref["probed"], ref["host_s"])
+        compute = Compute(0.015, fixed_s=max(ref["compute_s"] - 0.015, 0.0))  # the digits cells' slept forward pass
+        ranked = planner.rank(candidates(setting, set()), net, compute, ref["model_bytes"], data["factors"],
+                              data["bsp_steps"], settings=data.get("settings"))
+        pick = ranked[0].candidate.label
+        fastest = min(same, key=lambda x: x["to_target_s"])
+        mine = next((x for x in same if x["policy"] == pick), None)
+        ok = mine is not None and mine["to_target_s"] <= 1.10 * fastest["to_target_s"]
+        good.append(ok)
+        alone = f"{mine['to_target_s']:.1f} s" if mine else "not run"
+        print(f"[{setting} {network} seed {key[2]}] pick {pick} ({alone}); fastest {fastest['policy']} "
+              f"{fastest['to_target_s']:.1f} s: {'within 10%' if ok else 'MISS'}")
+    print(f"the ranking's pick now within 10% of the fastest in {sum(good)} of {len(good)} cells")
+    return {"benchmark": "heldout", "rerank_within_10pct": f"{sum(good)}/{len(good)}"}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--settings", default="6w3n,bucket01,lm1g")
@@ -285,7 +320,12 @@ def main() -> int:
     parser.add_argument("--out", default="heldout.jsonl")
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--report", action="store_true", help="only print the report from --out")
+    parser.add_argument("--rerank", action="store_true",
+                        help="print the ranking's pick now in each cell of --out, from its recorded inputs (runs nothing)")
     args = parser.parse_args()
+    if args.rerank:
+        print(json.dumps(rerank(load(Path(args.out)))))
+        return 0
     rows = measured_rows(args, Path(args.out), measure)
     if isinstance(rows, int):
         return rows

@@ -342,3 +342,44 @@ def test_the_trial_takes_at_most_its_share_of_the_jobs_predicted_steps():
         tried = [c["label"] for c in chosen.policy_trial.get("candidates", [])]
         assert tried == ([r.candidate.label for r in asked[:fits[0]]] if fits else []), (share, predicted, line)
     assert len(tried) >= 2, "as long as the job: a trial fits"
+
+
+def test_a_background_policys_factor_is_used_only_near_the_staleness_it_was_measured_at():
+    """`shadow`'s replicas drift apart for as many steps as one of its background rounds spans
+    (`Prediction.staleness_steps`): its factor, measured where a round spanned s steps, is used up to
+    SETTING_RANGE x s and not beyond, nor where s is not stated; it then has no time to the target and
+    says why. An exact policy is unaffected."""
+    c = cfg(network=LAB)
+    cands = [x for x in planner.candidates(c) if x.label in ("bsp", "shadow ma")]
+    net, compute, size = planner.network_for(c.network, 4), Compute(0.01), 1.2e6
+    spans = predict(next(x for x in cands if x.label == "shadow ma").spec, net, compute, size).staleness_steps
+    assert spans is not None and spans > 1
+
+    def shadow(staleness):
+        rows = planner.rank(cands, net, compute, size, {"bsp": 1.0, "shadow ma": 1.0}, bsp_steps=100,
+                            settings={"staleness": staleness} if staleness is not None else None)
+        assert next(r for r in rows if r.exact).to_target_s is not None
+        return next(r for r in rows if r.candidate.label == "shadow ma")
+    assert shadow({"shadow ma": spans}).to_target_s is not None, "measured at this staleness"
+    assert shadow({"shadow ma": spans / planner.SETTING_RANGE * 1.01}).to_target_s is not None, "within the range"
+    beyond = shadow({"shadow ma": spans / planner.SETTING_RANGE * 0.99})
+    assert beyond.to_target_s is None and beyond.factor is None and "a round spans" in beyond.note, beyond.note
+    unstated = shadow(None)
+    assert unstated.to_target_s is None and "not stated" in unstated.note, unstated.note
+
+
+def test_a_gossip_policys_factor_is_used_only_down_to_the_mixing_gap_it_was_measured_at():
+    """A ring's replicas reach consensus more slowly the more ranks it has (`Prediction.mixing_gap`: 0.67
+    on 4, 0.20 on 8): a factor measured on a ring of 4 is used on 4 and not on 8 (below the measured gap
+    over SETTING_RANGE), and not where the gap it was measured at is not stated."""
+    def dpsgd(workers, settings):
+        c = cfg(network={**LAB, "nodes": workers // 2})
+        cands = [x for x in planner.candidates(c) if x.label in ("bsp", "dpsgd ring")]
+        rows = planner.rank(cands, planner.network_for(c.network, workers), Compute(0.01), 1.2e6,
+                            {"bsp": 1.0, "dpsgd ring": 1.0}, bsp_steps=100, settings=settings)
+        return next(r for r in rows if r.candidate.label == "dpsgd ring")
+    measured = {"mixing_gap": {"dpsgd ring": 0.6667}}
+    assert dpsgd(4, measured).to_target_s is not None, "measured on a ring of 4"
+    eight = dpsgd(8, measured)
+    assert eight.to_target_s is None and "gap of 0.20" in eight.note, eight.note
+    assert "not stated" in dpsgd(4, None).note
