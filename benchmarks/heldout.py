@@ -17,6 +17,9 @@ was chosen before that model ran on any of it:
 - `6w3n`: 6 workers on 3 lab nodes (2 a node), the grid's workload, at 100 Mbit/s and 1 Gbit/s;
 - `bucket01`: 4 workers on 2 nodes with BSP's and `bytegrad`'s gradients in 0.1 MiB buckets, at 100 Mbit/s;
 - `lm1g`: the tiny GPT as `lm`, at 1 Gbit/s.
+The third set judges the convergence factors' setting rule (orchestrator/planning/ranking.py
+`SETTING_RANGE`), which the second set's misses informed; it was chosen before that rule ran on it:
+- `4w4n`: 4 workers on 4 lab nodes (1 a node), the grid's workload, at 100 Mbit/s and 1 Gbit/s.
 
 Per digits cell (setting x network x seed): every policy `plan` weighs, run to the target, with the
 model's prediction of its time per step (fed the lab's links as probed, the compute measured on the
@@ -66,6 +69,8 @@ SETTINGS = {
     "6w3n": {"nodes": 3, "per_node": 2, "bucket_mb": None, "workload": "digits", "networks": ("100m", "1g")},
     "bucket01": {"nodes": 2, "per_node": 2, "bucket_mb": 0.1, "workload": "digits", "networks": ("100m",)},
     "lm1g": {"nodes": 2, "per_node": 2, "bucket_mb": None, "workload": "lm", "networks": ("1g",)},
+    # the third set (2026-11-28, evening), chosen before the convergence factors' setting rule ran on any of it
+    "4w4n": {"nodes": 4, "per_node": 1, "bucket_mb": None, "workload": "digits", "networks": ("100m", "1g")},
 }
 LM_LABELS = ("bsp", "bsp hierarchical", "local_sgd h=8", "diloco h=16", "dpsgd ring uint8", "shadow ma")
 LM_STEPS = 60
