@@ -17,9 +17,11 @@ was chosen before that model ran on any of it:
 - `6w3n`: 6 workers on 3 lab nodes (2 a node), the grid's workload, at 100 Mbit/s and 1 Gbit/s;
 - `bucket01`: 4 workers on 2 nodes with BSP's and `bytegrad`'s gradients in 0.1 MiB buckets, at 100 Mbit/s;
 - `lm1g`: the tiny GPT as `lm`, at 1 Gbit/s.
-The third set judges the convergence factors' setting rule (orchestrator/planning/ranking.py
-`SETTING_RANGE`), which the second set's misses informed; it was chosen before that rule ran on it:
+The third set (2026-11-28, evening) was chosen to judge a rule the second set's misses suggested (a
+convergence factor used only near the staleness or mixing gap it was measured at); it judged the rule
+not worth keeping (docs/tradeoffs.md):
 - `4w4n`: 4 workers on 4 lab nodes (1 a node), the grid's workload, at 100 Mbit/s and 1 Gbit/s.
+`--rerank` re-scores the ranking as it stands on recorded rows, from their measured inputs (nothing runs).
 
 Per digits cell (setting x network x seed): every policy `plan` weighs, run to the target, with the
 model's prediction of its time per step (fed the lab's links as probed, the compute measured on the
@@ -28,8 +30,8 @@ trial (`sync.auto: {trial_steps, candidates}`), run to the target the same way, 
 ended with. The report: the model's error per cell (within 25%?), and whether auto's final pick is
 within 10% of the fastest policy's time to the target in the same cell and seed (its standalone run).
 
-    python benchmarks/heldout.py [--settings 6w3n,bucket01,lm1g] [--networks 100m,1g] [--seeds 0,1,2]
-        [--trial-steps 10] [--trial-candidates 3] [--out docs/heldout.jsonl] [--resume] [--report]
+    python benchmarks/heldout.py [--settings 6w3n,bucket01,lm1g,4w4n] [--networks 100m,1g] [--seeds 0,1,2]
+        [--trial-steps 10] [--trial-candidates 3] [--out docs/heldout.jsonl] [--resume] [--report] [--rerank]
 
 Rows are appended to `--out` as each run ends (`--resume` skips those there). Needs root and `tc` (the
 lab); exits 2 with the reason otherwise. Figures are measurements, not gates.
@@ -280,10 +282,10 @@ def report(rows: list[dict]) -> dict:
 
 
 def rerank(rows: list[dict]) -> dict:
-    """The model's pick now (`plan`'s ranking with the shipped convergence factors and their settings, no
-    trial) in each digits cell of recorded rows, from the inputs measured with them (the lab's probed links
-    and host times, the placed compute), against the fastest policy's recorded time to the target: how the
-    ranking as it stands would have chosen on runs already made. Nothing is run."""
+    """The model's pick now (`plan`'s ranking with the shipped convergence factors, no trial) in each
+    digits cell of recorded rows, from the inputs measured with them (the lab's probed links and host
+    times, the placed compute), against the fastest policy's recorded time to the target: how the ranking
+    as it stands would have chosen on runs already made. Nothing is run."""
     from algorithms.rules.runtime_model import Compute
     from orchestrator import planner
     from orchestrator.config import config_from_dict
@@ -301,7 +303,7 @@ def rerank(rows: list[dict]) -> dict:
         net = planner.network_for(cfg.network, cfg.workers.count, ref["probed"], ref["host_s"])
         compute = Compute(0.015, fixed_s=max(ref["compute_s"] - 0.015, 0.0))  # the digits cells' slept forward pass
         ranked = planner.rank(candidates(setting, set()), net, compute, ref["model_bytes"], data["factors"],
-                              data["bsp_steps"], settings=data.get("settings"))
+                              data["bsp_steps"])
         pick = ranked[0].candidate.label
         fastest = min(same, key=lambda x: x["to_target_s"])
         mine = next((x for x in same if x["policy"] == pick), None)

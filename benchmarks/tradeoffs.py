@@ -247,7 +247,6 @@ def report(rows: list[dict], args) -> dict:
     factors = {}
     if bsp_base and bsp_base.get("steps_to_target"):
         factors = {r["policy"]: r["steps_to_target"] / bsp_base["steps_to_target"] for r in base if r.get("steps_to_target")}
-    settings = base_settings(base, by_label, factors)
     worst = (0.0, None)
     summary_cells = {}
     for network, condition in cells:
@@ -279,8 +278,7 @@ def report(rows: list[dict], args) -> dict:
             measured = next(r for r in rows if r["network"] == network and r["condition"] == condition)
             net = cell_network(network, measured["probed"], measured.get("host_s"))
             compute = cell_compute(condition, measured["compute_s"], measured["modelled_s"])
-            ranked = planner.rank(cands, net, compute, measured["model_bytes"], factors, bsp_base["steps_to_target"],
-                                  settings=settings)
+            ranked = planner.rank(cands, net, compute, measured["model_bytes"], factors, bsp_base["steps_to_target"])
             pick = ranked[0].candidate.label
         good = bool(fastest and pick and reached.get(pick) is not None and reached[pick] <= 1.10 * reached[fastest])
         print(f"fastest to the target: {fastest} ({reached.get(fastest, float('nan')):.1f} s); plan's pick: {pick}"
@@ -296,7 +294,7 @@ def report(rows: list[dict], args) -> dict:
         heat_map(summary_cells, policies, Path(args.png))
     return {"benchmark": "tradeoffs", "compute_ms": args.compute_ms, "target": args.target, "hidden": args.hidden,
             "seeds": seeds,
-            "factors": factors, "bsp_steps": bsp_base and bsp_base.get("steps_to_target"), "settings": settings,
+            "factors": factors, "bsp_steps": bsp_base and bsp_base.get("steps_to_target"),
             "worst_model_error": worst[0], "worst_model_cell": worst[1],
             "plan_within_10pct": f"{sum(picks_good)}/{len(picks_good)}", "cells": summary_cells}
 
@@ -386,38 +384,15 @@ def main() -> int:
     summary = report(rows, args)
     if args.write_factors and summary["factors"]:
         (REPO / "orchestrator" / "convergence.json").write_text(json.dumps({
-            "factors": summary["factors"], "bsp_steps": summary["bsp_steps"], "settings": summary["settings"],
+            "factors": summary["factors"], "bsp_steps": summary["bsp_steps"],
             "source": f"benchmarks/tradeoffs.py, {time.strftime('%Y-%m-%d')}: digits MLP ({args.hidden} hidden), "
                       f"4 workers, SGD momentum 0.9, steps to {args.target} held-out accuracy relative to BSP "
                       f"(10 Gbit/s, no straggler, {seeds_text(summary['seeds'])})",
-            "applies_to": {"workload": "orchestrator.workloads.digits", "optimizer": "sgd", "metric": "accuracy"},
-            "settings_source": "where each factor was measured, for the policies whose convergence depends on it: "
-                               "the runtime model's steps per background round and a gossip topology's mixing gap, "
-                               "from that run's measured inputs"},
+            "applies_to": {"workload": "orchestrator.workloads.digits", "optimizer": "sgd", "metric": "accuracy"}},
             indent=1) + "\n")
         print("wrote orchestrator/convergence.json")
     print(json.dumps(summary))
     return 0
-
-
-def base_settings(base: list[dict], by_label: dict, factors: dict) -> dict[str, dict[str, float]]:
-    """Where each factor was measured, for the policies whose convergence depends on it: a background
-    policy's staleness (the steps one of its rounds spanned) and a gossip policy's mixing gap, from the
-    runtime model with that run's measured inputs. `plan` and `auto` use a factor only near them
-    (orchestrator/planning/ranking.py `SETTING_RANGE`)."""
-    from algorithms.rules.runtime_model import predict
-
-    out: dict[str, dict[str, float]] = {"staleness": {}, "mixing_gap": {}}
-    for r in base:
-        if r["policy"] in factors and r.get("model_bytes"):
-            net = cell_network(r["network"], r["probed"], r.get("host_s"))
-            p = predict(by_label[r["policy"]].spec, net, cell_compute(r["condition"], r["compute_s"], r["modelled_s"]),
-                        r["model_bytes"])
-            if p.staleness_steps is not None:
-                out["staleness"][r["policy"]] = round(p.staleness_steps, 3)
-            if p.mixing_gap is not None:
-                out["mixing_gap"][r["policy"]] = round(p.mixing_gap, 4)
-    return out
 
 
 def measured_rows(args, out: Path, measure) -> list[dict] | int:

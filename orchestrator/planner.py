@@ -38,20 +38,11 @@ from orchestrator.planning.cluster import (
     told_network,
 )
 from orchestrator.planning.measure import measure_compute, measure_host, parameter_layout
-from orchestrator.planning.ranking import (
-    EXACT,
-    FACTORS_PATH,
-    RELAXED_MARGIN,
-    SETTING_RANGE,
-    Row,
-    factors_apply,
-    load_factors,
-    rank,
-)
+from orchestrator.planning.ranking import EXACT, FACTORS_PATH, RELAXED_MARGIN, Row, factors_apply, load_factors, rank
 from orchestrator.planning.report import describe_probe, recommendation, table
 
 __all__ = [  # the names callers reach through this module (the CLI, benchmarks, tests)
-    "EXACT", "FACTORS_PATH", "RELAXED_MARGIN", "SETTING_RANGE", "SWITCHABLE", "Candidate", "PolicySpec", "Row", "candidates",
+    "EXACT", "FACTORS_PATH", "RELAXED_MARGIN", "SWITCHABLE", "Candidate", "PolicySpec", "Row", "candidates",
     "candidates_on", "choose", "compute_from_probe", "compute_spread", "describe_probe", "factors_apply",
     "factors_line", "load_factors", "measure_compute", "measure_host", "network_for", "network_from_probe",
     "probed_compute_s", "rank", "rank_medians", "ranked", "recommendation", "refuse_resume", "resumed_choice",
@@ -85,14 +76,14 @@ def ranked(cfg: JobConfig, cands: Sequence[Candidate], compute_s: float, model_b
     if cluster is not None:  # measured on the user's cluster (actors/training/probe.py); its links as told, if they were
         net = network_for(cfg.network, cfg.workers.count) if told_network(cfg) else network_from_probe(cluster)
         return rank(cands, net, compute_from_probe(cfg, cluster, compute_s), cluster["model_bytes"],
-                    data["factors"] if applies else None, data["bsp_steps"], why, data.get("settings"))
+                    data["factors"] if applies else None, data["bsp_steps"], why)
     layout = parameter_layout(cfg)
     cands = with_layout(cands, layout, cfg.network.lab)
     if host_s is None and cfg.network.lab:
         host_s = measure_host(cfg, cands, model_bytes, layout=layout)
     net = network_for(cfg.network, cfg.workers.count, probed, host_s)
     return rank(cands, net, compute_spread(cfg, compute_s), model_bytes, data["factors"] if applies else None,
-                data["bsp_steps"], why, data.get("settings"))
+                data["bsp_steps"], why)
 
 
 def factors_line(cfg: JobConfig) -> str:

@@ -169,17 +169,6 @@ class Prediction:
     rank's (a hierarchical all-reduce's leader)."""
     basis: str
     notes: str = ""
-    staleness_steps: float | None = None
-    """For a policy whose synchronizations run beside its steps (the background kind): how many of a
-    member's steps one round spans, a round's time over a step's. How far the replicas drift between
-    rounds grows with it, and so do the steps to a target: a convergence factor measured at one staleness
-    says nothing about a much larger one. None where the policy sets its own period in steps (a periodic
-    policy's h) or synchronizes every step."""
-    mixing_gap: float | None = None
-    """For a gossip policy: 1 - |lambda_2| of its mixing matrix at this world size, each rank averaging
-    itself and its topology peers with equal weights (the consensus rate; a ring's falls from 0.67 at 4
-    ranks to 0.33 at 6). The more slowly replicas reach consensus, the more steps to a target: a factor
-    measured at one gap says nothing about a much smaller one. None for the other families."""
 
 
 # --------------------------------------------------------------------------- collectives
@@ -294,19 +283,6 @@ def ring_peers(rank: int, n: int) -> list[int]:
     return sorted({(rank - 1) % n, (rank + 1) % n} - {rank})
 
 
-def mixing_gap(peers: Callable[[int], Sequence[int]], n: int) -> float:
-    """1 - |lambda_2| of the mixing matrix in which each of `n` ranks averages itself and its peers with
-    equal weights (W[i][j] = 1/(degree + 1)): how fast gossip over that graph reaches consensus. 1 for n = 1."""
-    if n <= 1:
-        return 1.0
-    w = np.zeros((n, n))
-    for i in range(n):
-        members = sorted(set(peers(i)) | {i})
-        w[i, members] = 1.0 / len(members)
-    moduli = sorted(np.abs(np.linalg.eigvals(w)), reverse=True)
-    return float(1.0 - moduli[1])
-
-
 def host_patterns(spec: PolicySpec) -> tuple[str, ...]:
     """The synchronizations a step of `spec` runs, as keys of `Network.host_s`: "allreduce" (a round's
     all-reduce of the model in float32), "allreduce/F" (one of F fragments), "scatter_gather/CODEC"
@@ -371,7 +347,6 @@ def predict(spec: PolicySpec, net: Network, compute: Compute, model_bytes: float
         comm = exchange(net, peers, size)
         neighbourhood = max(compute.expected_max([r, *peers(r)]) for r in ranks)
         sent = float(np.mean([len(peers(r)) * size for r in ranks]))
-        gap = mixing_gap(peers, n)
         pattern = host_patterns(spec)[0]
         if name == "choco":  # the forward pass needs the mixed point: a rank waits for its peers' messages
             # Nothing overlaps a rank's own wait, but ranks that are not in lockstep do not send at once:
@@ -382,12 +357,12 @@ def predict(spec: PolicySpec, net: Network, compute: Compute, model_bytes: float
             return Prediction(name, step, step - neighbourhood, sent,
                               "max(exchange with every flow sharing, E[max over a rank and its peers of compute] + "
                               "the longer of its slowest incoming message alone and the host time): CHOCO mixes "
-                              "before its forward pass", mixing_gap=gap)
+                              "before its forward pass")
         step = max(neighbourhood + net.host(cpu_time(pattern)) * net.cpu_share, comm)
         return Prediction(name, step, max(0.0, step - neighbourhood), sent,
                           "max(E[max over a rank and its peers of compute] + its own CPU time in the step (times "
                           "the ranks sharing a core), exchange with the peers): the exchange launches before the "
-                          "forward pass and overlaps it; encoding, decoding and mixing do not", mixing_gap=gap)
+                          "forward pass and overlaps it; encoding, decoding and mixing do not")
     if family == "background":
         own = float(np.median([compute.expected(r) for r in ranks]))
         # A round: the model's ring all-reduce (the longer of its links and its host time, or the interval
@@ -399,8 +374,7 @@ def predict(spec: PolicySpec, net: Network, compute: Compute, model_bytes: float
         return Prediction(name, own, 0.0, _ring_bytes(n, model_bytes) * rounds,
                           "each member at its own pace; background rounds (all-reduce + a step's wait for the lock) "
                           "run beside training, their bytes spread over the steps they span",
-                          notes="background rounds share the links and CPU; their time is not counted in a step",
-                          staleness_steps=round_s / own if own > 0 else None)
+                          notes="background rounds share the links and CPU; their time is not counted in a step")
     raise KeyError(f"the runtime model has no pattern for policy {name!r} (its `cost_model` in the policy table, "
                    f"core/schema/policies.py `POLICIES`: {family!r})")
 

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from algorithms.rules.runtime_model import INF, Compute, Network, Prediction, predict
+from algorithms.rules.runtime_model import INF, Compute, Network, predict
 from core.schema import JobConfig
 from orchestrator.planning.candidates import Candidate
 
@@ -43,33 +43,17 @@ least this much lower: the factors come from a few seeds (over three seeds the s
 ranged 0.76-1.07) and the model's step times are within 25%, so a smaller lead is not evidence."""
 
 
-SETTING_RANGE = 1.5
-"""A relaxed policy's factor is used only near the setting it was measured in, where the policy's
-convergence depends on the setting and not only on its configuration: a background policy's staleness
-(the steps one of its rounds spans, `Prediction.staleness_steps`) up to this multiple of the measured one,
-a gossip policy's mixing gap (`Prediction.mixing_gap`) down to the measured one over this; beyond, or where
-the factor does not state it, the policy's convergence is unknown there. How the steps to a target grow
-with either was not measured. On the held-out runs of 2026-11-28 `shadow`, whose factor (0.82) came from
-rounds spanning about one step at 10 Gbit/s, took 1.1-2.0 times BSP's steps at 100 Mbit/s, where a round
-spans many; and `dpsgd ring uint8`, measured on a ring of 4 (gap 0.67), took 1.3-2.1 times the fastest
-policy's time on a ring of 6 (gap 0.33)."""
-
-
 def load_factors(path: Path = FACTORS_PATH) -> dict:
     """{"factors": {label: steps to the target relative to BSP}, "bsp_steps": BSP's steps to the target,
-    "source": "...", "applies_to": {"workload": module, "optimizer": name, "metric": name},
-    "settings": {"staleness": {label: steps one round spanned}, "mixing_gap": {label: gap}}, each where
-    the label's factor was measured} as `benchmarks/tradeoffs.py` wrote them; empty factors when none
-    were measured."""
+    "source": "...", "applies_to": {"workload": module, "optimizer": name, "metric": name}} as
+    `benchmarks/tradeoffs.py` wrote them; empty factors when none were measured."""
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError):
         data = {}
     return {"factors": {k: float(v) for k, v in data.get("factors", {}).items()},
             "bsp_steps": int(data.get("bsp_steps") or 0) or None, "source": str(data.get("source", "")),
-            "applies_to": dict(data.get("applies_to") or {}),
-            "settings": {kind: {k: float(v) for k, v in values.items()}
-                         for kind, values in (data.get("settings") or {}).items()}}
+            "applies_to": dict(data.get("applies_to") or {})}
 
 
 def factors_apply(cfg: JobConfig, data: dict) -> tuple[bool, str]:
@@ -94,18 +78,14 @@ def factors_apply(cfg: JobConfig, data: dict) -> tuple[bool, str]:
 
 
 def rank(cands: Sequence[Candidate], net: Network, compute: Compute, model_bytes: float,
-         factors: dict[str, float] | None, bsp_steps: int | None = None, unknown: str = "",
-         settings: dict[str, dict[str, float]] | None = None) -> list[Row]:
+         factors: dict[str, float] | None, bsp_steps: int | None = None, unknown: str = "") -> list[Row]:
     """Every candidate's prediction, the recommended one first.
 
     With `factors` (they apply to this job, `factors_apply`): time to the target is step time x BSP's
     steps x the factor, a relaxed policy's factor taken as at least 1 (it is never credited with
     converging faster than BSP: factors below 1 were seed noise); a candidate without a factor gets
     none. The best exact policy is recommended unless a relaxed one's time to the target is at least
-    RELAXED_MARGIN lower. A factor whose policy's convergence depends on the setting is used only near the
-    one it was measured in (`settings`, SETTING_RANGE: a background policy's staleness, a gossip policy's
-    mixing gap; none stated: not used).
-    Without factors (`unknown` says why): the exact policies by step time first,
+    RELAXED_MARGIN lower. Without factors (`unknown` says why): the exact policies by step time first,
     then the relaxed ones, shown by step time with "convergence unknown for this workload" and never
     recommended. On one node with no shaped link there is no network for a relaxed policy to save (its
     "savings" are copies between processes that share the node's cores and memory, which the model does
@@ -120,11 +100,8 @@ def rank(cands: Sequence[Candidate], net: Network, compute: Compute, model_bytes
         factor = None if factors is None else (1.0 if exact else factors.get(cand.label))
         if factor is not None and not exact:
             factor = max(factor, 1.0)
-        stale = _setting_unknown(cand.label, p, settings or {}) if factor is not None else ""
-        if stale:
-            factor = None
         to_target = p.step_s * bsp_steps * factor if factor is not None and bsp_steps else None
-        note = "" if to_target is not None else (stale or "convergence unknown for this workload" + (f": {unknown}" if unknown else ""))
+        note = "" if to_target is not None else ("convergence unknown for this workload" + (f": {unknown}" if unknown else ""))
         rows.append(Row(cand, p.step_s, p.bytes_per_step, factor, to_target, p.basis, exact, "" if exact else note))
     if local:
         rows = [r if r.exact else dataclasses.replace(r, note="one node: no network to save") for r in rows]
@@ -140,24 +117,6 @@ def rank(cands: Sequence[Candidate], net: Network, compute: Compute, model_bytes
         known.remove(exact_best)
         known.insert(0, exact_best)  # the relaxed lead is within the evidence's error: the exact policy
     return known + rest
-
-
-def _setting_unknown(label: str, p: Prediction, settings: dict[str, dict[str, float]]) -> str:
-    """Why a factor does not apply in the setting `p` predicts ("" where it does, or where the policy's
-    convergence does not depend on the setting)."""
-    if p.staleness_steps is not None:
-        at = settings.get("staleness", {}).get(label)
-        if at is None or p.staleness_steps > SETTING_RANGE * at:
-            measured = f"its factor was measured where one spanned {at:.1f}" if at is not None else \
-                "the staleness its factor was measured at is not stated"
-            return f"convergence unknown here: a round spans {p.staleness_steps:.1f} steps, and {measured}"
-    if p.mixing_gap is not None:
-        at = settings.get("mixing_gap", {}).get(label)
-        if at is None or p.mixing_gap < at / SETTING_RANGE:
-            measured = f"its factor was measured at a gap of {at:.2f}" if at is not None else \
-                "the gap its factor was measured at is not stated"
-            return f"convergence unknown here: its topology mixes with a gap of {p.mixing_gap:.2f}, and {measured}"
-    return ""
 
 
 def _target_s(row: Row) -> float:

@@ -99,19 +99,6 @@ def test_the_background_kinds_rounds_send_their_bytes_spread_over_the_steps_they
     assert spaced.bytes_per_step == pytest.approx(1.5 * 4e6 * 0.020 / 0.120)
 
 
-def test_a_background_round_spans_its_time_over_a_steps_in_steps():
-    """The staleness the ranking checks a background policy's factor against: the steps of a member that
-    one round spans. On the test above's node a round is 6 ms of ring all-reduce and a 20-ms step's wait
-    for the lock, 26 ms: 1.3 steps; spaced to one round every 100 ms at most, 120 ms: 6 steps. An exact
-    or periodic policy has none of its own (its period in steps is its configuration)."""
-    one = Network((0, 0, 0, 0), ((float("inf"),),), ((0.0,),), loopback_bytes_per_s=1e9)
-    assert predict(PolicySpec("shadow"), one, Compute(0.02), 4e6).staleness_steps == pytest.approx(0.026 / 0.020)
-    assert predict(PolicySpec("shadow", interval_s=0.1), one, Compute(0.02), 4e6).staleness_steps == \
-        pytest.approx(0.120 / 0.020)
-    assert predict(PolicySpec("bsp"), one, Compute(0.02), 4e6).staleness_steps is None
-    assert predict(PolicySpec("local_sgd", h=8), one, Compute(0.02), 4e6).staleness_steps is None
-
-
 def test_hierarchical_bsp_bytes_are_the_busiest_ranks_a_leaders():
     """(They were the flat ring's 1.5 M; the lab measured rank 0's 2.0 M.) A leader sends its node's sum
     to each member (M each) and 2(k-1)/k M in the leaders' ring."""
@@ -322,22 +309,3 @@ def test_a_ranks_own_cpu_work_in_a_gossip_step_takes_its_share_of_a_core():
     assert predict(spec, fast, Compute(0.02), M).step_s == pytest.approx(0.02 + 0.004)
     shared = dataclasses.replace(fast, cpu_share=4.0)
     assert predict(spec, shared, Compute(0.02), M).step_s == pytest.approx(0.02 + 4 * 0.004)
-
-
-def test_a_gossip_rings_mixing_gap_is_one_less_its_second_largest_eigenvalue():
-    """Each rank averages itself and its two ring neighbours with weight 1/3: the mixing matrix is
-    circulant, its eigenvalues (1 + 2 cos(2 pi k / n)) / 3, so the gap is 1 - max over k != 0 of their
-    moduli: 2/3 on 4 ranks, 1/3 on 6, 1 - (1 + sqrt 2)/3 on 8. Every rank averaging everyone (3 ranks)
-    mixes at once: gap 1. Exact and periodic policies have none."""
-    import math
-
-    from algorithms.rules.runtime_model import mixing_gap, ring_peers
-
-    for n in (4, 6, 8):
-        second = max(abs(1 + 2 * math.cos(2 * math.pi * k / n)) / 3 for k in range(1, n))
-        assert mixing_gap(lambda r, n=n: ring_peers(r, n), n) == pytest.approx(1 - second)
-        assert predict(PolicySpec("dpsgd"), Network((0,) * n, ((float("inf"),),), ((0.0,),), loopback_bytes_per_s=1e9),
-                       Compute(0.02), 4e6).mixing_gap == pytest.approx(1 - second)
-    assert mixing_gap(lambda r: ring_peers(r, 3), 3) == pytest.approx(1.0)
-    one = Network((0, 0, 0, 0), ((float("inf"),),), ((0.0,),), loopback_bytes_per_s=1e9)
-    assert predict(PolicySpec("bsp"), one, Compute(0.02), 4e6).mixing_gap is None
