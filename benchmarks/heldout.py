@@ -141,18 +141,31 @@ def placed_compute(setting: str, root: str) -> float:
     return placed_step_s(cfg, 100 if SETTINGS[setting]["workload"] == "digits" else 40)
 
 
-def predict(setting: str, cand, network: str, probed: list[dict], compute_s: float, model_bytes: float,
-            host_s: dict) -> float:
+def model_inputs(setting: str, network: str, probed: list[dict], compute_s: float, host_s: dict):
+    """The runtime model's network and compute for a cell, from the inputs measured with its runs (the
+    lab's probed links and host times, the placed workers' compute; a digits step's slept 15 ms apart)."""
     from algorithms.rules.runtime_model import Compute
-    from algorithms.rules.runtime_model import predict as model
     from orchestrator.config import config_from_dict
     from orchestrator.planner import network_for
 
     cfg = config_from_dict(job_dict(setting, "bsp", {"policy": "bsp"}, {}, network, 0, "/tmp"))
     net = network_for(cfg.network, cfg.workers.count, probed, host_s)
     slept = 0.015 if SETTINGS[setting]["workload"] == "digits" else 0.0
-    compute = Compute(slept, fixed_s=max(compute_s - slept, 0.0)) if slept else Compute(compute_s)
+    return net, Compute(slept, fixed_s=max(compute_s - slept, 0.0)) if slept else Compute(compute_s)
+
+
+def predict(setting: str, cand, network: str, probed: list[dict], compute_s: float, model_bytes: float,
+            host_s: dict) -> float:
+    from algorithms.rules.runtime_model import predict as model
+
+    net, compute = model_inputs(setting, network, probed, compute_s, host_s)
     return model(cand.spec, net, compute, model_bytes).step_s
+
+
+def reached(rows: list[dict], setting: str, network: str, seed: int) -> list[dict]:
+    """The policies' own runs (not `auto`'s) of one cell and seed that reached the target."""
+    return [x for x in rows if (x["setting"], x["network"], x["seed"]) == (setting, network, seed)
+            and x["policy"] != "auto trial" and x.get("to_target_s") is not None]
 
 
 def measure(args, out: Path) -> int:
@@ -253,8 +266,7 @@ def report(rows: list[dict]) -> dict:
     for r in rows:
         if r["policy"] != "auto trial":
             continue
-        same = [x for x in rows if x["setting"] == r["setting"] and x["network"] == r["network"] and x["seed"] == r["seed"]
-                and x["policy"] != "auto trial" and x.get("to_target_s") is not None]
+        same = reached(rows, r["setting"], r["network"], r["seed"])
         if not same:
             continue
         fastest = min(same, key=lambda x: x["to_target_s"])
@@ -286,22 +298,17 @@ def rerank(rows: list[dict]) -> dict:
     digits cell of recorded rows, from the inputs measured with them (the lab's probed links and host
     times, the placed compute), against the fastest policy's recorded time to the target: how the ranking
     as it stands would have chosen on runs already made. Nothing is run."""
-    from algorithms.rules.runtime_model import Compute
     from orchestrator import planner
-    from orchestrator.config import config_from_dict
 
     data = planner.load_factors()
     good = []
     for key in sorted({(r["setting"], r["network"], r["seed"]) for r in rows if r["policy"] == "auto trial"}):
         setting, network, _seed = key
-        same = [r for r in rows if (r["setting"], r["network"], r["seed"]) == key and r["policy"] != "auto trial"
-                and r.get("to_target_s") is not None]
+        same = reached(rows, *key)
         if not same or SETTINGS.get(setting, {}).get("workload", "digits") != "digits":
             continue
         ref = same[0]
-        cfg = config_from_dict(job_dict(setting, "bsp", {"policy": "bsp"}, {}, network, 0, "/tmp"))
-        net = planner.network_for(cfg.network, cfg.workers.count, ref["probed"], ref["host_s"])
-        compute = Compute(0.015, fixed_s=max(ref["compute_s"] - 0.015, 0.0))  # the digits cells' slept forward pass
+        net, compute = model_inputs(setting, network, ref["probed"], ref["compute_s"], ref["host_s"])
         ranked = planner.rank(candidates(setting, set()), net, compute, ref["model_bytes"], data["factors"],
                               data["bsp_steps"])
         pick = ranked[0].candidate.label
