@@ -193,16 +193,16 @@ class Supervisor:
         finally:
             self._batching = False
             deferred, self._deferred = self._deferred, None
+            abort, self._abort = self._abort, None
         try:
             if deferred is not None and not self.actions.state.terminal:
                 members, cause, detector, seen, ended = deferred
                 if ended > 1:
                     cause = f"{ended} members ended together; the last: {cause}"
                 # the plan carries the epoch's abort: one call to each survivor, and the plan sooner
-                self.actions.reshape(members, cause, detector, seen, aborts=self._abort is not None)
-                self._abort = None
+                self.actions.reshape(members, cause, detector, seen, aborts=abort is not None)
+                abort = None
         finally:
-            abort, self._abort = self._abort, None
             if abort is not None:  # no plan went out to carry it
                 self.actions.abort_epoch(abort)
             to_kill, self._to_kill = self._to_kill, []
