@@ -21,6 +21,12 @@ The third set (2026-11-28, evening) was chosen to judge a rule the second set's 
 convergence factor used only near the staleness or mixing gap it was measured at); it judged the rule
 not worth keeping (docs/tradeoffs.md):
 - `4w4n`: 4 workers on 4 lab nodes (1 a node), the grid's workload, at 100 Mbit/s and 1 Gbit/s.
+The fourth set (2026-11-28, night) judges `auto` with a trial where one can run: the three held-out sets
+before it were jobs of 60-100 steps, too short for a trial (a quarter of the job), so `auto` ran the
+ranking's pick there. It was chosen before the convergence factors became the median of three seeds and
+before the factors' BSP steps were scoped to the rate, batch and target they were counted at:
+- `6w2n02`: 6 workers on 2 lab nodes (3 a node), the grid's workload at SGD lr 0.02 (a fifth of the grid's:
+  about twice the steps to the target), at 100 Mbit/s and 1 Gbit/s.
 `--rerank` re-scores the ranking as it stands on recorded rows, from their measured inputs (nothing runs).
 
 Per digits cell (setting x network x seed): every policy `plan` weighs, run to the target, with the
@@ -30,7 +36,7 @@ trial (`sync.auto: {trial_steps, candidates}`), run to the target the same way, 
 ended with. The report: the model's error per cell (within 25%?), and whether auto's final pick is
 within 10% of the fastest policy's time to the target in the same cell and seed (its standalone run).
 
-    python benchmarks/heldout.py [--settings 6w3n,bucket01,lm1g,4w4n] [--networks 100m,1g] [--seeds 0,1,2]
+    python benchmarks/heldout.py [--settings 6w3n,bucket01,lm1g,4w4n,6w2n02] [--networks 100m,1g] [--seeds 0,1,2]
         [--trial-steps 10] [--trial-candidates 3] [--out docs/heldout.jsonl] [--resume] [--report] [--rerank]
 
 Rows are appended to `--out` as each run ends (`--resume` skips those there). Needs root and `tc` (the
@@ -73,6 +79,11 @@ SETTINGS = {
     "lm1g": {"nodes": 2, "per_node": 2, "bucket_mb": None, "workload": "lm", "networks": ("1g",)},
     # the third set (2026-11-28, evening), chosen before the convergence factors' setting rule ran on any of it
     "4w4n": {"nodes": 4, "per_node": 1, "bucket_mb": None, "workload": "digits", "networks": ("100m", "1g")},
+    # the fourth set (2026-11-28, night), chosen before `auto` with the three-seed factors and the job length's
+    # scope (the factors' BSP steps only at their rate, batch and target) ran on any of it: a fifth of the
+    # grid's learning rate, so a job long enough for the trial
+    "6w2n02": {"nodes": 2, "per_node": 3, "bucket_mb": None, "workload": "digits", "networks": ("100m", "1g"),
+               "lr": 0.02},
 }
 LM_LABELS = ("bsp", "bsp hierarchical", "local_sgd h=8", "diloco h=16", "dpsgd ring uint8", "shadow ma")
 LM_STEPS = 60
@@ -95,7 +106,7 @@ def job_dict(setting: str, label: str, sync: dict, compression: dict, network: s
     else:
         workload = {"factory": "orchestrator.workloads.digits:lab_mlp",
                     "params": {"hidden": 512, "depth": 2, "compute_ms": 15.0, "seed": seed}, "batch_size": 32}
-        optimizer = {"name": "sgd", "lr": 0.1, "momentum": 0.9}
+        optimizer = {"name": "sgd", "lr": s.get("lr", 0.1), "momentum": 0.9}
         stop, every = {"max_steps": max_steps, "target": {"metric": "accuracy", "value": TARGET}}, 5
     name = "heldout-" + "".join(ch if ch.isalnum() else "-" for ch in f"{setting}-{label}-{network}-{seed}")
     return {"name": name[:64], "seed": seed, "run_dir": root,

@@ -31,10 +31,11 @@ a run that stops can be continued (`--resume`); `--report` re-prints from that f
 
     python benchmarks/tradeoffs.py [--networks 10g,1g,100m] [--conditions none,straggler,jitter]
         [--only bsp,dpsgd] [--seeds 0,1,2] [--compute-ms 15] [--target 0.96] [--out tradeoffs.jsonl]
-        [--resume] [--png docs/tradeoffs.png] [--write-factors] [--report]
+        [--resume] [--png docs/tradeoffs.png] [--write-factors] [--report] [--with docs/tradeoffs_seeds.jsonl]
 
 With several `--seeds`, each cell runs once per seed (the workload's initialization and the data order
-change) and the tables take the medians (`by_seed`).
+change) and the tables take the medians (`by_seed`). `--with` adds the rows of other runs' files (other
+seeds of the same cells) to the report and to the factors it writes; nothing runs for them.
 
 Needs root and `tc` (the lab); exits 2 with the reason otherwise. Figures are measurements, not gates.
 """
@@ -55,6 +56,8 @@ sys.path.insert(0, str(REPO))
 NETWORKS = {"10g": (10000.0, 0.05), "1g": (1000.0, 0.2), "100m": (100.0, 1.0)}
 CONDITIONS = ("none", "straggler", "jitter")
 WORKERS = 4
+LR, BATCH = 0.1, 32
+"""The grid's SGD rate and per-worker batch (the factors' BSP steps hold at these alone)."""
 
 
 def job_dict(label: str, cand, network: str, condition: str, args, seed: int, root: str) -> dict:
@@ -70,8 +73,8 @@ def job_dict(label: str, cand, network: str, condition: str, args, seed: int, ro
     name = "tradeoffs-" + "".join(ch if ch.isalnum() else "-" for ch in f"{label}-{network}-{condition}")
     return {"name": name[:64], "seed": seed, "run_dir": root,
             "workers": {"count": WORKERS, "cpus": 0.5},
-            "workload": {"factory": "orchestrator.workloads.digits:lab_mlp", "params": params, "batch_size": 32},
-            "optimizer": {"name": "sgd", "lr": 0.1, "momentum": 0.9},
+            "workload": {"factory": "orchestrator.workloads.digits:lab_mlp", "params": params, "batch_size": BATCH},
+            "optimizer": {"name": "sgd", "lr": LR, "momentum": 0.9},
             "sync": sync, "compression": dict(cand.compression) or {"codec": "none"},
             "network": {"nodes": 2, "workers_per_node": 2, "inter": {"mbit": mbit, "latency_ms": latency}},
             "stop": {"max_steps": args.max_steps, "target": {"metric": "accuracy", "value": args.target}},
@@ -373,6 +376,8 @@ def main() -> int:
     parser.add_argument("--out", default="tradeoffs.jsonl")
     parser.add_argument("--resume", action="store_true", help="skip the cells already in --out")
     parser.add_argument("--report", action="store_true", help="only print the report from --out")
+    parser.add_argument("--with", dest="with_", default="",
+                        help="comma-separated result files of other seeds whose rows join --out's in the report")
     parser.add_argument("--png", default=None)
     parser.add_argument("--markdown", action="store_true", help="also print the README's tables")
     parser.add_argument("--write-factors", action="store_true",
@@ -381,6 +386,11 @@ def main() -> int:
     rows = measured_rows(args, Path(args.out), measure)
     if isinstance(rows, int):
         return rows
+    for extra in filter(None, args.with_.split(",")):
+        if not Path(extra).exists():
+            print(f"--with: no such file: {extra}", file=sys.stderr)
+            return 2
+        rows += load(Path(extra))
     summary = report(rows, args)
     if args.write_factors and summary["factors"]:
         (REPO / "orchestrator" / "convergence.json").write_text(json.dumps({
@@ -388,7 +398,8 @@ def main() -> int:
             "source": f"benchmarks/tradeoffs.py, {time.strftime('%Y-%m-%d')}: digits MLP ({args.hidden} hidden), "
                       f"4 workers, SGD momentum 0.9, steps to {args.target} held-out accuracy relative to BSP "
                       f"(10 Gbit/s, no straggler, {seeds_text(summary['seeds'])})",
-            "applies_to": {"workload": "orchestrator.workloads.digits", "optimizer": "sgd", "metric": "accuracy"}},
+            "applies_to": {"workload": "orchestrator.workloads.digits", "optimizer": "sgd", "metric": "accuracy"},
+            "measured_at": {"target": args.target, "lr": LR, "global_batch": WORKERS * BATCH}},
             indent=1) + "\n")
         print("wrote orchestrator/convergence.json")
     print(json.dumps(summary))

@@ -38,12 +38,21 @@ from orchestrator.planning.cluster import (
     told_network,
 )
 from orchestrator.planning.measure import measure_compute, measure_host, parameter_layout
-from orchestrator.planning.ranking import EXACT, FACTORS_PATH, RELAXED_MARGIN, Row, factors_apply, load_factors, rank
+from orchestrator.planning.ranking import (
+    EXACT,
+    FACTORS_PATH,
+    RELAXED_MARGIN,
+    Row,
+    bsp_steps_apply,
+    factors_apply,
+    load_factors,
+    rank,
+)
 from orchestrator.planning.report import describe_probe, recommendation, table
 
 __all__ = [  # the names callers reach through this module (the CLI, benchmarks, tests)
-    "EXACT", "FACTORS_PATH", "RELAXED_MARGIN", "SWITCHABLE", "Candidate", "PolicySpec", "Row", "candidates",
-    "candidates_on", "choose", "compute_from_probe", "compute_spread", "describe_probe", "factors_apply",
+    "EXACT", "FACTORS_PATH", "RELAXED_MARGIN", "SWITCHABLE", "Candidate", "PolicySpec", "Row", "bsp_steps_apply",
+    "candidates", "candidates_on", "choose", "compute_from_probe", "compute_spread", "describe_probe", "factors_apply",
     "factors_line", "load_factors", "measure_compute", "measure_host", "network_for", "network_from_probe",
     "probed_compute_s", "rank", "rank_medians", "ranked", "recommendation", "refuse_resume", "resumed_choice",
     "shortlist", "table", "told_network", "with_candidate",
@@ -150,11 +159,13 @@ def choose(cfg: JobConfig, compute_s: float | None = None, model_bytes: float | 
 
 def job_steps(cfg: JobConfig, trial: Sequence[Row]) -> float | None:
     """The job's predicted length in steps: `stop.max_steps`, or, with a target and convergence factors that
-    apply, BSP's steps to it times the factor of the policy it starts on (the trial's first); the shorter of
-    the two. None where neither is known (the job stops on time, or on a target without factors)."""
+    apply, counted at this job's target, rate and global batch (`bsp_steps_apply`), BSP's steps to it times
+    the factor of the policy it starts on (the trial's first); the shorter of the two. None where neither is
+    known (the job stops on time, or on a target the factors' count does not hold for)."""
     limits: list[float] = [float(cfg.stop.max_steps)] if cfg.stop.max_steps else []
     data = load_factors()
-    if cfg.stop.target is not None and trial and data.get("bsp_steps") and factors_apply(cfg, data)[0]:
+    if cfg.stop.target is not None and trial and data.get("bsp_steps") and factors_apply(cfg, data)[0] \
+            and bsp_steps_apply(cfg, data)[0]:
         limits.append(data["bsp_steps"] * (trial[0].factor or 1.0))
     return min(limits) if limits else None
 

@@ -45,15 +45,17 @@ ranged 0.76-1.07) and the model's step times are within 25%, so a smaller lead i
 
 def load_factors(path: Path = FACTORS_PATH) -> dict:
     """{"factors": {label: steps to the target relative to BSP}, "bsp_steps": BSP's steps to the target,
-    "source": "...", "applies_to": {"workload": module, "optimizer": name, "metric": name}} as
-    `benchmarks/tradeoffs.py` wrote them; empty factors when none were measured."""
+    "source": "...", "applies_to": {"workload": module, "optimizer": name, "metric": name},
+    "measured_at": {"target": value, "lr": lr, "global_batch": samples a step}} as `benchmarks/tradeoffs.py`
+    wrote them; empty factors when none were measured. `measured_at` is the one setting `bsp_steps` counts
+    (`bsp_steps_apply`)."""
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError):
         data = {}
     return {"factors": {k: float(v) for k, v in data.get("factors", {}).items()},
             "bsp_steps": int(data.get("bsp_steps") or 0) or None, "source": str(data.get("source", "")),
-            "applies_to": dict(data.get("applies_to") or {})}
+            "applies_to": dict(data.get("applies_to") or {}), "measured_at": dict(data.get("measured_at") or {})}
 
 
 def factors_apply(cfg: JobConfig, data: dict) -> tuple[bool, str]:
@@ -75,6 +77,25 @@ def factors_apply(cfg: JobConfig, data: dict) -> tuple[bool, str]:
     if metric != scope.get("metric"):
         why.append(f"target metric {metric or 'none'} (factors to a {scope.get('metric')} target)")
     return not why, "; ".join(why)
+
+
+def bsp_steps_apply(cfg: JobConfig, data: dict) -> tuple[bool, str]:
+    """(whether `data`'s `bsp_steps` say how many steps this job takes to its target, and why not). The
+    factors are ratios and carry over to a job of the same workload family, optimizer and metric
+    (`factors_apply`); BSP's count of steps is absolute, and holds only for the target value, learning
+    rate and global batch it was measured at (a job at a fifth of the rate takes about twice the steps)."""
+    at = data.get("measured_at") or {}
+    if not at:
+        return False, "the convergence factors do not say which target, rate and batch their BSP steps were counted at"
+    target = cfg.stop.target.value if cfg.stop.target is not None else None
+    job: dict[str, float | None] = {"target": target, "lr": cfg.optimizer.lr,
+                                    "global_batch": cfg.workers.count * cfg.workload.batch_size}
+    off = [f"{k} {v} (counted at {at.get(k)})" for k, v in job.items() if v is None or not _same(v, at.get(k))]
+    return not off, "; ".join(off)
+
+
+def _same(value: float, counted: object) -> bool:
+    return isinstance(counted, (int, float)) and abs(value - counted) <= 1e-9 * max(1.0, abs(counted))
 
 
 def rank(cands: Sequence[Candidate], net: Network, compute: Compute, model_bytes: float,

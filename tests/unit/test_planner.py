@@ -315,9 +315,11 @@ def test_the_trial_takes_at_most_its_share_of_the_jobs_predicted_steps():
     and the line says why. A long job tries all it asked for."""
     told = {"emulate": False, "nodes": 2, "workers_per_node": 2, "inter": {"mbit": 100, "latency_ms": 1.0}}
 
-    def job(max_steps: int, target: bool = False, share: float = 0.25) -> object:
+    def job(max_steps: int, target: bool = False, share: float = 0.25, lr: float = 0.1) -> object:
         stop = {"max_steps": max_steps, **({"target": {"metric": "accuracy", "value": 0.96}} if target else {})}
-        return cfg(network=told, stop=stop, eval_every=5,
+        # the factors' BSP steps were counted at lr 0.1 and 4 x 32 samples a step (orchestrator/convergence.json)
+        return cfg(network=told, stop=stop, eval_every=5, optimizer={"name": "sgd", "lr": lr, "momentum": 0.9},
+                   workload={**BASE["workload"], "batch_size": 32},
                    sync={"policy": "auto", "auto": {"trial_steps": 10, "candidates": 3, "max_share": share}})
 
     def cost(c) -> int:
@@ -342,3 +344,36 @@ def test_the_trial_takes_at_most_its_share_of_the_jobs_predicted_steps():
         tried = [c["label"] for c in chosen.policy_trial.get("candidates", [])]
         assert tried == ([r.candidate.label for r in asked[:fits[0]]] if fits else []), (share, predicted, line)
     assert len(tried) >= 2, "as long as the job: a trial fits"
+
+
+def test_the_factors_bsp_steps_predict_a_jobs_length_only_at_the_rate_batch_and_target_they_were_counted_at():
+    """BSP's steps to the target in orchestrator/convergence.json were counted at one learning rate, global
+    batch and target value. A job at another says nothing about its length by them (at a fifth of the rate
+    the digits MLP takes about twice the steps to 0.96), so its length is `stop.max_steps` alone. (Before,
+    any job with the factors' workload, optimizer and metric was predicted at their BSP steps, and a trial
+    asked of a job at lr 0.02 was cut to fit a quarter of 80 steps.)"""
+    data = planner.load_factors()
+    at = data["measured_at"]
+    told = {"emulate": False, "nodes": 2, "workers_per_node": 2, "inter": {"mbit": 100, "latency_ms": 1.0}}
+
+    def job(lr: float, batch: int, value: float) -> object:
+        return cfg(network=told, eval_every=5, optimizer={"name": "sgd", "lr": lr, "momentum": 0.9},
+                   workload={**BASE["workload"], "batch_size": batch},
+                   stop={"max_steps": 600, "target": {"metric": "accuracy", "value": value}},
+                   sync={"policy": "auto", "auto": {"trial_steps": 10, "candidates": 3}})
+
+    same = job(at["lr"], at["global_batch"] // 4, at["target"])
+    assert planner.bsp_steps_apply(same, data) == (True, "")
+    rows = planner.ranked(same, planner.candidates(same), 0.02, 1.2e6)
+    asked = planner.shortlist(rows, 3)
+    assert planner.job_steps(same, asked) == min(600, data["bsp_steps"] * (asked[0].factor or 1.0))
+    for lr, batch, value, word in ((0.02, 32, 0.96, "lr 0.02"), (0.1, 16, 0.96, "global_batch 64"),
+                                   (0.1, 32, 0.97, "target 0.97")):
+        other = job(lr, batch, value)
+        applies, why = planner.bsp_steps_apply(other, data)
+        assert not applies and word in why, why
+        assert planner.factors_apply(other, data) == (True, "")  # the ratios still rank the policies
+        assert planner.job_steps(other, asked) == 600.0
+    chosen, line, _ = planner.choose(job(0.02, 32, 0.96), compute_s=0.02, model_bytes=1.2e6)
+    assert len(chosen.policy_trial["candidates"]) == 3, line  # about 92 steps of 600: all three asked
+    assert planner.bsp_steps_apply(cfg(), {**data, "measured_at": {}})[0] is False
