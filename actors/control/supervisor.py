@@ -238,14 +238,17 @@ class Supervisor:
     async def heartbeats(self) -> None:
         """Evict a worker that stops answering (SIGSTOP, frozen) or whose step never ends. Each period's
         heartbeats go out in HEARTBEAT_SLICES slices spread over the period, not in one burst (a burst
-        of a thousand calls held the event loop about 20 ms, and a death's re-form waited behind it)."""
+        of a thousand calls held the event loop about 20 ms, and a death's re-form waited behind it); each member
+        gets one a period (before 2026-11-28 a job of fewer members than slices sent each one a slice, up
+        to 16 a second)."""
         period = min(1.0, self.cfg.workers.heartbeat_s / 4)
         while not self.actions.state.terminal:
             members = list(self.book.members.values())
             size = -(-len(members) // HEARTBEAT_SLICES) or 1
-            for first in range(0, max(len(members), 1), size):
-                await asyncio.sleep(period / HEARTBEAT_SLICES)
-                for member in members[first:first + size]:
+            slices = [members[first:first + size] for first in range(0, len(members), size)] or [[]]
+            for chunk in slices:  # as many slices as there are members, up to HEARTBEAT_SLICES: one period
+                await asyncio.sleep(period / len(slices))
+                for member in chunk:
                     if member.state == S.TRAINING and member.evicted is None and \
                             (member.beat_task is None or member.beat_task.done()):
                         member.beat_task = asyncio.get_running_loop().create_task(self._beat(member))

@@ -139,6 +139,45 @@ def test_a_member_that_does_not_answer_heartbeats_is_evicted_as_hung():
     asyncio.run(scenario())
 
 
+def test_each_member_is_sent_one_heartbeat_a_period_whatever_the_group_size(monkeypatch):
+    """The heartbeats go out in slices spread over the period (`HEARTBEAT_SLICES`), and each member gets one
+    a period (`min(1, heartbeat_s / 4)`). Written from that rule, on a virtual clock: the supervisor's
+    sleeps advance it and nothing waits in real time. (With fewer members than slices, each member was sent
+    one every slice: 8 a second to each of 2 workers, instead of 1.)"""
+    import actors.control.supervisor as supervisor_module
+
+    real_sleep = asyncio.sleep
+
+    async def scenario(n: int) -> list[int]:
+        sup, _, book, actions, _ = harness(n, min=1, heartbeat_s=4.0)  # a period of 1 s
+        clock = [0.0]
+        beats = {slot: 0 for slot in book.members}
+        periods = 6
+
+        async def virtual_sleep(seconds: float) -> None:
+            clock[0] += seconds
+            if clock[0] >= periods - 1e-9:
+                actions.state = JobState.FINISHED
+            await real_sleep(0)
+
+        async def heartbeat(handle, timeout):
+            beats[next(slot for slot, m in book.members.items() if m.handle is handle)] += 1
+            return {"phase": "computing", "phase_age_s": 0.0, "step": 1}
+
+        monkeypatch.setattr(supervisor_module.asyncio, "sleep", virtual_sleep)
+        monkeypatch.setattr(sup.group, "heartbeat", heartbeat)
+        try:
+            await sup.heartbeats()
+            await real_sleep(0)
+        finally:
+            monkeypatch.setattr(supervisor_module.asyncio, "sleep", real_sleep)
+        return list(beats.values())
+
+    for n in (1, 2, 5, 16, 20, 40):
+        counts = asyncio.run(scenario(n))
+        assert all(5 <= c <= 6 for c in counts), (n, counts)
+
+
 def test_a_failed_collective_with_everyone_answering_re_forms_and_a_silent_member_is_evicted():
     async def scenario():
         sup, group, book, actions, _ = harness()
