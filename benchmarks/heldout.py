@@ -308,18 +308,23 @@ def report(rows: list[dict]) -> dict:
             "best_fixed_pick_within_10pct": f"{ceiling}/{judged}"}
 
 
+def auto_cells(rows: list[dict]) -> list[tuple[str, str, int]]:
+    """The (setting, network, seed) cells of `rows` that have an `auto` run, in order."""
+    return sorted({(r["setting"], r["network"], r["seed"]) for r in rows if r["policy"] == "auto trial"})
+
+
 def best_fixed(rows: list[dict]) -> tuple[int, int]:
     """(cells within 10% of the fastest, cells judged) for the best single policy of each setting and network
     held over its seeds, chosen with every run known: the most any pick made once per setting and network
     (as `auto`'s is, before the seed's own run shows its noise) could score on these rows."""
-    keys = sorted({(r["setting"], r["network"], r["seed"]) for r in rows if r["policy"] == "auto trial"})
+    keys = auto_cells(rows)
     score, judged = 0, 0
     for setting, network in sorted({(k[0], k[1]) for k in keys}):
-        seeds = [k[2] for k in keys if k[:2] == (setting, network) and reached(rows, *k)]
-        runs = {s: {x["policy"]: x["to_target_s"] for x in reached(rows, setting, network, s)} for s in seeds}
+        runs = {k[2]: {x["policy"]: x["to_target_s"] for x in reached(rows, *k)} for k in keys if k[:2] == (setting, network)}
+        seeds = [s for s, done in runs.items() if done]
         if not seeds:
             continue
-        policies = set.intersection(*(set(r) for r in runs.values()))
+        policies = set.intersection(*(set(runs[s]) for s in seeds))
         hits = [sum(runs[s][p] <= 1.10 * min(runs[s].values()) for s in seeds) for p in policies]
         score, judged = score + max(hits, default=0), judged + len(seeds)
     return score, judged
@@ -334,7 +339,7 @@ def rerank(rows: list[dict]) -> dict:
 
     data = planner.load_factors()
     good = []
-    for key in sorted({(r["setting"], r["network"], r["seed"]) for r in rows if r["policy"] == "auto trial"}):
+    for key in auto_cells(rows):
         setting, network, _seed = key
         same = reached(rows, *key)
         if not same or SETTINGS.get(setting, {}).get("workload", "digits") != "digits":
