@@ -61,10 +61,11 @@ __all__ = [  # the names callers reach through this module (the CLI, benchmarks,
 SWITCHABLE = frozenset(row.name for row in POLICIES if row.switchable)
 """The policies an online trial (`sync.auto`) may switch between mid-run (the policy table's
 `switchable`): each holds BSP's replicated state at its commit points (the same parameters on every
-member after a step or a round), so a switch at one loses and repeats no sample. Streaming DiLoCo is not
-among them: its members' parameters differ at a commit point by design (fragments merge at different
-steps). The inner optimizer's state of the periodic ones is each member's own: at a switch every member
-takes rank 0's."""
+member after a step or a round), so a switch at one loses and repeats no sample. Streaming DiLoCo's
+members differ at a commit point by design (its fragments merge at different steps): before they leave
+it they synchronize every fragment at once, as at the end of a run (actors/training/replica.py
+`_flush_for_switch`). The inner optimizer's state of the periodic ones is each member's own: at a switch
+every member takes rank 0's."""
 
 
 def candidates_on(cfg: JobConfig, cluster: dict | None) -> list[Candidate]:
@@ -171,10 +172,16 @@ def job_steps(cfg: JobConfig, trial: Sequence[Row]) -> float | None:
 
 
 def trial_cost(trial: Sequence[Row], steps: int) -> int:
-    """About how many steps a trial of `trial`'s candidates takes: each candidate's first commit (a periodic
-    kind's first round, h steps after the switch), its turn (`turn_steps`: whole rounds), and the wait for
-    the commit at which the members adopt the next switch (up to a round)."""
-    return sum(2 * row.candidate.spec.h + turn_steps({"sync": row.candidate.sync}, steps) for row in trial)
+    """About how many steps a trial of `trial`'s candidates takes: each candidate's first commit after the
+    switch (`commit_gap`), its turn (`turn_steps`: whole rounds), and the wait for the commit at which the
+    members adopt the next switch (up to another gap)."""
+    return sum(2 * commit_gap(row.candidate.spec) + turn_steps({"sync": row.candidate.sync}, steps) for row in trial)
+
+
+def commit_gap(spec: PolicySpec) -> int:
+    """Steps between a policy's commit points: 1 for a synchronous kind, h for a periodic round, and for
+    streaming DiLoCo, whose fragments merge in turn, h / fragments plus the overlap of a merge."""
+    return max(spec.h // max(spec.fragments, 1), 1) + spec.overlap
 
 
 def shortlist(rows: Sequence[Row], k: int) -> list[Row]:

@@ -270,7 +270,7 @@ class Replica(EpochEntry, Feeding, Reporting):
         if self.impl.commit_mark is None:  # every step is a commit point
             self._commit(plan, vote, started, len(micro))
         # Only a reduced vote is everyone's: members switch plans together, never on a local step's flag.
-        return self._adopt_newest_plan() if vote.newer_plan and vote.communicated else True
+        return self._adopt_newest_plan(plan) if vote.newer_plan and vote.communicated else True
 
     def _sync(self, plan: Plan) -> bool:
         """A periodic round: its vote is the commit point of the local steps since the last one."""
@@ -286,7 +286,7 @@ class Replica(EpochEntry, Feeding, Reporting):
             return self._failed(plan, err)
         self._waited = time.perf_counter() - started  # a round is all communication
         self._commit(plan, vote, started, 0)
-        return self._adopt_newest_plan() if vote.newer_plan else True
+        return self._adopt_newest_plan(plan) if vote.newer_plan else True
 
     def _failed(self, plan: Plan, err: CommError) -> bool:
         self.cause = str(err)
@@ -314,9 +314,9 @@ class Replica(EpochEntry, Feeding, Reporting):
             self._settle_due = False
             self.comm.settled()  # off the next re-form's path, now that this one's first step is done
 
-    def _adopt_newest_plan(self) -> bool:
+    def _adopt_newest_plan(self, plan: Plan) -> bool:
         """Rare path: someone saw a newer plan; agree on the newest with one MAX all-reduce, then every
-        member switches to it at this same step."""
+        member switches to it at this same step (after `_flush_for_switch` where it switches policy)."""
         comm = self.comm
         if not isinstance(comm, Reducing):
             raise RuntimeError(f"{self.slot} has no group to agree on the newest plan in")
@@ -329,7 +329,33 @@ class Replica(EpochEntry, Feeding, Reporting):
         agreed = self.plans.agreed(int(version[0]))
         if agreed is None:
             return False  # superseded before it arrived: the loop takes the newest
+        if not self._flush_for_switch(plan, agreed):
+            return False
         self.plan = agreed
+        return True
+
+    def _flush_for_switch(self, plan: Plan, agreed: Plan) -> bool:
+        """Leaving a policy whose replicas differ at a commit point (streaming DiLoCo's fragments merge
+        at different steps) for another policy, with the same members: every fragment not synchronized
+        at this step has its round now, on this group, as at the end of a run (`sync_due` with the stop
+        at this step), so every member switches from the same, exactly averaged parameters and loses none
+        of its local steps. Every member decides alike (the plan is the agreed one, the step the commit's).
+        False where a round failed (the loop takes the newest plan; a later switch takes rank 0's state).
+        Elsewhere nothing to do: a switchable policy's replicas agree at each commit."""
+        if self.impl.replicas_agree_at_commit or agreed.policy is None or agreed.members != plan.members \
+                or self._policy_config(agreed.policy["sync"], agreed.policy["compression"]) is None:
+            return True
+        log.info("%s synchronizes every fragment at step %d before switching to %s", self.slot, self.step,
+                 agreed.policy["label"])
+        while self.impl.sync_due(self.step, self.step):
+            started = time.perf_counter()
+            try:
+                vote = self.impl.sync(self.step, VoteDraft())
+            except CommError as err:
+                return self._failed(plan, err)
+            if vote is not None:  # at the stop a round merges at its launch
+                self._waited = time.perf_counter() - started
+                self._commit(plan, vote, started, 0)
         return True
 
 

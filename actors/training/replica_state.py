@@ -79,10 +79,8 @@ class CommittedState(ReplicaBase):
         (orchestrator/planner.py `SWITCHABLE`): a periodic member that meets the switch between rounds
         rewinds its provisional local steps first. The model and the optimizer stay; the old policy's
         hooks go; the new one starts with fresh state of its own (its outer momentum, its residuals)."""
-        raw = self.cfg.to_dict()
-        raw["sync"], raw["compression"] = sync, compression
-        cfg = parse(JobConfig, raw)
-        if (cfg.sync, cfg.compression) == (self.cfg.sync, self.cfg.compression):
+        cfg = self._policy_config(sync, compression)
+        if cfg is None:
             return
         if self.impl.commit_mark is not None and self.step > self.impl.commit_mark:
             self.rewind()  # provisional local steps (met between rounds, after an abort): the new policy redoes them
@@ -94,6 +92,13 @@ class CommittedState(ReplicaBase):
         self.impl.on_gradients_ready = self._gradients_ready
         self.impl.start_at(self.step)  # e.g. a periodic policy's first committed state: this step's, not step 0's
         self.max_steps = cfg.stop.max_steps if self.algorithm.counts_steps else None
+
+    def _policy_config(self, sync: dict, compression: dict) -> JobConfig | None:
+        """The job's config with `sync`/`compression`, or None where that is the policy running."""
+        raw = self.cfg.to_dict()
+        raw["sync"], raw["compression"] = sync, compression
+        cfg = parse(JobConfig, raw)
+        return None if (cfg.sync, cfg.compression) == (self.cfg.sync, self.cfg.compression) else cfg
 
     def _policy_state(self) -> dict:
         return {"sync": dataclasses.asdict(self.cfg.sync), "compression": dataclasses.asdict(self.cfg.compression)}

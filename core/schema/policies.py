@@ -376,8 +376,10 @@ class PolicyRow:
     """Run by a parameter server (actors/server/parameter_server.py): the `server:` section applies."""
     switchable: bool = False
     """An online trial (`sync.auto`) may switch to or from it mid-run: it holds BSP's replicated state at
-    its commit points (the same parameters on every member after a step or a round), so a switch at one
-    loses and repeats no sample (orchestrator/planner.py `SWITCHABLE`)."""
+    its commit points (the same parameters on every member after a step or a round), or, for streaming
+    DiLoCo, whose fragments merge at different steps, at the one its members reach by synchronizing every
+    fragment at once before they leave it (as at the end of a run); so a switch loses and repeats no
+    sample (orchestrator/planner.py `SWITCHABLE`)."""
     weighed: tuple[Weighed, ...] = ()
     """The configurations `plan` and `auto` compare it in (none: never weighed; every row with a cost
     model has some, tests/unit/test_policy_table.py)."""
@@ -397,7 +399,7 @@ POLICIES: tuple[PolicyRow, ...] = (
     PolicyRow("diloco", DiLoCoConfig, "periodic", "algorithms.policies.periodic", True, "periodic", switchable=True,
               weighed=(Weighed("diloco h=16", {"h": 16}),)),
     PolicyRow("streaming_diloco", StreamingDiLoCoConfig, "periodic", "algorithms.policies.periodic", True, "periodic",
-              weighed=(Weighed("streaming_diloco h=16 f=4", {"h": 16, "fragments": 4, "overlap": 1}),)),
+              switchable=True, weighed=(Weighed("streaming_diloco h=16 f=4", {"h": 16, "fragments": 4, "overlap": 1}),)),
     PolicyRow("asp", ASPConfig, "server", "algorithms.policies.server_policies", False, None, server=True),
     PolicyRow("ssp", SSPConfig, "server", "algorithms.policies.server_policies", False, None, server=True),
     PolicyRow("quorum", QuorumConfig, "server", "algorithms.policies.server_policies", False, None, server=True),

@@ -307,9 +307,10 @@ def test_a_bucketed_policys_buckets_are_the_jobs_own_from_the_models_parameters(
 
 
 def test_the_trial_takes_at_most_its_share_of_the_jobs_predicted_steps():
-    """A trial costs, per candidate, its first commit (h steps for a periodic kind, 1 otherwise), its turn
-    (`trial_steps` rounded up to whole rounds of h) and the wait for the commit at which the next switch is
-    adopted (up to h): 2h + ceil(10/h) h. With `max_share` 0.25 the trial fits in a quarter of the job's
+    """A trial costs, per candidate, its first commit (h steps for a periodic kind, h / fragments plus the
+    overlap for streaming DiLoCo, whose fragments commit in turn, 1 otherwise), its turn (`trial_steps`
+    rounded up to whole rounds of h) and the wait for the commit at which the next switch is adopted (up to
+    the same gap): 2 gap + ceil(10/h) h. With `max_share` 0.25 the trial fits in a quarter of the job's
     predicted steps (`stop.max_steps`, or BSP's steps to the target times the first candidate's factor),
     candidates dropped from the end of the shortlist until it does; with fewer than two left no trial runs
     and the line says why. A long job tries all it asked for."""
@@ -324,7 +325,8 @@ def test_the_trial_takes_at_most_its_share_of_the_jobs_predicted_steps():
 
     def cost(c) -> int:
         h = c.sync.get("h", 1)
-        return 2 * h + -(-10 // h) * h
+        gap = h // c.sync.get("fragments", 1) + c.sync.get("overlap", 0)
+        return 2 * gap + -(-10 // h) * h
 
     # no target: no factors apply, the exact policies alone (flat and hierarchical BSP, 12 steps each)
     chosen, line, _ = planner.choose(job(100_000), compute_s=0.02, model_bytes=1.2e6)

@@ -110,7 +110,7 @@ def set_flat(params, vector: torch.Tensor) -> None:
 
 def reference_periodic(optimizer: dict, n: int, global_batch: int, h: int, steps: int = STEPS, outer: dict | None = None,
                        fragments: int = 1, overlap: int = 0, alpha: float = 1.0, codec: str | None = None,
-                       feedback: bool = False) -> list[torch.Tensor]:
+                       feedback: bool = False, keep: dict | None = None) -> list[torch.Tensor]:
     """n replicas in one process. Without `outer`: local SGD. With it: (streaming) DiLoCo on the flat
     parameter vector cut into `fragments` equal slices, fragment f synchronized after steps
     (f + 1) h / fragments + k h, merged `overlap` steps later (adopted when overlap is 0); a round's
@@ -118,7 +118,8 @@ def reference_periodic(optimizer: dict, n: int, global_batch: int, h: int, steps
     launch. At the stop a round in flight lands (blended), then every fragment has a final round
     merged at once, so every replica ends at the outer parameters. With `codec`,
     a round's weighted payloads are summed by the literal scatter-gather reference, each fragment's
-    rounds in turn (its error-feedback residuals replay that fragment's earlier rounds)."""
+    rounds in turn (its error-feedback residuals replay that fragment's earlier rounds). `keep` (a dict)
+    receives the replicas and their optimizers at the end."""
     model, x, y = start_model()
     replicas = [copy.deepcopy(model) for _ in range(n)]
     opts = [make_opt(m.parameters(), optimizer) for m in replicas]
@@ -175,6 +176,8 @@ def reference_periodic(optimizer: dict, n: int, global_batch: int, h: int, steps
                 since[f] = list(trained)
             if f in inflight and (step >= inflight[f][1] or step == steps):
                 merge(f, step)
+    if keep is not None:
+        keep.update(replicas=replicas, opts=opts)
     return [p.detach() for p in replicas[0].parameters()]
 
 
@@ -287,6 +290,60 @@ def test_streaming_ends_with_every_replica_equal_when_the_stop_lands_inside_an_o
     fragment to the exact average (`run` asserts every replica equals w0's)."""
     streaming = {"policy": "streaming_diloco", "h": 4, "fragments": 2, "overlap": 1, "alpha": 0.5}
     run(tmp_path, streaming, SGD_M, 3, 50, steps=steps)
+
+
+def test_a_switch_out_of_streaming_diloco_synchronizes_every_fragment_first_and_loses_no_sample(tmp_path):
+    """The online trial's switch away from streaming DiLoCo (h 4, 2 fragments, overlap 1, alpha 0.5), whose
+    replicas differ at every commit point: w0 sees a plan switching to BSP during step 7; the members adopt
+    it at a round's merge (step 7's, where a member launched its round after the plan arrived, else step
+    9's), synchronize every fragment there as at a stop, and run BSP to step 14 from rank 0's inner
+    optimizer state. The model is the streaming reference stopped at that step, then single-process SGD on
+    the global batches; every step's global batch is trained exactly once across the members."""
+    from core.schema import JobConfig, parse
+
+    streaming = {"policy": "streaming_diloco", "h": 4, "fragments": 2, "overlap": 1, "alpha": 0.5}
+    slots, total, global_batch = ["w0", "w1", "w2"], 14, 50
+    cfg = {**config(streaming, SGD_M, total, 3), "faults": {"record_samples": True}}
+    job = LocalJob(cfg, slots, str(tmp_path))
+    bsp = {"label": "bsp", "sync": {"policy": "bsp"}, "compression": parse(JobConfig, cfg).to_dict()["compression"],
+           "fresh": True}
+    fire = job.replicas["w0"].faults.maybe_fire
+
+    def publish_at_step_seven(kind: str, step: int) -> None:  # w0's plan arrives while it trains step 7
+        if kind == "step" and step == 6 and job.version == 1:
+            job.publish(tuple(slots), 2, global_batch, policy=bsp)
+        fire(kind, step)
+
+    job.replicas["w0"].faults.maybe_fire = publish_at_step_seven
+    job.run(tuple(slots), global_batch)
+    params = job.parameters("w0")
+    for slot in slots[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(params, job.parameters(slot))), f"{slot} differs from w0"
+    switched = [r["step"] for r in job.link.records if r.get("policy") == "bsp"]
+    switch_at = switched[0] - 1
+    assert switch_at in (7, 9) and switched == list(range(switch_at + 1, total + 1)), switched
+    # the reference: streaming to its stop at the switch's step, then BSP from replica 0's optimizer
+    kept: dict = {}
+    reference_periodic(SGD_M, 3, global_batch, h=4, steps=switch_at, outer=OUTER, fragments=2, overlap=1, alpha=0.5,
+                       keep=kept)
+    model, opt = kept["replicas"][0], kept["opts"][0]
+    _, x, y = start_model()
+    for step in range(switch_at, total):
+        index = torch.tensor(global_batch_ids(step, global_batch, len(x)))
+        opt.zero_grad()
+        F.cross_entropy(model(x[index]), y[index]).backward()
+        opt.step()
+    diff = max_diff(params, [p.detach() for p in model.parameters()])
+    trained: dict[int, list[int]] = {}
+    for path in (tmp_path / "samples").glob("*.txt"):
+        for line in path.read_text().splitlines():
+            step, _epoch, *ids = map(int, line.split())
+            trained.setdefault(step, []).extend(ids)
+    print(f"streaming -> bsp at step {switch_at}: {diff:.2e} from the reference; steps in the ledger {sorted(trained)}")
+    assert diff < 1e-5
+    assert sorted(trained) == list(range(1, total + 1))
+    for step, ids in trained.items():
+        assert sorted(ids) == sorted(global_batch_ids(step - 1, global_batch, len(x))), f"step {step}'s samples"
 
 
 @pytest.mark.parametrize("leaders", ["subgroup", "point-to-point"])
