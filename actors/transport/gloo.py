@@ -17,13 +17,17 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import _create_work_from_future  # type: ignore[attr-defined]  # not in torch's stub
 
 from actors.transport.base import TorchBackendCommunicator, WorkHandle
 from actors.transport.formation import form_in_thread, formation_error, group_of_one, release, spawn
+from actors.transport.shm import SLOT_BYTES, SharedMemoryGroup
+from actors.transport.shm import available as shm_available
+from actors.transport.shm import sweep as shm_sweep
 from actors.transport.signed_store import group_store
 from actors.transport.sockets import device_and_address, pairs, prepare_device, shut_down, shut_down_pairs
 from actors.transport.stores import prepare_client
-from core.comm_api import CommAborted, GroupSpec
+from core.comm_api import CommAborted, CommError, GroupSpec
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +45,9 @@ class GlooCommunicator(TorchBackendCommunicator):
     and tests that run several members of one group in one process would otherwise see a member's
     abort shut down its neighbours' connections to the same peers."""
 
-    def __init__(self, spec: GroupSpec, store: dist.Store) -> None:
+    def __init__(self, spec: GroupSpec, store: dist.Store, shared_memory: bool = True) -> None:
+        """`shared_memory`: all-reduce through shared memory where every member runs on this node
+        (actors/transport/shm.py); a subgroup forms without it."""
         super().__init__(spec)
         opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # torch's stub lists only Options
         opts._timeout = datetime.timedelta(seconds=spec.timeout_s)
@@ -55,11 +61,17 @@ class GlooCommunicator(TorchBackendCommunicator):
         self._torch_pg: dist.ProcessGroup | None = None
         self._peers: set[tuple[str, int]] = set()
         """The peers' gloo listening addresses (a pair is a connection to one of them, or from one)."""
+        self._shm: SharedMemoryGroup | None = None
+        """The shared-memory all-reduce, where every member's gloo device is on this node's address."""
         self._held: list[socket.socket] | None = None
         """A duplicate of each of the group's pairs, found once its first step committed (`settled`): an
         abort then shuts them down without looking through the process's descriptors (5 ms of a re-form
         here, on two busy cores). None until then: the abort looks."""
+        shm = None
         try:
+            if shared_memory and spec.world_size > 1 and self._listen is not None and shm_available():
+                # made before the group forms, so that every member's exists once it has formed
+                shm = SharedMemoryGroup(f"{spec.store_host}:{spec.store_port}/{spec.name}", spec.rank, spec.world_size)
             prefix.set(f"gloo-listen/{spec.rank}", f"{self._listen[0]} {self._listen[1]}" if self._listen else "")
             self._pg = dist.ProcessGroupGloo(prefix, spec.rank, spec.world_size, opts)
             others = [f"gloo-listen/{r}" for r in range(spec.world_size) if r != spec.rank]
@@ -68,10 +80,21 @@ class GlooCommunicator(TorchBackendCommunicator):
                 if port:
                     self._peers.add((host, int(port)))
         except Exception as err:  # noqa: BLE001
+            if shm is not None:
+                shm.close()
             raise formation_error(spec, err, "could not form") from None
+        if shm is not None:
+            assert self._listen is not None  # shm is made only with it
+            one_node = len(self._peers) == spec.world_size - 1 and all(h == self._listen[0] for h, _ in self._peers)
+            if one_node:
+                self._shm = shm
+            else:
+                shm.close()
 
     def _abort_pairs(self, reason: str) -> None:
         super().abort(reason)
+        if self._shm is not None:
+            self._shm.wake()
         with self._lock:
             if self._pg is None or self._torch_pg is None:
                 return
@@ -99,6 +122,11 @@ class GlooCommunicator(TorchBackendCommunicator):
                     sock.close()
             except Exception as err:  # noqa: BLE001 - an abort then looks for the pairs itself, as before
                 log.warning("group %s: could not find its pairs ahead: %s", self.name, err)
+        if self._shm is not None:
+            try:
+                shm_sweep()
+            except Exception as err:  # noqa: BLE001 - a leftover file costs a few kB; the next settle tries again
+                log.warning("group %s: could not sweep shared-memory leftovers: %s", self.name, err)
         for ahead in (lambda: prepare_device(self.spec.node_ip),
                       lambda: prepare_client(self.spec.store_host, self.spec.store_port, self.spec.timeout_s)):
             try:
@@ -131,7 +159,7 @@ class GlooCommunicator(TorchBackendCommunicator):
     def _form_child(self, spec: GroupSpec) -> GlooCommunicator:
         """Form a subgroup in a helper thread (`form_in_thread`); an abort of this group meanwhile
         abandons it at once."""
-        child = form_in_thread(spec, lambda: GlooCommunicator(spec, self._store), lambda: self.aborted)
+        child = form_in_thread(spec, lambda: GlooCommunicator(spec, self._store, shared_memory=False), lambda: self.aborted)
         if child is None:
             raise self.failure()
         return child
@@ -160,10 +188,62 @@ class GlooCommunicator(TorchBackendCommunicator):
         """A torch ProcessGroup over this group's gloo backend that calls itself a group of one (rank
         0 of 1): torch's reducer divides every bucket by its group's size before the all-reduce, and
         here the gradients arrive already weighted by each member's share of the global batch, so the
-        sum is the mean. The all-reduce itself runs on the gloo backend, across the whole group."""
+        sum is the mean. The all-reduce itself runs on the gloo backend, across the whole group, or
+        through shared memory where every member is on this node (`SharedMemoryProcessGroup`)."""
         if self._torch_pg is None and self._pg is not None:
-            self._torch_pg = group_of_one(self._prefix, "cpu", dist.ProcessGroup.BackendType.GLOO, self._pg)
+            self._torch_pg = (SharedMemoryProcessGroup(self) if self._shm is not None else
+                              group_of_one(self._prefix, "cpu", dist.ProcessGroup.BackendType.GLOO, self._pg))
         return self._torch_pg
+
+    @property
+    def shared_memory(self) -> bool:
+        """Whether its all-reduces go through shared memory (every member on this node)."""
+        return self._shm is not None
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> WorkHandle | SharedMemoryHandle:  # type: ignore[override]
+        if not self._through_shm(tensor):
+            return super().all_reduce(tensor, op)
+        try:
+            return SharedMemoryHandle(self, self._shm_call(lambda shm: shm.launch(tensor, op, self.timeout_s, self._aborted,
+                                                                                    self.name)))
+        except CommError as err:
+            return SharedMemoryHandle(self, 0, err)
+        finally:
+            self.bytes_sent += tensor.numel() * tensor.element_size()
+
+    def _through_shm(self, tensor: torch.Tensor) -> bool:
+        """Every member decides alike: same tensor sizes, same modelled latency (the lab keeps gloo)."""
+        return (self._shm is not None and tensor.device.type == "cpu" and not self.models_latency
+                and tensor.numel() * tensor.element_size() <= SLOT_BYTES)
+
+    def reduce_now(self, tensor: torch.Tensor, op: str = "sum") -> None:
+        """The all-reduce through shared memory, done when it returns (torch's reducer calls it);
+        CommError where it failed (the group is failed from then on)."""
+        k = self._shm_call(lambda shm: shm.launch(tensor, op, self.timeout_s, self._aborted, self.name))
+        self.bytes_sent += tensor.numel() * tensor.element_size()
+        self.finish_shm(k)
+
+    def finish_shm(self, k: int, timeout: float | None = None) -> None:
+        """Wait for shared-memory operation `k` (and those before it) to finish, within `timeout` (the
+        group's by default)."""
+        limit = self.timeout_s if timeout is None else timeout
+        self._shm_call(lambda shm: shm.finish(k, limit, self._aborted, self.name))
+
+    def _aborted(self) -> bool:
+        return self.aborted
+
+    def _shm_call(self, call: Callable[[SharedMemoryGroup], Any]) -> Any:
+        self._check()
+        shm = self._shm
+        if shm is None:
+            raise self.failure()  # closed meanwhile
+        try:
+            return call(shm)
+        except CommError as err:
+            self.mark_failed()
+            if self.error is None and not self.aborted:
+                self.error = err
+            raise self.failure() if self.aborted else err from None
 
     def _check(self) -> None:
         if self.aborted:
@@ -182,6 +262,9 @@ class GlooCommunicator(TorchBackendCommunicator):
             held, self._held = self._held or [], None
         for sock in held:
             sock.close()  # the duplicates: gloo's own descriptors close with the group
+        shm, self._shm = self._shm, None
+        if shm is not None:
+            shm.close()
         for child in children:
             child.close()
         lent, self._torch_pg = self._torch_pg, None
@@ -192,6 +275,47 @@ class GlooCommunicator(TorchBackendCommunicator):
             deadline = time.monotonic() + self.timeout_s + 5.0
             hold = lent is not None and self.failed
             spawn(release, (pg, lent), works, deadline, hold)
+
+
+class SharedMemoryHandle:
+    """A shared-memory all-reduce launched (`GlooCommunicator.all_reduce`): its wait finishes it, or
+    raises the error its launch met."""
+
+    __slots__ = ("_comm", "_k", "_error")
+
+    def __init__(self, comm: GlooCommunicator, k: int, error: CommError | None = None) -> None:
+        self._comm, self._k, self._error = comm, k, error
+
+    def is_completed(self) -> bool:
+        shm = self._comm._shm
+        return self._error is not None or shm is None or shm.finished >= self._k
+
+    def wait(self, timeout: float | None = None) -> None:
+        if self._error is not None:
+            raise self._error
+        self._comm.finish_shm(self._k, timeout)
+
+
+class SharedMemoryProcessGroup(dist.ProcessGroup):
+    """What torch's reducer sees of a group whose all-reduces go through shared memory: a torch
+    ProcessGroup of one (rank 0 of 1, so the reducer does not divide), implemented in Python, whose
+    all-reduce runs across the whole group at once (the reducer calls it from backward, holding the
+    GIL; the wait releases it) and returns a completed work. A failure raises out of backward, where
+    the policy turns it into the group's CommError (`failed_in_backend`)."""
+
+    def __init__(self, comm: GlooCommunicator) -> None:
+        super().__init__(0, 1)  # type: ignore[call-arg]  # the stub lists only (store, rank, size); pybind has (rank, size)
+        self._comm = comm
+
+    def allreduce(self, tensors: list[torch.Tensor], opts: object = None) -> dist.Work:  # type: ignore[override]
+        for tensor in tensors:
+            self._comm.reduce_now(tensor, "sum")
+        future: torch.futures.Future[list[torch.Tensor]] = torch.futures.Future()
+        future.set_result(tensors)
+        return _create_work_from_future(future)
+
+    def getBackendName(self) -> str:
+        return "gloo (shared memory)"
 
 
 class _WaitedWork:

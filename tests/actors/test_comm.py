@@ -56,8 +56,10 @@ def test_a_killed_peer_s_reset_fails_the_survivors_connected_to_it_without_an_ab
     group's timeout is 60 s and the test waits 30 s for the first survivor, so a survivor released by
     anything but the reset fails the test (as `CommTimeout`, or on its deadline). Survivors not connected
     to the victim would wait for the timeout: the abort then releases them. The abort's own tests use a
-    silent (SIGSTOPped) peer below."""
-    peers = [CommPeer.remote() for _ in range(4)]
+    silent (SIGSTOPped) peer below. The peers all-reduce through gloo here (`ORCHESTRATOR_SHM=0`: on one
+    node they would go through shared memory, whose dead peer the next test covers)."""
+    gloo = {"env_vars": {"ORCHESTRATOR_SHM": "0"}}
+    peers = [CommPeer.options(runtime_env=gloo).remote() for _ in range(4)]
     form(peers, store, "kill-noabort/e1", timeout_s=LONG_S)
     numel = 8_000_000  # 32 MB: still in flight when the victim dies
     survivors, victim = peers[:3], peers[3]
@@ -79,6 +81,28 @@ def test_a_killed_peer_s_reset_fails_the_survivors_connected_to_it_without_an_ab
           "; all:", [r["outcome"] for r in results])
     assert released["outcome"] == "CommError", released
     assert all(r["outcome"] != "ok" for r in results)
+
+
+def test_a_dead_peer_fails_the_survivors_of_a_shared_memory_group_without_an_abort(store):
+    """On one node the peers all-reduce through shared memory (actors/transport/shm.py), where no
+    connection is reset: a member killed before it launched its part leaves the others waiting on it, and
+    their wait, seeing its process gone, fails with `CommError` naming its rank, without an abort. The
+    group's timeout is 60 s and the test waits 30 s, so only that check releases them in time."""
+    peers = [CommPeer.remote() for _ in range(3)]
+    form(peers, store, "shm-dead/e1", timeout_s=LONG_S)
+    survivors, victim = peers[:2], peers[2]
+    try:
+        assert ray.get([p.all_reduce.remote(1000, 1.0) for p in peers]) == [3.0] * 3  # through shared memory
+        for p in survivors:
+            ray.get(p.start_all_reduce.remote(1000))
+        waits = [p.wait_pending.remote() for p in survivors]
+        os.kill(ray.get(victim.pid.remote()), signal.SIGKILL)
+        results = ray.get(waits, timeout=30)
+    finally:
+        for p in peers:
+            ray.kill(p)
+    print("a shared-memory peer killed before its part:", results)
+    assert all(r["outcome"] == "CommError" and "rank 2" in r["error"] for r in results), results
 
 
 def _silent_peer_mid_all_reduce(store, name: str, abort: bool, via_ray: bool = False,

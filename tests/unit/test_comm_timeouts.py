@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import torch
 
 from actors.transport.comm import CommError, CommTimeout
@@ -12,11 +13,13 @@ from testkit.harness import local_group
 TIMEOUT_S = 0.5
 
 
-def test_gloo_timing_out_before_the_wait_begins_is_a_timeout():
+def test_gloo_timing_out_before_the_wait_begins_is_a_timeout(monkeypatch):
     """Rank 1 never enters the all-reduce; rank 0 waits only after gloo's own deadline has passed, so
     the operation is already finished (failed, "Timed out waiting 500ms for recv ...") when the wait
     starts: that is a timeout, not some other failure (the comm test of a silent peer saw CommError
-    from a survivor whose wait began 0.1 s after its launch on a loaded machine)."""
+    from a survivor whose wait began 0.1 s after its launch on a loaded machine). Through gloo (in one
+    process the group would all-reduce through shared memory, which has no deadline of its own)."""
+    monkeypatch.setenv("ORCHESTRATOR_SHM", "0")
     comms = local_group(2, timeout_s=TIMEOUT_S)
     handle = comms[0].all_reduce(torch.ones(1000))
     deadline = time.monotonic() + 30
@@ -32,9 +35,12 @@ def test_gloo_timing_out_before_the_wait_begins_is_a_timeout():
         raise AssertionError("the all-reduce with an absent peer finished")
 
 
-def test_the_waits_own_deadline_is_a_timeout():
-    """gloo's own deadline is 60 s: a wait that ends within 30 s was ended by its own 0.3-s deadline."""
+@pytest.mark.parametrize("shm", ["1", "0"], ids=["shared memory", "gloo"])
+def test_the_waits_own_deadline_is_a_timeout(monkeypatch, shm):
+    """The group's deadline is 60 s: a wait that ends within 30 s was ended by its own 0.3-s deadline."""
+    monkeypatch.setenv("ORCHESTRATOR_SHM", shm)
     comms = local_group(2, timeout_s=60.0)
+    assert getattr(comms[0], "shared_memory", False) == (shm == "1")
     handle = comms[0].all_reduce(torch.ones(1000))
     started = time.monotonic()
     try:
@@ -56,13 +62,14 @@ def test_a_backend_timeout_outside_a_handle_is_a_timeout_too():
     assert type(err) is CommError, f"{type(err).__name__}: {err}"
 
 
-def test_an_abort_that_lands_while_an_operation_launches_still_releases_its_wait():
+def test_an_abort_that_lands_while_an_operation_launches_still_releases_its_wait(monkeypatch):
     """The abort fails every pending wait at once; an operation launched as the abort lands (its launch
     past the aborted check, its handle not yet tracked when the abort looked at the pending ones) must
     not wait for the group's timeout (60 s here) instead. A shadow round abandoned as it launched its
-    all-reduce waited so in a suite run."""
+    all-reduce waited so in a suite run. Through gloo (its launch is what the double replaces)."""
     import threading
 
+    monkeypatch.setenv("ORCHESTRATOR_SHM", "0")
     comms = local_group(2, timeout_s=60.0)
     comm = comms[0]
     real = comm._pg
