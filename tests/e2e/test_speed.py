@@ -14,7 +14,9 @@ import pytest
 
 @pytest.mark.slow
 def test_bsp_keeps_ddp_pace_at_ddps_memory(ray_session):
-    """README: 1.120x DDP's steps/s (median of 7 pairs), peak worker RSS 1.069x."""
+    """README (2026-11-28, late): 3.84x DDP's steps/s (median of 7 pairs, 2.84-4.54), peak worker RSS
+    1.079x: on one node the workers all-reduce through shared memory (actors/transport/shm.py), DDP
+    through gloo's TCP on loopback. The gate, 2x, fails if that path stops being taken (before it, 1.05-1.19x)."""
     from benchmarks.bsp_vs_ddp import run_ddp, run_orchestrator
 
     ratios, rss = [], []
@@ -25,7 +27,7 @@ def test_bsp_keeps_ddp_pace_at_ddps_memory(ray_session):
         print(f"pair {i}: {orch['steps_per_s']:.1f} vs {ddp['steps_per_s']:.1f} steps/s, "
               f"RSS {orch['rss_mib']:.0f} vs {ddp['rss_mib']:.0f} MiB")
     print(f"steps/s ratio median {statistics.median(ratios):.3f}, RSS ratio median {statistics.median(rss):.3f}")
-    assert statistics.median(ratios) >= 1.0, ratios
+    assert statistics.median(ratios) >= 2.0, ratios
     assert statistics.median(rss) <= 1.2, rss
 
 
