@@ -309,7 +309,10 @@ class SharedMemoryProcessGroup(dist.ProcessGroup):
 
     def allreduce(self, tensors: list[torch.Tensor], opts: object = None) -> dist.Work:  # type: ignore[override]
         for tensor in tensors:
-            self._comm.reduce_now(tensor, "sum")
+            if self._comm._through_shm(tensor):
+                self._comm.reduce_now(tensor, "sum")
+            else:  # a bucket larger than a slot: gloo's (every member decides alike)
+                self._comm.all_reduce(tensor).wait()
         future: torch.futures.Future[list[torch.Tensor]] = torch.futures.Future()
         future.set_result(tensors)
         return _create_work_from_future(future)

@@ -39,7 +39,7 @@ from algorithms.policies.compression import Codec, get_codec
 from algorithms.policies.hierarchical import HierarchicalAllReduce
 from algorithms.policies.optim import contiguous_runs, flat_view
 from algorithms.policies.scatter_gather import ScatterGather
-from core.comm_api import Communicator
+from core.comm_api import CommError, Communicator
 
 if TYPE_CHECKING:
     from torch.distributed import Reducer
@@ -316,6 +316,9 @@ class AllReduceImpl(AlgorithmImpl):
                               allow_unreachable=True, accumulate_grad=True)
             else:
                 torch.autograd.backward((loss, self._vote), (None, self._tail))
+        except CommError:  # a shared-memory group's all-reduce, inside backward, raises the group's own error
+            self._drop_reducer()  # its state is mid-step: never reused
+            raise
         except RuntimeError as err:
             # The epoch was aborted (its pairs shut down), a peer is gone, or the group timed out: the
             # reducer's wait on a bucket raised gloo's error through backward.

@@ -145,3 +145,29 @@ def test_a_settling_group_sweeps_the_files_of_members_whose_process_is_gone(tmp_
         for path in (dead + ".seg", dead + ".fifo", live + ".seg", live + ".fifo"):
             if os.path.exists(path):
                 os.unlink(path)
+
+
+def test_a_tensor_larger_than_a_slot_goes_through_gloo_on_both_paths(monkeypatch):
+    """A tensor larger than a slot (here the slots are taken as 64 bytes) goes through gloo, from a
+    handle (`all_reduce`) and from torch's reducer (`process_group().allreduce`), while a small one still
+    goes through shared memory; every member decides alike, so both sums are right."""
+    from actors.transport import gloo
+
+    monkeypatch.setattr(gloo, "SLOT_BYTES", 64)
+    comms = group(2, "shm-large")
+    assert all(c.shared_memory for c in comms)
+
+    def work(r: int, comm) -> list[torch.Tensor]:
+        big, small, lent = torch.full((1000,), float(r + 1)), torch.full((4,), float(r + 1)), torch.full((500,), float(r + 1))
+        comm.all_reduce(big).wait()
+        comm.all_reduce(small).wait()
+        comm.process_group().allreduce([lent]).wait()
+        return [big, small, lent, comm._shm.finished]
+
+    results = in_threads(comms, work)
+    for big, small, lent, through_shm in results:
+        assert torch.equal(big, torch.full((1000,), 3.0)) and torch.equal(small, torch.full((4,), 3.0))
+        assert torch.equal(lent, torch.full((500,), 3.0))
+        assert through_shm == 1  # the small one alone
+    for comm in comms:
+        comm.close()
