@@ -71,24 +71,33 @@ class GlooCommunicator(TorchBackendCommunicator):
         try:
             if shared_memory and spec.world_size > 1 and self._listen is not None and shm_available():
                 # made before the group forms, so that every member's exists once it has formed
-                shm = SharedMemoryGroup(f"{spec.store_host}:{spec.store_port}/{spec.name}", spec.rank, spec.world_size)
-            prefix.set(f"gloo-listen/{spec.rank}", f"{self._listen[0]} {self._listen[1]}" if self._listen else "")
+                shm = SharedMemoryGroup(spec.rank, spec.world_size)
+            mine = f"{self._listen[0]} {self._listen[1]}" if self._listen else ""
+            prefix.set(f"gloo-listen/{spec.rank}", f"{mine} {shm.name}" if shm is not None else mine)
             self._pg = dist.ProcessGroupGloo(prefix, spec.rank, spec.world_size, opts)
-            others = [f"gloo-listen/{r}" for r in range(spec.world_size) if r != spec.rank]
-            for value in (prefix.multi_get(others) if others else []):
-                host, _, port = value.decode().partition(" ")
+            names: dict[int, str] = {spec.rank: shm.name} if shm is not None else {}
+            others = [r for r in range(spec.world_size) if r != spec.rank]
+            for r, value in zip(others, prefix.multi_get([f"gloo-listen/{r}" for r in others]) if others else []):
+                host, port, name = (value.decode().split(" ") + ["", "", ""])[:3]
                 if port:
                     self._peers.add((host, int(port)))
+                if name:
+                    names[r] = name
         except Exception as err:  # noqa: BLE001
             if shm is not None:
                 shm.close()
             raise formation_error(spec, err, "could not form") from None
         if shm is not None:
             assert self._listen is not None  # shm is made only with it
-            one_node = len(self._peers) == spec.world_size - 1 and all(h == self._listen[0] for h, _ in self._peers)
-            if one_node:
-                self._shm = shm
-            else:
+            one_node = (len(self._peers) == spec.world_size - 1 and all(h == self._listen[0] for h, _ in self._peers)
+                        and len(names) == spec.world_size)
+            try:
+                if one_node:
+                    shm.peers([names[r] for r in range(spec.world_size)])
+                    self._shm = shm
+            except ValueError as err:
+                log.warning("group %s: %s; its all-reduces go through gloo", self.name, err)
+            if self._shm is None:
                 shm.close()
 
     def _abort_pairs(self, reason: str) -> None:

@@ -5,7 +5,8 @@ threads, each hop a wake-up: about 0.9 ms for the 38 KB of the digits MLP's grad
 machine, against about 20 us through shared memory (`python benchmarks/shm_allreduce.py`). That wait is
 most of a small model's step, for this project's BSP and for torch DDP alike.
 
-Each member owns one file in /dev/shm, a header (how many operations it launched, how many it
+Each member owns one file in /dev/shm under a random name it publishes with its gloo address in the
+group's store (signed, as every rendezvous value), a header (how many operations it launched, how many it
 finished, its process id) and two slots of `SLOT_BYTES` (sparse: only what a tensor touches takes
 memory), and one named pipe it is woken through. An all-reduce's launch copies the tensor into the slot
 of its parity and publishes the launched count, then writes a byte into each peer's pipe; its wait
@@ -34,10 +35,10 @@ from __future__ import annotations
 import atexit
 import contextlib
 import glob
-import hashlib
 import mmap
 import os
 import platform
+import secrets
 import select
 import time
 from collections.abc import Callable
@@ -79,7 +80,7 @@ def sweep() -> int:
     """Unlink the files of members whose process is gone (killed between a group's formation and its first
     operation); returns how many files. Run off a re-form's path (`GlooCommunicator.settled`)."""
     removed = 0
-    for seg in glob.glob(os.path.join(DIRECTORY, "orchestrator-*.seg")):
+    for seg in glob.glob(os.path.join(DIRECTORY, PREFIX + "*.seg")):
         try:
             with open(seg, "rb") as f:
                 pid = int(np.frombuffer(f.read(8 * 3), dtype=np.int64)[PID])
@@ -94,24 +95,28 @@ def sweep() -> int:
     return removed
 
 
-def base_path(key: str) -> str:
-    """The files' common prefix for a group (`key`: its store's address and its name)."""
-    return os.path.join(DIRECTORY, "orchestrator-" + hashlib.blake2b(key.encode(), digest_size=12).hexdigest())
+PREFIX = "orchestrator-"
+
+
+def valid_name(name: str) -> bool:
+    """A member's published name: `PREFIX` and 16 hex digits, nothing else (no path)."""
+    token = name[len(PREFIX):]
+    return name.startswith(PREFIX) and len(token) == 16 and all(c in "0123456789abcdef" for c in token)
 
 
 class SharedMemoryGroup:
     """One member's side of a group's shared-memory all-reduce (see the module's docstring)."""
 
-    def __init__(self, key: str, rank: int, world_size: int) -> None:
+    def __init__(self, rank: int, world_size: int) -> None:
+        """This member's file and pipe, under a random name (`name`, which the member publishes in the
+        group's store with its gloo address; `attach` takes the peers')."""
         self.rank, self.world_size = rank, world_size
-        self._base = base_path(key)
-        self._own_paths = [f"{self._base}-{rank}.seg", f"{self._base}-{rank}.fifo"]
+        self.name = PREFIX + secrets.token_hex(8)
+        self._own_paths = [os.path.join(DIRECTORY, self.name + ".seg"), os.path.join(DIRECTORY, self.name + ".fifo")]
+        self._peer_names: list[str] = []
         self._mine: mmap.mmap | None = None
         self._rfd = -1
-        for path in self._own_paths:  # a leftover of an earlier attempt at this very group
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
-            _unlinked_at_exit.add(path)
+        _unlinked_at_exit.update(self._own_paths)
         try:
             fd = os.open(self._own_paths[0], os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
             try:
@@ -136,19 +141,25 @@ class SharedMemoryGroup:
         self._pending: dict[int, tuple[torch.Tensor, torch.Tensor, str]] = {}
         """Launched and not finished: k -> (the caller's tensor, its flat contiguous form, the op)."""
 
+    def peers(self, names: list[str]) -> None:
+        """Every member's published name, in rank order (this member's own at its rank)."""
+        if len(names) != self.world_size or names[self.rank] != self.name or not all(map(valid_name, names)):
+            raise ValueError(f"shared memory: bad member names {names}")
+        self._peer_names = list(names)
+
     def _attach(self) -> None:
         """Open every peer's file and pipe (they exist: each member made its own before the group formed)."""
-        assert self._mine is not None  # made in __init__
-        for r in range(self.world_size):
+        assert self._mine is not None and self._peer_names  # made in __init__; named by `peers`
+        for r, name in enumerate(self._peer_names):
             if r == self.rank:
                 self._maps.append(self._mine)
                 continue
-            fd = os.open(f"{self._base}-{r}.seg", os.O_RDWR)
+            fd = os.open(os.path.join(DIRECTORY, name + ".seg"), os.O_RDWR)
             try:
                 self._maps.append(mmap.mmap(fd, HEADER + 2 * SLOT_BYTES))
             finally:
                 os.close(fd)
-            self._wake_fds.append(os.open(f"{self._base}-{r}.fifo", os.O_WRONLY | os.O_NONBLOCK))
+            self._wake_fds.append(os.open(os.path.join(DIRECTORY, name + ".fifo"), os.O_WRONLY | os.O_NONBLOCK))
         self._headers = [np.frombuffer(m, dtype=np.int64, count=3) for m in self._maps]
 
     def _slots(self, dtype: torch.dtype, numel: int, parity: int) -> list[torch.Tensor]:

@@ -101,10 +101,10 @@ def test_the_files_are_unlinked_once_every_member_has_done_one_operation():
     specs = [GroupSpec(host, port, name, r, 2, 10.0, "gloo", "127.0.0.1") for r in range(2)]
     with ThreadPoolExecutor(2) as pool:
         comms = list(pool.map(make_communicator, specs))
-    prefix = shm.base_path(f"{host}:{port}/{name}")
-    assert len(glob.glob(prefix + "-*")) == 4  # two files and two pipes
+    paths = [f"{shm.DIRECTORY}/{c._shm.name}.{kind}" for c in comms for kind in ("seg", "fifo")]
+    assert len(set(paths)) == 4 and all(glob.glob(p) for p in paths)  # two files and two pipes
     in_threads(comms, lambda r, c: c.all_reduce(torch.ones(4)).wait())
-    assert glob.glob(prefix + "-*") == []
+    assert not any(glob.glob(p) for p in paths)
     for comm in comms:
         comm.close()
 
@@ -131,8 +131,8 @@ def test_a_settling_group_sweeps_the_files_of_members_whose_process_is_gone(tmp_
 
     gone = subprocess.Popen(["true"])
     gone.wait()
-    dead = os.path.join(shm.DIRECTORY, "orchestrator-test-sweep-dead-0")
-    live = os.path.join(shm.DIRECTORY, "orchestrator-test-sweep-live-0")
+    dead = os.path.join(shm.DIRECTORY, "orchestrator-00000000dead0000")
+    live = os.path.join(shm.DIRECTORY, "orchestrator-000000001ive0000")
     try:
         for base, pid in ((dead, gone.pid), (live, os.getpid())):
             with open(base + ".seg", "wb") as f:
