@@ -21,7 +21,7 @@ def test_bsp_keeps_ddp_pace_at_ddps_memory(ray_session):
 
     ratios, rss = [], []
     for i in range(5):  # alternating pairs, the ratio taken pair by pair
-        orch, ddp = run_orchestrator(f"speed-bsp-{i}", 550), run_ddp(550)
+        orch, ddp = run_orchestrator(f"speed-bsp-{i}", 550, "digits"), run_ddp(550, "digits")
         ratios.append(orch["steps_per_s"] / ddp["steps_per_s"])
         rss.append(orch["rss_mib"] / ddp["rss_mib"])
         print(f"pair {i}: {orch['steps_per_s']:.1f} vs {ddp['steps_per_s']:.1f} steps/s, "
