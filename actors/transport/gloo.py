@@ -225,13 +225,6 @@ class GlooCommunicator(TorchBackendCommunicator):
         return (self._shm is not None and tensor.device.type == "cpu" and not self.models_latency
                 and tensor.numel() * tensor.element_size() <= SLOT_BYTES)
 
-    def reduce_now(self, tensor: torch.Tensor, op: str = "sum") -> None:
-        """The all-reduce through shared memory, done when it returns (torch's reducer calls it);
-        CommError where it failed (the group is failed from then on)."""
-        k = self._shm_call(lambda shm: shm.launch(tensor, op, self.timeout_s, self._aborted, self.name))
-        self.bytes_sent += tensor.numel() * tensor.element_size()
-        self.finish_shm(k)
-
     def finish_shm(self, k: int, timeout: float | None = None) -> None:
         """Wait for shared-memory operation `k` (and those before it) to finish, within `timeout` (the
         group's by default)."""
@@ -309,19 +302,16 @@ class SharedMemoryProcessGroup(dist.ProcessGroup):
     """What torch's reducer sees of a group whose all-reduces go through shared memory: a torch
     ProcessGroup of one (rank 0 of 1, so the reducer does not divide), implemented in Python, whose
     all-reduce runs across the whole group at once (the reducer calls it from backward, holding the
-    GIL; the wait releases it) and returns a completed work. A failure raises out of backward, where
-    the policy turns it into the group's CommError (`failed_in_backend`)."""
+    GIL; the wait releases it) and returns a completed work. A failure raises the group's CommError out
+    of backward (the policy then drops its reducer)."""
 
     def __init__(self, comm: GlooCommunicator) -> None:
         super().__init__(0, 1)  # type: ignore[call-arg]  # the stub lists only (store, rank, size); pybind has (rank, size)
         self._comm = comm
 
     def allreduce(self, tensors: list[torch.Tensor], opts: object = None) -> dist.Work:  # type: ignore[override]
-        for tensor in tensors:
-            if self._comm._through_shm(tensor):
-                self._comm.reduce_now(tensor, "sum")
-            else:  # a bucket larger than a slot: gloo's (every member decides alike)
-                self._comm.all_reduce(tensor).wait()
+        for tensor in tensors:  # through shared memory, or gloo for a bucket larger than a slot (`all_reduce`)
+            self._comm.all_reduce(tensor).wait()
         future: torch.futures.Future[list[torch.Tensor]] = torch.futures.Future()
         future.set_result(tensors)
         return _create_work_from_future(future)
