@@ -290,7 +290,7 @@ def report(rows: list[dict]) -> dict:
             continue
         fastest = min(same, key=lambda x: x["to_target_s"])
         decided = bool(r.get("trial"))
-        chosen = r.get("chosen") or model_pick(r.get("picked", ""))
+        chosen = chosen_by(r)
         mine = next((x for x in same if x["policy"] == chosen), None)
         good = mine is not None and mine["to_target_s"] <= 1.10 * fastest["to_target_s"]
         own = r.get("to_target_s")
@@ -322,29 +322,39 @@ def auto_cells(rows: list[dict]) -> list[tuple[str, str, int]]:
     return sorted({(r["setting"], r["network"], r["seed"]) for r in rows if r["policy"] == "auto trial"})
 
 
+def chosen_by(auto_row: dict) -> str | None:
+    """The policy an `auto` run ended with: the trial's choice, else the one it started on."""
+    return auto_row.get("chosen") or model_pick(auto_row.get("picked", ""))
+
+
+def runs_by_seed(rows: list[dict], keys: list[tuple[str, str, int]], setting: str, network: str) -> dict[int, dict[str, float]]:
+    """Each seed of `keys` in one setting and network: its policies' own times to the target (seeds where
+    none reached it left out)."""
+    runs = {k[2]: {x["policy"]: x["to_target_s"] for x in reached(rows, *k)} for k in keys if k[:2] == (setting, network)}
+    return {seed: times for seed, times in runs.items() if times}
+
+
 def over_seeds(rows: list[dict]) -> tuple[int, int]:
     """(setting-network cells where `auto` is within 10% of the fastest, cells judged), each cell judged over
     its seeds: the median, over the seeds, of the time to the target of the policy `auto` chose in each seed
     (run alone in that seed), against the fastest policy's median time over the same seeds (policies that
     reached the target in all of them)."""
     keys = auto_cells(rows)
+    autos = {(r["setting"], r["network"], r["seed"]): r for r in rows if r["policy"] == "auto trial"}
     near, cells = 0, 0
     for setting, network in sorted({(k[0], k[1]) for k in keys}):
-        seeds = [k for k in keys if k[:2] == (setting, network) and reached(rows, *k)]
-        if not seeds:
+        runs = runs_by_seed(rows, keys, setting, network)
+        if not runs:
             continue
-        runs = {k: {x["policy"]: x["to_target_s"] for x in reached(rows, *k)} for k in seeds}
-        chosen = {k: next((r.get("chosen") or model_pick(r.get("picked", "")) for r in rows
-                           if r["policy"] == "auto trial" and (r["setting"], r["network"], r["seed"]) == k), None)
-                  for k in seeds}
-        mine = [runs[k].get(chosen[k] or "") for k in seeds]
-        policies = set.intersection(*(set(runs[k]) for k in seeds))
-        medians = {p: statistics.median(runs[k][p] for k in seeds) for p in policies}
+        chosen = {seed: chosen_by(autos[(setting, network, seed)]) for seed in runs}
+        times = [runs[seed].get(chosen[seed] or "") for seed in runs]
+        policies = set.intersection(*(set(times_of) for times_of in runs.values()))
+        medians = {p: statistics.median(runs[seed][p] for seed in runs) for p in policies}
         fastest = min(medians, key=lambda p: medians[p])
-        ok = None not in mine and statistics.median(mine) <= 1.10 * medians[fastest]  # type: ignore[type-var]
-        picked = statistics.median(mine) if None not in mine else None  # type: ignore[type-var]
+        picked = statistics.median([t for t in times if t is not None]) if None not in times else None
+        ok = picked is not None and picked <= 1.10 * medians[fastest]
         near, cells = near + ok, cells + 1
-        print(f"[{setting} {network} over {len(seeds)} seeds] auto chose {', '.join(str(chosen[k]) for k in seeds)}: "
+        print(f"[{setting} {network} over {len(runs)} seeds] auto chose {', '.join(str(chosen[seed]) for seed in runs)}: "
               f"median {'missed' if picked is None else f'{picked:.2f} s'}; fastest by median {fastest} "
               f"{medians[fastest]:.2f} s: {'within 10%' if ok else 'MISS'}")
     print(f"judged over seeds (each setting and network's medians): auto within 10% of the fastest in {near} of {cells}")
@@ -358,13 +368,12 @@ def best_fixed(rows: list[dict]) -> tuple[int, int]:
     keys = auto_cells(rows)
     score, judged = 0, 0
     for setting, network in sorted({(k[0], k[1]) for k in keys}):
-        runs = {k[2]: {x["policy"]: x["to_target_s"] for x in reached(rows, *k)} for k in keys if k[:2] == (setting, network)}
-        seeds = [s for s, done in runs.items() if done]
-        if not seeds:
+        runs = runs_by_seed(rows, keys, setting, network)
+        if not runs:
             continue
-        policies = set.intersection(*(set(runs[s]) for s in seeds))
-        hits = [sum(runs[s][p] <= 1.10 * min(runs[s].values()) for s in seeds) for p in policies]
-        score, judged = score + max(hits, default=0), judged + len(seeds)
+        policies = set.intersection(*(set(times) for times in runs.values()))
+        hits = [sum(times[p] <= 1.10 * min(times.values()) for times in runs.values()) for p in policies]
+        score, judged = score + max(hits, default=0), judged + len(runs)
     return score, judged
 
 
