@@ -31,6 +31,11 @@ The fifth set (2026-11-28, late) judges `auto` once its trial may also try strea
 policy in three of the fourth set's six cells, which a trial could not switch out of before:
 - `6w3n02`: 6 workers on 3 lab nodes (2 a node), the grid's workload at SGD lr 0.02, at 100 Mbit/s,
   1 Gbit/s and 10 Gbit/s.
+The sixth set (2026-11-28, night) judges the convergence factors measured at a second rate (the grid's
+workload at lr 0.02 as well as 0.1; a job's factors are interpolated in log rate between the two), chosen
+before those factors were known:
+- `8w4n04`: 8 workers on 4 lab nodes (2 a node), the grid's workload at SGD lr 0.04, at 100 Mbit/s,
+  1 Gbit/s and 10 Gbit/s.
 `--rerank` re-scores the ranking as it stands on recorded rows, from their measured inputs (nothing runs).
 
 Per digits cell (setting x network x seed): every policy `plan` weighs, run to the target, with the
@@ -40,7 +45,7 @@ trial (`sync.auto: {trial_steps, candidates}`), run to the target the same way, 
 ended with. The report: the model's error per cell (within 25%?), and whether auto's final pick is
 within 10% of the fastest policy's time to the target in the same cell and seed (its standalone run).
 
-    python benchmarks/heldout.py [--settings 6w3n,bucket01,lm1g,4w4n,6w2n02,6w3n02] [--networks 100m,1g] [--seeds 0,1,2]
+    python benchmarks/heldout.py [--settings 6w3n,bucket01,lm1g,4w4n,6w2n02,6w3n02,8w4n04] [--networks 100m,1g] [--seeds 0,1,2]
         [--trial-steps 10] [--trial-candidates 3] [--out docs/heldout.jsonl] [--resume] [--report] [--rerank]
 
 Rows are appended to `--out` as each run ends (`--resume` skips those there). Needs root and `tc` (the
@@ -92,6 +97,10 @@ SETTINGS = {
     # (its members synchronize every fragment before a switch away from it) ran on any of it
     "6w3n02": {"nodes": 3, "per_node": 2, "bucket_mb": None, "workload": "digits", "networks": ("100m", "1g", "10g"),
                "lr": 0.02},
+    # the sixth set (2026-11-28, night), chosen before the convergence factors measured at a second rate (lr 0.02
+    # as well as 0.1, interpolated in log rate between them) were known: a rate at neither, 8 workers
+    "8w4n04": {"nodes": 4, "per_node": 2, "bucket_mb": None, "workload": "digits", "networks": ("100m", "1g", "10g"),
+               "lr": 0.04},
 }
 LM_LABELS = ("bsp", "bsp hierarchical", "local_sgd h=8", "diloco h=16", "dpsgd ring uint8", "shadow ma")
 LM_STEPS = 60

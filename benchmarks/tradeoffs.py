@@ -57,7 +57,8 @@ NETWORKS = {"10g": (10000.0, 0.05), "1g": (1000.0, 0.2), "100m": (100.0, 1.0)}
 CONDITIONS = ("none", "straggler", "jitter")
 WORKERS = 4
 LR, BATCH = 0.1, 32
-"""The grid's SGD rate and per-worker batch (the factors' BSP steps hold at these alone)."""
+"""The grid's SGD rate (`--lr` measures the factors at another) and per-worker batch (the factors' BSP
+steps hold at these alone)."""
 
 
 def job_dict(label: str, cand, network: str, condition: str, args, seed: int, root: str) -> dict:
@@ -74,7 +75,7 @@ def job_dict(label: str, cand, network: str, condition: str, args, seed: int, ro
     return {"name": name[:64], "seed": seed, "run_dir": root,
             "workers": {"count": WORKERS, "cpus": 0.5},
             "workload": {"factory": "orchestrator.workloads.digits:lab_mlp", "params": params, "batch_size": BATCH},
-            "optimizer": {"name": "sgd", "lr": LR, "momentum": 0.9},
+            "optimizer": {"name": "sgd", "lr": args.lr, "momentum": 0.9},
             "sync": sync, "compression": dict(cand.compression) or {"codec": "none"},
             "network": {"nodes": 2, "workers_per_node": 2, "inter": {"mbit": mbit, "latency_ms": latency}},
             "stop": {"max_steps": args.max_steps, "target": {"metric": "accuracy", "value": args.target}},
@@ -147,7 +148,7 @@ def run_cell(label, cand, network, condition, args, root, seed: int = 0) -> dict
         raise RuntimeError(f"{label} {network} {condition}: no history ({result.state}: {result.cause})")
     evals = accuracy_evals(history)
     hit = first_at(evals, args.target)
-    return {"policy": label, "network": network, "condition": condition, "seed": seed, "state": result.state,
+    return {"policy": label, "network": network, "condition": condition, "seed": seed, "lr": args.lr, "state": result.state,
             "step_s": per_step(history), "bytes_per_step": bytes_per_step(history),
             "to_target_s": hit[0], "steps_to_target": hit[1], "steps": max(r["step"] for r in history),
             "best_accuracy": max((acc for _, _, acc in evals), default=None)}
@@ -371,6 +372,7 @@ def main() -> int:
     parser.add_argument("--compute-ms", type=float, default=15.0)
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--target", type=float, default=0.96)
+    parser.add_argument("--lr", type=float, default=LR, help="the SGD rate of every run (the factors are written as measured at it)")
     parser.add_argument("--max-steps", type=int, default=600)
     parser.add_argument("--seeds", default="0", help="comma-separated seeds: each cell runs once per seed (medians)")
     parser.add_argument("--out", default="tradeoffs.jsonl")
