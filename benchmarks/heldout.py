@@ -393,10 +393,10 @@ def rerank(rows: list[dict]) -> dict:
     as it stands would have chosen on runs already made. Nothing is run."""
     from orchestrator import planner
 
-    data = planner.load_factors()
     good = []
     for key in auto_cells(rows):
         setting, network, _seed = key
+        data = planner.load_factors(lr=SETTINGS.get(setting, {}).get("lr", 0.1))
         same = reached(rows, *key)
         if not same or SETTINGS.get(setting, {}).get("workload", "digits") != "digits":
             continue

@@ -393,19 +393,39 @@ def main() -> int:
             print(f"--with: no such file: {extra}", file=sys.stderr)
             return 2
         rows += load(Path(extra))
+    rates = sorted({float(r.get("lr", LR)) for r in rows})
+    if args.write_factors and rates != [args.lr]:
+        print(f"--write-factors: the rows were measured at lr {', '.join(f'{x:g}' for x in rates)}, not --lr {args.lr:g} "
+              f"alone (rows without a rate are the grid's, {LR:g})", file=sys.stderr)
+        return 2
     summary = report(rows, args)
     if args.write_factors and summary["factors"]:
-        (REPO / "orchestrator" / "convergence.json").write_text(json.dumps({
-            "factors": summary["factors"], "bsp_steps": summary["bsp_steps"],
-            "source": f"benchmarks/tradeoffs.py, {time.strftime('%Y-%m-%d')}: digits MLP ({args.hidden} hidden), "
-                      f"4 workers, SGD momentum 0.9, steps to {args.target} held-out accuracy relative to BSP "
-                      f"(10 Gbit/s, no straggler, {seeds_text(summary['seeds'])})",
-            "applies_to": {"workload": "orchestrator.workloads.digits", "optimizer": "sgd", "metric": "accuracy"},
-            "measured_at": {"target": args.target, "lr": LR, "global_batch": WORKERS * BATCH}},
-            indent=1) + "\n")
+        write_factors(summary, args)
         print("wrote orchestrator/convergence.json")
     print(json.dumps(summary))
     return 0
+
+
+def write_factors(summary: dict, args) -> None:
+    """This run's factors into orchestrator/convergence.json as the set measured at `--lr`: it replaces a set
+    measured at the same rate and keeps the others (a job between two measured rates gets the factors
+    interpolated between them: orchestrator/planning/ranking.py `load_factors`)."""
+    path = REPO / "orchestrator" / "convergence.json"
+    try:
+        old = json.loads(path.read_text())
+    except (OSError, ValueError):
+        old = {}
+    sets = [s for s in (old.get("sets") or ([old] if old.get("factors") else []))
+            if not isinstance(s.get("measured_at", {}).get("lr"), (int, float)) or abs(s["measured_at"]["lr"] - args.lr) > 1e-12]
+    sets = [{k: s[k] for k in ("factors", "bsp_steps", "source", "measured_at") if k in s} for s in sets]
+    sets.append({"factors": summary["factors"], "bsp_steps": summary["bsp_steps"],
+                 "source": f"benchmarks/tradeoffs.py, {time.strftime('%Y-%m-%d')}: digits MLP ({args.hidden} hidden), "
+                           f"4 workers, SGD lr {args.lr:g} momentum 0.9, steps to {args.target} held-out accuracy relative "
+                           f"to BSP (10 Gbit/s, no straggler, {seeds_text(summary['seeds'])})",
+                 "measured_at": {"target": args.target, "lr": args.lr, "global_batch": WORKERS * BATCH}})
+    path.write_text(json.dumps({
+        "applies_to": {"workload": "orchestrator.workloads.digits", "optimizer": "sgd", "metric": "accuracy"},
+        "sets": sets}, indent=1) + "\n")
 
 
 def measured_rows(args, out: Path, measure) -> list[dict] | int:

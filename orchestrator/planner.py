@@ -81,7 +81,7 @@ def ranked(cfg: JobConfig, cands: Sequence[Candidate], compute_s: float, model_b
     convergence factors: what `plan` prints and `auto` picks from. In the lab, whose nodes share this
     machine, each synchronization pattern's host time is this machine's (`host_s`, measured here by
     `measure_host` when not given); elsewhere none is counted."""
-    data = load_factors()
+    data = load_factors(lr=cfg.optimizer.lr)
     applies, why = factors_apply(cfg, data)
     if cluster is not None:  # measured on the user's cluster (actors/training/probe.py); its links as told, if they were
         net = network_for(cfg.network, cfg.workers.count) if told_network(cfg) else network_from_probe(cluster)
@@ -98,7 +98,7 @@ def ranked(cfg: JobConfig, cands: Sequence[Candidate], compute_s: float, model_b
 
 def factors_line(cfg: JobConfig) -> str:
     """Where the ranking's convergence factors come from, or why none were used (`auto`'s event, `plan`)."""
-    data = load_factors()
+    data = load_factors(lr=cfg.optimizer.lr)
     applies, why = factors_apply(cfg, data)
     if applies:
         return f"convergence factors: {data['source']}"
@@ -164,7 +164,7 @@ def job_steps(cfg: JobConfig, trial: Sequence[Row]) -> float | None:
     the factor of the policy it starts on (the trial's first); the shorter of the two. None where neither is
     known (the job stops on time, or on a target the factors' count does not hold for)."""
     limits: list[float] = [float(cfg.stop.max_steps)] if cfg.stop.max_steps else []
-    data = load_factors()
+    data = load_factors(lr=cfg.optimizer.lr)
     if cfg.stop.target is not None and trial and data.get("bsp_steps") and factors_apply(cfg, data)[0] \
             and bsp_steps_apply(cfg, data)[0]:
         limits.append(data["bsp_steps"] * (trial[0].factor or 1.0))

@@ -27,6 +27,7 @@ import io
 import logging
 import os
 import queue
+import signal
 import sys
 import threading
 import time
@@ -274,6 +275,7 @@ class ServerHost:
             if result.updates:
                 self.ready.notify_all()
         self._maybe_snapshot(result.updates)
+        self._maybe_die(result.updates)
         return PushResult(result.status, result.version)
 
     def _maybe_delay(self, fence: Fence, lease_ids: tuple[int, ...]) -> None:
@@ -287,6 +289,17 @@ class ServerHost:
                 self._delayed.add(index)
                 log.warning("injected fault: the push of %s for clock %d arrives %.1fs late", fence.slot, ticket.clock, delayed.delay_s)
                 time.sleep(delayed.delay_s)
+
+    def _maybe_die(self, updates: tuple[Update, ...]) -> None:
+        """`faults.server`: the first incarnation SIGKILLs its own process once it has applied the fault's
+        version, after the snapshot being stored (if one is) is stored."""
+        if not updates or not self.cfg.faults.server or self.core.incarnation != 0:
+            return
+        if any(updates[-1].version >= fault.version for fault in self.cfg.faults.server):
+            self.wait_snapshots(SNAPSHOT_WAIT_S)
+            log.warning("injected fault: the parameter server dies at version %d (snapshot of version %d stored)",
+                        updates[-1].version, self._snapshots.stored)
+            os.kill(os.getpid(), signal.SIGKILL)
 
     def push_pull(self, fence: Fence, lease_ids: tuple[int, ...], pulled_version: int, grad: np.ndarray, loss: float,
                   wait_s: float, buffers: np.ndarray | None = None) -> tuple[PushResult, Pull | None, np.ndarray | None]:

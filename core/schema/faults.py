@@ -1,4 +1,4 @@
-"""Injected faults (tests and experiments): stragglers, kills, coordinator deaths, scale requests,
+"""Injected faults (tests and experiments): stragglers, kills, coordinator and server deaths, scale requests,
 delayed pushes and the modelled comm latency, each at a named slot and step."""
 from __future__ import annotations
 
@@ -121,6 +121,20 @@ class DelayedPush:
 
 
 @dataclass
+class ServerFault:
+    """Server policies: the parameter server's process SIGKILLs itself once it has applied `version`,
+    after the snapshot being stored (if one is) has been stored, so the restart's loss is named by the
+    config, not by when a driver's kill arrived. Only the server's first incarnation fires it: the
+    restarted server resumes from its newest snapshot and carries on past `version`."""
+
+    version: int = 0
+
+    def __post_init__(self) -> None:
+        if self.version < 1:
+            raise FieldError("version", f"must name a version (1 or more), got {self.version}")
+
+
+@dataclass
 class FaultsConfig:
     stragglers: list[StragglerFault] = field(default_factory=list)
     kills: list[KillFault] = field(default_factory=list)
@@ -129,6 +143,8 @@ class FaultsConfig:
     """Scale requests at named steps (see `ScaleFault`), each once."""
     delayed_pushes: list[DelayedPush] = field(default_factory=list)
     """Server policies only: pushes the parameter server takes late (see `DelayedPush`)."""
+    server: list[ServerFault] = field(default_factory=list)
+    """Server policies only: the parameter server's process dies at a named version (see `ServerFault`)."""
     comm_latency_s: float = 0.0
     """A modelled network latency: every collective of every group (the background kind's too)
     completes no sooner than this many seconds after its launch (benchmarks: a slow network on one

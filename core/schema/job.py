@@ -110,6 +110,9 @@ class JobConfig:
             if self.sync.policy not in SERVER_POLICIES:
                 raise FieldError(f"faults.delayed_pushes[{i}]", f"policy {self.sync.policy!r} does not push to a "
                                                                 f"parameter server ({', '.join(sorted(SERVER_POLICIES))} do)")
+        if self.faults.server and self.sync.policy not in SERVER_POLICIES:
+            raise FieldError("faults.server", f"policy {self.sync.policy!r} runs no parameter server "
+                                              f"({', '.join(sorted(SERVER_POLICIES))} do)")
 
     def _check_server_policy(self) -> None:
         if isinstance(self.sync, QuorumConfig):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,19 +44,61 @@ least this much lower: the factors come from a few seeds (over three seeds the s
 ranged 0.76-1.07) and the model's step times are within 25%, so a smaller lead is not evidence."""
 
 
-def load_factors(path: Path = FACTORS_PATH) -> dict:
+def load_factors(path: Path = FACTORS_PATH, lr: float | None = None) -> dict:
     """{"factors": {label: steps to the target relative to BSP}, "bsp_steps": BSP's steps to the target,
     "source": "...", "applies_to": {"workload": module, "optimizer": name, "metric": name},
     "measured_at": {"target": value, "lr": lr, "global_batch": samples a step}} as `benchmarks/tradeoffs.py`
     wrote them; empty factors when none were measured. `measured_at` is the one setting `bsp_steps` counts
-    (`bsp_steps_apply`)."""
+    (`bsp_steps_apply`).
+
+    The file holds one such set per learning rate it was measured at ("sets"; a file of one set without
+    the list is read as one). A periodic or relaxed policy's steps relative to BSP's move with the rate
+    (DiLoCo's outer momentum adds more at a small inner rate; local SGD drifts more at a large one), so a
+    job at `lr` gets the set measured at it; between two measured rates, each factor interpolated linearly
+    in log(rate), and BSP's steps in log-log (the "source" says so; `measured_at` then names the two rates,
+    and `bsp_steps_apply` holds for neither); outside them, the nearest set. Without `lr`, the first set."""
     try:
-        data = json.loads(path.read_text())
+        raw = json.loads(path.read_text())
     except (OSError, ValueError):
-        data = {}
+        raw = {}
+    sets = [_one_set(s) for s in (raw.get("sets") or [raw])]
+    scope = dict(raw.get("applies_to") or {})
+    chosen = sets[0] if lr is None or len(sets) == 1 else _at_rate(sets, lr)
+    return {**chosen, "applies_to": scope}
+
+
+def _one_set(data: dict) -> dict:
     return {"factors": {k: float(v) for k, v in data.get("factors", {}).items()},
             "bsp_steps": int(data.get("bsp_steps") or 0) or None, "source": str(data.get("source", "")),
-            "applies_to": dict(data.get("applies_to") or {}), "measured_at": dict(data.get("measured_at") or {})}
+            "measured_at": dict(data.get("measured_at") or {})}
+
+
+def _at_rate(sets: list[dict], lr: float) -> dict:
+    """The factors for a job at `lr` from sets measured at several rates (`load_factors`)."""
+    rated = sorted((s for s in sets if isinstance(s["measured_at"].get("lr"), (int, float))),
+                   key=lambda s: s["measured_at"]["lr"])
+    if not rated:
+        return sets[0]
+    exact = [s for s in rated if _same(lr, s["measured_at"]["lr"])]
+    if exact:
+        return exact[0]
+    below = [s for s in rated if s["measured_at"]["lr"] < lr]
+    above = [s for s in rated if s["measured_at"]["lr"] > lr]
+    if not below or not above:
+        near = above[0] if not below else below[-1]
+        rates = ", ".join(f"{s['measured_at']['lr']:g}" for s in rated)
+        return {**near, "source": f"{near['source']}; lr {lr:g} is outside the rates measured ({rates}): the nearest's"}
+    lo, hi = below[-1], above[0]
+    a, b = lo["measured_at"]["lr"], hi["measured_at"]["lr"]
+    w = math.log(lr / a) / math.log(b / a)
+    factors = {k: (1 - w) * v + w * hi["factors"][k] for k, v in lo["factors"].items() if k in hi["factors"]}
+    steps = None
+    if lo["bsp_steps"] and hi["bsp_steps"]:
+        steps = round(math.exp((1 - w) * math.log(lo["bsp_steps"]) + w * math.log(hi["bsp_steps"])))
+    return {"factors": factors, "bsp_steps": steps,
+            "source": f"interpolated in log(rate) at lr {lr:g} between the factors measured at lr {a:g} and {b:g} "
+                      f"({lo['source']}; {hi['source']})",
+            "measured_at": {**lo["measured_at"], "lr": None, "interpolated_between": [a, b]}}
 
 
 def factors_apply(cfg: JobConfig, data: dict) -> tuple[bool, str]:
@@ -87,6 +130,9 @@ def bsp_steps_apply(cfg: JobConfig, data: dict) -> tuple[bool, str]:
     at = data.get("measured_at") or {}
     if not at:
         return False, "the convergence factors do not say which target, rate and batch their BSP steps were counted at"
+    if at.get("interpolated_between"):
+        a, b = at["interpolated_between"]
+        return False, f"lr {cfg.optimizer.lr:g} (BSP's steps were counted at lr {a:g} and {b:g}, not between)"
     target = cfg.stop.target.value if cfg.stop.target is not None else None
     job: dict[str, float | None] = {"target": target, "lr": cfg.optimizer.lr,
                                     "global_batch": cfg.workers.count * cfg.workload.batch_size}

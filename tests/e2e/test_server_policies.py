@@ -143,36 +143,32 @@ def test_ssp_survives_a_kill_of_a_member_ahead_replaced_by_a_hot_spare(run_root,
 
 def test_server_sigkill_resumes_from_its_snapshot_and_the_job_finishes(run_root):
     """ASP (nobody waits, so w3's long step keeps it holding a lease from the old incarnation when the
-    server dies: its push is fenced and counted)."""
-    every, steps = 10, 90
+    server dies: its push is fenced and counted). The server's process SIGKILLs itself at version 35
+    (`faults.server`), once the snapshot being stored (version 30's) is stored. (The test used to kill it
+    from here once `status` showed 35 versions and a snapshot; a run that reached its 90 versions between
+    two polls under load left nothing to kill, and the wait timed out: 1 CI run in 5.)"""
+    every, steps, kill_at = 10, 90, 35
     stragglers = [{"slot": f"w{i}", "delay_s": 0.05} for i in range(3)] + [{"slot": "w3", "delay_s": 1.0}]
     cfg = make_config("ps-server-kill", {"policy": "asp"}, steps, server={"cpus": 1, "snapshot_every": every},
-                      faults={"stragglers": stragglers})
+                      faults={"stragglers": stragglers, "server": [{"version": kill_at}]})
     job = ElasticJob(config_from_dict(cfg)).start()
     workers = wait_until(lambda: (p := pids(job, ("w0", "w1", "w2", "w3"))) and len(p) == 4 and p, what="the workers' pids")
-    wait_until(lambda: (s := job.status()).step >= 35 and s.server.get("snapshot_version", -1) >= every,
-               timeout=120, what="35 versions and a snapshot stored")
-    before = job.status().server
-    server_pid = before["pid"]
-    killed_at = time.time()
-    os.kill(server_pid, signal.SIGKILL)
-    result = wait_for_end(job, 180, since=killed_at)
+    result = wait_for_end(job, 180)
     assert result.state == "FINISHED" and result.step == steps, result
     assert pids(job, ("w0", "w1", "w2", "w3")) == workers, "workers were restarted"
     [event] = server_events(job)
-    lost = event["detail"]["versions_lost"]
+    lost, resumed = event["detail"]["versions_lost"], event["detail"]["resumed_version"]
     # snapshots are stored by a thread of their own while later versions apply (no push waits for the
-    # store), so how many versions a kill loses depends on the store's speed (a CI run under load: killed
-    # at 37 with 20 and 30 still being written, 27 lost); what holds is that the restart resumes from
-    # the newest snapshot that was stored before the kill, or a newer one stored since
-    assert event["detail"]["resumed_version"] >= before["snapshot_version"] >= every, (event, before)
-    assert lost == event["detail"]["history_step"] - event["detail"]["resumed_version"]
+    # store), so versions may apply between the fault's and the kill; the kill waits for the snapshot
+    # being stored, so the restart resumes from version 30's snapshot or a newer one. History holds the
+    # versions the coordinator was told of before the kill (the server reports them as they apply)
+    assert resumed >= kill_at // every * every and event["detail"]["history_step"] >= resumed, event
+    assert lost == event["detail"]["history_step"] - resumed
     assert event["detail"]["server_incarnation"] == 1, event
     status = job.status()
-    assert status.server["pid"] != server_pid and status.server["incarnation"] == 1
+    assert status.server["incarnation"] == 1
     assert status.server["rejected"]["fenced_server"] >= 1, status.server["rejected"]
     history = job.history()
-    resumed = event["detail"]["resumed_version"]
     redone = [r["step"] for r in history if r.get("server_incarnation") == 1]
     assert redone == list(range(resumed + 1, steps + 1)), "the new incarnation carries on from its snapshot"
     assert [r["step"] for r in history if r.get("server_incarnation") == 0] == list(range(1, resumed + lost + 1))

@@ -49,6 +49,7 @@ def test_int_accepted_where_a_float_is_expected():
     ("stop.time_s=-1", "stop.time_s"), ("checkpoint.keep=0", "checkpoint.keep"),
     ("faults.kills=[{slot: x1, step: 1}]", "faults.kills[0].slot"), ("eval_every=-1", "eval_every"),
     ("faults.scale=[{step: 5, count: 99}]", "faults.scale[0].count"), ("faults.scale=[{step: 0, count: 1}]", "faults.scale[0].step"),
+    ("faults.server=[{version: 0}]", "faults.server[0].version"), ("faults.server=[{version: 5}]", "faults.server"),
 ])
 def test_errors_are_one_line_and_start_with_the_key(override, key):
     with pytest.raises(ConfigError) as err:

@@ -153,7 +153,7 @@ def test_ties_keep_the_candidates_order_never_their_names():
 
 
 def test_auto_writes_the_pick_into_the_config_with_its_reason(monkeypatch):
-    monkeypatch.setattr(planner, "load_factors", lambda: {"factors": {}, "bsp_steps": None, "source": ""})
+    monkeypatch.setattr(planner, "load_factors", lambda **_: {"factors": {}, "bsp_steps": None, "source": ""})
     # the host times as measured (the test above measures them; 4 processes and 13 s here)
     monkeypatch.setattr(planner, "measure_host", lambda job, cands, nbytes, **_: {"bsp/none": 0.006, "bytegrad/uint8": 0.004})
     c = cfg(network=LAB, sync={"policy": "auto", "candidates": ["bsp", "bytegrad"]})
@@ -379,3 +379,44 @@ def test_the_factors_bsp_steps_predict_a_jobs_length_only_at_the_rate_batch_and_
     chosen, line, _ = planner.choose(job(0.02, 32, 0.96), compute_s=0.02, model_bytes=1.2e6)
     assert len(chosen.policy_trial["candidates"]) == 3, line  # about 92 steps of 600: all three asked
     assert planner.bsp_steps_apply(cfg(), {**data, "measured_at": {}})[0] is False
+
+
+def test_the_factors_are_the_set_measured_at_the_jobs_rate_or_interpolated_in_log_rate_between_two(tmp_path):
+    """A periodic policy's steps relative to BSP's move with the learning rate (on the digits MLP, local SGD
+    h=8 took 0.90 of BSP's steps at lr 0.1 and more than BSP's at lr 0.02), so the file holds one set per
+    rate measured. A job at a measured rate gets that set; between two, factor f(lr) = f_lo + w (f_hi - f_lo)
+    with w = ln(lr / lr_lo) / ln(lr_hi / lr_lo), and BSP's steps exp((1 - w) ln s_lo + w ln s_hi), which say
+    nothing of the job's length (counted at neither rate); outside them, the nearest set. (Before, every job
+    got the factors measured at lr 0.1.)"""
+    scope = {"workload": "orchestrator.workloads.digits", "optimizer": "sgd", "metric": "accuracy"}
+    fast = {"factors": {"bsp": 1.0, "local_sgd h=8": 0.9}, "bsp_steps": 80, "source": "at 0.1",
+            "measured_at": {"target": 0.96, "lr": 0.1, "global_batch": 128}}
+    slow = {"factors": {"bsp": 1.0, "local_sgd h=8": 1.3, "diloco h=16": 0.8}, "bsp_steps": 160, "source": "at 0.02",
+            "measured_at": {"target": 0.96, "lr": 0.02, "global_batch": 128}}
+    path = tmp_path / "convergence.json"
+    path.write_text(json.dumps({"applies_to": scope, "sets": [fast, slow]}))
+    assert planner.load_factors(path)["factors"]["local_sgd h=8"] == 0.9  # no rate: the first set
+    assert planner.load_factors(path, lr=0.1)["bsp_steps"] == 80
+    at02 = planner.load_factors(path, lr=0.02)
+    assert at02["factors"]["local_sgd h=8"] == 1.3 and at02["bsp_steps"] == 160 and at02["applies_to"] == scope
+    mid = 0.02 * 5 ** 0.25  # a quarter of the way from 0.02 to 0.1 in log(rate)
+    between = planner.load_factors(path, lr=mid)
+    assert abs(between["factors"]["local_sgd h=8"] - (1.3 + 0.25 * (0.9 - 1.3))) < 1e-12
+    assert "diloco h=16" not in between["factors"]  # measured at one rate only: no factor between
+    assert between["bsp_steps"] == round(160 ** 0.75 * 80 ** 0.25)
+    assert "interpolated in log(rate) at lr" in between["source"]
+    for lr, near in ((0.5, 80), (0.005, 160)):
+        outside = planner.load_factors(path, lr=lr)
+        assert outside["bsp_steps"] == near and "outside the rates measured (0.02, 0.1)" in outside["source"]
+
+    def job(lr: float) -> object:
+        return cfg(optimizer={"name": "sgd", "lr": lr, "momentum": 0.9}, workload={**BASE["workload"], "batch_size": 32},
+                   stop={"max_steps": 600, "target": {"metric": "accuracy", "value": 0.96}})
+
+    assert planner.bsp_steps_apply(job(0.02), at02) == (True, "")
+    applies, why = planner.bsp_steps_apply(job(mid), between)
+    assert not applies and "counted at lr 0.02 and 0.1, not between" in why, why
+    assert planner.factors_apply(job(mid), between) == (True, "")  # the ratios still rank the policies
+    old = tmp_path / "one.json"  # a file of one set, as written before there were several
+    old.write_text(json.dumps({**fast, "applies_to": scope}))
+    assert planner.load_factors(old, lr=0.02)["factors"]["local_sgd h=8"] == 0.9
