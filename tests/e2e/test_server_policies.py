@@ -282,7 +282,8 @@ def sigkill_the_coordinator_midway(job: ElasticJob, steps: int, at: int):
     workers = pids(job, ("w0", "w1", "w2", "w3"))
     os.kill(before.coordinator_pid, signal.SIGKILL)
     result = job.wait(timeout=180)
-    assert result.state == "FINISHED" and result.step == steps, result
+    # the whole cause (pytest cuts a long repr: CI AE's "coordinator error: ..." lost its message)
+    assert result.state == "FINISHED" and result.step == steps, f"{result.state} at {result.step}: {result.cause}"
     after = job.status()
     assert after.incarnation == 1 and after.coordinator_pid != before.coordinator_pid
     assert pids(job, ("w0", "w1", "w2", "w3")) == workers, "workers were restarted"

@@ -351,7 +351,8 @@ def test_the_trial_takes_at_most_its_share_of_the_jobs_predicted_steps():
 def test_the_factors_bsp_steps_predict_a_jobs_length_only_at_the_rate_batch_and_target_they_were_counted_at():
     """BSP's steps to the target in orchestrator/convergence.json were counted at one learning rate, global
     batch and target value. A job at another says nothing about its length by them (at a fifth of the rate
-    the digits MLP takes about twice the steps to 0.96), so its length is `stop.max_steps` alone. (Before,
+    the digits MLP takes about twice the steps to 0.96), so its length is `stop.max_steps` alone, unless
+    the file has a set counted at its rate. (Before,
     any job with the factors' workload, optimizer and metric was predicted at their BSP steps, and a trial
     asked of a job at lr 0.02 was cut to fit a quarter of 80 steps.)"""
     data = planner.load_factors()
@@ -369,15 +370,18 @@ def test_the_factors_bsp_steps_predict_a_jobs_length_only_at_the_rate_batch_and_
     rows = planner.ranked(same, planner.candidates(same), 0.02, 1.2e6)
     asked = planner.shortlist(rows, 3)
     assert planner.job_steps(same, asked) == min(600, data["bsp_steps"] * (asked[0].factor or 1.0))
-    for lr, batch, value, word in ((0.02, 32, 0.96, "lr 0.02"), (0.1, 16, 0.96, "global_batch 64"),
+    for lr, batch, value, word in ((0.05, 32, 0.96, "lr 0.05"), (0.1, 16, 0.96, "global_batch 64"),
                                    (0.1, 32, 0.97, "target 0.97")):
         other = job(lr, batch, value)
         applies, why = planner.bsp_steps_apply(other, data)
         assert not applies and word in why, why
         assert planner.factors_apply(other, data) == (True, "")  # the ratios still rank the policies
-        assert planner.job_steps(other, asked) == 600.0
-    chosen, line, _ = planner.choose(job(0.02, 32, 0.96), compute_s=0.02, model_bytes=1.2e6)
+        assert planner.job_steps(other, asked) == 600.0  # lr 0.05: between the rates measured, counted at neither
+    chosen, line, _ = planner.choose(job(0.05, 32, 0.96), compute_s=0.02, model_bytes=1.2e6)
     assert len(chosen.policy_trial["candidates"]) == 3, line  # about 92 steps of 600: all three asked
+    slow = planner.load_factors(lr=0.02)  # a rate with a set of its own: its BSP steps set the job's length
+    assert slow["measured_at"]["lr"] == 0.02 and planner.bsp_steps_apply(job(0.02, 32, 0.96), slow) == (True, "")
+    assert planner.job_steps(job(0.02, 32, 0.96), asked) == min(600, slow["bsp_steps"] * (asked[0].factor or 1.0))
     assert planner.bsp_steps_apply(cfg(), {**data, "measured_at": {}})[0] is False
 
 
