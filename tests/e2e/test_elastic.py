@@ -37,6 +37,20 @@ def reshapes(job: ElasticJob) -> list[dict]:
     return [e for e in job.events() if e["kind"] == "reshape"]
 
 
+def state_sources(job: ElasticJob, reshape: dict) -> dict:
+    """Whose state each joiner of `reshape` loaded: noted on the reshape's event, or, where a joiner's
+    message reached the coordinator after another member's report of the epoch's first step had closed
+    the event (the two come from different workers, in no set order), in an event of its own. (Under
+    load the reshape's own `state_sources` was once empty here, both joiners' events coming after it.)"""
+    epoch = reshape["detail"]["membership_epoch"]
+    sources = dict(reshape["detail"]["state_sources"])
+    for e in job.events():
+        detail = e.get("detail") or {}
+        if detail.get("state_source") and detail.get("membership_epoch") == epoch:
+            sources[detail["slot"]] = detail["state_source"]
+    return sources
+
+
 def assert_steps_exactly_once(job: ElasticJob) -> list[dict]:
     history = job.history()
     assert [r["step"] for r in history] == list(range(1, len(history) + 1))
@@ -85,8 +99,8 @@ def test_scale_up_by_api_then_down_by_cli(run_root):
     history = assert_steps_exactly_once(job)
     up, down = reshapes(job)[:2]
     assert up["detail"]["joiners"] == ["w2", "w3"] and down["detail"]["leavers"] == ["w3"]
-    assert set(up["detail"]["state_sources"]) == {"w2", "w3"}
-    assert all(v["source"] == "w0" for v in up["detail"]["state_sources"].values())
+    joined = state_sources(job, up)
+    assert set(joined) == {"w2", "w3"} and all(v["source"] == "w0" for v in joined.values()), joined
     for event in (up, down):
         gap = longest_gap_around(history, event["detail"]["first_committed_step"])
         print(f"{event['reason'][:60]}: first committed step {event['detail']['first_committed_step']}, "
@@ -214,7 +228,7 @@ def test_split_commit_vote_is_settled_at_the_next_epoch(run_root, split_referenc
     assert len(history) == 80
     reform = next(e for e in reshapes(split) if e["detail"]["detector"] == "collective failure")
     assert reform["detail"]["new_members"] == ["w0", "w1", "w2"]
-    assert reform["detail"]["state_sources"] == {"w0": {"source": "w1", "step": 31}}
+    assert state_sources(split, reform) == {"w0": {"source": "w1", "step": 31}}
     assert history[30]["membership_epoch"] < reform["detail"]["membership_epoch"] == history[31]["membership_epoch"]
     diff = max(float((a - b).abs().max()) for a, b in zip(params(split), split_reference()))
     print(f"split vote at step 31: re-formed in {reform['detail']['duration_s']:.2f}s, w0 took step 31 from w1; "
