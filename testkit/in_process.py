@@ -98,6 +98,17 @@ class LocalServerReports:
                 self.host.set_schedule(index, iterations)
 
 
+STARTED: list[LocalJob] = []
+"""The LocalJobs started since the last `close_started` (the tests' fixture ends those left running)."""
+
+
+def close_started() -> list[str]:
+    """End the replicas of every LocalJob started since the last call that are still running; their slots."""
+    left = [slot for job in STARTED for slot in job.close()]
+    STARTED.clear()
+    return left
+
+
 class LocalJob:
     """Real replicas in threads of this process; the test publishes the plans (no coordinator)."""
 
@@ -142,6 +153,7 @@ class LocalJob:
         return plan
 
     def start(self, slots: list[str] | None = None) -> None:
+        STARTED.append(self)
         for slot in slots or list(self.replicas):
             thread = threading.Thread(target=lambda s=slot: self.outcomes.__setitem__(s, self.replicas[s].run()),
                                       name=f"replica {slot}", daemon=True)
@@ -170,6 +182,22 @@ class LocalJob:
 
     def parameters(self, slot: str) -> list[torch.Tensor]:
         return [p.detach().clone() for p in self.replicas[slot].model.parameters()]
+
+    def close(self, timeout: float = 30.0) -> list[str]:
+        """End replicas still running (a test that failed before its stop): a plan with no members that
+        aborts every epoch before it, so each member fails the step under way, finds itself outside the
+        plan and leaves. Returns the slots that were still running. (A replica left running trains on
+        in its thread and reseeds the process's random generator at every step: the tests after it in
+        the same process then draw different initial models.)"""
+        running = [s for s, t in self._threads.items() if t.is_alive()]
+        if not running:
+            return []
+        epoch = max((r.plan.membership_epoch for r in self.replicas.values() if r.plan is not None), default=0)
+        self.publish((), epoch + 1, 1, aborts_epoch=epoch, reason="the test ended")
+        deadline = time.monotonic() + timeout
+        for slot in running:
+            self._threads[slot].join(max(deadline - time.monotonic(), 0.0))
+        return running
 
 
 class LoopbackHandle:

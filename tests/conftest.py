@@ -6,6 +6,7 @@ import fcntl
 import os
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,20 @@ for _name, _value in (("AWS_ACCESS_KEY_ID", "testing"), ("AWS_SECRET_ACCESS_KEY"
     os.environ.setdefault(_name, _value)
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
+
+
+@pytest.fixture(autouse=True)
+def _end_local_jobs():
+    """After each test, end the in-process replicas it left running (`testkit.in_process.LocalJob.close`):
+    a test that failed before its stop would leave them training in their threads, reseeding this
+    process's random generator at every step, and every later test here would draw other initial
+    models (CI AL: ten oracles failed in one xdist worker after one such test)."""
+    yield
+    module = sys.modules.get("testkit.in_process")  # not imported: no LocalJob was made
+    if module is not None:
+        left = module.close_started()
+        if left:
+            warnings.warn(f"replicas left running by the test were ended: {', '.join(left)}", stacklevel=1)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

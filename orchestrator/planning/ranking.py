@@ -63,7 +63,7 @@ def load_factors(path: Path = FACTORS_PATH, lr: float | None = None) -> dict:
         raw = {}
     sets = [_one_set(s) for s in (raw.get("sets") or [raw])]
     scope = dict(raw.get("applies_to") or {})
-    chosen = sets[0] if lr is None or len(sets) == 1 else _at_rate(sets, lr)
+    chosen = sets[0] if lr is None or lr <= 0 or len(sets) == 1 else _at_rate(sets, lr)
     return {**chosen, "applies_to": scope}
 
 
@@ -75,7 +75,7 @@ def _one_set(data: dict) -> dict:
 
 def _at_rate(sets: list[dict], lr: float) -> dict:
     """The factors for a job at `lr` from sets measured at several rates (`load_factors`)."""
-    rated = sorted((s for s in sets if isinstance(s["measured_at"].get("lr"), (int, float))),
+    rated = sorted((s for s in sets if isinstance(s["measured_at"].get("lr"), (int, float)) and s["measured_at"]["lr"] > 0),
                    key=lambda s: s["measured_at"]["lr"])
     if not rated:
         return sets[0]

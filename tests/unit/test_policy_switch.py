@@ -43,7 +43,9 @@ def run_switched(tmp_path, first: dict, then: dict, label: str, nodes: tuple[str
                what="a step committed under the new policy")
     # the switch's commit point: the step the new epoch's members agreed on (a periodic policy records
     # only its rounds, so its first record is not the step after the switch)
-    switched = next(args[1] for name, args in job.link.calls if name == "epoch_agreed" and args[0] == 2)
+    # (rank 0 sends its agreement with its next report, which may come after a member kept such a step)
+    switched = wait_until(lambda: next((args[1] for name, args in job.link.calls if name == "epoch_agreed"
+                                        and args[0] == 2), None), what="the switch's epoch agreement")
     stop = job.replicas["w0"].step + 6
     job.publish(SLOTS, 3, gb, policy=policy(label, then, fresh=False), nodes=nodes, stop_step=stop)
     outcomes = job.wait(120)
