@@ -8,7 +8,7 @@ import threading
 
 from testkit.harness import wait_until
 from testkit.in_process import LocalJob
-from tests.unit.test_policy_switch import BATCH, N, SLOTS, config
+from tests.unit.test_policy_switch import BATCH, SLOTS, N, config
 
 
 def test_close_ends_replicas_that_were_never_told_to_stop(tmp_path):
