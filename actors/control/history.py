@@ -73,10 +73,18 @@ class History:
         self.ledger.dropped.clear()
 
     def rewind(self, step: int) -> None:
-        """The server kind's reporter restarted from an older snapshot: the versions after `step` are
-        redone, and their new records are written (after the lost ones, which the event names)."""
+        """The server kind's reporter restarted from its snapshot at version `step`: the versions after
+        it are redone, and their new records are written (after the lost ones, which the event names).
+        Versions up to `step` that history lacks were applied (the snapshot holds their result) but their
+        records died with the server before it reported them: a note says so, and history goes on after
+        `step`."""
         if self.reporter == "server":
-            self.ledger.written_step = min(self.ledger.written_step, step)
+            written = self.ledger.written_step
+            if written < step:
+                self._note(f"versions {written + 1}..{step} have no history record: the parameter server applied "
+                           f"them (its snapshot at version {step} holds their result) but died before it reported "
+                           f"them", {"first": written + 1, "last": step})
+            self.ledger.written_step = step
 
     def restore(self, step: int) -> list[int]:
         """Every member was lost and fresh ones start from the checkpoint at `step`: the steps after it

@@ -125,9 +125,13 @@ def server_restarted(cfg: JobConfig, kind: str, server: ServerControl | None, bo
 def restart_event(history_step: int, resumed: int, incarnation: int, snapshot: str | None, every: int) -> tuple[str, dict]:
     """The event of a server restart: the versions after its snapshot that history holds were lost."""
     lost = max(0, history_step - resumed)
+    unreported = [history_step + 1, resumed] if history_step < resumed else None
     source = f"its snapshot at version {resumed}" if snapshot else "its initial state (no snapshot yet)"
     reason = (f"parameter server restarted as incarnation {incarnation} from {source}: "
               + (f"versions {resumed + 1}..{history_step} lost ({lost}; server.snapshot_every = {every}), redone"
-                 if lost else "no version lost"))
+                 if lost else "no version lost")
+              + (f"; versions {history_step + 1}..{resumed} are in the snapshot but were never reported: history "
+                 f"has no record of them" if unreported else ""))
     return reason, {"resumed_version": resumed, "history_step": history_step, "versions_lost": lost,
-                    "server_incarnation": incarnation, "snapshot": snapshot, "snapshot_every": every}
+                    "unreported": unreported, "server_incarnation": incarnation, "snapshot": snapshot,
+                    "snapshot_every": every}

@@ -160,10 +160,18 @@ def test_server_sigkill_resumes_from_its_snapshot_and_the_job_finishes(run_root)
     lost, resumed = event["detail"]["versions_lost"], event["detail"]["resumed_version"]
     # snapshots are stored by a thread of their own while later versions apply (no push waits for the
     # store), so versions may apply between the fault's and the kill; the kill waits for the snapshot
-    # being stored, so the restart resumes from version 30's snapshot or a newer one. History holds the
-    # versions the coordinator was told of before the kill (the server reports them as they apply)
-    assert resumed >= kill_at // every * every and event["detail"]["history_step"] >= resumed, event
-    assert lost == event["detail"]["history_step"] - resumed
+    # being stored, so the restart resumes from version 30's snapshot or a newer one
+    assert resumed >= kill_at // every * every, event
+    # history holds the versions the coordinator was told of before the kill: the server reports them as
+    # they apply, and under load the reports may lag even behind the snapshot (once: history at 1, the
+    # snapshot at 30). Those the snapshot holds but history lacks are named, by the event and a note
+    written = event["detail"]["history_step"]
+    assert lost == max(0, written - resumed)
+    unreported = event["detail"]["unreported"]
+    assert unreported == ([written + 1, resumed] if written < resumed else None), event
+    if unreported:
+        assert any((e.get("detail") or {}).get("first") == written + 1 and (e.get("detail") or {}).get("last") == resumed
+                   for e in job.events()), "no note names the versions history lacks"
     assert event["detail"]["server_incarnation"] == 1, event
     status = job.status()
     assert status.server["incarnation"] == 1
@@ -171,7 +179,8 @@ def test_server_sigkill_resumes_from_its_snapshot_and_the_job_finishes(run_root)
     history = job.history()
     redone = [r["step"] for r in history if r.get("server_incarnation") == 1]
     assert redone == list(range(resumed + 1, steps + 1)), "the new incarnation carries on from its snapshot"
-    assert [r["step"] for r in history if r.get("server_incarnation") == 0] == list(range(1, resumed + lost + 1))
+    # every version reported before the kill (those after the snapshot, lost, are redone above)
+    assert [r["step"] for r in history if r.get("server_incarnation") == 0] == list(range(1, written + 1))
     print(f"server SIGKILL at version {resumed + lost}: {event['reason']}; refused pushes {status.server['rejected']}")
 
 

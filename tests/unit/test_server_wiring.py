@@ -97,6 +97,27 @@ def test_a_server_restart_names_the_versions_lost_and_history_records_the_redone
     assert restart_event(3, 3, 2, None, every=5)[1]["versions_lost"] == 0
 
 
+def test_a_server_that_dies_before_reporting_versions_its_snapshot_holds_names_them_and_history_goes_on_after(tmp_path):
+    """The coordinator's history at version 1 when the server, killed at 38, restarts from its snapshot at
+    30 (a run under load: e2e, `faults.server`): versions 2..30 were applied, but their records died with
+    the server. The event and a note name them, and history takes the redone versions from 31. (Before,
+    the event said "no version lost" and history went on from 31 with 2..30 missing, unnamed.)"""
+    notes = []
+    history = History(tmp_path / "history.jsonl", "server", note=lambda reason, detail: notes.append((reason, detail)))
+    history.offer({"step": 1, "server_incarnation": 0})
+    reason, detail = restart_event(history.written_step, 30, 1, "snap", every=10)
+    assert detail["versions_lost"] == 0 and detail["unreported"] == [2, 30], detail
+    assert "versions 2..30 are in the snapshot but were never reported" in reason, reason
+    history.rewind(30)
+    assert notes and notes[0][1] == {"first": 2, "last": 30} and "versions 2..30 have no history record" in notes[0][0]
+    for step in range(31, 34):
+        history.offer({"step": step, "server_incarnation": 1})
+    history.shut()
+    lines = [r["step"] for r in map(json.loads, (tmp_path / "history.jsonl").read_text().splitlines())]
+    assert lines == [1, 31, 32, 33]
+    assert restart_event(7, 5, 1, "snap", every=5)[1]["unreported"] is None
+
+
 def test_a_new_server_resumes_from_a_stopped_jobs_checkpoint(tmp_path):
     """`--resume` for a server policy: a new server loads `model_state()`'s blob (what a stopped job's
     checkpoint holds) before any member is admitted, and takes the new run's first membership epoch."""
