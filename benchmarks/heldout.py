@@ -107,6 +107,11 @@ LM_STEPS = 60
 TARGET = 0.96
 
 
+def digits_lr(setting: str) -> float:
+    """A digits setting's SGD rate: its own, else the grid's."""
+    return SETTINGS[setting].get("lr", 0.1)
+
+
 def job_dict(setting: str, label: str, sync: dict, compression: dict, network: str, seed: int, root: str,
              max_steps: int = 600) -> dict:
     s = SETTINGS[setting]
@@ -123,7 +128,7 @@ def job_dict(setting: str, label: str, sync: dict, compression: dict, network: s
     else:
         workload = {"factory": "orchestrator.workloads.digits:lab_mlp",
                     "params": {"hidden": 512, "depth": 2, "compute_ms": 15.0, "seed": seed}, "batch_size": 32}
-        optimizer = {"name": "sgd", "lr": s.get("lr", 0.1), "momentum": 0.9}
+        optimizer = {"name": "sgd", "lr": digits_lr(setting), "momentum": 0.9}
         stop, every = {"max_steps": max_steps, "target": {"metric": "accuracy", "value": TARGET}}, 5
     name = "heldout-" + "".join(ch if ch.isalnum() else "-" for ch in f"{setting}-{label}-{network}-{seed}")
     return {"name": name[:64], "seed": seed, "run_dir": root,
@@ -396,10 +401,10 @@ def rerank(rows: list[dict]) -> dict:
     good = []
     for key in auto_cells(rows):
         setting, network, _seed = key
-        data = planner.load_factors(lr=SETTINGS.get(setting, {}).get("lr", 0.1))
         same = reached(rows, *key)
         if not same or SETTINGS.get(setting, {}).get("workload", "digits") != "digits":
             continue
+        data = planner.load_factors(lr=digits_lr(setting))
         ref = same[0]
         net, compute = model_inputs(setting, network, ref["probed"], ref["compute_s"], ref["host_s"])
         ranked = planner.rank(candidates(setting, set()), net, compute, ref["model_bytes"], data["factors"],

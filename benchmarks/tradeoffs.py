@@ -410,14 +410,11 @@ def write_factors(summary: dict, args) -> None:
     """This run's factors into orchestrator/convergence.json as the set measured at `--lr`: it replaces a set
     measured at the same rate and keeps the others (a job between two measured rates gets the factors
     interpolated between them: orchestrator/planning/ranking.py `load_factors`)."""
+    from orchestrator.planning.ranking import factor_sets, read_factor_file
+
     path = REPO / "orchestrator" / "convergence.json"
-    try:
-        old = json.loads(path.read_text())
-    except (OSError, ValueError):
-        old = {}
-    sets = [s for s in (old.get("sets") or ([old] if old.get("factors") else []))
-            if not isinstance(s.get("measured_at", {}).get("lr"), (int, float)) or abs(s["measured_at"]["lr"] - args.lr) > 1e-12]
-    sets = [{k: s[k] for k in ("factors", "bsp_steps", "source", "measured_at") if k in s} for s in sets]
+    sets = [s for s in factor_sets(read_factor_file(path)) if s["factors"] and (not isinstance(s["measured_at"].get("lr"), (int, float))
+                                                            or abs(s["measured_at"]["lr"] - args.lr) > 1e-12)]
     sets.append({"factors": summary["factors"], "bsp_steps": summary["bsp_steps"],
                  "source": f"benchmarks/tradeoffs.py, {time.strftime('%Y-%m-%d')}: digits MLP ({args.hidden} hidden), "
                            f"4 workers, SGD lr {args.lr:g} momentum 0.9, steps to {args.target} held-out accuracy relative "

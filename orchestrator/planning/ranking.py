@@ -57,14 +57,25 @@ def load_factors(path: Path = FACTORS_PATH, lr: float | None = None) -> dict:
     job at `lr` gets the set measured at it; between two measured rates, each factor interpolated linearly
     in log(rate), and BSP's steps in log-log (the "source" says so; `measured_at` then names the two rates,
     and `bsp_steps_apply` holds for neither); outside them, the nearest set. Without `lr`, the first set."""
-    try:
-        raw = json.loads(path.read_text())
-    except (OSError, ValueError):
-        raw = {}
-    sets = [_one_set(s) for s in (raw.get("sets") or [raw])]
+    raw = read_factor_file(path)
+    sets = factor_sets(raw)
     scope = dict(raw.get("applies_to") or {})
     chosen = sets[0] if lr is None or lr <= 0 or len(sets) == 1 else _at_rate(sets, lr)
     return {**chosen, "applies_to": scope}
+
+
+def read_factor_file(path: Path = FACTORS_PATH) -> dict:
+    """A convergence.json's contents; empty when there is none or it is not JSON."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def factor_sets(raw: dict) -> list[dict]:
+    """The sets of factors in a convergence.json's contents, each with the keys `load_factors` returns but
+    `applies_to` (a file of one set without the list is read as one; an empty file as one empty set)."""
+    return [_one_set(s) for s in (raw.get("sets") or [raw])]
 
 
 def _one_set(data: dict) -> dict:
