@@ -36,6 +36,12 @@ workload at lr 0.02 as well as 0.1; a job's factors are interpolated in log rate
 before those factors were known:
 - `8w4n03`: 8 workers on 4 lab nodes (2 a node), the grid's workload at SGD lr 0.03, at 100 Mbit/s,
   1 Gbit/s and 10 Gbit/s.
+The seventh set (2026-11-29) judges convergence factors measured at a second world size (8 workers as well
+as 4, at both rates; a job's factors are interpolated in log world size and log rate) and a periodic
+policy credited with fewer steps than BSP where its factors were measured around the job's own world size
+and rate; chosen before the 8-worker factors were measured:
+- `6w3n03`: 6 workers on 3 lab nodes (2 a node), the grid's workload at SGD lr 0.03, at 100 Mbit/s,
+  1 Gbit/s and 10 Gbit/s.
 `--rerank` re-scores the ranking as it stands on recorded rows, from their measured inputs (nothing runs).
 
 Per digits cell (setting x network x seed): every policy `plan` weighs, run to the target, with the
@@ -45,7 +51,7 @@ trial (`sync.auto: {trial_steps, candidates}`), run to the target the same way, 
 ended with. The report: the model's error per cell (within 25%?), and whether auto's final pick is
 within 10% of the fastest policy's time to the target in the same cell and seed (its standalone run).
 
-    python benchmarks/heldout.py [--settings 6w3n,bucket01,lm1g,4w4n,6w2n02,6w3n02,8w4n03] [--networks 100m,1g] [--seeds 0,1,2]
+    python benchmarks/heldout.py [--settings 6w3n,bucket01,lm1g,4w4n,6w2n02,6w3n02,8w4n03,6w3n03] [--networks 100m,1g] [--seeds 0,1,2]
         [--trial-steps 10] [--trial-candidates 3] [--out docs/heldout.jsonl] [--resume] [--report] [--rerank]
 
 Rows are appended to `--out` as each run ends (`--resume` skips those there). Needs root and `tc` (the
@@ -100,6 +106,10 @@ SETTINGS = {
     # the sixth set (2026-11-28, night), chosen before the convergence factors measured at a second rate (lr 0.02
     # as well as 0.1, interpolated in log rate between them) were known: a rate at neither, 8 workers
     "8w4n03": {"nodes": 4, "per_node": 2, "bucket_mb": None, "workload": "digits", "networks": ("100m", "1g", "10g"),
+               "lr": 0.03},
+    # the seventh set (2026-11-29), chosen before the convergence factors at 8 workers were measured: a world
+    # size between the two measured (4 and 8) at a rate between the two measured (0.02 and 0.1)
+    "6w3n03": {"nodes": 3, "per_node": 2, "bucket_mb": None, "workload": "digits", "networks": ("100m", "1g", "10g"),
                "lr": 0.03},
 }
 LM_LABELS = ("bsp", "bsp hierarchical", "local_sgd h=8", "diloco h=16", "dpsgd ring uint8", "shadow ma")
