@@ -2,7 +2,8 @@
 three compute conditions, against the runtime model's prediction.
 
 Setting (one cell = one network x one condition; every policy runs in every cell):
-- 4 workers on 2 virtual nodes of the lab (w0, w1 on node 0; w2, w3 on node 1), gloo on CPU; the
+- 4 workers on 2 virtual nodes of the lab (w0, w1 on node 0; w2, w3 on node 1; `--workers N`: N on N/2
+  nodes, 2 a node, to measure the factors at another world size), gloo on CPU; the
   links between the nodes shaped by the kernel (`tc` htb) at `10g` (10 Gbit/s, 0.05 ms modelled
   one-way latency), `1g` (1 Gbit/s, 0.2 ms) or `100m` (100 Mbit/s, 1 ms); within a node, loopback.
 - The workload: the digits MLP with 2 hidden layers of `--hidden` units (512: 1.2 MB of float32
@@ -30,7 +31,7 @@ relative to BSP (`--png`); one JSON line. Results are appended to `--out` as eac
 a run that stops can be continued (`--resume`); `--report` re-prints from that file alone.
 
     python benchmarks/tradeoffs.py [--networks 10g,1g,100m] [--conditions none,straggler,jitter]
-        [--only bsp,dpsgd] [--seeds 0,1,2] [--compute-ms 15] [--target 0.96] [--out tradeoffs.jsonl]
+        [--only bsp,dpsgd] [--seeds 0,1,2] [--lr 0.1] [--workers 4] [--compute-ms 15] [--target 0.96] [--out tradeoffs.jsonl]
         [--resume] [--png docs/tradeoffs.png] [--write-factors] [--report] [--with docs/tradeoffs_seeds.jsonl]
 
 With several `--seeds`, each cell runs once per seed (the workload's initialization and the data order
@@ -55,7 +56,8 @@ sys.path.insert(0, str(REPO))
 
 NETWORKS = {"10g": (10000.0, 0.05), "1g": (1000.0, 0.2), "100m": (100.0, 1.0)}
 CONDITIONS = ("none", "straggler", "jitter")
-WORKERS = 4
+WORKERS, PER_NODE = 4, 2
+"""The grid's world size (`--workers` measures the factors at another) and workers a lab node."""
 LR, BATCH = 0.1, 32
 """The grid's SGD rate (`--lr` measures the factors at another) and per-worker batch (the factors' BSP
 steps hold at these alone)."""
@@ -73,11 +75,12 @@ def job_dict(label: str, cand, network: str, condition: str, args, seed: int, ro
         sync["consensus_every"] = 0
     name = "tradeoffs-" + "".join(ch if ch.isalnum() else "-" for ch in f"{label}-{network}-{condition}")
     return {"name": name[:64], "seed": seed, "run_dir": root,
-            "workers": {"count": WORKERS, "cpus": 0.5},
+            "workers": {"count": args.workers, "cpus": 0.5},
             "workload": {"factory": "orchestrator.workloads.digits:lab_mlp", "params": params, "batch_size": BATCH},
             "optimizer": {"name": "sgd", "lr": args.lr, "momentum": 0.9},
             "sync": sync, "compression": dict(cand.compression) or {"codec": "none"},
-            "network": {"nodes": 2, "workers_per_node": 2, "inter": {"mbit": mbit, "latency_ms": latency}},
+            "network": {"nodes": args.workers // PER_NODE, "workers_per_node": PER_NODE,
+                        "inter": {"mbit": mbit, "latency_ms": latency}},
             "stop": {"max_steps": args.max_steps, "target": {"metric": "accuracy", "value": args.target}},
             "eval_every": 5}
 
@@ -148,13 +151,14 @@ def run_cell(label, cand, network, condition, args, root, seed: int = 0) -> dict
         raise RuntimeError(f"{label} {network} {condition}: no history ({result.state}: {result.cause})")
     evals = accuracy_evals(history)
     hit = first_at(evals, args.target)
-    return {"policy": label, "network": network, "condition": condition, "seed": seed, "lr": args.lr, "state": result.state,
+    return {"policy": label, "network": network, "condition": condition, "seed": seed, "lr": args.lr,
+            "workers": args.workers, "state": result.state,
             "step_s": per_step(history), "bytes_per_step": bytes_per_step(history),
             "to_target_s": hit[0], "steps_to_target": hit[1], "steps": max(r["step"] for r in history),
             "best_accuracy": max((acc for _, _, acc in evals), default=None)}
 
 
-def cell_network(network: str, probed: list[dict], host_s=None):
+def cell_network(network: str, probed: list[dict], host_s=None, workers: int = WORKERS):
     """The model's view of a cell's network: the lab's links as probed, and each synchronization
     pattern's host time on this machine (`planner.measure_host`; None in rows written before it was
     measured: none counted)."""
@@ -162,9 +166,10 @@ def cell_network(network: str, probed: list[dict], host_s=None):
     from orchestrator.planner import network_for
 
     mbit, latency = NETWORKS[network]
-    cfg = config_from_dict({"name": "x", "workers": {"count": WORKERS}, "workload": {"factory": "orchestrator.workloads.digits:mlp"},
-                            "network": {"nodes": 2, "workers_per_node": 2, "inter": {"mbit": mbit, "latency_ms": latency}}})
-    return network_for(cfg.network, WORKERS, probed, host_s)
+    cfg = config_from_dict({"name": "x", "workers": {"count": workers}, "workload": {"factory": "orchestrator.workloads.digits:mlp"},
+                            "network": {"nodes": workers // PER_NODE, "workers_per_node": PER_NODE,
+                                        "inter": {"mbit": mbit, "latency_ms": latency}}})
+    return network_for(cfg.network, workers, probed, host_s)
 
 
 def cell_compute(condition: str, step_s: float, modelled_s: float):
@@ -179,7 +184,7 @@ def cell_compute(condition: str, step_s: float, modelled_s: float):
 
 
 def placed_compute(args, root: str) -> float:
-    """The compute time of one step as the placed workers see it (the probe's measurement): the same 4
+    """The compute time of one step as the placed workers see it (the probe's measurement): the same
     workers, workload, evaluation cadence and CPU contention, communicating once in 20 steps (`local_sgd`,
     h 20, unshaped: a round on loopback adds well under 1 ms a step); time per step after step 10."""
     from algorithms.rules.runtime_model import PolicySpec
@@ -190,10 +195,10 @@ def placed_compute(args, root: str) -> float:
 
 
 def predict_cell(cand, network: str, condition: str, probed: list[dict], step_s: float, modelled_s: float,
-                 model_bytes: float, host_s=None) -> float:
+                 model_bytes: float, host_s=None, workers: int = WORKERS) -> float:
     from algorithms.rules.runtime_model import predict
 
-    return predict(cand.spec, cell_network(network, probed, host_s),
+    return predict(cand.spec, cell_network(network, probed, host_s, workers),
                    cell_compute(condition, step_s, modelled_s), model_bytes).step_s
 
 
@@ -234,16 +239,17 @@ def report(rows: list[dict], args) -> dict:
 
     rows = by_seed(rows)
     seeds = max(r["seeds"] for r in rows)
+    workers = row_workers(rows)
     if seeds > 1:
         print(f"medians over up to {seeds} seeds a cell")
 
     cells = [(n, c) for n in NETWORKS for c in CONDITIONS if any(r["network"] == n and r["condition"] == c for r in rows)]
     by_label = {c.label: c for c in planner.candidates(config_from_dict({
-        "name": "x", "workers": {"count": WORKERS}, "workload": {"factory": "orchestrator.workloads.digits:mlp"},
-        "network": {"nodes": 2, "workers_per_node": 2}}))}
+        "name": "x", "workers": {"count": workers}, "workload": {"factory": "orchestrator.workloads.digits:mlp"},
+        "network": {"nodes": workers // PER_NODE, "workers_per_node": PER_NODE}}))}
     for r in rows:  # the model's prediction, again from the measured inputs kept with each row
         r["predicted_step_s"] = predict_cell(by_label[r["policy"]], r["network"], r["condition"], r["probed"],
-                                             r["compute_s"], r["modelled_s"], r["model_bytes"], r.get("host_s"))
+                                             r["compute_s"], r["modelled_s"], r["model_bytes"], r.get("host_s"), workers)
     get = {(r["policy"], r["network"], r["condition"]): r for r in rows}
     policies = list(dict.fromkeys(r["policy"] for r in rows))
     base = [r for r in rows if r["network"] == "10g" and r["condition"] == "none"]
@@ -280,7 +286,7 @@ def report(rows: list[dict], args) -> dict:
             cands = [c for label, c in by_label.items() if label in cell and label in factors]
             # the inputs measured with this cell's rows (a resumed run measures them again for the rows it adds)
             measured = next(r for r in rows if r["network"] == network and r["condition"] == condition)
-            net = cell_network(network, measured["probed"], measured.get("host_s"))
+            net = cell_network(network, measured["probed"], measured.get("host_s"), workers)
             compute = cell_compute(condition, measured["compute_s"], measured["modelled_s"])
             ranked = planner.rank(cands, net, compute, measured["model_bytes"], factors, bsp_base["steps_to_target"])
             pick = ranked[0].candidate.label
@@ -297,10 +303,15 @@ def report(rows: list[dict], args) -> dict:
     if args.png:
         heat_map(summary_cells, policies, Path(args.png))
     return {"benchmark": "tradeoffs", "compute_ms": args.compute_ms, "target": args.target, "hidden": args.hidden,
-            "seeds": seeds,
+            "seeds": seeds, "workers": workers,
             "factors": factors, "bsp_steps": bsp_base and bsp_base.get("steps_to_target"),
             "worst_model_error": worst[0], "worst_model_cell": worst[1],
             "plan_within_10pct": f"{sum(picks_good)}/{len(picks_good)}", "cells": summary_cells}
+
+
+def row_workers(rows: list[dict]) -> int:
+    """The world size the rows were measured at (rows written before `--workers` are the grid's)."""
+    return int(rows[0].get("workers", WORKERS)) if rows else WORKERS
 
 
 def seeds_text(seeds: int) -> str:
@@ -373,6 +384,8 @@ def main() -> int:
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--target", type=float, default=0.96)
     parser.add_argument("--lr", type=float, default=LR, help="the SGD rate of every run (the factors are written as measured at it)")
+    parser.add_argument("--workers", type=int, default=WORKERS,
+                        help=f"workers, {PER_NODE} a lab node (the factors are written as measured at this world size)")
     parser.add_argument("--max-steps", type=int, default=600)
     parser.add_argument("--seeds", default="0", help="comma-separated seeds: each cell runs once per seed (medians)")
     parser.add_argument("--out", default="tradeoffs.jsonl")
@@ -385,6 +398,10 @@ def main() -> int:
     parser.add_argument("--write-factors", action="store_true",
                         help="write the measured convergence factors to orchestrator/convergence.json for plan and auto")
     args = parser.parse_args()
+    if args.workers < PER_NODE or args.workers % PER_NODE:
+        print(f"--workers: {args.workers} is not a positive multiple of {PER_NODE} (the lab puts {PER_NODE} on a node)",
+              file=sys.stderr)
+        return 2
     rows = measured_rows(args, Path(args.out), measure)
     if isinstance(rows, int):
         return rows
@@ -397,6 +414,12 @@ def main() -> int:
     if args.write_factors and rates != [args.lr]:
         print(f"--write-factors: the rows were measured at lr {', '.join(f'{x:g}' for x in rates)}, not --lr {args.lr:g} "
               f"alone (rows without a rate are the grid's, {LR:g})", file=sys.stderr)
+        return 2
+    sizes = sorted({int(r.get("workers", WORKERS)) for r in rows})
+    if len(sizes) > 1 or (args.write_factors and sizes != [args.workers]):
+        print(f"the rows were measured with {', '.join(map(str, sizes))} workers; one world size a report"
+              + (f", and --write-factors needs --workers {args.workers}'s alone" if args.write_factors else "")
+              + f" (rows without one are the grid's, {WORKERS})", file=sys.stderr)
         return 2
     summary = report(rows, args)
     if args.write_factors and summary["factors"]:
@@ -413,13 +436,18 @@ def write_factors(summary: dict, args) -> None:
     from orchestrator.planning.ranking import factor_sets, read_factor_file
 
     path = REPO / "orchestrator" / "convergence.json"
-    sets = [s for s in factor_sets(read_factor_file(path)) if s["factors"] and (not isinstance(s["measured_at"].get("lr"), (int, float))
-                                                            or abs(s["measured_at"]["lr"] - args.lr) > 1e-12)]
+    def same_point(at: dict) -> bool:
+        return (isinstance(at.get("lr"), (int, float)) and abs(at["lr"] - args.lr) <= 1e-12
+                and int(at.get("workers") or WORKERS) == args.workers)
+
+    sets = [s for s in factor_sets(read_factor_file(path)) if s["factors"] and not same_point(s["measured_at"])]
     sets.append({"factors": summary["factors"], "bsp_steps": summary["bsp_steps"],
                  "source": f"benchmarks/tradeoffs.py, {time.strftime('%Y-%m-%d')}: digits MLP ({args.hidden} hidden), "
-                           f"4 workers, SGD lr {args.lr:g} momentum 0.9, steps to {args.target} held-out accuracy relative "
-                           f"to BSP (10 Gbit/s, no straggler, {seeds_text(summary['seeds'])})",
-                 "measured_at": {"target": args.target, "lr": args.lr, "global_batch": WORKERS * BATCH}})
+                           f"{args.workers} workers, SGD lr {args.lr:g} momentum 0.9, steps to {args.target} held-out "
+                           f"accuracy relative to BSP (10 Gbit/s, no straggler, {seeds_text(summary['seeds'])})",
+                 "measured_at": {"target": args.target, "lr": args.lr, "workers": args.workers,
+                                 "global_batch": args.workers * BATCH}})
+    sets.sort(key=lambda s: (int(s["measured_at"].get("workers") or WORKERS), -float(s["measured_at"].get("lr") or 0)))
     path.write_text(json.dumps({
         "applies_to": {"workload": "orchestrator.workloads.digits", "optimizer": "sgd", "metric": "accuracy"},
         "sets": sets}, indent=1) + "\n")
@@ -467,8 +495,9 @@ def measure(args, out: Path) -> int:
     if not args.resume:
         out.write_text("")
     only = {s.strip() for s in args.only.split(",") if s.strip()}
-    base = config_from_dict({"name": "x", "workers": {"count": WORKERS},
-                             "workload": {"factory": "orchestrator.workloads.digits:mlp"}, "network": {"nodes": 2, "workers_per_node": 2}})
+    base = config_from_dict({"name": "x", "workers": {"count": args.workers},
+                             "workload": {"factory": "orchestrator.workloads.digits:mlp"},
+                             "network": {"nodes": args.workers // PER_NODE, "workers_per_node": PER_NODE}})
     cands = [c for c in planner.candidates(base) if not only or c.label in only or c.sync["policy"] in only]
     measured = config_from_dict(job_dict("bsp", cands[0], "10g", "none", args, 0, "/tmp"))
     alone_s, model_bytes = planner.measure_compute(measured)
@@ -477,9 +506,9 @@ def measure(args, out: Path) -> int:
     root = tempfile.mkdtemp(prefix="tradeoffs-")
     compute_s, modelled_s = placed_compute(args, root), args.compute_ms / 1e3
     host_s = planner.measure_host(measured, cands, model_bytes)
-    print(f"one step's compute: {alone_s * 1e3:.2f} ms in one process, {compute_s * 1e3:.2f} ms among the 4 placed "
-          f"workers (modelled sleep {args.compute_ms} ms of it); model {model_bytes / 1e6:.3f} MB; each pattern's "
-          f"synchronization among {WORKERS} ranks on this machine: "
+    print(f"one step's compute: {alone_s * 1e3:.2f} ms in one process, {compute_s * 1e3:.2f} ms among the {args.workers} "
+          f"placed workers (modelled sleep {args.compute_ms} ms of it); model {model_bytes / 1e6:.3f} MB; each pattern's "
+          f"synchronization among {args.workers} ranks on this machine: "
           + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in sorted(host_s.items())), flush=True)
     for network in [n.strip() for n in args.networks.split(",") if n.strip()]:
         net_cfg = config_from_dict(job_dict("bsp", cands[0], network, "none", args, 0, root)).network
@@ -495,7 +524,7 @@ def measure(args, out: Path) -> int:
                     began = time.time()
                     row = run_cell(cand.label, cand, network, condition, args, root, seed)
                     row.update(predicted_step_s=predict_cell(cand, network, condition, probed, compute_s, modelled_s,
-                                                             model_bytes, host_s),
+                                                             model_bytes, host_s, args.workers),
                                compute_s=compute_s, modelled_s=modelled_s, model_bytes=model_bytes, probed=probed,
                                host_s=host_s)
                     with open(out, "a") as f:
