@@ -114,10 +114,53 @@ def bytes_per_step(history: list[dict]) -> float:
 
 
 def accuracy_evals(history: list[dict]) -> list[tuple[float, int, float]]:
-    """(seconds from the first committed step, step, held-out accuracy) of each evaluation, in order."""
-    start = min(r["time"] for r in history)
+    """(seconds from the start of training, step, held-out accuracy) of each evaluation, in order. The start
+    is the first record's time less its step's worth of the run's time per step: a periodic policy's first
+    record is its first commit (step 16 for `diloco h=16`), so timing from that record, as this did before
+    2026-11-29, left its first round's steps out of its time to the target (a ninth of a 144-step run)."""
+    first = min(history, key=lambda r: r["time"])
+    pace = per_step(history)
+    start = first["time"] - first["step"] * (pace if pace == pace else 0.0)
     return sorted((r["time"] - start, r["step"], r["metrics"]["accuracy"]) for r in history
                   if r.get("metrics", {}).get("accuracy") is not None)
+
+
+TIMED_FROM_START = "start"
+"""A row's `timed_from` once its time to the target counts from the start of training (`accuracy_evals`)."""
+
+
+def from_start(row: dict, started: str | None = None) -> dict:
+    """A row written before times to the target counted from the start of training, with its time to the
+    target moved back by the steps before the first commit of the policy it started on (`started`, its own
+    `policy` by default) at the run's time per step; the time as written is kept as `to_target_s_from_commit`.
+    (On the rows of 2026-11-28, a periodic policy's time to the target equals its time per step times its
+    steps to the target less its first commit's step, to within 1%.)"""
+    if row.get("timed_from") == TIMED_FROM_START or row.get("to_target_s") is None or not row.get("step_s"):
+        return row
+    gap = first_commit(started or row["policy"])
+    if gap is None:
+        return row
+    return {**row, "to_target_s": row["to_target_s"] + gap * row["step_s"], "to_target_s_from_commit": row["to_target_s"],
+            "timed_from": TIMED_FROM_START}
+
+
+def first_commit(label: str) -> int | None:
+    """The step of a candidate's first committed record: 1 for a synchronous kind, h for a periodic round,
+    h / fragments plus the overlap for streaming DiLoCo (`planner.commit_gap`); None for a label no
+    candidate has."""
+    from orchestrator import planner
+    from orchestrator.config import config_from_dict
+
+    if not _GAPS:
+        for opt in ({"name": "sgd", "lr": 0.1}, {"name": "adamw", "lr": 0.003}):
+            cfg = config_from_dict({"name": "x", "workers": {"count": 4}, "optimizer": opt,
+                                    "workload": {"factory": "orchestrator.workloads.digits:mlp"},
+                                    "network": {"nodes": 2, "workers_per_node": 2}})
+            _GAPS.update({c.label: planner.commit_gap(c.spec) for c in planner.candidates(cfg)})
+    return _GAPS.get(label)
+
+
+_GAPS: dict[str, int] = {}
 
 
 def first_at(evals: list[tuple[float, int, float]], target: float) -> tuple[float | None, int | None]:
@@ -154,7 +197,8 @@ def run_cell(label, cand, network, condition, args, root, seed: int = 0) -> dict
     return {"policy": label, "network": network, "condition": condition, "seed": seed, "lr": args.lr,
             "workers": args.workers, "state": result.state,
             "step_s": per_step(history), "bytes_per_step": bytes_per_step(history),
-            "to_target_s": hit[0], "steps_to_target": hit[1], "steps": max(r["step"] for r in history),
+            "to_target_s": hit[0], "timed_from": TIMED_FROM_START, "steps_to_target": hit[1],
+            "steps": max(r["step"] for r in history),
             "best_accuracy": max((acc for _, _, acc in evals), default=None)}
 
 
@@ -202,10 +246,13 @@ def predict_cell(cand, network: str, condition: str, probed: list[dict], step_s:
                    cell_compute(condition, step_s, modelled_s), model_bytes).step_s
 
 
-def load(path: Path) -> list[dict]:
+def load(path: Path, started=None) -> list[dict]:
+    """The rows of a result file, each timed to the target from the start of training (`from_start`;
+    `started(row)`: the label of the policy a row's run started on, if not its `policy`)."""
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [from_start(r, started(r) if started else None) for r in rows]
 
 
 def by_seed(rows: list[dict]) -> list[dict]:

@@ -39,6 +39,7 @@ from orchestrator.planning.cluster import (
 )
 from orchestrator.planning.measure import measure_compute, measure_host, parameter_layout
 from orchestrator.planning.ranking import (
+    CREDITED,
     EXACT,
     FACTORS_PATH,
     RELAXED_MARGIN,
@@ -51,9 +52,9 @@ from orchestrator.planning.ranking import (
 from orchestrator.planning.report import describe_probe, recommendation, table
 
 __all__ = [  # the names callers reach through this module (the CLI, benchmarks, tests)
-    "EXACT", "FACTORS_PATH", "RELAXED_MARGIN", "SWITCHABLE", "Candidate", "PolicySpec", "Row", "bsp_steps_apply",
+    "CREDITED", "EXACT", "FACTORS_PATH", "RELAXED_MARGIN", "SWITCHABLE", "Candidate", "PolicySpec", "Row", "bsp_steps_apply",
     "candidates", "candidates_on", "choose", "compute_from_probe", "compute_spread", "describe_probe", "factors_apply",
-    "factors_line", "load_factors", "measure_compute", "measure_host", "network_for", "network_from_probe",
+    "factors_line", "job_factors", "load_factors", "measure_compute", "measure_host", "network_for", "network_from_probe",
     "probed_compute_s", "rank", "rank_medians", "ranked", "recommendation", "refuse_resume", "resumed_choice",
     "shortlist", "table", "told_network", "with_candidate",
 ]
@@ -81,27 +82,35 @@ def ranked(cfg: JobConfig, cands: Sequence[Candidate], compute_s: float, model_b
     convergence factors: what `plan` prints and `auto` picks from. In the lab, whose nodes share this
     machine, each synchronization pattern's host time is this machine's (`host_s`, measured here by
     `measure_host` when not given); elsewhere none is counted."""
-    data = load_factors(lr=cfg.optimizer.lr)
+    data = job_factors(cfg)
     applies, why = factors_apply(cfg, data)
     if cluster is not None:  # measured on the user's cluster (actors/training/probe.py); its links as told, if they were
         net = network_for(cfg.network, cfg.workers.count) if told_network(cfg) else network_from_probe(cluster)
         return rank(cands, net, compute_from_probe(cfg, cluster, compute_s), cluster["model_bytes"],
-                    data["factors"] if applies else None, data["bsp_steps"], why)
+                    data["factors"] if applies else None, data["bsp_steps"], why, data.get("bracketed", False))
     layout = parameter_layout(cfg)
     cands = with_layout(cands, layout, cfg.network.lab)
     if host_s is None and cfg.network.lab:
         host_s = measure_host(cfg, cands, model_bytes, layout=layout)
     net = network_for(cfg.network, cfg.workers.count, probed, host_s)
     return rank(cands, net, compute_spread(cfg, compute_s), model_bytes, data["factors"] if applies else None,
-                data["bsp_steps"], why)
+                data["bsp_steps"], why, data.get("bracketed", False))
+
+
+def job_factors(cfg: JobConfig) -> dict:
+    """The shipped convergence factors for this job's learning rate and world size (`load_factors`)."""
+    return load_factors(lr=cfg.optimizer.lr, workers=cfg.workers.count)
 
 
 def factors_line(cfg: JobConfig) -> str:
     """Where the ranking's convergence factors come from, or why none were used (`auto`'s event, `plan`)."""
-    data = load_factors(lr=cfg.optimizer.lr)
+    data = job_factors(cfg)
     applies, why = factors_apply(cfg, data)
     if applies:
-        return f"convergence factors: {data['source']}"
+        credited = (f"; measured around this job's rate and world size, so {', '.join(sorted(CREDITED))} keep a factor "
+                    "below 1" if data.get("bracketed") else "; the job's rate or world size is outside those measured, "
+                    "so no policy is credited with fewer steps than BSP")
+        return f"convergence factors: {data['source']}{credited}"
     return f"no convergence factors apply ({why}): exact policies ranked by step time, relaxed ones not recommended"
 
 
@@ -164,7 +173,7 @@ def job_steps(cfg: JobConfig, trial: Sequence[Row]) -> float | None:
     the factor of the policy it starts on (the trial's first); the shorter of the two. None where neither is
     known (the job stops on time, or on a target the factors' count does not hold for)."""
     limits: list[float] = [float(cfg.stop.max_steps)] if cfg.stop.max_steps else []
-    data = load_factors(lr=cfg.optimizer.lr)
+    data = job_factors(cfg)
     if cfg.stop.target is not None and trial and data.get("bsp_steps") and factors_apply(cfg, data)[0] \
             and bsp_steps_apply(cfg, data)[0]:
         limits.append(data["bsp_steps"] * (trial[0].factor or 1.0))

@@ -24,8 +24,8 @@ class Row:
     step_s: float
     bytes_per_step: float
     factor: float | None
-    """Steps to the target relative to BSP as ranked (the measured factor, never below 1 for a relaxed
-    policy), or None where no factor applies."""
+    """Steps to the target relative to BSP as ranked (the measured factor, below 1 only for a periodic
+    policy credited with it: `rank`), or None where no factor applies."""
     to_target_s: float | None
     basis: str
     exact: bool = False
@@ -38,29 +38,54 @@ class Row:
 EXACT = frozenset({"bsp", "bsp hierarchical"})
 """The candidates whose updates equal BSP's (hierarchical BSP sums in another order: the same up to float
 rounding), so their convergence is BSP's whatever the workload."""
+CREDITED = frozenset({"local_sgd", "diloco", "streaming_diloco"})
+"""The policies whose factor below 1 `rank` credits where the factors were measured around the job's own
+rate and world size (`load_factors`' `bracketed`). Each averages the replicas in rounds at set steps, so
+its steps to a target are fixed by the workload, rate, world size and seed, not by timing or the network;
+at a small rate DiLoCo's outer momentum really does reach the target in fewer steps than BSP (0.89 of
+them over three seeds at lr 0.02). `shadow`'s steps depend on how long its background rounds take, so on
+the network; a gossip policy's factor, credited where it was measured, ranked `dpsgd` first on a held-out
+set where it was 1.4-2.2x the fastest (docs/tradeoffs.md, the third set). Both stay at 1 or more."""
 RELAXED_MARGIN = 0.10
 """A relaxed policy is recommended over the best exact one only if its predicted time to the target is at
 least this much lower: the factors come from a few seeds (over three seeds the same policy's factor
 ranged 0.76-1.07) and the model's step times are within 25%, so a smaller lead is not evidence."""
 
 
-def load_factors(path: Path = FACTORS_PATH, lr: float | None = None) -> dict:
+def load_factors(path: Path = FACTORS_PATH, lr: float | None = None, workers: int | None = None) -> dict:
     """{"factors": {label: steps to the target relative to BSP}, "bsp_steps": BSP's steps to the target,
     "source": "...", "applies_to": {"workload": module, "optimizer": name, "metric": name},
-    "measured_at": {"target": value, "lr": lr, "global_batch": samples a step}} as `benchmarks/tradeoffs.py`
-    wrote them; empty factors when none were measured. `measured_at` is the one setting `bsp_steps` counts
-    (`bsp_steps_apply`).
+    "measured_at": {"target": value, "lr": lr, "workers": n, "global_batch": samples a step},
+    "bracketed": bool} as `benchmarks/tradeoffs.py` wrote them; empty factors when none were measured.
+    `measured_at` is the one setting `bsp_steps` counts (`bsp_steps_apply`).
 
-    The file holds one such set per learning rate it was measured at ("sets"; a file of one set without
-    the list is read as one). A periodic or relaxed policy's steps relative to BSP's move with the rate
-    (DiLoCo's outer momentum adds more at a small inner rate; local SGD drifts more at a large one), so a
-    job at `lr` gets the set measured at it; between two measured rates, each factor interpolated linearly
-    in log(rate), and BSP's steps in log-log (the "source" says so; `measured_at` then names the two rates,
-    and `bsp_steps_apply` holds for neither); outside them, the nearest set. Without `lr`, the first set."""
+    The file holds one such set per learning rate and world size it was measured at ("sets"; a file of one
+    set without the list is read as one). A periodic or relaxed policy's steps relative to BSP's move with
+    the rate (DiLoCo's outer momentum adds more at a small inner rate; local SGD drifts more at a large one)
+    and with the number of replicas averaged, so a job at `lr` with `workers` gets the set measured at both;
+    between two measured rates (of one world size), each factor interpolated linearly in log(rate), and
+    BSP's steps in log-log; between two measured world sizes, the same in log(world size), each side taken
+    at the job's rate first (the "source" says so; `measured_at` then names the two rates or sizes, and
+    `bsp_steps_apply` holds for neither); outside them, the nearest. `bracketed` says whether the job's rate
+    and world size were each measured or lie between two measured (`rank` credits a periodic policy with
+    fewer steps than BSP only then). Without `lr`, the first set of the world size; without `workers`, the
+    sets of the first set's world size; neither is bracketed."""
     raw = read_factor_file(path)
     sets = factor_sets(raw)
     scope = dict(raw.get("applies_to") or {})
-    chosen = sets[0] if lr is None or lr <= 0 or len(sets) == 1 else _at_rate(sets, lr)
+    sized: dict[int, list[dict]] = {}
+    for s in sets:
+        if isinstance(s["measured_at"].get("workers"), int) and s["measured_at"]["workers"] > 0:
+            sized.setdefault(s["measured_at"]["workers"], []).append(s)
+    if not sized:  # the file does not say which world size its factors were counted at
+        chosen = _at_rate(sets, lr)
+        if workers is not None:
+            chosen = {**chosen, "bracketed": False}
+    elif workers is None:
+        first = sets[0]["measured_at"].get("workers")
+        chosen = {**_at_rate(sized.get(first) or sets, lr), "bracketed": False}
+    else:  # (a set that does not say its world size is then left out)
+        chosen = _at_size({w: _at_rate(group, lr) for w, group in sorted(sized.items())}, workers)
     return {**chosen, "applies_to": scope}
 
 
@@ -74,7 +99,8 @@ def read_factor_file(path: Path = FACTORS_PATH) -> dict:
 
 def factor_sets(raw: dict) -> list[dict]:
     """The sets of factors in a convergence.json's contents, each with the keys `load_factors` returns but
-    `applies_to` (a file of one set without the list is read as one; an empty file as one empty set)."""
+    `applies_to` and `bracketed` (a file of one set without the list is read as one; an empty file as one
+    empty set)."""
     return [_one_set(s) for s in (raw.get("sets") or [raw])]
 
 
@@ -84,32 +110,63 @@ def _one_set(data: dict) -> dict:
             "measured_at": dict(data.get("measured_at") or {})}
 
 
-def _at_rate(sets: list[dict], lr: float) -> dict:
-    """The factors for a job at `lr` from sets measured at several rates (`load_factors`)."""
+def _between(lo: dict, hi: dict, w: float) -> tuple[dict[str, float], int | None]:
+    """The factors a fraction `w` of the way from set `lo` to set `hi` (linear; those both sets have), and
+    BSP's steps (linear in log)."""
+    factors = {k: (1 - w) * v + w * hi["factors"][k] for k, v in lo["factors"].items() if k in hi["factors"]}
+    steps = None
+    if lo["bsp_steps"] and hi["bsp_steps"]:
+        steps = round(math.exp((1 - w) * math.log(lo["bsp_steps"]) + w * math.log(hi["bsp_steps"])))
+    return factors, steps
+
+
+def _at_rate(sets: list[dict], lr: float | None) -> dict:
+    """The factors for a job at `lr` from sets measured (at one world size) at several rates (`load_factors`)."""
+    if lr is None or lr <= 0:
+        return {**sets[0], "bracketed": False}
     rated = sorted((s for s in sets if isinstance(s["measured_at"].get("lr"), (int, float)) and s["measured_at"]["lr"] > 0),
                    key=lambda s: s["measured_at"]["lr"])
     if not rated:
-        return sets[0]
+        return {**sets[0], "bracketed": False}
     exact = [s for s in rated if _same(lr, s["measured_at"]["lr"])]
     if exact:
-        return exact[0]
+        return {**exact[0], "bracketed": True}
     below = [s for s in rated if s["measured_at"]["lr"] < lr]
     above = [s for s in rated if s["measured_at"]["lr"] > lr]
     if not below or not above:
         near = above[0] if not below else below[-1]
         rates = ", ".join(f"{s['measured_at']['lr']:g}" for s in rated)
-        return {**near, "source": f"{near['source']}; lr {lr:g} is outside the rates measured ({rates}): the nearest's"}
+        return {**near, "bracketed": False,
+                "source": f"{near['source']}; lr {lr:g} is outside the rates measured ({rates}): the nearest's"}
     lo, hi = below[-1], above[0]
     a, b = lo["measured_at"]["lr"], hi["measured_at"]["lr"]
-    w = math.log(lr / a) / math.log(b / a)
-    factors = {k: (1 - w) * v + w * hi["factors"][k] for k, v in lo["factors"].items() if k in hi["factors"]}
-    steps = None
-    if lo["bsp_steps"] and hi["bsp_steps"]:
-        steps = round(math.exp((1 - w) * math.log(lo["bsp_steps"]) + w * math.log(hi["bsp_steps"])))
-    return {"factors": factors, "bsp_steps": steps,
+    factors, steps = _between(lo, hi, math.log(lr / a) / math.log(b / a))
+    return {"factors": factors, "bsp_steps": steps, "bracketed": True,
             "source": f"interpolated in log(rate) at lr {lr:g} between the factors measured at lr {a:g} and {b:g} "
                       f"({lo['source']}; {hi['source']})",
             "measured_at": {**lo["measured_at"], "lr": None, "interpolated_between": [a, b]}}
+
+
+def _at_size(per_size: dict[int, dict], workers: int) -> dict:
+    """The factors for a job of `workers` replicas from the factors at its rate of each measured world size
+    (`load_factors`)."""
+    sizes = sorted(per_size)
+    if workers in per_size:
+        return per_size[workers]
+    below = [n for n in sizes if n < workers]
+    above = [n for n in sizes if n > workers]
+    if not below or not above:
+        near = per_size[above[0] if not below else below[-1]]
+        return {**near, "bracketed": False,
+                "source": f"{near['source']}; {workers} workers is outside the world sizes measured "
+                          f"({', '.join(map(str, sizes))}): the nearest's"}
+    a, b = below[-1], above[0]
+    lo, hi = per_size[a], per_size[b]
+    factors, steps = _between(lo, hi, math.log(workers / a) / math.log(b / a))
+    return {"factors": factors, "bsp_steps": steps, "bracketed": lo["bracketed"] and hi["bracketed"],
+            "source": f"interpolated in log(world size) at {workers} workers between the factors at {a} and {b} "
+                      f"({lo['source']}; {hi['source']})",
+            "measured_at": {**lo["measured_at"], "workers": None, "global_batch": None, "workers_between": [a, b]}}
 
 
 def factors_apply(cfg: JobConfig, data: dict) -> tuple[bool, str]:
@@ -144,6 +201,9 @@ def bsp_steps_apply(cfg: JobConfig, data: dict) -> tuple[bool, str]:
     if at.get("interpolated_between"):
         a, b = at["interpolated_between"]
         return False, f"lr {cfg.optimizer.lr:g} (BSP's steps were counted at lr {a:g} and {b:g}, not between)"
+    if at.get("workers_between"):
+        a, b = at["workers_between"]
+        return False, f"{cfg.workers.count} workers (BSP's steps were counted with {a} and {b}, not between)"
     target = cfg.stop.target.value if cfg.stop.target is not None else None
     job: dict[str, float | None] = {"target": target, "lr": cfg.optimizer.lr,
                                     "global_batch": cfg.workers.count * cfg.workload.batch_size}
@@ -156,14 +216,18 @@ def _same(value: float, counted: object) -> bool:
 
 
 def rank(cands: Sequence[Candidate], net: Network, compute: Compute, model_bytes: float,
-         factors: dict[str, float] | None, bsp_steps: int | None = None, unknown: str = "") -> list[Row]:
+         factors: dict[str, float] | None, bsp_steps: int | None = None, unknown: str = "",
+         credit: bool = False) -> list[Row]:
     """Every candidate's prediction, the recommended one first.
 
     With `factors` (they apply to this job, `factors_apply`): time to the target is step time x BSP's
-    steps x the factor, a relaxed policy's factor taken as at least 1 (it is never credited with
-    converging faster than BSP: factors below 1 were seed noise); a candidate without a factor gets
-    none. The best exact policy is recommended unless a relaxed one's time to the target is at least
-    RELAXED_MARGIN lower. Without factors (`unknown` says why): the exact policies by step time first,
+    steps x the factor, a relaxed policy's factor taken as at least 1 (it is not credited with
+    converging faster than BSP: measured at another rate or world size, or for a policy whose steps
+    depend on timing, a factor below 1 has ranked the wrong policy first), except a `CREDITED` periodic
+    policy's where `credit` (the factors were measured around this job's rate and world size,
+    `load_factors`' `bracketed`: `as_ranked`); a candidate without a factor gets none. The best exact
+    policy is recommended unless a relaxed one's time to the target is at least RELAXED_MARGIN lower.
+    Without factors (`unknown` says why): the exact policies by step time first,
     then the relaxed ones, shown by step time with "convergence unknown for this workload" and never
     recommended. On one node with no shaped link there is no network for a relaxed policy to save (its
     "savings" are copies between processes that share the node's cores and memory, which the model does
@@ -177,7 +241,7 @@ def rank(cands: Sequence[Candidate], net: Network, compute: Compute, model_bytes
         exact = cand.label in EXACT
         factor = None if factors is None else (1.0 if exact else factors.get(cand.label))
         if factor is not None and not exact:
-            factor = max(factor, 1.0)
+            factor = as_ranked(str(cand.sync.get("policy", "")), factor, credit)
         to_target = p.step_s * bsp_steps * factor if factor is not None and bsp_steps else None
         note = "" if to_target is not None else ("convergence unknown for this workload" + (f": {unknown}" if unknown else ""))
         rows.append(Row(cand, p.step_s, p.bytes_per_step, factor, to_target, p.basis, exact, "" if exact else note))
@@ -195,6 +259,12 @@ def rank(cands: Sequence[Candidate], net: Network, compute: Compute, model_bytes
         known.remove(exact_best)
         known.insert(0, exact_best)  # the relaxed lead is within the evidence's error: the exact policy
     return known + rest
+
+
+def as_ranked(policy: str, factor: float, credit: bool) -> float:
+    """A relaxed policy's measured factor as `rank` counts it: at least 1, unless `credit` (the factors were
+    measured around the job's rate and world size) and the policy is `CREDITED`."""
+    return factor if credit and policy in CREDITED else max(factor, 1.0)
 
 
 def _target_s(row: Row) -> float:
