@@ -118,11 +118,17 @@ def accuracy_evals(history: list[dict]) -> list[tuple[float, int, float]]:
     is the first record's time less its step's worth of the run's time per step: a periodic policy's first
     record is its first commit (step 16 for `diloco h=16`), so timing from that record, as this did before
     2026-11-29, left its first round's steps out of its time to the target (a ninth of a 144-step run)."""
-    first = min(history, key=lambda r: r["time"])
-    pace = per_step(history)
-    start = first["time"] - first["step"] * (pace if pace == pace else 0.0)
+    start = run_start(history)
     return sorted((r["time"] - start, r["step"], r["metrics"]["accuracy"]) for r in history
                   if r.get("metrics", {}).get("accuracy") is not None)
+
+
+def run_start(history: list[dict]) -> float:
+    """When training began, on the records' clock: the first record's time less its step's worth of the
+    run's time per step (`per_step`; the first record's time where there is none)."""
+    first = min(history, key=lambda r: r["time"])
+    pace = per_step(history)
+    return first["time"] - first["step"] * (pace if pace == pace else 0.0)
 
 
 TIMED_FROM_START = "start"
@@ -135,13 +141,19 @@ def from_start(row: dict, started: str | None = None) -> dict:
     `policy` by default) at the run's time per step; the time as written is kept as `to_target_s_from_commit`.
     (On the rows of 2026-11-28, a periodic policy's time to the target equals its time per step times its
     steps to the target less its first commit's step, to within 1%.)"""
-    if row.get("timed_from") == TIMED_FROM_START or row.get("to_target_s") is None or not row.get("step_s"):
+    if row.get("timed_from") == TIMED_FROM_START or not row.get("step_s"):
         return row
     gap = first_commit(started or row["policy"])
     if gap is None:
         return row
-    return {**row, "to_target_s": row["to_target_s"] + gap * row["step_s"], "to_target_s_from_commit": row["to_target_s"],
-            "timed_from": TIMED_FROM_START}
+    shift = gap * row["step_s"]
+    moved = {**row, "timed_from": TIMED_FROM_START, "to_target_s_from_commit": row.get("to_target_s")}
+    for key in ("to_target_s", "to_within_2pct_s"):  # the latter and the curve: benchmarks/lm_lab.py's rows
+        if row.get(key) is not None:
+            moved[key] = row[key] + shift
+    if row.get("curve"):
+        moved["curve"] = [[t + shift, *rest] for t, *rest in row["curve"]]
+    return moved
 
 
 def first_commit(label: str) -> int | None:

@@ -86,7 +86,20 @@ def load_factors(path: Path = FACTORS_PATH, lr: float | None = None, workers: in
         chosen = {**_at_rate(sized.get(first) or sets, lr), "bracketed": False}
     else:  # (a set that does not say its world size is then left out)
         chosen = _at_size({w: _at_rate(group, lr) for w, group in sorted(sized.items())}, workers)
-    return {**chosen, "applies_to": scope}
+    return {**_described(chosen), "applies_to": scope}
+
+
+def _described(chosen: dict) -> dict:
+    """`chosen` with its "source" saying how its factors were had (`how`: interpolated, or the nearest) from
+    which measured sets (`used`), and those two working keys dropped."""
+    how, used = chosen.pop("how", []), chosen.pop("used", [])
+    if not how:
+        return chosen
+    at = [f"lr {u['measured_at'].get('lr'):g}" + (f" with {u['measured_at']['workers']} workers" if u["measured_at"].get("workers") else "")
+          for u in used if isinstance(u["measured_at"].get("lr"), (int, float))]
+    points = list(dict.fromkeys(at))
+    sets = f"; the sets measured at {', '.join(points)}" if len(points) > 1 else ""
+    return {**chosen, "source": f"{'; '.join(dict.fromkeys(how))}{sets} ({'the first: ' if sets else ''}{chosen['source']})"}
 
 
 def read_factor_file(path: Path = FACTORS_PATH) -> dict:
@@ -137,13 +150,12 @@ def _at_rate(sets: list[dict], lr: float | None) -> dict:
         near = above[0] if not below else below[-1]
         rates = ", ".join(f"{s['measured_at']['lr']:g}" for s in rated)
         return {**near, "bracketed": False,
-                "source": f"{near['source']}; lr {lr:g} is outside the rates measured ({rates}): the nearest's"}
+                "how": [*near.get("how", []), f"lr {lr:g} is outside the rates measured ({rates}): the nearest's"]}
     lo, hi = below[-1], above[0]
     a, b = lo["measured_at"]["lr"], hi["measured_at"]["lr"]
     factors, steps = _between(lo, hi, math.log(lr / a) / math.log(b / a))
-    return {"factors": factors, "bsp_steps": steps, "bracketed": True,
-            "source": f"interpolated in log(rate) at lr {lr:g} between the factors measured at lr {a:g} and {b:g} "
-                      f"({lo['source']}; {hi['source']})",
+    return {"factors": factors, "bsp_steps": steps, "bracketed": True, "source": lo["source"], "used": [lo, hi],
+            "how": [f"interpolated in log(rate) at lr {lr:g} between lr {a:g} and {b:g}"],
             "measured_at": {**lo["measured_at"], "lr": None, "interpolated_between": [a, b]}}
 
 
@@ -158,14 +170,14 @@ def _at_size(per_size: dict[int, dict], workers: int) -> dict:
     if not below or not above:
         near = per_size[above[0] if not below else below[-1]]
         return {**near, "bracketed": False,
-                "source": f"{near['source']}; {workers} workers is outside the world sizes measured "
-                          f"({', '.join(map(str, sizes))}): the nearest's"}
+                "how": [*near.get("how", []), f"{workers} workers is outside the world sizes measured "
+                                              f"({', '.join(map(str, sizes))}): the nearest's"]}
     a, b = below[-1], above[0]
     lo, hi = per_size[a], per_size[b]
     factors, steps = _between(lo, hi, math.log(workers / a) / math.log(b / a))
     return {"factors": factors, "bsp_steps": steps, "bracketed": lo["bracketed"] and hi["bracketed"],
-            "source": f"interpolated in log(world size) at {workers} workers between the factors at {a} and {b} "
-                      f"({lo['source']}; {hi['source']})",
+            "source": lo["source"], "used": [*lo.get("used", [lo]), *hi.get("used", [hi])],
+            "how": [*lo.get("how", []), f"interpolated in log(world size) at {workers} workers between {a} and {b}"],
             "measured_at": {**lo["measured_at"], "workers": None, "global_batch": None, "workers_between": [a, b]}}
 
 

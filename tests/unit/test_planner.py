@@ -457,7 +457,7 @@ def test_the_factors_are_the_set_measured_at_the_jobs_world_size_or_interpolated
     assert abs(both["factors"]["diloco h=16"] - ((1 - u) * four + u * eight)) < 1e-12
     s4, s8 = math.sqrt(180 * 80), math.sqrt(150 * 60)
     assert abs(both["bsp_steps"] - math.exp((1 - u) * math.log(round(s4)) + u * math.log(round(s8)))) <= 0.5
-    assert both["bracketed"] and "interpolated in log(world size) at 6 workers between the factors at 4 and 8" in both["source"]
+    assert both["bracketed"] and "interpolated in log(world size) at 6 workers between 4 and 8" in both["source"]
     for n, near in ((2, 0.9), (16, 0.7)):
         outside = planner.load_factors(path, lr=0.02, workers=n)
         assert outside["factors"]["diloco h=16"] == near and not outside["bracketed"]
