@@ -347,7 +347,8 @@ def report(rows: list[dict], args) -> dict:
             measured = next(r for r in rows if r["network"] == network and r["condition"] == condition)
             net = cell_network(network, measured["probed"], measured.get("host_s"), workers)
             compute = cell_compute(condition, measured["compute_s"], measured["modelled_s"])
-            ranked = planner.rank(cands, net, compute, measured["model_bytes"], factors, bsp_base["steps_to_target"])
+            ranked = planner.rank(cands, net, compute, measured["model_bytes"], factors, bsp_base["steps_to_target"],
+                                  credit=True)  # measured at this cell's own rate and world size
             pick = ranked[0].candidate.label
         good = bool(fastest and pick and reached.get(pick) is not None and reached[pick] <= 1.10 * reached[fastest])
         print(f"fastest to the target: {fastest} ({reached.get(fastest, float('nan')):.1f} s); plan's pick: {pick}"

@@ -107,9 +107,9 @@ def factors_line(cfg: JobConfig) -> str:
     data = job_factors(cfg)
     applies, why = factors_apply(cfg, data)
     if applies:
-        credited = (f"; measured around this job's rate and world size, so {', '.join(sorted(CREDITED))} keep a factor "
-                    "below 1" if data.get("bracketed") else "; the job's rate or world size is outside those measured, "
-                    "so no policy is credited with fewer steps than BSP")
+        credited = (f"; measured around this job's rate and world size, so {', '.join(sorted(CREDITED))} count with their "
+                    "factors as measured, below 1 too" if data.get("bracketed") else "; the job's rate or world size is "
+                    "outside those measured, so no policy is credited with fewer steps than BSP")
         return f"convergence factors: {data['source']}{credited}"
     return f"no convergence factors apply ({why}): exact policies ranked by step time, relaxed ones not recommended"
 

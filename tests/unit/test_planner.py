@@ -513,7 +513,7 @@ def test_a_periodic_policy_is_credited_with_fewer_steps_than_bsp_only_where_its_
 
     measured, line = trial(0.05)
     assert measured == {"diloco h=16": 0.8, "streaming_diloco h=16 f=4": 0.9}, line
-    assert "keep a factor below 1" in line
+    assert "count with their factors as measured, below 1 too" in line
     outside, line = trial(0.5)
     assert outside == {"diloco h=16": 1.0, "streaming_diloco h=16 f=4": 1.0}, line
     assert "outside those measured, so no policy is credited" in line
