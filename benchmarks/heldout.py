@@ -42,6 +42,10 @@ policy credited with fewer steps than BSP where its factors were measured around
 and rate; chosen before the 8-worker factors were measured:
 - `6w3n03`: 6 workers on 3 lab nodes (2 a node), the grid's workload at SGD lr 0.03, at 100 Mbit/s,
   1 Gbit/s and 10 Gbit/s.
+The eighth set (2026-11-29), chosen after the seventh ran and before anything of its own did, judges the
+same ranking on a layout no set had and a world size the factors were measured at:
+- `8w2n025`: 8 workers on 2 lab nodes (4 a node), the grid's workload at SGD lr 0.025, at 100 Mbit/s,
+  1 Gbit/s and 10 Gbit/s.
 `--rerank` re-scores the ranking as it stands on recorded rows, from their measured inputs (nothing runs).
 
 Per digits cell (setting x network x seed): every policy `plan` weighs, run to the target, with the
@@ -51,7 +55,7 @@ trial (`sync.auto: {trial_steps, candidates}`), run to the target the same way, 
 ended with. The report: the model's error per cell (within 25%?), and whether auto's final pick is
 within 10% of the fastest policy's time to the target in the same cell and seed (its standalone run).
 
-    python benchmarks/heldout.py [--settings 6w3n,bucket01,lm1g,4w4n,6w2n02,6w3n02,8w4n03,6w3n03] [--networks 100m,1g] [--seeds 0,1,2]
+    python benchmarks/heldout.py [--settings 6w3n,...,6w3n03,8w2n025] [--networks 100m,1g] [--seeds 0,1,2]
         [--trial-steps 10] [--trial-candidates 3] [--out docs/heldout.jsonl] [--resume] [--report] [--rerank] [--retrial]
 
 Rows are appended to `--out` as each run ends (`--resume` skips those there). Needs root and `tc` (the
@@ -112,6 +116,10 @@ SETTINGS = {
     # size between the two measured (4 and 8) at a rate between the two measured (0.02 and 0.1)
     "6w3n03": {"nodes": 3, "per_node": 2, "bucket_mb": None, "workload": "digits", "networks": ("100m", "1g", "10g"),
                "lr": 0.03},
+    # the eighth set (2026-11-29), chosen after the seventh ran and before any run of its own: 4 workers a node (no
+    # set had more than 3), at a world size the factors were measured at (8) and a rate between two (0.02, 0.1)
+    "8w2n025": {"nodes": 2, "per_node": 4, "bucket_mb": None, "workload": "digits", "networks": ("100m", "1g", "10g"),
+                "lr": 0.025},
 }
 LM_LABELS = ("bsp", "bsp hierarchical", "local_sgd h=8", "diloco h=16", "dpsgd ring uint8", "shadow ma")
 LM_STEPS = 60
