@@ -43,6 +43,7 @@ Needs root and `tc` (the lab); exits 2 with the reason otherwise. Figures are me
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import signal
 import statistics
@@ -160,19 +161,22 @@ def first_commit(label: str) -> int | None:
     """The step of a candidate's first committed record: 1 for a synchronous kind, h for a periodic round,
     h / fragments plus the overlap for streaming DiLoCo (`planner.commit_gap`); None for a label no
     candidate has."""
+    return _commit_gaps().get(label)
+
+
+@functools.cache
+def _commit_gaps() -> dict[str, int]:
+    """`planner.commit_gap` of every candidate `plan` weighs, SGD's and AdamW's, by label."""
     from orchestrator import planner
     from orchestrator.config import config_from_dict
 
-    if not _GAPS:
-        for opt in ({"name": "sgd", "lr": 0.1}, {"name": "adamw", "lr": 0.003}):
-            cfg = config_from_dict({"name": "x", "workers": {"count": 4}, "optimizer": opt,
-                                    "workload": {"factory": "orchestrator.workloads.digits:mlp"},
-                                    "network": {"nodes": 2, "workers_per_node": 2}})
-            _GAPS.update({c.label: planner.commit_gap(c.spec) for c in planner.candidates(cfg)})
-    return _GAPS.get(label)
-
-
-_GAPS: dict[str, int] = {}
+    gaps: dict[str, int] = {}
+    for opt in ({"name": "sgd", "lr": 0.1}, {"name": "adamw", "lr": 0.003}):
+        cfg = config_from_dict({"name": "x", "workers": {"count": 4}, "optimizer": opt,
+                                "workload": {"factory": "orchestrator.workloads.digits:mlp"},
+                                "network": {"nodes": 2, "workers_per_node": 2}})
+        gaps.update({c.label: planner.commit_gap(c.spec) for c in planner.candidates(cfg)})
+    return gaps
 
 
 def first_at(evals: list[tuple[float, int, float]], target: float) -> tuple[float | None, int | None]:
