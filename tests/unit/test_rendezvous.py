@@ -147,3 +147,54 @@ def test_a_store_connection_made_ahead_is_the_next_formations_own(monkeypatch):
         assert stores.client_store("127.0.0.1", port, 5.0) is not ahead, "one made ahead serves one formation"
     finally:
         sock.close()
+
+
+def _view(raw: dist.Store, name: str) -> dist.Store:
+    from actors.transport.signed_store import group_store
+
+    return group_store(GroupSpec("127.0.0.1", 0, name, 0, 2, 4.0, "gloo", "127.0.0.1", secret=KEY), raw)
+
+
+@pytest.mark.parametrize("target", ["job/r/c0/e2", "job/r/c0/e1/bg", "job/r/c1/e1", "otherjob/r/c0/e1"],
+                         ids=["next epoch", "background group", "next coordinator incarnation", "another job"])
+def test_a_signed_value_replayed_into_another_group_or_epoch_is_refused(target):
+    """Anything that reaches the store's port can read a member's signed value and copy it under the same
+    key into another group's prefix (the background group's listening value names its shared-memory
+    segment: copied into the main group, peers would sum the wrong segment). The MAC covers the group's
+    whole key, so the copy does not verify there."""
+    raw = dist.HashStore()
+    source = _view(raw, "job/r/c0/e1")
+    source.set("gloo-listen/1", "127.0.0.1 40001 orchestrator-0123456789abcdef")
+    assert source.get("gloo-listen/1") == b"127.0.0.1 40001 orchestrator-0123456789abcdef"
+    copied = bytes(raw.get("job/r/c0/e1//gloo-listen/1"))
+    raw.set(f"{target}//gloo-listen/1", copied)
+    with pytest.raises(ForgedRendezvous, match="copied from another group or epoch"):
+        _view(raw, target).get("gloo-listen/1")
+
+
+def test_counters_are_signed_and_one_changed_from_outside_is_refused():
+    """A member's counter counts; a client outside the job that adds to it (or writes it) leaves a value
+    that no longer verifies, and the next member to read it is refused instead of trusting the count."""
+    raw = dist.HashStore()
+    view = _view(raw, "job/r/c0/e1")
+    assert view.add("attached", 1) == 1 and view.add("attached", 2) == 3
+    assert view.get("attached") == b"3"
+    raw.set("job/r/c0/e1//attached", "100")  # the outsider, straight to the store (its `add` fails on a signed value)
+    with pytest.raises(ForgedRendezvous):
+        view.add("attached", 1)
+    fresh = _view(raw, "job/r/c0/e1")
+    raw.add("job/r/c0/e1//fresh", 7)  # a counter the job never made
+    with pytest.raises(ForgedRendezvous):
+        fresh.add("fresh", 1)
+
+
+def test_a_delete_through_the_group_view_removes_only_what_the_job_signed():
+    raw = dist.HashStore()
+    view = _view(raw, "job/r/c0/e1")
+    view.set("mine", "v")
+    assert view.delete_key("mine") and not raw.check(["job/r/c0/e1//mine"])
+    raw.set("job/r/c0/e1//planted", "x")
+    with pytest.raises(ForgedRendezvous):
+        view.delete_key("planted")
+    assert raw.check(["job/r/c0/e1//planted"]), "a value the job did not sign is left, not removed on its say"
+    assert view.delete_key("never-written") is False
