@@ -276,6 +276,9 @@ class ProgressPrinter:
     def summary(self, status: JobStatus, elapsed_s: float) -> None:
         print(f"{status.state}: {status.name} run {status.run_id} at step {status.step} in {elapsed_s:.1f}s"
               + (f"; cause: {status.cause}" if status.cause else ""), flush=True)
+        if status.samples_skipped:
+            print(f"  bad samples skipped: {status.samples_skipped} (workload.on_bad_sample: skip; "
+                  f"samples_skipped events)", flush=True)
         for key, value in sorted(status.metrics.items()):
             print(f"  {key}: {value:.4f}", flush=True)
         print(f"  run dir: {status.run_dir}", flush=True)
@@ -298,6 +301,8 @@ def format_status(status: JobStatus) -> str:
              + (f", coordinator incarnation {status.incarnation}" if status.incarnation else "")]
     if status.cause:
         lines.append(f"cause: {status.cause}")
+    if status.samples_skipped:
+        lines.append(f"bad samples skipped: {status.samples_skipped}")
     if status.loss is not None:
         lines.append(f"loss {status.loss:.4f}" + (f", {status.throughput:.1f} steps/s" if status.throughput else ""))
     if status.checkpoint:

@@ -326,6 +326,6 @@ class CoordinatorBase(Actions):
                          stragglers={slot: round(r, 3) for slot, r in self.supervisor.stragglers.current.items()},
                          server=dict(self.server.summary, restarts=self.server.restarts) if self.server else {},
                          topology=topology_status(getattr(self.cfg.sync, "topology", None), plan), spares=self.spares.status(),
-                         checkpoint=self.journal.checkpoint_status())
+                         checkpoint=self.journal.checkpoint_status(), samples_skipped=len(self.journal.skipped))
 
 

@@ -44,6 +44,8 @@ class MembershipBook:
         """Once a stop is decided, every plan published carries it (a reshape must not lose it)."""
         self.policy: dict | None = None
         """A policy switched to mid-run (actors/control/trial.py): every plan published carries it."""
+        self.batch_norm = False
+        """A worker said its model has BatchNorm layers: a scale that leaves a share of one sample is refused."""
 
     # ------------------------------------------------------------------ who is where
     def live(self) -> tuple[str, ...]:
@@ -171,6 +173,10 @@ class MembershipBook:
             return 0, [], choose_leavers(views, len(live) - self.target_count, self.cfg.workers.scale_down)
         return 0, [], []
 
+    def note_model(self, ready: dict) -> None:
+        """What a worker's ready answer says of the model that the book's rules need."""
+        self.batch_norm = self.batch_norm or bool(ready.get("batch_norm"))
+
     def ready_to_admit(self) -> list[str]:
         return sorted(self.slots_in(S.READY), key=slot_index)
 
@@ -199,7 +205,7 @@ class MembershipBook:
         plan = {f.name: getattr(self.plan, f.name) for f in dataclasses.fields(self.plan)} if self.plan else None
         return {"epoch": self.epoch, "version": self.version, "target_count": self.target_count,
                 "plan": plan, "failures": dict(self.failures),
-                "retired": dict(self.retired), "stop_step": self.stop_step,
+                "retired": dict(self.retired), "stop_step": self.stop_step, "batch_norm": self.batch_norm,
                 "pending": [dict(r, state_sources=dict(r["state_sources"])) for r in self.pending],
                 "departed": [dict(d.__dict__) for d in self.departed],
                 "members": {slot: {"state": m.state.value, "pid": m.pid, "node": m.node, "node_id": m.node_id, "store_port": m.store_port,
@@ -210,6 +216,7 @@ class MembershipBook:
         self.epoch, self.version, self.target_count = saved["epoch"], saved["version"], saved["target_count"]
         self.failures, self.retired, self.stop_step = saved["failures"], saved["retired"], saved["stop_step"]
         self.pending = saved["pending"]
+        self.batch_norm = saved.get("batch_norm", False)
         self.departed = [MemberStatus(**d) for d in saved["departed"]]
         if saved["plan"]:
             fields: dict[str, Any] = {k: tuple(v) if k in ("members", "nodes") else v for k, v in saved["plan"].items()}

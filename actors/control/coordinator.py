@@ -40,6 +40,7 @@ from actors.control.sequencer import Order
 from actors.control.server_control import server_restarted
 from actors.plan import Progress
 from algorithms.rules.kinds import SERVER_KINDS
+from algorithms.rules.membership import share_refusal
 from algorithms.rules.supervision import JobState, JobView
 
 MAX_RESTARTS = 5
@@ -93,6 +94,9 @@ class Coordinator(Lifecycle):
         high = w.max if w.max is not None else w.count  # a parsed config's max is set (count by default)
         if not w.min <= count <= high:
             raise ValueError(f"scale: {count} workers is outside [workers.min, workers.max] = [{w.min}, {w.max}]")
+        refusal = share_refusal(count, self.cfg.workload.batch_size, w.count, w.batch_mode, self.book.batch_norm)
+        if refusal is not None:
+            raise ValueError(f"scale: {refusal}")
         if not self.state.active:
             raise ValueError(f"scale: the job is {self.state.value}; only a running or paused job can be scaled")
         self.book.target_count = count
@@ -130,9 +134,7 @@ class Coordinator(Lifecycle):
     async def samples_skipped(self, slot: str, step: int, ids: list[int], reason: str, order: Order | None = None) -> None:
         """`workload.on_bad_sample: skip`: a member trained its share of step `step` without these samples."""
         await self.sequencer.turn(order)
-        self.journal.event("samples_skipped", f"{slot} skipped {len(ids)} bad sample(s) at step {step}: ids "
-                           f"{ids[:10]}{'...' if len(ids) > 10 else ''} ({reason})", slot=slot, step=step, ids=ids,
-                           cause=reason)
+        self.journal.samples_skipped(slot, step, ids, reason)
 
     async def state_received(self, slot: str, epoch: int, source: str, step: int, order: Order | None = None) -> None:
         """A member that was behind loaded the state broadcast by `source` at epoch start. When the

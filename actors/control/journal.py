@@ -112,6 +112,9 @@ class Journal:
         self._newest_at = 0.0
         self.checkpoint: tuple[int, str] | None = None
         """(step, path) of this run's newest checkpoint (what a loss of every member restarts from)."""
+        self.skipped: set[tuple[int, int]] = set()
+        """(step, sample id) of each bad sample a member skipped (`workload.on_bad_sample: skip`): a step
+        that is redone skips its samples again, counted once."""
         self._step_times: TextIO | None = None
         self.listeners: list[JobListener] = []
         self._failed_listeners: set[int] = set()  # ids of the listeners whose failure was noted
@@ -131,6 +134,12 @@ class Journal:
         self._events.flush()
         self._tell("event", lambda listener: listener.event(event))
         return event
+
+    def samples_skipped(self, slot: str, step: int, ids: list[int], reason: str) -> None:
+        """A member trained its share of step `step` without these samples: counted, and an event."""
+        self.skipped.update((step, i) for i in ids)
+        self.event("samples_skipped", f"{slot} skipped {len(ids)} bad sample(s) at step {step}: ids "
+                   f"{ids[:10]}{'...' if len(ids) > 10 else ''} ({reason})", slot=slot, step=step, ids=ids, cause=reason)
 
     def since(self, seen: int) -> tuple[list[dict], bool]:
         """The events numbered `seen` and later that are still in memory, and whether that is all of them
@@ -281,6 +290,8 @@ class Journal:
         recorded = runfiles.read_jsonl(self.run_dir / "events.jsonl")
         self.events = collections.deque((Event(**e) for e in recorded), maxlen=EVENTS_KEPT)
         self.count = len(recorded)
+        self.skipped = {(e["detail"]["step"], i) for e in recorded if e["kind"] == "samples_skipped"
+                        for i in e["detail"]["ids"]}
         self.loss, self.metrics = saved["loss"], saved["metrics"]
         history = runfiles.read_jsonl(self.run_dir / "history.jsonl")
         self.step = history[-1]["step"] if history else 0

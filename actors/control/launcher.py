@@ -115,6 +115,7 @@ class Launcher:
         if self.book.members.get(member.slot) is not member or member.state != S.STARTING:
             return  # stopped or replaced meanwhile
         member.pid, member.node, member.node_id = info["pid"], info["node"], info["node_id"]
+        self.book.note_model(info)
         member.move(S.READY)
         member.store_port = info.get("store_port", 0)
         member.lifeline = info.get("lifeline")

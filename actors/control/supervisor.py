@@ -331,10 +331,12 @@ class Supervisor:
         if self.book.members.get(member.slot) is not member:
             return  # an earlier incarnation of a slot that was started again
         what = "died" if kind == "died" else "raised an exception"
-        detector, cause = member.evicted or ("actor death" if kind == "died" else "task error",
+        fault = outcome.get("data_fault") if kind == "error" else None
+        detector, cause = member.evicted or ("actor death" if kind == "died" else "bad sample" if fault else "task error",
+                                             fault.line if fault else
                                              f"worker {member.slot} {what}: {outcome.get('error', '')}".strip())
         hung = member.evicted is not None and member.evicted[0] in ("heartbeat", "step progress")
-        d = decide(self.actions.view(), MemberEnded(member.slot, kind, cause, detector, hung))
+        d = decide(self.actions.view(), MemberEnded(member.slot, kind, cause, detector, hung, fault))
         if d.ignore:
             return
         assert d.member is not None  # a member's end that is not ignored gets its new state

@@ -40,6 +40,7 @@ from actors.training.replica_epochs import EpochEntry
 from actors.training.replica_feed import Feeding
 from actors.training.replica_reports import Reporting
 from actors.training.replica_state import checksum
+from actors.training.sources import BadSample
 from actors.training.workload import build_workload, time_steps, warm_up  # noqa: F401 - their importers' old home (worker, loader, probe, planner)
 from actors.transport import collective
 from actors.transport.comm import BaseCommunicator, CommError
@@ -85,7 +86,8 @@ class Replica(EpochEntry, Feeding, Reporting):
     # ------------------------------------------------------------------ control (any thread)
     def ready(self, fired_faults: tuple[int, ...] = ()) -> dict:
         self.faults.fired = set(fired_faults)
-        return {"slot": self.slot, "pid": os.getpid(), "node": self.node_ip, "checksum": checksum(self.model.parameters())}
+        return {"slot": self.slot, "pid": os.getpid(), "node": self.node_ip, "checksum": checksum(self.model.parameters()),
+                "batch_norm": any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in self.model.modules())}
 
     def set_plan(self, plan: Plan) -> None:
         self.plans.add(plan)
@@ -154,6 +156,8 @@ class Replica(EpochEntry, Feeding, Reporting):
             self.state = "failed"
             self._outcome = {"ok": False, "step": self.step, "slot": self.slot, "error": f"{type(err).__name__}: {err}",
                              "traceback": traceback.format_exc()}
+            if isinstance(err, BadSample):  # the data's error, not this worker's: the coordinator ends the job on it
+                self._outcome["data_fault"] = err.fault
         finally:
             if self._loader is not None:
                 self._loader.close()
@@ -228,12 +232,12 @@ class Replica(EpochEntry, Feeding, Reporting):
         if skipped:
             self.link.samples_skipped(self.slot, self.step + 1, skipped, "workload.on_bad_sample: skip")
         draft = VoteDraft(samples=len(dealt_ids), newer_plan=self._newest_plan().version > plan.version)
-        denominator = max(len(dealt_ids), 1) if self.algorithm.local_mean else plan.global_batch
         began = time.perf_counter()
         self._gradients_at = None
         self.impl.begin_step(self.step, draft)  # the background kind waits here for its lock
         waited += time.perf_counter() - began
         try:
+            denominator = self._denominator(plan, len(dealt_ids), len(ids))
             self.impl.before_forward(self.step)  # a gossip exchange launches here (and may fail)
             for i, fetched in enumerate(micro):
                 batch, n = fetched.batch, len(fetched.ids)
@@ -271,6 +275,29 @@ class Replica(EpochEntry, Feeding, Reporting):
             self._commit(plan, vote, started, len(micro))
         # Only a reduced vote is everyone's: members switch plans together, never on a local step's flag.
         return self._adopt_newest_plan(plan) if vote.newer_plan and vote.communicated else True
+
+    def _denominator(self, plan: Plan, dealt: int, read: int) -> float:
+        """What each sample's loss is divided by, so that the step's gradient is the mean over the samples
+        read: this member's own (the kinds whose members update their own replica), else the global
+        batch's. With `workload.on_bad_sample: skip` a member reads fewer than it was dealt, and the
+        global batch's samples read are counted over the group (one all-reduce of a number a step, only
+        then); a server kind's member, which pushes alone, counts its share as dealt, its read samples'
+        mean within it."""
+        self.skipped_now = 0
+        if self.algorithm.local_mean:
+            return max(read, 1)
+        if not self.skips_bad:
+            return plan.global_batch
+        if self.algorithm.kind != "synchronous":
+            return plan.global_batch * read / max(dealt, 1)
+        comm = self.comm
+        total = read
+        if len(plan.members) > 1 and isinstance(comm, Reducing):
+            count = torch.tensor([float(read)], device=comm.device)
+            comm.all_reduce(count, "sum").wait()
+            total = int(round(float(count[0])))
+        self.skipped_now = plan.global_batch - total
+        return max(total, 1)
 
     def _sync(self, plan: Plan) -> bool:
         """A periodic round: its vote is the commit point of the local steps since the last one."""

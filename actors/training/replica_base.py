@@ -102,6 +102,10 @@ class ReplicaBase:
         self.param_names = [n for n, p in self.model.named_parameters() if p.requires_grad]
         self.source = source_for(self.workload.train_data, self.cfg.seed, self.cfg.workload.on_bad_sample,
                                  functools.partial(ray_blocks, spec), self.algorithm.kind)
+        self.skips_bad = self.cfg.workload.on_bad_sample == "skip"
+        self.skipped_now = 0
+        """Samples of the newest step's global batch that no member could read (a synchronous kind that
+        skips bad samples counts them over the group): its history record says how many."""
         loader = self.cfg.workload.loader
         self._loader = BatchLoader(loader.workers, loader.prefetch) if loader.workers > 0 else None
         self._fetcher: ProcessFetcher | None = None

@@ -69,6 +69,8 @@ class Reporting(CommittedState):
             record["tokens"] = int(record.get("samples", plan.global_batch)) * self.tokens_per_sample
         if self.dropped:
             record["dropped_samples"], self.dropped = self.dropped, 0
+        if self.skipped_now:
+            record["skipped_samples"] = self.skipped_now
         self.kept.append(record)
         if self._reports(plan):
             if self._evaluates(plan) and crossed(self.cfg.eval_every, prev if prev is not None else self.step - 1, self.step):

@@ -20,16 +20,23 @@ redone with the same ids, and no member ever iterates anything the others must a
   member reads the stream in order and keeps its share; the stream's state at the committed cursor
   travels with the model. An iterable without them is refused (`source_for`).
 
-`on_bad_sample: skip` (a map-style or Arrow sample that raises) trains the rest of the share and
-reports each skipped id; `fail` (the default) fails the step with the sample's id and the error.
+A sample that cannot be read, or whose layout (nesting, shapes, dtypes) differs from the rest of its
+batch, is a `BadSample` naming its id: a deterministic error of the data, which the coordinator ends
+the job on in one line (`workload.on_bad_sample: fail`, the default) instead of retrying the worker.
+`skip` trains the rest of the share and reports each skipped id. A Ray Data column that cannot become
+a tensor is a `BadSample` naming its block's rows; a block that cannot be fetched is not (Ray's error).
+
+A map-style dataset's `__getitem__` is never entered by two threads at once (the step and the loader's
+threads share one source) unless the dataset declares `thread_safe = True`.
 """
 from __future__ import annotations
 
 import collections
+import contextlib
 import hashlib
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,13 +44,27 @@ import numpy as np
 import torch
 
 from algorithms.rules.sampler import GlobalSampler
+from algorithms.rules.supervision import DataFault
 from core.schema import WorkloadRefused
 
 log = logging.getLogger(__name__)
 
 
 class BadSample(Exception):
-    """A sample (or a block of samples) could not be read; its message names it and the error."""
+    """A training sample (or rows of a block) that cannot be trained: `sample` names it ("sample 17",
+    "rows 40..59 (Ray Data block 3)"), `error` says why in one line. The same in every try, so the
+    worker's outcome carries it as a `DataFault` and the coordinator ends the job on it."""
+
+    def __init__(self, sample: str, error: str, message: str = "") -> None:
+        super().__init__(message or f"training {sample} could not be read: {error}")
+        self.sample, self.error = sample, error
+
+    def __reduce__(self) -> tuple:  # a loader process sends it back pickled
+        return type(self), (self.sample, self.error, str(self))
+
+    @property
+    def fault(self) -> DataFault:
+        return DataFault(self.sample, self.error)
 
 
 @dataclass
@@ -60,14 +81,69 @@ def _reason(err: BaseException) -> str:
     return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}".rstrip(": ")
 
 
+def declares_thread_safe(data: Any) -> bool:
+    """Whether a dataset says its `__getitem__` may run in several threads at once (`thread_safe = True`)."""
+    return getattr(data, "thread_safe", False) is True
+
+
+def layout(sample: Any) -> Hashable:
+    """What `default_collate` needs alike in every sample of a batch: the nesting, each tensor's or
+    array's shape and dtype, and each other leaf's type (it would stack a float64 with float32s into
+    float64, or fail on unequal shapes without naming the sample)."""
+    if isinstance(sample, torch.Tensor):
+        return "tensor", tuple(sample.shape), str(sample.dtype).removeprefix("torch.")
+    if isinstance(sample, np.ndarray):
+        return "array", sample.shape, sample.dtype.name
+    if isinstance(sample, Mapping):
+        return "dict", tuple((str(k), layout(v)) for k, v in sorted(sample.items(), key=lambda kv: str(kv[0])))
+    if isinstance(sample, (tuple, list)):
+        return type(sample).__name__, tuple(layout(v) for v in sample)
+    return (type(sample).__name__,)
+
+
+def show_layout(shape: Hashable) -> str:
+    """A layout as a reader writes it: `(tensor[4] float32, int)`, `{x: array(3,) int64}`."""
+    if not isinstance(shape, tuple) or not shape:
+        return str(shape)
+    kind = shape[0]
+    if kind == "tensor":
+        return f"tensor{list(shape[1])} {shape[2]}"
+    if kind == "array":
+        return f"array{shape[1]} {shape[2]}"
+    if kind == "dict":
+        return "{" + ", ".join(f"{k}: {show_layout(v)}" for k, v in shape[1]) + "}"
+    if len(shape) == 2 and isinstance(shape[1], tuple):
+        return "(" + ", ".join(show_layout(v) for v in shape[1]) + ")"
+    return str(kind)
+
+
+def odd_ones_out(samples: list[Any]) -> tuple[list[int], Hashable]:
+    """The positions of the samples whose layout differs from the batch's most common one (the first
+    seen of those tied), and that layout."""
+    shapes = [layout(s) for s in samples]
+    common = collections.Counter(shapes).most_common(1)[0][0] if shapes else None
+    return [k for k, shape in enumerate(shapes) if shape != common], common
+
+
+def mismatch(sample_id: int, sample: Any, common: Hashable, others: int) -> BadSample:
+    """Sample `sample_id` does not have its batch's `common` layout (which `others` samples have)."""
+    error = f"its layout {show_layout(layout(sample))} differs from the {show_layout(common)} of the other {others} " \
+            f"samples of its batch"
+    return BadSample(f"sample {sample_id}", error, f"training sample {sample_id} does not match its batch: {error}")
+
+
 class MapSource:
     kind = "map-style"
 
-    def __init__(self, data: Any, seed: int, skip_bad: bool = False) -> None:
+    def __init__(self, data: Any, seed: int, skip_bad: bool = False, thread_safe: bool | None = None) -> None:
+        """`thread_safe`: whether `data[i]` may run in several threads at once (None: as `data` declares)."""
         self.data, self.skip_bad = data, skip_bad
         self.sampler = self._sampler(seed)
         self.n = self.sampler.n
         self._tensors = data.tensors if isinstance(data, torch.utils.data.TensorDataset) else None
+        safe = declares_thread_safe(data) if thread_safe is None else thread_safe
+        self._reading: contextlib.AbstractContextManager = contextlib.nullcontext() if safe else threading.Lock()
+        """Held around every read of `data`: the step and the loader's threads never enter it together."""
 
     def _sampler(self, seed: int) -> GlobalSampler:
         return GlobalSampler(len(self.data), seed)
@@ -82,29 +158,41 @@ class MapSource:
         return self._one_by_one(ids)
 
     def _one_by_one(self, ids: np.ndarray) -> Fetched:
-        """Each sample read on its own: one that raises fails the batch with its id, or is skipped."""
+        """Each sample read on its own: one that raises, or whose layout differs from the rest of its
+        batch, fails the batch with its id, or is skipped."""
         samples: list[Any] = []
         kept: list[int] = []
         skipped: list[int] = []
+        first_bad = ""
         for i in ids.tolist():
             try:
-                samples.append(self.data[i])
+                with self._reading:
+                    sample = self.data[i]
             except Exception as err:  # noqa: BLE001 - a user's dataset may raise anything
-                self._bad(i, err, skipped)
+                why = self._bad(BadSample(f"sample {i}", _reason(err)), skipped, i, err)
+                first_bad = first_bad or why
                 continue
+            samples.append(sample)
             kept.append(i)
-        return Fetched(self._collate(samples, ids), np.asarray(kept, dtype=np.int64) if skipped else ids, skipped)
-
-    def _bad(self, i: int, err: BaseException, skipped: list[int]) -> None:
-        if not self.skip_bad:
-            raise BadSample(f"training sample {i} could not be read: {_reason(err)}") from err
-        log.warning("skipped training sample %d (workload.on_bad_sample: skip): %s", i, _reason(err))
-        skipped.append(i)
-
-    def _collate(self, samples: list, ids: np.ndarray) -> Any:
+        odd, common = odd_ones_out(samples)
+        for k in odd:
+            why = self._bad(mismatch(kept[k], samples[k], common, len(samples) - len(odd)), skipped, kept[k])
+            first_bad = first_bad or why
+        if odd:
+            samples, kept = [s for k, s in enumerate(samples) if k not in odd], [i for k, i in enumerate(kept) if k not in odd]
         if not samples:
-            raise BadSample(f"every sample of a batch was bad (ids {ids[:8].tolist()}...): nothing to train")
-        return torch.utils.data.default_collate(samples)
+            raise BadSample(f"sample {skipped[0]}", f"{first_bad}; every sample of its micro-batch ({len(ids)}) was "
+                                                    f"bad: nothing to train (workload.on_bad_sample: skip)")
+        return Fetched(torch.utils.data.default_collate(samples), np.asarray(kept, dtype=np.int64) if skipped else ids,
+                       skipped)
+
+    def _bad(self, bad: BadSample, skipped: list[int], i: int, err: BaseException | None = None) -> str:
+        """`fail`: raise `bad`; `skip`: note sample `i` skipped. Returns why it was bad."""
+        if not self.skip_bad:
+            raise bad from err
+        log.warning("skipped training %s (workload.on_bad_sample: skip): %s", bad.sample, bad.error)
+        skipped.append(i)
+        return bad.error
 
     def state_dict(self) -> dict:
         return {}
@@ -126,15 +214,20 @@ class ArrowSource(MapSource):
     kind = "datasets"
 
     def __init__(self, data: Any, seed: int, skip_bad: bool = False) -> None:
+        safe = declares_thread_safe(data)  # before `with_format`, which makes a new object
         if getattr(data, "format", {}).get("type") is None:
             data = data.with_format("torch")
-        super().__init__(data, seed, skip_bad)
+        super().__init__(data, seed, skip_bad, safe)
 
     def fetch(self, ids: np.ndarray, cursor: int) -> Fetched:
         try:
-            return Fetched(self.data[ids.tolist()], ids)  # a dict of columns, rows in `ids` order
+            with self._reading:
+                batch = self.data[ids.tolist()]  # a dict of columns, rows in `ids` order
         except Exception:  # noqa: BLE001 - find the sample that fails, one by one
             return self._one_by_one(ids)
+        if any(isinstance(v, list) and v and isinstance(v[0], torch.Tensor) for v in batch.values()):
+            return self._one_by_one(ids)  # a ragged column (rows of unequal shapes): find the odd rows
+        return Fetched(batch, ids)
 
 
 class BlockOrder(GlobalSampler):
@@ -178,18 +271,20 @@ class BlockSource(MapSource):
             if b in self._cache:
                 self._cache.move_to_end(b)
                 return self._cache[b]
-        first, last = int(self.order.starts[b]), int(self.order.starts[b + 1]) - 1
         try:
-            try:
-                block = ray.get(self.refs[b])
-            except ray.exceptions.ObjectLostError:
-                if self._refresh is None:
-                    raise
-                self._reattach(self._refresh)  # the holder was restarted: its blocks are new objects
-                block = ray.get(self.refs[b])
+            block = ray.get(self.refs[b])
+        except ray.exceptions.ObjectLostError:
+            if self._refresh is None:
+                raise
+            self._reattach(self._refresh)  # the holder was restarted: its blocks are new objects
+            block = ray.get(self.refs[b])
+        except ray.exceptions.RayError as err:  # Ray's, not the data's: the worker fails and is replaced
+            raise RuntimeError(f"Ray Data block {b} ({self._rows(b)}) could not be fetched: {_reason(err)}") from err
+        try:
             columns = BlockAccessor.for_block(block).to_batch_format("numpy")
         except Exception as err:
-            raise BadSample(f"Ray Data block {b} (rows {first}..{last}) could not be read: {_reason(err)}") from err
+            raise BadSample(self._rows(b), _reason(err), f"Ray Data block {b} ({self._rows(b)}) could not be "
+                                                         f"read: {_reason(err)}") from err
         if not isinstance(columns, dict):
             columns = {"data": columns}
         with self._lock:
@@ -205,14 +300,33 @@ class BlockSource(MapSource):
             raise RuntimeError("the Ray Data holder was restarted and materialized other blocks than before")
         self.refs = [ref for ref, _ in blocks]
 
+    def _rows(self, b: int) -> str:
+        return f"rows {int(self.order.starts[b])}..{int(self.order.starts[b + 1]) - 1}"
+
     def fetch(self, ids: np.ndarray, cursor: int) -> Fetched:
         blocks = np.searchsorted(self.order.starts, ids, side="right") - 1
-        parts: list[dict[str, np.ndarray]] = []
+        parts: dict[int, dict[str, np.ndarray]] = {}
         for b in dict.fromkeys(blocks.tolist()):  # in the share's order: each block once
             rows = ids[blocks == b] - self.order.starts[b]
-            parts.append({k: v[rows] for k, v in self._block(b).items()})
-        batch = {k: torch.as_tensor(np.concatenate([p[k] for p in parts])) for k in parts[0]}
-        return Fetched(batch, ids)
+            parts[b] = {k: v[rows] for k, v in self._block(b).items()}
+        return Fetched(self._columns(parts), ids)
+
+    def _columns(self, parts: dict[int, dict[str, np.ndarray]]) -> dict[str, torch.Tensor]:
+        """The share's columns as tensors; a column a block lacks, or that cannot be a tensor (strings,
+        ragged rows), is a `BadSample` naming the block's rows."""
+        first = next(iter(parts))
+        batch = {}
+        for name in parts[first]:
+            for b, part in parts.items():
+                if name not in part:
+                    raise BadSample(f"{self._rows(b)} (Ray Data block {b})",
+                                    f"no column {name!r}, which block {first} has")
+            try:
+                batch[name] = torch.as_tensor(np.concatenate([part[name] for part in parts.values()]))
+            except (TypeError, ValueError, RuntimeError) as err:
+                where = " and ".join(f"{self._rows(b)} (Ray Data block {b})" for b in parts)
+                raise BadSample(where, f"column {name!r} cannot be a tensor: {_reason(err)}") from err
+        return batch
 
     def fingerprint(self) -> str:
         digest = hashlib.sha256(self.order.rows.tobytes()).hexdigest()[:16]
@@ -271,6 +385,9 @@ class StreamSource:
             items = [self._next() for _ in range(len(ids))]
         own = [s.get("id") for s in items] if all(isinstance(s, dict) for s in items) else []
         recorded = np.asarray(own, dtype=np.int64) if own and all(isinstance(i, int) for i in own) else ids
+        odd, common = odd_ones_out(items)
+        if odd:
+            raise mismatch(int(recorded[odd[0]]), items[odd[0]], common, len(items) - len(odd))
         return Fetched(torch.utils.data.default_collate(items), recorded)
 
     def committed(self, cursor: int) -> None:
@@ -302,7 +419,24 @@ def is_ray_dataset(data: Any) -> bool:
 
 
 def is_hf_dataset(data: Any) -> bool:
-    return type(data).__module__.startswith("datasets") and hasattr(data, "with_format")
+    """A Hugging Face map-style `datasets.Dataset` (an `IterableDataset` is not: `is_hf_iterable`)."""
+    return type(data).__module__.startswith("datasets") and hasattr(data, "with_format") and not is_hf_iterable(data)
+
+
+def is_hf_iterable(data: Any) -> bool:
+    if not type(data).__module__.startswith("datasets"):
+        return False
+    import datasets
+
+    return isinstance(data, datasets.IterableDataset)
+
+
+HF_ITERABLE_REFUSED = (
+    "train_data is a Hugging Face IterableDataset, which cannot be positioned exactly (its state_dict() "
+    "drops the shuffle buffer's contents and keeps a loaded state into the next epoch), so a failure or a "
+    "join would lose or repeat samples; use a map-style datasets.Dataset (load_dataset without streaming, "
+    "or Dataset.from_generator), token shards (orchestrator.data.shards.TokenShards) or Ray Data "
+    "(ray.data.from_huggingface); docs/data.md")
 
 
 def _indexable(data: Any) -> bool:
@@ -316,6 +450,8 @@ def source_for(data: Any, seed: int, on_bad_sample: str = "fail",
     `kind`: the policy's kind; those whose samples a server deals (`server`, `background`) take only
     data they can index (a Ray Data or a stream source has no such order)."""
     skip = on_bad_sample == "skip"
+    if is_hf_iterable(data):
+        raise WorkloadRefused(HF_ITERABLE_REFUSED)
     if kind in ("server", "background") and (is_ray_dataset(data) or not _indexable(data)):
         raise WorkloadRefused(f"train_data is a {'Ray Data Dataset' if is_ray_dataset(data) else type(data).__name__}, "
                          f"which the {kind} policies cannot deal from (their server leases sample indices): use a "

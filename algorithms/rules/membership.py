@@ -50,6 +50,26 @@ def batch_for(world: int, per_worker: int, initial_world: int, mode: str) -> tup
     return per_worker * initial_world, 1.0
 
 
+def share_refusal(world: int, per_worker: int, initial_world: int, mode: str, batch_norm: bool = False) -> str | None:
+    """Why `world` members cannot train the job's global batch, in one line (None: they can). Under
+    `keep_global` the global batch stays that of the initial world, so past it a member's share would be
+    empty (it has nothing to train, and a mean over no samples is NaN); with a BatchNorm model, a share of
+    one sample has no batch statistics (BatchNorm1d raises on it at the first step, in every member, at
+    every try). Under `keep_worker` each share is `workload.batch_size` whatever the world."""
+    global_batch, _ = batch_for(world, per_worker, initial_world, mode)
+    if mode == "keep_worker" or world < 1:
+        return None
+    least = 2 if batch_norm else 1
+    if global_batch // world >= least:
+        return None
+    allowed = global_batch // least
+    what = ("an empty share" if global_batch < world else
+            "a share of one sample, and the model has BatchNorm layers (one sample has no batch statistics)")
+    return (f"{world} workers would leave a worker {what}: the global batch is {global_batch} samples "
+            f"(workload.batch_size {per_worker} x workers.count {initial_world}, workers.batch_mode: keep_global), "
+            f"which allows at most {allowed} workers; raise workload.batch_size or use workers.batch_mode: keep_worker")
+
+
 def server_members(kind: str, members: tuple[tuple[str, int], ...],
                    leaving: tuple[tuple[str, int], ...]) -> tuple[tuple[str, int], ...]:
     """The (slot, worker incarnation) pairs the parameter server (or the lease dispenser) admits with

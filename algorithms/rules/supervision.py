@@ -9,6 +9,10 @@ one sentence.
 The rules:
 - A member that finishes while leaving has left; once every member of the plan has finished at
   the same step, the job ends.
+- A member that ends on a bad training sample (a `DataFault`: the data's own error, the same at every
+  try) fails the job, whatever `workers.on_failure` says: no failure is counted, no slot retired, no
+  replacement started, no pause; the survivors agree on the newest committed step and stop there (the
+  job then FAILS with that state saved and the sample's one line as its cause).
 - A member that dies, raises or hangs aborts the epoch at once. Its slot counts a failure and is
   retired past `workers.failure_budget`. With `on_failure: fail` the survivors agree on the newest
   committed step and stop (the job then FAILS with that state saved). Otherwise the survivors are
@@ -153,6 +157,21 @@ class JobView:
 
 # ------------------------------------------------------------------------------------ events
 @dataclass(frozen=True)
+class DataFault:
+    """A training sample that cannot be trained (it raises when read, or its shape or dtype differs
+    from its batch's): what a worker's outcome carries to the coordinator when its run ended on one."""
+
+    sample: str
+    """Which: "sample 17", "rows 40..59 (Ray Data block 3)"."""
+    error: str
+    """Why, in one line: "ValueError: corrupt record 17"."""
+
+    @property
+    def line(self) -> str:
+        return f"bad training {self.sample}: {self.error}"
+
+
+@dataclass(frozen=True)
 class MemberEnded:
     """A member's `run()` returned (`finished`), raised (`error`) or its process died (`died`)."""
 
@@ -163,6 +182,8 @@ class MemberEnded:
     """actor death / task error / heartbeat / step progress / collective failure ..."""
     hung: bool = False
     """The coordinator evicted it for hanging (heartbeat, step progress)."""
+    data_fault: DataFault | None = None
+    """Its run raised on a bad training sample: every try would meet it again."""
 
 
 @dataclass(frozen=True)
@@ -233,6 +254,8 @@ def _on_member_ended(view: JobView, e: MemberEnded) -> Decision:
     if others and all(view.members.get(s) == MemberState.FINISHED for s in others):
         return Decision(f"{e.cause}; every other member had finished", member=(e.slot, ended), finish=True)
     survivors = view.training(besides=e.slot)  # joiners waiting for the state too: they get it in the new epoch
+    if e.data_fault is not None:
+        return _on_data_fault(view, e, ended, survivors)
     if not view.holders(besides=e.slot) and any(m == MemberState.FINISHED and s not in view.stateless
                                                  for s, m in view.members.items()):
         return Decision(f"{e.cause}; the members that hold the state had finished", member=(e.slot, ended), finish=True)
@@ -261,6 +284,18 @@ def _on_member_ended(view: JobView, e: MemberEnded) -> Decision:
     return Decision(f"{len(survivors)} live workers, below workers.min = {view.min_workers}: waiting for replacements",
                     member=(e.slot, ended), abort=True, count_failure=True, retire=retire, replace=True,
                     transition=JobState.PAUSED)
+
+
+def _on_data_fault(view: JobView, e: MemberEnded, ended: MemberState, survivors: tuple[str, ...]) -> Decision:
+    """A bad sample ends the job: a replacement, a restart from a checkpoint or a retry would read it
+    again. The survivors stop at the step they hold (nothing committed is lost); with none, at once."""
+    assert e.data_fault is not None  # the caller's test
+    line = e.data_fault.line
+    if not view.holders(besides=e.slot):
+        return Decision(line, member=(e.slot, ended), abort=True, end_now=JobState.FAILED)
+    return Decision(line, member=(e.slot, ended), abort=True, publish=survivors,
+                    transition=JobState.STOPPING if view.stop_kind != "FAILED" else None,
+                    stop_kind="FAILED", stop_step="held")
 
 
 def _on_stop(view: JobView, e: StopRequested) -> Decision:

@@ -83,6 +83,8 @@ class JobStatus:
     checkpoint: dict = field(default_factory=dict)
     """The last durable checkpoint of this run: `step` and `time` (time.time()) once one is stored, and
     `failures`, the tries to store one that failed (each a `checkpoint_failed` event); empty before any."""
+    samples_skipped: int = 0
+    """Bad training samples skipped so far (`workload.on_bad_sample: skip`; each a `samples_skipped` event)."""
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -235,12 +235,12 @@ def gpt(size: str = "tiny", d_model: int | None = None, n_layer: int | None = No
     if shards is not None:
         from orchestrator.data.shards import TokenShards
 
-        train_data: Dataset = TokenShards(shards, length, shard_dtype)
+        vocab = vocab or min(2 ** (8 * np.dtype(shard_dtype).itemsize), 65_536)
+        train_data: Dataset = TokenShards(shards, length, shard_dtype, vocab=vocab)  # a token past the embedding: a bad sample
         eval_data = None
         if eval_shards is not None:
-            held_shards = TokenShards(eval_shards, length, shard_dtype)
+            held_shards = TokenShards(eval_shards, length, shard_dtype, vocab=vocab)
             eval_data = TensorDataset(torch.stack([held_shards[i][0] for i in range(min(eval_count, len(held_shards)))]))
-        vocab = vocab or min(2 ** (8 * np.dtype(shard_dtype).itemsize), 65_536)
     else:
         train, held = text_arrays(text_root)
         train_data = TensorDataset(windows(train, length))

@@ -4,6 +4,7 @@ fails with its name. The reference is written from the definition: shard by shar
 windows of seq_len + 1 tokens starting every seq_len tokens, none crossing a shard's end."""
 from __future__ import annotations
 
+import re
 import uuid
 
 import numpy as np
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 from actors.runs.storage import open_storage
+from actors.training.sources import BadSample, MapSource
 from orchestrator.data.shards import TokenShards
 
 
@@ -99,3 +101,84 @@ def test_the_language_model_trains_on_token_shards(tmp_path):
         optimizer.step()
     assert float(work.loss(work.model, batch).detach()) < before
     assert "eval_loss" in work.evaluate(work.model, work.eval_data)
+
+
+def test_a_shard_of_non_integer_tokens_is_refused(tmp_path):
+    (tmp_path / "npy").mkdir()
+    np.save(tmp_path / "npy" / "shard-000.npy", np.arange(100, dtype=np.float32))
+    with pytest.raises(ValueError, match=r"shard-000\.npy has float32 tokens; token ids are integers"):
+        TokenShards(str(tmp_path / "npy"), seq_len=8)
+    write_shards(tmp_path / "bin", [100], kinds=("bin",))
+    with pytest.raises(ValueError, match=r"dtype='float16' has float16 tokens; token ids are integers"):
+        TokenShards(str(tmp_path / "bin"), seq_len=8, dtype="float16")
+
+
+def test_a_file_whose_size_is_not_what_its_header_says_is_refused(tmp_path):
+    """A `.npy` with bytes past its array, and an llm.c `.bin` (its 1,024-byte header: magic 20240520,
+    version 1 for uint16, the token count) truncated to a whole number of tokens, which a raw shard's
+    size cannot show. An llm.c shard that is whole is read after its header."""
+    write_shards(tmp_path / "npy", [100], kinds=("npy",))
+    npy = tmp_path / "npy" / "shard-000.npy"
+    npy.write_bytes(npy.read_bytes() + b"\0\0")
+    with pytest.raises(ValueError, match=r"shard-000\.npy has \d+ bytes, but its header says 100 tokens"):
+        TokenShards(str(tmp_path / "npy"), seq_len=8)
+    tokens = np.arange(1, 201, dtype=np.uint16)
+    header = np.zeros(256, dtype="<i4")
+    header[:3] = (20240520, 1, len(tokens))
+    (tmp_path / "llmc").mkdir()
+    shard = tmp_path / "llmc" / "train-000.bin"
+    shard.write_bytes(header.tobytes() + tokens.tobytes())
+    data = TokenShards(str(tmp_path / "llmc"), seq_len=8, dtype="uint16")
+    assert len(data) == (200 - 1) // 8 and data[0][0].tolist() == list(range(1, 10))
+    shard.write_bytes(header.tobytes() + tokens[:150].tobytes())
+    with pytest.raises(ValueError, match=r"train-000\.bin has 1324 bytes, but its llm\.c header says 200 uint16 "
+                                         r"tokens \(1424 bytes\): truncated\?"):
+        TokenShards(str(tmp_path / "llmc"), seq_len=8)
+
+
+def test_a_token_outside_the_vocabulary_is_a_bad_sample_naming_it(tmp_path):
+    (tmp_path / "shards").mkdir()
+    tokens = np.arange(64, dtype=np.int32)
+    tokens[20], tokens[45] = 70_000, -5
+    np.save(tmp_path / "shards" / "shard-000.npy", tokens)
+    data = TokenShards(str(tmp_path / "shards"), seq_len=8, vocab=50_000)
+    assert data[0][0].tolist() == list(range(9))
+    with pytest.raises(ValueError, match=r"shard-000\.npy has token id 70000 at token 20, outside the vocabulary "
+                                         r"\[0, 50000\)"):
+        data[2]
+    with pytest.raises(BadSample, match=r"training sample 5 could not be read: ValueError: .*token id -5 at token 45"):
+        MapSource(data, 0).fetch(np.array([0, 5]), 0)
+
+
+TRUNCATE_WHILE_READING = """
+import sys
+import numpy as np
+from actors.training.sources import BadSample, MapSource
+from orchestrator.data.shards import TokenShards
+
+source = MapSource(TokenShards(sys.argv[1], seq_len=64), 0)
+last = np.array([len(source.data) - 1])
+source.fetch(last, 0)  # the shard is open (a memory map held it mapped)
+with open(sys.argv[2], "r+b") as f:
+    f.truncate(1000)
+try:
+    source.fetch(last, 0)
+except BadSample as err:
+    print(err)
+"""
+
+
+def test_a_shard_truncated_while_training_is_a_bad_sample_not_a_sigbus(tmp_path):
+    """In a process of its own: with the shard memory-mapped, the read after the truncation killed the
+    process with SIGBUS (-7), which the coordinator took for a worker's death."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    write_shards(tmp_path / "shards", [10_000], kinds=("bin",))
+    done = subprocess.run([sys.executable, "-c", TRUNCATE_WHILE_READING, str(tmp_path / "shards"),
+                           str(tmp_path / "shards" / "shard-000.bin")], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parents[2])
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    assert re.search(r"training sample 155 could not be read: ValueError: token shards: .*shard-000\.bin held 10000 "
+                     r"tokens when opened, but now ends before token 9985, which sample 155 needs", done.stdout), done.stdout
