@@ -17,6 +17,11 @@ class ConfigError(OrchestratorError):
     """Bad user input: a config key, a CLI argument or a YAML file. One line, names the key."""
 
 
+class NameTaken(ConfigError):
+    """A job is started under the name of one that has not positively ended (running, paused, slow to
+    answer, or being restarted by Ray): refused, never replaced."""
+
+
 class WorkloadRefused(OrchestratorError, ValueError):
     """The workload cannot be trained as configured (its data cannot be positioned, a policy cannot deal
     from it): the same in every worker, so a worker that raises it is not started again."""
@@ -39,3 +44,16 @@ def positive(obj: Any, name: str) -> None:
 def at_least(obj: Any, name: str, low: int) -> None:
     if getattr(obj, name) < low:
         raise FieldError(name, f"must be at least {low}, got {getattr(obj, name)}")
+
+
+DAY_S = 86400.0
+"""The longest timeout, wait or interval a job's config may ask for: a collective, heartbeat, step or
+sleep that long is a hang on any job this runs, and a longer one (1e300) overflows the waits it is
+handed to (`timedelta`, `time.sleep`, gloo's millisecond count) in every worker instead of failing at load."""
+
+
+def within(obj: Any, name: str, low: float, high: float, *, low_open: bool = False, unit: str = "") -> None:
+    """`low <= value <= high` (`low < value` with `low_open`); NaN lies outside every range."""
+    value = getattr(obj, name)
+    if not ((low < value if low_open else low <= value) and value <= high):
+        raise FieldError(name, f"must lie in {'(' if low_open else '['}{low:g}, {high:g}]{unit}, got {value:g}")

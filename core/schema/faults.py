@@ -6,7 +6,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Literal
 
-from core.schema.errors import FieldError
+from core.schema.errors import DAY_S, FieldError, within
 
 
 @dataclass
@@ -31,7 +31,7 @@ class StragglerFault:
     """Each step takes this many times as long (a sleep after compute)."""
     delay_s: float = 0.0
     """Each step also sleeps this long: a fixed compute time, so a run's pace is the same on fast
-    and slow machines."""
+    and slow machines. In [0, 86400] s (a sleep of more than a day is a hang: `errors.DAY_S`)."""
     jitter: JitterSpec | None = None
     """The step's time (computed x slowdown + delay_s) is multiplied by a seeded random factor; a
     factor below 1 cannot shorten the computation itself, only the sleep."""
@@ -45,8 +45,7 @@ class StragglerFault:
             raise FieldError("from_step", f"must not be negative, got {self.from_step}")
         if self.slowdown < 1.0:
             raise FieldError("slowdown", f"must be >= 1.0, got {self.slowdown}")
-        if self.delay_s < 0:
-            raise FieldError("delay_s", f"must not be negative, got {self.delay_s}")
+        within(self, "delay_s", 0.0, DAY_S, unit=" s")
 
 
 @dataclass
@@ -111,13 +110,13 @@ class DelayedPush:
     slot: str = ""
     clock: int = 0
     delay_s: float = 1.0
+    """In (0, 86400] s (`errors.DAY_S`)."""
 
     def __post_init__(self) -> None:
         _check_slot(self.slot)
         if self.clock < 0:
             raise FieldError("clock", f"must not be negative, got {self.clock}")
-        if self.delay_s <= 0:
-            raise FieldError("delay_s", f"must be positive, got {self.delay_s}")
+        within(self, "delay_s", 0.0, DAY_S, low_open=True, unit=" s")
 
 
 @dataclass
@@ -148,7 +147,8 @@ class FaultsConfig:
     comm_latency_s: float = 0.0
     """A modelled network latency: every collective of every group (the background kind's too)
     completes no sooner than this many seconds after its launch (benchmarks: a slow network on one
-    machine). Overlapped operations overlap their latencies, as on a real network."""
+    machine). Overlapped operations overlap their latencies, as on a real network. In [0, 86400] s, as
+    every injected wait here (`errors.DAY_S`)."""
     record_samples: bool = False
     """Each worker appends `step membership_epoch id id ...` for every step it commits to
     `samples/<slot>.txt` (tests); a step counts in the epoch that history gives for it."""
@@ -160,8 +160,7 @@ class FaultsConfig:
 
     def __post_init__(self) -> None:
         for knob in ("comm_latency_s", "checkpoint_store_s", "checkpoint_fail_s"):
-            if getattr(self, knob) < 0:
-                raise FieldError(knob, f"must not be negative, got {getattr(self, knob)}")
+            within(self, knob, 0.0, DAY_S, unit=" s")
 
 
 def _check_slot(slot: str) -> None:

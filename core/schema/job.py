@@ -6,7 +6,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Literal
 
-from core.schema.errors import FieldError
+from core.schema.errors import DAY_S, FieldError, within
 from core.schema.faults import FaultsConfig
 from core.schema.network import CommConfig, NetworkConfig, RayConfig
 from core.schema.policies import COMPRESSING_POLICIES, NOT_WIRED, SERVER_POLICIES, BSPConfig, QuorumConfig, SyncConfig
@@ -50,6 +50,7 @@ class JobConfig:
     moved here when the config is read (into `ORCHESTRATOR_STORAGE_<OPTION>` of the driver's
     environment, and the job's Ray runtime environment), so no copy of them is kept anywhere."""
     progress_every_s: float = 5.0
+    """`run` prints a progress line at most this often (0: at every step it sees), in [0, 86400] s."""
     policy_choice: str = ""
     """Set by `sync.policy: auto` when the job starts: the pick and its reason (the job's first event)."""
     policy_trial: dict = field(default_factory=dict)
@@ -92,21 +93,22 @@ class JobConfig:
             raise FieldError("name", f"must be 1-64 characters of letters, digits, '_', '.', '-', got {self.name!r}")
         if self.eval_every < 0:
             raise FieldError("eval_every", f"must not be negative, got {self.eval_every}")
+        within(self, "progress_every_s", 0.0, DAY_S, unit=" s")
         self._check_server_policy()
         if self.network.lab:
             self._check_network()
-        slots = {f"w{i}" for i in range(self.workers.max or self.workers.count)}
+        slots = self.workers.max or self.workers.count
         for i, kill in enumerate(self.faults.kills):
-            if kill.slot not in slots:
-                raise FieldError(f"faults.kills[{i}].slot", f"{kill.slot!r} is not a slot of this job (w0..w{len(slots) - 1})")
+            if not _is_slot(kill.slot, slots):
+                raise FieldError(f"faults.kills[{i}].slot", f"{kill.slot!r} is not a slot of this job (w0..w{slots - 1})")
         for i, scale in enumerate(self.faults.scale):
             if not (self.workers.min <= scale.count <= (self.workers.max or self.workers.count)):
                 raise FieldError(f"faults.scale[{i}].count", f"{scale.count} is outside [workers.min, workers.max] = "
                                                              f"[{self.workers.min}, {self.workers.max or self.workers.count}]")
         for i, delayed in enumerate(self.faults.delayed_pushes):
-            if delayed.slot not in slots:
+            if not _is_slot(delayed.slot, slots):
                 raise FieldError(f"faults.delayed_pushes[{i}].slot", f"{delayed.slot!r} is not a slot of this job "
-                                                                     f"(w0..w{len(slots) - 1})")
+                                                                     f"(w0..w{slots - 1})")
             if self.sync.policy not in SERVER_POLICIES:
                 raise FieldError(f"faults.delayed_pushes[{i}]", f"policy {self.sync.policy!r} does not push to a "
                                                                 f"parameter server ({', '.join(sorted(SERVER_POLICIES))} do)")
@@ -137,3 +139,10 @@ class JobConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def _is_slot(slot: str, slots: int) -> bool:
+    """`slot` names one of `w0`..`w<slots - 1>`, as the launcher names them (no leading zeros): read from
+    the name, so the check costs the same whatever `workers.max` is."""
+    match = re.fullmatch(r"w(0|[1-9]\d*)", slot)
+    return match is not None and len(match.group(1)) <= len(str(slots)) and int(match.group(1)) < slots

@@ -6,7 +6,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Literal
 
-from core.schema.errors import FieldError, at_least
+from core.schema.errors import DAY_S, FieldError, at_least, within
 
 
 @dataclass
@@ -17,13 +17,14 @@ class LinkConfig:
     """Bandwidth in Mbit/s, each direction, shaped by the kernel (`tc` htb); none: unshaped loopback."""
     latency_ms: float = 0.0
     """One-way latency, modelled in the transport (no netem here): every collective whose members span
-    the link completes no sooner than its sequential message rounds times this after its launch."""
+    the link completes no sooner than its sequential message rounds times this after its launch. In
+    [0, 60000] ms: a minute one way is far beyond any real link (a geostationary hop is about 300 ms),
+    and a ring's 2(n-1) rounds of it must still fit `comm.timeout_s`."""
 
     def __post_init__(self) -> None:
         if self.mbit is not None and self.mbit <= 0:
             raise FieldError("mbit", f"must be positive (or unset for unshaped), got {self.mbit}")
-        if self.latency_ms < 0:
-            raise FieldError("latency_ms", f"must not be negative, got {self.latency_ms}")
+        within(self, "latency_ms", 0.0, 60000.0, unit=" ms")
 
 
 @dataclass
@@ -100,7 +101,9 @@ class NetworkConfig:
 @dataclass
 class CommConfig:
     timeout_s: float = 10.0
-    """One timeout for every collective, the store and group construction."""
+    """One timeout for every collective, the store and group construction, in [0.1, 86400] s: below
+    0.1 s a healthy all-reduce or store round trip on a loaded node misses it; above a day a wait is a
+    hang, and gloo's and the store's `timedelta`s overflow (1e300 failed every worker's start)."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     sign_rendezvous: bool = True
     """Each job's rendezvous values are signed with a secret only its actors hold, and a value without
@@ -108,8 +111,7 @@ class CommConfig:
     without it, anything that reaches the coordinator's store port can steer a job's groups."""
 
     def __post_init__(self) -> None:
-        if self.timeout_s <= 0:
-            raise FieldError("timeout_s", f"must be positive, got {self.timeout_s}")
+        within(self, "timeout_s", 0.1, DAY_S, unit=" s")
 
 
 @dataclass

@@ -1,11 +1,13 @@
 """The YAML parser: plain data in, validated config dataclasses out (`parse`).
 
 It reads each dataclass's type hints and converts every value to its field's type, rejecting unknown
-keys and wrong types with a `ConfigError` that names the key path; `sync:` is parsed by its policy.
+keys, wrong types and non-finite numbers (NaN, infinities) with a `ConfigError` that names the key
+path; `sync:` is parsed by its policy.
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import types
 import typing
@@ -98,7 +100,13 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
             value = float(value)  # YAML 1.1 reads 1e-5 (no dot) as a string; it is a number here
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{path}: expected a number, got {_show(value)}")
-        return float(value)
+        try:
+            number = float(value)
+        except OverflowError:  # an integer with hundreds of digits
+            number = math.inf
+        if not math.isfinite(number):  # YAML's .nan and .inf, or 1e400 written out: no knob means them
+            raise ConfigError(f"{path}: must be a finite number, got {number}")
+        return number
     if tp is str:
         if not isinstance(value, str):
             raise ConfigError(f"{path}: expected a string, got {_show(value)}")

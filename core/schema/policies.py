@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from core.schema.errors import FieldError, at_least, positive
+from core.schema.errors import DAY_S, FieldError, at_least, positive, within
 
 
 @dataclass
@@ -182,7 +182,8 @@ class ShadowConfig:
     """ma: average the replicas; bmuf: block momentum on the average; easgd: elastic pull to a central
     copy held by the job's server actor."""
     interval_s: float = 0.0
-    """Seconds from the start of one round to the start of the next; 0: back to back."""
+    """Seconds from the start of one round to the start of the next; 0: back to back. In [0, 86400]:
+    rounds a day apart are no synchronization (`errors.DAY_S`)."""
     alpha: float = 0.3
     """EASGD's elastic weight, in (0, 1]."""
     block_momentum: float = 0.0
@@ -196,8 +197,7 @@ class ShadowConfig:
     def __post_init__(self) -> None:
         if self.method not in ("ma", "easgd", "bmuf"):
             raise FieldError("method", f"must be one of ma, easgd, bmuf, got {self.method!r}")
-        if self.interval_s < 0:
-            raise FieldError("interval_s", f"must be >= 0 (0: back to back), got {self.interval_s}")
+        within(self, "interval_s", 0.0, DAY_S, unit=" s (0: back to back)")
         if not 0 < self.alpha <= 1:
             raise FieldError("alpha", f"must lie in (0, 1], got {self.alpha}")
         if not 0 <= self.block_momentum < 1:

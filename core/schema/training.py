@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from core.schema.errors import FieldError, at_least
+from core.schema.errors import FieldError, at_least, within
 
 
 @dataclass
@@ -100,11 +100,13 @@ class StopConfig:
     max_steps: int | None = None
     target: TargetConfig | None = None
     time_s: float | None = None
+    """Stop after this many seconds of training, in (0, 31622400] (366 days: longer than any run; leave it
+    out for no time limit)."""
 
     def __post_init__(self) -> None:
         if self.max_steps is None and self.target is None and self.time_s is None:
             raise FieldError("max_steps", "set at least one of stop.max_steps, stop.target, stop.time_s")
         if self.max_steps is not None and self.max_steps < 1:
             raise FieldError("max_steps", f"must be at least 1, got {self.max_steps}")
-        if self.time_s is not None and self.time_s <= 0:
-            raise FieldError("time_s", f"must be positive, got {self.time_s}")
+        if self.time_s is not None:
+            within(self, "time_s", 0.0, 366 * 86400.0, low_open=True, unit=" s")

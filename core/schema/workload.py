@@ -5,7 +5,12 @@ import re
 from dataclasses import dataclass, field
 from typing import Literal
 
-from core.schema.errors import FieldError
+from core.schema.errors import DAY_S, FieldError, within
+
+MAX_WORKERS = 10_000
+"""The most workers (and, separately, spares) a job may ask for: Ray's published scalability envelope
+is about 10,000 actors in one cluster, and this control plane is measured up to 1,024 members
+(docs/control-plane.md). A larger figure is a typo, refused at load, not a job that waits forever."""
 
 
 @dataclass
@@ -17,7 +22,7 @@ class WorkersConfig:
     min: int = 1
     """Below this many live workers the job pauses."""
     max: int | None = None
-    """Upper bound for `scale`; defaults to `count`."""
+    """Upper bound for `scale`; defaults to `count`. At most `MAX_WORKERS` (10,000)."""
     cpus: float = 1.0
     """Logical CPUs per worker actor."""
     gpus: float = 0.0
@@ -34,19 +39,25 @@ class WorkersConfig:
     on_failure: Literal["reshape", "fail"] = "reshape"
     """A dead or raising worker: re-form without it and start a replacement, or fail the job."""
     heartbeat_s: float = 10.0
-    """A worker that does not answer the coordinator's heartbeat for this long (stopped, frozen) is evicted."""
+    """A worker that does not answer the coordinator's heartbeat for this long (stopped, frozen) is evicted.
+    In [0.1, 86400] s: the coordinator looks every `heartbeat_s / 4` (at most every second), and a
+    heartbeat is a Ray call that takes milliseconds on a loaded node, so below 0.1 s the coordinator
+    spins and evicts healthy workers; above a day no freeze is ever noticed (`errors.DAY_S`)."""
     hang_timeout_s: float = 300.0
-    """A worker whose step has been computing for this long (a loop that never ends) is evicted."""
+    """A worker whose step has been computing for this long (a loop that never ends) is evicted. In
+    [0.1, 86400] s: below 0.1 s every step is a hang; a step of more than a day is one."""
     start_grace_s: float = 30.0
-    """At start, wait this long for all `count` workers before starting with at least `min`."""
+    """At start, wait this long for all `count` workers before starting with at least `min`. In
+    (0, 86400] s (a longer wait is a hang: `errors.DAY_S`)."""
     pause_after_s: float = 10.0
-    """At start, the job is PAUSED once fewer than `min` workers could be placed for this long."""
+    """At start, the job is PAUSED once fewer than `min` workers could be placed for this long. In
+    (0, 86400] s, as `start_grace_s`."""
     spares: int = 0
     """Hot spares: this many extra worker actors started (process, imports, the workload built)
     outside the group. A scale-up or a replacement takes a ready spare first and a new spare starts
     behind it once the membership has settled (no reshape pending), so that its start does not take
     the cores from the re-forming members. Each spare holds `cpus` and `gpus` like a worker, for the
-    whole run."""
+    whole run. At most `MAX_WORKERS`."""
 
     huge_pages: bool = True
     """Back each worker's heap with transparent huge pages (glibc's `glibc.malloc.hugetlb=1`, set in the
@@ -58,6 +69,11 @@ class WorkersConfig:
     def __post_init__(self) -> None:
         if self.spares < 0:
             raise FieldError("spares", f"must not be negative, got {self.spares}")
+        for knob in ("count", "max", "spares"):
+            value = getattr(self, knob)
+            if value is not None and value > MAX_WORKERS:
+                raise FieldError(knob, f"at most {MAX_WORKERS} (Ray's envelope is about 10,000 actors a cluster; "
+                                       f"this control plane is measured to 1,024 members), got {value}")
         if self.max is None:
             self.max = self.count
         if self.count < 1:
@@ -72,9 +88,10 @@ class WorkersConfig:
             raise FieldError("cpus" if self.cpus < 0 else "gpus", "must not be negative")
         if self.failure_budget < 1:
             raise FieldError("failure_budget", f"must be at least 1, got {self.failure_budget}")
-        for knob in ("heartbeat_s", "hang_timeout_s", "start_grace_s", "pause_after_s"):
-            if getattr(self, knob) <= 0:
-                raise FieldError(knob, f"must be positive, got {getattr(self, knob)}")
+        within(self, "heartbeat_s", 0.1, DAY_S, unit=" s")
+        within(self, "hang_timeout_s", 0.1, DAY_S, unit=" s")
+        within(self, "start_grace_s", 0.0, DAY_S, low_open=True, unit=" s")
+        within(self, "pause_after_s", 0.0, DAY_S, low_open=True, unit=" s")
 
 
 @dataclass

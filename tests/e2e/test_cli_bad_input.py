@@ -46,6 +46,10 @@ CASES = [
     ("no-stop-condition", GOOD.replace("stop: {max_steps: 5}", "stop: {}"), "stop.max_steps"),
     ("kill-unknown-slot", GOOD + "faults: {kills: [{slot: w9, step: 3}]}\n", "faults.kills[0].slot"),
     ("zero-timeout", GOOD + "comm: {timeout_s: 0}\n", "comm.timeout_s"),
+    ("huge-timeout", GOOD + "comm: {timeout_s: 1e300}\n", "comm.timeout_s: must lie in [0.1, 86400] s"),
+    ("nan-lr", GOOD + "optimizer: {lr: .nan}\n", "optimizer.lr: must be a finite number"),
+    ("tiny-heartbeat", GOOD.replace("count: 2", "count: 2, heartbeat_s: 1e-9"), "workers.heartbeat_s: must lie in"),
+    ("huge-workers-max", GOOD.replace("count: 2", "count: 2, max: 3000000"), "workers.max: at most 10000"),
     ("unknown-codec", GOOD + "compression: {codec: zip}\n", "compression.codec"),
     ("bad-placement", GOOD.replace("count: 2", "count: 2, placement: everywhere"), "workers.placement"),
 ]
