@@ -3,14 +3,16 @@ environment, launching it, finding it by name, asking an old one for its status,
 restarting it, and waiting for it (or the job's other named actors) to be gone."""
 from __future__ import annotations
 
+import enum
 import logging
 import os
 import time
+from dataclasses import dataclass
 
 import ray
 from ray.actor import ActorHandle
 
-from core.schema import JobConfig
+from core.schema import TERMINAL_STATES, JobConfig
 from orchestrator.connection import NAMESPACE
 
 log = logging.getLogger(__name__)
@@ -73,12 +75,47 @@ def find_coordinator(name: str) -> ActorHandle | None:
         return None
 
 
-def safe_status(handle: ActorHandle) -> dict | None:
+STATUS_TIMEOUT_S = 10.0
+"""How long a start waits for the status of an existing coordinator under its job's name."""
+
+
+class Prior(enum.Enum):
+    """What a start under a job's name may do with an existing coordinator of that name."""
+
+    ENDED = "ended"
+    """It answered with a terminal state (FINISHED, FAILED, STOPPED): only its actor lingers; replaced."""
+    GONE = "gone"
+    """Its actor is dead and Ray is not restarting it: its name is being released; nothing to kill."""
+    LIVE = "live"
+    """Anything else (a live state, no answer in time, Ray restarting it): never killed by a start."""
+
+
+@dataclass(frozen=True)
+class PriorJob:
+    verdict: Prior
+    state: str
+    """What it is, in words for a one-line refusal ("RUNNING at step 120", "not answering ...")."""
+
+
+def prior_job(handle: ActorHandle, timeout: float | None = None) -> PriorJob:
+    """Ask an existing coordinator what it is. Only a positive answer of a terminal state, or an actor
+    that is dead for good, lets a start replace it: a slow coordinator, or one Ray is restarting, is a
+    live job that a start must refuse to destroy. `timeout`: `STATUS_TIMEOUT_S` by default."""
+    timeout = STATUS_TIMEOUT_S if timeout is None else timeout
     try:
-        return ray.get(handle.status.remote(), timeout=10)
-    except Exception as err:  # noqa: BLE001 - an old coordinator that does not answer counts as gone
-        log.debug("status of an old coordinator: %s", str(err).splitlines()[0][:200])
-        return None
+        status = ray.get(handle.status.remote(), timeout=timeout)
+    except ray.exceptions.GetTimeoutError:
+        return PriorJob(Prior.LIVE, f"not answering (its coordinator did not answer a status call within {timeout:g}s)")
+    except ray.exceptions.RayActorError as err:
+        if not isinstance(err, ray.exceptions.ActorUnavailableError) and not restarting(handle):
+            return PriorJob(Prior.GONE, "gone")
+        return PriorJob(Prior.LIVE, "being restarted by Ray")
+    except Exception as err:  # noqa: BLE001 - any other failure to answer: not a positive end
+        return PriorJob(Prior.LIVE, f"not answering ({remote_message(err)})")
+    state = str(status.get("state"))
+    if state in TERMINAL_STATES:
+        return PriorJob(Prior.ENDED, state)
+    return PriorJob(Prior.LIVE, f"{state} at step {status.get('step', 0)}")
 
 
 def wait_actors_gone(names: list[str], timeout: float) -> None:

@@ -34,14 +34,15 @@ from actors.plan import server_name
 from actors.runs import runfiles
 from actors.runs.storage import is_remote, open_storage
 from core.factory import check_factory
-from core.schema import TERMINAL_STATES, ConfigError, JobConfig, JobResult, JobStatus, OrchestratorError, parse
+from core.schema import TERMINAL_STATES, ConfigError, JobConfig, JobResult, JobStatus, NameTaken, OrchestratorError, parse
 from orchestrator.connection import NAMESPACE, check_local_resources, connect, ensure_token_env
 from orchestrator.coordinator_handle import (
+    Prior,
     find_coordinator,
     launch_coordinator,
+    prior_job,
     remote_message,
     restarting,
-    safe_status,
     wait_actors_gone,
     wait_gone,
 )
@@ -114,20 +115,13 @@ class ElasticJob:
             except ConfigError:
                 ray.shutdown()  # the local Ray this call started goes with the refusal
                 raise
+        self._take_name()
         if self.config.sync.policy == "auto":  # on the cluster itself: probes placed as the workers, measured there
             from actors.training.probe import probe_cluster
             from orchestrator.planner import choose
 
             self.config, self.policy_choice, _ = choose(self.config, cluster=probe_cluster(self.config.to_dict()))
         warn_local_storage(self.config)
-        old = find_coordinator(self.name)
-        if old is not None:
-            state = safe_status(old)
-            if state is not None and state.get("state") not in TERMINAL_STATES:
-                raise OrchestratorError(f"a job named {self.name!r} is already running; stop it first "
-                                        f"(python -m orchestrator stop {self.name}) or choose another name")
-            ray.kill(old, no_restart=True)
-            wait_gone(self.name, 10.0)
         self.run_id = time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(2)
         self.run_dir = job_root(self.config) / self.run_id
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -139,6 +133,20 @@ class ElasticJob:
                                                ray.get_runtime_context().get_job_id() if owned else None, started_at)
         ray.get(self._coordinator.start.remote())
         return self
+
+    def _take_name(self) -> None:
+        """Refuse to start under the name of a job that has not positively ended (a start never destroys
+        another job's work); replace one that has."""
+        old = find_coordinator(self.name)
+        if old is None:
+            return
+        prior = prior_job(old)
+        if prior.verdict is Prior.LIVE:
+            raise NameTaken(f"a job named {self.name!r} is {prior.state}; stop it first "
+                            f"(python -m orchestrator stop {self.name}) or choose another name")
+        if prior.verdict is Prior.ENDED:
+            ray.kill(old, no_restart=True)
+        wait_gone(self.name, 10.0)
 
     @classmethod
     def attach(cls, name: str, address: str | None = None) -> ElasticJob:

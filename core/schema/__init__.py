@@ -20,7 +20,7 @@ is how the rest of the repository reads it:
 """
 from __future__ import annotations
 
-from core.schema.errors import ConfigError, FieldError, OrchestratorError, WorkloadRefused
+from core.schema.errors import ConfigError, FieldError, NameTaken, OrchestratorError, WorkloadRefused
 from core.schema.faults import CoordinatorFault, DelayedPush, FaultsConfig, JitterSpec, KillFault, ScaleFault, StragglerFault
 from core.schema.job import JobConfig
 from core.schema.network import CommConfig, LinkConfig, NetworkConfig, PairLink, RayConfig
@@ -63,7 +63,7 @@ __all__ = [
     "ASPConfig", "AutoConfig", "BSPConfig", "BytegradConfig", "CODECS", "COMPRESSING_POLICIES", "CheckpointConfig",
     "ChocoConfig", "CommConfig", "CompressionConfig", "ConfigError", "CoordinatorFault", "DAdamConfig", "DPSGDConfig",
     "DelayedPush", "DiLoCoConfig", "ElasticBSPConfig", "Event", "FaultsConfig", "FieldError", "JitterSpec", "JobConfig",
-    "JobResult", "JobState", "JobStatus", "KillFault", "LinkConfig", "LoaderConfig", "LocalSGDConfig", "MemberStatus",
+    "JobResult", "JobState", "JobStatus", "KillFault", "LinkConfig", "LoaderConfig", "LocalSGDConfig", "MemberStatus", "NameTaken",
     "NOT_WIRED", "NetworkConfig", "OptimizerConfig", "OrchestratorError", "POLICIES", "POLICY_TABLE", "PairLink",
     "PolicyRow", "Weighed", "QAdamConfig", "QuorumConfig", "RayConfig", "SERVER_POLICIES", "SSPConfig", "STATIC_TOPOLOGIES",
     "SYNC_POLICIES", "ScaleFault", "ServerConfig", "ShadowConfig", "StopConfig", "StragglerFault",
