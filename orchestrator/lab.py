@@ -25,7 +25,13 @@ removes it on the way out, and the lab comes down when the last live holder leav
 killer) is found dead by the next process that looks: the next run takes the lab over and removes it
 when it leaves, and a lab with another network held by nobody alive is replaced instead of refused.
 Two runs of one config share the lab, and the first to finish no longer takes it from the other.
-The state file is changed under an exclusive lock (`flock`), written atomically, readable by root only.
+The state file and its lock live in a folder of root's (`FOLDER`, /run/orchestrator by default; created
+0700 when missing, refused unless it is a real directory owned by root or this user that no one else
+may write), are opened without following links, and the state is written atomically, readable by root
+only. The state is changed under an exclusive `flock` of the lock file, taken with a timeout
+(`LOCK_TIMEOUT_S`): a process that holds it longer (a stuck `lab up`, or anyone's `flock` on the file)
+makes the others fail with one line naming it (pid, command line, for how long), never hang. The
+holder writes its pid and command line into the lock file; /proc/locks names any other holder.
 """
 from __future__ import annotations
 
@@ -37,6 +43,7 @@ import json
 import os
 import shutil
 import socket
+import stat
 import statistics
 import subprocess
 import tempfile
@@ -50,8 +57,17 @@ from core.schema import NetworkConfig
 DEV = "lo"
 HANDLE = "7a6"
 """The lab's root qdisc handle on `lo` (how `down` knows the qdisc is the lab's)."""
-STATE = Path(os.environ.get("ORCHESTRATOR_LAB_STATE", "/tmp/orchestrator-lab.json"))
-"""What the lab that is up was brought up with (its network), for `require` and `show`."""
+FOLDER = Path(os.environ.get("ORCHESTRATOR_LAB_DIR", "/run/orchestrator"))
+"""The lab's own folder (root's; ORCHESTRATOR_LAB_DIR overrides it, for tests). Not /tmp: there any
+user could plant a link where root creates the lock, or hold the lock for ever."""
+STATE = "lab.json"
+"""In `FOLDER`: what the lab that is up was brought up with (its network, holders), for `require` and `show`."""
+LOCK = "lab.lock"
+"""In `FOLDER`: the state's lock file, which also says who holds it (pid, command line, since when)."""
+LOCK_TIMEOUT_S = 10.0
+"""How long `up`, `leave` and `down` wait for the lock. A holder changes the state and `lo` in well under
+a second (an 8-node lab is about 120 `tc` commands); one that holds it longer is stuck or not the lab's."""
+LOCK_POLL_S = 0.05
 
 
 def fingerprint(net: NetworkConfig) -> str:
@@ -139,29 +155,123 @@ def check_privileges(compiler: bool = True) -> None:
         raise LabUnavailable("the lab compiles a small connect() shim and needs a C compiler (cc)")
 
 
+def _folder(create: bool = False) -> Path:
+    """`FOLDER`, checked: a directory (not a link) owned by root or this user, writable by no one else;
+    created 0700 when missing and `create`. Anything else raises `LabUnavailable` saying what to do."""
+    try:
+        if create:
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(FOLDER, 0o700)
+        info = os.lstat(FOLDER)
+    except OSError as err:  # absent (and not to be created: no lab state), or its parent is
+        raise LabUnavailable(f"the lab's folder {FOLDER}: {err.strerror}") from None
+    problem = ("a symbolic link" if stat.S_ISLNK(info.st_mode) else "not a directory" if not stat.S_ISDIR(info.st_mode)
+               else f"owned by uid {info.st_uid}" if info.st_uid not in (0, os.geteuid())
+               else f"writable by others (mode {stat.S_IMODE(info.st_mode):o})" if info.st_mode & 0o022 else "")
+    if problem:
+        raise LabUnavailable(f"the lab's folder {FOLDER} is {problem}: it must be a directory of root's that no one "
+                             f"else can write; remove it (it is made 0700 when missing) or set ORCHESTRATOR_LAB_DIR")
+    return FOLDER
+
+
+def _open(path: Path, flags: int, mode: int = 0o600) -> int:
+    """`path` opened without following a link (ELOOP), nor blocking on a planted FIFO; a regular file only."""
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode)
+    except OSError as err:  # ELOOP: a link planted at the name
+        raise LabUnavailable(f"cannot open {path} ({err.strerror}): remove whatever is there") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise LabUnavailable(f"{path} is not a regular file: remove it")
+    return fd
+
+
 def read_state() -> dict | None:
     try:
-        return json.loads(STATE.read_text())
-    except (OSError, ValueError):
+        fd = _open(_folder() / STATE, os.O_RDONLY)
+        with os.fdopen(fd) as src:
+            return json.loads(src.read())
+    except (OSError, ValueError, LabUnavailable):
         return None
 
 
 def _write_state(state: dict) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{STATE.name}.", suffix=".tmp", dir=STATE.parent)
-    with os.fdopen(fd, "w") as out:  # mkstemp: an unpredictable name, mode 0600
+    folder = _folder()
+    fd, tmp = tempfile.mkstemp(prefix=f".{STATE}.", suffix=".tmp", dir=folder)
+    with os.fdopen(fd, "w") as out:  # mkstemp: an unpredictable name, O_EXCL, mode 0600
         out.write(json.dumps(state))
-    os.replace(tmp, STATE)
+    os.replace(tmp, folder / STATE)  # replaces a link planted at the name itself, never its target
 
 
 @contextlib.contextmanager
 def _locked():
-    """The state file's lock: one process at a time changes the lab and its holders."""
-    fd = os.open(STATE.with_suffix(".lock"), os.O_RDWR | os.O_CREAT, 0o600)
+    """The state's lock: one process at a time changes the lab and its holders. Waits at most
+    `LOCK_TIMEOUT_S`, then raises `LabUnavailable` naming the holder."""
+    fd = _open(_folder(create=True) / LOCK, os.O_RDWR | os.O_CREAT)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        deadline = time.monotonic() + LOCK_TIMEOUT_S
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise LabUnavailable(_held_by(fd)) from None
+                time.sleep(LOCK_POLL_S)
+        me = {"pid": os.getpid(), "cmd": _command_line(os.getpid()), "since": time.time()}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(me).encode(), 0)
         yield
     finally:
         os.close(fd)
+
+
+def _held_by(fd: int) -> str:
+    """The one-line error for a lock we could not take: its holder (from /proc/locks, which names any
+    process's `flock`; the lock file's record, written by lab processes, says since when)."""
+    try:
+        record = json.loads(os.pread(fd, 4096, 0) or b"{}")
+    except ValueError:
+        record = {}
+    if not isinstance(record, dict):
+        record = {}
+    pid = _flock_holder(os.fstat(fd)) or record.get("pid")
+    if pid is None:
+        who = "another process"
+    else:
+        who = f"pid {pid} ({_command_line(pid) or record.get('cmd') or 'command line unknown'})"
+    since = record.get("since") if record.get("pid") == pid else None
+    held = f"for {time.time() - since:.1f}s" if isinstance(since, (int, float)) else f"for over {LOCK_TIMEOUT_S:g}s"
+    return (f"the lab's lock is held by {who} {held}; wait for it to finish or stop it, then run this again "
+            f"(lock file {FOLDER / LOCK})")
+
+
+def _flock_holder(info: os.stat_result) -> int | None:
+    """The pid /proc/locks gives for the `flock` held on the file `info` describes (None if not found)."""
+    try:
+        lines = Path("/proc/locks").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        fields = line.split()
+        if len(fields) < 6 or fields[1] != "FLOCK":  # "->" lines are waiters, not the holder
+            continue
+        try:
+            major, minor, inode = fields[5].split(":")
+            if (int(major, 16), int(minor, 16), int(inode)) == (os.major(info.st_dev), os.minor(info.st_dev),
+                                                                info.st_ino):
+                return int(fields[4])
+        except ValueError:
+            continue
+    return None
+
+
+def _command_line(pid: int) -> str:
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return ""
+    return " ".join(raw.decode(errors="replace").replace("\0", " ").split())[:200]  # one line, however it was written
 
 
 def _process(pid: int) -> list:
@@ -250,7 +360,7 @@ def _down() -> bool:
     if is_lab_qdisc(root_qdisc()):
         _tc("qdisc", "del", "dev", DEV, "root")
         removed = True
-    STATE.unlink(missing_ok=True)
+    (_folder() / STATE).unlink(missing_ok=True)
     return removed
 
 
