@@ -48,6 +48,9 @@ class GroupSpec:
     node_ip: str = "127.0.0.1"
     secret: bytes = field(default=b"", repr=False)
     """The job's rendezvous key: with one, the group's store values are signed and checked (`SignedStore`)."""
+    reduce_bytes: int = 0
+    """The largest tensor its members all-reduce, where the caller knows it (0: not known): a group on one
+    node reserves shared memory for tensors of that size (actors/transport/shm.py); larger ones go through gloo."""
 
 
 class Handle(Protocol):

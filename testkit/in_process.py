@@ -67,6 +67,9 @@ class LocalLink:
     def samples_skipped(self, slot: str, step: int, ids: list[int], reason: str) -> None:
         self._call("samples_skipped", slot, step, ids, reason)
 
+    def transport_fallback(self, slot: str, epoch: int, group: str, reason: str) -> None:
+        self._call("transport_fallback", slot, epoch, group, reason)
+
     def save_checkpoint(self, step: int, blob: bytes) -> None:
         self._call("save_checkpoint", step)
 

@@ -87,6 +87,9 @@ class FakeCoordinator:
     def samples_skipped(self, slot: str, step: int, ids: list, reason: str, order=None) -> None:
         self.calls.append(("samples_skipped", (slot, step, ids)))
 
+    def transport_fallback(self, slot: str, epoch: int, group: str, reason: str, order=None) -> None:
+        self.calls.append(("transport_fallback", (slot, group)))
+
     def save_checkpoint(self, step: int, blob: bytes, order=None) -> None:
         self.calls.append(("save_checkpoint", step))
 

@@ -136,6 +136,12 @@ class Coordinator(Lifecycle):
         await self.sequencer.turn(order)
         self.journal.samples_skipped(slot, step, ids, reason)
 
+    async def transport_fallback(self, slot: str, epoch: int, group: str, reason: str, order: Order | None = None) -> None:
+        """Rank `slot` of `group`: its members all run on one node but all-reduce through gloo, and `reason`
+        says why (shared memory was unavailable to one of them: actors/transport/shm.py)."""
+        await self.sequencer.turn(order)
+        self.journal.event("transport", reason, slot=slot, group=group, membership_epoch=epoch)
+
     async def state_received(self, slot: str, epoch: int, source: str, step: int, order: Order | None = None) -> None:
         """A member that was behind loaded the state broadcast by `source` at epoch start. When the
         epoch's reshape event already went out (the kinds whose other members train on), an event of

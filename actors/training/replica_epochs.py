@@ -10,12 +10,14 @@ import dataclasses
 import logging
 from collections.abc import Callable
 
+import torch
+
 from actors.plan import Plan
 from actors.training.entry import enter, enter_switched
 from actors.training.replica_base import close_group
 from actors.training.replica_state import CommittedState
 from actors.transport import collective
-from actors.transport.comm import BaseCommunicator, CommError, GroupSpec, NoGroup, form_in_thread, make_communicator
+from actors.transport.comm import BaseCommunicator, CommError, GlooCommunicator, GroupSpec, NoGroup, form_in_thread, make_communicator
 from algorithms.policies.base import EpochInfo
 
 log = logging.getLogger(__name__)
@@ -36,7 +38,7 @@ class EpochEntry(CommittedState):
             self._switch_policy(plan.policy["sync"], plan.policy["compression"])
         rank = self._rank_in(plan)
         spec = GroupSpec(plan.store_host, plan.store_port, plan.group_name, rank, len(plan.members), plan.timeout_s,
-                         plan.backend, self.comm_address, secret=self.spec.secret)
+                         plan.backend, self.comm_address, secret=self.spec.secret, reduce_bytes=largest_reduce(self.model))
         self.state = "joining"
         self._enter_phase("joining")
         previous = self.trained_plan
@@ -45,6 +47,7 @@ class EpochEntry(CommittedState):
             if comm is None:
                 return False  # a newer membership arrived while forming: go straight to it
             self.comm = comm
+            self._transport_fallback(comm, plan.membership_epoch)
             self._model_latency(comm, plan)
             source = enter(self.algorithm.entry, self, comm)
             if plan.policy is not None and plan.policy.get("fresh"):
@@ -91,8 +94,15 @@ class EpochEntry(CommittedState):
         spec = dataclasses.replace(comm.spec, name=comm.spec.name + "/bg")
         group = form_group(spec, lambda: self.comm is not comm)
         if group is not None and self.plan is not None:
+            self._transport_fallback(group, epoch.membership_epoch)
             self._model_latency(group, self.plan)
         return group
+
+    def _transport_fallback(self, comm: BaseCommunicator, epoch: int) -> None:
+        """Rank 0 of a group whose members all run on this node but all-reduce through gloo tells the
+        coordinator why (a `transport` event): shared memory was unavailable to one of them."""
+        if isinstance(comm, GlooCommunicator) and comm.shm_fallback is not None and comm.rank == 0:
+            self.link.transport_fallback(self.slot, epoch, comm.name, comm.shm_fallback)
 
     def _model_latency(self, comm: BaseCommunicator, plan: Plan) -> None:
         """`faults.comm_latency_s` on every operation, and in the lab each link's modelled latency."""
@@ -109,6 +119,12 @@ class EpochEntry(CommittedState):
             self.link.collective_failed(self.slot, self.plan.membership_epoch if self.plan else 0, error[:300])
         except Exception as failure:  # noqa: BLE001 - the coordinator may be restarting
             log.warning("could not tell the coordinator that a background round failed: %s", failure)
+
+
+def largest_reduce(model: torch.nn.Module) -> int:
+    """The most bytes a policy all-reduces at once: every trainable parameter in one flat tensor of at
+    least float32 (its gradients, or the parameters averaged), and the step's 3-number tail in float64."""
+    return sum(p.numel() * max(p.element_size(), 4) for p in model.parameters() if p.requires_grad) + 3 * 8
 
 
 def form_group(spec: GroupSpec, superseded: Callable[[], bool]) -> BaseCommunicator | None:

@@ -88,6 +88,9 @@ class RayLink:
     def samples_skipped(self, slot: str, step: int, ids: list[int], reason: str) -> None:
         self._send(lambda c, order: c.samples_skipped.remote(slot, step, ids, reason, order=order))
 
+    def transport_fallback(self, slot: str, epoch: int, group: str, reason: str) -> None:
+        self._send(lambda c, order: c.transport_fallback.remote(slot, epoch, group, reason, order=order))
+
     def save_checkpoint(self, step: int, blob: bytes) -> None:
         if self._checkpoints:  # forget those already stored
             self._checkpoints = ray.wait(self._checkpoints, num_returns=len(self._checkpoints), timeout=0)[1]

@@ -21,7 +21,7 @@ from torch._C._distributed_c10d import _create_work_from_future  # type: ignore[
 
 from actors.transport.base import TorchBackendCommunicator, WorkHandle
 from actors.transport.formation import form_in_thread, formation_error, group_of_one, release, spawn
-from actors.transport.shm import SLOT_BYTES, SharedMemoryGroup
+from actors.transport.shm import REDUCE_OPS, Offer, SharedMemoryGroup, Unusable, obstacle, slot_bytes
 from actors.transport.shm import available as shm_available
 from actors.transport.shm import sweep as shm_sweep
 from actors.transport.signed_store import group_store
@@ -30,6 +30,15 @@ from actors.transport.stores import prepare_client
 from core.comm_api import CommAborted, CommError, GroupSpec
 
 log = logging.getLogger(__name__)
+
+
+def _offer(spec: GroupSpec) -> tuple[SharedMemoryGroup | None, Offer]:
+    """This member's shared memory for the group, made before the group forms, and what it publishes of it."""
+    try:
+        shm = SharedMemoryGroup(spec.rank, spec.world_size, slot_bytes(spec.reduce_bytes))
+    except Unusable as err:
+        return None, Offer(refused=str(err))
+    return shm, shm.offer
 
 
 class GlooCommunicator(TorchBackendCommunicator):
@@ -62,43 +71,65 @@ class GlooCommunicator(TorchBackendCommunicator):
         self._peers: set[tuple[str, int]] = set()
         """The peers' gloo listening addresses (a pair is a connection to one of them, or from one)."""
         self._shm: SharedMemoryGroup | None = None
-        """The shared-memory all-reduce, where every member's gloo device is on this node's address."""
+        """The shared-memory all-reduce, where every member is on this node and every one attached."""
+        self.shm_fallback: str | None = None
+        """Why its members, all on this node's address, all-reduce through gloo instead of shared memory
+        (one line, the same on every member; None: they do not, or shared memory is off)."""
         self._held: list[socket.socket] | None = None
         """A duplicate of each of the group's pairs, found once its first step committed (`settled`): an
         abort then shuts them down without looking through the process's descriptors (5 ms of a re-form
         here, on two busy cores). None until then: the abort looks."""
-        shm = None
+        shm: SharedMemoryGroup | None = None
         try:
+            offer = None
             if shared_memory and spec.world_size > 1 and self._listen is not None and shm_available():
                 # made before the group forms, so that every member's exists once it has formed
-                shm = SharedMemoryGroup(spec.rank, spec.world_size)
+                shm, offer = _offer(spec)
             mine = f"{self._listen[0]} {self._listen[1]}" if self._listen else ""
-            prefix.set(f"gloo-listen/{spec.rank}", f"{mine} {shm.name}" if shm is not None else mine)
+            prefix.set(f"gloo-listen/{spec.rank}", f"{mine} {offer.encode()}" if offer is not None else mine)
             self._pg = dist.ProcessGroupGloo(prefix, spec.rank, spec.world_size, opts)
-            names: dict[int, str] = {spec.rank: shm.name} if shm is not None else {}
+            offers: list[Offer | None] = [offer] * spec.world_size
             others = [r for r in range(spec.world_size) if r != spec.rank]
             for r, value in zip(others, prefix.multi_get([f"gloo-listen/{r}" for r in others]) if others else []):
-                host, port, name = (value.decode().split(" ") + ["", "", ""])[:3]
+                host, port, rest = (value.decode().split(" ", 2) + ["", "", ""])[:3]
                 if port:
                     self._peers.add((host, int(port)))
-                if name:
-                    names[r] = name
+                offers[r] = Offer.decode(rest)
+            if offer is not None:  # every member decides alike: each one's offer is made, published or refused
+                self._share_memory(shm, offers)
         except Exception as err:  # noqa: BLE001
-            if shm is not None:
+            if shm is not None and self._shm is None:
                 shm.close()
             raise formation_error(spec, err, "could not form") from None
-        if shm is not None:
-            assert self._listen is not None  # shm is made only with it
-            one_node = (len(self._peers) == spec.world_size - 1 and all(h == self._listen[0] for h, _ in self._peers)
-                        and len(names) == spec.world_size)
+
+    def _share_memory(self, shm: SharedMemoryGroup | None, offers: list[Offer | None]) -> None:
+        """Use shared memory where every member's gloo device is on this node's address, every member
+        made its file on the same node (`obstacle`), and every member then opened every peer's: each
+        attaches at once and tells the others, through the group's store, whether it could. Else every
+        member keeps gloo, and where shared memory was possible a warning (and `shm_fallback`) says why."""
+        assert self._listen is not None  # an offer is made only with it
+        if len(self._peers) != self.world_size - 1 or any(h != self._listen[0] for h, _ in self._peers):
+            reason: str | None = ""  # another node: gloo, as expected
+        else:
+            reason = obstacle(offers)
+        if reason is None and shm is not None:
             try:
-                if one_node:
-                    shm.peers([names[r] for r in range(spec.world_size)])
-                    self._shm = shm
-            except ValueError as err:
-                log.warning("group %s: %s; its all-reduces go through gloo", self.name, err)
-            if self._shm is None:
-                shm.close()
+                shm.attach([o.name for o in offers if o is not None])
+                attached = "ok"
+            except Unusable as err:
+                attached = f"rank {self.rank}: {err}"
+            self._prefix.set(f"shm/{self.rank}", attached)
+            failed = [v.decode() for v in self._prefix.multi_get([f"shm/{r}" for r in range(self.world_size)]) if v != b"ok"]
+            reason = "; ".join(failed) if failed else None
+        if reason is None and shm is not None:
+            shm.attached()  # every member opened every file and pipe: nothing needs them by name
+            self._shm = shm
+            return
+        if shm is not None:
+            shm.close()
+        if reason:
+            self.shm_fallback = f"shared memory unavailable ({reason}): group {self.name} all-reduces through gloo"
+            log.warning("%s", self.shm_fallback)
 
     def _abort_pairs(self, reason: str) -> None:
         super().abort(reason)
@@ -210,8 +241,10 @@ class GlooCommunicator(TorchBackendCommunicator):
         return self._shm is not None
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> WorkHandle | SharedMemoryHandle:  # type: ignore[override]
-        if not self._through_shm(tensor):
+        if not self._through_shm(tensor, op):
             return super().all_reduce(tensor, op)
+        if tensor.numel() == 0:
+            return SharedMemoryHandle(self, 0)  # nothing to reduce: complete at once, as gloo's
         try:
             return SharedMemoryHandle(self, self._shm_call(lambda shm: shm.launch(tensor, op, self.timeout_s, self._aborted,
                                                                                     self.name)))
@@ -220,10 +253,17 @@ class GlooCommunicator(TorchBackendCommunicator):
         finally:
             self.bytes_sent += tensor.numel() * tensor.element_size()
 
-    def _through_shm(self, tensor: torch.Tensor) -> bool:
-        """Every member decides alike: same tensor sizes, same modelled latency (the lab keeps gloo)."""
-        return (self._shm is not None and tensor.device.type == "cpu" and not self.models_latency
-                and tensor.numel() * tensor.element_size() <= SLOT_BYTES)
+    def _through_shm(self, tensor: torch.Tensor, op: str) -> bool:
+        """Every member decides alike: same op, same tensor sizes, same modelled latency (the lab keeps gloo)."""
+        shm = self._shm
+        return (shm is not None and op in REDUCE_OPS and tensor.device.type == "cpu" and not self.models_latency
+                and tensor.numel() * tensor.element_size() <= shm.slot)
+
+    def gloo_allreduce(self, tensors: list[torch.Tensor], opts: dist.AllreduceOptions) -> dist.Work:
+        """Gloo's own all-reduce of a group that otherwise reduces through shared memory: an op shared
+        memory does not implement (gloo runs it, or refuses it as it does)."""
+        self._check()
+        return self._pg.allreduce(tensors, opts)
 
     def finish_shm(self, k: int, timeout: float | None = None) -> None:
         """Wait for shared-memory operation `k` (and those before it) to finish, within `timeout` (the
@@ -298,6 +338,10 @@ class SharedMemoryHandle:
         self._comm.finish_shm(self._k, timeout)
 
 
+_OP_NAMES = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.MAX: "max", dist.ReduceOp.MIN: "min"}
+"""The torch reduce ops a `SharedMemoryProcessGroup` runs through `GlooCommunicator.all_reduce`."""
+
+
 class SharedMemoryProcessGroup(dist.ProcessGroup):
     """What torch's reducer sees of a group whose all-reduces go through shared memory: a torch
     ProcessGroup of one (rank 0 of 1, so the reducer does not divide), implemented in Python, whose
@@ -310,8 +354,14 @@ class SharedMemoryProcessGroup(dist.ProcessGroup):
         self._comm = comm
 
     def allreduce(self, tensors: list[torch.Tensor], opts: object = None) -> dist.Work:  # type: ignore[override]
+        if isinstance(opts, dist.AllreduceOptions):
+            op = _OP_NAMES.get(opts.reduceOp.op)  # type: ignore[attr-defined]  # a ReduceOp: its op is the RedOpType
+            if op is None:
+                return self._comm.gloo_allreduce(tensors, opts)
+        else:
+            op = "sum"  # torch's default
         for tensor in tensors:  # through shared memory, or gloo for a bucket larger than a slot (`all_reduce`)
-            self._comm.all_reduce(tensor).wait()
+            self._comm.all_reduce(tensor, op).wait()
         future: torch.futures.Future[list[torch.Tensor]] = torch.futures.Future()
         future.set_result(tensors)
         return _create_work_from_future(future)

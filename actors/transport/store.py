@@ -23,14 +23,15 @@ GROUP_SUFFIXES = ("", "/bg")
 
 def group_keys(name: str, world_size: int, backend: str) -> list[str]:
     """The store keys a formed group leaves behind, as written through `group_store` (whose prefix adds
-    a "/"): each rank's abort address, and gloo's per-rank address under its device "0". NCCL's
+    a "/"): each rank's abort address, whether it attached the group's shared memory (where it has one:
+    a key never written is skipped), and gloo's per-rank address under its device "0". NCCL's
     unique-id key is not listed (not measured: no GPU here), so an NCCL job still leaves one small
     key per epoch."""
     keys = []
     for rank in range(world_size):
         keys.append(f"{name}//gloo-listen/{rank}")
         if backend == "gloo":
-            keys.append(f"{name}//0/{rank}")
+            keys += [f"{name}//0/{rank}", f"{name}//shm/{rank}"]
     return keys
 
 
