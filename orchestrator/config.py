@@ -48,12 +48,13 @@ def config_from_dict(raw: Any, overrides: Overrides = ()) -> JobConfig:
         config.run_dir, config.storage = local, None
     if config.run_dir is not None:
         config.run_dir = str(Path(config.run_dir).expanduser().resolve())
-    if config.storage is not None:  # credentials in the URI: into this process's environment, not the config
+    if config.storage is not None:  # credentials in the URI: held in this process's memory, not the config
+        from actors.runs import credentials
         from actors.runs.storage import move_credentials
 
         config.storage, options, values = move_credentials(config.storage)
         config.storage_options = {**config.storage_options, **options}
-        os.environ.update(values)
+        credentials.hold(values)
     return config
 
 

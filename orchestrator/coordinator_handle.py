@@ -12,21 +12,19 @@ from dataclasses import dataclass
 import ray
 from ray.actor import ActorHandle
 
+from actors.runs import credentials, runfiles
 from core.schema import TERMINAL_STATES, JobConfig
 from orchestrator.connection import NAMESPACE
 
 log = logging.getLogger(__name__)
 
 
-def credentials_env(config: JobConfig) -> dict:
-    """The coordinator's Ray runtime environment (its workers and server inherit it): the storage
-    credentials the config took out of its URI (`ORCHESTRATOR_STORAGE_*`), so that no node needs them
-    set beforehand; Ray keeps them in its token-authenticated control store, never in a file."""
-    from actors.runs.storage import CREDENTIAL_ENV
-
-    moved = CREDENTIAL_ENV.format("")
-    env = {v: os.environ[v] for v in config.storage_options.values() if v.startswith(moved) and v in os.environ}
-    return {"runtime_env": {"env_vars": env}} if env else {}
+def hand_over_credentials(config: JobConfig, run_id: str) -> None:
+    """Put the storage credentials this process holds for the job (those taken out of its URI) where its
+    coordinator and server read them at start-up: Ray's KV store (actors/runs/credentials.py)."""
+    blob = credentials.bundle(config.storage_options)
+    if blob is not None:
+        runfiles.keep_secret(credentials.kv_key(config.name, run_id), blob)
 
 
 def coordinator_resources(config: JobConfig) -> dict[str, float]:
@@ -40,9 +38,11 @@ def launch_coordinator(config: JobConfig, run_id: str, run_dir: str, resume_from
     times). `owner`: the Ray job id of a driver that owns the job (it stops when that driver dies)."""
     from actors.control.coordinator import MAX_RESTARTS, CoordinatorActor
 
+    hand_over_credentials(config, run_id)
+
     handle = CoordinatorActor.options(
         name=config.name, namespace=NAMESPACE, lifetime="detached", resources=coordinator_resources(config),
-        max_restarts=MAX_RESTARTS, **credentials_env(config),
+        max_restarts=MAX_RESTARTS,
     ).remote(config.to_dict(), run_id, run_dir, 0, (os.getcwd(),), resume_from, owner, started_at)
     if not isinstance(handle, ActorHandle):  # Ray's stubs type remote() as "a handle or the class"
         raise TypeError(f"creating the coordinator returned {type(handle).__name__}, not an actor handle")

@@ -31,7 +31,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from actors.runs.storage import Storage
 
 from actors.plan import server_name
-from actors.runs import runfiles
+from actors.runs import credentials, runfiles
 from actors.runs.storage import is_remote, open_storage
 from core.factory import check_factory
 from core.schema import TERMINAL_STATES, ConfigError, JobConfig, JobResult, JobStatus, NameTaken, OrchestratorError, parse
@@ -171,6 +171,8 @@ class ElasticJob:
         else:
             raise OrchestratorError(f"job {name!r} ended and its run folder {run_dir} is not on this node")
         config = parse(JobConfig, raw)
+        if coordinator is not None:  # the storage keys the job was started with, while it runs (Ray's KV store)
+            credentials.receive(runfiles.recall_secret(credentials.kv_key(name, run_dir.name)))
         job = cls(config)
         job._coordinator = coordinator
         job.run_dir = run_dir

@@ -30,13 +30,14 @@ from actors.control.sequencer import Sequencer
 from actors.control.server_control import ServerControl
 from actors.control.spares import SparePool
 from actors.control.supervisor import Actions, Supervisor
+from actors.control.tasks import Tasks
 from actors.control.trial import Trial
 from actors.control.workers import RayWorkerGroup, WorkerGroup
 from actors.faults import CoordinatorFaults
 from actors.observe.metrics import Exporter, JobMetrics
 from actors.observe.tracking import TensorBoard
 from actors.plan import ParentWatch, Plan, WorkerSpec
-from actors.runs import checkpoints, runfiles
+from actors.runs import checkpoints, credentials, runfiles
 from actors.runs.mirror import RunMirror, claim_incarnation
 from actors.runs.storage import run_storage
 from algorithms.rules.kinds import SERVER_KINDS, PolicyTraits
@@ -86,7 +87,10 @@ class CoordinatorBase(Actions):
         self._reshape_lock: asyncio.Lock | None = None
         self._main_task: asyncio.Task | None = None
         self._released: asyncio.Event | None = None
+        self.tasks = Tasks()
+        """Every task the coordinator's parts start but its main task: ended when it closes (actors/control/tasks.py)."""
         self.group.setup(self.run_dir, self.cfg.log_level)
+        credentials.receive(self.group.recall_secret(credentials.kv_key(self.name, self.run_id)))  # storage keys, if any
         storage, run_key = run_storage(self.cfg.storage, self.run_dir, self.cfg.storage_options)
         if storage.remote:  # above every incarnation the store has seen, a zombie's included (actors/runs/fencing.py)
             self.incarnation = claim_incarnation(storage, run_key, self.run_dir, self.incarnation)
@@ -95,7 +99,7 @@ class CoordinatorBase(Actions):
                                restarted=self.group.reconstructed, store_delay_s=self.cfg.faults.checkpoint_store_s,
                                fingerprint=checkpoints.fingerprint(self.cfg.workload.factory, self.cfg.workload.params),
                                store_fails_until=self.started_at + self.cfg.faults.checkpoint_fail_s
-                               if self.cfg.faults.checkpoint_fail_s else 0.0)
+                               if self.cfg.faults.checkpoint_fail_s else 0.0, tasks=self.tasks)
         self.metrics = JobMetrics(Exporter(self.name, run_id, self.cfg.sync.policy, self.cfg.tracking.metrics,
                                            self.group.metric), self.algorithm.kind, lambda: self.journal.step,
                                   self.cfg.tracking.per_worker_metrics)
@@ -115,25 +119,26 @@ class CoordinatorBase(Actions):
                                 self._persist, self.journal.wait_saved, self.journal.event,
                                 wanted=self._may_start,
                                 settled=lambda: not (self.book.pending or self.book.slots_in(S.STARTING, S.READY)),
-                                started=(self._saved or {}).get("started_spares", 0))
+                                started=(self._saved or {}).get("started_spares", 0), tasks=self.tasks)
         self.publisher = Publisher(self.book, self.group, self.algorithm.kind, self.incarnation,
                                    lambda: self.server, self._persist,
                                    lambda version, sent: self.faults.maybe_die("publish", version, sent))
         self.admission = Admission(self.book, self.journal, self.group, self.algorithm.kind, self.cfg.workers.min,
                                    lambda: self.state, self._may_start, lambda: self.history, self.reshape,
-                                   self._start_run, lambda reason, detail: self.end(JobState.FAILED, reason, detail))
+                                   self._start_run, lambda reason, detail: self.end(JobState.FAILED, reason, detail),
+                                   tasks=self.tasks)
         self.launcher = Launcher(self.book, self.spares, self.group, self.prefix, self._spec,
                                  self.journal.fired, self.journal.event, lambda: self.state, self._may_start,
                                  self.admission.request,
                                  started=max((self._saved or {}).get("started_workers", 0),
-                                             self.incarnation * WORKER_STARTS_PER_INCARNATION))
+                                             self.incarnation * WORKER_STARTS_PER_INCARNATION), tasks=self.tasks)
         self.trial: Trial | None = None
         """`sync.auto`'s online trial (actors/control/trial.py), on the first incarnation only."""
         if self.cfg.policy_trial and self._saved is None and not self.cfg.policy_trial.get("resumed"):
             self.trial = Trial(self.cfg.policy_trial, self._switch_policy, self._note,
                                lambda: not self.book.pending and self.stop_kind is None and self.state == JobState.RUNNING)
         self.supervisor = Supervisor(self.cfg, self.book, self.group, self, self.journal.event, self.algorithm.kind,
-                                     lambda: self.journal.step)
+                                     lambda: self.journal.step, tasks=self.tasks)
         self._recovered = asyncio.Event()
         """Set once a restarted incarnation has re-attached its workers (at once for the first one):
         `scale` waits for it, since Ray may hand a restarted coordinator a call the dead one had taken."""
@@ -289,7 +294,7 @@ class CoordinatorBase(Actions):
             return  # a step already in history, a stale report of a redone one, or one ahead of a gap
         if newest and self.faults.scales:
             for count in self.faults.due_scales(self.journal.step):
-                asyncio.get_running_loop().create_task(self._scale_by_fault(count))
+                self.tasks.spawn(self._scale_by_fault(count))
         if newest and self.book.pending:
             for detail in self.book.close_reshapes(record):
                 self.journal.event("reshape", f"{detail['cause']}: {detail['old_members']} -> {detail['new_members']} "
@@ -299,7 +304,7 @@ class CoordinatorBase(Actions):
                 self.transition(JobState.RUNNING, f"membership epoch {record.get('membership_epoch', 0)} "
                                                   f"committed step {record['step']}")
             if self.book.slots_in(S.READY):  # joiners held back for the survivors' first step
-                asyncio.get_running_loop().create_task(self.admission.request())
+                self.tasks.spawn(self.admission.request())
         if newest and self.trial is not None:
             self.trial.offer(record, self._policy_committed)
         target, metrics = self.cfg.stop.target, self.journal.metrics
@@ -307,7 +312,7 @@ class CoordinatorBase(Actions):
             return
         value = metrics[target.metric]
         if (value >= target.value) if target.mode == "max" else (value <= target.value):
-            asyncio.get_running_loop().create_task(self.supervisor.stop(
+            self.tasks.spawn(self.supervisor.stop(
                 "FINISHED", f"target reached: {target.metric} = {value:.4f} ({target.mode} {target.value})"))
 
     # ------------------------------------------------------------------ status

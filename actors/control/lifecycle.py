@@ -36,11 +36,27 @@ class Lifecycle(CoordinatorBase):
     async def _main(self) -> None:
         try:
             try:
+                await self._run()
+            except Exception:
+                await self._linger()  # ending the job failed: it lingers all the same, then says why
+                raise
+            await self._linger()
+        except asyncio.CancelledError:
+            # Its event loop is closing (a test's, a benchmark's), or a test plays the process's death. As
+            # with a process that is gone, nothing more happens: no report, no linger for a release (one
+            # in the cancelled task held such a loop's close for LINGER_S), none of its tasks runs on.
+            self.tasks.cancel()
+            raise
+
+    async def _run(self) -> None:
+        """From the start (or a restart's recovery) until the job ends; an error fails the job."""
+        try:
+            try:
                 await (self._recover() if self._saved is not None else self._begin())
             finally:
                 self._recovered.set()
                 self._persist()  # the members it re-attached (saved before as the dead incarnation left them)
-            asyncio.get_running_loop().create_task(self.supervisor.heartbeats())
+            self.tasks.spawn(self.supervisor.heartbeats())
             while not self.state.terminal:
                 batch = await self.supervisor.next_outcomes(0.2)
                 if batch:
@@ -64,8 +80,6 @@ class Lifecycle(CoordinatorBase):
             if not self.state.terminal:
                 await self.end(JobState.FAILED, f"coordinator error: {type(err).__name__}: {err}",
                                detail={"traceback": traceback.format_exc()})
-        finally:
-            await self._linger()
 
     async def _begin(self) -> None:
         if self.cfg.policy_choice:  # sync.policy: auto, resolved by the driver (orchestrator/planner.py)
@@ -209,6 +223,8 @@ class Lifecycle(CoordinatorBase):
             await asyncio.wait_for(released.wait(), LINGER_S)
         except asyncio.TimeoutError:
             pass
+        await self.tasks.close()  # those left (the forced stop's timer, heartbeats, holds) end, within a bound
         self.journal.close()
+        self.group.forget_secrets(f"{self.name}/{self.run_id}")  # the rendezvous key and the storage credentials
         self.group.exit()
 

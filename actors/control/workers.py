@@ -150,6 +150,9 @@ class WorkerGroup:
     def recall_secret(self, key: str) -> bytes | None:
         return None
 
+    def forget_secrets(self, prefix: str) -> None:
+        """Delete the secrets kept under `prefix` (a run's, once it ended for good)."""
+
     def start_self(self, name: str, namespace: str) -> None:
         """A restarted coordinator asks for its own `start` (nobody else will)."""
 
@@ -199,7 +202,7 @@ class RayWorkerGroup(WorkerGroup):
 
         w = self.cfg.workers
         env = worker_process_env(self.cfg)
-        if env:  # a child's own env_vars replace its parent's unless merged: keep the coordinator's (credentials)
+        if env:  # a child's own env_vars replace its parent's unless merged: keep the coordinator's
             env = {**(ray.get_runtime_context().runtime_env or {}).get("env_vars", {}), **env}
         return WorkerActor.options(name=name, namespace=self.cfg.ray.namespace, lifetime="detached",
                                    num_cpus=w.cpus, num_gpus=w.gpus, max_restarts=0,
@@ -300,19 +303,19 @@ class RayWorkerGroup(WorkerGroup):
         runfiles.publish_record(name, record)
 
     def keep_secret(self, key: str, value: bytes) -> None:
-        from ray.experimental.internal_kv import _internal_kv_put
+        from actors.runs import runfiles
 
-        from actors.runs.runfiles import KV_NAMESPACE
-
-        _internal_kv_put(f"secret/{key}", value.hex().encode(), overwrite=True, namespace=KV_NAMESPACE)
+        runfiles.keep_secret(key, value)
 
     def recall_secret(self, key: str) -> bytes | None:
-        from ray.experimental.internal_kv import _internal_kv_get
+        from actors.runs import runfiles
 
-        from actors.runs.runfiles import KV_NAMESPACE
+        return runfiles.recall_secret(key)
 
-        raw = _internal_kv_get(f"secret/{key}", namespace=KV_NAMESPACE)
-        return bytes.fromhex(raw.decode()) if raw else None
+    def forget_secrets(self, prefix: str) -> None:
+        from actors.runs import runfiles
+
+        runfiles.forget_secrets(prefix)
 
     def start_self(self, name: str, namespace: str) -> None:
         start_self_when_alive(name, namespace)

@@ -214,3 +214,25 @@ def lookup_record(name: str) -> dict | None:
         log.debug("could not read job %s's record from Ray's KV store: %s", name, err)
         return None
     return None
+
+
+def keep_secret(key: str, value: bytes) -> None:
+    """A secret in Ray's KV store (only a client with the cluster's token reads it; nothing mirrors it),
+    under `secret/<key>`: the rendezvous key of a run, its storage credentials."""
+    from ray.experimental.internal_kv import _internal_kv_put
+
+    _internal_kv_put(f"secret/{key}", value.hex().encode(), overwrite=True, namespace=KV_NAMESPACE)
+
+
+def recall_secret(key: str) -> bytes | None:
+    from ray.experimental.internal_kv import _internal_kv_get
+
+    raw = _internal_kv_get(f"secret/{key}", namespace=KV_NAMESPACE)
+    return bytes.fromhex(raw.decode()) if raw else None
+
+
+def forget_secrets(prefix: str) -> None:
+    """Delete every secret whose key starts with `prefix` (a run's, `<job>/<run id>/`, once it ended)."""
+    from ray.experimental.internal_kv import _internal_kv_del
+
+    _internal_kv_del(f"secret/{prefix}", del_by_prefix=True, namespace=KV_NAMESPACE)

@@ -31,9 +31,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+from urllib.parse import SplitResult, parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 
-from actors.runs import runfiles
+from actors.runs import credentials, runfiles
 
 log = logging.getLogger(__name__)
 
@@ -41,9 +41,16 @@ PYARROW_SCHEMES = ("gs", "gcs", "hdfs", "viewfs")
 """Schemes pyarrow opens itself (s3 too, with the options parsed here)."""
 S3_TIMEOUTS_S = {"connect_timeout": 5.0, "request_timeout": 30.0}
 """Default S3 timeouts: an unreachable endpoint fails in seconds, not the SDK's minutes."""
-HIDDEN_OPTIONS = ("access_key", "secret_key", "session_token", "token", "password", "key", "secret", "account_key",
-                  "sas_token", "client_secret", "connection_string", "credential", "credentials")
-"""Query options that are credentials: never kept with the URI (`move_credentials`), never shown (`redact`)."""
+SAFE_OPTIONS = frozenset({
+    "endpoint_override", "scheme", "region", "anonymous", "anon", "connect_timeout", "request_timeout",
+    "force_virtual_addressing", "project_id", "default_bucket_location", "retry_limit_seconds", "account_name",
+    "use_ssl", "requester_pays", "version_aware", "default_block_size", "replication", "buffer_size", "username",
+})
+"""Query options known to be settings, not secrets: the only ones kept in a storage URI (written with the
+config, shown in status and logs). Every other option, any name that mentions a key, secret, token,
+password or credential among these included, and the `user:password@` part of the URI are credentials
+(`move_credentials`, `redact`)."""
+SECRET_WORDS = ("key", "secret", "token", "pass", "credential", "auth", "sas", "signature", "cookie", "session")
 REMOTE_TIMEOUT_S = 60.0
 """Schemes other than S3 (whose client times out itself): one try of a read, write, list or delete that
 does not answer within this long has failed (a whole object in one call: generous)."""
@@ -60,10 +67,6 @@ def _remote_pool() -> concurrent.futures.ThreadPoolExecutor:
     if _POOL is None:
         _POOL = concurrent.futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="storage-call")
     return _POOL
-
-
-CREDENTIAL_ENV = "ORCHESTRATOR_STORAGE_{}"
-"""Where a credential taken out of a storage URI goes in the environment (`move_credentials`)."""
 
 
 class StorageError(RuntimeError):
@@ -275,32 +278,57 @@ class Storage:
             raise StorageError(f"storage: bucket {bucket!r} does not exist ({self.uri})")
 
 
+def is_setting(option: str) -> bool:
+    """Whether a URI's query option may stay in the URI (a known setting whose name mentions no secret)."""
+    name = option.lower()
+    return name in SAFE_OPTIONS and not any(word in name for word in SECRET_WORDS)
+
+
+def _userinfo(parts: SplitResult) -> list[tuple[str, str]]:
+    """The `user:password@` of a URI as the options it stands for: S3's access and secret key, else a
+    username (kept, a setting) and a password (a credential)."""
+    if parts.username is None and parts.password is None:
+        return []
+    user, password = unquote(parts.username or ""), unquote(parts.password or "")
+    if parts.scheme.lower() == "s3":
+        return [("access_key", user), ("secret_key", password)]
+    return [("username", user)] + ([("password", password)] if parts.password is not None else [])
+
+
 def move_credentials(location: str) -> tuple[str, dict[str, str], dict[str, str]]:
-    """(the URI without the credentials in its query, {option: environment variable}, {variable: value}):
-    a credential is read from the environment where it is used, so that no copy of it is written down
-    with the config (its file, Ray's KV store, actor arguments, the bucket)."""
+    """(the URI with only its settings, {option: the name its value is held under}, {name: value}): every
+    query option that is not a known setting (`is_setting`), and the `user:password@` part, leave the URI;
+    the caller holds their values in memory (actors/runs/credentials.py), so that no copy of them is
+    written down with the config (its file, Ray's KV record, actor arguments, the bucket, a command line)."""
     if not is_remote(location):
         return location, {}, {}
     parts = urlsplit(location)
     kept, options, values = [], {}, {}
-    for name, value in parse_qsl(parts.query, keep_blank_values=True):
-        if name in HIDDEN_OPTIONS:
-            variable = CREDENTIAL_ENV.format(name.upper())
-            options[name], values[variable] = variable, value
-        else:
+    for name, value in [*_userinfo(parts), *parse_qsl(parts.query, keep_blank_values=True)]:
+        if is_setting(name):
             kept.append((name, value))
-    if not options:
+        else:
+            variable = credentials.moved_name(name)
+            options[name], values[variable] = variable, value
+    if not options and parts.username is None:
         return location, {}, {}
-    return urlunsplit(parts._replace(query=urlencode(kept, safe=":/"))), options, values
+    netloc = parts.hostname or ""
+    if parts.port is not None:
+        netloc += f":{parts.port}"
+    return urlunsplit(parts._replace(netloc=netloc, query=urlencode(kept, safe=":/"))), options, values
 
 
 def redact(location: str | None) -> str | None:
-    """The location with the value of every credential in its query replaced by `***` (to print)."""
+    """The location with every credential (an option that is not a known setting, a password in its
+    user part) replaced by `***` (to print)."""
     if not location or not is_remote(location):
         return location
     parts = urlsplit(location)
-    query = [(k, "***" if k in HIDDEN_OPTIONS else v) for k, v in parse_qsl(parts.query, keep_blank_values=True)]
-    return urlunsplit(parts._replace(query=urlencode(query, safe=":/*")))
+    netloc = parts.netloc
+    if parts.username is not None or parts.password is not None:
+        netloc = "***@" + netloc.rsplit("@", 1)[1]
+    query = [(k, v if is_setting(k) else "***") for k, v in parse_qsl(parts.query, keep_blank_values=True)]
+    return urlunsplit(parts._replace(netloc=netloc, query=urlencode(query, safe=":/*")))
 
 
 def open_storage(location: str, from_env: dict[str, str] | None = None) -> Storage:
@@ -317,10 +345,15 @@ def open_storage(location: str, from_env: dict[str, str] | None = None) -> Stora
     scheme = parts.scheme.lower()
     options = dict(parse_qsl(parts.query))
     for option, variable in (from_env or {}).items():
-        if variable not in os.environ:
+        held = credentials.value(variable)
+        if held is None and variable.startswith(credentials.MOVED):
+            raise StorageError(f"storage: the credential {option} taken out of the storage URI did not reach this "
+                               f"process (pid {os.getpid()}): give it to every node as an environment variable "
+                               f"named in storage_options.{option}")
+        if held is None:
             raise StorageError(f"storage: storage_options.{option} names the environment variable {variable}, "
                                f"which is not set in this process (pid {os.getpid()})")
-        options[option] = os.environ[variable]
+        options[option] = held
     uri = f"{scheme}://{parts.netloc}{parts.path}".rstrip("/")
     base = f"{parts.netloc}{parts.path}".rstrip("/")
     if not parts.netloc:
@@ -328,10 +361,10 @@ def open_storage(location: str, from_env: dict[str, str] | None = None) -> Stora
     try:
         if scheme == "s3":
             return Storage(uri=uri, base=base, fs=_s3(uri, options), scheme=scheme)
-        if scheme in PYARROW_SCHEMES:
+        if scheme in PYARROW_SCHEMES:  # pyarrow reads its options from the query: all of them, in memory only
             import pyarrow.fs as pafs
 
-            fs, path = pafs.FileSystem.from_uri(location)
+            fs, path = pafs.FileSystem.from_uri(urlunsplit(parts._replace(query=urlencode(sorted(options.items())))))
             return Storage(uri=uri, base=path.rstrip("/"), fs=fs, scheme=scheme)
         return _fsspec(uri, scheme, base, options)
     except StorageError:

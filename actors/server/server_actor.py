@@ -17,6 +17,7 @@ import ray
 
 from actors import REMOTE_HOME
 from actors.plan import server_name
+from actors.runs import credentials, runfiles
 
 if TYPE_CHECKING:  # pragma: no cover
     import numpy as np
@@ -70,6 +71,7 @@ class ParameterServer:
         _redirect_output(os.path.join(run_dir, "workers", "server.log"))
         logging.basicConfig(level=config.get("log_level", "WARNING"), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         restarted = ray.get_runtime_context().was_current_actor_reconstructed
+        credentials.receive(runfiles.recall_secret(credentials.kv_key(coordinator, os.path.basename(run_dir))))
         self.host = make_host(config, run_dir, CoordinatorReports(coordinator, namespace), restarted=restarted)
 
     def _dispenser(self) -> DispenserHost:
