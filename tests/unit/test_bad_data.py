@@ -196,6 +196,22 @@ def test_every_sample_of_a_micro_batch_bad_under_skip_names_the_first():
     assert err.value.fault.line.startswith("bad training sample 4: ValueError: corrupt record 4; every sample of its")
 
 
+def test_a_bad_sample_keeps_its_id_when_a_loader_process_sends_it_back():
+    import pickle
+
+    err = pickle.loads(pickle.dumps(BadSample("sample 3", "ValueError: x", "training sample 3 could not be read: x")))
+    assert err.fault == DataFault("sample 3", "ValueError: x") and str(err) == "training sample 3 could not be read: x"
+
+
+def test_a_ragged_hugging_face_row_is_a_bad_sample_naming_its_id():
+    """Arrow reads a column of unequal rows as a list of tensors, which no loss can take: the share is read
+    again row by row, and the row whose shape differs is named."""
+    datasets = pytest.importorskip("datasets")
+    table = datasets.Dataset.from_dict({"x": [[1.0, 2.0], [3.0], [4.0, 5.0]], "y": [0, 1, 2]})
+    with pytest.raises(BadSample, match=r"training sample 1 does not match its batch: its layout \{x: tensor\[1\]"):
+        source_for(table, 0).fetch(np.array([0, 1, 2]), 0)
+
+
 def test_a_ray_data_column_that_cannot_be_a_tensor_or_is_missing_names_the_rows(monkeypatch):
     source = BlockSource([(None, 2), (None, 2)], seed=0)
     blocks = {0: {"x": np.ones((2, 3)), "text": np.array(["a", "b"], dtype=object)},
