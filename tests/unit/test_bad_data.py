@@ -278,3 +278,13 @@ def test_loader_threads_never_enter_a_datasets_getitem_together_unless_it_says_i
     finally:
         loader.close()
     assert data.overlapped == thread_safe
+
+
+def test_the_clis_summary_counts_the_samples_skipped(capsys):
+    from orchestrator.cli import ProgressPrinter, format_status
+
+    status = JobStatus(name="j", run_id="r", state="FINISHED", step=10, membership_epoch=1, world_size=3, members=(),
+                       loss=0.5, throughput=None, cause=None, run_dir="/tmp/r", samples_skipped=2)
+    ProgressPrinter(10, 1.0).summary(status, 3.0)
+    assert "  bad samples skipped: 2 (workload.on_bad_sample: skip" in capsys.readouterr().out
+    assert "bad samples skipped: 2" in format_status(status)
