@@ -3,7 +3,7 @@
 Workers sign what they write to their group's store with it (actors/transport/comm.py). The coordinator keeps
 it in `secret.key` (mode 0600) in the run folder and in Ray's KV store (a restart on another node),
 never in the state file, which is mirrored to the run's storage; a restarted coordinator recalls the
-one its live workers hold.
+one its live workers hold. When the coordinator exits at the end of the job, both copies go (`forget`).
 """
 from __future__ import annotations
 
@@ -48,6 +48,12 @@ class RendezvousKey:
             log.warning("restarted without the rendezvous key (no %s, nothing in Ray's KV store): the live workers "
                         "hold another one, and groups they form with new members will refuse it", SECRET_FILE)
         return current
+
+    def forget(self) -> None:
+        """The job ended for good: delete the run folder's copy and every secret of the run in Ray's KV
+        store (the key and the storage credentials, actors/runs/credentials.py)."""
+        (self.run_dir / SECRET_FILE).unlink(missing_ok=True)
+        self.group.forget_secrets(self.name)
 
     def _keep_file(self, secret: bytes) -> None:
         runfiles.write_bytes_atomic(self.run_dir / SECRET_FILE, secret.hex().encode())

@@ -225,6 +225,6 @@ class Lifecycle(CoordinatorBase):
             pass
         await self.tasks.close()  # those left (the forced stop's timer, heartbeats, holds) end, within a bound
         self.journal.close()
-        self.group.forget_secrets(f"{self.name}/{self.run_id}")  # the rendezvous key and the storage credentials
+        self.keys.forget()  # the rendezvous key and the storage credentials
         self.group.exit()
 

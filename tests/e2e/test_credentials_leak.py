@@ -78,3 +78,6 @@ def test_storage_keys_in_the_uri_are_in_no_log_file_object_or_output(tmp_path, r
         leaks += [f"Ray KV {key!r} after the jobs ended: {k.decode()}" for k in KEYS
                   if k in value or k.hex().encode() in value]
     assert not leaks, "\n".join(leaks)
+    kept = list(_internal_kv_list("secret/leak-", namespace=KV_NAMESPACE))
+    assert not kept and not any((d / "secret.key").exists() for d in run_dirs), \
+        f"the runs' secrets outlived them: {kept}, {[d for d in run_dirs if (d / 'secret.key').exists()]}"
