@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import stat
 import subprocess
 from pathlib import Path
 
@@ -25,13 +26,20 @@ class LabUnavailable(OrchestratorError):
 
 
 def shim_path(build: bool = False) -> Path:
-    """The compiled shim (built when `build` and missing); keyed by its source's hash."""
+    """The compiled shim (built when `build` and missing); keyed by its source's hash. Every worker of a
+    lab job preloads it, so one found at this predictable path is used only when this user alone can
+    have written it (`untrusted`); otherwise the lab refuses in one line."""
     source = SHIM_SOURCE.read_bytes()
     out = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "orchestrator" / \
         f"lab_bind-{hashlib.sha256(source).hexdigest()[:12]}.so"
-    if out.exists() or not build:
+    if os.path.lexists(out) or not build:
+        if os.path.lexists(out) and (why := untrusted(out)):
+            raise LabUnavailable(f"the lab's shim {out} is not used: {why}; remove it (or set XDG_CACHE_HOME to a "
+                                 f"folder of yours) and bring the lab up again")
         return out
-    out.parent.mkdir(parents=True, exist_ok=True)
+    out.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if why := untrusted(out.parent):
+        raise LabUnavailable(f"the lab's shim cannot be built in {out.parent}: {why}; set XDG_CACHE_HOME to a folder of yours")
     compiler = shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise LabUnavailable("compiling the lab's connect() shim needs a C compiler: install cc or gcc")
@@ -42,6 +50,20 @@ def shim_path(build: bool = False) -> Path:
         raise LabUnavailable(f"compiling the lab's connect() shim failed: {result.stderr.strip()[:300]}")
     os.replace(tmp, out)
     return out
+
+
+def untrusted(path: Path) -> str | None:
+    """Why `path` (the shim or its folder) may have been written by someone other than this user: a link,
+    another owner, or write access for the group or others, on it or on its folder; None when none."""
+    for item in (path, path.parent) if path.suffix == ".so" else (path,):
+        info = os.lstat(item)
+        if stat.S_ISLNK(info.st_mode):
+            return f"{item} is a symbolic link"
+        if info.st_uid != os.geteuid():
+            return f"{item} belongs to uid {info.st_uid}, not this user ({os.geteuid()})"
+        if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            return f"{item} is writable by others (mode {stat.S_IMODE(info.st_mode):o})"
+    return None
 
 
 def worker_env(net: NetworkConfig) -> dict[str, str]:
