@@ -170,6 +170,14 @@ def handed_to_all(group: FakeWorkerGroup, coord: Coordinator, members, after_epo
     return max(times)
 
 
+async def all_up(coord: Coordinator, group: FakeWorkerGroup, n: int) -> None:
+    """Until every one of the `n` members holds a plan that names them all. (Not until the job is RUNNING:
+    the first plan names only the workers ready within `start_grace_s`, the others join by a reshape, and
+    the job stays RESHAPING until a step commits under it, which waiting for RUNNING never let happen.)"""
+    everyone = [f"w{i}" for i in range(n)]
+    await until(lambda: handed_to_all(group, coord, everyone, 0), "every member's first plan", 300, 0.01)
+
+
 async def measure(n: int, deaths: int, step_s: float, steady_s: float, seed: int) -> dict:
     rng = random.Random(seed)
     run_dir = Path(tempfile.mkdtemp(prefix=f"control-plane-{n}-"))
@@ -177,7 +185,7 @@ async def measure(n: int, deaths: int, step_s: float, steady_s: float, seed: int
     coord = Coordinator(config(n, heartbeat_s=10.0), "bench", str(run_dir), group=group)
     t0 = time.perf_counter()
     await coord.start()
-    await until(lambda: coord.state == JobState.RUNNING, "RUNNING", 300, 0.01)
+    await all_up(coord, group, n)
     out: dict = {"members": n, "start_s": round(time.perf_counter() - t0, 3)}
     pilot = Autopilot(coord, group, step_s, rng)
     pilot.start()
@@ -317,8 +325,8 @@ async def memory(n: int) -> float:
     tracemalloc.start(8)
     coord = Coordinator(config(n, heartbeat_s=10.0), "mem", str(run_dir), group=group)
     await coord.start()
-    await until(lambda: coord.state == JobState.RUNNING, "RUNNING", 300, 0.01)
-    await group.commit(coord, 5)
+    await all_up(coord, group, n)
+    await group.commit(coord, 5)  # the joiners' reshape, if any, closes: RUNNING
     await asyncio.sleep(0.5)
     snapshot = tracemalloc.take_snapshot()
     tracemalloc.stop()

@@ -296,7 +296,8 @@ class FakeWorkerGroup(WorkerGroup):
     async def watch(self, handle: FakeWorker) -> tuple[str, dict]:
         if handle.ended is None:
             handle.ended = asyncio.get_running_loop().create_future()
-        return await handle.ended
+        # a watcher cancelled (its coordinator gone) leaves the worker's end to the next one, as a Ray call does
+        return await asyncio.shield(handle.ended)
 
     def kill(self, handle: FakeWorker | None) -> None:
         if handle is None or not handle.alive:

@@ -18,6 +18,7 @@ from typing import Any
 from actors.control.book import ADMIT_HOLD_S, MembershipBook
 from actors.control.journal import Journal
 from actors.control.members import Member
+from actors.control.tasks import Tasks
 from actors.control.workers import WorkerGroup
 from algorithms.rules.membership import joiners_start_stateless
 from algorithms.rules.supervision import JobState, MemberState
@@ -31,10 +32,11 @@ class Admission:
     def __init__(self, book: MembershipBook, journal: Journal, group: WorkerGroup, kind: str, min_workers: int,
                  state: Callable[[], JobState], may_start: Callable[[], bool], history: Callable[[], Any],
                  reshape: Callable[..., Any], start_run: Callable[[Member], None],
-                 fail: Callable[[str, dict], Awaitable[None]]) -> None:
+                 fail: Callable[[str, dict], Awaitable[None]], tasks: Tasks | None = None) -> None:
         """`state()`: the job's state; `may_start()`: no stop decided and not ended; `history()`: the
         job's history; `reshape(members, reason, detector, decided, joiners=...)`: publish a reshape;
-        `start_run(member)`: start an admitted member's run; `fail(reason, detail)`: end the job FAILED."""
+        `start_run(member)`: start an admitted member's run; `fail(reason, detail)`: end the job FAILED;
+        `tasks`: where its tasks run (the coordinator's: actors/control/tasks.py)."""
         self.book, self.journal, self.group, self.kind, self.min_workers = book, journal, group, kind, min_workers
         self._state, self._may_start, self._history = state, may_start, history
         self._reshape, self._start_run, self._fail = reshape, start_run, fail
@@ -42,6 +44,7 @@ class Admission:
         """Set when every member was lost: the next admitted worker starts from this checkpoint (step, path),
         or from the newest stored once the stores under way have ended (a path of "": the checkpoint at
         that step was still being stored when the members were lost)."""
+        self._tasks = tasks or Tasks()
         self._task: asyncio.Task | None = None
         self._wanted = False
 
@@ -49,10 +52,10 @@ class Admission:
         """Look at admission soon, once for every worker that became ready in this turn of the loop."""
         self._wanted = True
         if self._task is None or self._task.done():
-            self._task = asyncio.get_running_loop().create_task(self._while_wanted())
+            self._task = self._tasks.spawn(self._while_wanted())
 
     def request_later(self, delay: float) -> None:
-        asyncio.get_running_loop().call_later(delay, lambda: asyncio.ensure_future(self.request()))
+        self._tasks.later(delay, self.request)
 
     async def _while_wanted(self) -> None:
         try:

@@ -206,7 +206,7 @@ class Coordinator(Lifecycle):
         self.stop_kind, self.cause, self.book.stop_step = kind, cause, stop_step
         if self.server is not None:
             self.server.close(cause)  # members stop at their next pull
-        asyncio.get_running_loop().create_task(self._force_stop_after(self.cfg.comm.timeout_s + FORCE_STOP_AFTER_S))
+        self.tasks.spawn(self._force_stop_after(self.cfg.comm.timeout_s + FORCE_STOP_AFTER_S))
         self.faults.die_on_report = True
 
     def restore_on_admit(self) -> None:
@@ -215,7 +215,7 @@ class Coordinator(Lifecycle):
         self.admission.restore = self.journal.checkpoint if pending is None else (pending, "")
 
     def replace(self, slot: str) -> None:
-        asyncio.get_running_loop().create_task(self._converge(f"replace {slot}", "replacement"))
+        self.tasks.spawn(self._converge(f"replace {slot}", "replacement"))
 
     async def slot_failed(self, member: Member, phase: str, cause: str) -> bool:
         return await self.launcher.slot_failed(member, phase, cause)

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from actors.control.history import History
+from actors.control.tasks import Tasks
 from actors.runs import checkpoints, runfiles
 from actors.runs.mirror import RunMirror
 from actors.runs.storage import Storage, first_line, open_storage, run_storage
@@ -58,7 +59,8 @@ class Journal:
 
     def __init__(self, run_dir: Path, keep_checkpoints: int, storage: Storage | None = None, run_key: str = "",
                  mirror: RunMirror | None = None, restarted: bool = False, store_delay_s: float = 0.0,
-                 fingerprint: tuple[str, str] | None = None, store_fails_until: float = 0.0) -> None:
+                 fingerprint: tuple[str, str] | None = None, store_fails_until: float = 0.0,
+                 tasks: Tasks | None = None) -> None:
         """`storage` and `run_key`: where checkpoints go and `--resume` reads from (default: the run
         folder's grandparent, the local run root, and `<job>/<run id>`). `mirror`: the remote copy of
         the run folder (storage: an object store); a `restarted` coordinator first copies down what it
@@ -66,8 +68,10 @@ class Journal:
         each checkpoint's storing takes at least this long (`faults.checkpoint_store_s`, tests);
         `store_fails_until`: every storing fails until this time.time() (`faults.checkpoint_fail_s` after the
         job's start, over every coordinator incarnation).
-        `fingerprint`: (fingerprint, description) of the workload, kept in each checkpoint's manifest."""
+        `fingerprint`: (fingerprint, description) of the workload, kept in each checkpoint's manifest.
+        `tasks`: where its task that stores checkpoints runs (the coordinator's: actors/control/tasks.py)."""
         self.run_dir = run_dir
+        self._tasks = tasks or Tasks()
         self.keep_checkpoints = keep_checkpoints
         self.store_delay_s = store_delay_s
         self.store_fails_until = store_fails_until
@@ -323,7 +327,7 @@ class Journal:
         done: asyncio.Future = loop.create_future()
         self._waiting = (step, blob, note, done)
         if self._storer is None or self._storer.done():
-            self._storer = loop.create_task(self._store_waiting())
+            self._storer = self._tasks.spawn(self._store_waiting())
         return await done
 
     def pending_checkpoint(self) -> int | None:

@@ -17,6 +17,7 @@ from typing import Any
 from actors.control.book import MembershipBook
 from actors.control.members import Member, describe, log
 from actors.control.spares import SparePool
+from actors.control.tasks import Tasks
 from actors.control.workers import WorkerGroup
 from actors.plan import WorkerSpec
 from algorithms.rules.supervision import JobState, MemberState
@@ -40,10 +41,11 @@ class Launcher:
     def __init__(self, book: MembershipBook, spares: SparePool, group: WorkerGroup, prefix: str,
                  spec_for: Callable[[str, int], WorkerSpec], fired: Callable[[], tuple[int, ...]],
                  note: Callable[..., Any], state: Callable[[], JobState], may_start: Callable[[], bool],
-                 admit: Callable[[], Awaitable[None]], started: int = 0) -> None:
+                 admit: Callable[[], Awaitable[None]], started: int = 0, tasks: Tasks | None = None) -> None:
         """`spec_for(slot, incarnation)`: the worker's spec; `fired()`: the injected faults already fired;
         `note(kind, reason, **detail)`: an event; `state()`: the job's state; `may_start()`: whether
-        workers start now (not once a stop is decided or the job ended); `admit()`: admit ready workers."""
+        workers start now (not once a stop is decided or the job ended); `admit()`: admit ready workers;
+        `tasks`: where its tasks run (the coordinator's: actors/control/tasks.py)."""
         self.book, self.spares, self.group, self.prefix = book, spares, group, prefix
         self._spec_for, self._fired, self._note = spec_for, fired, note
         self._state, self._may_start, self._admit = state, may_start, admit
@@ -54,6 +56,7 @@ class Launcher:
         self._first_retired_by = ""
         """The failure that retired the first slot to be retired (a job that cannot start says it)."""
         self._hold: asyncio.Task | None = None
+        self._tasks = tasks or Tasks()
 
     def spawn(self, slots: list[str], reason: str, detector: str) -> None:
         """Start a worker for each slot; each is admitted by a plan once ready (imports done, data built)."""
@@ -61,7 +64,7 @@ class Launcher:
         for slot in slots:
             member = Member(slot, None, join_reason=(reason, detector, decided))
             self.book.members[slot] = member
-            asyncio.get_running_loop().create_task(self._bring_up(member))
+            self._tasks.spawn(self._bring_up(member))
 
     def _still_starting(self, member: Member) -> bool:
         return self._may_start() and self.book.members.get(member.slot) is member and member.state == S.STARTING
@@ -174,7 +177,7 @@ class Launcher:
             async def poll() -> None:
                 while self.book.held_departure(self._state()):
                     await asyncio.sleep(0.02)
-            self._hold = asyncio.get_running_loop().create_task(poll())
+            self._hold = self._tasks.spawn(poll())
         await asyncio.shield(self._hold)
 
     async def slot_failed(self, member: Member, phase: str, cause: str) -> bool:

@@ -4,8 +4,10 @@ A first incarnation starts the job (the parameter server where the kind has one,
 members, their first plan); a restarted one re-attaches to the workers that stayed alive and
 publishes a newer epoch. Then the loop: the supervisor's batches of worker outcomes, and between
 them the owner check, the job's limits and the mirror. A stop that members do not reach in time is
-forced; every end tears the job's actors down, enters a terminal state and lingers for `status`.
-`Lifecycle` is a mixin over `CoordinatorBase` (actors/control/base.py).
+forced; every end tears the job's actors down, enters a terminal state and lingers for `status`,
+then ends every task the coordinator's parts started (actors/control/tasks.py). A main task that is
+cancelled does nothing more, as a process that is gone. `Lifecycle` is a mixin over `CoordinatorBase`
+(actors/control/base.py).
 """
 from __future__ import annotations
 

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from actors.control.members import Member, Spare, describe
+from actors.control.tasks import Tasks
 from actors.control.workers import WorkerGroup
 from actors.plan import WorkerSpec
 
@@ -28,16 +29,19 @@ class SparePool:
 
     def __init__(self, want: int, group: WorkerGroup, prefix: str, spec_for: Callable[[str], WorkerSpec],
                  save: Callable[[], int], saved: Callable[[int, float], bool], note: Callable[..., Any],
-                 wanted: Callable[[], bool], settled: Callable[[], bool], started: int = 0) -> None:
+                 wanted: Callable[[], bool], settled: Callable[[], bool], started: int = 0,
+                 tasks: Tasks | None = None) -> None:
         """`prefix`: the job's actor names' (a spare is `PREFIX/spareN`); `spec_for(slot)`: its worker spec; `save()` writes the state
         file (its names in it) and `saved(number, timeout)` waits for that write; `note(kind, reason, **detail)` records an event;
         `wanted()`: whether spares are started at all now (not while stopping or ended); `settled()`:
-        whether the membership has settled (no reshape pending, no joiner waiting)."""
+        whether the membership has settled (no reshape pending, no joiner waiting); `tasks`: where its
+        tasks run (the coordinator's: actors/control/tasks.py)."""
         self.want, self.group, self.prefix, self.spec_for = want, group, prefix, spec_for
         self._save, self._saved, self._note, self._wanted, self._settled = save, saved, note, wanted, settled
         self.spares: list[Spare] = []
         self.started = started
         self._settling: asyncio.Task | None = None
+        self._tasks = tasks or Tasks()
 
     def names(self) -> list[str]:
         return [s.name for s in self.spares]
@@ -63,7 +67,7 @@ class SparePool:
             return
         number = self._save()
         for spare, spec in new:
-            asyncio.get_running_loop().create_task(self._up(spare, spec, number))
+            self._tasks.spawn(self._up(spare, spec, number))
 
     def fill_when_settled(self) -> None:
         """Start the spares that replace those taken once the membership has settled (or after
@@ -78,7 +82,7 @@ class SparePool:
             while not self._settled() and time.monotonic() < deadline and self._wanted():
                 await asyncio.sleep(0.05)
             self.fill()
-        self._settling = asyncio.get_running_loop().create_task(when_settled())
+        self._settling = self._tasks.spawn(when_settled())
 
     async def _up(self, spare: Spare, spec: WorkerSpec, persisted: int) -> None:
         try:

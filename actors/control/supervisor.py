@@ -19,6 +19,7 @@ from typing import Any
 
 from actors.control.book import MembershipBook
 from actors.control.members import Member, log
+from actors.control.tasks import Tasks
 from actors.control.workers import WorkerGroup
 from algorithms.rules.stragglers import StragglerWatch
 from algorithms.rules.supervision import Decision, JobState, JobView, MemberEnded, MemberState, StopRequested, decide
@@ -81,9 +82,11 @@ class Supervisor:
     """Detectors (watch, heartbeats, probes, stragglers) and the decisions they lead to."""
 
     def __init__(self, cfg: JobConfig, book: MembershipBook, group: WorkerGroup, actions: Actions,
-                 note: Callable[..., Any], kind: str, step: Callable[[], int]) -> None:
+                 note: Callable[..., Any], kind: str, step: Callable[[], int], tasks: Tasks | None = None) -> None:
+        """`tasks`: where its tasks run (the coordinator's: actors/control/tasks.py)."""
         self.cfg, self.book, self.group, self.actions, self._note, self.kind = cfg, book, group, actions, note, kind
         self._step = step
+        self._tasks = tasks or Tasks()
         self.outcomes: asyncio.Queue[tuple[Member, str, dict, float]] | None = None  # made on the event loop (start)
         self.stragglers = StragglerWatch()
         self._stragglers_at = 0.0
@@ -113,7 +116,7 @@ class Supervisor:
             assert self.outcomes is not None  # start() made it
             await self.outcomes.put((member, kind, outcome, time.time()))
         loop = asyncio.get_running_loop()
-        member.watch_task = loop.create_task(watched())
+        member.watch_task = self._tasks.spawn(watched())
         # on this node, its process's lifeline: the death known as the kill lands, not once Ray hears
         self.group.watch_exit(member.node, member.pid, member.lifeline,
                               on_end=lambda: self._call_soon(loop, self._lifeline_ended, member),
@@ -134,7 +137,7 @@ class Supervisor:
         if member.state != S.TRAINING or member.evicted is not None or self.actions.state.terminal:
             return
         exiting = self.group.process_state(member.node, member.pid) != "running"
-        asyncio.get_running_loop().create_task(self.evict(
+        self._tasks.spawn(self.evict(
             member, "actor death", f"worker {member.slot}'s process is exiting (its lifeline ended)", exiting=exiting))
 
     async def next_outcomes(self, timeout: float) -> list[tuple[Member, str, dict, float]]:
@@ -158,11 +161,15 @@ class Supervisor:
             if self.outcomes.empty():
                 getter = asyncio.ensure_future(self.outcomes.get())
                 heard = asyncio.ensure_future(self._heard.wait())
-                await asyncio.wait((getter, heard), timeout=min(quiet_until, end) - now,
-                                   return_when=asyncio.FIRST_COMPLETED)
-                heard.cancel()
-                if not getter.done():
-                    getter.cancel()  # an item a cancelled get was woken for stays in the queue
+                try:
+                    await asyncio.wait((getter, heard), timeout=min(quiet_until, end) - now,
+                                       return_when=asyncio.FIRST_COMPLETED)
+                finally:  # this call cancelled too: neither waiter outlives it
+                    heard.cancel()
+                    got = getter.done()
+                    if not got:
+                        getter.cancel()  # an item a cancelled get was woken for stays in the queue
+                if not got:
                     continue  # a report, or the window's end: the loop's test decides
                 outcome = getter.result()
             else:
@@ -207,7 +214,7 @@ class Supervisor:
                 self.actions.abort_epoch(abort)
             to_kill, self._to_kill = self._to_kill, []
             if to_kill:
-                asyncio.get_running_loop().create_task(self._kill_once_settled(to_kill))
+                self._tasks.spawn(self._kill_once_settled(to_kill))
 
     async def _kill_once_settled(self, handles: list[Any]) -> None:
         """Kill a batch's ended actors once the survivors have committed without them: each kill is a
@@ -251,7 +258,7 @@ class Supervisor:
                 for member in chunk:
                     if member.state == S.TRAINING and member.evicted is None and \
                             (member.beat_task is None or member.beat_task.done()):
-                        member.beat_task = asyncio.get_running_loop().create_task(self._beat(member))
+                        member.beat_task = self._tasks.spawn(self._beat(member))
 
     async def _beat(self, member: Member) -> None:
         w = self.cfg.workers

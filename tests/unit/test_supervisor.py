@@ -384,3 +384,28 @@ def test_a_member_whose_lifeline_ends_is_evicted_before_anyone_hears_of_its_deat
         assert [m.slot for m, *_ in batch] == ["w1"] and other.evicted is not None, batch
         assert group.processes_killed == [("", other.pid)], "not yet seen exiting: its SIGKILL is sent too"
     asyncio.run(scenario())
+
+
+def test_a_batch_wait_cancelled_leaves_no_waiter_behind(monkeypatch):
+    """The main task cancelled while a batch's window is open (its event loop closing, a test playing the
+    coordinator's death): the window's two waiters, on the next outcome and on a survivor's report, end
+    with it instead of waiting on the loop for ever."""
+    monkeypatch.setattr("actors.control.supervisor.QUIET_S", 30.0)
+    monkeypatch.setattr("actors.control.supervisor.GATHER_MAX_S", 30.0)
+
+    def waiters() -> list[str]:
+        return [t.get_coro().__qualname__ for t in asyncio.all_tasks()
+                if not t.done() and t.get_coro().__qualname__ in ("Queue.get", "Event.wait")]
+
+    async def scenario():
+        sup, _, book, _, _ = harness(3)
+        sup.start()
+        await sup.outcomes.put((book.members["w1"], "died", {"error": "SIGKILL"}, 0.0))
+        batch = asyncio.ensure_future(sup.next_outcomes(1.0))
+        while len(waiters()) < 2:  # the first outcome taken, the window open
+            await asyncio.sleep(0)
+        batch.cancel()
+        await asyncio.wait([batch])
+        await asyncio.sleep(0)  # the waiters' cancellation lands
+        assert not waiters(), f"left waiting: {waiters()}"
+    asyncio.run(scenario())
