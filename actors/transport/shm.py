@@ -113,8 +113,11 @@ class Unusable(Exception):
     """This member cannot share memory with its group; the message says why in one line."""
 
 
-def _describe(err: OSError, what: str) -> str:
-    return f"{err.strerror or err}: {what}"
+def _describe(err: Exception, what: str) -> str:
+    """One line: the error's own words (an OSError's without its number) and the file it concerns."""
+    if isinstance(err, OSError):
+        return f"{err.strerror or err}: {err.filename or what}"
+    return f"{err}: {what}"
 
 
 def _open_checked(path: str, flags: int, kind: int, size: int | None) -> int:
@@ -228,9 +231,12 @@ def obstacle(offers: list[Offer | None]) -> str | None:
     if any(o is None for o in offers):
         return ""
     mine: list[Offer] = [o for o in offers if o is not None]
-    refused = [f"rank {r}: {o.refused}" for r, o in enumerate(mine) if o.refused]
+    refused: dict[str, list[str]] = {}
+    for r, o in enumerate(mine):
+        if o.refused:
+            refused.setdefault(o.refused, []).append(str(r))
     if refused:
-        return "; ".join(refused)
+        return "; ".join(f"rank{'s' if len(ranks) > 1 else ''} {', '.join(ranks)}: {why}" for why, ranks in refused.items())
     if any(o.node != mine[0].node for o in mine):
         return ("the members do not share one /dev/shm and IPC namespace (boot id, /dev/shm device and inode, "
                 "IPC namespace differ)")
@@ -296,12 +302,12 @@ class SharedMemoryGroup:
                     fds[r] = _open_checked(path + ".seg", os.O_RDWR, stat.S_IFREG, self._size)
                     maps[r] = mmap.mmap(fds[r], self._size)
                     wake.append(_open_checked(path + ".fifo", os.O_WRONLY, stat.S_IFIFO, None))  # ENXIO: its reader is gone
-        except OSError as err:
+        except (OSError, ValueError) as err:  # ValueError: mmap's, of a file shorter than its size said
             for m in maps.values():
                 m.close()
             for fd in [*fds.values(), *wake]:
                 os.close(fd)
-            raise Unusable(_describe(err, err.filename or f"a peer's file in {DIRECTORY}")) from None
+            raise Unusable(_describe(err, f"a peer's file in {DIRECTORY}")) from None
         maps[self.rank], fds[self.rank] = self._mine, self._own_fd
         self._maps = [maps[r] for r in range(self.world_size)]
         self._peer_fds = [fds[r] for r in range(self.world_size)]

@@ -115,7 +115,7 @@ def _host_rank() -> None:
     out = {}
     for pattern, label in task["labels"].items():
         comm = make_communicator(GroupSpec("127.0.0.1", task["port"], f"host/{pattern}", rank, world, 60.0, "gloo",
-                                           "127.0.0.1"))
+                                           "127.0.0.1", reduce_bytes=4 * numel))  # as the job's: the model in float32
         if not isinstance(comm, GlooCommunicator):  # the spec asks for gloo
             raise TypeError(f"expected a gloo group, got {type(comm).__name__}")
         try:

@@ -501,4 +501,5 @@ def test_offers_round_trip_and_decide_alike():
     assert shm.obstacle([offer, offer]) is None
     assert shm.obstacle([offer, None]) == ""
     assert shm.obstacle([offer, refused]) == f"rank 1: {refused.refused}"
+    assert shm.obstacle([refused, offer, refused]) == f"ranks 0, 2: {refused.refused}"
     assert "do not share one /dev/shm" in (shm.obstacle([offer, shm.Offer(offer.name, 4096, "boot/1/9/3")]) or "")
