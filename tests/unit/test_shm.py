@@ -503,3 +503,23 @@ def test_offers_round_trip_and_decide_alike():
     assert shm.obstacle([offer, refused]) == f"rank 1: {refused.refused}"
     assert shm.obstacle([refused, offer, refused]) == f"ranks 0, 2: {refused.refused}"
     assert "do not share one /dev/shm" in (shm.obstacle([offer, shm.Offer(offer.name, 4096, "boot/1/9/3")]) or "")
+
+
+def test_rank_0_of_a_job_group_that_falls_back_tells_the_coordinator_why(tmp_path, monkeypatch):
+    """Real replicas in threads (`LocalJob`) whose members do not share one /dev/shm (identities made
+    distinct): the job trains through gloo, and rank 0 alone sends the reason, naming its group, to the
+    coordinator (which records it as a `transport` event)."""
+    from testkit.in_process import LocalJob
+
+    real = shm.node_identity
+    calls = iter(range(1000))
+    monkeypatch.setattr(shm, "node_identity", lambda: f"{real()}-{next(calls)}")
+    cfg = {"name": "fallback", "seed": 3, "workers": {"count": 2, "cpus": 1},
+           "workload": {"factory": "orchestrator.workloads.digits:mlp", "params": {"hidden": 8}, "batch_size": 8},
+           "stop": {"max_steps": 3}, "eval_every": 0}
+    job = LocalJob(cfg, ["w0", "w1"], str(tmp_path))
+    job.run(("w0", "w1"), 16)
+    sent = [args for name, args in job.link.calls if name == "transport_fallback"]
+    assert len(sent) == 1, job.link.calls
+    slot, epoch, group_name, reason = sent[0]
+    assert slot == "w0" and group_name in reason and "do not share one /dev/shm" in reason
