@@ -131,8 +131,9 @@ class WorkloadConfig:
     all-reduced on the last micro-step only. None: no limit."""
     loader: LoaderConfig = field(default_factory=LoaderConfig)
     on_bad_sample: Literal["fail", "skip"] = "fail"
-    """A training sample that raises when read: `fail` fails the job with the sample's id and the error;
-    `skip` trains the rest of its batch and records the id (a `samples_skipped` event)."""
+    """A training sample that raises when read, or whose shape or dtype differs from the rest of its batch:
+    `fail` ends the job FAILED with the sample's id and the error in one line (no worker is retired or
+    replaced); `skip` trains the mean over the samples read and records the id (a `samples_skipped` event)."""
 
     def __post_init__(self) -> None:
         if not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", self.factory or ""):
