@@ -3,6 +3,7 @@ state, events and logs) when a test gave up on it, and judged by what it left (t
 trained model's BatchNorm statistics)."""
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -73,6 +74,17 @@ def wait_until(predicate: Callable[[], Any], timeout: float = 90, what: str = "c
         if time.monotonic() > deadline:
             raise TimeoutError(f"timed out after {timeout:g}s waiting for {what}")
         time.sleep(every)
+
+
+async def until(condition: Callable[[], Any], what: str, timeout: float = 10.0) -> Any:
+    """`wait_until` inside an event loop (the coordinator's, in process): the loop runs while it polls."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"timed out waiting for {what}")
 
 
 def explain(job: Any, since: float | None = None, lines: int = 15) -> str:

@@ -13,7 +13,6 @@ import contextlib
 import dataclasses
 import json
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +22,7 @@ from actors.control.coordinator import Coordinator
 from algorithms.rules.supervision import JobState
 from orchestrator.config import config_from_dict
 from testkit.fake_workers import FakeWorkerGroup
+from testkit.job_checks import until
 
 
 def config(name: str, **over: Any) -> dict:
@@ -33,16 +33,6 @@ def config(name: str, **over: Any) -> dict:
     for key, value in over.items():
         cfg[key] = {**cfg[key], **value} if isinstance(value, dict) and isinstance(cfg.get(key), dict) else value
     return config_from_dict(cfg).to_dict()
-
-
-async def until(condition: Callable[[], Any], what: str, timeout: float = 10.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 RUNNING_NOW: list[Coordinator] = []

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +19,7 @@ from actors.control.coordinator import Coordinator
 from algorithms.rules.supervision import JobState, MemberState
 from orchestrator.config import config_from_dict
 from testkit.fake_workers import FakeWorkerGroup
+from testkit.job_checks import until
 
 BOUND_S = 1.0
 
@@ -31,16 +31,6 @@ def config() -> dict:
                     "spares": 1},
         "workload": {"factory": "orchestrator.workloads.digits:mlp", "params": {"hidden": 8}, "batch_size": 8},
         "stop": {"max_steps": 1_000_000}, "eval_every": 0}).to_dict()
-
-
-async def until(condition: Callable[[], Any], what: str, timeout: float = 10.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def others() -> list[asyncio.Task]:
