@@ -2,12 +2,14 @@
 
 The state in its colour, step (and a progress bar towards `stop.max_steps`), world size, membership
 epoch, loss, throughput and evaluation metrics; each member with its rank, state, pid, node and step
-time over the median member's (stragglers); the cause of a failure; the newest events.
+time over the median member's (stragglers); the cause of a failure; the newest events but the routine
+checkpoint entries (`notable`), which would bury the reshapes and failures.
 """
 from __future__ import annotations
 
 import html
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -36,6 +38,17 @@ def checkpoint_line(checkpoint: dict, now: float | None = None) -> str:
             else "last durable checkpoint: none yet")
     failures = checkpoint.get("failures", 0)
     return line + (f"; {failures} failed tries to store one (checkpoint_failed events)" if failures else "")
+
+
+ROUTINE_EVENTS = frozenset({"checkpoint"})
+"""Event kinds a run records over and over as it goes well (one per checkpoint stored): the status shows
+the newest one's step and age, so a list of the newest events leaves them out and keeps the reshapes,
+failures and transitions in view (`ElasticJob.events()` still returns them)."""
+
+
+def notable(events: Sequence[dict], count: int = 5) -> tuple[dict, ...]:
+    """The newest `count` events that are not routine (`ROUTINE_EVENTS`), oldest first."""
+    return tuple([event for event in events if event["kind"] not in ROUTINE_EVENTS][-count:])
 
 
 def status_html(status: JobStatus, events: tuple[dict, ...] = (), max_steps: int | None = None) -> str:
@@ -68,6 +81,6 @@ def status_html(status: JobStatus, events: tuple[dict, ...] = (), max_steps: int
     if events:
         items = "".join(f"<li>{time.strftime('%H:%M:%S', time.localtime(e['time']))} {_e(e['kind'])}: "
                         f"{_e(e['reason'][:160])}</li>" for e in events)
-        parts.append(f'<div>newest events:</div><ul style="margin:0">{items}</ul>')
+        parts.append(f'<div>newest events (checkpoints aside):</div><ul style="margin:0">{items}</ul>')
     parts.append(f'<div style="color:#757575">run {_e(status.run_id)} · {_e(status.run_dir)}</div></div>')
     return "".join(parts)

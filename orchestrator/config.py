@@ -15,7 +15,7 @@ from typing import Any
 import yaml
 
 from core.factory import check_factory
-from core.schema import ConfigError, JobConfig, parse
+from core.schema import ConfigError, JobConfig, TorchOptimizerConfig, parse, system_keys
 
 Overrides = Mapping[str, Any] | Iterable[str]
 
@@ -38,8 +38,16 @@ def config_from_dict(raw: Any, overrides: Overrides = ()) -> JobConfig:
     for required in ("name", "workload"):
         if required not in data:
             raise ConfigError(f"{required}: missing; every config needs name, workload and stop")
+    for key in system_keys(JobConfig):
+        if data.get(key):  # empty, as a resolved config.yaml of a run without `auto` has it: nothing to refuse
+            raise ConfigError(f"{key}: is set by the job itself when sync.policy: auto picks (a run's config.yaml "
+                              f"records it), never by a config; remove it")
     config = parse(JobConfig, data)
     check_factory(config.workload.factory)
+    if isinstance(config.optimizer, TorchOptimizerConfig):
+        from algorithms.policies.optim import check_optimizer  # imports torch: only for a torch.optim name
+
+        check_optimizer(config.optimizer)
     if config.storage is not None and ("://" not in config.storage or config.storage.startswith("file://")):
         local = str(Path(config.storage.removeprefix("file://")).expanduser().resolve())
         if config.run_dir is not None and str(Path(config.run_dir).expanduser().resolve()) != local:

@@ -17,7 +17,7 @@ import json
 import logging
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypedDict
 
@@ -33,6 +33,7 @@ if TYPE_CHECKING:  # pragma: no cover
 from actors.plan import server_name
 from actors.runs import credentials, runfiles
 from actors.runs.storage import is_remote, open_storage
+from core.display import notable
 from core.factory import check_factory
 from core.schema import TERMINAL_STATES, ConfigError, JobConfig, JobResult, JobStatus, NameTaken, OrchestratorError, parse
 from orchestrator.connection import NAMESPACE, check_local_resources, connect, ensure_token_env
@@ -323,8 +324,14 @@ class ElasticJob:
     def history(self) -> list[dict]:
         return self._lines("history.jsonl")
 
-    def events(self) -> list[dict]:
-        return self._lines("events.jsonl")
+    def events(self, kind: str | Iterable[str] | None = None) -> list[dict]:
+        """The run's events, oldest first (events.jsonl): every one, or only those of `kind`, one kind or
+        several (`events("reshape")`, `events(["reshape", "failure", "transition"])`)."""
+        events = self._lines("events.jsonl")
+        if kind is None:
+            return events
+        kinds = {kind} if isinstance(kind, str) else set(kind)
+        return [event for event in events if event["kind"] in kinds]
 
     def _remote_storage(self) -> Storage | None:
         """The shared storage this run's files are mirrored to, if any."""
@@ -349,7 +356,7 @@ class ElasticJob:
 
     # ------------------------------------------------------------------ notebooks (orchestrator/notebook.py)
     def _view(self) -> tuple[JobStatus, tuple[dict, ...]]:
-        return self.status(), tuple(self.events()[-5:])
+        return self.status(), notable(self.events())
 
     def _repr_html_(self) -> str:
         from core.display import status_html

@@ -47,7 +47,7 @@ from actors.training.sources import source_for
 from algorithms.policies.base import get_algorithm
 from algorithms.policies.server import Fence, Pull, Push, PushResult, ServerCore, ServerPolicy, Update, combine_buffers
 from core.factory import check_factory
-from core.schema import JobConfig, parse
+from core.schema import JobConfig, OptimizerConfig, parse
 
 log = logging.getLogger(__name__)
 KEEP_RECORDS = 2048
@@ -121,7 +121,10 @@ class ServerHost:
         policy = self.cfg.sync
         if not isinstance(policy, ServerPolicy):
             raise ValueError(f"sync.policy {policy.policy!r} is not run by a parameter server")
-        return ServerCore(list(self.model.parameters()), self.cfg.optimizer, policy,
+        optimizer = self.cfg.optimizer
+        if not isinstance(optimizer, OptimizerConfig):  # refused at load (core/schema/job.py): shards need sgd/adamw
+            raise ValueError(f"optimizer {optimizer.name!r} cannot run on a parameter server's shards")
+        return ServerCore(list(self.model.parameters()), optimizer, policy,
                           n_samples=self._samples_in(), seed=self.cfg.seed,
                           global_batch=global_batch(self.cfg), shards=self.cfg.server.shards,
                           max_steps=self.cfg.stop.max_steps)

@@ -1,4 +1,8 @@
-"""Optimizers and learning-rate schedules from `OptimizerConfig`. Pure torch, no Ray.
+"""Optimizers and learning-rate schedules from the job's `optimizer:` section. Pure torch, no Ray.
+
+`sgd` is this module's `SGD` and `adamw` torch's AdamW; any other name is a torch.optim class, whose
+name, arguments and first step `check_optimizer` tries when the config is loaded, so that a mistake
+exits 2 in one line instead of failing in every worker.
 
 The schedule is a function of the committed step only, so a joiner or a resumed run that
 knows the step knows the learning rate: linear warm-up over `warmup_steps`, then constant or
@@ -8,25 +12,76 @@ on reshape, when the config asks for it).
 from __future__ import annotations
 
 import collections
+import inspect
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, cast
 
 import torch
 
-from core.schema import OptimizerConfig
+from core.schema import BUILT_IN_OPTIMIZERS, ConfigError, LearningRate, Optimizer, TorchOptimizerConfig
+from core.schema.errors import nearest
 
 
-def build_optimizer(params: Iterable[torch.Tensor], cfg: OptimizerConfig):
-    """`sgd`: this module's `SGD` (torch's rule on flat buffers); `adamw`: torch's AdamW."""
+def build_optimizer(params: Iterable[torch.Tensor], cfg: Optimizer):
+    """`sgd`: this module's `SGD` (torch's rule on flat buffers); `adamw`: torch's AdamW; any other name:
+    that torch.optim class with the config's arguments (checked at load: `check_optimizer`)."""
     params = list(params)
+    if isinstance(cfg, TorchOptimizerConfig):
+        return optimizer_class(cfg.name)(params, lr=cfg.lr, **cfg.args)
     if cfg.name == "sgd":
         return SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay, nesterov=cfg.nesterov)
     return torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
                              foreach=False)
 
 
-def lr_at(step: int, cfg: OptimizerConfig, total_steps: int | None, lr_scale: float = 1.0) -> float:
+def torch_optimizers() -> list[str]:
+    """The optimizer classes torch.optim offers, by name."""
+    return sorted(name for name, cls in vars(torch.optim).items()
+                  if isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer) and cls is not torch.optim.Optimizer)
+
+
+def optimizer_class(name: str) -> Callable[..., torch.optim.Optimizer]:
+    """The torch.optim class `name` (`Adagrad` or `torch.optim.Adagrad`); a `ConfigError` naming the nearest
+    when there is none."""
+    short = name.removeprefix("torch.optim.")
+    if short not in torch_optimizers():
+        near = nearest(short, [*torch_optimizers(), *BUILT_IN_OPTIMIZERS])
+        hint = f"did you mean {near}? " if near else ""
+        raise ConfigError(f"optimizer.name: {name!r} is not an optimizer of torch.optim; {hint}(choose "
+                          f"{' or '.join(BUILT_IN_OPTIMIZERS)}, or one of: {', '.join(torch_optimizers())})")
+    return getattr(torch.optim, short)
+
+
+def check_optimizer(cfg: TorchOptimizerConfig) -> None:
+    """At config load, a `ConfigError` for what would fail in every worker: a name torch.optim does not
+    have, an argument its constructor does not take (the nearest named), an argument value it refuses, or
+    an optimizer that cannot take the step a job takes (one `step()` on a dense gradient, no closure:
+    LBFGS, SparseAdam). Tried on a two-element parameter."""
+    cls, title = optimizer_class(cfg.name), cfg.name.removeprefix("torch.optim.")
+    accepted = inspect.signature(cls).parameters
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values()):
+        names = [n for n in accepted if n not in ("params", "lr")]
+        for key in cfg.args:
+            if key not in names:
+                near = nearest(key, names)
+                raise ConfigError(f"optimizer.{key}: {title} takes no argument {key!r}; "
+                                  f"{f'did you mean {near}? ' if near else ''}(its arguments: {', '.join(names)})")
+    param = torch.zeros(2, requires_grad=True)
+    try:
+        optimizer = cls([param], lr=cfg.lr, **cfg.args)
+    except (TypeError, ValueError, RuntimeError) as err:
+        shown = ", ".join(f"{k}={v!r}" for k, v in {"lr": cfg.lr, **cfg.args}.items())
+        raise ConfigError(f"optimizer: {title}({shown}) fails on a two-element parameter: {err}") from None
+    param.grad = torch.zeros_like(param)
+    try:
+        optimizer.step()
+    except (TypeError, ValueError, RuntimeError) as err:
+        raise ConfigError(f"optimizer.name: {title} cannot take a training step (one step() on a dense "
+                          f"gradient, no closure): {err}") from None
+
+
+def lr_at(step: int, cfg: LearningRate, total_steps: int | None, lr_scale: float = 1.0) -> float:
     """Learning rate used for the update that produces committed step `step + 1`."""
     base = cfg.lr * lr_scale
     if cfg.warmup_steps and step < cfg.warmup_steps:

@@ -20,11 +20,11 @@ is how the rest of the repository reads it:
 """
 from __future__ import annotations
 
-from core.schema.errors import ConfigError, FieldError, NameTaken, OrchestratorError, WorkloadRefused
+from core.schema.errors import ConfigError, FieldError, NameTaken, OrchestratorError, WorkloadRefused, nearest
 from core.schema.faults import CoordinatorFault, DelayedPush, FaultsConfig, JitterSpec, KillFault, ScaleFault, StragglerFault
 from core.schema.job import JobConfig
 from core.schema.network import CommConfig, LinkConfig, NetworkConfig, PairLink, RayConfig
-from core.schema.parser import parse
+from core.schema.parser import parse, system_keys, user_keys
 from core.schema.policies import (
     COMPRESSING_POLICIES,
     NOT_WIRED,
@@ -57,9 +57,19 @@ from core.schema.policies import (
 )
 from core.schema.status import TERMINAL_STATES, Event, JobResult, JobState, JobStatus, MemberStatus
 from core.schema.training import CODECS, CheckpointConfig, CompressionConfig, ServerConfig, StopConfig, TargetConfig, TrackingConfig
-from core.schema.workload import LoaderConfig, OptimizerConfig, WorkersConfig, WorkloadConfig
+from core.schema.workload import (
+    BUILT_IN_OPTIMIZERS,
+    LearningRate,
+    LoaderConfig,
+    Optimizer,
+    OptimizerConfig,
+    TorchOptimizerConfig,
+    WorkersConfig,
+    WorkloadConfig,
+)
 
 __all__ = [
+    "BUILT_IN_OPTIMIZERS", "LearningRate", "Optimizer", "TorchOptimizerConfig",
     "ASPConfig", "AutoConfig", "BSPConfig", "BytegradConfig", "CODECS", "COMPRESSING_POLICIES", "CheckpointConfig",
     "ChocoConfig", "CommConfig", "CompressionConfig", "ConfigError", "CoordinatorFault", "DAdamConfig", "DPSGDConfig",
     "DelayedPush", "DiLoCoConfig", "ElasticBSPConfig", "Event", "FaultsConfig", "FieldError", "JitterSpec", "JobConfig",
@@ -68,5 +78,6 @@ __all__ = [
     "PolicyRow", "Weighed", "QAdamConfig", "QuorumConfig", "RayConfig", "SERVER_POLICIES", "SSPConfig", "STATIC_TOPOLOGIES",
     "SYNC_POLICIES", "ScaleFault", "ServerConfig", "ShadowConfig", "StopConfig", "StragglerFault",
     "StreamingDiLoCoConfig", "SyncConfig", "TERMINAL_STATES", "TOPOLOGY_KINDS", "TargetConfig", "TopologyConfig",
-    "TrackingConfig", "TrialConfig", "WorkersConfig", "WorkloadConfig", "WorkloadRefused", "parse",
+    "TrackingConfig", "TrialConfig", "WorkersConfig", "WorkloadConfig", "WorkloadRefused", "nearest", "parse", "system_keys",
+    "user_keys",
 ]

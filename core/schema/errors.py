@@ -6,6 +6,8 @@ dataclass's `__post_init__` raises `FieldError` (it knows only its own field's n
 """
 from __future__ import annotations
 
+import difflib
+from collections.abc import Iterable
 from typing import Any
 
 
@@ -34,6 +36,14 @@ class FieldError(ValueError):
         super().__init__(message)
         self.field_name = field_name
         self.message = message
+
+
+def nearest(name: str, choices: Iterable[str]) -> str | None:
+    """The choice closest to a misspelt `name` (difflib's ratio, case ignored), or None when none is close:
+    what a one-line error suggests ("did you mean ...?")."""
+    by_folded = {choice.lower(): choice for choice in choices}
+    found = difflib.get_close_matches(name.lower(), list(by_folded), n=1, cutoff=0.6)
+    return by_folded[found[0]] if found else None
 
 
 def positive(obj: Any, name: str) -> None:

@@ -9,9 +9,10 @@ from typing import Literal
 from core.schema.errors import DAY_S, FieldError, within
 from core.schema.faults import FaultsConfig
 from core.schema.network import CommConfig, NetworkConfig, RayConfig
+from core.schema.parser import SYSTEM_SET
 from core.schema.policies import COMPRESSING_POLICIES, NOT_WIRED, SERVER_POLICIES, BSPConfig, QuorumConfig, SyncConfig
 from core.schema.training import CheckpointConfig, CompressionConfig, ServerConfig, StopConfig, TrackingConfig
-from core.schema.workload import OptimizerConfig, WorkersConfig, WorkloadConfig
+from core.schema.workload import Optimizer, OptimizerConfig, TorchOptimizerConfig, WorkersConfig, WorkloadConfig
 
 
 @dataclass
@@ -22,7 +23,7 @@ class JobConfig:
     seed: int = 0
     workers: WorkersConfig = field(default_factory=WorkersConfig)
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
-    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    optimizer: Optimizer = field(default_factory=OptimizerConfig)
     sync: SyncConfig = field(default_factory=BSPConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     compression: CompressionConfig = field(default_factory=CompressionConfig)
@@ -51,9 +52,9 @@ class JobConfig:
     environment, and the job's Ray runtime environment), so no copy of them is kept anywhere."""
     progress_every_s: float = 5.0
     """`run` prints a progress line at most this often (0: at every step it sees), in [0, 86400] s."""
-    policy_choice: str = ""
+    policy_choice: str = field(default="", metadata=SYSTEM_SET)
     """Set by `sync.policy: auto` when the job starts: the pick and its reason (the job's first event)."""
-    policy_trial: dict = field(default_factory=dict)
+    policy_trial: dict = field(default_factory=dict, metadata=SYSTEM_SET)
     """Set by `sync.policy: auto` with `sync.auto.trial_steps`: `{steps, candidates}`, the candidates the
     coordinator tries in order, each `{label, sync, compression, step_s, factor}` (the first is the
     config's `sync:`); empty: no trial."""
@@ -65,6 +66,11 @@ class JobConfig:
         if self.sync.policy in ("qadam", "dadam") and self.optimizer.name != "adamw":
             raise FieldError("optimizer.name", f"{self.sync.policy} is Adam: set optimizer.name: adamw "
                                                f"(got {self.optimizer.name})")
+        if isinstance(self.optimizer, TorchOptimizerConfig) and self.sync.policy in SERVER_POLICIES:
+            raise FieldError("optimizer.name", f"policy {self.sync.policy!r} updates on its parameter server, in shards "
+                                               f"cut anywhere in the flat parameters, which gives one buffer's update "
+                                               f"for elementwise rules only: use sgd or adamw there, or a policy that "
+                                               f"updates on the workers (bsp, local_sgd, dpsgd, ...)")
         if self.compression.codec != "none" and self.sync.policy not in COMPRESSING_POLICIES:
             raise FieldError("compression.codec", f"policy {self.sync.policy!r} does not compress yet; "
                                                   f"{', '.join(COMPRESSING_POLICIES)} do")

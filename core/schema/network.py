@@ -119,6 +119,8 @@ class RayConfig:
     address: str | None = None
     """Ray address; none starts (or reuses) a local Ray."""
     namespace: str = "orchestrator"
+    """The Ray namespace of the job's actors. Only `orchestrator` works: the driver, the CLI and the
+    workers find the coordinator there (orchestrator/connection.py `NAMESPACE`), so any other is refused."""
     num_cpus: int | None = None
     """Logical CPUs of a local Ray; defaults to at least workers.max x workers.cpus."""
     coordinator_resources: dict = field(default_factory=dict)
@@ -128,6 +130,9 @@ class RayConfig:
     be on shared storage (`storage: s3://...`)."""
 
     def __post_init__(self) -> None:
+        if self.namespace != "orchestrator":
+            raise FieldError("namespace", f"only orchestrator works (the driver, the CLI and the workers find the "
+                                          f"coordinator there); leave it out, got {self.namespace!r}")
         for name, amount in self.coordinator_resources.items():
             if isinstance(amount, bool) or not isinstance(amount, (int, float)) or not 0 < amount <= 1:
                 raise FieldError(f"coordinator_resources.{name}", f"an amount in (0, 1] (got {amount!r})")

@@ -2,7 +2,8 @@
 
 It reads each dataclass's type hints and converts every value to its field's type, rejecting unknown
 keys, wrong types and non-finite numbers (NaN, infinities) with a `ConfigError` that names the key
-path; `sync:` is parsed by its policy.
+path (and the nearest allowed key, for a misspelt one); `sync:` is parsed by its policy, `optimizer:` by
+its name.
 """
 from __future__ import annotations
 
@@ -13,13 +14,37 @@ import types
 import typing
 from typing import Any, Literal, Union
 
-from core.schema.errors import ConfigError, FieldError
+from core.schema.errors import ConfigError, FieldError, nearest
 from core.schema.policies import SYNC_POLICIES, AutoConfig, SyncConfig
+from core.schema.workload import BUILT_IN_OPTIMIZERS, Optimizer, OptimizerConfig, TorchOptimizerConfig
 
 _FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 """A number written the way people write them (1e-5, 3., .5), for float fields."""
 
 _SCALARS = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
+
+
+SYSTEM_SET = types.MappingProxyType({"system_set": True})
+"""A field's `metadata` for a value the job sets itself (what `sync.policy: auto` picked): kept in the
+config the actors are handed, never written by a user, so it is left out of the keys an error lists
+(`user_keys`) and a user's file that sets it is refused (orchestrator/config.py)."""
+
+
+def user_keys(cls: type) -> list[str]:
+    """The keys of dataclass `cls` a user may write: its fields less the `SYSTEM_SET` ones."""
+    return [f.name for f in dataclasses.fields(cls) if not f.metadata.get("system_set")]
+
+
+def system_keys(cls: type) -> list[str]:
+    """The `SYSTEM_SET` fields of dataclass `cls`."""
+    return [f.name for f in dataclasses.fields(cls) if f.metadata.get("system_set")]
+
+
+def _suggest(key: str, allowed: list[str], listed_as: str) -> str:
+    """ "did you mean X? (<listed_as>: ...)" for a near miss, else "<listed_as>: ..." ."""
+    near = nearest(key, allowed)
+    listing = f"{listed_as}: {', '.join(allowed)}"
+    return f"did you mean {near}? ({listing})" if near else listing
 
 
 def parse(cls: type, data: Any, path: str = "") -> Any:
@@ -32,7 +57,7 @@ def parse(cls: type, data: Any, path: str = "") -> Any:
     for key, value in data.items():
         key_path = f"{path}.{key}" if path else str(key)
         if key not in names:
-            raise ConfigError(f"{key_path}: unknown key; allowed here: {', '.join(names)}")
+            raise ConfigError(f"{key_path}: unknown key; {_suggest(str(key), user_keys(cls), 'allowed here')}")
         kwargs[key] = _convert(hints[key], value, key_path)
     try:
         return cls(**kwargs)
@@ -53,13 +78,38 @@ def _parse_sync(data: Any, path: str) -> Any:
     knobs = [f.name for f in dataclasses.fields(cls)]
     for key in data:
         if key not in knobs:
-            raise ConfigError(f"{path}.{key}: is not a knob of policy {policy!r}; its knobs: {', '.join(knobs)}")
+            raise ConfigError(f"{path}.{key}: is not a knob of policy {policy!r}; {_suggest(str(key), knobs, 'its knobs')}")
     return parse(cls, data, path)
+
+
+def _parse_optimizer(data: Any, path: str) -> Any:
+    """`optimizer:` is parsed by its `name`: `sgd` and `adamw` take this project's knobs; any other name is
+    a torch.optim class, whose keyword arguments are written beside it (or under `args:`) and gathered
+    into `args` (checked against the class when the config is loaded: orchestrator/config.py)."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping, got {_show(data)}")
+    name = data.get("name", "sgd")
+    if not isinstance(name, str):
+        raise ConfigError(f"{path}.name: expected {' or '.join(BUILT_IN_OPTIMIZERS)} or a torch.optim class name "
+                          f"(Adagrad, torch.optim.RMSprop), got {_show(name)}")
+    if name in BUILT_IN_OPTIMIZERS:
+        return parse(OptimizerConfig, data, path)
+    own = set(user_keys(TorchOptimizerConfig))
+    args = _convert(dict, data.get("args", {}), f"{path}.args")
+    for key, value in data.items():
+        if key in own:
+            continue
+        if key in args:
+            raise ConfigError(f"{path}.{key}: given twice, beside name and under args; keep one")
+        args[key] = value
+    return parse(TorchOptimizerConfig, {**{k: v for k, v in data.items() if k in own}, "args": args}, path)
 
 
 def _convert(tp: Any, value: Any, path: str) -> Any:
     if tp is SyncConfig:
         return _parse_sync(value, path)
+    if tp is Optimizer:
+        return _parse_optimizer(value, path)
     origin = typing.get_origin(tp)
     if origin in (Union, types.UnionType):
         args = [a for a in typing.get_args(tp) if a is not type(None)]

@@ -1,7 +1,9 @@
 """What a job trains and on what: the workers section, the workload with its data loader, and the optimizer."""
 from __future__ import annotations
 
+import math
 import re
+import typing
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -145,16 +147,12 @@ class WorkloadConfig:
 
 
 @dataclass
-class OptimizerConfig:
-    """Optimizer and learning-rate schedule (linear warm-up, then constant or cosine)."""
+class LearningRate:
+    """What every optimizer section has: the optimizer's name and the learning-rate schedule (linear
+    warm-up, then constant or cosine)."""
 
-    name: Literal["sgd", "adamw"] = "sgd"
+    name: str = "sgd"
     lr: float = 0.1
-    momentum: float = 0.0
-    weight_decay: float = 0.0
-    nesterov: bool = False
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
     schedule: Literal["constant", "cosine"] = "constant"
     warmup_steps: int = 0
     min_lr: float = 0.0
@@ -163,9 +161,52 @@ class OptimizerConfig:
     def __post_init__(self) -> None:
         if self.lr <= 0:
             raise FieldError("lr", f"must be positive, got {self.lr}")
+        if self.warmup_steps < 0:
+            raise FieldError("warmup_steps", f"must not be negative, got {self.warmup_steps}")
+
+
+@dataclass
+class OptimizerConfig(LearningRate):
+    """This project's fast paths: `sgd` (its flat SGD, torch's rule) or `adamw` (torch's AdamW), with
+    their knobs; the Adam-based policies (qadam, dadam) read `adamw`'s."""
+
+    name: Literal["sgd", "adamw"] = "sgd"
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    nesterov: bool = False
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
         if self.momentum < 0 or self.weight_decay < 0:
             raise FieldError("momentum" if self.momentum < 0 else "weight_decay", "must not be negative")
         if self.nesterov and (self.name != "sgd" or self.momentum <= 0):
             raise FieldError("nesterov", "needs name: sgd and momentum > 0")
-        if self.warmup_steps < 0:
-            raise FieldError("warmup_steps", f"must not be negative, got {self.warmup_steps}")
+
+
+@dataclass
+class TorchOptimizerConfig(LearningRate):
+    """Any optimizer of `torch.optim` by its class name (`Adagrad`, `torch.optim.RMSprop`), with its
+    keyword arguments written beside `name` (`{name: Adagrad, lr: 0.01, lr_decay: 0.001}`; the parser
+    gathers them into `args`). The name and the arguments are checked against torch when the config is
+    loaded (algorithms/policies/optim.py `check_optimizer`), where torch may be imported."""
+
+    args: dict = field(default_factory=dict)
+    """The optimizer's keyword arguments other than the parameters and `lr`."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not re.fullmatch(r"(torch\.optim\.)?[A-Za-z_]\w*", self.name):
+            raise FieldError("name", f"names sgd, adamw or a torch.optim class (Adagrad, torch.optim.RMSprop), "
+                                     f"got {self.name!r}")
+        for key, value in self.args.items():
+            if any(isinstance(v, float) and not math.isfinite(v) for v in (value if isinstance(value, list) else [value])):
+                raise FieldError(key, f"must be a finite number, got {value}")
+
+
+BUILT_IN_OPTIMIZERS = typing.get_args(typing.get_type_hints(OptimizerConfig)["name"])
+"""The names `optimizer:` takes for this project's own paths (`sgd`, `adamw`); any other is a torch class."""
+
+Optimizer = OptimizerConfig | TorchOptimizerConfig
+"""The type of `JobConfig.optimizer`: parsed by its `name` (core/schema/parser.py)."""

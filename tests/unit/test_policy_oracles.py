@@ -62,6 +62,10 @@ def share(ids: list[int], rank: int, world: int) -> list[int]:
 
 
 def make_opt(params, cfg: dict) -> torch.optim.Optimizer:
+    if cfg["name"] not in ("sgd", "adamw"):  # a torch.optim class by name, its arguments beside the name
+        schedule = ("name", "warmup_steps", "schedule", "min_lr")
+        cls = getattr(torch.optim, cfg["name"].removeprefix("torch.optim."))
+        return cls(params, **{k: v for k, v in cfg.items() if k not in schedule})
     if cfg["name"] == "sgd":
         return torch.optim.SGD(params, lr=cfg["lr"], momentum=cfg.get("momentum", 0), nesterov=cfg.get("nesterov", False),
                                weight_decay=cfg.get("weight_decay", 0))
