@@ -43,7 +43,7 @@ def config_from_dict(raw: Any, overrides: Overrides = ()) -> JobConfig:
             raise ConfigError(f"{key}: is set by the job itself when sync.policy: auto picks (a run's config.yaml "
                               f"records it), never by a config; remove it")
     config = parse(JobConfig, data)
-    check_factory(config.workload.factory)
+    check_factory(config.workload.factory, config.workload.params)
     if isinstance(config.optimizer, TorchOptimizerConfig):
         from algorithms.policies.optim import check_optimizer  # imports torch: only for a torch.optim name
 

@@ -131,7 +131,8 @@ class CoordinatorBase(Actions):
                                  self.journal.fired, self.journal.event, lambda: self.state, self._may_start,
                                  self.admission.request,
                                  started=max((self._saved or {}).get("started_workers", 0),
-                                             self.incarnation * WORKER_STARTS_PER_INCARNATION), tasks=self.tasks)
+                                             self.incarnation * WORKER_STARTS_PER_INCARNATION), tasks=self.tasks,
+                                 fail=lambda reason, detail: self.end(JobState.FAILED, reason, detail))
         self.trial: Trial | None = None
         """`sync.auto`'s online trial (actors/control/trial.py), on the first incarnation only."""
         if self.cfg.policy_trial and self._saved is None and not self.cfg.policy_trial.get("resumed"):
@@ -308,6 +309,10 @@ class CoordinatorBase(Actions):
         if newest and self.trial is not None:
             self.trial.offer(record, self._policy_committed)
         target, metrics = self.cfg.stop.target, self.journal.metrics
+        unknown = target.unknown_in(record["metrics"]) if target is not None and record.get("metrics") else None
+        if unknown is not None and self.stop_kind is None:  # at the first evaluation: no later one would have it
+            self.tasks.spawn(self.supervisor.stop("FAILED", unknown))
+            return
         if target is None or self.stop_kind is not None or target.metric not in metrics:
             return
         value = metrics[target.metric]

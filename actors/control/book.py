@@ -15,7 +15,7 @@ from typing import Any
 from actors.control.members import Member
 from actors.plan import Plan
 from algorithms.rules.membership import MemberView, batch_for, choose_leavers, free_slots, server_members, slot_index
-from algorithms.rules.supervision import JobState, JobView, MemberState
+from algorithms.rules.supervision import JobState, JobView, MemberState, WorkloadFault
 from core.schema import JobConfig, MemberStatus, WorkloadRefused
 
 S = MemberState
@@ -23,6 +23,9 @@ ADMIT_HOLD_S = 1.0
 """At most this long, joiners wait for the survivors of a departure to commit a step without it."""
 DEPARTED_KEPT = 20
 """Departed members shown in status (the newest)."""
+WORKLOAD_FAULTS_KEPT = 64
+"""Workload faults kept to compare a new one with (each holds its traceback)."""
+
 
 
 class MembershipBook:
@@ -46,6 +49,9 @@ class MembershipBook:
         """A policy switched to mid-run (actors/control/trial.py): every plan published carries it."""
         self.batch_norm = False
         """A worker said its model has BatchNorm layers: a scale that leaves a share of one sample is refused."""
+        self.workload_faults: list[tuple[str, WorkloadFault]] = []
+        """The workload faults met so far (slot, fault; the newest WORKLOAD_FAULTS_KEPT): a second of the same
+        makes one a bug in the workload (`workload_bug`)."""
 
     # ------------------------------------------------------------------ who is where
     def live(self) -> tuple[str, ...]:
@@ -144,6 +150,9 @@ class MembershipBook:
                    for r in self.pending)
 
     # ------------------------------------------------------------------ slots
+    def note_workload_fault(self, slot: str, fault: WorkloadFault) -> None:
+        self.workload_faults = [*self.workload_faults, (slot, fault)][-WORKLOAD_FAULTS_KEPT:]
+
     def count_failure(self, slot: str, cause: str) -> bool:
         """A failure against the slot; True (and the slot retired) past `workers.failure_budget`, or at
         once when the workload refused itself (`WorkloadRefused`: every start would fail alike)."""
@@ -196,7 +205,7 @@ class MembershipBook:
                        members={s: m.state for s, m in self.members.items()}, failures=dict(self.failures),
                        min_workers=w.min, failure_budget=w.failure_budget, on_failure=w.on_failure, stop_kind=stop_kind,
                        stateless=frozenset(s for s, m in self.members.items() if not m.holds_state),
-                       checkpoint_step=checkpoint_step)
+                       checkpoint_step=checkpoint_step, workload_faults=tuple(self.workload_faults))
 
     # ------------------------------------------------------------------ the state file
     def snapshot(self) -> dict[str, Any]:

@@ -4,7 +4,8 @@ It owns the count of worker starts (each start of a slot is a new worker incarna
 parameter server fences) and the start of each one: a hot spare when one is ready, else a fresh
 actor, created off the event loop once the slot's previous actor name is released and once the
 survivors of a departure have committed without it. A start that fails counts against the slot's
-failure budget and is tried again; past the budget the slot is retired. Once ready, the member is
+failure budget and is tried again; past the budget the slot is retired. A start whose workload factory
+raised what another start raised (`workload_bug`) ends the job instead. Once ready, the member is
 READY and the coordinator's `admit` decides when it joins a plan.
 """
 from __future__ import annotations
@@ -20,7 +21,7 @@ from actors.control.spares import SparePool
 from actors.control.tasks import Tasks
 from actors.control.workers import WorkerGroup
 from actors.plan import WorkerSpec
-from algorithms.rules.supervision import JobState, MemberState
+from algorithms.rules.supervision import JobState, MemberState, WorkloadFault, workload_bug
 from core.schema import WorkloadRefused
 
 S = MemberState
@@ -41,11 +42,13 @@ class Launcher:
     def __init__(self, book: MembershipBook, spares: SparePool, group: WorkerGroup, prefix: str,
                  spec_for: Callable[[str, int], WorkerSpec], fired: Callable[[], tuple[int, ...]],
                  note: Callable[..., Any], state: Callable[[], JobState], may_start: Callable[[], bool],
-                 admit: Callable[[], Awaitable[None]], started: int = 0, tasks: Tasks | None = None) -> None:
+                 admit: Callable[[], Awaitable[None]], started: int = 0, tasks: Tasks | None = None,
+                 fail: Callable[[str, dict], Awaitable[None]] | None = None) -> None:
         """`spec_for(slot, incarnation)`: the worker's spec; `fired()`: the injected faults already fired;
         `note(kind, reason, **detail)`: an event; `state()`: the job's state; `may_start()`: whether
         workers start now (not once a stop is decided or the job ended); `admit()`: admit ready workers;
-        `tasks`: where its tasks run (the coordinator's: actors/control/tasks.py)."""
+        `tasks`: where its tasks run (the coordinator's: actors/control/tasks.py); `fail(reason, detail)`: end
+        the job FAILED, on a bug in the workload's factory (None: such a start counts as any failed start)."""
         self.book, self.spares, self.group, self.prefix = book, spares, group, prefix
         self._spec_for, self._fired, self._note = spec_for, fired, note
         self._state, self._may_start, self._admit = state, may_start, admit
@@ -57,6 +60,7 @@ class Launcher:
         """The failure that retired the first slot to be retired (a job that cannot start says it)."""
         self._hold: asyncio.Task | None = None
         self._tasks = tasks or Tasks()
+        self._fail = fail
 
     def spawn(self, slots: list[str], reason: str, detector: str) -> None:
         """Start a worker for each slot; each is admitted by a plan once ready (imports done, data built)."""
@@ -113,7 +117,7 @@ class Launcher:
                 info = await self.group.ready(member.handle, fired)
         except Exception as err:  # noqa: BLE001 - the worker could not start (user code in the factory, ...)
             if self.book.members.get(member.slot) is member and member.state == S.STARTING:
-                await self.slot_failed(member, "start", f"worker {member.slot} failed to start: {describe(err)}")
+                await self._start_failed(member, err)
             return
         if self.book.members.get(member.slot) is not member or member.state != S.STARTING:
             return  # stopped or replaced meanwhile
@@ -123,6 +127,24 @@ class Launcher:
         member.store_port = info.get("store_port", 0)
         member.lifeline = info.get("lifeline")
         await self._admit()
+
+    async def _start_failed(self, member: Member, err: Exception) -> None:
+        """A worker whose start raised: a bug in the workload's factory (`workload_bug`: the same failure in
+        another slot, or again in this one) ends the job with the user's file and line; any other failure
+        counts against the slot."""
+        cause = getattr(err, "cause", None)  # the exception the actor raised (Ray's error wraps it)
+        fault = getattr(cause, "fault", None)
+        if not isinstance(fault, WorkloadFault):
+            await self.slot_failed(member, "start", f"worker {member.slot} failed to start: {describe(err)}")
+            return
+        bug = workload_bug(fault, member.slot, self.book.workload_faults)
+        self.book.note_workload_fault(member.slot, fault)
+        if bug is None or self._fail is None:
+            await self.slot_failed(member, "start", f"worker {member.slot} failed to start: {fault.line}")
+            return
+        reason = f"no worker could start: {bug}" if self.book.plan is None else bug
+        await self._fail(reason, {"slot": member.slot, "detector": "workload", "cause": fault.line,
+                                  "traceback": fault.traceback})
 
     async def first_members(self, starting: Callable[[bool, str], None]) -> tuple[str, ...]:
         """All `count` workers ready, or at least `min` after `start_grace_s`. Below `min` after
@@ -138,6 +160,8 @@ class Launcher:
             waited = time.monotonic() - started
             if len(ready) >= w.count or (len(ready) >= w.min and waited >= w.start_grace_s):
                 return ready
+            if self._state().terminal:  # ended meanwhile (a bug in the workload's factory): nothing to begin
+                raise NoWorkerCanStart(f"the job ended while its workers started ({self._state().value})")
             if not self.book.slots_in(S.STARTING, S.READY) and not self._restarting:
                 # nothing is starting and nothing starts before the first plan: no member can ever come
                 raise NoWorkerCanStart(self._why_none_started(len(ready)))

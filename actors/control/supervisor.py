@@ -339,13 +339,16 @@ class Supervisor:
             return  # an earlier incarnation of a slot that was started again
         what = "died" if kind == "died" else "raised an exception"
         fault = outcome.get("data_fault") if kind == "error" else None
-        detector, cause = member.evicted or ("actor death" if kind == "died" else "bad sample" if fault else "task error",
-                                             fault.line if fault else
-                                             f"worker {member.slot} {what}: {outcome.get('error', '')}".strip())
+        bug = outcome.get("workload_fault") if kind == "error" else None  # its error names the user's file and line
+        detector, cause = member.evicted or (
+            "actor death" if kind == "died" else "bad sample" if fault else "workload" if bug else "task error",
+            fault.line if fault else f"worker {member.slot} {what}: {outcome.get('error', '')}".strip())
         hung = member.evicted is not None and member.evicted[0] in ("heartbeat", "step progress")
-        d = decide(self.actions.view(), MemberEnded(member.slot, kind, cause, detector, hung, fault))
+        d = decide(self.actions.view(), MemberEnded(member.slot, kind, cause, detector, hung, fault, bug))
         if d.ignore:
             return
+        if bug is not None:
+            self.book.note_workload_fault(member.slot, bug)
         assert d.member is not None  # a member's end that is not ignored gets its new state
         member.move(d.member[1])
         if member.state == S.FINISHED and outcome.get("holds_state") is False:
@@ -378,7 +381,7 @@ class Supervisor:
             return
         if d.restore:
             self.actions.restore_on_admit()
-        self._note("failure", d.reason if d.restore else cause, **detail)
+        self._note("failure", d.reason if d.restore else d.failure or cause, **detail)
         if d.count_failure and await self.actions.slot_failed(member, "run", cause):
             member.move(S.RETIRED)
         self.book.depart(member, self.group.actor_id(member.handle))
@@ -390,7 +393,7 @@ class Supervisor:
         """Carry out a decision's stop, state change and plan."""
         if d.stop_kind is not None and self.actions.stop_kind is None:
             stop_step = 0 if d.stop_step == "held" else self._step() + 1
-            self.actions.begin_stop(d.stop_kind, cause if d.stop_kind == "FAILED" else d.reason, stop_step)
+            self.actions.begin_stop(d.stop_kind, d.failure or (cause if d.stop_kind == "FAILED" else d.reason), stop_step)
         if d.transition == JobState.PAUSED:
             self.actions.set_cause(d.reason)
         if d.transition is not None and (d.transition != self.actions.state or d.transition == JobState.PAUSED):

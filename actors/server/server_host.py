@@ -44,6 +44,7 @@ from actors.runs import checkpoints, fencing
 from actors.runs.storage import run_storage
 from actors.server.server_snapshots import SnapshotWriter
 from actors.training.sources import source_for
+from actors.training.user_code import metrics_of
 from algorithms.policies.base import get_algorithm
 from algorithms.policies.server import Fence, Pull, Push, PushResult, ServerCore, ServerPolicy, Update, combine_buffers
 from core.factory import check_factory
@@ -210,7 +211,7 @@ class ServerHost:
             self._load_model(flat, buffers)
             self.model.eval()
             try:
-                return {k: float(v) for k, v in evaluate(self.model, data).items()}
+                return metrics_of(evaluate, self.model, data, None)
             finally:
                 self.model.train()
 

@@ -41,6 +41,8 @@ from actors.training.replica_feed import Feeding
 from actors.training.replica_reports import Reporting
 from actors.training.replica_state import checksum
 from actors.training.sources import BadSample
+from actors.training.user_code import WorkloadBug, contract, metrics_of, require_scalar
+from actors.training.user_code import call as user_call
 from actors.training.workload import build_workload, time_steps, warm_up  # noqa: F401 - their importers' old home (worker, loader, probe, planner)
 from actors.transport import collective
 from actors.transport.comm import BaseCommunicator, CommError
@@ -135,7 +137,7 @@ class Replica(EpochEntry, Feeding, Reporting):
         model = copy.deepcopy(self.model)
         model.load_state_dict(torch.load(io.BytesIO(blob), weights_only=True, map_location="cpu")["model"])
         model.eval()
-        return {k: float(v) for k, v in evaluate(model, data).items()}
+        return metrics_of(evaluate, model, data, self.step)
 
     def records_after(self, step: int) -> tuple[dict, ...]:
         """The kept history records of commit points after `step` (a restarted coordinator's catch-up)."""
@@ -158,6 +160,9 @@ class Replica(EpochEntry, Feeding, Reporting):
                              "traceback": traceback.format_exc()}
             if isinstance(err, BadSample):  # the data's error, not this worker's: the coordinator ends the job on it
                 self._outcome["data_fault"] = err.fault
+            if isinstance(err, WorkloadBug):  # the workload's own code: the coordinator decides whether it is a bug
+                self._outcome.update(error=err.fault.line, traceback=err.fault.traceback, workload_fault=err.fault)
+                log.error("the workload failed: %s\n%s", err.fault.line, err.fault.traceback)
         finally:
             if self._loader is not None:
                 self._loader.close()
@@ -243,7 +248,7 @@ class Replica(EpochEntry, Feeding, Reporting):
                 batch, n = fetched.batch, len(fetched.ids)
                 self.impl.accumulating = i < len(micro) - 1
                 weight = n / denominator  # each sample counts 1/B (shares) or 1/n_i (own mean), however split
-                scaled = self.workload.loss(self.model, batch) * weight
+                scaled = self._loss(batch) * weight
                 share = scaled.detach()  # before the backward that may launch the vote
                 draft.loss = share if i == 0 else draft.loss + share
                 self.impl.backward(scaled)
@@ -275,6 +280,15 @@ class Replica(EpochEntry, Feeding, Reporting):
             self._commit(plan, vote, started, len(micro))
         # Only a reduced vote is everyone's: members switch plans together, never on a local step's flag.
         return self._adopt_newest_plan(plan) if vote.newer_plan and vote.communicated else True
+
+    def _loss(self, batch: Any) -> torch.Tensor:
+        """The workload's loss of a batch; what its code raises, or a loss that is not a scalar, leaves as a
+        `WorkloadBug` (actors/training/user_code.py)."""
+        loss_fn, step = self.workload.loss, self.step + 1
+        loss = user_call("loss", loss_fn, self.model, batch, step=step)
+        with contract("loss", loss_fn, step):
+            require_scalar(loss)
+        return loss
 
     def _denominator(self, plan: Plan, dealt: int, read: int) -> float:
         """What each sample's loss is divided by, so that the step's gradient is the mean over the samples

@@ -15,6 +15,7 @@ import torch
 
 from actors.plan import Plan, Progress, turn_steps
 from actors.training.replica_state import CommittedState
+from actors.training.user_code import metrics_of
 from algorithms.policies.base import StepVote
 
 log = logging.getLogger(__name__)
@@ -115,7 +116,7 @@ class Reporting(CommittedState):
             model = self._eval_model
             with torch.no_grad():
                 torch.nn.utils.vector_to_parameters(flat.to(self.device), [p for p in model.parameters() if p.requires_grad])
-        return {"metrics": {k: float(v) for k, v in evaluate(model, data).items()}}
+        return {"metrics": metrics_of(evaluate, model, data, self.step)}
 
     def _final_eval(self) -> None:
         """The final model is evaluated once; the record updates status, not history."""

@@ -26,6 +26,8 @@ from actors import REMOTE_HOME
 from actors.lifeline import Lifeline
 from actors.observe.metrics import Exporter
 from actors.plan import ParentWatch, Plan, Progress, WorkerSpec, server_name
+from actors.training.user_code import WorkloadBug
+from algorithms.rules.supervision import WorkloadFault
 from core.schema import JobConfig, parse
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -120,11 +122,18 @@ class Worker:
         self.replica: Replica | None = None
         self._workload = None
         self._coordinator = None
-        if is_spare(spec.slot):  # the slow part of a start, done ahead: the workload and first-use imports
-            self._workload = prepare_spare(parse(JobConfig, spec.config))
-            self._coordinator = ray.get_actor(spec.coordinator, namespace=spec.namespace)  # ahead, as the workload
-        else:
-            self._become(spec)
+        self._fault: WorkloadFault | None = None
+        """The workload's factory raised: `ready` raises it, so that the coordinator learns of it typed (a
+        constructor that raised would reach it only as the text of a dead actor's creation task)."""
+        try:
+            if is_spare(spec.slot):  # the slow part of a start, done ahead: the workload and first-use imports
+                self._workload = prepare_spare(parse(JobConfig, spec.config))
+                self._coordinator = ray.get_actor(spec.coordinator, namespace=spec.namespace)  # ahead, as the workload
+            else:
+                self._become(spec)
+        except WorkloadBug as bug:
+            self._fault = bug.fault
+            sys.stderr.write(f"the workload's factory failed: {bug.fault.line}\n{bug.fault.traceback}")
 
     def _become(self, spec: WorkerSpec, workload=None) -> None:
         from actors.server.server_client import RayServerClient  # see the imports
@@ -153,6 +162,8 @@ class Worker:
 
     @ray.method(concurrency_group="control")
     def ready(self, fired_faults: tuple[int, ...] = ()) -> dict:
+        if self._fault is not None:
+            raise WorkloadBug(self._fault)
         node_id = ray.get_runtime_context().get_node_id()
         lifeline = self._lifeline.info() if self._lifeline is not None else None
         if self.replica is None:  # a spare

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from actors.plan import WorkerSpec
+from actors.training import user_code
 from actors.training.sources import source_for
 from algorithms.policies.base import get_algorithm
 from algorithms.policies.optim import build_optimizer
@@ -21,9 +22,9 @@ from core.workload_api import WorkloadLike
 
 def build_workload(cfg: JobConfig) -> WorkloadLike:
     """The job's workload from its factory, after seeding: identical initial replicas everywhere
-    (verified by checksum at the first plan)."""
+    (verified by checksum at the first plan). What the factory raises leaves as a `WorkloadBug`."""
     torch.manual_seed(cfg.seed)
-    return check_factory(cfg.workload.factory)(**cfg.workload.params)
+    return user_code.call("factory", check_factory(cfg.workload.factory), **cfg.workload.params)
 
 
 def time_steps(cfg: JobConfig, device: torch.device, steps: int = 12, warmup: int = 3, layout: bool = False) -> dict:

@@ -13,6 +13,12 @@ The rules:
   try) fails the job, whatever `workers.on_failure` says: no failure is counted, no slot retired, no
   replacement started, no pause; the survivors agree on the newest committed step and stop there (the
   job then FAILS with that state saved and the sample's one line as its cause).
+- A member that ends on a mistake in the workload's own code (a `WorkloadFault`: its factory, loss or
+  `evaluate` raised, or returned what the workload contract refuses) fails the job the same way once it
+  is a bug in the workload (`workload_bug`): a value the contract refuses at once; an exception once the
+  same one (call, type, the user's file and line) came from another member, or from the slot's previous
+  worker at the same step. A first exception may be the worker's own trouble (memory, a file system, a
+  signal): it is handled as any failure below.
 - A member that dies, raises or hangs aborts the epoch at once. Its slot counts a failure and is
   retired past `workers.failure_budget`. With `on_failure: fail` the survivors agree on the newest
   committed step and stop (the job then FAILS with that state saved). Otherwise the survivors are
@@ -27,7 +33,7 @@ The rules:
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from core.schema import OrchestratorError
@@ -145,6 +151,8 @@ class JobView:
     with a member that holds it (alone they would start over from their initial model)."""
     checkpoint_step: int | None = None
     """The step of the run's newest checkpoint, for the kinds whose members hold the state (None: none)."""
+    workload_faults: tuple[tuple[str, WorkloadFault], ...] = ()
+    """The workload faults met before, each with its slot, oldest first (`workload_bug` compares with them)."""
 
     def training(self, *, besides: str = "") -> tuple[str, ...]:
         """The plan's members that are training, in rank order."""
@@ -172,6 +180,64 @@ class DataFault:
 
 
 @dataclass(frozen=True)
+class WorkloadFault:
+    """A mistake in the workload's own code: its factory, its `loss` (the model's forward with it) or its
+    `evaluate` raised, or returned what the workload contract refuses (a loss that is not a scalar, a
+    metric that is not a number). What a worker's outcome, or its failed start, carries to the coordinator."""
+
+    kind: str
+    """Which call: "factory", "loss" or "evaluate"."""
+    type: str
+    """The exception's type ("RuntimeError"); "" for a value the contract refuses."""
+    message: str
+    """Its message's first line; for a refused value, what is wrong and how to fix it."""
+    where: str
+    """The user's file and line ("/home/me/model.py:41"): the innermost frame of the traceback in the
+    workload's own code; for a refused value, where the function that returned it is defined. "" if none."""
+    traceback: str = ""
+    step: int | None = None
+    """The step it trained or evaluated; None at the start (the factory)."""
+
+    @property
+    def certain(self) -> bool:
+        """A value the contract refuses: every try returns it again."""
+        return not self.type
+
+    @property
+    def signature(self) -> tuple[str, str, str]:
+        """What makes two faults the same failure: the call, the type and the user's file and line."""
+        return self.kind, self.type, self.where
+
+    @property
+    def line(self) -> str:
+        at = f"workload.{self.kind}" if self.type else ""
+        if self.where:
+            at = f"{at} at {self.where}" if at else self.where
+        if self.step is not None:
+            at = f"{at}, step {self.step}" if at else f"step {self.step}"
+        what = f"{self.type}: {self.message}" if self.type else self.message
+        return f"{what} ({at})" if at else what
+
+
+def workload_bug(fault: WorkloadFault, slot: str, earlier: Sequence[tuple[str, WorkloadFault]]) -> str | None:
+    """The job's cause when `slot`'s `fault` is a bug in the workload rather than a failure of its worker,
+    given the faults met `earlier` (slot, fault); None for a first exception, which may be the worker's
+    own trouble."""
+    where = f"traceback: workers/{slot}.log"
+    if fault.certain:
+        return f"{fault.line} [{where}]"
+    for other_slot, other in earlier:
+        if other.signature != fault.signature:
+            continue
+        if other_slot != slot:
+            return f"{fault.line}; the same in {other_slot} and {slot}: a bug in the workload [{where}]"
+        if other.step == fault.step:
+            at = "its start" if fault.step is None else f"step {fault.step}"
+            return f"{fault.line}; the same again in {slot}'s next worker at {at}: a bug in the workload [{where}]"
+    return None
+
+
+@dataclass(frozen=True)
 class MemberEnded:
     """A member's `run()` returned (`finished`), raised (`error`) or its process died (`died`)."""
 
@@ -184,12 +250,14 @@ class MemberEnded:
     """The coordinator evicted it for hanging (heartbeat, step progress)."""
     data_fault: DataFault | None = None
     """Its run raised on a bad training sample: every try would meet it again."""
+    workload_fault: WorkloadFault | None = None
+    """Its run ended on a mistake in the workload's own code."""
 
 
 @dataclass(frozen=True)
 class StopRequested:
     kind: str
-    """STOPPED (asked) or FINISHED (target or time limit reached)."""
+    """STOPPED (asked), FINISHED (target or time limit reached) or FAILED (a target no evaluation has)."""
     reason: str
 
 
@@ -227,6 +295,9 @@ class Decision:
     """No live member holds the state: start fresh members from the newest checkpoint (the steps since
     it are redone)."""
     ignore: bool = False
+    failure: str | None = None
+    """Where this decision fails the job: its cause, when that is not the event's (a bug in the workload:
+    the fault's line and why it is a bug)."""
 
 
 def decide(view: JobView, event: Event) -> Decision:
@@ -255,7 +326,10 @@ def _on_member_ended(view: JobView, e: MemberEnded) -> Decision:
         return Decision(f"{e.cause}; every other member had finished", member=(e.slot, ended), finish=True)
     survivors = view.training(besides=e.slot)  # joiners waiting for the state too: they get it in the new epoch
     if e.data_fault is not None:
-        return _on_data_fault(view, e, ended, survivors)
+        return _fail_job(view, e, ended, survivors, e.data_fault.line)
+    bug = workload_bug(e.workload_fault, e.slot, view.workload_faults) if e.workload_fault is not None else None
+    if bug is not None:
+        return _fail_job(view, e, ended, survivors, bug)
     if not view.holders(besides=e.slot) and any(m == MemberState.FINISHED and s not in view.stateless
                                                  for s, m in view.members.items()):
         return Decision(f"{e.cause}; the members that hold the state had finished", member=(e.slot, ended), finish=True)
@@ -267,8 +341,9 @@ def _on_member_ended(view: JobView, e: MemberEnded) -> Decision:
                         count_failure=True, retire=retire, replace=True, restore=True,
                         transition=JobState.PAUSED if view.state.active else None)
     if not view.holders(besides=e.slot):
-        why = e.cause if view.on_failure == "fail" else (
-            f"{e.cause}; no live worker holds the committed state any more (resume with --resume)")
+        # a resume is advised where it helps: not for the workload's own exception, which a resume meets again
+        why = e.cause if view.on_failure == "fail" else f"{e.cause}; no live worker holds the committed state any more" + (
+            "" if e.workload_fault is not None else " (resume with --resume)")
         return Decision(why, member=(e.slot, ended), abort=True, end_now=JobState.FAILED)
     if view.on_failure == "fail":
         return Decision(f"{e.cause}; workers.on_failure = fail: the survivors agree on the newest committed step "
@@ -286,16 +361,15 @@ def _on_member_ended(view: JobView, e: MemberEnded) -> Decision:
                     transition=JobState.PAUSED)
 
 
-def _on_data_fault(view: JobView, e: MemberEnded, ended: MemberState, survivors: tuple[str, ...]) -> Decision:
-    """A bad sample ends the job: a replacement, a restart from a checkpoint or a retry would read it
-    again. The survivors stop at the step they hold (nothing committed is lost); with none, at once."""
-    assert e.data_fault is not None  # the caller's test
-    line = e.data_fault.line
+def _fail_job(view: JobView, e: MemberEnded, ended: MemberState, survivors: tuple[str, ...], line: str) -> Decision:
+    """A bad sample, or a bug in the workload, ends the job: a replacement, a restart from a checkpoint or
+    a retry would meet it again. The survivors stop at the step they hold (nothing committed is lost);
+    with none, at once. No failure is counted: the slot did nothing wrong."""
     if not view.holders(besides=e.slot):
-        return Decision(line, member=(e.slot, ended), abort=True, end_now=JobState.FAILED)
+        return Decision(line, member=(e.slot, ended), abort=True, end_now=JobState.FAILED, failure=line)
     return Decision(line, member=(e.slot, ended), abort=True, publish=survivors,
                     transition=JobState.STOPPING if view.stop_kind != "FAILED" else None,
-                    stop_kind="FAILED", stop_step="held")
+                    stop_kind="FAILED", stop_step="held", failure=line)
 
 
 def _on_stop(view: JobView, e: StopRequested) -> Decision:

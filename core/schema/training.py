@@ -2,10 +2,11 @@
 and when to stop."""
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
-from core.schema.errors import FieldError, at_least, within
+from core.schema.errors import FieldError, at_least, nearest, within
 
 
 @dataclass
@@ -93,6 +94,15 @@ class TargetConfig:
     value: float = 0.0
     mode: Literal["max", "min"] = "max"
     """`max`: stop once metric >= value; `min`: once metric <= value."""
+
+    def unknown_in(self, metrics: Mapping[str, float]) -> str | None:
+        """One line when an evaluation's `metrics` lack this target's metric (a typo: the target would never
+        be reached, and the job would run on to its other limits); None when they have it."""
+        if self.metric in metrics:
+            return None
+        hint = nearest(self.metric, metrics)
+        return (f"stop.target.metric {self.metric!r} is not among the metrics evaluate returned "
+                f"({', '.join(sorted(metrics))})" + (f"; did you mean {hint!r}?" if hint else ""))
 
 
 @dataclass
