@@ -59,12 +59,12 @@ def call(kind: str, fn: Callable[..., Any], *args: Any, step: int | None = None,
 @contextlib.contextmanager
 def contract(kind: str, fn: Callable[..., Any], step: int | None) -> Iterator[None]:
     """Checks of what `fn` (the workload's `kind`) returned: a TypeError or ValueError raised inside, one line
-    saying what is wrong, leaves as a WorkloadBug that names where `fn` is defined."""
+    saying what is wrong, leaves as a WorkloadBug that names where `fn` is defined (no traceback: its
+    frames would be the check's, not the user's)."""
     try:
         yield
     except (TypeError, ValueError) as err:
-        raise WorkloadBug(WorkloadFault(kind, "", _first_line(err), defined_at(fn),
-                                        "".join(traceback.format_exception(err)), step)) from err
+        raise WorkloadBug(WorkloadFault(kind, "", _first_line(err), defined_at(fn), "", step)) from err
 
 
 def require_scalar(loss: Any) -> None:

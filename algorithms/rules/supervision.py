@@ -223,9 +223,9 @@ def workload_bug(fault: WorkloadFault, slot: str, earlier: Sequence[tuple[str, W
     """The job's cause when `slot`'s `fault` is a bug in the workload rather than a failure of its worker,
     given the faults met `earlier` (slot, fault); None for a first exception, which may be the worker's
     own trouble."""
-    where = f"traceback: workers/{slot}.log"
     if fault.certain:
-        return f"{fault.line} [{where}]"
+        return fault.line
+    where = f"traceback: workers/{slot}.log"
     for other_slot, other in earlier:
         if other.signature != fault.signature:
             continue

@@ -9,6 +9,7 @@ the typo, 105 s of retries for the factory, "(resume with --resume)" for the for
 for the loss and the metric, and a silent run to max_steps (exit 0) for the target."""
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -71,6 +72,17 @@ def one_line(code: int, stdout: str, stderr: str) -> str:
     return summary
 
 
+def traceback_missing(runs: Path, log: str) -> list[str]:
+    """What the run folder lacks of the fault's full traceback: in the log the line names, and in the
+    `failure` event's detail (events.jsonl, what `events()` reads)."""
+    (run_dir,) = runs.iterdir()
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    tracebacks = [e["detail"].get("traceback", "") for e in events if e["kind"] == "failure"]
+    wanted = {log: (run_dir / log).read_text(), "events.jsonl's failure event": "\n".join(tracebacks)}
+    return [f"the traceback in {where}" for where, text in wanted.items()
+            if "Traceback (most recent call last)" not in text or str(WORKLOADS) not in text]
+
+
 def test_each_mistake_in_the_users_code_fails_in_one_line_naming_it_within_seconds(tmp_path, ray_session):
     env = child_env(REPO, ORCHESTRATOR_RUN_ROOT=str(tmp_path / "runs"))
     env.pop("RAY_ADDRESS", None)
@@ -88,6 +100,8 @@ def test_each_mistake_in_the_users_code_fails_in_one_line_naming_it_within_secon
             f"(exit {proc.returncode}) {proc.stdout[-1500:]} {proc.stderr[-1500:]}"
         table.append((case, "python -m orchestrator " + " ".join(argv[:-2]), proc.returncode, line, took))
         missing = [h for h in holds if h not in line]
+        if "[traceback: workers/" in line:  # the run folder holds it: the worker's log and the failure event
+            missing += traceback_missing(tmp_path / "runs" / cfg["name"], line.split("[traceback: ")[1].rstrip("]"))
         if proc.returncode != want_code or missing or took >= FAIL_WITHIN_S:
             wrong.append(f"{case}: exit {proc.returncode} (want {want_code}), {took:.1f}s, missing {missing}: {line}")
     print("\n| mistake | command | exit | its one line | time |\n|---|---|---|---|---|")
