@@ -2,7 +2,8 @@
 
 A factory (`workload.factory` in a config, called as `factory(**workload.params)`) returns an object
 with `model` (a torch module), `train_data` (a map-style dataset with a length), `loss(model, batch)`
-(a scalar tensor), and optionally `eval_data`, `evaluate(model, eval_data) -> dict` and
+(a scalar tensor; or the loss with step metrics, `(loss, {name: number})` or `{"loss": loss, name:
+number}`: docs/workloads.md), and optionally `eval_data`, `evaluate(model, eval_data) -> dict` and
 `tokens_per_sample` (a sequence model's tokens in one sample: progress, status and the metrics then
 show tokens per second). `Workload` is a convenient container for it; any object with those
 attributes works (`WorkloadLike` says which the worker requires). Torch is named for the type checker

@@ -34,11 +34,14 @@ def _own_packages_first() -> None:
 
 _own_packages_first()
 
-from core.schema import ConfigError, JobConfig, JobResult, JobStatus, OrchestratorError  # noqa: E402
+from core.schema import ConfigError, JobConfig, JobStatus, OrchestratorError  # noqa: E402
 from orchestrator import remote as _remote  # noqa: E402,F401 - the actor classes' module, for Ray's pickling by name
 from orchestrator.config import load_config  # noqa: E402
+from orchestrator.results import RunResult as JobResult  # noqa: E402 - what `wait()` returns: its `model()` too
+from orchestrator.results import load_model  # noqa: E402
 
-__all__ = ["load_config", "collective_group", "ElasticJob", "JobConfig", "JobStatus", "JobResult", "ConfigError", "OrchestratorError"]
+__all__ = ["load_config", "load_model", "collective_group", "ElasticJob", "JobConfig", "JobStatus", "JobResult",
+           "ConfigError", "OrchestratorError"]
 
 
 def collective_group() -> str:

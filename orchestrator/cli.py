@@ -236,10 +236,11 @@ def follow(job, printer: ProgressPrinter, interrupt: CtrlC) -> int:
         result = job.wait(on_status=on_status)
     except Interrupted:
         print("interrupted: stopping the job gracefully (Ctrl-C again to leave at once)", flush=True)
-        job.stop("interrupted (Ctrl-C)")
+        stopped = job.stop("interrupted (Ctrl-C)")  # once every actor is gone: the final model is written
+        printer.summary(stopped, (stopped.ended_at or time.time()) - stopped.started_at, job.model_location())
         return EXIT_INTERRUPTED
     final = job.status()
-    printer.summary(final, result.elapsed_s)
+    printer.summary(final, result.elapsed_s, job.model_location())
     return {"FINISHED": EXIT_OK, "STOPPED": EXIT_STOPPED}.get(result.state, EXIT_FAILED)
 
 
@@ -269,11 +270,14 @@ class ProgressPrinter:
         if status.tokens_per_s and status.world_size:
             rate += f" tokens/s {status.tokens_per_s:,.0f} ({status.tokens_per_s / status.world_size:,.0f} a worker)"
         metrics = " ".join(f"{k} {v:.4f}" for k, v in sorted(status.metrics.items()))
+        loss += "".join(f" {k} {v:.4f}" for k, v in sorted(status.step_metrics.items()))  # the loss's own metrics
         slow = " ".join(f"{slot} {ratio:.1f}x" for slot, ratio in sorted(status.stragglers.items()))
         print(f"[{status.state.lower()}] step {status.step}{total} loss {loss} steps/s {rate} world {status.world_size} "
               f"epoch {status.membership_epoch} {metrics}{' stragglers ' + slow if slow else ''}".rstrip(), flush=True)
 
-    def summary(self, status: JobStatus, elapsed_s: float) -> None:
+    def summary(self, status: JobStatus, elapsed_s: float, model: str | None = None) -> None:
+        """The lines at the end of a run: its end, metrics, where its final model (`model`, its location)
+        and last checkpoint are, and its run folder."""
         print(f"{status.state}: {status.name} run {status.run_id} at step {status.step} in {elapsed_s:.1f}s"
               + (f"; cause: {status.cause}" if status.cause else ""), flush=True)
         if status.samples_skipped:
@@ -281,6 +285,14 @@ class ProgressPrinter:
                   f"samples_skipped events)", flush=True)
         for key, value in sorted(status.metrics.items()):
             print(f"  {key}: {value:.4f}", flush=True)
+        if status.step_metrics:
+            print("  step metrics of the last step: " + ", ".join(f"{k} {v:.4f}" for k, v in sorted(status.step_metrics.items())),
+                  flush=True)
+        print(f"  final model: {model} (orchestrator.load_model({str(status.run_dir)!r}) rebuilds it)" if model
+              else "  final model: none written", flush=True)
+        checkpoint = status.checkpoint
+        print(f"  last checkpoint: {checkpoint['path']} (step {checkpoint['step']}; --resume continues from it)"
+              if checkpoint.get("path") else "  last checkpoint: none stored", flush=True)
         print(f"  run dir: {status.run_dir}", flush=True)
 
 

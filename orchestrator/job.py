@@ -12,7 +12,6 @@ the names callers import from here are re-exported.
 """
 from __future__ import annotations
 
-import io
 import json
 import logging
 import secrets
@@ -34,8 +33,7 @@ from actors.plan import server_name
 from actors.runs import credentials, runfiles
 from actors.runs.storage import is_remote, open_storage
 from core.display import notable
-from core.factory import check_factory
-from core.schema import TERMINAL_STATES, ConfigError, JobConfig, JobResult, JobStatus, NameTaken, OrchestratorError, parse
+from core.schema import TERMINAL_STATES, ConfigError, JobConfig, JobStatus, NameTaken, OrchestratorError, parse
 from orchestrator.connection import NAMESPACE, check_local_resources, connect, ensure_token_env
 from orchestrator.coordinator_handle import (
     Prior,
@@ -47,6 +45,7 @@ from orchestrator.coordinator_handle import (
     wait_actors_gone,
     wait_gone,
 )
+from orchestrator.results import MODEL_FILE, RunResult, rebuild_model
 from orchestrator.run_storage import check_storage, job_root, job_storage, warn_local_storage
 
 __all__ = [  # with the helpers callers import from here (the CLI, benchmarks, tests)
@@ -86,7 +85,7 @@ class ElasticJob:
         self.run_dir: Path | None = None
         self.storage: Storage | None = None
         self._coordinator: ActorHandle | None = None
-        self._result: JobResult | None = None
+        self._result: RunResult | None = None
 
     # ------------------------------------------------------------------ lifecycle
     def start(self, owned: bool = False) -> ElasticJob:
@@ -219,7 +218,7 @@ class ElasticJob:
             raise OrchestratorError(f"job {self.name!r}: the coordinator is gone and left no final status in {self.run_dir}")
         return JobStatus.from_dict(data)
 
-    def wait(self, timeout: float | None = None, on_status: Callable[[JobStatus], None] | None = None) -> JobResult:
+    def wait(self, timeout: float | None = None, on_status: Callable[[JobStatus], None] | None = None) -> RunResult:
         """Block until the job ends (or `timeout` seconds pass: TimeoutError)."""
         if self._result is not None:
             return self._result
@@ -233,7 +232,7 @@ class ElasticJob:
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"job {self.name!r} still {status.state} after {timeout}s")
             time.sleep(POLL_S)
-        self._result = JobResult(name=self.name, run_id=status.run_id, state=status.state, step=status.step,
+        self._result = RunResult(name=self.name, run_id=status.run_id, state=status.state, step=status.step,
                                  cause=status.cause, metrics=status.metrics, run_dir=status.run_dir,
                                  elapsed_s=(status.ended_at or time.time()) - status.started_at)
         self._release()
@@ -379,21 +378,27 @@ class ElasticJob:
 
     def model(self) -> torch.nn.Module:
         """The final model after `wait()` (for BSP, rank 0's replica, identical to the others; for the
-        server policies, the parameter server's)."""
-        import torch  # the CLI's status, scale and stop import this module and need no torch
-        path = self.run_dir / "model.pt" if self.run_dir else None
+        server policies, the parameter server's), rebuilt from the factory (orchestrator/results.py)."""
+        path = self.run_dir / MODEL_FILE if self.run_dir else None
         storage = self._remote_storage()
         if path is not None and path.exists():
             blob = path.read_bytes()
-        elif path is not None and storage is not None and storage.size(self._key("model.pt")) is not None:
-            blob = storage.read(self._key("model.pt"))
+        elif path is not None and storage is not None and storage.size(self._key(MODEL_FILE)) is not None:
+            blob = storage.read(self._key(MODEL_FILE))
         else:
             raise OrchestratorError(f"job {self.name!r} has no final model yet (state {self.status().state})")
-        state = torch.load(io.BytesIO(blob), weights_only=True, map_location="cpu")
-        torch.manual_seed(self.config.seed)
-        workload = check_factory(self.config.workload.factory)(**self.config.workload.params)
-        workload.model.load_state_dict(state["model"])
-        return workload.model
+        return rebuild_model(self.config, blob)
+
+    def model_location(self) -> str | None:
+        """Where the final model (`model.pt`) is: this node's run folder, else the run's storage (its
+        URI); None before the job has ended with one."""
+        path = self.run_dir / MODEL_FILE if self.run_dir else None
+        if path is not None and path.exists():
+            return str(path)
+        storage = self._remote_storage()
+        if storage is not None and storage.size(self._key(MODEL_FILE)) is not None:
+            return storage.location(self._key(MODEL_FILE))
+        return None
 
 
 _NO_STEP = 2**62

@@ -330,6 +330,7 @@ class CoordinatorBase(Actions):
                          loss=self.journal.loss, throughput=self.journal.throughput(),
                          tokens_per_s=self.journal.tokens_throughput(), cause=self.cause,
                          run_dir=str(self.run_dir), metrics=dict(self.journal.metrics),
+                         step_metrics=dict(self.journal.step_metrics),
                          reshapes=self.journal.recent_reshapes(), departed=tuple(self.book.departed),
                          incarnation=self.incarnation, coordinator_pid=os.getpid(),
                          started_at=self.started_at, ended_at=self.ended_at,

@@ -110,6 +110,8 @@ class Journal:
         self._live: Callable[[], Iterable[str]] = lambda: ()
         self.loss: float | None = None
         self.metrics: dict = {}
+        self.step_metrics: dict = {}
+        """The workload's step metrics of the newest record that has them (`step_metrics`)."""
         self.recent: collections.deque[tuple[float, int, int]] = collections.deque()
         """(time, step, tokens so far) of the records of the last 5 s."""
         self._tokens = 0
@@ -200,6 +202,8 @@ class Journal:
             self.loss = record["loss"]
         if record.get("metrics"):
             self.metrics = dict(record["metrics"])
+        if record.get("step_metrics"):
+            self.step_metrics = dict(record["step_metrics"])
         self._tokens += int(record.get("tokens") or 0)
         self.recent.append((record["time"], record["step"], self._tokens))
         self._newest_at = time.monotonic()
@@ -299,6 +303,7 @@ class Journal:
         self.loss, self.metrics = saved["loss"], saved["metrics"]
         history = runfiles.read_jsonl(self.run_dir / "history.jsonl")
         self.step = history[-1]["step"] if history else 0
+        self.step_metrics = dict(history[-1].get("step_metrics", {})) if history else {}
         return saved
 
     # ------------------------------------------------------------------ faults and checkpoints
@@ -398,8 +403,10 @@ class Journal:
         return location
 
     def checkpoint_status(self) -> dict:
-        """Status's `checkpoint`: the last durable one (step, time) and the failed tries to store one."""
-        out: dict = {"step": self.checkpoint[0], "time": self.checkpoint_at} if self.checkpoint else {}
+        """Status's `checkpoint`: the last durable one (step, time, where its data is) and the failed tries
+        to store one."""
+        out: dict = ({"step": self.checkpoint[0], "time": self.checkpoint_at, "path": str(self.checkpoint[1])}
+                     if self.checkpoint else {})
         return dict(out, failures=self.checkpoint_failures) if out or self.checkpoint_failures else out
 
     async def read_checkpoint(self, location: str) -> bytes:

@@ -53,6 +53,8 @@ METRICS = {m.name: m for m in (
     Metric("tokens", "counter", "Tokens in committed steps (workloads that count them: the language models)"),
     Metric("loss", "gauge", "Training loss of the newest committed step"),
     Metric("eval", "gauge", "Newest evaluation metric", ("metric",)),
+    Metric("step_metric", "gauge", "A step metric the workload's loss returns beside the loss, as the newest "
+                                   "committed step recorded it (aggregated over the members as the loss is)", ("metric",)),
     Metric("world_size", "gauge", "Members of the newest plan"),
     Metric("membership_epoch", "gauge", "Membership epoch of the newest plan"),
     Metric("state", "gauge", "1 for the job's current state, 0 for the others", ("state",)),
@@ -191,6 +193,8 @@ class JobMetrics:
         for metric, value in (record.get("metrics") or {}).items():
             if isinstance(value, (int, float)):
                 newest[("eval", ("metric", str(metric)))] = value
+        for metric, value in (record.get("step_metrics") or {}).items():
+            newest[("step_metric", ("metric", str(metric)))] = value
         if record.get("time") is not None and record["time"] > self._last_commit:
             self._last_commit = newest[("last_commit_timestamp_seconds",)] = float(record["time"])
         self._sent(who, record)

@@ -3,8 +3,9 @@ global step.
 
 The coordinator is the one writer (never the workers), so a step is written once however many
 members committed it. It writes what history takes as newest: loss, each evaluation metric
-(`eval/<name>`), world size, membership epoch, steps per second over the last 5 s, and bytes
-(`bytes/sent`, cumulative, and `bytes/per_step`). The per-member kinds (history per member) write
+(`eval/<name>`), each step metric the workload's loss returns (`train/<name>`), world size,
+membership epoch, steps per second over the last 5 s, and bytes (`bytes/sent`, cumulative, and
+`bytes/per_step`). The per-member kinds (history per member) write
 each member's under its slot (`loss/w0`, ...).
 
 The coordinator's event loop only hands each record over; a thread of the writer's own builds the
@@ -221,6 +222,8 @@ class TensorBoard:
         for name, value in (record.get("metrics") or {}).items():
             if isinstance(value, (int, float)):
                 add(tag(f"eval/{name}"), float(value), step, walltime=when)
+        for name, value in (record.get("step_metrics") or {}).items():
+            add(tag(f"train/{name}"), float(value), step, walltime=when)
         for name in ("world_size", "membership_epoch"):
             if record.get(name) is not None:
                 add(tag(name), float(record[name]), step, walltime=when)

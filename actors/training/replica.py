@@ -43,7 +43,7 @@ from actors.training.replica_state import checksum
 from actors.training.sources import BadSample
 from actors.training.user_code import WorkloadBug, contract, metrics_of, require_scalar
 from actors.training.user_code import call as user_call
-from actors.training.workload import build_workload, time_steps, warm_up  # noqa: F401 - their importers' old home (worker, loader, probe, planner)
+from actors.training.workload import build_workload, split_loss, time_steps, warm_up  # noqa: F401 - their importers' old home (worker, loader, probe, planner)
 from actors.transport import collective
 from actors.transport.comm import BaseCommunicator, CommError
 from algorithms.policies.base import EpochInfo, StepVote, VoteDraft
@@ -248,9 +248,11 @@ class Replica(EpochEntry, Feeding, Reporting):
                 batch, n = fetched.batch, len(fetched.ids)
                 self.impl.accumulating = i < len(micro) - 1
                 weight = n / denominator  # each sample counts 1/B (shares) or 1/n_i (own mean), however split
-                scaled = self._loss(batch) * weight
+                loss, metrics = self._loss(batch)
+                scaled = loss * weight
                 share = scaled.detach()  # before the backward that may launch the vote
                 draft.loss = share if i == 0 else draft.loss + share
+                draft.extras = self._weighted_metrics(metrics, weight, draft.extras if i else None)
                 self.impl.backward(scaled)
             self.impl.end_backward(self.step)
             if self._gradients_at is None:
@@ -281,14 +283,33 @@ class Replica(EpochEntry, Feeding, Reporting):
         # Only a reduced vote is everyone's: members switch plans together, never on a local step's flag.
         return self._adopt_newest_plan(plan) if vote.newer_plan and vote.communicated else True
 
-    def _loss(self, batch: Any) -> torch.Tensor:
-        """The workload's loss of a batch; what its code raises, or a loss that is not a scalar, leaves as a
-        `WorkloadBug` (actors/training/user_code.py)."""
+    def _loss(self, batch: Any) -> tuple[torch.Tensor, dict[str, Any]]:
+        """The workload's loss of a batch and its step metrics (`split_loss`); what its code raises, or a
+        loss that is not a scalar, leaves as a `WorkloadBug` (actors/training/user_code.py)."""
         loss_fn, step = self.workload.loss, self.step + 1
-        loss = user_call("loss", loss_fn, self.model, batch, step=step)
+        returned = user_call("loss", loss_fn, self.model, batch, step=step)
         with contract("loss", loss_fn, step):
+            loss, metrics = split_loss(returned)
             require_scalar(loss)
-        return loss
+        return loss, metrics
+
+    def _weighted_metrics(self, metrics: dict[str, Any], weight: float, before: tuple | None) -> tuple:
+        """A micro-step's step metrics (`split_loss`), weighted as its loss is and added to the step's so far
+        (`before`; None at the first micro-step), in the order of `metric_names`. At the first micro-step of
+        the first step this process trains, the names are taken (the vote is refit to carry them: on a
+        fresh job every member does so at the same step, and a member that loaded a state holds its
+        names already); from then on they must stay the same, or the members' votes would differ in width."""
+        names = tuple(sorted(metrics))
+        if names != self.metric_names:
+            if before is not None or self._metrics_settled:
+                with contract("loss", self.workload.loss, self.step + 1):  # the workload's mistake: a WorkloadBug
+                    raise ValueError(f"workload.loss returned the step metrics {list(names)} at step {self.step + 1}, "
+                                     f"and {list(self.metric_names)} before: return the same names at every step")
+            self._set_metric_names(names)
+            self.impl.refit_vote()
+        self._metrics_settled = True
+        weighted = tuple(metrics[name] * weight for name in names)
+        return weighted if before is None else tuple(a + b for a, b in zip(before, weighted))
 
     def _denominator(self, plan: Plan, dealt: int, read: int) -> float:
         """What each sample's loss is divided by, so that the step's gradient is the mean over the samples

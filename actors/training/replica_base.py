@@ -99,6 +99,11 @@ class ReplicaBase:
         self.algorithm = get_algorithm(self.cfg.sync.policy)(self.cfg.sync, self.cfg.compression)
         self.impl = self.algorithm.bind(self.model, self.optimizer)
         self.impl.on_gradients_ready = self._gradients_ready
+        self.metric_names: tuple[str, ...] = ()
+        """The names of the step metrics the workload's loss returns (sorted; `split_loss`): what the
+        vote carries after the loss, and history records as `step_metrics`. Travels in the state."""
+        self._metrics_settled = False
+        """This process has trained a step: the metrics' names can no longer change."""
         self._gradients_at: float | None = None
         self.param_names = [n for n, p in self.model.named_parameters() if p.requires_grad]
         self.source = source_for(self.workload.train_data, self.cfg.seed, self.cfg.workload.on_bad_sample,
@@ -167,6 +172,11 @@ class ReplicaBase:
         if self.cfg.faults.record_samples and self.algorithm.reporter != "server":  # the server writes what it applies
             os.makedirs(os.path.join(spec.run_dir, "samples"), exist_ok=True)
             self._samples = runfiles.open_appended(os.path.join(spec.run_dir, "samples", f"{self.slot}.txt"))
+
+    def _set_metric_names(self, names: tuple[str, ...]) -> None:
+        """The step metrics' names (the width of every vote from the next on_membership, or refit now)."""
+        self.metric_names = names
+        self.impl.vote_extras = len(names)
 
     def _mark(self) -> int:
         """The step of the newest committed state (the current step, unless periodic local steps are

@@ -38,7 +38,8 @@ class EpochEntry(CommittedState):
             self._switch_policy(plan.policy["sync"], plan.policy["compression"])
         rank = self._rank_in(plan)
         spec = GroupSpec(plan.store_host, plan.store_port, plan.group_name, rank, len(plan.members), plan.timeout_s,
-                         plan.backend, self.comm_address, secret=self.spec.secret, reduce_bytes=largest_reduce(self.model))
+                         plan.backend, self.comm_address, secret=self.spec.secret,
+                         reduce_bytes=largest_reduce(self.model, len(self.metric_names)))
         self.state = "joining"
         self._enter_phase("joining")
         previous = self.trained_plan
@@ -121,10 +122,11 @@ class EpochEntry(CommittedState):
             log.warning("could not tell the coordinator that a background round failed: %s", failure)
 
 
-def largest_reduce(model: torch.nn.Module) -> int:
+def largest_reduce(model: torch.nn.Module, metrics: int = 0) -> int:
     """The most bytes a policy all-reduces at once: every trainable parameter in one flat tensor of at
-    least float32 (its gradients, or the parameters averaged), and the step's 3-number tail in float64."""
-    return sum(p.numel() * max(p.element_size(), 4) for p in model.parameters() if p.requires_grad) + 3 * 8
+    least float32 (its gradients, or the parameters averaged), and the step's tail in float64 (3 numbers
+    and the workload's `metrics` step metrics)."""
+    return sum(p.numel() * max(p.element_size(), 4) for p in model.parameters() if p.requires_grad) + (3 + metrics) * 8
 
 
 def form_group(spec: GroupSpec, superseded: Callable[[], bool]) -> BaseCommunicator | None:

@@ -59,6 +59,8 @@ class Reporting(CommittedState):
                   "membership_epoch": plan.membership_epoch, "bytes_sent": self.bytes_before + self.impl.bytes_sent,
                   "lr": self.optimizer.param_groups[0]["lr"], "step_time": time.perf_counter() - started,
                   "wait_s": self._waited}
+        if vote.extras:  # the workload's step metrics, aggregated as the loss is
+            record["step_metrics"] = {name: float(value) for name, value in zip(self.metric_names, vote.extras)}
         if plan.policy is not None:  # switched mid-run: which policy committed it (the trial measures each)
             record["policy"] = plan.policy["label"]
         if self.impl.commit_mark is not None:

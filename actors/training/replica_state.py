@@ -90,6 +90,7 @@ class CommittedState(ReplicaBase):
         self.algorithm = get_algorithm(cfg.sync.policy)(cfg.sync, cfg.compression)
         self.impl = self.algorithm.bind(self.model, self.optimizer)
         self.impl.on_gradients_ready = self._gradients_ready
+        self.impl.vote_extras = len(self.metric_names)
         self.impl.start_at(self.step)  # e.g. a periodic policy's first committed state: this step's, not step 0's
         self.max_steps = cfg.stop.max_steps if self.algorithm.counts_steps else None
 
@@ -140,7 +141,8 @@ class CommittedState(ReplicaBase):
                     "cursor": self.mark_cursor, "algorithm": self.impl.state_dict(),
                     "data": {"position": self.source.state_dict(), "fingerprint": self.source.fingerprint()},
                     "record": self.kept[-1] if self.kept else None,
-                    "rng": {"torch": torch.get_rng_state()}, "policy": self._policy_state()}, buf)
+                    "rng": {"torch": torch.get_rng_state()}, "policy": self._policy_state(),
+                    "metric_names": list(self.metric_names)}, buf)
         return buf.getvalue()
 
     def _load_state_bytes(self, data: bytes) -> None:
@@ -167,4 +169,6 @@ class CommittedState(ReplicaBase):
             self.kept.append(record)
         if "rng" in state:
             torch.set_rng_state(state["rng"]["torch"])
+        if "metric_names" in state:  # the next on_membership sizes the vote for them
+            self._set_metric_names(tuple(state["metric_names"]))
 

@@ -4,6 +4,7 @@ how a batch (tensors in tuples, lists or dicts) moves to it.
 """
 from __future__ import annotations
 
+import numbers
 import time
 from collections.abc import Callable
 from typing import Any
@@ -27,6 +28,51 @@ def build_workload(cfg: JobConfig) -> WorkloadLike:
     return user_code.call("factory", check_factory(cfg.workload.factory), **cfg.workload.params)
 
 
+def split_loss(returned: Any) -> tuple[Any, dict[str, Any]]:
+    """What a workload's `loss(model, batch)` returned, as (the loss, its step metrics by name).
+
+    It returns the loss, or the loss with step metrics: `(loss, {"accuracy": acc})`, or
+    `{"loss": loss, "accuracy": acc}`. A metric is a number or a one-element tensor, kept as given
+    (detached; a tensor is read only when its step is recorded, so no step waits on the device). The
+    loss itself comes back as returned (whoever uses it checks it). TypeError, in one line naming the
+    metric, for a value that is not a number or a return of another shape."""
+    if isinstance(returned, dict):
+        if "loss" not in returned:
+            raise TypeError(f"workload.loss returned a dict without a 'loss' key (keys: {', '.join(map(repr, returned))}); "
+                            f"return the loss, (loss, {{name: value}}) or {{'loss': loss, name: value}}")
+        loss, metrics = returned["loss"], {k: v for k, v in returned.items() if k != "loss"}
+    elif isinstance(returned, tuple):
+        if len(returned) != 2 or not isinstance(returned[1], dict):
+            raise TypeError(f"workload.loss returned a tuple of {len(returned)} "
+                            f"({', '.join(type(r).__name__ for r in returned)}); return the loss, or "
+                            f"(loss, {{name: value}}) with step metrics")
+        loss, metrics = returned
+        if "loss" in metrics:
+            raise TypeError("workload.loss returned (loss, metrics) with a metric named 'loss'; name it otherwise")
+    else:
+        return returned, {}
+    return loss, {_metric_name(name): _metric_value(name, value) for name, value in metrics.items()}
+
+
+def _metric_name(name: Any) -> str:
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"workload.loss returned a step metric named {name!r}: a metric's name is a non-empty string")
+    return name
+
+
+def _metric_value(name: str, value: Any) -> Any:
+    """A step metric's value, detached: a real number or a one-element real tensor."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.is_complex():
+            raise TypeError(f"workload.loss returned step metric {name!r} as a {value.dtype} tensor of shape "
+                            f"{tuple(value.shape)}: a metric is one number (reduce it, e.g. with .mean())")
+        return value.detach().reshape(())
+    if isinstance(value, numbers.Real):
+        return float(value)
+    raise TypeError(f"workload.loss returned step metric {name!r} as a {type(value).__name__} ({value!r:.40}): "
+                    f"a metric is a number or a one-element tensor")
+
+
 def time_steps(cfg: JobConfig, device: torch.device, steps: int = 12, warmup: int = 3, layout: bool = False) -> dict:
     """The job's workload timed as a worker runs it: one worker's batch (the next of the data's global
     order each time, read outside the timing) through forward, backward and the optimizer's step, on
@@ -46,7 +92,7 @@ def time_steps(cfg: JobConfig, device: torch.device, steps: int = 12, warmup: in
         sync()
         began = time.perf_counter()
         optimizer.zero_grad()
-        loss = workload.loss(model, batch)
+        loss, _ = split_loss(workload.loss(model, batch))
         sync()
         forward_end = time.perf_counter()
         loss.backward()

@@ -152,7 +152,7 @@ class AllReduceImpl(AlgorithmImpl):
         """A compressed scatter-gather per bucket (none without a codec)."""
         if codec is None:
             return []
-        return [ScatterGather(codec, sum(self.params[i].numel() for i in members), TAIL, feedback)
+        return [ScatterGather(codec, sum(self.params[i].numel() for i in members), self.tail_numel, feedback)
                 for members in self.plan.buckets]
 
     def _allocate(self) -> None:
@@ -160,9 +160,9 @@ class AllReduceImpl(AlgorithmImpl):
         self.buffers: list[torch.Tensor] = []
         self._ptrs: dict[int, int] = {}
         device = self.params[0].device if self.params else None
-        self.tail_buf = torch.zeros(TAIL, dtype=torch.float64, device=device)
+        self.tail_buf = torch.zeros(self.tail_numel, dtype=torch.float64, device=device)
         for b, members in enumerate(self.plan.buckets):
-            extra = TAIL if b == len(self.plan.buckets) - 1 and self.tail_in_bucket else 0
+            extra = self.tail_numel if b == len(self.plan.buckets) - 1 and self.tail_in_bucket else 0
             p0 = self.params[members[0]]
             buf = torch.zeros(sum(self.params[i].numel() for i in members) + extra, dtype=p0.dtype, device=p0.device)
             offset = 0
@@ -176,6 +176,29 @@ class AllReduceImpl(AlgorithmImpl):
                 offset += p.numel()
             self.buffers.append(buf)
         self._reset_launches()
+
+    @property
+    def tail_numel(self) -> int:
+        """The vote's width: (loss, samples, newer plan) and the step metrics."""
+        return TAIL + self.vote_extras
+
+    def refit_vote(self) -> None:
+        """The step metrics' count changed at this step's first loss (before its first backward, so no
+        gradient is in a bucket yet): the compressed wires' tails, and the reducer (its vote leaf) or the
+        buckets (the tail's room in the last one), are rebuilt at the new width on the epoch's group."""
+        for wire in self._tailed_wires():
+            wire.resize_tail(self.tail_numel)
+        if self.reducer is not None and self.comm is not None:
+            self._drop_reducer()
+            self._start_reducer(self.comm)
+            self._zero_reducer_grads()
+            self._ready_left = self._ready_total
+        elif self.reducer is None:
+            self._allocate()
+
+    def _tailed_wires(self) -> list[ScatterGather]:
+        """The compressed scatter-gathers whose messages carry the vote's tail."""
+        return self.compressed
 
     def _reset_launches(self) -> None:
         self.handles: list = [None] * (len(self.buffers) + 1)
@@ -233,12 +256,12 @@ class AllReduceImpl(AlgorithmImpl):
         self.buffers = []
         dtype = self.params[0].dtype if self.params[0].dtype in EXACT_DTYPES else torch.float64  # its bucket: the first parameters
         device = self.params[0].device
-        self._vote = torch.zeros(TAIL, dtype=dtype, device=device, requires_grad=True)
-        self._tail_np = np.zeros(TAIL, dtype=np.float64 if dtype == torch.float64 else np.float32)
+        self._vote = torch.zeros(self.tail_numel, dtype=dtype, device=device, requires_grad=True)
+        self._tail_np = np.zeros(self.tail_numel, dtype=np.float64 if dtype == torch.float64 else np.float32)
         self._tail_host = torch.from_numpy(self._tail_np)
         # The vote leaf's gradient (the engine copies it into the bucket): on the CPU the numpy array
         # itself; on a GPU a device tensor, its loss copied on the device (no host synchronization).
-        self._tail = self._tail_host if device.type == "cpu" else torch.zeros(TAIL, dtype=dtype, device=device)
+        self._tail = self._tail_host if device.type == "cpu" else torch.zeros(self.tail_numel, dtype=dtype, device=device)
         self._one = torch.ones((), dtype=self.params[0].dtype, device=device)
         leaves = [self._vote, *self.params]
         cap = int(self.config.bucket_mb * 2**20)
@@ -306,9 +329,13 @@ class AllReduceImpl(AlgorithmImpl):
             if self._tail is self._tail_host:  # the tail, written in place (CPU parameters: reading the loss costs nothing)
                 tail = self._tail_np
                 tail[0], tail[1], tail[2] = float(draft.loss), draft.samples, 1.0 if draft.newer_plan else 0.0
-            else:  # on the GPU: the loss stays there; the two counts are copied up (staged, no device wait)
+                tail[3:] = [float(e) for e in draft.extras]
+            else:  # on the GPU: the loss and the metrics stay there; the two counts are copied up (staged, no device wait)
                 self._tail[:1].copy_(torch.as_tensor(draft.loss).reshape(1))
-                self._tail[1:].copy_(torch.tensor([draft.samples, 1.0 if draft.newer_plan else 0.0], dtype=self._tail.dtype))
+                self._tail[1:3].copy_(torch.tensor([draft.samples, 1.0 if draft.newer_plan else 0.0], dtype=self._tail.dtype))
+                if draft.extras:
+                    self._tail[3:].copy_(torch.stack([torch.as_tensor(e, dtype=self._tail.dtype, device=self._tail.device)
+                                                      .reshape(()) for e in draft.extras]))
             self.comm.bytes_sent += self._bytes_per_step
             if _run_backward is not None and loss.shape == () and loss.dtype == self._one.dtype:
                 # what torch.autograd.backward runs, without its per-call checks and a fresh ones_like
@@ -389,7 +416,7 @@ class AllReduceImpl(AlgorithmImpl):
             buf = self.buffers[b]
             last = b == len(self.buffers) - 1
             if last and self.tail_in_bucket:
-                buf[-TAIL:] = self._draft.tail(buf.dtype, buf.device)
+                buf[-self.tail_numel:] = self._draft.tail(buf.dtype, buf.device)
             if self.trace is not None:
                 self.trace.append(("launch", b))
             self.handles[b] = self.comm.all_reduce(buf)
@@ -415,7 +442,7 @@ class AllReduceImpl(AlgorithmImpl):
         device = messages[-1].device
         for b, message in enumerate(messages):
             last = b == len(messages) - 1
-            tail = self._draft.tail(torch.float32, device) if last else torch.zeros(TAIL, device=device)
+            tail = self._draft.tail(torch.float32, device) if last else torch.zeros(self.tail_numel, device=device)
             if self.trace is not None:
                 self.trace.append(("launch", b))
             if wires and self.hierarchy is None:
@@ -426,8 +453,8 @@ class AllReduceImpl(AlgorithmImpl):
                     self.hierarchy.all_reduce(wire, self._leaders_compressed(wires[b]) if wires else None)
                 else:
                     comm.all_reduce(wire).wait()
-                message.view(-1).copy_(wire[:-TAIL])
-                summed = wire[-TAIL:]
+                message.view(-1).copy_(wire[:-self.tail_numel])
+                summed = wire[-self.tail_numel:]
             if last:
                 self._vote_tail = summed
 
@@ -441,7 +468,8 @@ class AllReduceImpl(AlgorithmImpl):
         def among(flat: torch.Tensor, group) -> None:
             if wire.comm is not group:
                 wire.bind(group)
-            flat[-TAIL:] = wire.all_reduce(flat[:-TAIL], flat[-TAIL:].to(torch.float32)).to(flat.dtype)
+            n = self.tail_numel
+            flat[-n:] = wire.all_reduce(flat[:-n], flat[-n:].to(torch.float32)).to(flat.dtype)
             comm.bytes_sent += wire.bytes_sent  # the job counts what the epoch's members sent
         return among
 
@@ -467,7 +495,7 @@ class AllReduceImpl(AlgorithmImpl):
         for handle in self.handles:
             if handle is not None:
                 handle.wait()
-        tail = self.buffers[-1][-TAIL:] if self.tail_in_bucket else self.tail_buf
+        tail = self.buffers[-1][-self.tail_numel:] if self.tail_in_bucket else self.tail_buf
         return StepVote.reduced(tail.to(torch.float64))
 
     def commit(self, step: int) -> None:

@@ -72,11 +72,17 @@ class VoteDraft:
     samples: int = 0
     newer_plan: bool = False
     """It has seen a plan newer than the one it runs: the members switch together after this vote."""
+    extras: tuple = ()
+    """The workload's step metrics (`loss` returned them beside the loss), in the order of their sorted
+    names, each weighted as the loss is; floats or 0-d tensors, like `loss`. They ride after the three
+    numbers above (the impl's `vote_extras` says how many)."""
 
     def tail(self, dtype: torch.dtype = torch.float64, device: Any = None) -> torch.Tensor:
-        """(loss, samples, newer plan) as one tensor, built on `device` without reading the loss."""
-        tail = torch.tensor([0.0, float(self.samples), 1.0 if self.newer_plan else 0.0], dtype=dtype, device=device)
-        tail[0] = self.loss.detach().reshape(()) if isinstance(self.loss, torch.Tensor) else self.loss
+        """(loss, samples, newer plan, *extras) as one tensor, built on `device` without reading the loss."""
+        tail = torch.zeros(3 + len(self.extras), dtype=dtype, device=device)
+        tail[1], tail[2] = float(self.samples), 1.0 if self.newer_plan else 0.0
+        for i, value in enumerate((self.loss, *self.extras)):
+            tail[0 if i == 0 else 2 + i] = value.detach().reshape(()) if isinstance(value, torch.Tensor) else value
         return tail
 
 
@@ -92,16 +98,19 @@ class StepVote:
     communicated: bool = True
     """False for a step that did not communicate (it commits locally, provisionally for periodic
     kinds until the next round)."""
+    extras: tuple = ()
+    """The step metrics, as `VoteDraft.extras` orders them: summed over the members (floats), or (a
+    local vote) the member's own, read only when recorded."""
 
     @classmethod
     def local(cls, draft: VoteDraft) -> StepVote:
-        return cls(True, draft.loss, draft.samples, draft.newer_plan, communicated=False)
+        return cls(True, draft.loss, draft.samples, draft.newer_plan, communicated=False, extras=draft.extras)
 
     @classmethod
     def reduced(cls, tail: torch.Tensor) -> StepVote:
         """The vote from a SUM-reduced tail (see `VoteDraft.tail`)."""
-        loss, samples, newer = tail.tolist()
-        return cls(True, loss, int(round(samples)), newer > 0)
+        loss, samples, newer, *extras = tail.tolist()
+        return cls(True, loss, int(round(samples)), newer > 0, extras=tuple(extras))
 
 
 @dataclass(frozen=True)
@@ -158,6 +167,9 @@ class AlgorithmImpl:
         self.accumulating = False
         """Set by the worker during micro-steps before the last one of a step (gradient
         accumulation): gradients accumulate locally, and communication waits for the last."""
+        self.vote_extras = 0
+        """How many step metrics the workload's loss returns (the replica sets it): a vote that is
+        reduced carries them after (loss, samples, newer plan), so every member's tail has this width."""
         self.on_gradients_ready: Callable[[], None] | None = None
         """Set by the worker: a policy whose backward also waits for the step's communication (BSP on
         torch's reducer) calls it once this member's own gradients are all computed, so the wait that
@@ -192,6 +204,11 @@ class AlgorithmImpl:
         member trains its rank's share of the global sampler's batch. An empty array: nothing to train
         now (the server said wait, or finished); the worker's loop comes back."""
         return None
+
+    def refit_vote(self) -> None:
+        """`vote_extras` changed inside a membership epoch, at a step's first loss, before any collective
+        of that step: what carries the vote is sized for it now (the next `on_membership` sizes it
+        anyway). Nothing to do for a vote that is never reduced."""
 
     def begin_step(self, step: int, draft: VoteDraft) -> None:
         """A new step: gradients start from zero (BSP instead zeroes the bucket views they live in)."""

@@ -205,7 +205,7 @@ class GossipImpl(AlgorithmImpl):
         # A newer plan is not switched to by a vote: no step of this kind is reduced over every member,
         # so the coordinator aborts the epoch on every new plan and the members meet at the next entry.
         if exchange is None:
-            return StepVote(True, draft.loss, draft.samples, False, communicated=False)
+            return StepVote(True, draft.loss, draft.samples, False, communicated=False, extras=draft.extras)
         for handle in exchange.handles:
             handle.wait()
         assert self.epoch is not None  # the exchange was launched in it
@@ -216,7 +216,7 @@ class GossipImpl(AlgorithmImpl):
         self._landed = exchange
         if self.trace is not None:
             self.trace.append(("land", step))
-        return StepVote(True, draft.loss, draft.samples, False, communicated=True)
+        return StepVote(True, draft.loss, draft.samples, False, communicated=True, extras=draft.extras)
 
     def apply_update(self, step: int, lr: float) -> None:
         """The optimizer's step from the mixed parameters, with the gradient taken at the old ones."""
@@ -436,7 +436,8 @@ class ChocoImpl(GossipImpl):
         exchange, self.exchange = self.exchange, None
         if self.trace is not None and exchange is not None:
             self.trace.append(("land", step))
-        return StepVote(True, draft.loss, draft.samples, False, communicated=exchange is not None)
+        return StepVote(True, draft.loss, draft.samples, False, communicated=exchange is not None,
+                        extras=draft.extras)
 
     def apply_update(self, step: int, lr: float) -> None:
         if self._backup is not None:

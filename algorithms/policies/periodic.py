@@ -106,9 +106,10 @@ class PeriodicImpl(AlgorithmImpl):
         self.since = [0] * len(self.bounds)
         self.mark_trained = 0
         """`trained` at the last commit (a rewind goes back to it)."""
-        self.step_losses: list[tuple[int, Any]] = []  # the loss as VoteDraft holds it: a float or a 0-d tensor
-        """(`trained` after the step, its mean loss) of the local steps a round may still cover: a round
-        reports the mean loss of the steps it covers (those since its fragment's previous launch)."""
+        self.step_losses: list[tuple[int, Any, tuple]] = []  # as VoteDraft holds them: floats or 0-d tensors
+        """(`trained` after the step, its mean loss, its step metrics) of the local steps a round may still
+        cover: a round reports the mean loss (and metrics) of the steps it covers (those since its
+        fragment's previous launch)."""
         self.inflight: _Launch | None = None
         self._due: int | None = None
         self._final = False
@@ -118,7 +119,13 @@ class PeriodicImpl(AlgorithmImpl):
         if compression is None or compression.codec == "none":
             return []
         codec = get_codec(compression.codec)
-        return [ScatterGather(codec, end - start, feedback=compression.feedback) for start, end in self.bounds]
+        return [ScatterGather(codec, end - start, 3 + self.vote_extras, compression.feedback) for start, end in self.bounds]
+
+    def refit_vote(self) -> None:
+        """The step metrics' count changed at a local step (no round is in flight before the first one):
+        each fragment's compressed round carries the wider tail."""
+        for wire in self.wires:
+            wire.resize_tail(3 + self.vote_extras)
 
     # ------------------------------------------------------------------ flat fragments
     def _pieces(self, f: int):
@@ -166,7 +173,7 @@ class PeriodicImpl(AlgorithmImpl):
     # ------------------------------------------------------------------ local steps
     def finish_step(self, step: int, draft: VoteDraft) -> StepVote:
         self.trained += draft.samples
-        self.step_losses.append((self.trained, draft.loss))
+        self.step_losses.append((self.trained, draft.loss, draft.extras))
         return StepVote.local(draft)
 
     # ------------------------------------------------------------------ rounds
@@ -185,9 +192,10 @@ class PeriodicImpl(AlgorithmImpl):
         n = float(self.trained - self.since[f])
         local = self._gather(f)
         flat = (self.anchor[f] - local if self.outer_mode else local) * n
-        covered = [loss for after, loss in self.step_losses if after > self.since[f]]
-        mean_loss = sum(covered) / len(covered) if covered else 0.0
-        draft = VoteDraft(loss=mean_loss * n, samples=int(n), newer_plan=draft.newer_plan)
+        covered = [(loss, *extras) for after, loss, extras in self.step_losses if after > self.since[f]]
+        means = [sum(column) / len(covered) for column in zip(*covered)] if covered else [0.0] * (1 + self.vote_extras)
+        draft = VoteDraft(loss=means[0] * n, samples=int(n), newer_plan=draft.newer_plan,
+                          extras=tuple(m * n for m in means[1:]))
         if self.wires:  # blocking: both collectives of the scatter-gather, the vote in their tail
             tail = self.wires[f].all_reduce(flat, draft.tail(torch.float32, flat.device)).to(torch.float64)
             handles = []
@@ -221,8 +229,9 @@ class PeriodicImpl(AlgorithmImpl):
         self.last_sync[f] = launch.step if step > launch.step else step
         self.since[f] = launch.trained  # what the round covered; the overlap steps belong to the next
         oldest = min(self.since)
-        self.step_losses = [(after, loss) for after, loss in self.step_losses if after > oldest]
-        return StepVote(True, float(launch.tail[0]) / max(total, 1.0), int(round(total)), bool(launch.tail[2] > 0))
+        self.step_losses = [entry for entry in self.step_losses if entry[0] > oldest]
+        return StepVote(True, float(launch.tail[0]) / max(total, 1.0), int(round(total)), bool(launch.tail[2] > 0),
+                        extras=tuple(float(e) / max(total, 1.0) for e in launch.tail[3:]))
 
     def commit(self, step: int) -> None:
         """The round's vote passed: this is the newest committed state."""
@@ -280,7 +289,7 @@ class PeriodicImpl(AlgorithmImpl):
             for p, c in zip(self.params, committed):
                 p.copy_(c)
         self.trained = self.mark_trained
-        self.step_losses = [(after, loss) for after, loss in self.step_losses if after <= self.trained]
+        self.step_losses = [entry for entry in self.step_losses if entry[0] <= self.trained]
         self.inflight = None
 
     # ------------------------------------------------------------------ state

@@ -25,6 +25,7 @@ import torch
 
 from algorithms.policies.allreduce import AllReduce, AllReduceImpl
 from algorithms.policies.base import Algorithm, EpochInfo, VoteDraft, register
+from algorithms.policies.scatter_gather import ScatterGather
 from core.comm_api import Communicator
 
 
@@ -53,6 +54,9 @@ class QAdamImpl(AllReduceImpl):
         for wire in self.momentum_wire:
             assert comm is not None  # the momentum's wire runs on the epoch's group
             wire.bind(comm)
+
+    def _tailed_wires(self) -> list[ScatterGather]:
+        return [*self.compressed, *self.momentum_wire]
 
     def begin_step(self, step: int, draft: VoteDraft) -> None:
         if self.m is None and step >= self.warmup:

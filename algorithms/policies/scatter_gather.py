@@ -70,6 +70,15 @@ class ScatterGather:
         if self.worker_feedback is not None:
             self.worker_feedback.discard()
 
+    def resize_tail(self, tail_numel: int) -> None:
+        """Carry a tail of `tail_numel` from the next call on (the vote gained or lost step metrics at a
+        step's first loss, before any call of that step): a bound one is bound again to its group."""
+        if tail_numel == self.tail_numel:
+            return
+        self.tail_numel = tail_numel
+        if self.comm is not None:
+            self.bind(self.comm)
+
     @property
     def _group(self) -> Communicator:
         """The bound communicator (every call but `bind` needs one)."""

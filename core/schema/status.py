@@ -55,6 +55,10 @@ class JobStatus:
     cause: str | None
     run_dir: str
     metrics: dict = field(default_factory=dict)
+    """The newest evaluation's metrics (`evaluate`), by name."""
+    step_metrics: dict = field(default_factory=dict)
+    """The step metrics the workload's loss returns beside the loss, as the newest committed step recorded
+    them (docs/workloads.md says how they are aggregated over the members), by name."""
     reshapes: tuple[Event, ...] = ()
     departed: tuple[MemberStatus, ...] = ()
     """Earlier incarnations that died, hung, failed or were retired, with their causes (newest last)."""
@@ -81,7 +85,8 @@ class JobStatus:
     """Hot spares (`workers.spares`): name, state (starting or ready), pid, node and started_at (time.time())
     of each."""
     checkpoint: dict = field(default_factory=dict)
-    """The last durable checkpoint of this run: `step` and `time` (time.time()) once one is stored, and
+    """The last durable checkpoint of this run: `step`, `time` (time.time()) and `path` (its data file, or
+    its URI on remote storage) once one is stored, and
     `failures`, the tries to store one that failed (each a `checkpoint_failed` event); empty before any."""
     samples_skipped: int = 0
     """Bad training samples skipped so far (`workload.on_bad_sample: skip`; each a `samples_skipped` event)."""

@@ -125,6 +125,52 @@ def test_gradients_ready_fires_once_per_step_after_the_last_micro_step(store_por
     assert fired == [False, False, False]
 
 
+def _train_with_a_step_metric(port: int, name: str, engine: str, steps: int = 2):
+    """As `_train`, with the worker's step metrics: the loss's first call says there is one (the mean label),
+    once the epoch's group and vote were built; the vote is refit for it before the first backward."""
+    comms = _groups(port, name)
+    members = [_member(engine, c, r) for r, c in enumerate(comms)]
+    votes: list[list] = [[] for _ in members]
+
+    def run(rank: int) -> None:
+        model, impl = members[rank]
+        for step in range(steps):
+            x, y = _data(rank, step)
+            draft = VoteDraft(samples=PER_RANK)
+            impl.begin_step(step, draft)
+            loss = nn.functional.cross_entropy(model(x), y)
+            if step == 0:
+                impl.vote_extras = 1
+                impl.refit_vote()
+            weight = PER_RANK / (2 * PER_RANK)
+            draft.loss, draft.extras = loss.detach() * weight, (y.float().mean() * weight,)
+            impl.backward(loss * weight)
+            impl.end_backward(step)
+            votes[rank].append(impl.finish_step(step, draft))
+            impl.apply_update(step, 0.1)
+
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(run, range(2)))
+    engines = [impl.reducer is not None for _, impl in members]
+    for c in comms:
+        c.close()
+    return [torch.cat([p.detach().reshape(-1) for p in m.parameters()]) for m, _ in members], votes, engines
+
+
+def test_a_step_metric_learned_at_the_first_loss_rides_the_vote_of_either_engine(store_port):
+    """The reducer's vote leaf (and the Python buckets' tail room) is rebuilt wider at the first loss: the
+    vote then carries the sum of the members' weighted metrics (the global batch's mean label), and the
+    gradients sum as before."""
+    reduced, votes, engines = _train_with_a_step_metric(store_port, "metric-reducer/e1", "reducer")
+    python, python_votes, python_engines = _train_with_a_step_metric(store_port, "metric-python/e1", "python")
+    assert engines == [True, True] and python_engines == [False, False]
+    assert float((reduced[0] - python[0]).abs().max()) == 0.0
+    for step in range(2):
+        labels = torch.cat([_data(rank, step)[1] for rank in range(2)]).float()
+        for vote in (votes[0][step], votes[1][step], python_votes[0][step]):
+            assert vote.samples == 2 * PER_RANK and vote.extras == pytest.approx((float(labels.mean()),), abs=1e-6)
+
+
 def test_micro_steps_accumulate_and_reduce_once(store_port):
     whole, _, _ = _train(store_port, "micro1/e1", "reducer", micro=1)
     split, _, _ = _train(store_port, "micro4/e1", "reducer", micro=4)

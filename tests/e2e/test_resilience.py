@@ -207,9 +207,13 @@ def test_ctrl_c_stops_gracefully_with_checkpoint_and_exit_130(tmp_path, run_root
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     status = job.status()
-    print(log.read_text()[-600:])
+    out = log.read_text()
+    print(out[-600:])
     assert status.state == "STOPPED" and "interrupted" in (status.cause or "")
     assert list((job.run_dir / "checkpoints").glob(f"step-{status.step:08d}-*.pt")), "no checkpoint at the stop step"
+    assert f"STOPPED: ctrl-c run {job.run_id} at step {status.step}" in out, "the summary after a Ctrl-C"
+    assert f"  final model: {job.run_dir / 'model.pt'} (orchestrator.load_model" in out
+    assert f"  last checkpoint: {status.checkpoint['path']} (step {status.step}; --resume continues from it)" in out
     _assert_gone("ctrl-c", job.run_id, ["w0", "w1"])
 
 

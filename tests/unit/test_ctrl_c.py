@@ -10,10 +10,14 @@ import pytest
 from core.schema import JobResult, JobStatus
 from orchestrator.cli import EXIT_INTERRUPTED, EXIT_OK, CtrlC, ProgressPrinter, follow
 
+RUN_DIR = "/runs/j/r"
+CHECKPOINT = {"step": 4, "time": 1.0, "path": f"{RUN_DIR}/checkpoints/step-00000004-1a2b.pt"}
+
 
 def _status(step: int, state: str = "RUNNING") -> JobStatus:
+    ended = state in ("STOPPED", "FINISHED")  # the job's end wrote its final model and a checkpoint
     return JobStatus(name="j", run_id="r", state=state, step=step, membership_epoch=1, world_size=2, members=(),
-                     loss=None, throughput=None, cause=None, run_dir="/nowhere")
+                     loss=None, throughput=None, cause=None, run_dir=RUN_DIR, checkpoint=CHECKPOINT if ended else {})
 
 
 def _swallowing_callback() -> None:
@@ -39,7 +43,7 @@ class FakeJob:
             state = "FINISHED" if step == 10 else "RUNNING"
             on_status(_status(step, state))
         return JobResult(name="j", run_id="r", state="FINISHED", step=10, cause=None, metrics={},
-                         run_dir="/nowhere", elapsed_s=1.0)
+                         run_dir=RUN_DIR, elapsed_s=1.0)
 
     def stop(self, reason: str) -> JobStatus:
         self.stopped_with = reason
@@ -48,6 +52,9 @@ class FakeJob:
     def status(self) -> JobStatus:
         return _status(10, "FINISHED")
 
+    def model_location(self) -> str | None:
+        return f"{RUN_DIR}/model.pt" if self.stopped_with or self.interrupt_at is None else None
+
 
 def test_a_ctrl_c_swallowed_by_a_callback_still_stops_the_job_gracefully(capsys):
     job = FakeJob(interrupt_at=3)
@@ -55,6 +62,19 @@ def test_a_ctrl_c_swallowed_by_a_callback_still_stops_the_job_gracefully(capsys)
         code = follow(job, ProgressPrinter(10, 0.0), interrupt)
     assert (code, job.stopped_with) == (EXIT_INTERRUPTED, "interrupted (Ctrl-C)")
     assert "interrupted: stopping the job gracefully" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("interrupt_at", [3, None])
+def test_the_summary_says_where_the_final_model_and_the_last_checkpoint_are_also_after_a_ctrl_c(capsys, interrupt_at):
+    job = FakeJob(interrupt_at=interrupt_at)
+    with CtrlC() as interrupt:
+        follow(job, ProgressPrinter(10, 0.0), interrupt)
+    out = capsys.readouterr().out
+    state, step = ("STOPPED", 4) if interrupt_at else ("FINISHED", 10)
+    assert f"{state}: j run r at step {step}" in out
+    assert f"  final model: {RUN_DIR}/model.pt (orchestrator.load_model('{RUN_DIR}') rebuilds it)" in out
+    assert f"  last checkpoint: {CHECKPOINT['path']} (step 4; --resume continues from it)" in out
+    assert f"  run dir: {RUN_DIR}" in out
 
 
 def test_without_a_ctrl_c_the_job_runs_to_its_end():
