@@ -3,6 +3,11 @@
 Exit codes of `run`: 0 finished, 1 training failed, 2 bad input (one line on stderr), 3 stopped
 from elsewhere, 130 interrupted. Bad input is caught before Ray starts and before anything is
 written. Progress goes to stdout as plain lines (works without a terminal).
+
+`status`, `scale` and `stop` reach a job by its name: at `--address` (or RAY_ADDRESS), else, for a
+job that started a local Ray on this machine, at the address its run recorded (`orchestrator/local_runs.py`),
+or, once it has ended, through its run folder. Their exit codes: 0 done, 1 no such job, or nothing
+answers at the address within 10 s (one line, `error: no Ray at ADDRESS ...`), 2 bad input.
 """
 from __future__ import annotations
 
@@ -28,6 +33,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from core.schema import NetworkConfig
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_STOPPED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+ADDRESS_HELP = ("the job's Ray (default: RAY_ADDRESS, else the local Ray a run of NAME on this machine started, "
+                "else its newest run folder)")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -49,11 +56,11 @@ def build_parser() -> argparse.ArgumentParser:
     scale = sub.add_parser("scale", help="grow or shrink a running job")
     scale.add_argument("name")
     scale.add_argument("count", type=int)
-    scale.add_argument("--address", default=None)
+    scale.add_argument("--address", default=None, help=ADDRESS_HELP)
     for name, text in (("status", "show a job's status"), ("stop", "stop a job gracefully")):
         cmd = sub.add_parser(name, help=text)
         cmd.add_argument("name")
-        cmd.add_argument("--address", default=None)
+        cmd.add_argument("--address", default=None, help=ADDRESS_HELP)
         if name == "status":
             cmd.add_argument("--json", action="store_true")
     lab = sub.add_parser("lab", help="the emulated network on this machine: up CONFIG | down | show [CONFIG --probe]")
@@ -72,8 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--compute-ms", type=float, default=None, help="one step's compute (else measured here)")
     plan.add_argument("--json", action="store_true")
     report = sub.add_parser("report", help="draw a run's report (loss, membership, stragglers, bytes, recoveries) as a PNG")
-    report.add_argument("run_dir", help="a run directory (it holds history.jsonl and events.jsonl), or the run on "
-                                        "its storage (s3://bucket/prefix/JOB/RUN_ID)")
+    report.add_argument("run_dir", help="a run directory (it holds history.jsonl and events.jsonl), the run on "
+                                        "its storage (s3://bucket/prefix/JOB/RUN_ID), or a job's name (its newest "
+                                        "run on this machine)")
     report.add_argument("--out", default=None, help="the PNG to write (default: RUN_DIR/report.png; ./report.png for a URI)")
     for cmd in sub.choices.values():
         cmd.error = parser.error  # type: ignore[method-assign]
@@ -189,6 +197,9 @@ def _run(config, args: argparse.Namespace, resume_from: str | None) -> int:
 def _announce(job, config) -> None:
     print(f"job {job.name} run {job.run_id}: {config.workers.count} workers, policy {job.config.sync.policy}; "
           f"run dir {job.run_dir}", flush=True)
+    if job.local_address:
+        print(f"local Ray at {job.local_address}: from another shell, python -m orchestrator status|scale|stop "
+              f"{job.name} (or --address {job.local_address})", flush=True)
     if job.policy_choice:
         print(f"policy auto: {job.policy_choice}", flush=True)
 
@@ -438,7 +449,12 @@ def cmd_report(args: argparse.Namespace) -> int:
 
     run_dir = args.run_dir if is_remote(args.run_dir) else Path(args.run_dir).expanduser()  # a URI: the run's storage
     if isinstance(run_dir, Path) and not run_dir.is_dir():
-        raise ConfigError(f"report: {run_dir} is not a directory")
+        from orchestrator.local_runs import run_folder
+
+        newest = run_folder(args.run_dir)  # a job's name: its newest run on this machine
+        if newest is None:
+            raise ConfigError(f"report: {run_dir} is not a directory, nor the name of a job with a run folder here")
+        run_dir = newest
     import importlib.util
 
     if importlib.util.find_spec("matplotlib") is None:

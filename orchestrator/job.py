@@ -12,8 +12,10 @@ the names callers import from here are re-exported.
 """
 from __future__ import annotations
 
+import atexit
 import json
 import logging
+import os
 import secrets
 import time
 from collections.abc import Callable, Iterable
@@ -34,7 +36,16 @@ from actors.runs import credentials, runfiles
 from actors.runs.storage import is_remote, open_storage
 from core.display import notable
 from core.schema import TERMINAL_STATES, ConfigError, JobConfig, JobStatus, NameTaken, OrchestratorError, parse
-from orchestrator.connection import NAMESPACE, check_local_resources, connect, ensure_token_env
+from orchestrator import local_runs
+from orchestrator.config import default_run_root
+from orchestrator.connection import (
+    NAMESPACE,
+    RayUnreachable,
+    check_local_resources,
+    connect,
+    ensure_token_env,
+    local_address,
+)
 from orchestrator.coordinator_handle import (
     Prior,
     find_coordinator,
@@ -86,6 +97,8 @@ class ElasticJob:
         self.storage: Storage | None = None
         self._coordinator: ActorHandle | None = None
         self._result: RunResult | None = None
+        self.local_address: str | None = None
+        """The GCS address of the local Ray this process started for the job (None on a cluster)."""
 
     # ------------------------------------------------------------------ lifecycle
     def start(self, owned: bool = False) -> ElasticJob:
@@ -132,7 +145,20 @@ class ElasticJob:
         self._coordinator = launch_coordinator(self.config, self.run_id, str(self.run_dir), self.resume_from,
                                                ray.get_runtime_context().get_job_id() if owned else None, started_at)
         ray.get(self._coordinator.start.remote())
+        self._record_local(started_at)
         return self
+
+    def _record_local(self, started_at: float) -> None:
+        """On a local Ray this process started: record its address under the job's name, so that
+        `status NAME` in another shell reaches it (`orchestrator/local_runs.py`); the address is dropped
+        when this process, and that Ray with it, ends."""
+        self.local_address = local_address()
+        if self.local_address is None or self.run_dir is None:
+            return
+        pid = os.getpid()
+        local_runs.record(local_runs.LocalRun(name=self.name, run_dir=str(self.run_dir), address=self.local_address,
+                                              pid=pid, pid_started=local_runs.process_start(pid), started_at=started_at))
+        atexit.register(local_runs.ended, self.name, pid)
 
     def _take_name(self) -> None:
         """Refuse to start under the name of a job that has not positively ended (a start never destroys
@@ -150,8 +176,20 @@ class ElasticJob:
 
     @classmethod
     def attach(cls, name: str, address: str | None = None) -> ElasticJob:
-        """Reach a job by name from any process; never starts a new Ray."""
-        connect(None, address, start_local=False)
+        """Reach a job by name from any process; never starts a new Ray. With no address (none given, no
+        RAY_ADDRESS, no connection yet), a job that started a local Ray on this machine is reached at that
+        Ray while it lives (`orchestrator/local_runs.py`); once it has ended, its run folder answers
+        (`status()`, `events()`, `history()`)."""
+        if not (address or os.environ.get("RAY_ADDRESS") or ray.is_initialized()):
+            local = local_runs.lookup(name)
+            if local is None or local.address is None:
+                return cls._ended(name)
+            try:
+                connect(None, local.address, start_local=False)
+            except RayUnreachable:  # its process lives on but has shut that Ray down (a notebook)
+                return cls._ended(name)
+        else:
+            connect(None, address, start_local=False)
         coordinator = find_coordinator(name)
         record = runfiles.lookup_record(name)
         if coordinator is not None:
@@ -170,9 +208,23 @@ class ElasticJob:
             raw = yaml.safe_load(storage.read(f"{name}/{run_dir.name}/config.yaml"))
         else:
             raise OrchestratorError(f"job {name!r} ended and its run folder {run_dir} is not on this node")
-        config = parse(JobConfig, raw)
         if coordinator is not None:  # the storage keys the job was started with, while it runs (Ray's KV store)
             credentials.receive(runfiles.recall_secret(credentials.kv_key(name, run_dir.name)))
+        return cls._reached(parse(JobConfig, raw), run_dir, coordinator)
+
+    @classmethod
+    def _ended(cls, name: str) -> ElasticJob:
+        """A job of this machine's that no Ray holds any more, from its newest run folder (the one its
+        local run recorded, or the run root's `<root>/<name>/<run id>`)."""
+        run_dir = local_runs.run_folder(name)
+        if run_dir is None:
+            raise OrchestratorError(f"no job named {name!r}: no local run of it is recorded in {local_runs.records_dir()} "
+                                    f"and it has no run folder under {default_run_root() / name}; for a job on a "
+                                    f"cluster, pass --address or set RAY_ADDRESS")
+        return cls._reached(parse(JobConfig, yaml.safe_load((run_dir / "config.yaml").read_text())), run_dir, None)
+
+    @classmethod
+    def _reached(cls, config: JobConfig, run_dir: Path, coordinator: ActorHandle | None) -> ElasticJob:
         job = cls(config)
         job._coordinator = coordinator
         job.run_dir = run_dir
@@ -293,6 +345,8 @@ class ElasticJob:
             time.sleep(POLL_S)
         status = self.status()
         self._release()
+        if not ray.is_initialized():  # an ended job found from its run folder: no Ray, no actors
+            return status
         names = [f"{self.name}/{status.run_id}/{m.slot}" for m in status.members]
         wait_actors_gone(names + ([server_name(self.name, status.run_id)] if status.server else []), timeout=30.0)
         return status

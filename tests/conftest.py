@@ -13,6 +13,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 os.environ.setdefault("ORCHESTRATOR_REPORT", "0")  # no run report per job (tests that want one ask in their config)
+# the local runs the tests start record their Ray's address here, not in the user's ~/.orchestrator
+os.environ.setdefault("ORCHESTRATOR_LOCAL_RUNS", tempfile.mkdtemp(prefix="orchestrator-local-runs-"))
 # the S3 tests' server (moto, on 127.0.0.1) takes any key; set before Ray starts, so that every actor has
 # them, and no SDK looks for an instance role on a network this machine cannot reach
 for _name, _value in (("AWS_ACCESS_KEY_ID", "testing"), ("AWS_SECRET_ACCESS_KEY", "testing"),
