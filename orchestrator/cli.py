@@ -334,7 +334,8 @@ def format_status(status: JobStatus) -> str:
     for m in status.members:
         lines.append(f"{m.slot:<6}{m.rank:>5}  {m.state:<10}{m.pid:>8}  {m.node}" + (f"  ({m.cause})" if m.cause else ""))
     for spare in status.spares:
-        lines.append(f"{'spare':<6}{'-':>5}  {spare['state']:<10}{spare['pid'] or '':>8}  {spare['node']}  ({spare['name']})")
+        lines.append(f"{'spare':<6}{'-':>5}  {spare['state']:<10}{spare['pid'] or '':>8}  {spare['node']}  ({spare['name']}"
+                     + (f": {spare['cause']})" if spare.get("cause") else ")"))
     for m in status.departed:
         lines.append(f"departed: {m.slot} (pid {m.pid}) {m.state}: {m.cause}")
     if status.server:
@@ -366,9 +367,9 @@ def format_server(server: dict) -> str:
 def cmd_scale(args: argparse.Namespace) -> int:
     from orchestrator.job import ElasticJob
 
-    status = ElasticJob.attach(args.name, args.address).scale(args.count)
-    print(f"{status.name}: scaling to {args.count} workers (now {status.state}, membership epoch "
-          f"{status.membership_epoch}: {', '.join(m.slot for m in status.members if m.rank >= 0)})")
+    status = ElasticJob.attach(args.name, args.address).scale(args.count)  # once the plan is out, or why not
+    print(f"{status.name}: scaling to {args.count} workers: done, membership epoch {status.membership_epoch} has "
+          f"{status.world_size} ({', '.join(m.slot for m in status.members if m.rank >= 0)}), now {status.state}")
     return EXIT_OK
 
 

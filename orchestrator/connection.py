@@ -121,16 +121,26 @@ def connect(config: JobConfig | None = None, address: str | None = None, start_l
         return False
     if not start_local:
         raise OrchestratorError("no Ray cluster to attach to: pass --address or set RAY_ADDRESS")
-    workers = config.workers if config else None
-    server = config.server.cpus if config and config.sync.policy in SERVER_POLICIES else 0.0  # one server actor
-    wanted = math.ceil((workers.max or workers.count) * workers.cpus + server) if workers else 1
-    num_cpus = max(config.ray.num_cpus or 0 if config else 0, wanted, 1)
+    num_cpus = local_cpus(config)
     # "local": a new local Ray, never the address `ray start` left in Ray's temp dir (init() without an
     # address connects there, and fails for num_cpus, or lands on a cluster that is not this job's)
     ray.init(address="local", num_cpus=num_cpus, namespace=NAMESPACE, log_to_driver=False, include_dashboard=False,
              logging_level=logging.ERROR)
     _LocalRay.address = ray.get_runtime_context().gcs_address
     return True
+
+
+def local_cpus(config: JobConfig | None) -> int:
+    """The logical CPUs of a local Ray started for `config`: room for `workers.max` workers and the
+    `workers.spares` hot spares at `workers.cpus` each (a spare holds a worker's resources for the whole
+    run, and a slot that takes one is replaced by a new spare), and the parameter server of a server
+    policy; `ray.num_cpus` where larger."""
+    if config is None:
+        return 1
+    w = config.workers
+    server = config.server.cpus if config.sync.policy in SERVER_POLICIES else 0.0  # one server actor
+    wanted = math.ceil(((w.max or w.count) + w.spares) * w.cpus + server)
+    return max(config.ray.num_cpus or 0, wanted, 1)
 
 
 def check_local_resources(config: JobConfig, total: dict) -> None:

@@ -84,6 +84,15 @@ def _watch_feed(seen: int, after: int, wait_s: float) -> Callable[[Any], Any]:
     return lambda coordinator: coordinator.watch_feed.remote(seen, after, wait_s)
 
 
+def scale_shortfall(count: int, status: JobStatus) -> str:
+    """Why a scale to `count` has not reached it, in one line: each joiner still coming and what it waits for."""
+    coming = [f"{m.slot} {m.state}" + (f" ({m.cause})" if m.cause else "") for m in status.members
+              if m.state in ("starting", "ready")]
+    spares = [f"hot spare {s['name']} {s['cause']}" for s in status.spares if s.get("cause")]
+    return (f"scale to {count}: the job has {status.world_size} members now; " + "; ".join(coming + spares or ["no joiner"])
+            + " (a joiner that waits for room joins once Ray can place it; scaling again drops it)")
+
+
 class ElasticJob:
     def __init__(self, config: JobConfig, resume_from: str | None = None) -> None:
         """`resume_from`: a checkpoint file (see `actors.runs.checkpoints.newest_valid`)."""
@@ -351,18 +360,27 @@ class ElasticJob:
         wait_actors_gone(names + ([server_name(self.name, status.run_id)] if status.server else []), timeout=30.0)
         return status
 
-    def scale(self, count: int) -> JobStatus:
-        """Grow or shrink the running job to `count` workers (within workers.min..max).
+    def scale(self, count: int, wait: bool = True) -> JobStatus:
+        """Grow or shrink the running job to `count` workers (within workers.min..max), restarting nobody.
 
-        Returns once the coordinator has decided and published the new membership (joiners are
-        started and ready first); survivors switch at the next step the commit vote agrees on.
+        Joiners are made ready first (a ready hot spare at once; else the next spare to be ready, or a
+        new actor) and admitted by one plan; members over the count leave by a plan, joiners not yet
+        admitted being dropped first. The members switch at the next step the commit vote agrees on.
+        With `wait` (the default), returns once the plan of `count` members is published; raises
+        OrchestratorError, naming what is missing, where it is not (a joiner that Ray cannot place
+        within `workers.pause_after_s`: it still joins once there is room, and scaling again drops it).
+        Without, returns once the change is decided. A request nothing can act on raises ConfigError
+        with the reason (a count outside [min, max], a stopping job, no free slot).
         """
         if self._coordinator is None:
             raise OrchestratorError(f"job {self.name!r} is not running")
         try:
-            return JobStatus.from_dict(self._ask(lambda c: c.scale.remote(int(count)), timeout=300))
+            status = JobStatus.from_dict(self._ask(lambda c: c.scale.remote(int(count), wait), timeout=300))
         except ValueError as err:
             raise ConfigError(remote_message(err)) from None
+        if wait and status.state in ("RUNNING", "RESHAPING", "PAUSED") and status.world_size != count:
+            raise OrchestratorError(scale_shortfall(count, status))
+        return status
 
     def _release(self) -> None:
         if self._coordinator is not None:

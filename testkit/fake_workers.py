@@ -101,6 +101,11 @@ class FakeWorkerGroup(WorkerGroup):
         self._pids = itertools.count(10_000)
         self.unplaced = False
         """While True, new workers get no resources: `ready` waits until `place()` (and they are not placed)."""
+        self.no_room: set[str] = set()
+        """Actor names that, when they start, get no resources until `place(name)` (as with `unplaced`)."""
+        self.held: dict[str, asyncio.Event] = {}
+        """Actor name -> the gate its start waits for: placed, but its start (imports, the workload) is not
+        done until `release(name)`."""
         self.ready_delay_s = 0.0
         """How long a new worker's start takes once placed (imports, the workload)."""
         self.start_failures: dict[str, str] = {}
@@ -150,11 +155,24 @@ class FakeWorkerGroup(WorkerGroup):
         thread.start()
         return thread
 
-    def place(self) -> None:
-        self.unplaced = False
+    def place(self, name: str | None = None) -> None:
+        """Resources for every worker waiting for them (and for new ones); with `name`, for that actor only."""
+        self.unplaced = self.unplaced and name is not None
         for worker in self.workers.values():
-            if worker.ready_gate is not None:
+            if worker.ready_gate is not None and name in (None, worker.name):
                 worker.ready_gate.set()
+
+    def no_room_for(self, name: str) -> None:
+        """The actor named `name`, when it starts, is not placed until `place(name)` (`free` says what the
+        cluster has free meanwhile)."""
+        self.no_room.add(name)
+
+    def hold(self, name: str) -> None:
+        """The actor named `name` (a spare: `job/run/spareN`), when it starts, is placed but not ready until `release(name)`."""
+        self.held[name] = asyncio.Event()
+
+    def release(self, name: str) -> None:
+        self.held[name].set()
 
     async def commit(self, coordinator: Any, steps: int = 1, compute_s: float = 0.01) -> int:
         """`steps` committed steps under the coordinator's current plan, reported as a real rank 0 (or,
@@ -240,9 +258,11 @@ class FakeWorkerGroup(WorkerGroup):
 
     async def ready(self, handle: FakeWorker, fired_faults: tuple[int, ...]) -> dict:
         await self._reach(handle, None)
-        if self.unplaced:
+        if self.unplaced or handle.name in self.no_room:
             handle.ready_gate = asyncio.Event()
             await handle.ready_gate.wait()
+        if handle.name in self.held:
+            await self.held[handle.name].wait()
         if self.ready_delay_s:
             await asyncio.sleep(self.ready_delay_s)
         if handle.fail_start:  # its workload raised while warming up: the actor itself stays up
@@ -323,7 +343,9 @@ class FakeWorkerGroup(WorkerGroup):
         return f"fake{handle.pid}" if handle is not None else ""
 
     def is_placed(self, handle: Any) -> bool | None:
-        return handle is not None and handle.ready_gate is None or (handle.ready_gate is not None and handle.ready_gate.is_set())
+        if handle is None:  # not created yet (as Ray's: no process)
+            return False
+        return handle.ready_gate is None or handle.ready_gate.is_set()
 
     def metric(self, metric: Any, defaults: dict[str, str]) -> FakeMetric:
         made = self.metrics[metric.name] = FakeMetric(metric.kind)

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from actors.control.admission import Admission
-from actors.control.book import MembershipBook
+from actors.control.book import Convergence, MembershipBook
 from actors.control.feed import Feed
 from actors.control.journal import Journal
 from actors.control.keys import RendezvousKey
@@ -32,7 +32,7 @@ from actors.control.spares import SparePool
 from actors.control.supervisor import Actions, Supervisor
 from actors.control.tasks import Tasks
 from actors.control.trial import Trial
-from actors.control.workers import RayWorkerGroup, WorkerGroup
+from actors.control.workers import PlacementWatch, RayWorkerGroup, WorkerGroup
 from actors.faults import CoordinatorFaults
 from actors.observe.metrics import Exporter, JobMetrics
 from actors.observe.tracking import TensorBoard
@@ -115,11 +115,15 @@ class CoordinatorBase(Actions):
         self._saved: dict | None = self._load_saved() if self.group.reconstructed else None
         if self._saved is None:
             self.keys.keep(self.secret)
-        self.spares = SparePool(self.cfg.workers.spares, self.group, self.prefix, lambda slot: self._spec(slot, 0),
+        w = self.cfg.workers
+        placement = PlacementWatch(self.group, w.cpus, w.gpus, w.pause_after_s)
+        """Tells a joiner or a spare that Ray cannot place (an event, and in `status`)."""
+        self.spares = SparePool(w.spares, self.group, self.prefix, lambda slot: self._spec(slot, 0),
                                 self._persist, self.journal.wait_saved, self.journal.event,
                                 wanted=self._may_start,
                                 settled=lambda: not (self.book.pending or self.book.slots_in(S.STARTING, S.READY)),
-                                started=(self._saved or {}).get("started_spares", 0), tasks=self.tasks)
+                                started=(self._saved or {}).get("started_spares", 0), tasks=self.tasks,
+                                placement=placement)
         self.publisher = Publisher(self.book, self.group, self.algorithm.kind, self.incarnation,
                                    lambda: self.server, self._persist,
                                    lambda version, sent: self.faults.maybe_die("publish", version, sent))
@@ -132,7 +136,7 @@ class CoordinatorBase(Actions):
                                  self.admission.request,
                                  started=max((self._saved or {}).get("started_workers", 0),
                                              self.incarnation * WORKER_STARTS_PER_INCARNATION), tasks=self.tasks,
-                                 fail=lambda reason, detail: self.end(JobState.FAILED, reason, detail))
+                                 placement=placement, fail=lambda reason, detail: self.end(JobState.FAILED, reason, detail))
         self.trial: Trial | None = None
         """`sync.auto`'s online trial (actors/control/trial.py), on the first incarnation only."""
         if self.cfg.policy_trial and self._saved is None and not self.cfg.policy_trial.get("resumed"):
@@ -194,12 +198,12 @@ class CoordinatorBase(Actions):
         self.journal.event(kind, reason, **detail)
 
     @abstractmethod
-    async def scale(self, count: int) -> dict:
+    async def scale(self, count: int, wait: bool = True) -> dict:
         """Grow or shrink to `count` workers (the shell's call from drivers; `faults.scales` use it too)."""
 
     async def _scale_by_fault(self, count: int) -> None:
         try:
-            await self.scale(count)
+            await self.scale(count, wait=False)
         except ValueError as err:  # the job ended or stops meanwhile: said, not raised into the loop
             self.journal.event("info", f"faults.scale to {count} not done: {err}")
 
@@ -209,27 +213,41 @@ class CoordinatorBase(Actions):
         member.move(S.TRAINING)
         self.supervisor.watch(member)
 
-    async def _converge(self, reason: str, detector: str) -> None:
-        """Start or retire workers until the membership matches the target count (slots permitting)."""
+    async def _converge(self, reason: str, detector: str) -> Convergence | None:
+        """Start workers, drop joiners or retire members until the membership matches the target count
+        (slots permitting); what was decided, or None when the job takes no change now (stopping, ended)."""
         lock = self._reshape_lock
         if lock is None:
             raise RuntimeError("the coordinator converges only once started")
         async with lock:
             if not self.state.active or self.stop_kind is not None:
-                return
-            missing, joiners, leavers = self.book.converge()
-            if missing and not joiners:
-                self.journal.event("info", f"{reason}: no free slot (retired: {', '.join(sorted(self.book.retired)) or 'none'})")
-            if joiners:
-                self.launcher.spawn(joiners, reason, detector)
-            elif leavers:
-                for slot in leavers:
+                return None
+            done = self.book.converge()
+            if done.missing > len(done.start):
+                self.journal.event("info", f"{reason}: {done.missing - len(done.start)} worker(s) short, no free slot "
+                                           f"(retired: {', '.join(sorted(self.book.retired)) or 'none'})")
+            if done.start:
+                self.launcher.spawn(list(done.start), reason, detector)
+            for slot in done.drop:  # not in any plan yet: nobody waits for them
+                member = self.book.members[slot]
+                member.move(S.LEFT)
+                member.cause = f"no longer wanted before it joined: {reason}"
+                self.book.depart(member, self.group.actor_id(member.handle))
+                self.group.kill(member.handle)
+            if done.drop:
+                self.spares.wake()  # a dropped slot waiting for a spare stops waiting
+                self.journal.event("info", f"{reason}: {', '.join(done.drop)} dropped before joining",
+                                   slots=list(done.drop))
+            if done.leave:
+                for slot in done.leave:
                     self.book.members[slot].move(S.LEAVING)
-                self.reshape(tuple(s for s in self.book.live() if s not in leavers), reason, detector, time.time(),
-                             leavers=tuple(leavers))
+                self.reshape(tuple(s for s in self.book.live() if s not in done.leave), reason, detector, time.time(),
+                             leavers=done.leave)
+            return done
 
     def publish(self, members: tuple[str, ...], reason: str, new_epoch: bool = False, aborts: bool = False) -> Plan:
         plan = self.publisher.publish(members, reason, self.history.written_step, new_epoch, aborts)
+        self.feed.changed()  # a scale waits for its joiners' plan
         if self.trial is not None:
             self.trial.membership(plan.nodes)  # a node joining or leaving runs the trial again
         return plan

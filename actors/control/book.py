@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from actors.control.members import Member
@@ -26,6 +27,19 @@ DEPARTED_KEPT = 20
 WORKLOAD_FAULTS_KEPT = 64
 """Workload faults kept to compare a new one with (each holds its traceback)."""
 
+
+@dataclass(frozen=True)
+class Convergence:
+    """What `MembershipBook.converge` decides to reach the target count."""
+
+    missing: int
+    """Members short of the target before `start` (more than `start` names when slots ran out)."""
+    start: tuple[str, ...] = ()
+    """Slots to start a worker in."""
+    drop: tuple[str, ...] = ()
+    """Joiners in no plan yet (starting or ready) that are no longer wanted."""
+    leave: tuple[str, ...] = ()
+    """Members of the plan that leave it."""
 
 
 class MembershipBook:
@@ -166,21 +180,22 @@ class MembershipBook:
         self.retired[slot] = f"retired after {self.failures[slot]} failures (workers.failure_budget = {budget}); last: {cause}"
         return True
 
-    def converge(self) -> tuple[int, list[str], list[str]]:
-        """(members missing, slots to start, members to drop) to reach `target_count`: the lowest free
-        slots when short (fewer than missing when slots run out), leavers by `workers.scale_down` when
-        over (only once nobody is still starting)."""
+    def converge(self) -> Convergence:
+        """What reaches `target_count`: when short, the lowest free slots (fewer than missing when slots
+        run out); when over, first the joiners not yet in a plan (starting or ready; the newest slots
+        first: nobody waits for a worker the job no longer wants), then leavers by `workers.scale_down`."""
         live = list(self.live())
         coming = self.slots_in(S.STARTING, S.READY)
         missing = self.target_count - len(live) - len(coming)
         if missing > 0:
             taken = set(self.slots_in(S.TRAINING, S.STARTING, S.READY, S.LEAVING))
             assert self.cfg.workers.max is not None  # WorkersConfig.__post_init__ fills it in
-            return missing, free_slots(self.cfg.workers.max, taken, set(self.retired), missing), []
-        if len(live) > self.target_count and not coming:
-            views = [MemberView(s, self.members[s].compute_s) for s in live]
-            return 0, [], choose_leavers(views, len(live) - self.target_count, self.cfg.workers.scale_down)
-        return 0, [], []
+            return Convergence(missing, start=tuple(free_slots(self.cfg.workers.max, taken, set(self.retired), missing)))
+        over = -missing
+        drop = choose_leavers([MemberView(s, 0.0) for s in coming], min(over, len(coming)), "newest")
+        views = [MemberView(s, self.members[s].compute_s) for s in live]
+        leave = choose_leavers(views, len(live) - self.target_count, self.cfg.workers.scale_down)
+        return Convergence(0, drop=tuple(drop), leave=tuple(leave))
 
     def note_model(self, ready: dict) -> None:
         """What a worker's ready answer says of the model that the book's rules need."""
@@ -193,7 +208,8 @@ class MembershipBook:
     def member_status(self, m: Member, actor_id: str = "") -> MemberStatus:
         rank = self.plan.rank_of(m.slot) if self.plan else None
         return MemberStatus(slot=m.slot, rank=-1 if rank is None or m.state.departed else rank, node=m.node,
-                            pid=m.pid, state=m.state.value, cause=m.cause, node_id=m.node_id, actor_id=actor_id)
+                            pid=m.pid, state=m.state.value, cause=m.cause or m.waiting_for, node_id=m.node_id,
+                            actor_id=actor_id)
 
     def depart(self, member: Member, actor_id: str = "") -> None:
         self.departed = (self.departed + [self.member_status(member, actor_id)])[-DEPARTED_KEPT:]

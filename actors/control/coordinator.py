@@ -41,13 +41,15 @@ from actors.control.server_control import server_restarted
 from actors.plan import Progress
 from algorithms.rules.kinds import SERVER_KINDS
 from algorithms.rules.membership import share_refusal
-from algorithms.rules.supervision import JobState, JobView
+from algorithms.rules.supervision import JobState, JobView, MemberState
 
 MAX_RESTARTS = 5
 """How often Ray restarts a coordinator whose process dies; each restart carries on from the run
 directory and the live workers (a new incarnation)."""
 FEED_WAIT_S = 30.0
 """The longest a driver's long poll waits before it is answered anyway (it then asks again)."""
+SCALE_WAIT_S = 240.0
+"""The longest `scale` waits for its joiners (a driver's call waits 300 s)."""
 FORCE_STOP_AFTER_S = 10.0
 """A stop's grace beyond `comm.timeout_s`: members that have not stopped by then are killed."""
 
@@ -87,8 +89,15 @@ class Coordinator(Lifecycle):
         await self.supervisor.stop("STOPPED", reason)
         return self._status().to_dict()
 
-    async def scale(self, count: int) -> dict:
-        """Grow or shrink to `count` workers without restarting anyone; returns once decided."""
+    async def scale(self, count: int, wait: bool = True) -> dict:
+        """Grow or shrink to `count` workers without restarting anyone. Joiners are made ready first (a
+        hot spare, or a new actor) and admitted by a plan; members over the count leave by a plan, and
+        joiners not yet admitted are dropped first. With `wait`, returns once that is done (the plan of
+        `count` members published), or once every joiner still missing waits for room Ray has not got
+        (each one's cause in the status says what it lacks; it joins when placed), or once the job takes
+        another course (another scale, a stop, its end), at most SCALE_WAIT_S. Refused (ValueError, the
+        reason in one line) where nothing can be done: a count outside [min, max] or whose shares would be
+        empty, a job that is not running or is stopping, no free slot."""
         await self._recovered.wait()
         w = self.cfg.workers
         high = w.max if w.max is not None else w.count  # a parsed config's max is set (count by default)
@@ -97,12 +106,30 @@ class Coordinator(Lifecycle):
         refusal = share_refusal(count, self.cfg.workload.batch_size, w.count, w.batch_mode, self.book.batch_norm)
         if refusal is not None:
             raise ValueError(f"scale: {refusal}")
-        if not self.state.active:
-            raise ValueError(f"scale: the job is {self.state.value}; only a running or paused job can be scaled")
-        self.book.target_count = count
+        if not self.state.active or self.stop_kind is not None:
+            raise ValueError(f"scale: the job is {'stopping' if self.state.active else self.state.value}; only a "
+                             f"running or paused job can be scaled")
+        previous, self.book.target_count = self.book.target_count, count
         self._persist()
-        await self._converge(f"scale to {count} requested", "scale request")
+        done = await self._converge(f"scale to {count} requested", "scale request")
+        if done is None:
+            raise ValueError(f"scale: the job is {self.state.value} and stopping; it takes no new member")
+        if done.missing and not done.start:
+            self.book.target_count = previous
+            self._persist()
+            raise ValueError(f"scale: no free slot for {done.missing} more worker(s): slots "
+                             f"{', '.join(sorted(self.book.retired))} were retired by workers.failure_budget "
+                             f"({w.failure_budget} failures)")
+        if wait:
+            await self.feed.wait(lambda: self._scaled(count), SCALE_WAIT_S)
         return self._status().to_dict()
+
+    def _scaled(self, count: int) -> bool:
+        """Whether a scale to `count` did what can be done now: no joiner is still coming, or each one that
+        is waits for room Ray has not got; or the job took another course (another target, a stop, its end)."""
+        if self.book.target_count != count or not self.state.active or self.stop_kind is not None:
+            return True
+        return all(self.book.members[s].unplaced for s in self.book.slots_in(MemberState.STARTING, MemberState.READY))
 
     async def release(self) -> None:
         """Let a terminal coordinator exit now (the driver has read the result)."""

@@ -28,6 +28,10 @@ class Feed:
     def record(self, record: dict) -> None:
         self._wake()
 
+    def changed(self) -> None:
+        """Something a waiting call may look for changed that is neither an event nor a record (a plan)."""
+        self._wake()
+
     def close(self) -> None:
         """Nothing to let go of: a waiting `status` call times out on its own."""
 

@@ -1,12 +1,15 @@
 """The launcher: a slot's worker, from the decision to start it until it is ready to be admitted.
 
 It owns the count of worker starts (each start of a slot is a new worker incarnation, which a
-parameter server fences) and the start of each one: a hot spare when one is ready, else a fresh
-actor, created off the event loop once the slot's previous actor name is released and once the
-survivors of a departure have committed without it. A start that fails counts against the slot's
-failure budget and is tried again; past the budget the slot is retired. A start whose workload factory
-raised what another start raised (`workload_bug`) ends the job instead. Once ready, the member is
-READY and the coordinator's `admit` decides when it joins a plan.
+parameter server fences) and the start of each one, once the survivors of a departure have committed
+without it: a hot spare when one is ready; else the next spare to be ready while spares are starting
+that no other slot waits for; else a fresh actor, created off the event loop once the slot's previous
+actor name is released, which gives way to a spare that becomes ready before it does
+(`algorithms.rules.membership.joiner_source`). A joiner's fresh actor that Ray cannot place within
+`workers.pause_after_s` is an event and shows in `status`. A start that fails counts against the
+slot's failure budget and is tried again; past the budget the slot is retired. A start whose workload
+factory raised what another start raised (`workload_bug`) ends the job instead. Once ready, the member
+is READY and the coordinator's `admit` decides when it joins a plan.
 """
 from __future__ import annotations
 
@@ -19,8 +22,9 @@ from actors.control.book import MembershipBook
 from actors.control.members import Member, describe, log
 from actors.control.spares import SparePool
 from actors.control.tasks import Tasks
-from actors.control.workers import WorkerGroup
+from actors.control.workers import PlacementWatch, WorkerGroup
 from actors.plan import WorkerSpec
+from algorithms.rules.membership import JoinerSource, joiner_source, placement_shortfall
 from algorithms.rules.supervision import JobState, MemberState, WorkloadFault, workload_bug
 from core.schema import WorkloadRefused
 
@@ -43,12 +47,14 @@ class Launcher:
                  spec_for: Callable[[str, int], WorkerSpec], fired: Callable[[], tuple[int, ...]],
                  note: Callable[..., Any], state: Callable[[], JobState], may_start: Callable[[], bool],
                  admit: Callable[[], Awaitable[None]], started: int = 0, tasks: Tasks | None = None,
+                 placement: PlacementWatch | None = None,
                  fail: Callable[[str, dict], Awaitable[None]] | None = None) -> None:
         """`spec_for(slot, incarnation)`: the worker's spec; `fired()`: the injected faults already fired;
         `note(kind, reason, **detail)`: an event; `state()`: the job's state; `may_start()`: whether
         workers start now (not once a stop is decided or the job ended); `admit()`: admit ready workers;
-        `tasks`: where its tasks run (the coordinator's: actors/control/tasks.py); `fail(reason, detail)`: end
-        the job FAILED, on a bug in the workload's factory (None: such a start counts as any failed start)."""
+        `tasks`: where its tasks run (the coordinator's: actors/control/tasks.py); `placement`: tells a
+        joiner that Ray cannot place (None: not looked at); `fail(reason, detail)`: end the job FAILED, on a
+        bug in the workload's factory (None: such a start counts as any failed start)."""
         self.book, self.spares, self.group, self.prefix = book, spares, group, prefix
         self._spec_for, self._fired, self._note = spec_for, fired, note
         self._state, self._may_start, self._admit = state, may_start, admit
@@ -60,6 +66,7 @@ class Launcher:
         """The failure that retired the first slot to be retired (a job that cannot start says it)."""
         self._hold: asyncio.Task | None = None
         self._tasks = tasks or Tasks()
+        self._watch = placement
         self._fail = fail
 
     def spawn(self, slots: list[str], reason: str, detector: str) -> None:
@@ -96,31 +103,20 @@ class Launcher:
         await self.departure_settled()
         if not self._still_starting(member):
             return
-        info = await self.spares.adopt(member, spec, fired)
+        info = await self._spare_for(member, spec, fired)
         if info is None:
-            name = f"{self.prefix}/{member.slot}"
-            for _ in range(NAME_RELEASE_TRIES):  # a replacement waits for its slot's previous actor name to go
-                if self.group.lookup(name) is None:
-                    break
-                await asyncio.sleep(NAME_RELEASE_WAIT_S)
-            if not self._still_starting(member):
+            handle = await self._new_actor(member, spec)
+            if handle is None:
                 return
-            # created in a thread: registering a named detached actor waits for Ray's GCS (measured: 116 ms
-            # while the GCS handled a death), and on the event loop that held up the survivors' reports
-            handle = await asyncio.to_thread(self.group.create, name, spec)
-            if not self._still_starting(member):
-                self.group.kill(handle)
+            try:  # no timeout: Ray places the actor when there is room (the job may be PAUSED until then)
+                info = await self._new_or_spare(member, handle, spec, fired)
+            except Exception as err:  # noqa: BLE001 - the worker could not start (user code in the factory, ...)
+                if self.book.members.get(member.slot) is member and member.state == S.STARTING:
+                    await self._start_failed(member, err)
                 return
-            member.handle = handle
-        try:  # no timeout: Ray places the actor when there is room (the job may be PAUSED until then)
-            if info is None:
-                info = await self.group.ready(member.handle, fired)
-        except Exception as err:  # noqa: BLE001 - the worker could not start (user code in the factory, ...)
-            if self.book.members.get(member.slot) is member and member.state == S.STARTING:
-                await self._start_failed(member, err)
-            return
         if self.book.members.get(member.slot) is not member or member.state != S.STARTING:
             return  # stopped or replaced meanwhile
+        member.waiting_for, member.unplaced = "", False
         member.pid, member.node, member.node_id = info["pid"], info["node"], info["node_id"]
         self.book.note_model(info)
         member.move(S.READY)
@@ -145,6 +141,83 @@ class Launcher:
         reason = f"no worker could start: {bug}" if self.book.plan is None else bug
         await self._fail(reason, {"slot": member.slot, "detector": "workload", "cause": fault.line,
                                   "traceback": fault.traceback})
+
+    async def _spare_for(self, member: Member, spec: WorkerSpec, fired: tuple[int, ...]) -> dict | None:
+        """A hot spare becomes `member`'s worker: a ready one, or, while spares are starting that no other
+        slot waits for, the next one to be ready (`joiner_source`). Its ready info; None: start a new actor."""
+        while self._still_starting(member):
+            source = joiner_source(self.spares.ready(), self.spares.starting(), self.spares.waiting)
+            if source is JoinerSource.NEW_ACTOR:
+                return None
+            if source is JoinerSource.SPARE:
+                info = await self.spares.adopt(member, spec, fired)
+                if info is not None:
+                    return info
+                continue  # the spare died idle: look again
+            member.waiting_for = "waiting for a hot spare to be ready"
+            try:
+                await self.spares.changed()
+            finally:
+                member.waiting_for = ""
+        return None
+
+    async def _new_actor(self, member: Member, spec: WorkerSpec) -> Any:
+        """A fresh actor for `member`'s slot, created once the slot's previous actor name is gone; None when
+        the member no longer starts."""
+        name = f"{self.prefix}/{member.slot}"
+        for _ in range(NAME_RELEASE_TRIES):  # a replacement waits for its slot's previous actor name to go
+            if self.group.lookup(name) is None:
+                break
+            await asyncio.sleep(NAME_RELEASE_WAIT_S)
+        if not self._still_starting(member):
+            return None
+        # created in a thread: registering a named detached actor waits for Ray's GCS (measured: 116 ms
+        # while the GCS handled a death), and on the event loop that held up the survivors' reports
+        handle = await asyncio.to_thread(self.group.create, name, spec)
+        if not self._still_starting(member):
+            self.group.kill(handle)
+            return None
+        member.handle = handle
+        if self._watch is not None and self.book.plan is not None:  # a joiner (the first members: `first_members`)
+            self._tasks.spawn(self._watch_placement(member, handle, self._watch))
+        return handle
+
+    async def _new_or_spare(self, member: Member, handle: Any, spec: WorkerSpec, fired: tuple[int, ...]) -> dict:
+        """The new actor's ready info, or that of a spare that becomes ready first (the new actor is then
+        killed): a slot never waits for an actor that Ray may be unable to place while a spare sits ready."""
+        fresh = asyncio.ensure_future(self.group.ready(handle, fired))
+        changed: asyncio.Future | None = None
+        try:
+            while self.spares.want:
+                changed = asyncio.ensure_future(self.spares.changed())
+                await asyncio.wait((fresh, changed), return_when=asyncio.FIRST_COMPLETED)
+                changed.cancel()
+                if fresh.done():
+                    break
+                if self.spares.ready() and self._still_starting(member):
+                    info = await self.spares.adopt(member, spec, fired)
+                    if info is not None:
+                        self.group.kill(handle)
+                        return info
+            return await fresh
+        finally:
+            fresh.cancel()
+            if changed is not None:
+                changed.cancel()
+
+    async def _watch_placement(self, member: Member, handle: Any, placement: PlacementWatch) -> None:
+        """An event, and the member's cause in `status`, once Ray has not placed its actor within the grace
+        and the cluster lacks its room; the cause goes once it is placed."""
+        waiting = lambda: self._still_starting(member) and member.handle is handle  # noqa: E731
+        short = await placement.shortfall(handle, waiting)
+        if short is None:
+            return
+        member.unplaced, member.waiting_for = True, f"cannot be placed: it {short}"
+        self._note("unplaced", f"{member.slot} cannot be placed after {placement.grace_s:g}s: it {short}; it joins once "
+                               f"Ray has room or a hot spare is ready", slot=member.slot,
+                   asks={"CPU": placement.cpus, "GPU": placement.gpus})
+        if await placement.placed(handle, waiting):
+            member.unplaced, member.waiting_for = False, ""
 
     async def first_members(self, starting: Callable[[bool, str], None]) -> tuple[str, ...]:
         """All `count` workers ready, or at least `min` after `start_grace_s`. Below `min` after
@@ -182,12 +255,10 @@ class Launcher:
         waiting = [self.book.members[s] for s in self.book.slots_in(S.STARTING)]
         placed = await asyncio.to_thread(lambda: [self.group.is_placed(m.handle) for m in waiting])
         unplaced = sum(1 for p in placed if p is False)
-        free = await asyncio.to_thread(self.group.free_resources) if unplaced else {}
-        if unplaced and (free.get("CPU", 0) < w.cpus or (w.gpus and free.get("GPU", 0) < w.gpus)):
+        short = placement_shortfall(w.cpus, w.gpus, await asyncio.to_thread(self.group.free_resources)) if unplaced else None
+        if short is not None:
             return True, (f"waiting for resources: {up} of workers.min = {w.min} workers up; {unplaced} cannot be "
-                          f"placed: each needs {w.cpus:g} CPUs" + (f" and {w.gpus:g} GPUs" if w.gpus else "")
-                          + f", the cluster has {free.get('CPU', 0):g} CPUs"
-                          + (f" and {free.get('GPU', 0):g} GPUs" if w.gpus else "") + " free")
+                          f"placed: each {short}")
         return False, (f"{len(waiting) + len(self.book.slots_in(S.READY))} of {w.count} workers placed, {up} up: "
                        f"waiting for the others to start (imports, workload)")
 

@@ -33,6 +33,11 @@ class Member:
     compute_s: float = 0.0
     cause: str = ""
     """Why the member is hung, retired or failed."""
+    waiting_for: str = ""
+    """While it starts, what it waits for that the user may need to know (a hot spare to be ready; room
+    Ray has not got: then `unplaced` too); written by the launcher, shown in `status`."""
+    unplaced: bool = False
+    """Its actor could not be placed within `workers.pause_after_s`: the cluster lacks what it asks."""
     evicted: tuple[str, str] | None = None
     """(detector, cause) when the coordinator evicted it before its watch() ended: killed for hanging, or
     found dead by a probe."""
@@ -69,6 +74,8 @@ class Spare:
     started_at: float = field(default_factory=time.time)
     ready_at: float | None = None
     """When it was ready (its start took `ready_at - started_at`); None while it starts."""
+    unplaced: str = ""
+    """What the cluster lacks for it, once it could not be placed within `workers.pause_after_s`."""
 
     @property
     def ready(self) -> bool:
@@ -76,7 +83,7 @@ class Spare:
 
     def status(self) -> dict:
         return {"name": self.name.rsplit("/", 1)[-1], "state": "ready" if self.ready else "starting", "pid": self.pid,
-                "node": self.node, "started_at": self.started_at, "ready_at": self.ready_at}
+                "node": self.node, "started_at": self.started_at, "ready_at": self.ready_at, "cause": self.unplaced}
 
 
 def kill(handle) -> None:

@@ -25,6 +25,7 @@ from typing import Any
 from actors.control.members import describe, first_line, is_placed, job_is_dead, kill, log, log_to
 from actors.lifeline import watch as lifeline_watch
 from actors.plan import Plan, WorkerSpec, holder_name
+from algorithms.rules.membership import placement_shortfall
 from core.schema import JobConfig
 
 
@@ -162,6 +163,40 @@ class WorkerGroup:
 
     def exit(self) -> None:
         """This coordinator is done: its process goes."""
+
+
+class PlacementWatch:
+    """Whether a worker actor that has no process yet lacks room in the cluster: what a joiner or a spare
+    that waits tells the user (an event, `status`), instead of sitting in "starting" with no word."""
+
+    def __init__(self, group: WorkerGroup, cpus: float, gpus: float, grace_s: float) -> None:
+        """`cpus`, `gpus`: what one worker asks (`workers.cpus`, `workers.gpus`); `grace_s`: how long an
+        actor may go unplaced before it is said (`workers.pause_after_s`, as at the job's start)."""
+        self.group, self.cpus, self.gpus, self.grace_s = group, cpus, gpus, grace_s
+
+    async def shortfall(self, handle: Any, waiting: Callable[[], bool]) -> str | None:
+        """Once `handle` has had no process for `grace_s` (looked at every `grace_s`) while `waiting()`, and
+        the cluster has not free what it asks: that, in words. None once it is placed, no longer waited
+        for, or where Ray cannot tell. While it is unplaced with the room free, Ray is placing it."""
+        while True:
+            await asyncio.sleep(self.grace_s)
+            if not waiting():
+                return None
+            placed = await asyncio.to_thread(self.group.is_placed, handle)
+            if placed is not False:
+                return None
+            free = await asyncio.to_thread(self.group.free_resources)
+            short = placement_shortfall(self.cpus, self.gpus, free)
+            if short is not None:
+                return short
+
+    async def placed(self, handle: Any, waiting: Callable[[], bool]) -> bool:
+        """Once `handle` has a process (looked at every `grace_s`): True; False once no longer waited for."""
+        while waiting():
+            if await asyncio.to_thread(self.group.is_placed, handle) is not False:
+                return True
+            await asyncio.sleep(self.grace_s)
+        return False
 
 
 HUGE_PAGES_TUNABLE = "glibc.malloc.hugetlb=1"

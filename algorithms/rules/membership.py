@@ -1,10 +1,13 @@
-"""Membership decisions, pure: who leaves on scale-down, new slot ids, batch and LR per world size.
+"""Membership decisions, pure: who leaves on scale-down, new slot ids, batch and LR per world size,
+where a slot's worker comes from (a hot spare or a new actor), and what a worker Ray cannot place lacks.
 
 The coordinator calls these with plain values and acts on the answer; they never touch Ray,
 so every rule is unit-tested in milliseconds.
 """
 from __future__ import annotations
 
+import enum
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 
@@ -37,6 +40,37 @@ def free_slots(max_workers: int, taken: set[str], retired: set[str], count: int)
     """
     free = [f"w{i}" for i in range(max_workers) if f"w{i}" not in taken and f"w{i}" not in retired]
     return free[:max(count, 0)]
+
+
+class JoinerSource(enum.Enum):
+    """Where a slot that needs a worker (a joiner, a replacement) gets it."""
+
+    SPARE = "a ready hot spare"
+    NEXT_SPARE = "the next hot spare to be ready"
+    NEW_ACTOR = "a new worker actor"
+
+
+def joiner_source(ready_spares: int, starting_spares: int, waiting: int) -> JoinerSource:
+    """A ready spare first. Else, while more spares are starting (placed, or not yet known to lack room)
+    than slots already wait for one, the next spare to be ready: it holds its resources already and its
+    start is under way, where a new actor would ask the cluster for room it may not have (a local Ray is
+    sized for `workers.max` plus the spares) and take the cores the spare's start needs. Else a new actor
+    (which still gives way to a spare that becomes ready before it does: the launcher's race)."""
+    if ready_spares > 0:
+        return JoinerSource.SPARE
+    if starting_spares > waiting:
+        return JoinerSource.NEXT_SPARE
+    return JoinerSource.NEW_ACTOR
+
+
+def placement_shortfall(cpus: float, gpus: float, free: Mapping[str, float]) -> str | None:
+    """What one worker asks that the cluster has not free, in words ("needs 1 CPUs, the cluster has 0 CPUs
+    free"); None when it fits (an actor without a process then is being placed, not stuck)."""
+    if free.get("CPU", 0.0) >= cpus and (not gpus or free.get("GPU", 0.0) >= gpus):
+        return None
+    return (f"needs {cpus:g} CPUs" + (f" and {gpus:g} GPUs" if gpus else "")
+            + f", the cluster has {free.get('CPU', 0.0):g} CPUs" + (f" and {free.get('GPU', 0.0):g} GPUs" if gpus else "")
+            + " free")
 
 
 def batch_for(world: int, per_worker: int, initial_world: int, mode: str) -> tuple[int, float]:

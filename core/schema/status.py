@@ -20,7 +20,7 @@ class MemberStatus:
     """starting / ready / training / leaving / left / finished / dead / failed / hung / retired / stopped"""
     actor_id: str = ""
     cause: str = ""
-    """Why it is hung, failed or retired."""
+    """Why it is hung, failed or retired; while it starts, what it waits for (a hot spare, room in the cluster)."""
     node_id: str = ""
 
 
@@ -30,7 +30,7 @@ class Event:
 
     time: float
     kind: str
-    """transition / reshape / failure / checkpoint / straggler / fault / info"""
+    """transition / reshape / failure / checkpoint / straggler / fault / unplaced / info"""
     reason: str
     state_from: str | None = None
     state_to: str | None = None

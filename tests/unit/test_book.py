@@ -1,7 +1,7 @@
 """The membership book (actors/control/book.py): plans, epochs, reshapes, slots. Pure: no Ray, no loop."""
 from __future__ import annotations
 
-from actors.control.book import ADMIT_HOLD_S, MembershipBook
+from actors.control.book import ADMIT_HOLD_S, Convergence, MembershipBook
 from actors.control.members import Member
 from algorithms.rules.supervision import JobState, MemberState
 from core.schema import JobConfig, parse
@@ -76,16 +76,30 @@ def test_a_slot_is_retired_at_its_budget_and_never_offered_again():
     assert "failure_budget = 2" in b.retired["w1"] and "boom again" in b.retired["w1"]
     plan(b, ["w0", "w2"])
     b.members["w1"].state = S.RETIRED
-    assert b.converge() == (1, ["w3"], []), "the lowest free slot that is not retired"
+    assert b.converge() == Convergence(1, start=("w3",)), "the lowest free slot that is not retired"
 
 
 def test_converge_drops_the_newest_members_when_over_the_target():
     b = book()
     plan(b, ["w0", "w1", "w2"])
     b.target_count = 2
-    assert b.converge() == (0, [], ["w2"])
-    b.members["w4"] = Member("w4", None)  # still starting: nobody leaves until it is up
-    assert b.converge() == (0, [], [])
+    assert b.converge() == Convergence(0, leave=("w2",))
+    b.target_count = 3
+    assert b.converge() == Convergence(0)
+
+
+def test_a_scale_down_drops_the_joiners_not_yet_admitted_first():
+    """A scale to 1 while w3 and w4 are still starting (a scale to 5 under way): both joiners are dropped
+    (nobody waits for them) and w2 then w1 leave. Before, the scale was taken and nothing happened: no
+    member left while a joiner was starting, and the joiners were admitted later, over the target."""
+    b = book()
+    plan(b, ["w0", "w1", "w2"])
+    b.members["w3"] = Member("w3", None)
+    b.members["w4"] = Member("w4", None, state=S.READY)
+    b.target_count = 4
+    assert b.converge() == Convergence(0, drop=("w4",)), "the newest joiner first"
+    b.target_count = 1
+    assert b.converge() == Convergence(0, drop=("w4", "w3"), leave=("w2", "w1"))
 
 
 def test_the_state_file_round_trips_and_the_dispenser_keeps_leavers_until_they_leave():

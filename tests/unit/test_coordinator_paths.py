@@ -311,6 +311,103 @@ def test_scale_up_and_down(tmp_path):
     run(scenario())
 
 
+def member_status(status: dict, slot: str) -> dict:
+    return next(m for m in status["members"] if m["slot"] == slot)
+
+
+def test_a_scale_made_before_the_spare_is_ready_takes_the_spare_as_soon_as_it_is_ready(tmp_path):
+    """The hang of a first hour, in process: count 2, max 3, one hot spare still starting, and no room for
+    a new actor (the cluster holds `max` workers and the spare). w2 waits for the spare (its status says
+    so), starts no new actor, and takes the spare once it is ready; `scale` returns once the plan of 3
+    is out. Before, w2 asked for a new actor that could not be placed, and the spare, once ready, was
+    never given to it."""
+    async def scenario():
+        group = FakeWorkerGroup()
+        group.hold("early/r1/spare1")  # placed, its start (imports, the workload) not done until released
+        coord = await started(config("early", workers={"count": 2, "max": 3, "spares": 1, "pause_after_s": 30.0}),
+                              tmp_path, group)
+        spare = await until(lambda: next((s for s in coord.spares.spares if s.handle is not None), None), "the spare")
+        group.unplaced = True  # no room for another actor
+        await group.commit(coord, 5)
+        scaling = asyncio.ensure_future(coord.scale(3))
+        w2 = await until(lambda: coord.book.members.get("w2"), "w2 started")
+        await until(lambda: w2.waiting_for, "w2 waiting for the spare")
+        assert not scaling.done() and not spare.ready
+        assert "early/r1/w2" not in {w.name for w in group.workers.values()}, "no new actor while a spare is on its way"
+        assert "waiting for a hot spare" in member_status(await coord.status(), "w2")["cause"]
+        group.release("early/r1/spare1")
+        status = await scaling
+        assert status["world_size"] == 3 and coord.book.plan.members == ("w0", "w1", "w2"), status
+        assert w2.handle is spare.handle and not member_status(status, "w2")["cause"]
+        await stopped(coord, group, 2)
+    run(scenario())
+
+
+def test_a_joiner_and_a_spare_that_cannot_be_placed_are_said_and_the_joiner_takes_the_spare_once_ready(tmp_path):
+    """No room at all: the spare cannot be placed, then neither can w2's new actor. Each is an event naming
+    what it needs and what the cluster has free, w2's cause in `status` says it, and `scale` returns
+    (world size 2) instead of waiting for ever. Once the spare is placed and ready, w2 takes it and its
+    new actor is killed: a slot never waits on an actor Ray cannot place while a spare sits ready."""
+    async def scenario():
+        group = FakeWorkerGroup()
+        group.no_room_for("full/r1/spare1")
+        coord = await started(config("full", workers={"count": 2, "max": 3, "spares": 1}), tmp_path, group)
+        group.unplaced, group.free = True, {"CPU": 0.0}
+        said = await until(lambda: events(coord, "unplaced"), "the spare's event")
+        assert said[0].reason.startswith("hot spare spare1 cannot be placed after 0.2s: it needs 0.5 CPUs, the cluster "
+                                         "has 0 CPUs free"), said[0].reason
+        await group.commit(coord, 3)
+        status = await coord.scale(3)  # once w2 too waits for room the cluster has not got
+        assert status["world_size"] == 2, status
+        assert member_status(status, "w2")["state"] == "starting"
+        assert member_status(status, "w2")["cause"] == "cannot be placed: it needs 0.5 CPUs, the cluster has 0 CPUs free"
+        assert [e.detail.get("slot") for e in events(coord, "unplaced")][:2] == [None, "w2"]
+        fresh = group.current("w2")
+        assert fresh.name == "full/r1/w2"
+        group.place("full/r1/spare1")
+        await until(lambda: coord.book.plan.members == ("w0", "w1", "w2"), "w2 joining on the spare")
+        assert coord.book.members["w2"].handle.name == "full/r1/spare1" and not fresh.alive, "its new actor is killed"
+        assert not member_status(await coord.status(), "w2")["cause"]
+        await stopped(coord, group, 2)
+    run(scenario())
+
+
+def test_a_scale_down_while_a_joiner_starts_drops_the_joiner_first(tmp_path):
+    """w2 cannot be placed; a scale to 1 then drops it (killed, `left`, never admitted) and w1 leaves by a
+    plan. Before, that scale was taken and nothing happened: no member left while a joiner was starting,
+    and the joiner was admitted once placed, over the target."""
+    async def scenario():
+        group = FakeWorkerGroup()
+        coord = await started(config("drop", workers={"count": 2, "max": 3}), tmp_path, group)
+        group.unplaced, group.free = True, {"CPU": 0.0}
+        await coord.scale(3)
+        fresh = group.current("w2")
+        await coord.scale(1)
+        assert coord.book.plan.members == ("w0",) and coord.book.members["w2"].state.value == "left"
+        assert not fresh.alive and "no longer wanted" in coord.book.members["w2"].cause
+        group.place()
+        await group.commit(coord, 3)
+        assert coord.book.plan.members == ("w0",), "the dropped joiner is never admitted"
+        await stopped(coord, group, 2)
+    run(scenario())
+
+
+def test_a_scale_that_no_free_slot_can_serve_is_refused_with_the_reason(tmp_path, monkeypatch):
+    """w2's start always fails and its slot is retired; a scale to 3 then has no slot to start: refused,
+    naming the retired slot, instead of taken and left undone."""
+    monkeypatch.setattr("actors.control.launcher.RESTART_AFTER_S", 0.01)
+    async def scenario():
+        group = FakeWorkerGroup()
+        group.start_failures["w2"] = "ValueError: this workload always fails in slot w2"
+        coord = await started(config("no-slot", workers={"count": 2, "max": 3, "failure_budget": 1}), tmp_path, group)
+        status = await coord.scale(3)  # once w2 is retired: nothing is coming any more
+        assert status["world_size"] == 2 and "w2" in coord.book.retired
+        with pytest.raises(ValueError, match="no free slot for 1 more worker.*w2 were retired"):
+            await coord.scale(3)
+        await stopped(coord, group, 2)
+    run(scenario())
+
+
 def test_a_scale_fault_scales_the_job_once_its_step_is_committed_and_only_once(tmp_path):
     """`faults.scale`: the order of a scale and the job's steps is written in the config. The job grows
     to 4 once step 3 is committed, shrinks to 2 once step 6 is, and neither entry fires again."""
