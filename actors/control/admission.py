@@ -95,6 +95,11 @@ class Admission:
                 raise RuntimeError(f"every member was lost, and the checkpoint at step {restore[0]}, which was being "
                                    f"stored then, could not be stored (resume with --resume)")
             await self._restore_from(ready[0], *restore)
+            # a scale down may have dropped joiners meanwhile: without the one restored, the next joiner restores
+            if book.members[ready[0]].state != S.READY:
+                self.restore = restore
+                return
+            ready = [s for s in ready if book.members[s].state == S.READY]
         if joiners_start_stateless(self.kind, self._history().step(live)):
             for slot in ready:  # until it loads the committed state (or commits in its epoch)
                 book.members[slot].holds_state = slot == ready[0] and restore is not None

@@ -187,6 +187,30 @@ def test_a_checkpoint_still_being_stored_when_every_member_was_lost_is_the_one_r
     asyncio.run(scenario())
 
 
+def test_a_joiner_dropped_while_its_restore_is_read_is_never_admitted_and_the_next_joiner_restores():
+    """Every member was lost; w1 and w2 are ready, and w1 is to start from the checkpoint. While admission
+    waits for the store under way, a scale down drops w1 (actors/control/base.py `_converge`). No plan names
+    the dropped w1 (its move to training would fail the job), and the restore stays for the next joiner."""
+    async def scenario():
+        h = Harness()
+        h.start("w0")
+        h.book.members["w0"].state = S.DEAD
+        h.journal.checkpoint = h.admission.restore = (4, "/runs/checkpoints/step-00000004.pt")
+        h.journal.storing = asyncio.get_running_loop().create_future()
+        for slot in ("w1", "w2"):
+            h.member(slot, S.READY, ("replace w0", "replacement", 1.0))
+        admitting = asyncio.get_running_loop().create_task(h.admission.admit())
+        await asyncio.sleep(0)
+        h.book.members["w1"].move(S.LEFT)
+        h.journal.storing.set_result((4, "/runs/checkpoints/step-00000004.pt"))
+        await admitting
+        assert h.reshapes == [] and h.admission.restore == (4, "/runs/checkpoints/step-00000004.pt")
+        h.journal.storing = None
+        await h.admission.admit()
+        assert [r[0] for r in h.reshapes] == [("w2",)] and h.book.members["w2"].holds_state
+    asyncio.run(scenario())
+
+
 def test_every_member_lost_while_the_first_checkpoint_is_being_stored_restores_from_it_once_stored():
     """The decision saw no stored checkpoint but one being stored at step 8 (restore = (8, "")): the first
     joiner starts from it once its store has ended. A store that then fails ends the job with the reason."""
