@@ -89,8 +89,10 @@ def scale_shortfall(count: int, status: JobStatus) -> str:
     coming = [f"{m.slot} {m.state}" + (f" ({m.cause})" if m.cause else "") for m in status.members
               if m.state in ("starting", "ready")]
     spares = [f"hot spare {s['name']} {s['cause']}" for s in status.spares if s.get("cause")]
-    return (f"scale to {count}: the job has {status.world_size} members now; " + "; ".join(coming + spares or ["no joiner"])
-            + " (a joiner that waits for room joins once Ray can place it; scaling again drops it)")
+    gone = [f"{d.slot} {d.state}: {d.cause}" for d in status.departed[-1:]] if not coming else []
+    return (f"scale to {count}: the job has {status.world_size} members now; "
+            + "; ".join(coming + spares + gone or ["no joiner is starting"])
+            + (" (a joiner that waits for room joins once Ray can place it; scaling again drops it)" if coming else ""))
 
 
 class ElasticJob:
