@@ -176,3 +176,23 @@ def test_the_first_members_fail_at_once_when_every_slot_started_is_retired(monke
         else:
             raise AssertionError("no member can be ready, yet the first members were returned")
     asyncio.run(scenario())
+
+
+def test_a_slot_waiting_for_a_spare_whose_start_fails_starts_a_new_actor(monkeypatch):
+    """w0 waits for the spare still starting (no ready one); the spare's start fails: w0 is woken and,
+    with no spare left on its way, starts a new actor instead of waiting for the next spare (which starts
+    only RETRY_AFTER_S later)."""
+    monkeypatch.setattr("actors.control.spares.RETRY_AFTER_S", 600.0)
+    async def scenario():
+        h = Harness(spares=1)
+        h.group.hold("job/r/spare1")
+        h.group.start_failures["spare1"] = "ImportError: no module named x"
+        h.pool.fill()
+        await h.until(lambda: h.pool.spares and h.pool.spares[0].handle is not None, "the spare's actor")
+        h.launcher.spawn(["w0"], "replace", "replacement")
+        await h.until(lambda: h.book.members["w0"].waiting_for, "w0 waiting for the spare")
+        h.group.release("job/r/spare1")
+        await h.until(lambda: h.book.slots_in(S.READY) == ["w0"], "w0 ready on a new actor")
+        assert h.book.members["w0"].handle.name == "job/r/w0" and not h.book.members["w0"].waiting_for
+        assert any("spare1 failed to start" in reason for _, reason in h.notes)
+    asyncio.run(scenario())
