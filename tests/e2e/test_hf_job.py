@@ -33,7 +33,12 @@ def test_a_gpt2_trains_through_a_kill_and_keeps_its_tied_weights(run_root):
               and e["detail"].get("detector") in ("actor death", "collective failure")]
     assert deaths, "the kill at step 25 never showed as a membership change"
     evals = [r["metrics"]["eval_loss"] for r in job.history() if (r.get("metrics") or {}).get("eval_loss") is not None]
-    assert len(evals) >= 2 and evals[-1] < evals[0], evals
+    torch.manual_seed(cfg["seed"])  # the initial model, as the job's factory made it
+    initial = causal_lm(**PARAMS)
+    before = initial.evaluate(initial.model, initial.eval_data)["eval_loss"]
+    # from the initial model, not from step 20: by then the loss has fallen to a plateau that steps 20-60
+    # cross up and down by a few hundredths, as the step the killed worker's replacement joins at decides
+    assert len(evals) >= 2 and max(evals) < before - 1.0, (before, evals)
     model = job.model()
     assert model.lm_head.weight is model.transformer.wte.weight
     saved = sorted(Path(result.run_dir, "checkpoints").glob("step-*.pt"))
