@@ -465,6 +465,9 @@ def test_a_restarted_coordinator_reattaches_the_live_members_and_history_has_no_
         first = await started(config("restart"), tmp_path, group)
         await group.commit(first, 5)
         epoch = first.book.epoch
+        # its state file holds what it had at step 5 (its writer thread, not the cancelled task, writes it;
+        # under load a write could still be on its way when the next incarnation reads the file)
+        assert await asyncio.to_thread(first.journal.wait_saved, first._persist(), 10)
         first._released.set()
         first._main_task.cancel()  # the process is gone: nothing more reaches the workers from it
         await asyncio.sleep(0.05)
