@@ -2,7 +2,7 @@
 membership changes: every call sums over exactly the epoch's members, a new epoch is a new group
 name, and a member killed mid-run costs the survivors no timeout (their pending call fails, the
 step is redone in the next epoch). The abort and timeout of such a call on a silent peer, which no
-connection reset releases, are in tests/actors/test_comm.py."""
+connection reset releases, are in tests/integration/test_comm.py."""
 from __future__ import annotations
 
 import os

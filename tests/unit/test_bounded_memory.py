@@ -1,5 +1,5 @@
 """What a week-long job accumulates stays bounded: the plans a worker keeps, the store keys of past
-membership epochs (the coordinator's events: tests/actors/test_coordinator_order.py)."""
+membership epochs (the coordinator's events: tests/integration/test_coordinator_order.py)."""
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor

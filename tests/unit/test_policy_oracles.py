@@ -211,7 +211,7 @@ ADAMW_WARMUP_COSINE = {"name": "adamw", "lr": 0.01, "weight_decay": 0.01, "warmu
 @pytest.mark.parametrize("optimizer,n,global_batch", [(NESTEROV, 4, 64), (ADAMW_WARMUP_COSINE, 3, 50)],
                          ids=["sgd_nesterov-4", "adamw_warmup_cosine-3"])
 def test_bsp_in_process_with_nesterov_or_adamw_and_a_schedule_equals_single_process(tmp_path, optimizer, n, global_batch):
-    """The optimizers and the learning-rate schedule of the Ray oracle (tests/actors/test_bsp_oracle.py),
+    """The optimizers and the learning-rate schedule of the Ray oracle (tests/integration/test_bsp_oracle.py),
     here with real replicas in threads: torch's own optimizer and LambdaLR on the concatenated batch."""
     diff = max_diff(run(tmp_path, {"policy": "bsp", "bucket_mb": 0.004}, optimizer, n, global_batch),
                     reference_bsp(optimizer, global_batch))
