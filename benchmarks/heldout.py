@@ -56,7 +56,7 @@ ended with. The report: the model's error per cell (within 25%?), and whether au
 within 10% of the fastest policy's time to the target in the same cell and seed (its standalone run).
 
     python benchmarks/heldout.py [--settings 6w3n,...,6w3n03,8w2n025] [--networks 100m,1g] [--seeds 0,1,2]
-        [--trial-steps 10] [--trial-candidates 3] [--out docs/heldout.jsonl] [--resume] [--report] [--rerank] [--retrial]
+        [--trial-steps 10] [--trial-candidates 3] [--out benchmarks/results/heldout.jsonl] [--resume] [--report] [--rerank] [--retrial]
 
 Rows are appended to `--out` as each run ends (`--resume` skips those there). Needs root and `tc` (the
 lab); exits 2 with the reason otherwise. Figures are measurements, not gates.

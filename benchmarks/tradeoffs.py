@@ -32,7 +32,7 @@ a run that stops can be continued (`--resume`); `--report` re-prints from that f
 
     python benchmarks/tradeoffs.py [--networks 10g,1g,100m] [--conditions none,straggler,jitter]
         [--only bsp,dpsgd] [--seeds 0,1,2] [--lr 0.1] [--workers 4] [--compute-ms 15] [--target 0.96] [--out tradeoffs.jsonl]
-        [--resume] [--png docs/tradeoffs.png] [--write-factors] [--report] [--with docs/tradeoffs_seeds.jsonl]
+        [--resume] [--png docs/tradeoffs.png] [--write-factors] [--report] [--with benchmarks/results/tradeoffs_seeds.jsonl]
 
 With several `--seeds`, each cell runs once per seed (the workload's initialization and the data order
 change) and the tables take the medians (`by_seed`). `--with` adds the rows of other runs' files (other
