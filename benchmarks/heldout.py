@@ -74,18 +74,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks import tradeoffs  # noqa: E402
-from benchmarks.tradeoffs import (  # noqa: E402
-    NETWORKS,
-    TIMED_FROM_START,
-    accuracy_evals,
-    bytes_per_step,
-    first_at,
-    lab_ready,
-    measured_rows,
-    per_step,
-    placed_step_s,
-)
+from benchmarks.tradeoffs import measured_rows  # noqa: E402
+from orchestrator import calibration  # noqa: E402
+from orchestrator.calibration import TIMED_FROM_START, accuracy_evals, bytes_per_step, first_at, per_step  # noqa: E402
+from orchestrator.lab_grid import NETWORKS, lab_ready, placed_step_s  # noqa: E402
 
 SETTINGS = {
     # the first set (2026-11-27); its misses informed the model's changes of 2026-11-28, so they are no
@@ -127,9 +119,9 @@ TARGET = 0.96
 
 
 def load(path: Path) -> list[dict]:
-    """A held-out result file's rows, timed to the target from the start of training (`tradeoffs.from_start`;
+    """A held-out result file's rows, timed to the target from the start of training (`calibration.from_start`;
     an `auto` run from the start of the policy it started on)."""
-    return tradeoffs.load(path, started_on)
+    return calibration.load(path, started_on)
 
 
 def started_on(row: dict) -> str | None:

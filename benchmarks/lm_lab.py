@@ -37,16 +37,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks.tradeoffs import (  # noqa: E402
-    NETWORKS,
-    TIMED_FROM_START,
-    bytes_per_step,
-    lab_ready,
-    load,
-    measured_rows,
-    per_step,
-    run_start,
-)
+from benchmarks.tradeoffs import measured_rows  # noqa: E402
+from orchestrator.calibration import TIMED_FROM_START, bytes_per_step, load, per_step, run_start  # noqa: E402
+from orchestrator.lab_grid import NETWORKS, lab_ready  # noqa: E402
 
 WORKERS = 4
 LABELS = ("bsp", "bsp hierarchical", "diloco h=16", "streaming_diloco h=16 f=4", "dpsgd ring", "dpsgd ring uint8", "shadow ma")

@@ -8,6 +8,11 @@ written. Progress goes to stdout as plain lines (works without a terminal).
 job that started a local Ray on this machine, at the address its run recorded (`orchestrator/local_runs.py`),
 or, once it has ended, through its run folder. Their exit codes: 0 done, 1 no such job, or nothing
 answers at the address within 10 s (one line, `error: no Ray at ADDRESS ...`), 2 bad input.
+
+`calibrate` (re)writes the convergence factors `plan` and `auto` rank with (`orchestrator/convergence.json`)
+from the network lab grid's result rows, training nothing; `--measure` first runs the grid's cell that
+counts them on the lab. Its exit codes: 0 written (or, with `--check`, the file is what the rows give), 1 the
+file differs (`--check`), 2 bad input or no lab here.
 """
 from __future__ import annotations
 
@@ -83,6 +88,30 @@ def build_parser() -> argparse.ArgumentParser:
                                         "its storage (s3://bucket/prefix/JOB/RUN_ID), or a job's name (its newest "
                                         "run on this machine)")
     report.add_argument("--out", default=None, help="the PNG to write (default: RUN_DIR/report.png; ./report.png for a URI)")
+    calibrate = sub.add_parser(
+        "calibrate", help="(re)compute the convergence factors (orchestrator/convergence.json) from the lab grid's result rows",
+        description="Compute each policy's steps to the target relative to BSP (10 Gbit/s, no straggler, the median over "
+                    "seeds), one set per learning rate and world size the rows measure, and write them where plan and "
+                    "sync.policy: auto read them. Sets at other rates and world sizes in the file are kept. Nothing trains "
+                    "unless --measure is given.")
+    calibrate.add_argument("rows", nargs="*", metavar="ROWS.jsonl",
+                           help="the lab grid's result files (default: benchmarks/results/tradeoffs*.jsonl in this checkout); "
+                                "with --measure, the one file the new rows are appended to")
+    calibrate.add_argument("--out", default=None, metavar="FILE",
+                           help="the convergence file to write (default: the package's orchestrator/convergence.json)")
+    calibrate.add_argument("--check", action="store_true",
+                           help="write nothing; exit 1 where --out is not what the rows give")
+    calibrate.add_argument("--measure", action="store_true",
+                           help="first run every candidate on the lab's 10g link with no straggler, once per seed, appending "
+                                "to ROWS.jsonl (rows already there are kept and not run again); needs root and tc")
+    for flag, kind, text in (("--lr", float, "SGD's rate (default 0.1)"), ("--workers", int, "workers, 2 a lab node (default 4)"),
+                             ("--seeds", str, "comma-separated seeds (default 0)"),
+                             ("--only", str, "comma-separated plan labels or policy names (default: every candidate)"),
+                             ("--target", float, "held-out accuracy to reach (default 0.96)"),
+                             ("--hidden", int, "the MLP's hidden width (default 512)"),
+                             ("--compute-ms", float, "modelled compute a step (default 15)"),
+                             ("--max-steps", int, "at most this many steps a run (default 600)")):
+        calibrate.add_argument(flag, type=kind, default=None, help=f"with --measure: {text}")
     for cmd in sub.choices.values():
         cmd.error = parser.error  # type: ignore[method-assign]
         cmd.add_argument("--log-level", default=None, choices=["DEBUG", "INFO", "WARNING", "ERROR"],
@@ -95,7 +124,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         logging.basicConfig(level=args.log_level or "WARNING", format="%(levelname)s %(name)s: %(message)s")
         return {"run": cmd_run, "status": cmd_status, "stop": cmd_stop, "scale": cmd_scale,
-                "lab": cmd_lab, "plan": cmd_plan, "report": cmd_report}[args.command](args)
+                "lab": cmd_lab, "plan": cmd_plan, "report": cmd_report, "calibrate": cmd_calibrate}[args.command](args)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -524,4 +553,50 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(planner.describe_probe(cluster))
     print(planner.table(rows, planner.factors_line(config)))
     print(f"recommended: {line}")
+    return EXIT_OK
+
+
+GRID_OPTIONS = ("lr", "workers", "seeds", "only", "target", "hidden", "compute_ms", "max_steps")
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    """The convergence factors from the lab grid's result rows into `--out` (orchestrator/calibration.py);
+    with `--measure`, the grid's 10g/none cell run first (orchestrator/lab_grid.py)."""
+    from orchestrator import calibration
+    from orchestrator.planning.ranking import FACTORS_PATH
+
+    given = {k: getattr(args, k) for k in GRID_OPTIONS if getattr(args, k) is not None}
+    if args.measure:
+        if len(args.rows) != 1:
+            raise ConfigError("calibrate --measure: name the one result file the new rows go to "
+                              "(e.g. benchmarks/results/tradeoffs_w8.jsonl)")
+        from orchestrator import lab_grid
+
+        words = {k: tuple(w.strip() for w in given[k].split(",") if w.strip()) for k in ("seeds", "only") if k in given}
+        try:
+            seeds = tuple(int(s) for s in words.get("seeds", ()))
+        except ValueError:
+            raise ConfigError(f"calibrate: --seeds {given['seeds']}: not comma-separated integers") from None
+        grid = lab_grid.Grid(**{**given, **({"seeds": seeds} if seeds else {}), "only": frozenset(words.get("only", ())),
+                                "networks": ("10g",), "conditions": ("none",), "resume": True})
+        code = lab_grid.measure(grid, Path(args.rows[0]))
+        if code:
+            return code
+    elif given:
+        raise ConfigError(f"calibrate: --{', --'.join(k.replace('_', '-') for k in given)} only with --measure "
+                          "(the rows say what they were measured at)")
+    out = Path(args.out).expanduser() if args.out else FACTORS_PATH
+    paths = [Path(p).expanduser() for p in args.rows] or calibration.default_rows()
+    contents = calibration.calibrated(paths, calibration.read_current(out))
+    text = calibration.file_text(contents)
+    if args.check:
+        same = out.exists() and out.read_text() == text
+        print(f"{out} is {'' if same else 'not '}what the rows of {len(paths)} file(s) give")
+        return EXIT_OK if same else EXIT_FAILED
+    out.write_text(text)
+    for s in contents["sets"]:
+        at = s["measured_at"]
+        print(f"lr {at['lr']:g}, {at['workers']} workers: BSP {s['bsp_steps']} steps to {at['target']}; "
+              + ", ".join(f"{label} {f:.2f}" for label, f in s["factors"].items() if label != "bsp"))
+    print(f"wrote {out}")
     return EXIT_OK

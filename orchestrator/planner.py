@@ -5,8 +5,8 @@ The inputs are a job config (its workload, optimizer, world size and stragglers)
 `network:` section as asked, or the lab's links as probed) and the compute time of one step, measured
 here on the workload (`measure_compute`). Time to the target multiplies the predicted step time by
 the steps BSP needs and the policy's convergence factor (steps to the target relative to BSP), where
-one was measured (`orchestrator/convergence.json`, written by `benchmarks/tradeoffs.py`, which names
-its workload and date); without a factor a policy is ranked by its step time and the table says so.
+one was measured (`orchestrator/convergence.json`, written by `python -m orchestrator calibrate` from the lab
+grid's result rows, which it names); without a factor a policy is ranked by its step time and the table says so.
 
 `python -m orchestrator plan CONFIG [--network FILE | --probe]` prints the table; `sync.policy: auto`
 resolves through `choose` before the job starts (`ElasticJob.start`), and the job's first event says

@@ -1,6 +1,6 @@
 """Ranking the candidates: each one's predicted step time and bytes per step on a network (the runtime
 model, algorithms/rules/runtime_model.py `predict`), its time to the target where a convergence factor applies
-(`orchestrator/convergence.json`, written by `benchmarks/tradeoffs.py`), and the order that puts the
+(`orchestrator/convergence.json`, written by `python -m orchestrator calibrate`), and the order that puts the
 recommended policy first: an exact policy unless a relaxed one leads by more than the evidence's error."""
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ def load_factors(path: Path = FACTORS_PATH, lr: float | None = None, workers: in
     """{"factors": {label: steps to the target relative to BSP}, "bsp_steps": BSP's steps to the target,
     "source": "...", "applies_to": {"workload": module, "optimizer": name, "metric": name},
     "measured_at": {"target": value, "lr": lr, "workers": n, "global_batch": samples a step},
-    "bracketed": bool} as `benchmarks/tradeoffs.py` wrote them; empty factors when none were measured.
+    "bracketed": bool} as `orchestrator/calibration.py` wrote them; empty factors when none were measured.
     `measured_at` is the one setting `bsp_steps` counts (`bsp_steps_apply`).
 
     The file holds one such set per learning rate and world size it was measured at ("sets"; a file of one

@@ -116,6 +116,6 @@ def bn_mlp(hidden: int = 64) -> Workload:
 
 def lab_mlp(hidden: int = 512, depth: int = 2, compute_ms: float = 0.0, slow: dict | None = None,
             jitter_sigma: float = 0.0, seed: int = 0) -> Workload:
-    """The MLP with a modelled compute time, for the network lab (benchmarks/tradeoffs.py): see
+    """The MLP with a modelled compute time, for the network lab's grid (orchestrator/lab_grid.py): see
     `orchestrator.workloads.with_modelled_compute`."""
     return with_modelled_compute(mlp(hidden=hidden, depth=depth), compute_ms, slow, jitter_sigma, seed)

@@ -225,7 +225,7 @@ def test_auto_on_resume_refuses_a_picked_shadow_as_the_cli_refuses_shadow(tmp_pa
 def test_autos_line_names_the_factors_source():
     job = cfg(stop={"max_steps": 600, "target": {"metric": "accuracy", "value": 0.96}}, sync={"policy": "auto"})
     _, line, _ = planner.choose(job, compute_s=0.004, model_bytes=1.2e6)
-    assert "(convergence factors: benchmarks/tradeoffs.py" in line
+    assert "(convergence factors: benchmarks/results/tradeoffs.jsonl" in line
 
 
 def _probed(step_s: float, ranks: int = 4) -> dict:

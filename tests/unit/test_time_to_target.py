@@ -1,11 +1,11 @@
-"""The benchmarks' time to the target (benchmarks/tradeoffs.py `accuracy_evals`), which decides which policy
+"""The lab grid's time to the target (orchestrator/calibration.py `accuracy_evals`), which decides which policy
 was the fastest in the grid and in every held-out cell: counted from the start of training, for a policy
 whose first record comes at its first commit (a periodic round) as for one that records every step."""
 from __future__ import annotations
 
 import pytest
 
-from benchmarks.tradeoffs import accuracy_evals, first_at, from_start
+from orchestrator.calibration import accuracy_evals, first_at, from_start
 
 
 def history(first: int, every: int, last: int, pace: float, hit: int) -> list[dict]:
