@@ -13,7 +13,9 @@ Throughput is timed on rank 0 with the same timer (`time.time()` after each opti
 steps 50..550, in alternating pairs (orchestrator, DDP, ...); the ratio is taken pair by pair and its
 median reported. Peak RSS: the largest worker process of each side, both sampled the same way (psutil,
 every 0.1 s while they train). Start-up: from `ElasticJob.start()` to the first committed step, next
-to Ray Train's `TorchTrainer.fit()` to its first completed step, on the same workload and Ray.
+to Ray Train's `TorchTrainer.fit()` to its first completed step, on the same workload and Ray. The two
+sides are `testkit/ddp_pair.py` (the slow tier's speed gate runs them too); this script pairs them and
+adds Ray Train's start-up.
 
     python benchmarks/bsp_vs_ddp.py [--pairs 5] [--steps 550] [--startup-runs 3] [--workload digits|lm]
         [--set workers.huge_pages=false ...]
@@ -35,121 +37,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-# The same imports on both sides.
-import numpy as np  # noqa: E402,F401 - imported on both sides alike (the DDP ranks import this module)
 import torch  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 
 from algorithms.rules.sampler import GlobalSampler, split_for_rank  # noqa: E402
-from benchmarks.common import PeakRSS, ddp_store, peer_workload  # noqa: E402
-
-WORKERS, BUCKET_MB, SEED = 2, 25.0, 0
-WINDOW = (50, 550)
-WORKLOADS = {
-    "digits": {"factory": "orchestrator.workloads.digits:mlp", "params": {"hidden": 128}, "per_worker": 32,
-               "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9}},
-    "lm": {"factory": "orchestrator.workloads.lm:gpt", "params": {"size": "tiny"}, "per_worker": 8,
-           "optimizer": {"name": "adamw", "lr": 0.003, "betas": [0.9, 0.95], "weight_decay": 0.01}},
-}
-
-
-def build(name: str):
-    """The workload (seeded as a job seeds it) and a factory of torch's own optimizer for it (what a DDP
-    user writes), its per-tensor loop as on the job's side."""
-    return peer_workload(WORKLOADS[name], SEED, foreach=False)
-
-
-def batch_of(data, ids: torch.Tensor):
-    """The rows for `ids`, gathered as a user writes it."""
-    return tuple(t[ids] for t in data.tensors)
-
-
-def log(text: str) -> None:
-    print(text, file=sys.stderr, flush=True)
-
-
-def steps_per_s(times: dict[int, float], first: int, last: int) -> float:
-    return (last - first) / (times[last] - times[first])
-
-
-# --------------------------------------------------------------------------- torch DDP
-def _ddp_rank(rank: int, steps: int, out_dir: str, name: str, niceness: int = 0) -> None:
-    import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel
-
-    torch.set_num_threads(1)
-    if niceness:
-        os.nice(niceness)
-    store = ddp_store(rank, out_dir, WORKERS)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=WORKERS)
-    workload, make_opt = build(name)
-    model = DistributedDataParallel(workload.model, bucket_cap_mb=BUCKET_MB)
-    opt = make_opt(model.parameters())
-    data = workload.train_data
-    sampler = GlobalSampler(len(data), SEED)
-    global_batch = WORKERS * WORKLOADS[name]["per_worker"]
-    times = {}
-    for step in range(1, steps + 1):
-        ids = torch.from_numpy(split_for_rank(sampler.global_batch((step - 1) * global_batch, global_batch), rank, WORKERS))
-        opt.zero_grad(set_to_none=False)
-        workload.loss(model, batch_of(data, ids)).backward()
-        opt.step()
-        if rank == 0:
-            times[step] = time.time()
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"times": times}))
-    dist.barrier()  # rank 0 serves the store: it leaves last
-    if rank == 0:
-        time.sleep(0.5)
-    dist.destroy_process_group()
-
-
-def run_ddp(steps: int, name: str, niceness: int = 0) -> dict:
-    with tempfile.TemporaryDirectory() as out:
-        context = mp.start_processes(_ddp_rank, args=(steps, out, name, niceness), nprocs=WORKERS, join=False)
-        rss = PeakRSS(lambda: [p.pid for p in context.processes])
-        try:
-            while not context.join():
-                pass
-        except mp.ProcessExitedException as err:  # torch's teardown can abort after the timed loop
-            if not all(Path(out, f"rank{r}.json").exists() for r in range(WORKERS)):
-                raise
-            log(f"DDP: a rank exited badly after writing its timings ({err}); the timings stand")
-        peak = rss.stop()
-        ranks = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(WORKERS)]
-    times = {int(k): v for k, v in ranks[0]["times"].items()}
-    return {"steps_per_s": steps_per_s(times, *WINDOW), "rss_mib": peak}
-
-
-# --------------------------------------------------------------------------- orchestrator
-OVERRIDES: list[str] = []
-"""Config overrides for the orchestrator's job (`--set`)."""
-
-
-def job_config(name: str, steps: int, engine: str = "auto", workload: str = "digits"):
-    """The orchestrator side's job (also profiled by profile_step.py)."""
-    from orchestrator.config import config_from_dict
-
-    w = WORKLOADS[workload]
-    return config_from_dict({
-        "name": name, "seed": SEED, "workers": {"count": WORKERS, "cpus": 1},
-        "workload": {"factory": w["factory"], "params": w["params"], "batch_size": w["per_worker"]},
-        "optimizer": w["optimizer"],
-        "sync": {"policy": "bsp", "bucket_mb": BUCKET_MB, "engine": engine}, "stop": {"max_steps": steps}, "eval_every": 0,
-    }, OVERRIDES)
-
-
-def run_orchestrator(name: str, steps: int, workload: str) -> dict:
-    from orchestrator.job import ElasticJob
-
-    before = time.time()
-    job = ElasticJob(job_config(name, steps, workload=workload)).start()
-    rss = PeakRSS.of_job(job, WORKERS)
-    result = job.wait(timeout=600)
-    peak = rss.stop()
-    if result.state != "FINISHED":
-        raise RuntimeError(f"orchestrator run {name} ended {result.state}: {result.cause}")
-    times = {r["step"]: r["time"] for r in job.history()}
-    return {"steps_per_s": steps_per_s(times, *WINDOW), "rss_mib": peak, "startup_s": times[1] - before}
+from testkit.ddp_pair import SEED, WINDOW, WORKERS, WORKLOADS, batch_of, build, log, run_ddp, run_orchestrator  # noqa: E402
 
 
 # --------------------------------------------------------------------------- Ray Train
@@ -204,9 +95,7 @@ def main() -> int:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="a config override for the orchestrator's job (repeatable), e.g. workers.huge_pages=false")
     args = parser.parse_args()
-    OVERRIDES.extend(args.set)
-    if args.steps < WINDOW[1]:  # a short trial run times what it has
-        globals()["WINDOW"] = (min(50, args.steps // 3), args.steps)
+    window = WINDOW if args.steps >= WINDOW[1] else (min(50, args.steps // 3), args.steps)  # a short trial run times what it has
 
     import ray
 
@@ -222,8 +111,8 @@ def main() -> int:
         log(f"Ray's workers run at niceness {niceness}: DDP's ranks too")
     pairs = []
     for i in range(args.pairs):
-        orch = run_orchestrator(f"bench-bsp-{i}", args.steps, args.workload)
-        ddp = run_ddp(args.steps, args.workload, niceness)
+        orch = run_orchestrator(f"bench-bsp-{i}", args.steps, args.workload, args.set, window)
+        ddp = run_ddp(args.steps, args.workload, niceness, window)
         pairs.append({"orch": orch, "ddp": ddp, "ratio": orch["steps_per_s"] / ddp["steps_per_s"],
                       "rss_ratio": orch["rss_mib"] / ddp["rss_mib"]})
         log(f"pair {i + 1}/{args.pairs}: orchestrator {orch['steps_per_s']:.1f} steps/s, DDP {ddp['steps_per_s']:.1f} "
@@ -262,7 +151,7 @@ def main() -> int:
         print(f"{label:<44}{value:>24}")
     print(f"{'start-up ratio orchestrator / Ray Train':<44}{(f'{startup_ratio:.3f}' if startup_ratio else 'n/a'):>24}")
     print(json.dumps({"benchmark": "bsp_vs_ddp", "workload": args.workload, "ddp_niceness": niceness,
-                      "pairs": args.pairs, "window": list(WINDOW), "workers": WORKERS, "overrides": args.set,
+                      "pairs": args.pairs, "window": list(window), "workers": WORKERS, "overrides": args.set,
                       "steps_per_s_ratio_median": ratio["median"], "rss_ratio_median": rss_ratio["median"],
                       "startup_ratio_vs_ray_train": startup_ratio, "startup_orchestrator_s": so, "startup_ray_train_s": sr,
                       "ray_train_error": rt_error, "per_pair": pairs}))

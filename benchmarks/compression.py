@@ -21,15 +21,14 @@ median accuracy minus the group baseline's.
 
 Prints a table, then one JSON line. Figures are measurements, not gates. Four workers on two cores
 oversubscribe the CPU, so time per step here shows compute, not a network; the byte ratio is what
-a slow network would feel.
+a slow network would feel. The sides are `testkit/compression_sides.py` (the slow tier's accuracy gate
+runs them too).
 """
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -37,74 +36,8 @@ sys.path.insert(0, str(REPO))
 
 import ray  # noqa: E402
 
-from benchmarks.common import PeakRSS  # noqa: E402
-from orchestrator.config import config_from_dict  # noqa: E402
-from orchestrator.job import NAMESPACE, ElasticJob  # noqa: E402
-
-WORKERS = 4
-ADAMW = {"name": "adamw", "lr": 0.003, "weight_decay": 0.0001, "eps": 0.0001}
-RING = {"kind": "ring"}
-
-
-def sides(momentum: float) -> dict[str, dict]:
-    """name -> sync, compression, optimizer, the group's baseline and what its bytes are compared to."""
-    sgd = {"name": "sgd", "lr": 0.1, "momentum": momentum}
-    return {
-        "bsp (fp32)": dict(sync={"policy": "bsp"}, compression={}, optimizer=sgd, baseline="bsp (fp32)"),
-        "bsp + fp16": dict(sync={"policy": "bsp"}, compression={"codec": "fp16"}, optimizer=sgd, baseline="bsp (fp32)"),
-        "bytegrad (uint8, feedback)": dict(sync={"policy": "bytegrad"}, compression={"codec": "uint8", "feedback": True},
-                                           optimizer=sgd, baseline="bsp (fp32)"),
-        "bsp + onebit (feedback)": dict(sync={"policy": "bsp"}, compression={"codec": "onebit", "feedback": True},
-                                        optimizer=sgd, baseline="bsp (fp32)"),
-        "bsp + adamw (fp32)": dict(sync={"policy": "bsp"}, compression={}, optimizer=ADAMW, baseline="bsp + adamw (fp32)"),
-        "qadam (uint8)": dict(sync={"policy": "qadam", "warmup_steps": 100}, compression={"codec": "uint8"},
-                              optimizer=ADAMW, baseline="bsp + adamw (fp32)"),
-        "dpsgd ring (fp32)": dict(sync={"policy": "dpsgd", "topology": RING, "consensus_every": 0}, compression={},
-                                  optimizer=sgd, baseline="dpsgd ring (fp32)"),
-        "choco ring (uint8)": dict(sync={"policy": "choco", "topology": RING, "consensus_every": 0},
-                                   compression={"codec": "uint8"}, optimizer=sgd, baseline="dpsgd ring (fp32)"),
-    }
-
-
-def run_side(name: str, side: dict, steps: int, seed: int, root: str) -> dict:
-    cfg = {"name": "compression-" + "".join(c for c in name if c.isalnum()), "seed": seed, "run_dir": root,
-           "workers": {"count": WORKERS, "cpus": 0.5},
-           "workload": {"factory": "orchestrator.workloads.digits:mlp", "params": {"hidden": 128}, "batch_size": 32},
-           "optimizer": side["optimizer"], "sync": side["sync"], "compression": side["compression"],
-           "stop": {"max_steps": steps}, "eval_every": steps}
-    job = ElasticJob(config_from_dict(cfg)).start()
-    rss = PeakRSS.of_job(job, WORKERS)
-    result = job.wait(timeout=900)
-    peak = rss.stop()
-    if result.state != "FINISHED":
-        raise RuntimeError(f"{name}: {result.state} ({result.cause})")
-    history = job.history()
-    rank0 = [r for r in history if r.get("slot", "w0") == "w0"] or history
-    step_times = [r["step_time"] for r in rank0 if r["step"] > 20]
-    return {"bytes_per_step": rank0[-1]["bytes_sent"] / rank0[-1]["step"],
-            "accuracy": job.status().metrics.get("accuracy"), "step_ms": 1000 * statistics.median(step_times),
-            "worker_rss_mib": peak}
-
-
-def measure(names: list[str], steps: int, seeds: int, momentum: float, log=sys.stderr) -> dict[str, dict]:
-    """Each side's medians over `seeds` seeds, with every seed's accuracy; Ray must be up."""
-    table = sides(momentum)
-    root = tempfile.mkdtemp(prefix="compression-bench-")
-    rows = {}
-    for name in names:
-        runs = [run_side(name, table[name], steps, seed, root) for seed in range(seeds)]
-        rows[name] = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
-        rows[name]["accuracies"] = [r["accuracy"] for r in runs]
-        print(f"{name}: {rows[name]}", file=log, flush=True)
-    for name, row in rows.items():
-        base = table[name]["baseline"]
-        bytes_base = "dpsgd ring (fp32)" if base == "dpsgd ring (fp32)" else "bsp (fp32)"
-        if bytes_base in rows:
-            row["bytes_ratio"] = row["bytes_per_step"] / rows[bytes_base]["bytes_per_step"]
-        if base in rows:
-            row["accuracy_delta"] = row["accuracy"] - rows[base]["accuracy"]
-            row["rss_ratio"] = row["worker_rss_mib"] / rows[base]["worker_rss_mib"]
-    return rows
+from orchestrator.job import NAMESPACE  # noqa: E402
+from testkit.compression_sides import measure, sides  # noqa: E402
 
 
 def main() -> int:

@@ -35,9 +35,9 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from benchmarks.common import ddp_store  # noqa: E402
 from orchestrator.workloads.synthetic import mlp  # noqa: E402
 from testkit.harness import LocalJob  # noqa: E402
+from testkit.peers import ddp_store  # noqa: E402
 
 WARMUP = 10
 SHARED = {"width": 1024, "depth": 4}

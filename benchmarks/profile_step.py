@@ -92,8 +92,8 @@ def main() -> int:
 
     import ray
 
-    from benchmarks.bsp_vs_ddp import job_config
     from orchestrator.job import NAMESPACE, ElasticJob, ensure_token_env
+    from testkit.ddp_pair import job_config
     from testkit.harness import wait_until
 
     os.environ.setdefault("ORCHESTRATOR_RUN_ROOT", tempfile.mkdtemp(prefix="bench-runs-"))

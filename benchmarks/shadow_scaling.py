@@ -35,9 +35,9 @@ sys.path.insert(0, str(REPO))
 
 import ray  # noqa: E402
 
-from benchmarks.common import PeakRSS  # noqa: E402
 from orchestrator.config import config_from_dict, load_config  # noqa: E402
 from orchestrator.job import NAMESPACE, ElasticJob  # noqa: E402
+from testkit.peers import PeakRSS  # noqa: E402
 
 
 def run(policy: str, n: int, args: argparse.Namespace, seed: int, root: str) -> dict:

@@ -100,10 +100,10 @@ def test_gossip_policies_reach_093_on_digits_with_the_consensus_distance_bounded
 
 @pytest.mark.slow
 def test_compressed_sides_reach_their_uncompressed_baselines_accuracy_at_equal_steps(ray_session):
-    """Digits, 4 workers, 300 steps, the median of 3 seeds (benchmarks/compression.py's sides): bytegrad
+    """Digits, 4 workers, 300 steps, the median of 3 seeds (benchmarks/compression.py's sides, testkit/compression_sides.py): bytegrad
     and bsp + onebit within 2 points of fp32 bsp (SGD lr 0.1, momentum 0.5, both sides), qadam within 2
     points of bsp with AdamW, choco (uint8) within 2 points of dpsgd on the same ring."""
-    from benchmarks.compression import measure
+    from testkit.compression_sides import measure
 
     names = ["bsp (fp32)", "bytegrad (uint8, feedback)", "bsp + onebit (feedback)", "bsp + adamw (fp32)",
              "qadam (uint8)", "dpsgd ring (fp32)", "choco ring (uint8)"]

@@ -1,8 +1,8 @@
 """The speed figures the README states, as gates (slow: each runs a benchmark's own sides).
 
-BSP keeps torch DDP's pace at DDP's memory (`benchmarks/bsp_vs_ddp.py`); a death costs the survivors
+BSP keeps torch DDP's pace at DDP's memory (`benchmarks/bsp_vs_ddp.py`'s sides, `testkit/ddp_pair.py`); a death costs the survivors
 well under 0.1 s whichever rank dies, and no committed step; a spare makes a replacement and a
-scale-up take under a second (`benchmarks/recovery.py`). Timings on a 2-core machine are noisy:
+scale-up take under a second (`benchmarks/recovery.py`'s side, `testkit/recovery_side.py`). Timings on a 2-core machine are noisy:
 each gate is on a median, and each bound is the figure the issue asked for, next to the README's.
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ def test_bsp_keeps_ddp_pace_at_ddps_memory(ray_session):
     """README (2026-11-28, late): 3.84x DDP's steps/s (median of 7 pairs, 2.84-4.54), peak worker RSS
     1.079x: on one node the workers all-reduce through shared memory (actors/transport/shm.py), DDP
     through gloo's TCP on loopback. The gate, 2x, fails if that path stops being taken (before it, 1.05-1.19x)."""
-    from benchmarks.bsp_vs_ddp import run_ddp, run_orchestrator
+    from testkit.ddp_pair import run_ddp, run_orchestrator
 
     ratios, rss = [], []
     for i in range(5):  # alternating pairs, the ratio taken pair by pair
@@ -38,7 +38,7 @@ def test_recovery_within_100ms_for_every_rank_and_a_spare_within_1s(ray_session)
     anyone could see the death), 0 steps lost; with a spare, the
     replacement's first step about 0.4 s, and scale() -> the joiner's first committed step 0.081-0.094 s
     (0.254 s when the spare imported its adoption's modules at the adoption: the 0.2-s gate catches that)."""
-    from benchmarks.recovery import orchestrator_side
+    from testkit.recovery_side import orchestrator_side
 
     out = orchestrator_side(events=9, workers=3, every=50, spares=1)
     by_rank: dict[int, list[float]] = {}

@@ -1,5 +1,6 @@
-"""What the benchmarks share: the peak resident set of a job's worker processes, sampled the same
-way on every side of a comparison; a benchmark's workload built for a peer (DDP, Ray Train)."""
+"""What a comparison with another system needs on both sides (the benchmarks' and the slow tier's speed
+gates'): the peak resident set of a side's worker processes, sampled the same way on every side; a plain
+DDP side's rendezvous; a workload built for a peer (DDP, Ray Train) as its user writes it."""
 from __future__ import annotations
 
 import os
