@@ -302,7 +302,7 @@ def test_coordinator_sigkilled_mid_run_is_restarted_and_carries_on(run_root, s3)
           f"new epoch {recovered['detail']['membership_epoch']} committed {recovered['detail']['duration_s']:.2f}s "
           f"after the restart began; history 1..{steps}, no gap")
     assert restart["detail"]["reattached"] == ["w0", "w1", "w2"] and restart["detail"]["lost"] == []
-    assert restart["time"] - killed_at < 29.0  # the README states 2.9 s
+    assert restart["time"] - killed_at < 29.0  # docs/elastic.md states 2.9 s
     stored = runfiles.parse_jsonl(read_appended(storage, f"{key}/history.jsonl"))
     assert [r["step"] for r in stored] == list(range(1, steps + 1)), "the store's history has a gap or a repeat"
     assert json.loads(storage.read(f"{key}/status.json"))["state"] == "STOPPED"

@@ -1,9 +1,9 @@
-"""The speed figures the README states, as gates (slow: each runs a benchmark's own sides).
+"""The speed figures docs/benchmarks.md states, as gates (slow: each runs a benchmark's own sides).
 
 BSP keeps torch DDP's pace at DDP's memory (`benchmarks/bsp_vs_ddp.py`'s sides, `testkit/ddp_pair.py`); a death costs the survivors
 well under 0.1 s whichever rank dies, and no committed step; a spare makes a replacement and a
 scale-up take under a second (`benchmarks/recovery.py`'s side, `testkit/recovery_side.py`). Timings on a 2-core machine are noisy:
-each gate is on a median, and each bound is the figure the issue asked for, next to the README's.
+each gate is on a median, and each bound is the figure the issue asked for, next to the measured one.
 """
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ import pytest
 
 @pytest.mark.slow
 def test_bsp_keeps_ddp_pace_at_ddps_memory(ray_session):
-    """README (2026-11-28, late): 3.84x DDP's steps/s (median of 7 pairs, 2.84-4.54), peak worker RSS
-    1.079x: on one node the workers all-reduce through shared memory (actors/transport/shm.py), DDP
-    through gloo's TCP on loopback. The gate, 2x, fails if that path stops being taken (before it, 1.05-1.19x)."""
+    """docs/benchmarks.md: 1.88-3.84x DDP's steps/s (medians of 11 and 7 pairs), peak worker RSS 1.08-1.09x:
+    on one node the workers all-reduce through shared memory (actors/transport/shm.py), DDP through
+    gloo's TCP on loopback. The gate, 2x, fails if that path stops being taken (with gloo, 1.05-1.19x)."""
     from testkit.ddp_pair import run_ddp, run_orchestrator
 
     ratios, rss = [], []
@@ -33,11 +33,10 @@ def test_bsp_keeps_ddp_pace_at_ddps_memory(ray_session):
 
 @pytest.mark.slow
 def test_recovery_within_100ms_for_every_rank_and_a_spare_within_1s(ray_session):
-    """README (2026-11-28): death -> the survivors' next committed step 34-39 ms median over 9 kills
-    (63-74 ms on 2026-11-27, when about 30 ms of it was the kernel's teardown of the dead process, before
-    anyone could see the death), 0 steps lost; with a spare, the
-    replacement's first step about 0.4 s, and scale() -> the joiner's first committed step 0.081-0.094 s
-    (0.254 s when the spare imported its adoption's modules at the adoption: the 0.2-s gate catches that)."""
+    """docs/benchmarks.md: death -> the survivors' next committed step 17-37 ms median over the kills, 0
+    steps lost; with a spare, the replacement's first step 0.14-0.24 s, and scale() -> the joiner's first
+    committed step 0.06-0.09 s (0.254 s when the spare imported its adoption's modules at the adoption:
+    the 0.2-s gate catches that)."""
     from testkit.recovery_side import orchestrator_side
 
     out = orchestrator_side(events=9, workers=3, every=50, spares=1)
