@@ -180,7 +180,7 @@ class FakeWorkerGroup(WorkerGroup):
         Returns the newest step."""
         plan = coordinator.book.plan
         members = [self.current(s) for s in plan.members]
-        each = coordinator.history.reporter == "each"
+        each = coordinator.history.reporter.each_member_reports
         for _ in range(steps):
             step = max(w.step for w in members) + 1
             if (plan.stop_step is not None and step > plan.stop_step) or step > (coordinator.cfg.stop.max_steps or step):

@@ -130,7 +130,7 @@ class LocalJob:
         self.server: ServerHost | None = None
         """The parameter server, in process, for the server policies."""
         policy = self.config["sync"]["policy"]
-        if policy in SERVER_POLICIES or get_algorithm(policy).kind == "background":
+        if policy in SERVER_POLICIES or get_algorithm(policy).kind.dispenses_leases:  # a test's fake server kind brings its own
             sync = self.config["sync"]
             planner = BarrierPlanner(sync["r"], sync["ewma"]) if sync["policy"] == "elastic_bsp" and zipline else None
             reports = LocalServerReports(self.link, planner)

@@ -20,6 +20,7 @@ from actors.control.journal import Journal
 from actors.control.members import Member
 from actors.control.tasks import Tasks
 from actors.control.workers import WorkerGroup
+from algorithms.rules.kinds import Kind
 from algorithms.rules.membership import joiners_start_stateless
 from algorithms.rules.supervision import JobState, MemberState
 
@@ -29,7 +30,7 @@ S = MemberState
 class Admission:
     """Admits ready workers into plans; restores the first joiner from a checkpoint when asked."""
 
-    def __init__(self, book: MembershipBook, journal: Journal, group: WorkerGroup, kind: str, min_workers: int,
+    def __init__(self, book: MembershipBook, journal: Journal, group: WorkerGroup, kind: Kind, min_workers: int,
                  state: Callable[[], JobState], may_start: Callable[[], bool], history: Callable[[], Any],
                  reshape: Callable[..., Any], start_run: Callable[[Member], None],
                  fail: Callable[[str, dict], Awaitable[None]], tasks: Tasks | None = None) -> None:

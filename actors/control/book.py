@@ -15,6 +15,7 @@ from typing import Any
 
 from actors.control.members import Member
 from actors.plan import Plan
+from algorithms.rules.kinds import Kind
 from algorithms.rules.membership import MemberView, batch_for, choose_leavers, free_slots, server_members, slot_index
 from algorithms.rules.supervision import JobState, JobView, MemberState, WorkloadFault
 from core.schema import JobConfig, MemberStatus, WorkloadRefused
@@ -45,7 +46,7 @@ class Convergence:
 class MembershipBook:
     """Members, slots, epochs, plans and open reshapes of one job run."""
 
-    def __init__(self, cfg: JobConfig, run_id: str, kind: str) -> None:
+    def __init__(self, cfg: JobConfig, run_id: str, kind: Kind) -> None:
         self.cfg, self.run_id, self.kind = cfg, run_id, kind
         self.members: dict[str, Member] = {}
         self.plan: Plan | None = None
@@ -99,7 +100,7 @@ class MembershipBook:
         w = self.cfg.workers
         global_batch, lr_scale = batch_for(len(members), self.cfg.workload.batch_size, w.count, w.batch_mode)
         previous = self.plan
-        if previous is None or previous.members != members or new_epoch or self.kind == "decentralized":
+        if previous is None or previous.members != members or new_epoch or self.kind.new_epoch_each_plan:
             self.epoch += 1
         self.plan = Plan(
             version=self.version, membership_epoch=self.epoch, members=members,
@@ -139,7 +140,7 @@ class MembershipBook:
             reshape.update(first_committed_step=record["step"], first_step_at=record["time"],
                            duration_s=record["time"] - reshape["decided_at"])
             for slot in reshape["joiners"]:
-                if slot in self.members and self.kind != "background":
+                if slot in self.members and not self.kind.background_rounds:
                     self.members[slot].holds_state = True
             closed.append(dict(reshape, cause=reshape.pop("reason")))
         return closed

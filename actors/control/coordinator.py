@@ -39,7 +39,6 @@ from actors.control.members import Member
 from actors.control.sequencer import Order
 from actors.control.server_control import server_restarted
 from actors.plan import Progress
-from algorithms.rules.kinds import SERVER_KINDS
 from algorithms.rules.membership import share_refusal
 from algorithms.rules.supervision import JobState, JobView, MemberState
 
@@ -223,7 +222,7 @@ class Coordinator(Lifecycle):
 
     # ------------------------------------------------------------------ what decisions call (Actions)
     def view(self) -> JobView:
-        return self.book.view(self.state, self.stop_kind, None if self.algorithm.kind in SERVER_KINDS
+        return self.book.view(self.state, self.stop_kind, None if self.algorithm.kind.runs_server
                               else restorable_step(self.journal.checkpoint, self.journal.pending_checkpoint()))
 
     def set_cause(self, cause: str | None) -> None:

@@ -16,6 +16,7 @@ from actors.control.book import MembershipBook
 from actors.control.members import first_line
 from actors.control.workers import WorkerGroup
 from actors.runs import checkpoints
+from algorithms.rules.kinds import FinalModel
 from algorithms.rules.supervision import JobState, MemberState
 
 S = MemberState
@@ -30,14 +31,14 @@ async def wrap_up(kind: JobState, algorithm: Any, book: MembershipBook, group: W
     states when the job FAILED. `algorithm`: the policy's traits (its kind and final model)."""
     plan, members = book.plan, book.members
     if server is not None:  # its newest reports may still be on their way
-        if algorithm.kind == "background":
+        if algorithm.kind.dispenses_leases:
             server.close("the job ended")  # the dispenser requeues what is still held (counted)
         for record in await server.records_after(history.written_step):
             accept(record)
         await server.refresh_summary()
     history.close()
     journal.step = history.step([s for s in plan.members if members[s].holds_state]) \
-        if history.reporter == "each" and plan else history.written_step
+        if history.reporter.each_member_reports and plan else history.written_step
     if plan is not None or server is not None:
         try:
             blob, _ = await final_model(algorithm.final_model, book, group, server, journal.event, journal.metrics)
@@ -49,11 +50,11 @@ async def wrap_up(kind: JobState, algorithm: Any, book: MembershipBook, group: W
     return await committed_states(book, group) if kind == JobState.FAILED and plan else None
 
 
-async def final_model(final: str, book: MembershipBook, group: WorkerGroup, server: Any,
+async def final_model(final: FinalModel, book: MembershipBook, group: WorkerGroup, server: Any,
                       note: Callable[..., Any], metrics: dict) -> tuple[bytes, str]:
     """(the model's bytes, where it came from); raises when nobody holds it. `final`: the kind's
     "average" or "rank0"; `metrics` is updated with the average's evaluation."""
-    if final == "average":
+    if final.averages_replicas:
         return await average_of_replicas(book, group, note, metrics), "the replicas"
     if server is not None:
         return await server.model_state(), "the server"

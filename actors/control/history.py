@@ -19,10 +19,11 @@ from pathlib import Path
 
 from actors.control.ledger import CommittedLedger
 from actors.runs import runfiles
+from algorithms.rules.kinds import Reporter
 
 
 class History:
-    def __init__(self, path: Path, reporter: str, written_step: int = 0,
+    def __init__(self, path: Path, reporter: Reporter, written_step: int = 0,
                  note: Callable[[str, dict], None] = lambda reason, detail: None) -> None:
         """`note(reason, detail)` records an event (a gap, a dropped record)."""
         self.reporter = reporter
@@ -44,14 +45,14 @@ class History:
 
     def offer(self, record: dict) -> dict | None:
         """A reported record; returns it when it is the job's newest (for status), else None."""
-        if self.reporter == "each":
+        if self.reporter.each_member_reports:
             slot = record.get("slot", "")
             if record["step"] <= self.member_steps.get(slot, 0):
                 return None
             self.member_steps[slot] = record["step"]
             self._write([record])
             return record
-        if self.reporter == "server":
+        if self.reporter.server_reports:
             if record["step"] <= self.ledger.written_step:
                 return None
             self.ledger.written_step = record["step"]
@@ -78,7 +79,7 @@ class History:
         Versions up to `step` that history lacks were applied (the snapshot holds their result) but their
         records died with the server before it reported them: a note says so, and history goes on after
         `step`."""
-        if self.reporter == "server":
+        if self.reporter.server_reports:
             written = self.ledger.written_step
             if written < step:
                 self._note(f"versions {written + 1}..{step} have no history record: the parameter server applied "
@@ -90,7 +91,7 @@ class History:
         """Every member was lost and fresh ones start from the checkpoint at `step`: the steps after it
         are redone, and their new records are written after the ones history holds (which stay, lost).
         Returns [first, last] of the steps history holds that are redone ([] when none)."""
-        if self.reporter == "rank0":  # the checkpoint proves every step up to it committed: a record held back is final
+        if self.reporter.rank0_reports:  # the checkpoint proves every step up to it committed: a record held back is final
             self._write(self.ledger.agreed(sys.maxsize, step))
             self.ledger.dropped.clear()
         written = max([self.ledger.written_step, *self.member_steps.values()])
@@ -109,7 +110,7 @@ class History:
     def step(self, live: Iterable[str] = ()) -> int:
         """The job's step: the newest committed (lockstep and server kinds), or the slowest live
         member's (each-member kinds)."""
-        if self.reporter == "each":
+        if self.reporter.each_member_reports:
             steps = [self.member_steps.get(s, 0) for s in live]
             return min(steps) if steps else max(self.member_steps.values(), default=0)
         return self.ledger.newest_step

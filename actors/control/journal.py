@@ -24,6 +24,7 @@ from actors.control.tasks import Tasks
 from actors.runs import checkpoints, runfiles
 from actors.runs.mirror import RunMirror
 from actors.runs.storage import Storage, first_line, open_storage, run_storage
+from algorithms.rules.kinds import Reporter
 from core.listener import JobListener
 from core.schema import Event
 
@@ -168,7 +169,7 @@ class Journal:
     def step(self) -> int:
         """The job's step: the newest committed (lockstep and server kinds), or the slowest live member's
         (each-member kinds: worked out when asked, since it goes over every member)."""
-        if self.history is not None and self.history.reporter == "each":
+        if self.history is not None and self.history.reporter.each_member_reports:
             self._step = max(self._step, self.history.step(self._live()))
         return self._step
 
@@ -176,7 +177,7 @@ class Journal:
     def step(self, value: int) -> None:
         self._step = value
 
-    def open_history(self, reporter: str, written_step: int, live: Callable[[], Iterable[str]] = lambda: ()) -> History:
+    def open_history(self, reporter: Reporter, written_step: int, live: Callable[[], Iterable[str]] = lambda: ()) -> History:
         """`live()`: the live members (the each-member kinds' step is the slowest one's)."""
         self._live = live
         self.history = History(self.run_dir / "history.jsonl", reporter, written_step,
@@ -194,7 +195,7 @@ class Journal:
         history = self.history
         assert history is not None, "records come only once the coordinator has opened history"
         newest = history.offer(record)
-        if history.reporter != "each":
+        if not history.reporter.each_member_reports:
             self._step = max(self._step, history.step())
         if newest is None:
             return False  # a step already in history, a stale report of a redone one, or one ahead of a gap

@@ -22,7 +22,6 @@ from actors.control.launcher import NoWorkerCanStart
 from actors.control.restart import reattach, records_since, resume
 from actors.control.server_control import ServerControl
 from actors.observe.report import draw_at_end
-from algorithms.rules.kinds import SERVER_KINDS
 from algorithms.rules.supervision import JobState, MemberState, recovered_epoch
 
 OWNER_CHECK_S = 1.0
@@ -86,9 +85,9 @@ class Lifecycle(CoordinatorBase):
     async def _begin(self) -> None:
         if self.cfg.policy_choice:  # sync.policy: auto, resolved by the driver (orchestrator/planner.py)
             self.journal.event("info", self.cfg.policy_choice, policy=self.cfg.sync.policy)
-        if self.algorithm.kind in SERVER_KINDS:  # it holds the initial state and the first membership before any pull
+        if self.algorithm.kind.runs_server:  # it holds the initial state and the first membership before any pull
             self.server = await ServerControl.start(self.cfg, self.config_dict, self.run_id, str(self.run_dir))
-            what = "parameter server" if self.algorithm.kind == "server" else "lease dispenser"
+            what = self.algorithm.kind.server_role
             self.journal.event("info", f"{what} started (pid {self.server.pid})", pid=self.server.pid)
         self.launcher.spawn([f"w{i}" for i in range(self.cfg.workers.count)], "initial membership", "start")
         members = await self.launcher.first_members(self._starting)

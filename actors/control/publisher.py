@@ -16,12 +16,13 @@ from typing import Any
 from actors.control.book import MembershipBook
 from actors.control.workers import WorkerGroup
 from actors.plan import Plan
+from algorithms.rules.kinds import Kind
 
 
 class Publisher:
     """Publishes plans; aborts epochs."""
 
-    def __init__(self, book: MembershipBook, group: WorkerGroup, kind: str, incarnation: int,
+    def __init__(self, book: MembershipBook, group: WorkerGroup, kind: Kind, incarnation: int,
                  server: Callable[[], Any], persist: Callable[[], int], died_publishing: Callable[[int, list], None]) -> None:
         """`kind`: the policy's kind; `server()`: the parameter server's control or None; `persist()`:
         save the coordinator's state; `died_publishing(version, sent)`: an injected fault's hook."""
@@ -59,7 +60,7 @@ class Publisher:
         sent = [self.group.set_plan(m.handle, sent_plan) for m in self.book.reachable()]
         self._died_publishing(plan.version, sent)
         self._persist()
-        if previous is not None and self.kind == "decentralized":
+        if previous is not None and self.kind.new_epoch_each_plan:
             for member in self.book.reachable():  # the old epoch's number: a member already in the new one is left alone
                 self.group.abort_epoch(member.handle, previous.membership_epoch, f"plan {plan.version}: {reason}")
         return plan

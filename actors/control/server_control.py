@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from actors.control.members import first_line, kill
+from algorithms.rules.kinds import Kind
 from algorithms.rules.zipline import BarrierPlanner
 from core.schema import ElasticBSPConfig, JobConfig
 
@@ -102,13 +103,13 @@ def _barriers(cfg: JobConfig) -> BarrierPlanner | None:
     return BarrierPlanner(cfg.sync.r, cfg.sync.ewma) if isinstance(cfg.sync, ElasticBSPConfig) else None
 
 
-def server_restarted(cfg: JobConfig, kind: str, server: ServerControl | None, book: Any, history: Any, journal: Any,
+def server_restarted(cfg: JobConfig, kind: Kind, server: ServerControl | None, book: Any, history: Any, journal: Any,
                      resumed: int, incarnation: int, snapshot: str | None) -> None:
     """Ray restarted the server from its snapshot at version `resumed`: the versions history holds after
     it are lost and redone (history records them again, with the new incarnation); the server is told
     the membership again, since its snapshot may predate it. The lease dispenser (background kind) has
     no versions: its lease table started over."""
-    if kind == "background":
+    if kind.dispenses_leases:
         journal.event("server", f"lease dispenser restarted as incarnation {incarnation}: its lease table "
                                 f"starts over (samples of the current data epoch may be dealt again)",
                       server_incarnation=incarnation)

@@ -21,6 +21,7 @@ from actors.control.book import MembershipBook
 from actors.control.members import Member, log
 from actors.control.tasks import Tasks
 from actors.control.workers import WorkerGroup
+from algorithms.rules.kinds import Kind
 from algorithms.rules.stragglers import StragglerWatch
 from algorithms.rules.supervision import Decision, JobState, JobView, MemberEnded, MemberState, StopRequested, decide
 from core.schema import JobConfig
@@ -82,7 +83,7 @@ class Supervisor:
     """Detectors (watch, heartbeats, probes, stragglers) and the decisions they lead to."""
 
     def __init__(self, cfg: JobConfig, book: MembershipBook, group: WorkerGroup, actions: Actions,
-                 note: Callable[..., Any], kind: str, step: Callable[[], int], tasks: Tasks | None = None) -> None:
+                 note: Callable[..., Any], kind: Kind, step: Callable[[], int], tasks: Tasks | None = None) -> None:
         """`tasks`: where its tasks run (the coordinator's: actors/control/tasks.py)."""
         self.cfg, self.book, self.group, self.actions, self._note, self.kind = cfg, book, group, actions, note, kind
         self._step = step
@@ -276,7 +277,7 @@ class Supervisor:
                 self.actions.state in (JobState.RUNNING, JobState.RESHAPING):
             self.actions.reform(f"worker {member.slot} has waited {info['phase_age_s']:.1f}s for a plan (its group did not form)")
         # A server kind's push has no collective timeout: a push unanswered this long is a hang too.
-        waiting = {"compute": "computing", "communicate": "pushing"} if self.kind == "server" else {"compute": "computing"}
+        waiting = {"compute": "computing", "communicate": "pushing"} if self.kind.pushes_each_step else {"compute": "computing"}
         if info["phase"] in waiting and info["phase_age_s"] > w.hang_timeout_s:
             await self.evict(member, "step progress", f"worker {member.slot}'s step {info['step']} has been "
                                                       f"{waiting[info['phase']]} for {info['phase_age_s']:.1f}s "

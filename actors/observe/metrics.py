@@ -94,10 +94,6 @@ METRICS = {m.name: m for m in (
     Metric("incarnation", "gauge", "Restarts so far of the coordinator or the parameter server (its incarnation; "
                                    "the series appears at the first restart)", ("component",)),
 )}
-BYTES_KIND = {"synchronous": "gradients", "periodic": "rounds", "decentralized": "exchanges",
-              "server": "pushes", "background": "background rounds"}
-
-
 def ray_metric(metric: Metric, defaults: dict[str, str]) -> Any:
     from ray.util import metrics as ray_metrics  # only where Ray runs
 
@@ -149,9 +145,10 @@ class JobMetrics:
     costs one export a second, not one per record. The job's step (`job_step()`, as status has it)
     is read at each flush: its increase is the committed steps."""
 
-    def __init__(self, exporter: Exporter, kind: str, job_step: Callable[[], int], per_worker: bool = False) -> None:
+    def __init__(self, exporter: Exporter, traffic: str, job_step: Callable[[], int], per_worker: bool = False) -> None:
+        """`traffic`: what the members' bytes carry, the `bytes` metric's `kind` label (the policy kind's `traffic`)."""
         self.x = exporter
-        self.kind = kind
+        self.traffic = traffic
         self.per_worker = per_worker
         self._job_step = job_step
         self._exported_step = 0
@@ -205,7 +202,7 @@ class JobMetrics:
             before = self._bytes.get(who)
             self._bytes[who] = sent
             if before is not None and sent > before:
-                key = ("bytes", ("kind", BYTES_KIND.get(self.kind, self.kind)))
+                key = ("bytes", ("kind", self.traffic))
                 self._sums[key] = self._sums.get(key, 0) + sent - before
         if record.get("state_bytes"):
             key = ("bytes", ("kind", "state transfers"))

@@ -19,4 +19,4 @@ __all__ = ["DispenserHost", "LocalServerClient", "RayServerClient", "ServerHost"
 def make_host(config: dict, run_dir: str, reports: ServerReports, restarted: bool = False) -> ServerHost:
     """The host for the job's policy: a `DispenserHost` for the background kind, else a `ServerHost`."""
     kind = get_algorithm(str(config.get("sync", {}).get("policy", "bsp"))).kind
-    return (DispenserHost if kind == "background" else ServerHost)(config, run_dir, reports, restarted=restarted)
+    return (DispenserHost if kind.dispenses_leases else ServerHost)(config, run_dir, reports, restarted=restarted)

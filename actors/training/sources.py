@@ -43,6 +43,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from algorithms.rules.kinds import SYNCHRONOUS, Kind
 from algorithms.rules.sampler import GlobalSampler
 from algorithms.rules.supervision import DataFault
 from core.schema import WorkloadRefused
@@ -445,14 +446,14 @@ def _indexable(data: Any) -> bool:
 
 
 def source_for(data: Any, seed: int, on_bad_sample: str = "fail",
-               ray_blocks: Callable[[Any], list[tuple[Any, int]]] | None = None, kind: str = "synchronous") -> Any:
+               ray_blocks: Callable[[Any], list[tuple[Any, int]]] | None = None, kind: Kind = SYNCHRONOUS) -> Any:
     """The source for a workload's `train_data`; WorkloadRefused (one line) for data it cannot resume.
-    `kind`: the policy's kind; those whose samples a server deals (`server`, `background`) take only
+    `kind`: the policy's kind; those whose samples a server deals (it runs a server) take only
     data they can index (a Ray Data or a stream source has no such order)."""
     skip = on_bad_sample == "skip"
     if is_hf_iterable(data):
         raise WorkloadRefused(HF_ITERABLE_REFUSED)
-    if kind in ("server", "background") and (is_ray_dataset(data) or not _indexable(data)):
+    if kind.runs_server and (is_ray_dataset(data) or not _indexable(data)):
         raise WorkloadRefused(f"train_data is a {'Ray Data Dataset' if is_ray_dataset(data) else type(data).__name__}, "
                          f"which the {kind} policies cannot deal from (their server leases sample indices): use a "
                          f"map-style dataset, or a policy that shares a cursor (bsp, local_sgd, diloco, gossip ...)")

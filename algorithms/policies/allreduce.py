@@ -39,6 +39,7 @@ from algorithms.policies.compression import Codec, get_codec
 from algorithms.policies.hierarchical import HierarchicalAllReduce
 from algorithms.policies.optim import contiguous_runs, flat_view
 from algorithms.policies.scatter_gather import ScatterGather
+from algorithms.rules.kinds import SYNCHRONOUS
 from core.comm_api import CommError, Communicator
 
 if TYPE_CHECKING:
@@ -519,7 +520,7 @@ class AllReduce(Algorithm):
     """BSP: average gradients over all workers every step."""
 
     name = "bsp"
-    kind = "synchronous"
+    kind = SYNCHRONOUS
     impl = AllReduceImpl
 
 

@@ -56,7 +56,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from algorithms.rules.kinds import ENTRY, FINAL_MODEL, LOCAL_MEAN, REPORTER, SERVER_KINDS, Entry, Kind, KindTraits, Reporter  # noqa: F401
+from algorithms.rules.kinds import Kind, KindTraits
 from core.comm_api import Communicator
 
 _REGISTRY: dict[str, type[Algorithm]] = {}

@@ -66,6 +66,7 @@ import torch
 
 from algorithms.policies.base import Algorithm, AlgorithmImpl, EpochInfo, StepVote, VoteDraft, register
 from algorithms.policies.compression import Codec, get_codec
+from algorithms.rules.kinds import DECENTRALIZED
 from algorithms.rules.topologies import Row, TopologyError, get_topology
 from core.comm_api import Communicator
 
@@ -305,7 +306,7 @@ class DPSGD(Algorithm):
     """D-PSGD: mix parameters with the topology's peers, overlapped with the local gradient."""
 
     name = "dpsgd"
-    kind = "decentralized"
+    kind = DECENTRALIZED
     impl = GossipImpl
 
 

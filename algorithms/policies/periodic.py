@@ -48,6 +48,7 @@ from algorithms.policies.base import Algorithm, AlgorithmImpl, EpochInfo, StepVo
 from algorithms.policies.compression import get_codec
 from algorithms.policies.optim import SGD
 from algorithms.policies.scatter_gather import ScatterGather
+from algorithms.rules.kinds import PERIODIC
 from core.comm_api import Communicator
 
 
@@ -322,7 +323,7 @@ class LocalSGD(Algorithm):
     """Local SGD: `h` local steps, then the replicas are averaged."""
 
     name = "local_sgd"
-    kind = "periodic"
+    kind = PERIODIC
     impl = PeriodicImpl
 
 
@@ -331,7 +332,7 @@ class DiLoCo(Algorithm):
     """DiLoCo: an outer optimizer on the averaged pseudo-gradient every `h` inner steps."""
 
     name = "diloco"
-    kind = "periodic"
+    kind = PERIODIC
     impl = PeriodicImpl
 
 
@@ -340,5 +341,5 @@ class StreamingDiLoCo(Algorithm):
     """Streaming DiLoCo: DiLoCo by staggered fragments whose communication overlaps local steps."""
 
     name = "streaming_diloco"
-    kind = "periodic"
+    kind = PERIODIC
     impl = PeriodicImpl

@@ -22,6 +22,7 @@ import torch
 
 from algorithms.policies.base import Algorithm, AlgorithmImpl, StepVote, VoteDraft, register
 from algorithms.policies.server import Fence, Pull, Push, PushResult
+from algorithms.rules.kinds import SERVER
 
 log = logging.getLogger(__name__)
 PULL_WAIT_S = 0.5
@@ -121,7 +122,7 @@ class ServerImpl(AlgorithmImpl):
 
 
 class _ServerAlgorithm(Algorithm):
-    kind = "server"
+    kind = SERVER
     impl = ServerImpl
 
 

@@ -38,6 +38,7 @@ from algorithms.policies.shadow_sync import (  # noqa: F401
     easgd_update,
     ma_target,
 )
+from algorithms.rules.kinds import BACKGROUND
 from algorithms.rules.leases import Ticket
 from core.schema import ShadowConfig  # noqa: F401
 
@@ -387,5 +388,5 @@ def _close_when_free(group: BackgroundGroup, thread: threading.Thread | None) ->
 @register
 class Shadow(Algorithm):
     name = "shadow"
-    kind = "background"
+    kind = BACKGROUND
     impl = ShadowImpl

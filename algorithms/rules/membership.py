@@ -10,6 +10,8 @@ import enum
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from algorithms.rules.kinds import Kind
+
 
 @dataclass(frozen=True)
 class MemberView:
@@ -104,7 +106,7 @@ def share_refusal(world: int, per_worker: int, initial_world: int, mode: str, ba
             f"which allows at most {allowed} workers; raise workload.batch_size or use workers.batch_mode: keep_worker")
 
 
-def server_members(kind: str, members: tuple[tuple[str, int], ...],
+def server_members(kind: Kind, members: tuple[tuple[str, int], ...],
                    leaving: tuple[tuple[str, int], ...]) -> tuple[tuple[str, int], ...]:
     """The (slot, worker incarnation) pairs the parameter server (or the lease dispenser) admits with
     a plan of `members`, while `leaving` (live members the plan leaves out) have not left yet.
@@ -116,13 +118,13 @@ def server_members(kind: str, members: tuple[tuple[str, int], ...],
     death, its notices were refused and its tickets requeued while it still applied them. The server
     kinds admit the plan's members only: a leaver's unpushed tickets go back at once, and a push of
     one that arrives later is refused, its samples dealt again (never applied twice)."""
-    if kind != "background":
+    if not kind.dispenses_leases:
         return members
     admitted = {slot for slot, _ in members}
     return members + tuple(pair for pair in leaving if pair[0] not in admitted)
 
 
-def joiners_start_stateless(kind: str, committed_step: int) -> bool:
+def joiners_start_stateless(kind: Kind, committed_step: int) -> bool:
     """Whether joiners admitted now hold no state of their own until they receive one from a member
     (they count as holders only then: alone, they would start over from their initial model)."""
-    return kind != "server" and committed_step > 0  # a server kind's members hold no state: the server does
+    return kind.members_hold_state and committed_step > 0  # a server kind's members hold none: the server does

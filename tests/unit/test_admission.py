@@ -10,6 +10,7 @@ from actors.control.admission import Admission
 from actors.control.book import MembershipBook
 from actors.control.members import Member
 from actors.plan import WorkerSpec
+from algorithms.rules.kinds import SYNCHRONOUS
 from algorithms.rules.supervision import JobState, MemberState
 from core.schema import JobConfig, parse
 from orchestrator.config import config_from_dict
@@ -58,13 +59,13 @@ class Harness:
             "workload": {"factory": "orchestrator.workloads.digits:mlp", "batch_size": 8},
             "stop": {"max_steps": 10}}).to_dict())
         self.group = FakeWorkerGroup()
-        self.book = MembershipBook(cfg, "r", "lockstep")
+        self.book = MembershipBook(cfg, "r", SYNCHRONOUS)
         self.history, self.journal = History(), Journal(whole_checkpoint)
         self.reshapes: list[tuple] = []
         self.runs: list[str] = []
         self.failures: list[str] = []
         self.looks = 0
-        self.admission = Admission(self.book, self.journal, self.group, "lockstep", min_workers,
+        self.admission = Admission(self.book, self.journal, self.group, SYNCHRONOUS, min_workers,
                                    lambda: JobState.RUNNING, lambda: True, lambda: self.history,
                                    self.reshape, lambda m: self.runs.append(m.slot), self.fail)
         original = self.book.ready_to_admit

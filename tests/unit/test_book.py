@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from actors.control.book import ADMIT_HOLD_S, Convergence, MembershipBook
 from actors.control.members import Member
+from algorithms.rules.kinds import BACKGROUND, DECENTRALIZED, SYNCHRONOUS
 from algorithms.rules.supervision import JobState, MemberState
 from core.schema import JobConfig, parse
 from orchestrator.config import config_from_dict
@@ -14,7 +15,7 @@ def book(policy: str = "bsp", **workers) -> MembershipBook:
     cfg = config_from_dict({"name": "b", "workers": {"count": 3, "max": 5, **workers},
                             "workload": {"factory": "orchestrator.workloads.digits:mlp", "batch_size": 8},
                             "sync": {"policy": policy}, "stop": {"max_steps": 10}})
-    b = MembershipBook(parse(JobConfig, cfg.to_dict()), "r", "decentralized" if policy == "dpsgd" else "lockstep")
+    b = MembershipBook(parse(JobConfig, cfg.to_dict()), "r", DECENTRALIZED if policy == "dpsgd" else SYNCHRONOUS)
     for i in range(3):
         b.members[f"w{i}"] = Member(f"w{i}", None, state=S.TRAINING, incarnation=i + 1)
     return b
@@ -108,7 +109,7 @@ def test_the_state_file_round_trips_and_the_dispenser_keeps_leavers_until_they_l
     b.members["w2"].state = S.LEAVING
     plan(b, ["w0", "w1"])
     assert b.server_membership() == [("w0", 1), ("w1", 2)], "a server kind admits the plan's members only"
-    b.kind = "background"
+    b.kind = BACKGROUND
     assert b.server_membership() == [("w0", 1), ("w1", 2), ("w2", 3)], "the dispenser keeps a leaver until it leaves"
     b.failures, b.retired, b.stop_step = {"w1": 1}, {"w4": "gone"}, 9
     b.depart(b.members["w2"])
@@ -126,7 +127,7 @@ def test_plans_name_lab_nodes_only_for_an_emulated_network_and_ray_nodes_for_a_t
         cfg = config_from_dict({"name": "b", "workers": {"count": 2},
                                 "workload": {"factory": "orchestrator.workloads.digits:mlp", "batch_size": 8},
                                 "network": {"nodes": 2, "emulate": emulate}, "stop": {"max_steps": 10}})
-        b = MembershipBook(parse(JobConfig, cfg.to_dict()), "r", "lockstep")
+        b = MembershipBook(parse(JobConfig, cfg.to_dict()), "r", SYNCHRONOUS)
         for i in range(2):
             b.members[f"w{i}"] = Member(f"w{i}", None, state=S.TRAINING, incarnation=i + 1, node_id=f"ray-node-{i}")
         return b

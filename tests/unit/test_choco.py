@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from algorithms.policies import base
 from algorithms.policies.compression import get_codec
 from algorithms.policies.gossip import Choco, ChocoImpl
+from algorithms.rules.kinds import DECENTRALIZED
 from algorithms.rules.topologies import get_topology
 from core.schema import ChocoConfig, ConfigError, parse
 from orchestrator.config import config_from_dict
@@ -146,7 +147,7 @@ def test_choco_is_registered_and_a_job_naming_it_is_accepted():
     cfg = config_from_dict({"name": "c", "workload": {"factory": "orchestrator.workloads.digits:mlp"},
                             "sync": {"policy": "choco", "consensus_lr": 0.5}, "compression": {"codec": "uint8"}})
     assert cfg.sync.consensus_lr == 0.5 and base.get_algorithm("choco") is Choco
-    assert Choco.kind == "decentralized" and Choco.impl is ChocoImpl
+    assert Choco.kind is DECENTRALIZED and Choco.impl is ChocoImpl
 
 
 @pytest.mark.parametrize("over,match", [

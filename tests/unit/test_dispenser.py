@@ -8,6 +8,7 @@ import torch
 from algorithms.policies.dispenser import DispenserCore
 from algorithms.policies.server import Fence
 from algorithms.policies.shadow import easgd_update
+from algorithms.rules.kinds import BACKGROUND
 from algorithms.rules.membership import server_members
 
 N_SAMPLES = 200
@@ -106,7 +107,7 @@ def test_a_scale_down_leaver_keeps_its_tickets_until_its_plan_arrives_and_it_lea
     d = core(("w0", "w1", "w2"))
     _, tickets = d.deal_block(fence("w2"), 4, 5)
     d.applied(fence("w2"), [tickets[0].leases[0].id], rounds=0)
-    members = server_members("background", (("w0", 0), ("w1", 0)), leaving=(("w2", 0),))
+    members = server_members(BACKGROUND, (("w0", 0), ("w1", 0)), leaving=(("w2", 0),))
     d.set_members(2, list(members))  # the scale-down, before w2's plan reaches it
     taken = d.applied(fence("w2"), [tickets[1].leases[0].id], rounds=0)  # still training on its block
     d.applied(fence("w2"), [], rounds=0, final=True, upto=tickets[1].clock)  # its plan came: it leaves

@@ -24,7 +24,7 @@ STEPS = 60
 
 def final_model(job: LocalJob, policy: str, slots: list[str]) -> bytes:
     """As `actors.control.endings.final_model` chooses it for the kind."""
-    if PolicyTraits(policy).final_model == "average":
+    if PolicyTraits(policy).final_model.averages_replicas:
         return checkpoints.average_states([job.replicas[s].final_state() for s in slots])
     if job.server is not None:
         return job.server.model_state()

@@ -16,6 +16,7 @@ from actors.transport.comm import CommError
 from algorithms.policies import base
 from algorithms.policies.base import EpochInfo
 from algorithms.policies.gossip import DPSGD, DAdam, consensus_distance
+from algorithms.rules.kinds import DECENTRALIZED
 from algorithms.rules.topologies import TOPOLOGIES, contraction, get_topology
 from core import schema
 from core.schema import ConfigError, DPSGDConfig, parse
@@ -167,7 +168,7 @@ def test_a_job_naming_a_gossip_policy_is_accepted_and_runs_its_registered_class(
                             "optimizer": {"name": "adamw"}, "sync": {"policy": policy, "consensus_every": 5}})
     assert cfg.sync.policy == policy and cfg.sync.consensus_every == 5
     assert base.get_algorithm(policy) is {"dpsgd": DPSGD, "dadam": DAdam}[policy]
-    assert base.get_algorithm(policy).kind == "decentralized"
+    assert base.get_algorithm(policy).kind is DECENTRALIZED
 
 
 def test_consensus_every_must_not_be_negative():

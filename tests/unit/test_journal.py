@@ -8,6 +8,7 @@ from pathlib import Path
 
 from actors.control.journal import EVENTS_KEPT, RESHAPES_SHOWN, Journal, restorable_step
 from actors.runs import runfiles
+from algorithms.rules.kinds import Reporter
 from testkit.stores import HookedStore, failing
 
 
@@ -29,7 +30,7 @@ def test_memory_keeps_a_bounded_tail_of_the_events_and_the_file_keeps_all(tmp_pa
 
 def test_records_move_the_progress_and_throughput_counts_the_last_five_seconds(tmp_path):
     journal = Journal(tmp_path, keep_checkpoints=2)
-    journal.open_history("rank0", 0)
+    journal.open_history(Reporter.RANK0, 0)
     now = time.time()
     for step in range(1, 101):  # 10 steps/s over 10 s
         assert journal.offer(record(step, now + step / 10, metrics={"accuracy": step / 100}))
@@ -47,7 +48,7 @@ def test_records_move_the_progress_and_throughput_counts_the_last_five_seconds(t
 
 def test_the_state_file_round_trips_with_the_events_and_the_step(tmp_path):
     journal = Journal(tmp_path, keep_checkpoints=2)
-    journal.open_history("rank0", 0)
+    journal.open_history(Reporter.RANK0, 0)
     journal.offer(record(1, time.time()))
     journal.loss = 0.5
     number = journal.save_state({"epoch": 3, "loss": 0.5, "metrics": {"a": 1.0}})
@@ -91,7 +92,7 @@ def test_a_torn_last_line_does_not_swallow_the_first_record_after_a_restart(tmp_
     (run / "history.jsonl").write_text('{"step": 1}\n{"step": 2}\n{"ste')
     (run / "events.jsonl").write_text('{"time": 1.0, "kind": "info", "reason": "a"}\n{"time": 2.0, "ki')
     journal = Journal(run, keep_checkpoints=1)
-    history = journal.open_history("server", written_step=2)
+    history = journal.open_history(Reporter.SERVER, written_step=2)
     history.offer({"step": 3, "time": 3.0})
     journal.event("info", "after the restart")
     journal.step_times({"w0": 0.1})

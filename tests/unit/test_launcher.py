@@ -7,6 +7,7 @@ from actors.control.book import MembershipBook
 from actors.control.launcher import Launcher
 from actors.control.spares import SparePool
 from actors.plan import WorkerSpec
+from algorithms.rules.kinds import SYNCHRONOUS
 from algorithms.rules.supervision import JobState, MemberState
 from core.schema import JobConfig, parse
 from orchestrator.config import config_from_dict
@@ -22,7 +23,7 @@ class Harness:
             "workload": {"factory": "orchestrator.workloads.digits:mlp", "batch_size": 8},
             "stop": {"max_steps": 10}}).to_dict())
         self.group = FakeWorkerGroup()
-        self.book = MembershipBook(cfg, "r", "lockstep")
+        self.book = MembershipBook(cfg, "r", SYNCHRONOUS)
         self.notes: list[tuple[str, str]] = []
         self.admits = 0
         self.may_start = True

@@ -12,6 +12,7 @@ import pytest
 from actors.control import journal as journal_module
 from actors.control.journal import Journal
 from actors.observe.metrics import METRICS, Exporter, JobMetrics
+from algorithms.rules.kinds import Reporter
 from core.schema import Event, TrackingConfig, parse
 from testkit.fake_workers import FakeMetric
 from testkit.stores import HookedStore
@@ -54,7 +55,7 @@ def test_each_step_s_compute_time_is_observed_once_with_its_tail(replica_reports
     observation per step, the slow last step among them: not an average per report, which hides it."""
     reports, config = replica_reports
     made: dict[str, FakeMetric] = {}
-    metrics = JobMetrics(fake_exporter(made), "synchronous", lambda: 0)
+    metrics = JobMetrics(fake_exporter(made), "gradients", lambda: 0)
     for progress in reports:
         metrics.steps(progress.step_s)
     metrics.flush()
@@ -86,7 +87,7 @@ def test_leases_are_counters_outstanding_a_gauge_and_staleness_a_histogram_of_pu
     assert METRICS["server_leases"].kind == "counter", "cumulative lease counts are counters"
     assert METRICS["server_staleness"].kind == "histogram", "staleness of each push, not the maximum ever seen"
     made: dict[str, FakeMetric] = {}
-    metrics = JobMetrics(fake_exporter(made), "server", lambda: 0)
+    metrics = JobMetrics(fake_exporter(made), "pushes", lambda: 0)
     summaries = [{"staleness": {"0": 3, "2": 1}, "leases": {"leased": 10, "applied": 8, "outstanding": 2}},
                  {"staleness": {"0": 5, "2": 1, "7": 2}, "leases": {"leased": 25, "applied": 20, "outstanding": 5}},
                  {"staleness": {"0": 1}, "leases": {"leased": 4, "applied": 0, "outstanding": 4}},  # a restarted table
@@ -103,7 +104,7 @@ def test_committed_steps_are_the_job_s_and_member_steps_count_apart():
     """A per-member kind: members step on their own; the job's step is the slowest live member's (status)."""
     made: dict[str, FakeMetric] = {}
     job_step = {"now": 0}
-    metrics = JobMetrics(fake_exporter(made), "decentralized", lambda: job_step["now"])
+    metrics = JobMetrics(fake_exporter(made), "exchanges", lambda: job_step["now"])
     for step in range(1, 11):
         for slot, ahead in (("w0", 0), ("w1", 2)):
             metrics.record({"step": step + ahead, "time": 1000.0 + step, "slot": slot, "samples": 8})
@@ -113,7 +114,7 @@ def test_committed_steps_are_the_job_s_and_member_steps_count_apart():
     assert made["member_steps"].values[()] == 10 + 10, "each member's steps, summed (from its first record)"
     assert made["samples"].values[()] == 8 * 20
     one = {}
-    lockstep = JobMetrics(fake_exporter(one), "synchronous", lambda: job_step["now"])
+    lockstep = JobMetrics(fake_exporter(one), "gradients", lambda: job_step["now"])
     for step in range(11, 16):
         lockstep.record({"step": step, "time": 1000.0 + step, "global_batch": 16})
     job_step["now"] = 15
@@ -129,7 +130,7 @@ def test_committed_steps_are_the_job_s_and_member_steps_count_apart():
 def test_throughput_falls_to_zero_in_a_stall(tmp_path, monkeypatch):
     """Status (the journal) and the gauge, 100 s into a stall, after 10 steps/s."""
     journal = Journal(tmp_path, keep_checkpoints=2)
-    journal.open_history("rank0", 0)
+    journal.open_history(Reporter.RANK0, 0)
     now = time.time()
     for step in range(1, 101):
         journal.offer({"step": step, "time": now - 10 + step / 10, "loss": 1.0, "world_size": 1, "global_batch": 8,
@@ -142,7 +143,7 @@ def test_throughput_falls_to_zero_in_a_stall(tmp_path, monkeypatch):
     journal.close()
 
     made: dict[str, FakeMetric] = {}
-    metrics = JobMetrics(fake_exporter(made), "synchronous", lambda: 0)
+    metrics = JobMetrics(fake_exporter(made), "gradients", lambda: 0)
     metrics.tick(10.0, dict, {}, 0, now=1.0, tokens_per_s=500.0)
     metrics.tick(None, dict, {}, 0, now=3.0, tokens_per_s=None)
     assert made["steps_per_second"].values[()] == 0.0 and made["tokens_per_second"].values[()] == 0.0
@@ -152,11 +153,11 @@ def test_per_slot_series_are_opt_in_and_a_departed_slot_falls_to_zero():
     assert parse(TrackingConfig, {}).per_worker_metrics is False
     times = {"w0": 0.01, "w1": 0.03, "w2": 0.01}
     made: dict[str, FakeMetric] = {}
-    JobMetrics(fake_exporter(made), "synchronous", lambda: 0).tick(None, lambda: times, {}, 0, now=1.0)
+    JobMetrics(fake_exporter(made), "gradients", lambda: 0).tick(None, lambda: times, {}, 0, now=1.0)
     assert "step_time_ratio" not in made, "no series per slot by default (1,024 workers: 1,024 series)"
     assert made["slowest_step_time_ratio"].values[()] == 3.0
     made.clear()
-    metrics = JobMetrics(fake_exporter(made), "synchronous", lambda: 0, per_worker=True)
+    metrics = JobMetrics(fake_exporter(made), "gradients", lambda: 0, per_worker=True)
     metrics.tick(None, lambda: times, {}, 0, now=1.0)
     metrics.tick(None, lambda: {"w0": 0.01, "w2": 0.02}, {}, 0, now=2.0)
     assert made["step_time_ratio"].values == {(("slot", "w0"),): pytest.approx(2 / 3), (("slot", "w1"),): 0.0,
@@ -165,7 +166,7 @@ def test_per_slot_series_are_opt_in_and_a_departed_slot_falls_to_zero():
 
 def test_checkpoints_storage_errors_restarts_and_the_last_commit_are_exported():
     made: dict[str, FakeMetric] = {}
-    metrics = JobMetrics(fake_exporter(made), "server", lambda: 0)
+    metrics = JobMetrics(fake_exporter(made), "pushes", lambda: 0)
     metrics.event(event("checkpoint", "checkpoint at step 10", step=10, path="/x/10", bytes=1000, seconds=0.5))
     metrics.event(event("checkpoint", "checkpoint at step 20", step=20, path="/x/20", bytes=3000))
     for attempt, retry in ((1, True), (2, False)):
@@ -213,7 +214,7 @@ def test_the_storage_copys_lag_is_exported_and_grows_while_the_store_fails(tmp_p
     lag = mirror.lag_s()
     assert lag >= 0.4, lag
     made: dict[str, FakeMetric] = {}
-    metrics = JobMetrics(fake_exporter(made), "rank0", lambda: 0)
+    metrics = JobMetrics(fake_exporter(made), "gradients", lambda: 0)
     metrics.tick(None, lambda: {}, {}, 0, now=100.0, mirror_lag_s=lag)
     assert made["storage_mirror_lag_seconds"].values[()] == lag
     down.clear()

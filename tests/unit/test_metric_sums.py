@@ -18,7 +18,7 @@ def test_records_are_summed_and_exported_once_a_tick_and_at_the_end():
             setattr(m, verb, lambda *a, _o=original, _v=verb, _n=metric.name, **k: (calls.append((_v, _n)), _o(*a, **k)))
         return m
 
-    jm = JobMetrics(Exporter("j", "r", "dpsgd", make=make), "decentralized", lambda: 500, per_worker=True)
+    jm = JobMetrics(Exporter("j", "r", "dpsgd", make=make), "exchanges", lambda: 500, per_worker=True)
     for step in range(1, 501):
         for slot in ("w0", "w1"):
             jm.record({"step": step, "time": float(step), "loss": 1.0 / step, "world_size": 2, "membership_epoch": 1,

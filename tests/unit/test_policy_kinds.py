@@ -13,6 +13,7 @@ import torch
 from actors.plan import Progress
 from algorithms.policies import base
 from algorithms.policies.base import Algorithm, AlgorithmImpl, StepVote, VoteDraft
+from algorithms.rules.kinds import BACKGROUND, DECENTRALIZED, KINDS, SERVER, Entry, FinalModel, Kind
 from core import schema
 from testkit.harness import LocalJob
 
@@ -82,7 +83,7 @@ class FakeBackgroundImpl(AlgorithmImpl):
         pass
 
 
-def fake(name: str, kind: str, impl: type) -> type:
+def fake(name: str, kind: Kind, impl: type) -> type:
     cfg = dataclasses.make_dataclass(f"{name}_config", [("policy", Literal[name], name)])  # type: ignore[valid-type]
     algo = type(name, (Algorithm,), {"name": name, "kind": kind, "impl": impl})
     return cfg, algo
@@ -90,9 +91,9 @@ def fake(name: str, kind: str, impl: type) -> type:
 
 @pytest.fixture
 def fakes():
-    made = {n: fake(n, k, i) for n, k, i in [("fake_server", "server", FakeServerImpl),
-                                              ("fake_gossip", "decentralized", FakeGossipImpl),
-                                              ("fake_background", "background", FakeBackgroundImpl)]}
+    made = {n: fake(n, k, i) for n, k, i in [("fake_server", SERVER, FakeServerImpl),
+                                              ("fake_gossip", DECENTRALIZED, FakeGossipImpl),
+                                              ("fake_background", BACKGROUND, FakeBackgroundImpl)]}
     base._load_builtin()
     for name, (cfg, algo) in made.items():
         schema.SYNC_POLICIES[name] = cfg
@@ -117,7 +118,8 @@ def test_decentralized_kind_every_member_reports_and_stops_at_its_own_step(tmp_p
     by_slot = {s: [r["step"] for r in j.link.records if r.get("slot") == s] for s in ("w0", "w1", "w2")}
     assert by_slot == {s: list(range(1, 11)) for s in by_slot}, "each member reports each of its steps once"
     replica = j.replicas["w1"]
-    assert replica.algorithm.entry == "average" and replica.algorithm.local_mean and replica.algorithm.final_model == "average"
+    assert replica.algorithm.entry is Entry.AVERAGE and replica.algorithm.local_mean
+    assert replica.algorithm.final_model is FinalModel.AVERAGE
     assert not any(name == "epoch_agreed" for name, _ in j.link.calls), "no replicated agreement for this kind"
     params = [j.parameters(s) for s in ("w0", "w1", "w2")]
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(params[0], params[1])), "gossip with everyone mixes fully"
@@ -128,7 +130,7 @@ def test_background_kind_never_waits_on_others_and_reports_per_member(tmp_path, 
     j.run(("w0", "w1"), 16)
     assert sorted({r["slot"] for r in j.link.records}) == ["w0", "w1"]
     assert all(r["step"] <= 6 for r in j.link.records)
-    assert j.replicas["w0"].algorithm.entry == "none"
+    assert j.replicas["w0"].algorithm.entry is Entry.NONE
     assert not torch.equal(j.parameters("w0")[0], j.parameters("w1")[0]), "replicas update on their own"
 
 
@@ -140,13 +142,13 @@ def test_server_kind_the_server_reports_and_says_when_to_stop(tmp_path, fakes):
     assert SERVERS["job"].version == 7
     assert sum(o["step"] for o in outcomes.values()) >= 7, "workers count their own pushes, not the job's steps"
     replica = j.replicas["w0"]
-    assert not replica.algorithm.local_mean and replica.algorithm.final_model == "server" and replica.max_steps is None
+    assert not replica.algorithm.local_mean and replica.algorithm.final_model is FinalModel.SERVER and replica.max_steps is None
 
 
 def test_every_kind_maps_to_entry_reporter_and_loss_weighting():
-    assert set(base.ENTRY) == set(base.REPORTER) == set(base.FINAL_MODEL) == {
-        "synchronous", "periodic", "server", "decentralized", "background"}
-    assert base.LOCAL_MEAN == {"periodic", "decentralized", "background"}
+    assert set(KINDS) == {"synchronous", "periodic", "server", "decentralized", "background"}
+    assert all(isinstance(k.entry, Entry) and isinstance(k.final_model, FinalModel) for k in KINDS.values())
+    assert {name for name, k in KINDS.items() if k.local_mean} == {"periodic", "decentralized", "background"}
 
 
 def test_the_schema_and_the_registry_know_the_same_policies():

@@ -6,7 +6,7 @@ from __future__ import annotations
 import typing
 
 from algorithms.policies.base import get_algorithm, known_policies
-from algorithms.rules.kinds import POLICY_KINDS
+from algorithms.rules.kinds import KINDS, POLICY_KINDS
 from algorithms.rules.runtime_model import Compute, Network, PolicySpec, predict
 from core.schema import (
     COMPRESSING_POLICIES,
@@ -25,7 +25,7 @@ def test_the_schema_the_kinds_and_the_registry_are_the_tables_rows():
     assert list(SYNC_POLICIES) == names and list(POLICY_KINDS) == names
     assert sorted(known_policies()) == sorted(names)  # each row's module registers its class
     for row in POLICIES:
-        assert get_algorithm(row.name).kind == row.kind and row.knobs.policy == row.name
+        assert get_algorithm(row.name).kind is KINDS[row.kind] and row.knobs.policy == row.name
         assert (row.name in SERVER_POLICIES) == row.server and (row.name in COMPRESSING_POLICIES) == row.codec
     assert {row.knobs for row in POLICIES} <= set(typing.get_args(SyncConfig))  # the type checker's union
 

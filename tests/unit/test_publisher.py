@@ -6,6 +6,7 @@ from actors.control.book import MembershipBook
 from actors.control.members import Member
 from actors.control.publisher import Publisher
 from actors.plan import WorkerSpec
+from algorithms.rules.kinds import DECENTRALIZED, SYNCHRONOUS, Kind
 from algorithms.rules.supervision import MemberState
 from core.schema import JobConfig, parse
 from orchestrator.config import config_from_dict
@@ -23,11 +24,11 @@ class Server:
 
 
 class Harness:
-    def __init__(self, kind: str = "lockstep", server: bool = False) -> None:
+    def __init__(self, kind: Kind = SYNCHRONOUS, server: bool = False) -> None:
         cfg = parse(JobConfig, config_from_dict({
             "name": "job", "workers": {"count": 3, "max": 4},
             "workload": {"factory": "orchestrator.workloads.digits:mlp", "batch_size": 8},
-            "sync": {"policy": "dpsgd" if kind == "decentralized" else "bsp"}, "stop": {"max_steps": 10}}).to_dict())
+            "sync": {"policy": "dpsgd" if kind is DECENTRALIZED else "bsp"}, "stop": {"max_steps": 10}}).to_dict())
         self.group = FakeWorkerGroup()
         self.book = MembershipBook(cfg, "r", kind)
         self.log: list = []
@@ -98,7 +99,7 @@ def test_an_epoch_is_aborted_once_however_many_ask():
 
 
 def test_gossip_members_are_told_to_leave_the_previous_epoch_with_each_new_plan():
-    h = Harness(kind="decentralized")
+    h = Harness(kind=DECENTRALIZED)
     h.publisher.publish(("w0", "w1", "w2"), "start", history_step=0)
     assert not [entry for entry in h.log if entry[0] == "abort_epoch"], "the first plan has no previous epoch"
     h.publisher.publish(("w0", "w1", "w2"), "again", history_step=0)

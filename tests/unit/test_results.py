@@ -132,7 +132,7 @@ def test_the_progress_line_and_the_summary_show_the_step_metrics(capsys):
 def test_the_exported_metrics_carry_each_step_metric():
     made: dict[str, FakeMetric] = {}
     exporter = Exporter("j", "r", "bsp", make=lambda metric, _: made.setdefault(metric.name, FakeMetric(metric.kind)))
-    metrics = JobMetrics(exporter, "synchronous", lambda: 1)
+    metrics = JobMetrics(exporter, "gradients", lambda: 1)
     metrics.record({"step": 1, "time": 1.0, "loss": 0.5, "step_metrics": {"mean_label": 1.5, "accuracy": 0.25}})
     metrics.flush()
     assert made["step_metric"].values == {(("metric", "accuracy"),): 0.25, (("metric", "mean_label"),): 1.5}

@@ -15,6 +15,7 @@ from actors.control.server_control import restart_event
 from actors.server.parameter_server import make_host
 from actors.server.server_host import ServerHost
 from algorithms.policies.server import Fence
+from algorithms.rules.kinds import Reporter
 from testkit.harness import LocalJob, LocalLink, LocalServerReports
 
 N, PER_WORKER, STEPS = 3, 8, 10
@@ -83,7 +84,7 @@ def test_a_push_from_a_replaced_incarnation_is_fenced_and_counted(tmp_path):
 
 
 def test_a_server_restart_names_the_versions_lost_and_history_records_the_redone_ones(tmp_path):
-    history = History(tmp_path / "history.jsonl", "server")
+    history = History(tmp_path / "history.jsonl", Reporter.SERVER)
     for step in range(1, 8):
         history.offer({"step": step, "server_incarnation": 0})
     reason, detail = restart_event(history.written_step, 5, 1, "snap", every=5)
@@ -103,7 +104,7 @@ def test_a_server_that_dies_before_reporting_versions_its_snapshot_holds_names_t
     the server. The event and a note name them, and history takes the redone versions from 31. (Before,
     the event said "no version lost" and history went on from 31 with 2..30 missing, unnamed.)"""
     notes = []
-    history = History(tmp_path / "history.jsonl", "server", note=lambda reason, detail: notes.append((reason, detail)))
+    history = History(tmp_path / "history.jsonl", Reporter.SERVER, note=lambda reason, detail: notes.append((reason, detail)))
     history.offer({"step": 1, "server_incarnation": 0})
     reason, detail = restart_event(history.written_step, 30, 1, "snap", every=10)
     assert detail["versions_lost"] == 0 and detail["unreported"] == [2, 30], detail

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from actors.training.sources import ArrowSource, BadSample, BlockOrder, MapSource, StreamSource, source_for
+from algorithms.rules.kinds import SERVER
 from algorithms.rules.sampler import split_for_rank
 from core.schema import WorkloadRefused
 from orchestrator.workloads.digits_sources import BadSamples, DigitsStream
@@ -80,7 +81,7 @@ def test_an_iterable_that_cannot_be_positioned_is_refused_in_one_line():
             source_for(data, 0)
         assert "\n" not in str(err.value)
     with pytest.raises(WorkloadRefused, match="cannot deal from"):
-        source_for(stream(), 0, kind="server")
+        source_for(stream(), 0, kind=SERVER)
     assert isinstance(source_for(stream(), 0), StreamSource)
 
 

@@ -1,6 +1,7 @@
 """The coordinator's decisions on deaths, finishes, stops and restarts, without Ray."""
 from __future__ import annotations
 
+from algorithms.rules.kinds import BACKGROUND, DECENTRALIZED, PERIODIC, SERVER, SYNCHRONOUS
 from algorithms.rules.supervision import (
     Decision,
     JobState,
@@ -176,12 +177,12 @@ def test_the_last_holder_dying_while_a_shadow_joiner_waits_for_its_state_fails_t
     with the joiner alone and end FINISHED with an untrained model."""
     from algorithms.rules.membership import joiners_start_stateless
 
-    for kind in ("synchronous", "periodic", "decentralized", "background"):
+    for kind in (SYNCHRONOUS, PERIODIC, DECENTRALIZED, BACKGROUND):
         stateless = frozenset({"w1"}) if joiners_start_stateless(kind, committed_step=10) else frozenset()
         d = decide(view(plan=("w0", "w1"), stateless=stateless), death("w0"))
         assert d.end_now == JobState.FAILED and d.publish is None, (kind, d)
-    assert not joiners_start_stateless("background", committed_step=0), "before any step the initial model is the state"
-    assert not joiners_start_stateless("server", committed_step=10), "server kinds' members hold no state: the server does"
+    assert not joiners_start_stateless(BACKGROUND, committed_step=0), "before any step the initial model is the state"
+    assert not joiners_start_stateless(SERVER, committed_step=10), "server kinds' members hold no state: the server does"
 
 
 def test_the_last_holder_dying_restarts_from_the_newest_checkpoint_when_there_is_one():

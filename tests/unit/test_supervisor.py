@@ -8,6 +8,7 @@ from actors.control.book import MembershipBook
 from actors.control.members import Member
 from actors.control.supervisor import STRAGGLER_WARMUP_STEPS, Actions, Supervisor
 from actors.plan import WorkerSpec
+from algorithms.rules.kinds import SYNCHRONOUS
 from algorithms.rules.supervision import JobState, MemberState
 from core.schema import JobConfig, parse
 from orchestrator.config import config_from_dict
@@ -75,7 +76,7 @@ def harness(n: int = 4, **workers):
         "workload": {"factory": "orchestrator.workloads.digits:mlp", "batch_size": 8},
         "stop": {"max_steps": 10}}).to_dict())
     group = FakeWorkerGroup()
-    book = MembershipBook(cfg, "r", "lockstep")
+    book = MembershipBook(cfg, "r", SYNCHRONOUS)
     for i in range(n):
         handle = group.create(f"s/r/w{i}", WorkerSpec("s", "r", f"w{i}", "/tmp", "s", "ns", {}, ()))
         group.run(handle)
@@ -83,7 +84,7 @@ def harness(n: int = 4, **workers):
     book.next_plan(tuple(book.members), "start", incarnation=0, store_host="h", store_port=0, history_step=0)
     actions = Recorder(book)
     notes: list[tuple[str, str, dict]] = []
-    sup = Supervisor(cfg, book, group, actions, lambda kind, reason, **d: notes.append((kind, reason, d)), "lockstep",
+    sup = Supervisor(cfg, book, group, actions, lambda kind, reason, **d: notes.append((kind, reason, d)), SYNCHRONOUS,
                      lambda: 7)
     return sup, group, book, actions, notes
 
