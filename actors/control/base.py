@@ -40,7 +40,7 @@ from actors.plan import ParentWatch, Plan, WorkerSpec
 from actors.runs import checkpoints, credentials, runfiles
 from actors.runs.mirror import RunMirror, claim_incarnation
 from actors.runs.storage import run_storage
-from algorithms.rules.kinds import SERVER_KINDS, PolicyTraits
+from algorithms.rules.kinds import PolicyTraits
 from algorithms.rules.supervision import JOB_TRANSITIONS, JobState, MemberState, check_transition
 from algorithms.rules.topologies import topology_status
 from core.schema import JobConfig, JobStatus, parse
@@ -101,7 +101,7 @@ class CoordinatorBase(Actions):
                                store_fails_until=self.started_at + self.cfg.faults.checkpoint_fail_s
                                if self.cfg.faults.checkpoint_fail_s else 0.0, tasks=self.tasks)
         self.metrics = JobMetrics(Exporter(self.name, run_id, self.cfg.sync.policy, self.cfg.tracking.metrics,
-                                           self.group.metric), self.algorithm.kind, lambda: self.journal.step,
+                                           self.group.metric), self.algorithm.kind.traffic, lambda: self.journal.step,
                                   self.cfg.tracking.per_worker_metrics)
         self.journal.listeners.append(self.metrics)
         self.feed = Feed()
@@ -151,12 +151,12 @@ class CoordinatorBase(Actions):
             self._recovered.set()
         else:
             self.group.start_self(self.name, self.cfg.ray.namespace)  # nobody else will
-            if self.algorithm.kind in SERVER_KINDS:  # detached: it trained on without us
+            if self.algorithm.kind.runs_server:  # detached: it trained on without us
                 self.server = ServerControl.attach(self.cfg, self.run_id)
         self.history = self.journal.open_history(self.algorithm.reporter, self.journal.step, self.book.live)
         if self.cfg.tracking.tensorboard:
             self.journal.listeners.append(TensorBoard.for_run(self.cfg.tracking.tensorboard, self.run_dir, self.name,
-                                                              run_id, self.history.reporter == "each", self.incarnation))
+                                                              run_id, self.history.reporter.each_member_reports, self.incarnation))
         if self._saved is not None and self.state == JobState.RUNNING:  # status() never says RUNNING before re-attaching
             self.transition(JobState.RESHAPING, f"coordinator restarted as incarnation {self.incarnation}: re-attaching workers")
         else:
