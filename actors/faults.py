@@ -58,6 +58,10 @@ class WorkerFaults:
         self._kill_actor = kill_actor
         self.stragglers = [s for s in cfg.stragglers if s.slot == slot]
 
+    def already_fired(self, fired: tuple[int, ...]) -> None:
+        """The kill entries that fired in this slot's earlier workers (the coordinator counts them)."""
+        self.fired = set(fired)
+
     def has(self, phase: str) -> bool:
         return any(k.slot == self.slot and k.at == phase for k in self.kills)
 
@@ -183,6 +187,10 @@ class CoordinatorFaults:
         self._save = save_fired
         self._event = event
         self.die_on_report = False
+
+    def stopping(self) -> None:
+        """A stop is decided: a `stop` entry fires while the coordinator receives the next report."""
+        self.die_on_report = True
 
     def due_scales(self, step: int) -> list[int]:
         """The counts of `faults.scale` entries whose step `step` has reached and that have not fired

@@ -271,7 +271,7 @@ async def storm(coord, group, rng, out, n, deaths) -> None:
     back = await until(lambda: handed_to_all(group, coord, survivors + victims, coord.book.epoch - 1 if
                                              set(coord.book.plan.members) == set(survivors + victims) else 10**9),
                        "the replacements' join", 120)
-    await until(lambda: coord.state == JobState.RUNNING, "RUNNING after the storm", 60, 0.01)
+    await until(lambda: coord.job.state == JobState.RUNNING, "RUNNING after the storm", 60, 0.01)
     out.update(storm_deaths=len(victims), storm_reforms=reforms, storm_plans_sent=group.plans_sent - sent0,
                storm_to_plan_ms=round(1e3 * (handed - started), 1), storm_to_rejoin_ms=round(1e3 * (back - started), 1))
     log(f"  n={n}: storm of {len(victims)} deaths in 100 ms: {reforms} re-form(s) before the survivors' plan, "
@@ -295,16 +295,16 @@ async def finish(coord, group, pilot, run_dir, out, n) -> None:
     await asyncio.sleep(0.5)
     try:
         await coord.request_stop()
-        await until(lambda: coord.state.terminal, "the stop", 120, 0.01)
+        await until(lambda: coord.job.state.terminal, "the stop", 120, 0.01)
     except TimeoutError as err:
         out["stop_error"] = str(err)
     finally:
         pilot.stop()
         await coord.release()
-        if not coord.state.terminal:  # its loop is stuck: end it here (its linger is released above)
-            coord._main_task.cancel()
+        if not coord.job.state.terminal:  # its loop is stuck: end it here (its linger is released above)
+            coord.lifecycle.main_task.cancel()
         try:
-            await asyncio.wait_for(coord._main_task, 30)
+            await asyncio.wait_for(coord.lifecycle.main_task, 30)
         except (asyncio.CancelledError, TimeoutError):
             pass
     steps = [json.loads(line)["step"] for line in (run_dir / "history.jsonl").read_text().splitlines()]
@@ -313,9 +313,9 @@ async def finish(coord, group, pilot, run_dir, out, n) -> None:
         gaps = [(a, b) for a, b in zip(steps, steps[1:]) if b != a + 1]
         log(f"  n={n}: history: {len(steps)} records, last {steps[-1] if steps else None}, pilot {pilot.step}, "
             f"breaks {gaps[:5]}")
-    out["final_state"] = coord.state.value
+    out["final_state"] = coord.job.state.value
     out["last_step"] = pilot.step
-    log(f"  n={n}: {coord.state.value} at step {pilot.step}; history holds every step once: {out['history_complete']}")
+    log(f"  n={n}: {coord.job.state.value} at step {pilot.step}; history holds every step once: {out['history_complete']}")
 
 
 async def memory(n: int) -> float:
@@ -336,9 +336,9 @@ async def memory(n: int) -> float:
     total = sum(stat.size for stat in mine.statistics("filename"))
     await coord.request_stop()
     await group.commit(coord, 2)
-    await until(lambda: coord.state.terminal, "the stop", 60, 0.01)
+    await until(lambda: coord.job.state.terminal, "the stop", 60, 0.01)
     await coord.release()
-    await asyncio.wait_for(coord._main_task, 30)
+    await asyncio.wait_for(coord.lifecycle.main_task, 30)
     return total / n
 
 

@@ -49,6 +49,12 @@ class Admission:
         self._task: asyncio.Task | None = None
         self._wanted = False
 
+    def restore_on_admit(self) -> None:
+        """Every member was lost: the next admitted worker starts from the newest checkpoint, or from one
+        being stored (the first, or one newer than the last stored), which the admission waits for."""
+        pending = self.journal.pending_checkpoint()
+        self.restore = self.journal.checkpoint if pending is None else (pending, "")
+
     async def request(self) -> None:
         """Look at admission soon, once for every worker that became ready in this turn of the loop."""
         self._wanted = True
@@ -119,7 +125,7 @@ class Admission:
                                f"(resume with --resume from an older one)") from None
         await self.group.load_checkpoint(self.book.members[slot].handle, data, timeout=60)
         redone = self._history().restore(step)
-        self.journal.step = step
+        self.journal.set_step(step)
         lost = f"; steps {redone[0]}..{redone[1]} were committed by the lost members and are redone" if redone else ""
         self.journal.event("restore", f"every member was lost: {slot} starts from the checkpoint at step {step}{lost}",
                            step=step, path=path, slot=slot, redone=redone)

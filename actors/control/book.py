@@ -112,6 +112,26 @@ class MembershipBook:
             nodes=tuple(self.node_of(slot) for slot in members), policy=self.policy)
         return self.plan
 
+    def carry_policy(self, policy: dict) -> None:
+        """Every plan published from now on carries `policy` (the trial's switch, then the same policy no
+        longer fresh once it committed a step)."""
+        self.policy = policy
+
+    def stop_at(self, step: int) -> None:
+        """A stop is decided: every plan published from now on carries its step."""
+        self.stop_step = step
+
+    def carry_on(self, epoch: int) -> None:
+        """A restarted coordinator: its next publication takes membership epoch `epoch` (newer than any a live
+        member or the server holds), and a plan version above the newest plan's."""
+        self.epoch = epoch - 1  # the next publication takes the one after
+        self.version = max(self.version, self.plan.version if self.plan else 0)
+
+    def adopt(self, plan: Plan) -> None:
+        """A plan a re-attached member holds, newer than the book's (published just before a crash, never saved)."""
+        if self.plan is None or plan.version > self.plan.version:
+            self.plan = plan
+
     def server_membership(self) -> list[tuple[str, int]]:
         """What the parameter server admits with the current plan: (slot, worker incarnation) in rank order."""
         assert self.plan is not None  # asked once a plan was made
@@ -180,6 +200,11 @@ class MembershipBook:
             return False
         self.retired[slot] = f"retired after {self.failures[slot]} failures (workers.failure_budget = {budget}); last: {cause}"
         return True
+
+    def retarget(self, count: int) -> int:
+        """The job's target count is `count` now (a scale); returns the one before."""
+        previous, self.target_count = self.target_count, count
+        return previous
 
     def converge(self) -> Convergence:
         """What reaches `target_count`: when short, the lowest free slots (fewer than missing when slots

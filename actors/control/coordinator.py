@@ -1,16 +1,24 @@
-"""The coordinator actor: a thin shell over its components (actors/control/).
+"""The coordinator actor: a thin shell over its parts (actors/control/).
 
 One per job run, named `<job name>` in the namespace `orchestrator` so that any process can
-attach. It takes the calls of drivers (status, scale, stop) and of workers (reports, epoch
-agreements, checkpoints, failed collectives), runs the job's state machine, and wires the parts
-that own the rest:
+attach. It builds the parts, takes the calls of drivers (status, scale, stop), of workers (reports,
+epoch agreements, checkpoints, failed collectives) and of the parameter server, and hands each to
+the part that owns it:
 
+- `JobStateMachine` (control/job_state.py): the job's state, its cause, the stop decided, its times;
+- `Plans` (control/plans.py): plans, reshapes, convergence on the target count, re-forms, scales,
+  the policy trial's switches; `Publisher` (control/publisher.py) hands each plan out;
+- `Records` (control/records.py): records accepted into history, and what a newest one closes;
+- `Lifecycle` (control/lifecycle.py): the main task, from the start (or a restart's recovery) to the
+  end, and the parameter server's control (server_control.py);
+- `StateFile` (control/restart.py): what a restarted incarnation carries on from;
 - `MembershipBook` (control/book.py): members, slots, epochs, plans, open reshapes;
 - `Journal` (control/journal.py): the run directory and the progress status shows;
-- `SparePool` (control/spares.py) and `Launcher` (control/launcher.py): starting workers;
+- `SparePool` (control/spares.py), `Launcher` (control/launcher.py) and `Admission`
+  (control/admission.py): starting workers and admitting them into plans;
 - `Supervisor` (control/supervisor.py): watches, heartbeats, probes and stragglers, with
-  `algorithms/supervision.decide` deciding and this shell carrying the decision out (`Actions`);
-- `ServerControl` (server_control.py): the parameter server of the server kinds;
+  `algorithms/supervision.decide` deciding and this shell forwarding the decision (`Actions`) to the
+  part that carries it out;
 - `WorkerGroup` (control/workers.py): every call to Ray, replaced by a fake in unit tests;
 - `RendezvousKey` (control/keys.py): the job's rendezvous key, kept for a restarted incarnation.
 
@@ -18,58 +26,186 @@ It is not on the per-step data path: workers report progress in batches. States 
 algorithms/rules/supervision.py): STARTING -> RUNNING -> (RESHAPING -> RUNNING)* -> STOPPING ->
 STOPPED / FINISHED / FAILED, with PAUSED below `workers.min`. Every transition is an event with
 its reason, in `events.jsonl`.
-
-The class is built in layers: `CoordinatorBase` (control/base.py) wires the components and holds the
-plans, history and status; `Lifecycle` (control/lifecycle.py) is the main task, from the start (or a
-restart's recovery) to the end; `Coordinator`, here, is the shell's surface: the calls of drivers,
-workers and the parameter server, and what the supervisor's decisions call (`Actions`).
 """
 from __future__ import annotations
 
-import asyncio
 import os
+import secrets
 import time
+from pathlib import Path
+from typing import Any
 
 import ray
 
 from actors import REMOTE_HOME
-from actors.control.journal import restorable_step
+from actors.control.admission import Admission
+from actors.control.book import MembershipBook
+from actors.control.feed import Feed
+from actors.control.job_state import JobStateMachine
+from actors.control.journal import Journal, restorable_step
+from actors.control.keys import RendezvousKey
+from actors.control.launcher import Launcher
 from actors.control.lifecycle import Lifecycle
 from actors.control.members import Member
-from actors.control.sequencer import Order
+from actors.control.plans import Plans
+from actors.control.publisher import Publisher
+from actors.control.records import Records
+from actors.control.restart import StateFile
+from actors.control.run_identity import RunIdentity
+from actors.control.sequencer import Order, Sequencer
 from actors.control.server_control import server_restarted
-from actors.plan import Progress
-from algorithms.rules.membership import share_refusal
+from actors.control.spares import SparePool
+from actors.control.supervisor import Supervisor
+from actors.control.tasks import Tasks
+from actors.control.workers import PlacementWatch, RayWorkerGroup, WorkerGroup
+from actors.faults import CoordinatorFaults
+from actors.observe.metrics import Exporter, JobMetrics
+from actors.observe.tracking import TensorBoard
+from actors.plan import ParentWatch, Plan, Progress
+from actors.runs import checkpoints, credentials, runfiles
+from actors.runs.mirror import RunMirror, claim_incarnation
+from actors.runs.storage import run_storage
+from algorithms.rules.kinds import PolicyTraits
 from algorithms.rules.supervision import JobState, JobView, MemberState
+from core.schema import JobConfig, parse
 
 MAX_RESTARTS = 5
 """How often Ray restarts a coordinator whose process dies; each restart carries on from the run
 directory and the live workers (a new incarnation)."""
 FEED_WAIT_S = 30.0
 """The longest a driver's long poll waits before it is answered anyway (it then asks again)."""
-SCALE_WAIT_S = 240.0
-"""The longest `scale` waits for its joiners (a driver's call waits 300 s)."""
-FORCE_STOP_AFTER_S = 10.0
-"""A stop's grace beyond `comm.timeout_s`: members that have not stopped by then are killed."""
+WORKER_STARTS_PER_INCARNATION = 1_000_000
+"""Coordinator incarnation n numbers its worker starts from n x this: the count the state file holds can
+lag the dead incarnation (a store one upload behind), and a worker incarnation number must never repeat
+(the parameter server and the lease dispenser fence a slot by it)."""
+S = MemberState
 
 
-class Coordinator(Lifecycle):
+class Coordinator:
+    """The coordinator actor: builds its parts and hands each call to the part that owns it."""
+
     __module__ = REMOTE_HOME  # orchestrator/remote.py: Ray imports it from there
+
+    def __init__(self, config: dict, run_id: str, run_dir: str, incarnation: int = 0, search_path: tuple[str, ...] = (),
+                 resume_from: str | None = None, owner_job: str | None = None,
+                 started_at: float | None = None, group: WorkerGroup | None = None) -> None:
+        self.cfg = cfg = parse(JobConfig, config)
+        path, name, started = Path(run_dir), cfg.name, started_at or time.time()
+        self.group = group or RayWorkerGroup(cfg)
+        self._parent = ParentWatch()
+        self.keys = RendezvousKey(path, self.group, f"{name}/{run_id}", cfg.comm.sign_rendezvous)
+        secret = secrets.token_bytes(32) if cfg.comm.sign_rendezvous else b""  # a restarted one keeps the live workers'
+        self.algorithm = PolicyTraits(cfg.sync.policy)
+        """What the coordinator needs of the policy: its kind's answers (algorithms/rules/kinds.py)."""
+        self.tasks = Tasks()
+        """Every task the coordinator's parts start but its main task: ended when it closes (actors/control/tasks.py)."""
+        self.group.setup(path, cfg.log_level)
+        credentials.receive(self.group.recall_secret(credentials.kv_key(name, run_id)))  # storage keys, if any
+        storage, run_key = run_storage(cfg.storage, path, cfg.storage_options)
+        if storage.remote:  # above every incarnation the store has seen, a zombie's included (actors/runs/fencing.py)
+            incarnation = claim_incarnation(storage, run_key, path, incarnation)
+        mirror = RunMirror(storage, run_key, path, incarnation) if storage.remote else None
+        self.journal = Journal(path, cfg.checkpoint.keep, storage, run_key, mirror, restarted=self.group.reconstructed,
+                               store_delay_s=cfg.faults.checkpoint_store_s,
+                               fingerprint=checkpoints.fingerprint(cfg.workload.factory, cfg.workload.params),
+                               store_fails_until=started + cfg.faults.checkpoint_fail_s
+                               if cfg.faults.checkpoint_fail_s else 0.0, tasks=self.tasks)
+        self.metrics = JobMetrics(Exporter(name, run_id, cfg.sync.policy, cfg.tracking.metrics, self.group.metric),
+                                  self.algorithm.kind.traffic, lambda: self.journal.step, cfg.tracking.per_worker_metrics)
+        self.journal.listeners.append(self.metrics)
+        self.feed = Feed()
+        """Wakes the drivers' long polls (`watch_feed`) on each event and each newest record."""
+        self.journal.listeners.append(self.feed)
+        self.book = MembershipBook(cfg, run_id, self.algorithm.kind)
+        self.faults = CoordinatorFaults(
+            cfg.faults, set(runfiles.read_json(path / "coordinator_faults_fired.json", [])),
+            lambda fired: self.journal.write_json("coordinator_faults_fired.json", sorted(fired)),
+            lambda reason: self._note("fault", reason, fired_at=time.time()))
+        saved = self.journal.load_state() if self.group.reconstructed else None
+        if saved is not None:
+            incarnation = max(incarnation, saved["incarnation"] + 1)
+            secret = self.keys.recall(saved, secret)
+            self.book.load(saved)
+        else:
+            self.keys.keep(secret)
+        self.run = RunIdentity(cfg, config, run_id, path, incarnation, tuple(search_path), secret, owner_job, resume_from)
+        self.sequencer = Sequencer(trust_first=saved is not None, gave_up=lambda sender, seq: self._note(
+            "info", f"message {seq} from {sender} waited {self.sequencer.wait_s:g}s for an earlier one that never came "
+                    f"(a call lost, as with a restarting coordinator): it ran without it", sender=sender, seq=seq))
+        """Runs each worker's messages in the order it sent them (Ray does not, for an asyncio actor); a restarted
+        incarnation trusts the first number it hears from each (the live workers numbered theirs to the dead one)."""
+        self.job = JobStateMachine(name, started, self.journal.event, self._persist,
+                                   lambda state, number: self.state_file.ended(state, number), saved)
+        self.history = self.journal.open_history(self.algorithm.reporter, self.journal.step, self.book.live)
+        self._build(saved)
+        if cfg.tracking.tensorboard:
+            self.journal.listeners.append(TensorBoard.for_run(cfg.tracking.tensorboard, path, name, run_id,
+                                                              self.history.reporter.each_member_reports, incarnation))
+        if saved is not None and self.job.state == JobState.RUNNING:  # status() never says RUNNING before re-attaching
+            self.job.transition(JobState.RESHAPING, f"coordinator restarted as incarnation {incarnation}: re-attaching workers")
+        else:
+            self._persist()
+
+    def _build(self, saved: dict | None) -> None:
+        """The parts that start, admit and supervise workers, and the lifecycle that drives them. A part that
+        calls one built after it gets a method of this shell, which forwards the call."""
+        cfg, run, w, kind = self.cfg, self.run, self.cfg.workers, self.algorithm.kind
+        placement = PlacementWatch(self.group, w.cpus, w.gpus, w.pause_after_s)
+        """Tells a joiner or a spare that Ray cannot place (an event, and in `status`)."""
+        self.spares = SparePool(w.spares, self.group, run.prefix, lambda slot: run.spec(slot, 0), self._persist,
+                                self.journal.wait_saved, self.journal.event, wanted=self.job.may_start,
+                                settled=lambda: not (self.book.pending or self.book.slots_in(S.STARTING, S.READY)),
+                                started=(saved or {}).get("started_spares", 0), tasks=self.tasks, placement=placement)
+        self.publisher = Publisher(self.book, self.group, kind, run.incarnation, lambda: self.lifecycle.server,
+                                   self._persist, lambda version, sent: self.faults.maybe_die("publish", version, sent))
+        self.supervisor = Supervisor(cfg, self.book, self.group, self, self.journal.event, kind,
+                                     lambda: self.journal.step, tasks=self.tasks)
+        trial = cfg.policy_trial if cfg.policy_trial and saved is None and not cfg.policy_trial.get("resumed") else None
+        self.plans = Plans(cfg, self.book, self.publisher, self.job, self.history, self.feed, self.spares, self.group,
+                           self.journal.event, self._spawn, self._persist, self.tasks, trial)
+        self.admission = Admission(self.book, self.journal, self.group, kind, w.min, lambda: self.job.state,
+                                   self.job.may_start, lambda: self.history, self.plans.reshape, self.supervisor.run,
+                                   self._fail, tasks=self.tasks)
+        self.launcher = Launcher(self.book, self.spares, self.group, run.prefix, run.spec, self.journal.fired,
+                                 self.journal.event, lambda: self.job.state, self.job.may_start, self.admission.request,
+                                 started=max((saved or {}).get("started_workers", 0),
+                                             run.incarnation * WORKER_STARTS_PER_INCARNATION), tasks=self.tasks,
+                                 placement=placement, fail=self._fail)
+        self.state_file = StateFile(run, self.journal, self.book, self.job, self.launcher, self.spares, self.group, saved)
+        self.records = Records(cfg, self.journal, self.history, self.book, self.job, self.admission, self.plans,
+                               self.faults, self.tasks, self.supervisor.stop, lambda count: self.scale(count, wait=False),
+                               self.end)
+        self.lifecycle = Lifecycle(run, self.algorithm, self.group, self.journal, self.history, self.book, self.job,
+                                   self.state_file, self.launcher, self.spares, self.supervisor, self.plans, self.records,
+                                   self.metrics, self.faults, self.keys, self._parent, self.tasks)
+
+    def _note(self, kind: str, reason: str, **detail: Any) -> None:
+        """An event, for the parts that tell the journal and never read the event back."""
+        self.journal.event(kind, reason, **detail)
+
+    def _persist(self) -> int:
+        return self.state_file.save()
+
+    def _spawn(self, slots: list[str], reason: str, detector: str) -> None:
+        self.launcher.spawn(slots, reason, detector)
+
+    async def _fail(self, reason: str, detail: dict) -> None:
+        await self.end(JobState.FAILED, reason, detail)
 
     # ------------------------------------------------------------------ calls from drivers
     async def start(self) -> dict:
-        if self._main_task is None:
+        if self.lifecycle.main_task is None:
             self.supervisor.start()
-            self._released, self._reshape_lock = asyncio.Event(), asyncio.Lock()
-            self._main_task = asyncio.get_running_loop().create_task(self._main())
+            self.plans.start()
+            self.lifecycle.start()
         return {"node": self.group.node_ip, "pid": os.getpid()}
 
     async def status(self) -> dict:
-        return self._status().to_dict()
+        return self.lifecycle.status().to_dict()
 
     async def config(self) -> dict:
         """The job's resolved config (a driver on a node without the run folder attaches with it)."""
-        return dict(self.config_dict)
+        return dict(self.run.config)
 
     async def list_events(self) -> list[dict]:
         return [e.to_dict() for e in self.journal.events]
@@ -77,16 +213,16 @@ class Coordinator(Lifecycle):
     async def watch_feed(self, seen: int, step: int, timeout: float) -> dict:
         """A long poll (`ElasticJob.wait_for`): answers once events numbered `seen` or later exist, the job's
         step is past `step`, or the job has ended; at the latest after `timeout` (at most FEED_WAIT_S) seconds."""
-        await self.feed.wait(lambda: self.journal.count > seen or self.journal.step > step or self.state.terminal,
+        await self.feed.wait(lambda: self.journal.count > seen or self.journal.step > step or self.job.state.terminal,
                              min(timeout, FEED_WAIT_S))
         events, complete = self.journal.since(seen)
         return {"count": self.journal.count, "events": events, "complete": complete, "step": self.journal.step,
-                "state": self.state.value}
+                "state": self.job.state.value}
 
     async def request_stop(self, reason: str = "stop requested") -> dict:
         """Graceful stop: every member stops at the same committed step; state STOPPED."""
         await self.supervisor.stop("STOPPED", reason)
-        return self._status().to_dict()
+        return self.lifecycle.status().to_dict()
 
     async def scale(self, count: int, wait: bool = True) -> dict:
         """Grow or shrink to `count` workers without restarting anyone. Joiners are made ready first (a
@@ -97,43 +233,13 @@ class Coordinator(Lifecycle):
         another course (another scale, a stop, its end), at most SCALE_WAIT_S. Refused (ValueError, the
         reason in one line) where nothing can be done: a count outside [min, max] or whose shares would be
         empty, a job that is not running or is stopping, no free slot."""
-        await self._recovered.wait()
-        w = self.cfg.workers
-        high = w.max if w.max is not None else w.count  # a parsed config's max is set (count by default)
-        if not w.min <= count <= high:
-            raise ValueError(f"scale: {count} workers is outside [workers.min, workers.max] = [{w.min}, {w.max}]")
-        refusal = share_refusal(count, self.cfg.workload.batch_size, w.count, w.batch_mode, self.book.batch_norm)
-        if refusal is not None:
-            raise ValueError(f"scale: {refusal}")
-        if not self.state.active or self.stop_kind is not None:
-            raise ValueError(f"scale: the job is {'stopping' if self.state.active else self.state.value}; only a "
-                             f"running or paused job can be scaled")
-        previous, self.book.target_count = self.book.target_count, count
-        self._persist()
-        done = await self._converge(f"scale to {count} requested", "scale request")
-        if done is None:
-            raise ValueError(f"scale: the job is {self.state.value} and stopping; it takes no new member")
-        if done.missing and not done.start:
-            self.book.target_count = previous
-            self._persist()
-            raise ValueError(f"scale: no free slot for {done.missing} more worker(s): slots "
-                             f"{', '.join(sorted(self.book.retired))} were retired by workers.failure_budget "
-                             f"({w.failure_budget} failures)")
-        if wait:
-            await self.feed.wait(lambda: self._scaled(count), SCALE_WAIT_S)
-        return self._status().to_dict()
-
-    def _scaled(self, count: int) -> bool:
-        """Whether a scale to `count` did what can be done now: no joiner is still coming, or each one that
-        is waits for room Ray has not got; or the job took another course (another target, a stop, its end)."""
-        if self.book.target_count != count or not self.state.active or self.stop_kind is not None:
-            return True
-        return all(self.book.members[s].unplaced for s in self.book.slots_in(MemberState.STARTING, MemberState.READY))
+        await self.state_file.recovered.wait()
+        await self.plans.scale(count, wait)
+        return self.lifecycle.status().to_dict()
 
     async def release(self) -> None:
         """Let a terminal coordinator exit now (the driver has read the result)."""
-        if self._released is not None:
-            self._released.set()
+        self.lifecycle.release()
 
     # ------------------------------------------------------------------ calls from workers
     async def report(self, progress: Progress, order: Order | None = None) -> None:
@@ -144,12 +250,7 @@ class Coordinator(Lifecycle):
         if member is not None:
             self.supervisor.progress(member, progress.mark, progress.compute_s)
         self.metrics.steps(progress.step_s)
-        with self.history.batch():
-            for record in progress.records:
-                try:
-                    self._accept_record(record)
-                except Exception as err:  # noqa: BLE001 - one bad record must not drop the rest
-                    self.journal.event("info", f"could not record step {record.get('step')}: {type(err).__name__}: {err}")
+        self.records.report(progress.records)
 
     async def fault_fired(self, index: int, slot: str, step: int, phase: str, order: Order | None = None) -> None:
         await self.sequencer.turn(order)
@@ -181,17 +282,7 @@ class Coordinator(Lifecycle):
         """Rank 0 of `epoch`: its members agreed that `step` is the newest committed step; `records`
         are those it keeps after the plan's history step (what a departed rank 0 never reported)."""
         await self.sequencer.turn(order)
-        for record in records:
-            self._accept_record(record)
-        if step < self.history.written_step and epoch == self.book.epoch and not self.state.terminal:
-            # Below a step history holds as final: none of the epoch's members holds the committed
-            # state (joiners alone would start over). Never train on from there: end, resumable.
-            await self.end(JobState.FAILED, f"the members of membership epoch {epoch} agreed on step {step}, below the "
-                                            f"committed step {self.history.written_step}: none of them holds the "
-                                            f"committed state (resume with --resume)")
-            return
-        self.history.agreed(epoch, step)
-        self.journal.step = self.history.step()
+        await self.records.agreed(epoch, step, records)
 
     async def save_checkpoint(self, step: int, blob: bytes, order: Order | None = None) -> None:
         await self.sequencer.turn(order)
@@ -205,49 +296,79 @@ class Coordinator(Lifecycle):
     # ------------------------------------------------------------------ calls from the parameter server
     async def server_report(self, records: tuple[dict, ...], summary: dict) -> None:
         """The parameter server applied these versions (history records) and now counts `summary`."""
-        if self.server is not None:
-            records = await self.server.take_report(records, summary, self.history.written_step)
+        server = self.lifecycle.server
+        if server is not None:
+            records = await server.take_report(records, summary, self.history.written_step)
         for record in records:
-            self._accept_record(record)
+            self.records.accept(record)
 
     async def server_barrier(self, index: int, members: tuple[str, ...], intervals: dict[str, list[float]]) -> None:
         """elastic_bsp: round `index` began at the server; ZipLine places its barrier (server_control.py)."""
-        if self.server is not None:
-            self.server.place_barrier(index, members, intervals)
+        server = self.lifecycle.server
+        if server is not None:
+            server.place_barrier(index, members, intervals)
 
     async def server_restarted(self, resumed: int, incarnation: int, snapshot: str | None) -> None:
         """Ray restarted the parameter server from its snapshot at version `resumed` (server_control.py)."""
-        server_restarted(self.cfg, self.algorithm.kind, self.server, self.book, self.history, self.journal,
+        server_restarted(self.cfg, self.algorithm.kind, self.lifecycle.server, self.book, self.history, self.journal,
                          resumed, incarnation, snapshot)
 
     # ------------------------------------------------------------------ what decisions call (Actions)
+    @property
+    def state(self) -> JobState:
+        return self.job.state
+
+    @property
+    def stop_kind(self) -> str | None:
+        return self.job.stop_kind
+
     def view(self) -> JobView:
-        return self.book.view(self.state, self.stop_kind, None if self.algorithm.kind.runs_server
+        return self.book.view(self.job.state, self.job.stop_kind, None if self.algorithm.kind.runs_server
                               else restorable_step(self.journal.checkpoint, self.journal.pending_checkpoint()))
 
+    def transition(self, to: JobState, reason: str) -> None:
+        self.job.transition(to, reason)
+
     def set_cause(self, cause: str | None) -> None:
-        self.cause = cause
+        self.job.set_cause(cause)
+
+    def reshape(self, members: tuple[str, ...], reason: str, detector: str, detected_at: float,
+                new_epoch: bool = False, *, aborts: bool = False) -> Plan:
+        return self.plans.reshape(members, reason, detector, detected_at, new_epoch, aborts=aborts)
+
+    def publish(self, members: tuple[str, ...], reason: str) -> Plan:
+        return self.plans.publish(members, reason)
+
+    def reform(self, reason: str) -> None:
+        self.plans.reform(reason)
+
+    def abort_epoch(self, reason: str) -> None:
+        self.publisher.abort_epoch(reason)
 
     def begin_stop(self, kind: str, cause: str, stop_step: int) -> None:
-        self.stop_kind, self.cause, self.book.stop_step = kind, cause, stop_step
-        if self.server is not None:
-            self.server.close(cause)  # members stop at their next pull
-        self.tasks.spawn(self._force_stop_after(self.cfg.comm.timeout_s + FORCE_STOP_AFTER_S))
-        self.faults.die_on_report = True
+        self.lifecycle.begin_stop(kind, cause, stop_step)
 
     def restore_on_admit(self) -> None:
-        pending = self.journal.pending_checkpoint()
-        # one being stored (the first, or one newer than the last stored): the admission waits for it
-        self.admission.restore = self.journal.checkpoint if pending is None else (pending, "")
+        self.admission.restore_on_admit()
 
     def replace(self, slot: str) -> None:
-        self.tasks.spawn(self._converge(f"replace {slot}", "replacement"))
+        self.plans.replace(slot)
 
     async def slot_failed(self, member: Member, phase: str, cause: str) -> bool:
         return await self.launcher.slot_failed(member, phase, cause)
 
     async def departure_settled(self) -> None:
         await self.launcher.departure_settled()
+
+    async def end(self, state: JobState, reason: str, detail: dict | None = None, quiet: bool = False) -> None:
+        await self.lifecycle.end(state, reason, detail, quiet)
+
+    async def stop_now(self, kind: str | None, state: JobState, reason: str) -> None:
+        self.job.decide_stop(kind)
+        await self.lifecycle.end(state, reason, quiet=True)
+
+    async def finish(self) -> None:
+        await self.lifecycle.finish()
 
 
 CoordinatorActor = ray.remote(num_cpus=0)(Coordinator)

@@ -37,8 +37,8 @@ async def wrap_up(kind: JobState, algorithm: Any, book: MembershipBook, group: W
             accept(record)
         await server.refresh_summary()
     history.close()
-    journal.step = history.step([s for s in plan.members if members[s].holds_state]) \
-        if history.reporter.each_member_reports and plan else history.written_step
+    journal.set_step(history.step([s for s in plan.members if members[s].holds_state])
+                     if history.reporter.each_member_reports and plan else history.written_step)
     if plan is not None or server is not None:
         try:
             blob, _ = await final_model(algorithm.final_model, book, group, server, journal.event, journal.metrics)

@@ -173,9 +173,10 @@ class Journal:
             self._step = max(self._step, self.history.step(self._live()))
         return self._step
 
-    @step.setter
-    def step(self, value: int) -> None:
-        self._step = value
+    def set_step(self, step: int) -> None:
+        """The job's step from elsewhere than a newest record: an agreement that dropped a record, a restore
+        or resume from a checkpoint, a server's restart, the end of the run."""
+        self._step = step
 
     def open_history(self, reporter: Reporter, written_step: int, live: Callable[[], Iterable[str]] = lambda: ()) -> History:
         """`live()`: the live members (the each-member kinds' step is the slowest one's)."""
@@ -303,7 +304,7 @@ class Journal:
                         for i in e["detail"]["ids"]}
         self.loss, self.metrics = saved["loss"], saved["metrics"]
         history = runfiles.read_jsonl(self.run_dir / "history.jsonl")
-        self.step = history[-1]["step"] if history else 0
+        self._step = history[-1]["step"] if history else 0
         self.step_metrics = dict(history[-1].get("step_metrics", {})) if history else {}
         return saved
 

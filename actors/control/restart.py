@@ -7,19 +7,74 @@ before the crash was never saved); joiners that were not admitted yet are killed
 again). Then it collects the records committed while nobody listened: every member keeps its
 newest ones, and a record of the same step from two members is taken once.
 
+`StateFile` is what the new incarnation carries on from: the state file (`coordinator.json`) that every
+incarnation keeps saving with what it cannot re-learn from the live workers.
+
 `resume` is the other way a run goes on: a new run that starts from a checkpoint (`--resume`).
 """
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from actors.control.book import MembershipBook
+from actors.control.job_state import JobStateMachine
+from actors.control.journal import Journal
 from actors.control.members import Member
+from actors.control.run_identity import RunIdentity
 from actors.control.workers import WorkerGroup
-from algorithms.rules.supervision import MemberState
+from algorithms.rules.supervision import JobState, MemberState
 
 S = MemberState
+
+
+class Started(Protocol):
+    """A part that counts what it started (the launcher's workers)."""
+
+    started: int
+
+
+class Kept(Started, Protocol):
+    """The spare pool: the spares it started, and the names of those it keeps now."""
+
+    def names(self) -> list[str]: ...
+
+
+class StateFile:
+    """The state file: what a restarted incarnation cannot re-learn from the live workers (the book, the
+    job's state, progress, spares, start counts), saved at each change; and, for a restarted incarnation,
+    the one it found (`saved`) until it has re-attached its workers (`recovered`)."""
+
+    def __init__(self, run: RunIdentity, journal: Journal, book: MembershipBook, job: JobStateMachine,
+                 launcher: Started, spares: Kept, group: WorkerGroup, saved: dict[str, Any] | None) -> None:
+        """`saved`: the state file a restarted incarnation found (None for the first one)."""
+        self._run, self._journal, self._book, self._job, self._group = run, journal, book, job, group
+        self._launcher, self._spares = launcher, spares
+        self.saved = saved
+        self.recovered = asyncio.Event()
+        """Set once a restarted incarnation has re-attached its workers (at once for the first one):
+        `scale` waits for it, since Ray may hand a restarted coordinator a call the dead one had taken."""
+        if saved is None:
+            self.recovered.set()
+
+    def save(self) -> int:
+        """The coordinator's state to the state file's writer (off the event loop); the snapshot's number."""
+        state = self._book.snapshot()
+        spares = self._spares.names()
+        saved = self.saved
+        if saved is not None and not self.recovered.is_set():  # restarted, not re-attached: the dead incarnation's workers stand
+            state["members"], spares = saved["members"], [*saved.get("spares", ()), *spares]
+        state.update({"incarnation": self._run.incarnation, **self._job.snapshot(), "loss": self._journal.loss,
+                      "metrics": dict(self._journal.metrics), "spares": spares, "started_workers": self._launcher.started,
+                      "started_spares": self._spares.started})
+        return self._journal.save_state(state)
+
+    def ended(self, state: JobState, number: int) -> None:
+        """The job ended in `state`: snapshot `number` (which holds it) on disk before the driver, told the
+        job ended, reads it; and the job's record in Ray's key-value store."""
+        self._journal.wait_saved(number, 30)
+        self._group.publish_record(self._run.name, self._run.end_record(state.value))
 
 
 async def reattach(saved: dict[str, Any], book: MembershipBook, group: WorkerGroup, prefix: str,
@@ -51,8 +106,7 @@ async def reattach(saved: dict[str, Any], book: MembershipBook, group: WorkerGro
         newest = info["plan"]
         if newest is not None:
             epochs.append(newest.membership_epoch)
-            if book.plan is None or newest.version > book.plan.version:
-                book.plan = newest  # published just before the crash, never saved
+            book.adopt(newest)  # published just before the crash, never saved
         watch(member)
     return found, lost, epochs
 
@@ -77,6 +131,6 @@ async def resume(path: str, first: Member, group: WorkerGroup, server: Any, hist
         step = await server.load_checkpoint(data)
     else:
         step = await group.load_checkpoint(first.handle, data)
-    journal.step = step
+    journal.set_step(step)
     history.ledger.written_step = step
     journal.event("info", f"resumed from checkpoint at step {step} ({path})", checkpoint=str(path), step=step)

@@ -54,6 +54,11 @@ class ServerControl:
         """Sent before the plan that names them; the server ignores an older epoch arriving late."""
         self.handle.set_members.remote(epoch, list(members))
 
+    def restarted(self, epoch: int, members: Sequence[tuple[str, int]]) -> None:
+        """Ray restarted the server: counted (status), and told the membership again (its snapshot may predate it)."""
+        self.restarts += 1
+        self.set_members(epoch, members)
+
     def place_barrier(self, index: int, members: Sequence[str], intervals: dict[str, list[float]]) -> None:
         """elastic_bsp: round `index` began; ZipLine places its barrier from the iteration times measured
         over the last round and the server gets it (it refuses one that came too late). Without an answer
@@ -116,11 +121,10 @@ def server_restarted(cfg: JobConfig, kind: Kind, server: ServerControl | None, b
     else:
         reason, detail = restart_event(history.written_step, resumed, incarnation, snapshot, cfg.server.snapshot_every)
         history.rewind(resumed)
-        journal.step = resumed
+        journal.set_step(resumed)
         journal.event("server", reason, **detail)
     if server is not None and book.plan is not None:
-        server.restarts += 1
-        server.set_members(book.epoch, book.server_membership())
+        server.restarted(book.epoch, book.server_membership())
 
 
 def restart_event(history_step: int, resumed: int, incarnation: int, snapshot: str | None, every: int) -> tuple[str, dict]:

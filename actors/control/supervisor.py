@@ -13,9 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from abc import abstractmethod
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from actors.control.book import MembershipBook
 from actors.control.members import Member, log
@@ -40,42 +39,31 @@ GATHER_MAX_S = 0.1
 """...but the first of them waits at most this long for the others."""
 
 
-class Actions:
-    """What the supervisor asks of the coordinator shell to carry out a decision. Each method is
-    abstract (marked for the type checker; no ABC metaclass): the shell implements every one."""
+class Actions(Protocol):
+    """What the supervisor asks of the coordinator to carry out a decision (the coordinator's shell
+    forwards each one to the part that owns it)."""
 
-    state: JobState
-    stop_kind: str | None
-
-    @abstractmethod
+    @property
+    def state(self) -> JobState: ...
+    @property
+    def stop_kind(self) -> str | None: ...
     def view(self) -> JobView: ...
-    @abstractmethod
     def transition(self, to: JobState, reason: str) -> None: ...
-    @abstractmethod
     def set_cause(self, cause: str | None) -> None: ...
-    @abstractmethod
     def reshape(self, members: tuple[str, ...], reason: str, detector: str, detected_at: float,
                 new_epoch: bool = False, *, aborts: bool = False) -> Any: ...
-    @abstractmethod
     def publish(self, members: tuple[str, ...], reason: str) -> Any: ...
-    @abstractmethod
     def reform(self, reason: str) -> None: ...
-    @abstractmethod
     def abort_epoch(self, reason: str) -> None: ...
-    @abstractmethod
     def begin_stop(self, kind: str, cause: str, stop_step: int) -> None: ...
-    @abstractmethod
     def restore_on_admit(self) -> None: ...
-    @abstractmethod
     def replace(self, slot: str) -> None: ...
-    @abstractmethod
     async def slot_failed(self, member: Member, phase: str, cause: str) -> bool: ...
-    @abstractmethod
     async def departure_settled(self) -> None:
         """Returns once the survivors of a departure have committed a step without it (or the hold ended)."""
-    @abstractmethod
     async def end(self, state: JobState, reason: str, detail: dict | None = None, quiet: bool = False) -> None: ...
-    @abstractmethod
+    async def stop_now(self, kind: str | None, state: JobState, reason: str) -> None:
+        """A stop of `kind` that has nothing to wait for: the job ends in `state` at once."""
     async def finish(self) -> None: ...
 
 
@@ -109,6 +97,12 @@ class Supervisor:
         self._heard = asyncio.Event()
 
     # ------------------------------------------------------------------ detectors
+    def run(self, member: Member) -> None:
+        """Start an admitted member's run, and watch it."""
+        self.group.run(member.handle)
+        member.move(S.TRAINING)
+        self.watch(member)
+
     def watch(self, member: Member) -> None:
         """Await the member's run; its end (or its process's death) becomes an outcome."""
         async def watched() -> None:
@@ -419,7 +413,6 @@ class Supervisor:
         if d.ignore:
             return
         if d.end_now is not None:
-            self.actions.stop_kind = d.stop_kind
-            await self.actions.end(d.end_now, d.reason, quiet=True)
+            await self.actions.stop_now(d.stop_kind, d.end_now, d.reason)
             return
         self.apply(d, reason, "stop", time.time())

@@ -38,6 +38,9 @@ class Journal:
         self.storing: asyncio.Future | None = None
         """A store under way: it ends with the checkpoint it stored (`newest_checkpoint` waits for it)."""
 
+    def set_step(self, step: int) -> None:
+        self.step = step
+
     async def newest_checkpoint(self):
         if self.storing is not None:
             self.checkpoint = await self.storing
@@ -190,7 +193,7 @@ def test_a_checkpoint_still_being_stored_when_every_member_was_lost_is_the_one_r
 
 def test_a_joiner_dropped_while_its_restore_is_read_is_never_admitted_and_the_next_joiner_restores():
     """Every member was lost; w1 and w2 are ready, and w1 is to start from the checkpoint. While admission
-    waits for the store under way, a scale down drops w1 (actors/control/base.py `_converge`). No plan names
+    waits for the store under way, a scale down drops w1 (actors/control/plans.py `Plans.converge`). No plan names
     the dropped w1 (its move to training would fail the job), and the restore stays for the next joiner."""
     async def scenario():
         h = Harness()

@@ -53,7 +53,7 @@ def test_a_bad_sample_ends_the_job_failed_with_its_line_no_slot_retired_replaced
                                                    "corrupt record 17", "traceback": "Traceback (fake)",
                                           "data_fault": FAULT})
         assert await ended(coord) == JobState.FAILED
-        assert coord.cause == "bad training sample 17: ValueError: corrupt record 17"
+        assert coord.job.cause == "bad training sample 17: ValueError: corrupt record 17"
         assert group.current("w0").plan.members == ("w0", "w2") and group.current("w0").plan.stop_step == 0
         assert not coord.book.failures and not coord.book.retired
         assert len(group.workers) == 3, "a replacement was started"
@@ -155,7 +155,7 @@ def test_with_skip_the_steps_gradient_is_the_mean_over_the_samples_read(tmp_path
     for slot in ("w0", "w1"):
         for got, want in zip(job.parameters(slot), expected):
             torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
-    assert job.replicas["w0"].kept[-1]["skipped_samples"] == 1
+    assert job.replicas["w0"].reporter.kept[-1]["skipped_samples"] == 1
 
 
 # ------------------------------------------------------------------ sources

@@ -47,15 +47,15 @@ def coordinator(cfg: dict, run_dir: Path, group: FakeWorkerGroup) -> Coordinator
 async def started(cfg: dict, run_dir: Path, group: FakeWorkerGroup) -> Coordinator:
     coord = coordinator(cfg, run_dir, group)
     await coord.start()
-    await until(lambda: coord.state == JobState.RUNNING, "RUNNING")
+    await until(lambda: coord.job.state == JobState.RUNNING, "RUNNING")
     return coord
 
 
 async def ended(coord: Coordinator, timeout: float = 10.0) -> JobState:
-    await until(lambda: coord.state.terminal, "a terminal state", timeout)
+    await until(lambda: coord.job.state.terminal, "a terminal state", timeout)
     await coord.release()
-    await asyncio.wait_for(coord._main_task, 5)
-    return coord.state
+    await asyncio.wait_for(coord.lifecycle.main_task, 5)
+    return coord.job.state
 
 
 async def stopped(coord: Coordinator, group: FakeWorkerGroup, steps: int = 2) -> None:
@@ -77,10 +77,9 @@ def run(scenario) -> None:
             await asyncio.wait_for(scenario, 25)
         finally:
             for coord in RUNNING_NOW:
-                if coord._released is not None:
-                    coord._released.set()
-                if coord._main_task is not None and not coord._main_task.done():
-                    coord._main_task.cancel()
+                coord.lifecycle.release()
+                if coord.lifecycle.main_task is not None and not coord.lifecycle.main_task.done():
+                    coord.lifecycle.main_task.cancel()
             RUNNING_NOW.clear()
     asyncio.run(guarded())
 
@@ -135,7 +134,7 @@ def test_a_death_re_forms_the_survivors_and_a_replacement_joins(tmp_path):
         survivors_epoch = await death_and_replacement(coord, group, 3, 1)
         assert group.current("w0").aborted == [1] and survivors_epoch == 2
         await group.commit(coord, 1)
-        await until(lambda: coord.state == JobState.RUNNING, "RUNNING again")
+        await until(lambda: coord.job.state == JobState.RUNNING, "RUNNING again")
         reshapes = [e.detail["detector"] for e in events(coord, "reshape")]
         assert reshapes == ["actor death", "replacement"], reshapes
         await stopped(coord, group, 2)
@@ -152,7 +151,7 @@ def test_stop_while_paused_stops_the_survivors_at_their_committed_step(tmp_path)
         coord = await started(config("paused", workers={"min": 3, "failure_budget": 1}), tmp_path, group)
         await group.commit(coord, 20)
         group.die("w1")
-        await until(lambda: coord.state == JobState.PAUSED, "PAUSED")
+        await until(lambda: coord.job.state == JobState.PAUSED, "PAUSED")
         assert "w1" in coord.book.retired
         await coord.request_stop()
         stop_plan = group.current("w0").plan
@@ -171,7 +170,7 @@ def test_a_death_while_stopping_keeps_the_stop(tmp_path):
         coord = await started(config("stopping", comm={"timeout_s": 30}), tmp_path, group)
         await group.commit(coord, 20)
         await coord.request_stop()
-        assert coord.state == JobState.STOPPING and coord.book.plan.stop_step == 21
+        assert coord.job.state == JobState.STOPPING and coord.book.plan.stop_step == 21
         group.die("w2")
         await until(lambda: coord.book.plan.members == ("w0", "w1"), "the survivors' plan")
         assert group.current("w0").plan.stop_step == 21, "the re-formed plan lost the stop"
@@ -186,9 +185,9 @@ def test_a_stop_whose_members_never_reach_the_stop_step_kills_their_processes_be
     """Every member is stuck in its step after the stop (nothing commits): past `comm.timeout_s` plus
     the grace, the coordinator SIGKILLs the processes of the live members itself (those on its node die
     at once; Ray's kill alone reaches a process later), then ends the job STOPPED."""
-    import actors.control.coordinator as coordinator_module
+    import actors.control.lifecycle as lifecycle_module
 
-    monkeypatch.setattr(coordinator_module, "FORCE_STOP_AFTER_S", 0.05)
+    monkeypatch.setattr(lifecycle_module, "FORCE_STOP_AFTER_S", 0.05)
 
     async def scenario():
         group = FakeWorkerGroup()
@@ -232,7 +231,7 @@ def test_a_slot_that_always_fails_to_start_is_retired_and_the_job_goes_on(tmp_pa
         group.start_failures["w2"] = "ValueError: this workload always fails in slot w2"
         coord = coordinator(config("budget", workers={"min": 2, "failure_budget": 2}), tmp_path, group)
         await coord.start()
-        await until(lambda: coord.state == JobState.RUNNING, "RUNNING on the others")
+        await until(lambda: coord.job.state == JobState.RUNNING, "RUNNING on the others")
         retired = await until(lambda: events(coord, "retired"), "w2 retired")
         assert retired[0].detail == {"slot": "w2", "failures": 2}
         assert coord.book.members["w2"].state.value == "retired"
@@ -263,10 +262,10 @@ def test_below_min_with_no_resources_is_paused_and_resumes_when_placed(tmp_path)
         group.unplaced = True
         coord = coordinator(config("room", workers={"min": 2}), tmp_path, group)
         await coord.start()
-        await until(lambda: coord.state == JobState.PAUSED, "PAUSED for resources")
-        assert "cannot be placed" in coord.cause
+        await until(lambda: coord.job.state == JobState.PAUSED, "PAUSED for resources")
+        assert "cannot be placed" in coord.job.cause
         group.place()
-        await until(lambda: coord.state == JobState.RUNNING, "RUNNING once placed")
+        await until(lambda: coord.job.state == JobState.RUNNING, "RUNNING once placed")
         await stopped(coord, group, 2)
     run(scenario())
 
@@ -284,8 +283,8 @@ def test_workers_placed_but_slow_to_start_keep_the_job_starting_never_paused(tmp
         causes: list = []
 
         def running() -> bool:
-            causes.append(coord.cause)
-            return coord.state == JobState.RUNNING
+            causes.append(coord.job.cause)
+            return coord.job.state == JobState.RUNNING
         await until(running, "RUNNING once the workers are up")
         transitions = [(e.state_from, e.state_to) for e in events(coord, "transition")]
         assert ("STARTING", "PAUSED") not in transitions, transitions
@@ -467,9 +466,9 @@ def test_a_restarted_coordinator_reattaches_the_live_members_and_history_has_no_
         epoch = first.book.epoch
         # its state file holds what it had at step 5 (its writer thread, not the cancelled task, writes it;
         # under load a write could still be on its way when the next incarnation reads the file)
-        assert await asyncio.to_thread(first.journal.wait_saved, first._persist(), 10)
-        first._released.set()
-        first._main_task.cancel()  # the process is gone: nothing more reaches the workers from it
+        assert await asyncio.to_thread(first.journal.wait_saved, first.state_file.save(), 10)
+        first.lifecycle.release()
+        first.lifecycle.main_task.cancel()  # the process is gone: nothing more reaches the workers from it
         await asyncio.sleep(0.05)
         for step in (6, 7, 8):  # committed while no coordinator listened
             for slot in ("w0", "w1", "w2"):
@@ -483,7 +482,7 @@ def test_a_restarted_coordinator_reattaches_the_live_members_and_history_has_no_
         group.die("w2")
         group.reconstructed = True
         second = coordinator(config("restart"), tmp_path, group)
-        assert second.incarnation == 1 and second.state == JobState.RESHAPING
+        assert second.run.incarnation == 1 and second.job.state == JobState.RESHAPING
         await second.start()  # Ray's restart calls it (start_self_when_alive)
         await until(lambda: second.book.live() == ("w0", "w1", "w2") and second.book.members["w2"].incarnation > 3,
                     "the re-attached members and w2's replacement")
@@ -507,7 +506,7 @@ def test_the_metrics_follow_history_and_count_one_recovery_per_death(tmp_path):
         coord = await started(config("metrics"), tmp_path, group)
         await death_and_replacement(coord, group, 4, 2)
         await group.commit(coord, 3)
-        await until(lambda: coord.state == JobState.RUNNING, "RUNNING again")
+        await until(lambda: coord.job.state == JobState.RUNNING, "RUNNING again")
         m = {name: metric.values for name, metric in group.metrics.items()}
         assert m["state"][(("state", "RUNNING"),)] == 1 and m["state"][(("state", "RESHAPING"),)] == 0
         await stopped(coord, group, 2)
@@ -588,7 +587,7 @@ def test_a_jobs_elapsed_time_is_the_coordinators_span_not_the_time_until_wait(tm
         coord = Coordinator(cfg, "r1", str(tmp_path), group=group, started_at=started_at)
         RUNNING_NOW.append(coord)
         await coord.start()
-        await until(lambda: coord.state == JobState.RUNNING, "RUNNING")
+        await until(lambda: coord.job.state == JobState.RUNNING, "RUNNING")
         await group.commit(coord, 5)
         assert await ended(coord) == JobState.FINISHED
     run(scenario())
@@ -616,10 +615,10 @@ def test_a_restart_takes_an_incarnation_above_every_one_the_store_has_seen(tmp_p
         group = FakeWorkerGroup()
         first = await started(config("fenced", storage=uri), run_dir, group)
         await group.commit(first, 3)
-        first._released.set()
-        first._main_task.cancel()
+        first.lifecycle.release()
+        first.lifecycle.main_task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
-            await first._main_task  # the incarnation has stopped: nothing of it writes while its node goes
+            await first.lifecycle.main_task  # the incarnation has stopped: nothing of it writes while its node goes
         first.journal.close()  # its last state file on disk and in the store (it raced the rmtree below)
         storage = open_storage(uri)
         assert json.loads(storage.read("fenced/r1/coordinator.json"))["incarnation"] == 0
@@ -627,7 +626,7 @@ def test_a_restart_takes_an_incarnation_above_every_one_the_store_has_seen(tmp_p
         shutil.rmtree(run_dir)  # a new node
         group.reconstructed = True
         second = coordinator(config("fenced", storage=uri), run_dir, group)
-        assert second.incarnation == 2, f"the restart took incarnation {second.incarnation}, which the store had seen"
+        assert second.run.incarnation == 2, f"the restart took incarnation {second.run.incarnation}, which the store had seen"
         second.journal.mirror.close(10)
     run(scenario())
 
@@ -641,8 +640,8 @@ def test_a_restart_from_a_lagging_state_file_never_reuses_a_worker_incarnation(t
         first = await started(config("lagging"), tmp_path, group)
         await group.commit(first, 3)
         given = max(m.incarnation for m in first.book.members.values())
-        first._released.set()
-        first._main_task.cancel()
+        first.lifecycle.release()
+        first.lifecycle.main_task.cancel()
         await asyncio.sleep(0.05)
         saved = json.loads((tmp_path / "coordinator.json").read_text())
         saved["started_workers"] = 1  # written before the other starts

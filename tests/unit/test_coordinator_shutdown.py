@@ -46,7 +46,7 @@ async def busy(run_dir: Path) -> tuple[Coordinator, FakeWorkerGroup, asyncio.Fut
     group = FakeWorkerGroup()
     coord = Coordinator(config(), "r1", str(run_dir), group=group)
     await coord.start()
-    await until(lambda: coord.state == JobState.RUNNING and coord.spares.ready(), "RUNNING, with a ready spare")
+    await until(lambda: coord.job.state == JobState.RUNNING and coord.spares.ready(), "RUNNING, with a ready spare")
     await group.commit(coord, 3)
     group.hang("w3")  # its heartbeat is never answered: the call waits for its timeout
     await until(lambda: (t := coord.book.members["w3"].beat_task) is not None and not t.done()
@@ -79,7 +79,7 @@ def test_every_task_of_a_busy_coordinator_ends_within_a_second_of_its_cancellati
         threads = set(threading.enumerate())
         coord, _, poll = await busy(tmp_path)
         tasks = others()
-        assert coord._main_task in tasks and poll in tasks
+        assert coord.lifecycle.main_task in tasks and poll in tasks
         for task in tasks:
             task.cancel()
         _, pending = await asyncio.wait(tasks, timeout=BOUND_S)
@@ -100,10 +100,10 @@ def test_a_stopped_and_released_coordinator_leaves_no_task_behind(tmp_path):
         coord, group, poll = await busy(tmp_path)
         await coord.request_stop()
         await group.commit(coord, 3)
-        await until(lambda: coord.state.terminal, "the stop")
-        assert coord.state == JobState.STOPPED
+        await until(lambda: coord.job.state.terminal, "the stop")
+        assert coord.job.state == JobState.STOPPED
         await coord.release()
-        await asyncio.wait_for(coord._main_task, 10)
+        await asyncio.wait_for(coord.lifecycle.main_task, 10)
         assert poll.done() and poll.result()["state"] == "STOPPED", "the long poll is answered with the end"
         assert not others(), f"left after the coordinator ended: {named(others())}"
         await no_busy_thread(threads)

@@ -6,7 +6,7 @@ import asyncio
 
 from actors.control.book import MembershipBook
 from actors.control.members import Member
-from actors.control.supervisor import STRAGGLER_WARMUP_STEPS, Actions, Supervisor
+from actors.control.supervisor import STRAGGLER_WARMUP_STEPS, Supervisor
 from actors.plan import WorkerSpec
 from algorithms.rules.kinds import SYNCHRONOUS
 from algorithms.rules.supervision import JobState, MemberState
@@ -17,7 +17,9 @@ from testkit.fake_workers import FakeWorkerGroup
 S = MemberState
 
 
-class Recorder(Actions):
+class Recorder:
+    """What the supervisor asks of the coordinator (`Actions`), recorded."""
+
     def __init__(self, book: MembershipBook) -> None:
         self.book, self.state, self.stop_kind, self.cause = book, JobState.RUNNING, None, None
         self.calls: list[tuple] = []
@@ -64,6 +66,10 @@ class Recorder(Actions):
         self.calls.append(("settled",))
 
     async def end(self, state, reason, detail=None, quiet=False):
+        self.calls.append(("end", state))
+
+    async def stop_now(self, kind, state, reason):
+        self.stop_kind = kind
         self.calls.append(("end", state))
 
     async def finish(self):

@@ -1,5 +1,5 @@
 """The job's and each member's transition tables (algorithms/rules/supervision.py): the one place each state
-changes checks them (`Coordinator.transition`, `Member.move`), so an illegal move is refused, not made.
+changes checks them (`JobStateMachine.transition`, `Member.move`), so an illegal move is refused, not made.
 The whole coordinator runs under them in tests/unit/test_coordinator_paths.py."""
 from __future__ import annotations
 

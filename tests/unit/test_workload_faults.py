@@ -177,9 +177,9 @@ def test_a_factory_that_raises_in_every_worker_fails_the_job_with_its_line_witho
         await coord.start()
         assert await ended(coord) == JobState.FAILED
         took = time.monotonic() - began
-        assert coord.cause.startswith("no worker could start: FileNotFoundError: [Errno 2] No such file or directory: "
+        assert coord.job.cause.startswith("no worker could start: FileNotFoundError: [Errno 2] No such file or directory: "
                                       "'/data/fmnist/train.pt' (workload.factory at /home/u/model.py:41); the same in "
-                                      "w0 and w1: a bug in the workload"), coord.cause
+                                      "w0 and w1: a bug in the workload"), coord.job.cause
         (failure,) = [e for e in events(coord, "failure") if e.detail.get("detector") == "workload"]
         assert failure.detail["traceback"] == bug.traceback
         assert not events(coord, "retired") and len(group.workers) == 2, "started once each, never retried"
@@ -196,11 +196,11 @@ def test_a_forward_failing_in_two_members_fails_the_job_with_its_line_and_traceb
         await group.commit(coord, 2)
         for slot in ("w0", "w1"):
             group.current(slot).end("error", {"error": bug.line, "traceback": bug.traceback, "workload_fault": bug})
-        await until(lambda: coord.stop_kind == "FAILED" or coord.state.terminal, "the stop")
+        await until(lambda: coord.job.stop_kind == "FAILED" or coord.job.state.terminal, "the stop")
         await group.commit(coord, 1)  # w2, the survivor, stops at the step it holds
         assert await ended(coord) == JobState.FAILED
-        assert bug.line in coord.cause and "the same in w0 and w1: a bug in the workload" in coord.cause
-        assert "--resume" not in coord.cause
+        assert bug.line in coord.job.cause and "the same in w0 and w1: a bug in the workload" in coord.job.cause
+        assert "--resume" not in coord.job.cause
         failures = events(coord, "failure")
         assert failures[-1].detail["traceback"] == bug.traceback and failures[-1].detail["detector"] == "workload"
         assert not events(coord, "retired")
@@ -220,10 +220,10 @@ def test_a_stop_target_no_evaluation_returns_fails_the_job_at_the_first_evaluati
         for slot in plan.members:
             group.current(slot).step = 3
         await coord.report(Progress(plan.members[0], 3, plan.membership_epoch, time.time(), (record,), 0.01, mark=3))
-        await until(lambda: coord.stop_kind == "FAILED", "the stop")
+        await until(lambda: coord.job.stop_kind == "FAILED", "the stop")
         await group.commit(coord, 1)
         assert await ended(coord) == JobState.FAILED
-        assert coord.cause == ("stop.target.metric 'acuracy' is not among the metrics evaluate returned "
+        assert coord.job.cause == ("stop.target.metric 'acuracy' is not among the metrics evaluate returned "
                                "(accuracy, eval_loss); did you mean 'accuracy'?")
     run(scenario())
 
