@@ -38,9 +38,9 @@ def run(sync: dict, seed: int, args) -> float:
            "eval_every": 0}
     job = LocalJob(cfg, slots, tempfile.mkdtemp(prefix="dadam-acc-"))
     job.run(tuple(slots), args.batch * args.workers, timeout=1800)
-    model = job.replicas["w0"].model
+    model = job.replicas["w0"].training.model
     average = [torch.stack([p.detach() for p in ps]).mean(0)
-               for ps in zip(*[job.replicas[s].model.parameters() for s in slots])]
+               for ps in zip(*[job.replicas[s].training.model.parameters() for s in slots])]
     with torch.no_grad():
         for p, a in zip(model.parameters(), average):
             p.copy_(a)

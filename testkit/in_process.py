@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -115,9 +116,12 @@ def close_started() -> list[str]:
 class LocalJob:
     """Real replicas in threads of this process; the test publishes the plans (no coordinator)."""
 
-    def __init__(self, config: dict, slots: list[str], run_dir: str, timeout_s: float = 10.0, zipline: bool = True) -> None:
+    def __init__(self, config: dict, slots: list[str], run_dir: str, timeout_s: float = 10.0, zipline: bool = True,
+                 wrap_link: Callable[[LocalLink], Any] | None = None,
+                 exit_if_stuck: Callable[[str], None] | None = None) -> None:
         """`zipline`: elastic_bsp's barriers are planned as the coordinator plans them (False: the
-        server's fallback, as with a coordinator that is down)."""
+        server's fallback, as with a coordinator that is down); `wrap_link`: what the replicas reach the
+        recording link through (a test's slow or lossy one); `exit_if_stuck`: as the worker actor's."""
         from actors.server.parameter_server import LocalServerClient, ServerHost, make_host
         from actors.training.replica import Replica
         from algorithms.policies.base import get_algorithm
@@ -136,8 +140,9 @@ class LocalJob:
             reports = LocalServerReports(self.link, planner)
             self.server = reports.host = make_host(self.config, run_dir, reports)
         client = LocalServerClient(self.server) if self.server else None
-        self.replicas = {s: Replica(WorkerSpec("local", "r", s, run_dir, "local", "local", self.config), self.link,
-                                    "127.0.0.1", server=client) for s in slots}
+        link = self.link if wrap_link is None else wrap_link(self.link)
+        self.replicas = {s: Replica(WorkerSpec("local", "r", s, run_dir, "local", "local", self.config), link,
+                                    "127.0.0.1", server=client, exit_if_stuck=exit_if_stuck) for s in slots}
         self.version = 0
         self.outcomes: dict[str, dict] = {}
         self._threads: dict[str, threading.Thread] = {}
@@ -184,7 +189,7 @@ class LocalJob:
         return outcomes
 
     def parameters(self, slot: str) -> list[torch.Tensor]:
-        return [p.detach().clone() for p in self.replicas[slot].model.parameters()]
+        return [p.detach().clone() for p in self.replicas[slot].training.model.parameters()]
 
     def close(self, timeout: float = 30.0) -> list[str]:
         """End replicas still running (a test that failed before its stop): a plan with no members that

@@ -26,14 +26,20 @@ from typing import Any, Protocol
 
 import torch
 
+from algorithms.rules.kinds import Entry
+
 
 class Member(Protocol):
     """What an entry needs of a replica (actors/training/replica.py)."""
 
-    step: int
-    holds_state: bool
-    plan: Any
-    impl: Any
+    @property
+    def step(self) -> int: ...
+    @property
+    def holds_state(self) -> bool: ...
+    @property
+    def impl(self) -> Any: ...
+    @property
+    def plan(self) -> Any: ...
 
     def committed_view(self) -> tuple[int, int]: ...
     def committed_blob(self) -> torch.Tensor: ...
@@ -42,13 +48,10 @@ class Member(Protocol):
     def skip_to(self, step: int) -> None: ...
 
 
-def enter(mode: str, member: Member, comm: Any) -> int | None:
+def enter(mode: Entry, member: Member, comm: Any) -> int | None:
     """Run the entry `mode` over `comm`; returns the source rank when this member loaded state."""
-    if mode == "replicated":
-        return enter_replicated(member, comm)
-    if mode == "average":
-        return enter_average(member, comm)
-    return None
+    entry = ENTRIES.get(mode)
+    return None if entry is None else entry(member, comm)
 
 
 def enter_replicated(member: Member, comm: Any) -> int | None:
@@ -118,3 +121,7 @@ def enter_average(member: Member, comm: Any) -> int | None:
         loaded = _broadcast_state(member, comm, src, keep=bool(views[comm.rank][0]))
     member.skip_to(newest)
     return loaded
+
+
+ENTRIES = {Entry.REPLICATED: enter_replicated, Entry.AVERAGE: enter_average}
+"""The entries that reconcile the members (the others have nothing to reconcile)."""

@@ -70,8 +70,8 @@ def _build_source(config: dict) -> None:
     global _SOURCE
     import torch
 
-    from actors.training.replica import build_workload
     from actors.training.sources import source_for
+    from actors.training.workload import build_workload
     from core.schema import JobConfig, parse
 
     torch.set_num_threads(1)

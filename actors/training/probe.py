@@ -53,7 +53,7 @@ class Probe:
         """Each step's seconds (and its backward pass's) on this probe: `actors.training.replica.time_steps`."""
         import torch
 
-        from actors.training.replica import time_steps
+        from actors.training.workload import time_steps
 
         device = torch.device("cuda", 0) if self.gpu else torch.device("cpu")
         return {**time_steps(self.cfg, device), "device": str(device), "threads": torch.get_num_threads()}

@@ -144,8 +144,7 @@ class Worker:
         self.replica = Replica(spec, RayLink(spec, self._coordinator), ray.util.get_node_ip_address(), tick=self._parent.exit_if_orphaned,
                                kill_actor=lambda: ray.kill(ray.get_runtime_context().current_actor, no_restart=True),
                                server=RayServerClient(server_name(spec.job, spec.run_id), spec.namespace),
-                               workload=workload)
-        self.replica.exit_if_stuck = _exit_stuck
+                               workload=workload, exit_if_stuck=_exit_stuck)
 
     def _replica(self) -> Replica:
         """The replica, which a hot spare holds only once adopted."""
@@ -263,7 +262,8 @@ def prepare_spare(config: JobConfig) -> Any:
     caches no bytecode for the project and compiles each module from source; the first epoch's import
     of ray.util.collective took 0.13 s more."""
     import actors.server.server_client  # noqa: F401 - `_become`'s import, paid ahead
-    from actors.training.replica import build_workload, warm_up
+    import actors.training.replica  # noqa: F401 - `_become`'s import, paid ahead
+    from actors.training.workload import build_workload, warm_up
     from actors.transport import collective
 
     workload = build_workload(config)

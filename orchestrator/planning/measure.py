@@ -194,7 +194,7 @@ def measure_compute(cfg: JobConfig, steps: int = 12, warmup: int = 3) -> tuple[f
     parameter bytes), measured in this process on its CPU (`actors.training.replica.time_steps`)."""
     import torch  # only `plan` and `auto` measure
 
-    from actors.training.replica import time_steps
+    from actors.training.workload import time_steps
 
     measured = time_steps(cfg, torch.device("cpu"), steps, warmup, layout=True)
     _LAYOUTS[_workload_key(cfg)] = measured["layout"]

@@ -51,7 +51,7 @@ def run_local(tmp_path, n: int, gpus: float, backend: str, **kw) -> LocalJob:
 def test_bsp_oracle_on_cuda_two_workers_sharing_one_gpu_over_gloo(tmp_path):
     job = run_local(tmp_path, 2, 0.5, "gloo")
     params = job.parameters("w0")
-    assert all(p.is_cuda for p in job.replicas["w0"].model.parameters())
+    assert all(p.is_cuda for p in job.replicas["w0"].training.model.parameters())
     diff = max(float((p.cpu() - q).abs().max()) for p, q in zip(params, cpu_reference(32)))
     print(f"BSP on CUDA, 2 workers over gloo vs single-process CPU: {diff:.2e}")
     assert diff < 1e-5
@@ -63,9 +63,9 @@ def test_bsp_oracle_on_nccl_at_world_size_1(tmp_path, engine):
     """torch's ProcessGroupNCCL under torch's C++ reducer (the `auto` choice on whole GPUs) and under
     the Python buckets: both equal single-process SGD on the CPU."""
     job = run_local(tmp_path, 1, 1, "nccl", sync={"policy": "bsp", "bucket_mb": 0.004, "engine": engine})
-    impl = job.replicas["w0"].impl
+    impl = job.replicas["w0"].policy.impl
     assert (impl.reducer is not None) == (engine == "reducer")
-    assert all(p.is_cuda for p in job.replicas["w0"].model.parameters())
+    assert all(p.is_cuda for p in job.replicas["w0"].training.model.parameters())
     diff = max(float((p.cpu() - q).abs().max()) for p, q in zip(job.parameters("w0"), cpu_reference(16)))
     print(f"BSP over NCCL (world size 1, engine {engine}) vs single-process CPU: {diff:.2e}")
     assert diff < 1e-5
@@ -74,7 +74,7 @@ def test_bsp_oracle_on_nccl_at_world_size_1(tmp_path, engine):
 @needs_nccl
 def test_auto_engine_takes_the_reducer_on_nccl(tmp_path):
     job = run_local(tmp_path, 1, 1, "nccl", steps=3)
-    assert job.replicas["w0"].impl.reducer is not None
+    assert job.replicas["w0"].policy.impl.reducer is not None
 
 
 def _released_groups(timeout: float = 60.0) -> float:
@@ -108,9 +108,9 @@ def test_no_gpu_memory_left_behind_over_20_membership_changes(tmp_path, backend)
     job.start(["w0"])
     transient, settled, release_s = [], [], []
     for epoch in range(2, 23):
-        step = replica.step
+        step = replica.training.step
         deadline = time.monotonic() + 60
-        while replica.step < step + 5 or (replica.plan and replica.plan.membership_epoch != epoch - 1):
+        while replica.training.step < step + 5 or (replica.plan and replica.plan.membership_epoch != epoch - 1):
             assert time.monotonic() < deadline, f"no progress in epoch {epoch - 1}"
             time.sleep(0.01)
         torch.cuda.synchronize()
@@ -119,10 +119,10 @@ def test_no_gpu_memory_left_behind_over_20_membership_changes(tmp_path, backend)
         torch.cuda.synchronize()
         settled.append(torch.cuda.memory_allocated())
         job.publish(("w0",), epoch, 16, backend=backend)
-    job.publish(("w0",), 23, 16, backend=backend, stop_step=replica.step + 5)
+    job.publish(("w0",), 23, 16, backend=backend, stop_step=replica.training.step + 5)
     job.wait(120)
     growth = settled[-1] - settled[0]
-    gradients = sum(p.numel() * p.element_size() for p in replica.model.parameters())
+    gradients = sum(p.numel() * p.element_size() for p in replica.training.model.parameters())
     held = max(t - s for t, s in zip(transient, settled))
     print(f"{backend}: GPU memory allocated after epoch 1 {settled[0] / 2**20:.2f} MiB, after epoch 21 "
           f"{settled[-1] / 2**20:.2f} MiB (growth {growth / 2**10:.1f} KiB over 20 membership changes; one set "
@@ -189,7 +189,7 @@ def test_abort_and_timeout_of_a_cuda_collective():
 def test_nccl_group_whose_peer_never_arrives_times_out():
     """Rank 1 of a two-rank NCCL group never arrives: forming gives up after comm.timeout_s, or, where
     the non-blocking communicator returns before its peers are in, the first all-reduce does."""
-    from actors.training.replica_epochs import form_group
+    from actors.training.epoch_group import form_group
 
     host, port = local_store()
     started = time.monotonic()
@@ -248,7 +248,7 @@ def test_kill_and_join_of_gpu_workers(run_root):
 
 
 def test_the_loader_on_a_gpu_copies_on_its_own_stream_and_trains_what_the_step_would(tmp_path):
-    """Background loading on CUDA (actors/training/replica_feed.py `_chunks`): batches built ahead are pinned and
+    """Background loading on CUDA (actors/training/batch_feed.py `_chunks`): batches built ahead are pinned and
     copied on the loader's stream; the step waits for each copy's event. Two workers share the GPU over
     gloo; with the loader on, the ledger and the parameters are those of the run with it off."""
     runs = {}
@@ -261,7 +261,7 @@ def test_the_loader_on_a_gpu_copies_on_its_own_stream_and_trains_what_the_step_w
         job.run(("w0", "w1"), 32, backend="gloo")
         replica = job.replicas["w0"]
         runs[name] = ((tmp_path / name / "samples" / "w0.txt").read_text(), job.parameters("w0"),
-                      replica._copy_stream, replica._loader)
+                      replica.feed._copy_stream, replica.feed._loader)
     assert runs["on"][0] == runs["off"][0], "another sample order or split"
     diff = max(float((p - q).abs().max()) for p, q in zip(runs["on"][1], runs["off"][1]))
     stream, loader = runs["on"][2], runs["on"][3]

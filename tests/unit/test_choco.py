@@ -101,7 +101,7 @@ def test_choco_sends_a_quarter_of_dpsgd_s_bytes_with_uint8(tmp_path):
         cfg["compression"] = {"codec": codec}
         job = LocalJob(cfg, slots, str(tmp_path / policy))
         job.run(tuple(slots), 64)
-        sent[policy] = job.replicas["w0"].comm.bytes_sent
+        sent[policy] = job.replicas["w0"].group.comm.bytes_sent
     ratio = sent["choco"] / sent["dpsgd"] * STEPS / (STEPS - 1)  # choco's first step of an epoch sends nothing
     print(f"bytes per exchanging step, choco uint8 / dpsgd fp32: {ratio:.4f}")
     assert 0.25 <= ratio <= 0.26

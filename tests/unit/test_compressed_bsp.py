@@ -115,8 +115,8 @@ def test_hierarchical_bytegrad_compresses_only_between_the_leaders(tmp_path, nod
     diff = max_diff(params, reference_hierarchical("uint8", nodes, feedback=False))
     flat = max_diff(params, reference_compressed("uint8", feedback=False, n=4))
     member = job.replicas["w2" if nodes[1] != nodes[0] else "w1"]
-    grad_bytes = sum(p.numel() * p.element_size() for p in member.model.parameters())
-    sent = member.comm.bytes_sent / STEPS
+    grad_bytes = sum(p.numel() * p.element_size() for p in member.training.model.parameters())
+    sent = member.group.comm.bytes_sent / STEPS
     print(f"hierarchical bytegrad {nodes}: {diff:.2e} from its reference ({flat:.2e} from the flat one); a member "
           f"sends {sent:.0f} B/step (gradients {grad_bytes} B)")
     assert diff < 1e-5 and flat > 10 * max(diff, 1e-7), "the leaders' sums, not the members' gradients, are compressed"

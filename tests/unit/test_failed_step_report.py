@@ -37,10 +37,8 @@ class BusyLink:
 def test_a_member_whose_step_failed_takes_the_next_plan_without_waiting_for_its_report(tmp_path):
     config = load_config(CONFIG, ["workers.count=2", "workers.min=1", "stop.max_steps=400", "stop.target=null",
                                   "eval_every=0"]).to_dict()
-    job = LocalJob(config, ["w0", "w1"], str(tmp_path))
-    busy = BusyLink(job.link)
-    for replica in job.replicas.values():
-        replica.link = busy
+    job = LocalJob(config, ["w0", "w1"], str(tmp_path), wrap_link=BusyLink)
+    busy = job.replicas["w0"].link
     batch = 2 * config["workload"]["batch_size"]
     job.publish(("w0", "w1"), 1, batch)
     job.start()
@@ -49,7 +47,7 @@ def test_a_member_whose_step_failed_takes_the_next_plan_without_waiting_for_its_
         for replica in job.replicas.values():
             replica.abort_epoch(1, "a member died (the test)")
         # the next epoch ends the run 30 steps on, both members at the same step (a plan's stop)
-        job.publish(("w0", "w1"), 2, batch, stop_step=max(r.step for r in job.replicas.values()) + 30)
+        job.publish(("w0", "w1"), 2, batch, stop_step=max(r.training.step for r in job.replicas.values()) + 30)
         wait_until(lambda: any(r["membership_epoch"] == 2 for r in job.link.records), 60,
                    "a committed step of epoch 2 while the coordinator answers no waited report")
         assert 1 not in busy.waited, "no report of the failed epoch waited for an answer"

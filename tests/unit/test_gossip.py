@@ -38,8 +38,8 @@ def run_gossip(tmp_path, sync: dict, optimizer: dict, n: int, global_batch: int,
     slots = [f"w{i}" for i in range(n)]
     job = LocalJob(config(sync, optimizer, STEPS, n), slots, str(tmp_path))
     if trace is not None:
-        job.replicas["w0"].impl.trace = trace
-        job.replicas["w0"].model.register_forward_hook(lambda *_: trace.append(("forward", -1)))
+        job.replicas["w0"].policy.impl.trace = trace
+        job.replicas["w0"].training.model.register_forward_hook(lambda *_: trace.append(("forward", -1)))
     job.run(tuple(slots), global_batch)
     return [job.parameters(s) for s in slots]
 
@@ -189,7 +189,7 @@ class _FailingRecv:
 
     def recv(self, tensor, src: int):
         handle = self._inner.recv(tensor, src)
-        if src != self._src or self._replica.step != self._step or self._replica.plan.membership_epoch != 1:
+        if src != self._src or self._replica.training.step != self._step or self._replica.plan.membership_epoch != 1:
             return handle
         slot = self._replica.slot
 
@@ -211,10 +211,10 @@ def run_through_split(tmp_path, monkeypatch, fault: str, undo: bool, kind: str =
     receive from rank 0 fails after landing, or it loses the step's result), the test re-plans and
     aborts the epoch as the coordinator does, and the job runs to the end. Returns (average before,
     average after, the records)."""
-    import actors.training.replica as replica_module
+    import actors.training.step as step_module
     from algorithms.policies.gossip import GossipImpl
 
-    monkeypatch.setattr(replica_module, "lr_at", lambda *args, **kwargs: 0.0)
+    monkeypatch.setattr(step_module, "lr_at", lambda *args, **kwargs: 0.0)
     monkeypatch.setattr(GossipImpl, "undo_split", undo)
     slots = [f"w{i}" for i in range(n)]
     cfg = config({"policy": policy, "topology": {"kind": kind}, "consensus_every": 0}, SGD, 12, n)
@@ -228,7 +228,7 @@ def run_through_split(tmp_path, monkeypatch, fault: str, undo: bool, kind: str =
     gen = torch.Generator().manual_seed(7)
     for slot in slots:
         with torch.no_grad():
-            for p in job.replicas[slot].model.parameters():
+            for p in job.replicas[slot].training.model.parameters():
                 p.add_(0.1 * torch.randn(p.shape, generator=gen))
     before = _replica_average(job, slots)
     job.publish(tuple(slots), 1, 8 * n)
@@ -236,14 +236,14 @@ def run_through_split(tmp_path, monkeypatch, fault: str, undo: bool, kind: str =
     wait_until(lambda: any(name == "collective_failed" for name, _ in job.link.calls), 30, "w1's failed exchange")
     # w1's peers of step 3 applied it (with w1's term) before the epoch is aborted: the split is real
     peers = [f"w{j}" for j in get_topology(kind).sends_to(1, n, 3)]
-    wait_until(lambda: all(job.replicas[p].step >= 4 for p in peers), 30, f"{peers} past step 3")
+    wait_until(lambda: all(job.replicas[p].training.step >= 4 for p in peers), 30, f"{peers} past step 3")
     job.publish(tuple(slots), 2, 8 * n)
     for replica in job.replicas.values():
         replica.abort_epoch(1, "test: a new plan")
     try:
         outcomes = job.wait(60)
     except TimeoutError:
-        raise AssertionError({s: (r.step, r.phase, r.plan.membership_epoch, r.state, r.cause) for s, r in job.replicas.items()}) from None
+        raise AssertionError({s: (r.training.step, r.phase, r.plan.membership_epoch, r.state, r.cause) for s, r in job.replicas.items()}) from None
     assert all(o["ok"] for o in outcomes.values()), outcomes
     assert {o["step"] for o in outcomes.values()} == {12}
     return before, _replica_average(job, slots), job.link.records
@@ -287,7 +287,7 @@ def test_a_joiner_starts_from_the_newest_live_replica_and_no_sample_is_applied_t
     try:
         outcomes = job.wait(60)
     except TimeoutError:
-        raise AssertionError({s: (r.step, r.phase, r.plan.membership_epoch, r.state, r.cause) for s, r in job.replicas.items()}) from None
+        raise AssertionError({s: (r.training.step, r.phase, r.plan.membership_epoch, r.state, r.cause) for s, r in job.replicas.items()}) from None
     assert all(o["ok"] and o["step"] == steps for o in outcomes.values()), outcomes
     received = [args for name, args in job.link.calls if name == "state_received"]
     assert [a[0] for a in received] == ["w3"] and received[0][2] in ("w0", "w1", "w2") and received[0][3] >= 6, received

@@ -80,12 +80,12 @@ def test_bsp_on_the_language_model_equals_single_process_training(tmp_path, dtyp
     job.run(("w0", "w1"), 8)
     ours = job.parameters("w0")
     assert all(torch.equal(a, b) for a, b in zip(ours, job.parameters("w1")))
-    model = job.replicas["w0"].model
+    model = job.replicas["w0"].training.model
     assert model.head.weight is model.tok.weight  # still tied
     diff = max(float((p - q).abs().max()) for p, q in zip(ours, reference(8, dtype)))
     print(f"BSP on the byte-level GPT ({dtype}), 2 workers, vs single-process AdamW: {diff:.2e}")
     assert diff < bound
-    records = [r for r in job.replicas["w0"].kept if "tokens" in r]
+    records = [r for r in job.replicas["w0"].reporter.kept if "tokens" in r]
     assert records and all(r["tokens"] == 8 * 16 for r in records)
 
 

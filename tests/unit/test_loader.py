@@ -29,7 +29,7 @@ def test_with_the_loader_each_step_trains_what_it_would_have_trained_on_the_step
     for name, loader in (("inline", None), ("loader", {"workers": 2, "prefetch": 3})):
         job = LocalJob(config(loader), ["w0", "w1"], str(tmp_path / name))
         job.run(("w0", "w1"), 16)
-        runs[name] = (ledger(tmp_path / name), job.parameters("w0"), job.replicas["w0"]._loader)
+        runs[name] = (ledger(tmp_path / name), job.parameters("w0"), job.replicas["w0"].feed._loader)
     assert runs["loader"][0] == runs["inline"][0], "another sample order or split"
     assert all(torch.equal(a, b) for a, b in zip(runs["loader"][1], runs["inline"][1]))
     loader = runs["loader"][2]
@@ -48,23 +48,19 @@ def test_a_new_split_or_a_cursor_moved_back_never_takes_a_batch_built_for_the_ol
     one = Plan(version=2, membership_epoch=2, members=("w0",), group_name="g2", store_host="", store_port=0,
                timeout_s=1.0, global_batch=16)
 
-    def inline(plan, cursor):
-        loader, replica._loader = replica._loader, None
-        try:
-            replica.cursor = cursor
-            return replica._micro_batches(plan, None)[0]
-        finally:
-            replica._loader = loader
+    feed = replica.feed
 
-    replica.cursor = 0
-    assert np.array_equal(replica._micro_batches(two, None)[0], inline(two, 0))
-    assert len(replica._loader.pending()) == 2
-    replica.cursor = 16  # step 1 committed; then the world shrinks before step 2
-    assert np.array_equal(replica._micro_batches(one, None)[0], inline(one, 16)), "the old split's share was taken"
-    assert all(key[2] == ("w0",) for key in replica._loader.pending()), "the old split's shares are still held"
-    replica.cursor = 16  # that step did not commit: its share again
-    assert np.array_equal(replica._micro_batches(one, None)[0], inline(one, 16))
-    replica._loader.close()
+    def inline(plan, cursor):
+        return feed.share(plan, cursor)[0]  # what the step reads without a loader
+
+    assert np.array_equal(feed.micro_batches(two, 0, None)[0], inline(two, 0))
+    assert len(feed._loader.pending()) == 2
+    # step 1 committed (cursor 16); then the world shrinks before step 2
+    assert np.array_equal(feed.micro_batches(one, 16, None)[0], inline(one, 16)), "the old split's share was taken"
+    assert all(key[2] == ("w0",) for key in feed._loader.pending()), "the old split's shares are still held"
+    # that step did not commit: its share again
+    assert np.array_equal(feed.micro_batches(one, 16, None)[0], inline(one, 16))
+    feed.close()
 
 
 def test_a_failing_sample_fails_the_step_that_trains_it_and_the_loader_holds_at_most_prefetch():
@@ -104,7 +100,7 @@ def test_loader_processes_train_what_the_step_would_and_read_every_batch_ahead(t
     assert runs["processes"][0] == runs["inline"][0], "another sample order or split"
     assert all(torch.equal(a, b) for a, b in zip(runs["processes"][1], runs["inline"][1]))
     replica = runs["processes"][2]
-    assert replica._fetcher is not None and replica._loader.taken >= 20
+    assert replica.feed._fetcher is not None and replica.feed._loader.taken >= 20
 
 
 def test_loader_processes_refuse_a_stream(tmp_path):

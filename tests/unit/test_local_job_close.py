@@ -15,7 +15,7 @@ def test_close_ends_replicas_that_were_never_told_to_stop(tmp_path):
     job = LocalJob(config({"policy": "bsp"}), list(SLOTS), str(tmp_path))  # max_steps 1,000,000: no stop
     job.publish(SLOTS, 1, N * BATCH)
     job.start()
-    wait_until(lambda: job.replicas["w0"].step >= 3, what="step 3")
+    wait_until(lambda: job.replicas["w0"].training.step >= 3, what="step 3")
     assert job.close() == list(SLOTS)
     assert not [t.name for t in threading.enumerate() if t.name.startswith("replica ") and t.is_alive()]
     assert job.close() == []  # nothing left to end

@@ -24,7 +24,7 @@ def test_a_plan_that_aborts_its_epoch_fails_the_step_under_way_and_the_members_g
     job.start()
     wait_until(lambda: any(r["step"] >= 5 for r in job.link.records), 60, "steps of epoch 1")
     reason = "worker w2's process is exiting (the test)"
-    stop = max(r.step for r in job.replicas.values()) + 20
+    stop = max(r.training.step for r in job.replicas.values()) + 20
     job.publish(("w0", "w1"), 2, batch, stop_step=stop, aborts_epoch=1, reason=reason)
     wait_until(lambda: any(r["membership_epoch"] == 2 for r in job.link.records), 60, "a committed step of epoch 2")
     for slot, replica in job.replicas.items():

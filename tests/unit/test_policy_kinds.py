@@ -118,8 +118,8 @@ def test_decentralized_kind_every_member_reports_and_stops_at_its_own_step(tmp_p
     by_slot = {s: [r["step"] for r in j.link.records if r.get("slot") == s] for s in ("w0", "w1", "w2")}
     assert by_slot == {s: list(range(1, 11)) for s in by_slot}, "each member reports each of its steps once"
     replica = j.replicas["w1"]
-    assert replica.algorithm.entry is Entry.AVERAGE and replica.algorithm.local_mean
-    assert replica.algorithm.final_model is FinalModel.AVERAGE
+    assert replica.policy.algorithm.entry is Entry.AVERAGE and replica.policy.algorithm.local_mean
+    assert replica.policy.algorithm.final_model is FinalModel.AVERAGE
     assert not any(name == "epoch_agreed" for name, _ in j.link.calls), "no replicated agreement for this kind"
     params = [j.parameters(s) for s in ("w0", "w1", "w2")]
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(params[0], params[1])), "gossip with everyone mixes fully"
@@ -130,19 +130,20 @@ def test_background_kind_never_waits_on_others_and_reports_per_member(tmp_path, 
     j.run(("w0", "w1"), 16)
     assert sorted({r["slot"] for r in j.link.records}) == ["w0", "w1"]
     assert all(r["step"] <= 6 for r in j.link.records)
-    assert j.replicas["w0"].algorithm.entry is Entry.NONE
+    assert j.replicas["w0"].policy.algorithm.entry is Entry.NONE
     assert not torch.equal(j.parameters("w0")[0], j.parameters("w1")[0]), "replicas update on their own"
 
 
 def test_server_kind_the_server_reports_and_says_when_to_stop(tmp_path, fakes):
     j = job(tmp_path, "fake_server", n=2, steps=7)
-    SERVERS["job"] = FakeServer(j.replicas["w0"].model, j.link, max_versions=7)
+    SERVERS["job"] = FakeServer(j.replicas["w0"].training.model, j.link, max_versions=7)
     outcomes = j.run(("w0", "w1"), 16)
     assert {r.get("step") for r in j.link.records} == set(range(1, 8)) and all("slot" not in r for r in j.link.records)
     assert SERVERS["job"].version == 7
     assert sum(o["step"] for o in outcomes.values()) >= 7, "workers count their own pushes, not the job's steps"
     replica = j.replicas["w0"]
-    assert not replica.algorithm.local_mean and replica.algorithm.final_model is FinalModel.SERVER and replica.max_steps is None
+    algorithm = replica.policy.algorithm
+    assert not algorithm.local_mean and algorithm.final_model is FinalModel.SERVER and replica.policy.max_steps is None
 
 
 def test_every_kind_maps_to_entry_reporter_and_loss_weighting():

@@ -367,13 +367,13 @@ def test_hierarchical_bsp_equals_single_process_and_sends_once_per_node(tmp_path
         assert all(torch.equal(a, b) for a, b in zip(params, job.parameters(slot))), f"{slot} differs from w0"
     diff = max_diff(params, reference_bsp(SGD_M, 64))
     member = job.replicas["w2" if nodes[1] != nodes[0] else "w1"]  # not a leader
-    grad_bytes = sum(p.numel() * p.element_size() for p in member.model.parameters())
-    sent = member.comm.bytes_sent / STEPS
+    grad_bytes = sum(p.numel() * p.element_size() for p in member.training.model.parameters())
+    sent = member.group.comm.bytes_sent / STEPS
     print(f"hierarchical bsp {nodes}: {diff:.2e} from the reference; a member sends {sent:.0f} B/step "
           f"(gradients {grad_bytes} B)")
     assert diff < 1e-6
     assert sent <= 1.05 * grad_bytes  # once, with the vote's tail; a flat ring member sends 1.5x (2(n-1)/n)
-    assert member.impl.hierarchy is not None and not member.impl.hierarchy.is_leader
-    leader = job.replicas["w0"].impl.hierarchy
+    assert member.policy.impl.hierarchy is not None and not member.policy.impl.hierarchy.is_leader
+    leader = job.replicas["w0"].policy.impl.hierarchy
     assert leader.is_leader and bool(leader._leader_group) == (leaders == "subgroup")
     assert grad_bytes <= sent < 1.2 * grad_bytes

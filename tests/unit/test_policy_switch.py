@@ -36,17 +36,17 @@ def run_switched(tmp_path, first: dict, then: dict, label: str, nodes: tuple[str
     gb = N * BATCH
     job.publish(SLOTS, 1, gb)
     job.start()
-    wait_until(lambda: job.replicas["w0"].step >= 5, what="step 5")
+    wait_until(lambda: job.replicas["w0"].training.step >= 5, what="step 5")
     job.publish(SLOTS, 2, gb, policy=policy(label, then, fresh=True), nodes=nodes)
     wait_until(lambda: any(r.get("policy") == label for r in job.link.records) or
-               any(rep.kept and rep.kept[-1].get("policy") == label for rep in job.replicas.values()),
+               any(rep.reporter.kept and rep.reporter.kept[-1].get("policy") == label for rep in job.replicas.values()),
                what="a step committed under the new policy")
     # the switch's commit point: the step the new epoch's members agreed on (a periodic policy records
     # only its rounds, so its first record is not the step after the switch)
     # (rank 0 sends its agreement with its next report, which may come after a member kept such a step)
     switched = wait_until(lambda: next((args[1] for name, args in job.link.calls if name == "epoch_agreed"
                                         and args[0] == 2), None), what="the switch's epoch agreement")
-    stop = job.replicas["w0"].step + 6
+    stop = job.replicas["w0"].training.step + 6
     job.publish(SLOTS, 3, gb, policy=policy(label, then, fresh=False), nodes=nodes, stop_step=stop)
     outcomes = job.wait(120)
     assert all(o["ok"] for o in outcomes.values()), outcomes
@@ -103,7 +103,7 @@ def test_bsp_switched_to_hierarchical_bsp_equals_single_process_sgd(tmp_path):
                                        nodes=("a", "a", "b", "b"))
     steps = sorted(r["step"] for r in job.link.records)
     assert steps == list(range(1, stop + 1)), steps  # every step committed once, through the switch
-    assert 5 <= switched < stop and job.replicas["w0"].algorithm.config.hierarchical
+    assert 5 <= switched < stop and job.replicas["w0"].policy.algorithm.config.hierarchical
     model, opt, x, y = start()
     bsp_steps(model, opt, x, y, 0, stop)
     diff = max_diff(assert_replicas_equal(job), list(model.parameters()))
@@ -163,13 +163,13 @@ def test_a_switch_reached_by_an_abort_mid_round_redoes_the_provisional_local_ste
     gb = N * BATCH
     job.publish(SLOTS, 1, gb)
     job.start()
-    wait_until(lambda: min(r.step for r in job.replicas.values()) >= 3, what="three local steps")
+    wait_until(lambda: min(r.training.step for r in job.replicas.values()) >= 3, what="three local steps")
     job.publish(SLOTS, 2, gb, policy=policy("bsp", {"policy": "bsp"}, fresh=True))
     for replica in job.replicas.values():
         replica.abort_epoch(1, "a switch mid-round")  # the round at step 8 fails: the members go to plan 2 from there
-    wait_until(lambda: all(any(r.get("policy") == "bsp" for r in rep.kept) for rep in job.replicas.values()),
+    wait_until(lambda: all(any(r.get("policy") == "bsp" for r in rep.reporter.kept) for rep in job.replicas.values()),
                what="a step committed under bsp")
-    stop = job.replicas["w0"].step + 4
+    stop = job.replicas["w0"].training.step + 4
     job.publish(SLOTS, 3, gb, policy=policy("bsp", {"policy": "bsp"}, fresh=False), stop_step=stop)
     outcomes = job.wait(120)
     assert all(o["ok"] for o in outcomes.values()), outcomes

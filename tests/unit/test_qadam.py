@@ -91,7 +91,7 @@ def _state_after(tmp_path, steps: int) -> tuple[list[torch.Tensor], torch.Tensor
     slots = [f"w{i}" for i in range(N)]
     job = LocalJob(cfg, slots, str(tmp_path))
     job.run(tuple(slots), GLOBAL_BATCH)
-    impl = job.replicas["w0"].impl
+    impl = job.replicas["w0"].policy.impl
     order = [i for members in impl.plan.buckets for i in members]  # which parameter each stretch of m is
     m = torch.cat(impl.state_dict()["m"])
     return job.parameters("w0"), m, order

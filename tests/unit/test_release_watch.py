@@ -55,17 +55,16 @@ def test_an_abort_during_a_step_ends_the_worker_only_when_the_step_never_leaves(
     cfg = {"name": "stuck", "seed": 1, "workers": {"count": 1, "cpus": 1},
            "workload": {"factory": "orchestrator.workloads.digits:mlp", "params": {"hidden": 8}, "batch_size": 4},
            "optimizer": {"name": "sgd", "lr": 0.1}, "stop": {"max_steps": 1}, "eval_every": 0}
-    job = LocalJob(cfg, ["w0"], str(tmp_path))
+    said, done = [], threading.Event()
+    job = LocalJob(cfg, ["w0"], str(tmp_path), exit_if_stuck=lambda why: (said.append(why), done.set()))
     replica = job.replicas["w0"]
     replica.plan = job.publish(("w0",), 1, 4)
-    replica.comm = AbortOnly()
-    replica._enter_phase("compute")
-    said, done = [], threading.Event()
-    replica.exit_if_stuck = lambda why: (said.append(why), done.set())
+    replica.group.comm = AbortOnly()
+    replica.enter_phase("compute")
     replica.abort_epoch(1, "w1 died")
-    assert replica.comm.aborted
+    assert replica.group.comm.aborted
     if left_the_step:
-        replica._enter_phase("waiting")  # the abort released its wait: it waits for the next plan
+        replica.enter_phase("waiting")  # the abort released its wait: it waits for the next plan
     done.wait(3.0)
     if left_the_step:
         assert said == []

@@ -97,9 +97,9 @@ def test_a_member_that_takes_a_state_carries_its_step_metrics_before_its_first_l
     job = LocalJob(config("state", "tuple", steps=3), ["w0"], str(tmp_path / "a"))
     job.run(("w0",), 4)
     fresh = LocalJob(config("state", "tuple", steps=3), ["w0"], str(tmp_path / "b")).replicas["w0"]
-    assert fresh.impl.vote_extras == 0
+    assert fresh.policy.impl.vote_extras == 0
     fresh.load_checkpoint(job.replicas["w0"].final_state())
-    assert (fresh.metric_names, fresh.impl.vote_extras) == (("accuracy", "mean_label"), 2)
+    assert (fresh.metrics.names, fresh.policy.impl.vote_extras) == (("accuracy", "mean_label"), 2)
 
 
 def test_a_step_metric_that_is_not_a_number_is_named_in_one_line():

@@ -25,7 +25,7 @@ def test_each_member_reports_its_steps_rank0_evaluates_the_average_and_the_lease
     assert evaluated == {"w0"}, "rank 0 alone evaluates (the replicas' average, the same for everyone)"
     rounds = [r["rounds"] for r in job.link.records if r["slot"] == "w0"]
     assert rounds == sorted(rounds) and all("wait_s" in r for r in job.link.records)
-    impl = job.replicas["w0"].impl
+    impl = job.replicas["w0"].policy.impl
     assert rounds[-1] >= 1 and impl.sync.average is not None, "no background round completed in 40 steps"
     assert impl.eval_parameters() is impl.sync.average, "the evaluation looks at the newest round's average"
     job.server.close("the test ended")
@@ -41,12 +41,12 @@ def test_a_joiner_receives_a_live_members_state_and_the_others_never_wait_for_it
     job = LocalJob(cfg, ["w0", "w1", "w2"], str(tmp_path))
     job.publish(("w0", "w1"), 1, 2 * PER_WORKER)
     job.start(["w0", "w1"])
-    wait_until(lambda: job.replicas["w0"].step >= 20, timeout=60, what="w0 at step 20")
-    published_at = job.replicas["w0"].step
+    wait_until(lambda: job.replicas["w0"].training.step >= 20, timeout=60, what="w0 at step 20")
+    published_at = job.replicas["w0"].training.step
     job.publish(("w0", "w1", "w2"), 2, 3 * PER_WORKER)
     # the joiner's process is slow to come up: it starts only once w0 has committed 10 more steps in the
     # new epoch (members that waited for the joiner would never get there: the test fails on its deadline)
-    wait_until(lambda: job.replicas["w0"].step >= published_at + 10 and job.replicas["w0"].plan.membership_epoch == 2,
+    wait_until(lambda: job.replicas["w0"].training.step >= published_at + 10 and job.replicas["w0"].plan.membership_epoch == 2,
                timeout=60, what="w0 training on in the new epoch without the joiner")
     job.start(["w2"])
     received = wait_until(lambda: [c for c in job.link.calls if c[0] == "state_received"], timeout=60,
@@ -75,7 +75,7 @@ def test_a_failed_background_round_is_reported_again_while_no_re_form_comes(tmp_
     job = LocalJob(cfg, ["w0", "w1"], str(tmp_path), timeout_s=1.0)
     job.publish(("w0", "w1"), 1, 2 * PER_WORKER)
     job.start(["w0", "w1"])
-    w0 = job.replicas["w0"].impl
+    w0 = job.replicas["w0"].policy.impl
     wait_until(lambda: w0.sync.stats.rounds_completed >= 1, timeout=60, what="a first background round")
     w0._group.abort("test: the background group breaks")
     reports = lambda: [c for c in job.link.calls if c[0] == "collective_failed" and c[1][0] == "w0"]  # noqa: E731

@@ -171,9 +171,9 @@ def test_a_joiner_and_a_resume_continue_a_stream_where_the_committed_state_left_
 
     first = stream_job("first", "w0")
     first.run(("w0",), 6)
-    blob = first.replicas["w0"]._state_bytes()
+    blob = first.replicas["w0"].committed.state_bytes()
     for positioned, expected in ((True, list(range(42, 48))), (False, list(range(6)))):
         joiner = stream_job(f"joiner-{positioned}", "w1", positioned).replicas["w1"]
-        joiner._load_state_bytes(blob)
-        assert joiner.cursor == 42
-        assert joiner.source.fetch(joiner.source.global_batch(42, 6), 42).ids.tolist() == expected
+        joiner.committed.load_state_bytes(blob)
+        assert joiner.training.cursor == 42
+        assert joiner.feed.source.fetch(joiner.feed.source.global_batch(42, 6), 42).ids.tolist() == expected

@@ -94,21 +94,21 @@ def test_a_torch_optimizers_state_travels_in_the_state_a_joiner_or_a_checkpoint_
     cfg = config({"policy": "bsp"}, ADAGRAD, steps=4, n=2)
     trained = LocalJob(cfg, ["w0", "w1"], str(tmp_path / "a"))
     trained.run(("w0", "w1"), 32)
-    blob = trained.replicas["w0"]._state_bytes()
+    blob = trained.replicas["w0"].committed.state_bytes()
     assert torch.load(io.BytesIO(blob), weights_only=True)["optimizer"]["param_groups"][0]["lr_decay"] == 0.01
     fresh = LocalJob(cfg, ["w0"], str(tmp_path / "b")).replicas["w0"]
-    fresh._load_state_bytes(blob)
-    mine, theirs = fresh.optimizer.state_dict()["state"], trained.replicas["w0"].optimizer.state_dict()["state"]
+    fresh.committed.load_state_bytes(blob)
+    mine, theirs = fresh.training.optimizer.state_dict()["state"], trained.replicas["w0"].training.optimizer.state_dict()["state"]
     assert mine.keys() == theirs.keys() and len(mine) > 0
     assert all(torch.equal(mine[k]["sum"], theirs[k]["sum"]) for k in mine)
-    assert type(fresh.optimizer) is torch.optim.Adagrad
+    assert type(fresh.training.optimizer) is torch.optim.Adagrad
 
 
 def test_shadow_trains_with_a_torch_optimizer(tmp_path):
     """The background kind (its foreground steps with the configured optimizer on each member)."""
     cfg = config({"policy": "shadow", "method": "ma"}, RMSPROP, steps=6, n=2)
     job_ = LocalJob(cfg, ["w0", "w1"], str(tmp_path))
-    before = [p.detach().clone() for p in job_.replicas["w0"].model.parameters()]
+    before = [p.detach().clone() for p in job_.replicas["w0"].training.model.parameters()]
     job_.run(("w0", "w1"), 32)
-    assert type(job_.replicas["w0"].optimizer) is torch.optim.RMSprop
+    assert type(job_.replicas["w0"].training.optimizer) is torch.optim.RMSprop
     assert max_diff(before, job_.parameters("w0")) > 0

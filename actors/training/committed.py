@@ -1,0 +1,102 @@
+"""The moves between a replica's committed states that involve several of its parts: its bytes (the
+training state with the data position, the newest record, the policy and the step metrics' names), a
+holder's state loaded, provisional local steps rewound, a member behind skipped ahead.
+
+`CommittedState` is what a membership epoch's entry (actors/training/entry.py `Member`) works on; it reaches
+the parts through the `Replica` (actors/training/replica.py), whose policy binding a switch replaces.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from actors.plan import Plan
+from actors.training.training_state import read_state
+
+if TYPE_CHECKING:
+    from actors.training.replica import Replica
+
+
+class CommittedState:
+    """One replica's committed state, as the entry and the worker's calls move it."""
+
+    def __init__(self, replica: Replica) -> None:
+        self._r = replica
+
+    @property
+    def step(self) -> int:
+        return self._r.training.step
+
+    @property
+    def holds_state(self) -> bool:
+        return self._r.training.holds_state
+
+    @property
+    def impl(self) -> Any:
+        return self._r.policy.impl
+
+    @property
+    def plan(self) -> Plan | None:
+        return self._r.plan
+
+    def committed_view(self) -> tuple[int, int]:
+        r = self._r
+        return r.training.committed_view(r.policy.impl)
+
+    def committed_blob(self) -> torch.Tensor:
+        return torch.frombuffer(bytearray(self.state_bytes()), dtype=torch.uint8)
+
+    def load_blob(self, blob: torch.Tensor) -> None:
+        """Take a holder's newer committed state. If it is the very step (or round) this member
+        attempted in the same epoch (a split vote: its result was lost here, but its share was in
+        the all-reduce everyone else finished), this member's samples of it were applied."""
+        r = self._r
+        attempted, epoch = r.samples.take_pending(), r.trained_plan.membership_epoch if r.trained_plan else None
+        self.load_state_bytes(blob.cpu().numpy().tobytes())
+        record = r.reporter.newest()
+        if attempted and epoch is not None and record is not None and record.get("membership_epoch") == epoch \
+                and attempted[-1][0] == r.training.step:
+            r.samples.write(attempted, epoch)
+
+    def rewind(self) -> None:
+        """Back to the committed state: provisional local steps (and their samples) are discarded."""
+        r = self._r
+        r.training.rewind(r.policy.impl)
+        r.samples.forget()
+
+    def skip_to(self, step: int) -> None:
+        """Decentralized entry: a member behind the newest step skips ahead to it; the shares it would
+        have trained in the steps it skips are counted as dropped."""
+        r = self._r
+        plan = r.trained_plan or r.newest_plan()
+        rank = plan.rank_of(r.slot) or 0
+        for cursor in r.training.skip_to(step, plan.global_batch):
+            r.samples.drop(len(r.feed.ids_of(plan, cursor, rank)))
+        r.feed.source.committed(r.training.mark_cursor)
+
+    def state_bytes(self) -> bytes:
+        """The committed state: what a joiner receives, what a checkpoint holds, the final model."""
+        r = self._r
+        source = r.feed.source
+        return r.training.to_bytes(r.policy.impl, {
+            "data": {"position": source.state_dict(), "fingerprint": source.fingerprint()},
+            "record": r.reporter.newest(), "policy": r.policy.saved(), "metric_names": list(r.metrics.names)})
+
+    def load_state_bytes(self, data: bytes) -> None:
+        r = self._r
+        state = read_state(data)
+        source = r.feed.source
+        if "data" in state and state["data"]["fingerprint"] != source.fingerprint():
+            raise ValueError(f"the state's data ({state['data']['fingerprint']}) is not this job's "
+                             f"({source.fingerprint()}): the training data changed since it was saved, so its "
+                             f"data position would name other samples")
+        if r.policy.trial_candidate(state.get("policy")):
+            r.switch_policy(state["policy"]["sync"], state["policy"]["compression"])  # the policy it was saved under
+        r.training.restore(state, r.policy.impl)
+        if "data" in state:
+            source.load_state_dict(state["data"]["position"])
+        r.samples.forget()
+        r.reporter.keep(state.get("record"))
+        if "metric_names" in state:  # the next on_membership sizes the vote for them
+            r.metrics.load(tuple(state["metric_names"]))

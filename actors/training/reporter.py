@@ -1,0 +1,266 @@
+"""What a replica tells its coordinator: a history record for each commit point (with the
+evaluation's metrics where one is due), sent in batches at most every REPORT_EVERY_S; rank 0's epoch
+agreement; and the checkpoints rank 0 hands over at their steps.
+
+`Reporter` turns the replica's typed `StepRecord`s into the history records its reports carry, and keeps
+the newest of them (a departed rank 0's unreported steps, a restarted coordinator's gap). A report lost
+on the way is logged and never stops training.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+
+from actors.faults import WorkerFaults
+from actors.plan import Plan, Progress, turn_steps
+from actors.training.user_code import metrics_of
+from algorithms.policies.base import Algorithm, AlgorithmImpl
+from core.schema import JobConfig
+
+log = logging.getLogger(__name__)
+
+REPORT_EVERY_S = 0.25
+REPORTS_PER_S = 2000.0
+"""The coordinator's share of reports: a member reports every REPORT_EVERY_S, or less often in a job
+so large that all of them together would send more than this many per second (Ray's own figure for
+calls into one async actor from one caller is 4,100-4,800 per second; see docs/control-plane.md)."""
+CHECKPOINT_STORED_S = 300.0
+"""How long the end of a run waits for its last checkpoint to be stored (a large upload)."""
+KEEP_RECORDS = 2048
+"""Records each member keeps of its newest commit points, for the coordinator to catch up from
+(a departed rank 0's unreported steps, a restarted coordinator's gap)."""
+
+
+class Link(Protocol):
+    """How a replica reaches its coordinator (every call may be lost; none may block training long)."""
+
+    def report(self, progress: Progress, wait: bool) -> None: ...
+    def epoch_agreed(self, epoch: int, step: int, records: tuple[dict, ...]) -> None: ...
+    def state_received(self, slot: str, epoch: int, source: str, step: int) -> None: ...
+    def collective_failed(self, slot: str, epoch: int, error: str) -> None: ...
+    def fault_fired(self, index: int, slot: str, step: int, phase: str) -> None: ...
+    def samples_skipped(self, slot: str, step: int, ids: list[int], reason: str) -> None: ...
+    def transport_fallback(self, slot: str, epoch: int, group: str, reason: str) -> None: ...
+    def save_checkpoint(self, step: int, blob: bytes) -> None: ...
+    def checkpoints_stored(self, timeout: float) -> None:
+        """Returns once the checkpoints sent so far are stored (or raises, or `timeout` passed)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StepRecord:
+    """One commit point as the replica saw it; `Reporter.record` makes it the history record."""
+
+    step: int
+    loss: float
+    plan: Plan
+    micro_steps: int
+    bytes_sent: int
+    lr: float
+    step_time: float
+    wait_s: float
+    samples: int
+    prev: int | None
+    """The step of the previous record this member kept (None: none yet)."""
+    provisional: bool
+    """The policy holds local steps until its rounds (the record says which steps the round covered)."""
+    step_metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+    policy_fields: dict[str, Any] = dataclasses.field(default_factory=dict)
+    dropped: int = 0
+    skipped: int = 0
+    time: float = dataclasses.field(default_factory=time.time)
+
+
+class TrialTurn:
+    """`sync.auto`'s trial as a member sees it: the policy running and the first step it committed."""
+
+    def __init__(self, trial: dict) -> None:
+        self._trial = trial
+        self._turn: tuple[str, int, bool] | None = None
+        """(the policy's label, the first step it committed, whether its turn's last step was reported at once)."""
+
+    def ends(self, plan: Any, step: int, reports: bool) -> bool:
+        """Whether `step` ends a turn: the policy running has committed its turn's steps (`turn_steps`)
+        since its first. The turn's last record then goes to the coordinator at once, not up to
+        REPORT_EVERY_S later, so the trial moves on without running the candidate for longer."""
+        if not self._trial or not reports:
+            return False
+        if plan.policy is not None:
+            label, length = plan.policy["label"], plan.policy.get("turn_steps")
+        else:  # the first candidate, the job's own policy until a switch
+            first = self._trial["candidates"][0]
+            label, length = first["label"], turn_steps(first, self._trial["steps"])
+        if self._turn is None or self._turn[0] != label:
+            self._turn = (label, step, False)
+            return False
+        if not length or self._turn[2] or step - self._turn[1] < length:
+            return False
+        self._turn = (label, self._turn[1], True)
+        return True
+
+
+class Reporter:
+    """A member's history records, reports, evaluations and checkpoints."""
+
+    def __init__(self, cfg: JobConfig, slot: str, link: Link, workload: Any, faults: WorkerFaults,
+                 device: torch.device, tokens_per_sample: int) -> None:
+        self._cfg = cfg
+        self._device = device
+        self._slot = slot
+        self._link = link
+        self._workload = workload
+        self._faults = faults
+        self._tokens_per_sample = tokens_per_sample
+        self.kept: deque[dict] = deque(maxlen=KEEP_RECORDS)
+        """History records of this replica's newest commit points (every member keeps them)."""
+        self._records: list[dict] = []
+        self._agreement: tuple[int, int, tuple[dict, ...]] | None = None
+        """Rank 0's epoch agreement (epoch, agreed step, records after the plan's history step), sent
+        ahead of its next report (`flush`): after the epoch's first commit, off the re-form's path."""
+        self._last_report = 0.0
+        self._turn = TrialTurn(cfg.policy_trial)
+        self._eval_model: torch.nn.Module | None = None
+        self.compute_s = 0.0
+        """EWMA of this member's compute time per step (forward and backward)."""
+        self._step_s: list[float] = []
+
+    def newest(self) -> dict | None:
+        return self.kept[-1] if self.kept else None
+
+    def keep(self, record: dict | None) -> None:
+        """A state's record, loaded with it: kept where it is newer than this member's newest."""
+        if record is not None and (not self.kept or self.kept[-1]["step"] < record["step"]):
+            self.kept.append(record)
+
+    def after(self, step: int) -> tuple[dict, ...]:
+        """The kept records of commit points after `step`."""
+        return tuple(r for r in list(self.kept) if r["step"] > step)
+
+    def timed(self, spent: float) -> None:
+        """A step's compute took `spent` seconds."""
+        self.compute_s = 0.9 * self.compute_s + 0.1 * spent if self.compute_s else spent
+        self._step_s.append(spent)
+
+    def agree(self, epoch: int, step: int, history_step: int) -> None:
+        """Rank 0 entered epoch `epoch` at committed step `step`: history takes it, and the records it lacks
+        (after `history_step`), ahead of this member's next report."""
+        self._agreement = (epoch, step, self.after(history_step))
+
+    def reports(self, plan: Plan, algorithm: Algorithm) -> bool:
+        rank = plan.rank_of(self._slot)
+        return algorithm.reporter.reports_from(-1 if rank is None else rank)
+
+    def record(self, rec: StepRecord, algorithm: Algorithm, model: torch.nn.Module, impl: AlgorithmImpl,
+               progress: Callable[[], tuple[int, int]]) -> None:
+        """Keep the history record of `rec`, evaluate where due, and report if it is time. `progress()`:
+        (step, mark) for the report."""
+        plan = rec.plan
+        record: dict[str, Any] = {
+            "step": rec.step, "time": rec.time, "loss": rec.loss, "world_size": len(plan.members),
+            "global_batch": plan.global_batch, "micro_steps": rec.micro_steps, "membership_epoch": plan.membership_epoch,
+            "bytes_sent": rec.bytes_sent, "lr": rec.lr, "step_time": rec.step_time, "wait_s": rec.wait_s}
+        if rec.step_metrics:  # the workload's step metrics, aggregated as the loss is
+            record["step_metrics"] = dict(rec.step_metrics)
+        if plan.policy is not None:  # switched mid-run: which policy committed it (the trial measures each)
+            record["policy"] = plan.policy["label"]
+        if rec.provisional:
+            record.update(prev=rec.prev if rec.prev is not None else 0, samples=rec.samples)
+        if algorithm.reporter.each_member_reports:
+            record.update(slot=self._slot, samples=rec.samples)
+        record.update(rec.policy_fields)
+        if self._tokens_per_sample:  # the step's tokens: the global batch's, or this member's own (per-member kinds)
+            record["tokens"] = int(record.get("samples", plan.global_batch)) * self._tokens_per_sample
+        if rec.dropped:
+            record["dropped_samples"] = rec.dropped
+        if rec.skipped:
+            record["skipped_samples"] = rec.skipped
+        self.kept.append(record)
+        reports = self.reports(plan, algorithm)
+        if reports:
+            before = rec.prev if rec.prev is not None else rec.step - 1
+            if self._evaluates(plan, algorithm) and crossed(self._cfg.eval_every, before, rec.step):
+                record.update(self.evaluate(model, impl, rec.step))
+            self._records.append(record)
+        self.flush(plan, *progress(), force=self._turn.ends(plan, rec.step, reports), wait=False)
+
+    def _evaluates(self, plan: Plan, algorithm: Algorithm) -> bool:
+        """Who evaluates: every reporter, except that a background kind's rank 0 alone evaluates the
+        replicas' newest average (the same on every member) for the job."""
+        return not algorithm.kind.background_rounds or plan.rank_of(self._slot) == 0
+
+    def evaluate(self, model: torch.nn.Module, impl: AlgorithmImpl, step: int) -> dict:
+        """The workload's metrics of the model (of the replicas' average, where the policy keeps one)."""
+        evaluate = getattr(self._workload, "evaluate", None)
+        data = getattr(self._workload, "eval_data", None)
+        if evaluate is None or data is None:
+            return {}
+        flat = impl.eval_parameters()
+        if flat is not None:  # the replicas' average, on a copy of the model
+            if self._eval_model is None:
+                self._eval_model = copy.deepcopy(model)
+            with torch.no_grad():
+                torch.nn.utils.vector_to_parameters(flat.to(self._device),
+                                                    [p for p in self._eval_model.parameters() if p.requires_grad])
+            model = self._eval_model
+        return {"metrics": metrics_of(evaluate, model, data, step)}
+
+    def final(self, plan: Plan | None, model: torch.nn.Module, impl: AlgorithmImpl, step: int) -> None:
+        """The final model is evaluated once; the record updates status, not history."""
+        if plan is not None and plan.rank_of(self._slot) == 0:
+            self._records.append({"step": step, "time": time.time(), "final": True, **self.evaluate(model, impl, step)})
+
+    def maybe_checkpoint(self, plan: Plan, algorithm: Algorithm, prev: int | None, step: int, mark: int,
+                         state_bytes: Callable[[], bytes]) -> None:
+        """Rank 0 hands the committed state to the coordinator at each `checkpoint.every_steps`."""
+        every = self._cfg.checkpoint.every_steps
+        if algorithm.final_model.from_server or not crossed(every, prev, step):  # the server's state is checkpointed
+            return
+        self._faults.maybe_fire("checkpoint", step)
+        if plan.rank_of(self._slot) == 0:
+            self.flush(plan, step, mark, force=True)  # history up to this step precedes the checkpoint
+            self._link.save_checkpoint(step, state_bytes())
+
+    def await_checkpoints(self) -> None:
+        """A run ends once the checkpoints it sent are stored: the coordinator stores them off its event
+        loop while it goes on, and one sent at the last step (an upload, to an object store) was cut
+        off when the job ended and its coordinator exited (CI, S3: step 120's data without its manifest)."""
+        try:
+            self._link.checkpoints_stored(CHECKPOINT_STORED_S)
+        except Exception as err:  # noqa: BLE001 - the coordinator is gone or slow: the run ends regardless
+            log.warning("the checkpoint sent last may not be stored: %s", str(err).splitlines()[0][:200])
+
+    def flush(self, plan: Plan | None, step: int, mark: int, force: bool = False, wait: bool | None = None) -> None:
+        """Send the records gathered since the last report: every REPORT_EVERY_S, or now with `force`
+        (waiting for the coordinator's answer unless `wait` is False). Rank 0's epoch agreement, if one is
+        pending, goes first whatever the time: the coordinator takes a sender's calls in order, and history
+        needs the agreed step and the records it lacked before any record of the new epoch."""
+        if self._agreement is not None:
+            agreement, self._agreement = self._agreement, None
+            self._link.epoch_agreed(*agreement)
+        now = time.monotonic()
+        world = len(plan.members) if plan else 1
+        if not force and now - self._last_report < max(REPORT_EVERY_S, world / REPORTS_PER_S):
+            return
+        self._last_report = now
+        epoch = plan.membership_epoch if plan else 0
+        progress = Progress(self._slot, step, epoch, time.time(), tuple(self._records), self.compute_s,
+                            mark=mark, step_s=tuple(self._step_s))
+        self._records, self._step_s = [], []
+        try:
+            self._link.report(progress, wait=force if wait is None else wait)
+        except Exception as err:  # noqa: BLE001 - a lost report must not kill training (records are kept)
+            log.warning("progress report at step %d lost: %s", step, str(err).splitlines()[0][:200])
+
+
+def crossed(every: int | None, before: int | None, now: int) -> bool:
+    """Whether a multiple of `every` lies in (before, now]: commit points may jump several steps."""
+    if not every:
+        return False
+    before = now - 1 if before is None else before
+    return now // every > before // every

@@ -1,0 +1,242 @@
+"""One step (or one periodic round) of a replica, and its commit: samples, forward and backward under
+the policy's hooks, the vote, the update, and, at a commit point, the record, the checkpoint and the
+samples applied; and the rare agreement on a newer plan that members switch to at the same step.
+
+`StepRunner` owns what one step measures (its wait, its skipped samples); it reaches the replica's parts
+through the `Replica` (actors/training/replica.py), whose policy binding a switch replaces.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from actors.plan import Plan
+from actors.training.batch_feed import seed_step
+from actors.training.epoch_group import Reducing
+from actors.training.reporter import StepRecord
+from actors.training.user_code import call as user_call
+from actors.training.user_code import contract, require_scalar
+from actors.training.workload import split_loss
+from actors.transport.comm import CommError
+from algorithms.policies.base import StepVote, VoteDraft
+from algorithms.policies.optim import lr_at
+
+if TYPE_CHECKING:
+    from actors.training.replica import Replica
+
+log = logging.getLogger(__name__)
+
+
+class StepRunner:
+    """The step and the round of one replica."""
+
+    def __init__(self, replica: Replica, tick: Callable[[], None]) -> None:
+        self._r = replica
+        self._tick = tick
+        self._slot_index = int(replica.slot[1:])
+        self._skips_bad = replica.policy.cfg.workload.on_bad_sample == "skip"
+        self._waited = 0.0
+        """Seconds the newest step waited on others: for its samples, the policy's lock, its collectives."""
+        self._skipped = 0
+        """Samples of the newest step's global batch that no member could read (a synchronous kind that
+        skips bad samples counts them over the group): its history record says how many."""
+
+    def train(self, plan: Plan) -> bool:
+        r = self._r
+        training, impl = r.training, r.policy.impl
+        r.enter_phase("samples")
+        asked = time.perf_counter()
+        dealt = impl.step_samples(training.step)  # a server kind pulls here
+        if dealt is not None and not len(dealt):
+            return True  # nothing to train now (the server said wait, or finished): the loop looks again
+        started = time.perf_counter()
+        waited = started - asked
+        r.enter_phase("compute")
+        self._tick()
+        seed_step(r.policy.cfg.seed, self._slot_index, training.step, r.device)
+        r.faults.maybe_fire("step", training.step)
+        r.faults.maybe_fire("user_exception", training.step)
+        if training.step == r.mark():
+            r.trained_under(plan)  # the first provisional step after a commit
+        dealt_ids, micro = r.feed.micro_batches(plan, training.cursor, dealt)
+        ids = micro[0].ids if len(micro) == 1 else np.concatenate([m.ids for m in micro])  # what is trained
+        skipped = [i for m in micro for i in m.skipped]
+        if skipped:
+            r.link.samples_skipped(r.slot, training.step + 1, skipped, "workload.on_bad_sample: skip")
+        draft = VoteDraft(samples=len(dealt_ids), newer_plan=r.newest_plan().version > plan.version)
+        began = time.perf_counter()
+        r.gradients_at(reset=True)
+        impl.begin_step(training.step, draft)  # the background kind waits here for its lock
+        waited += time.perf_counter() - began
+        try:
+            denominator = self._denominator(plan, len(dealt_ids), len(ids))
+            impl.before_forward(training.step)  # a gossip exchange launches here (and may fail)
+            for i, fetched in enumerate(micro):
+                n = len(fetched.ids)
+                impl.accumulating = i < len(micro) - 1
+                weight = n / denominator  # each sample counts 1/B (shares) or 1/n_i (own mean), however split
+                loss, metrics = self._loss(fetched.batch)
+                scaled = loss * weight
+                share = scaled.detach()  # before the backward that may launch the vote
+                draft.loss = share if i == 0 else draft.loss + share
+                draft.extras = r.metrics.weighted(metrics, weight, draft.extras if i else None, r.workload.loss,
+                                                  training.step + 1)
+                impl.backward(scaled)
+            impl.end_backward(training.step)
+            if r.gradients_at() is None:
+                r.enter_phase("communicate")
+            spent = (r.gradients_at() or time.perf_counter()) - started  # compute: until this member's gradients are in
+            vote = impl.finish_step(training.step, draft)
+            waited += time.perf_counter() - started - spent
+            r.faults.lose_vote(training.step)
+        except CommError as err:
+            if impl.commit_mark is None:
+                r.samples.attempted(training.step + 1, ids)  # applied if some member committed it (a split vote)
+            return self.failed(plan, err)
+        spent += r.faults.straggle(started, training.step)  # a modelled straggler's sleep is compute time
+        r.reporter.timed(spent)
+        if vote.communicated and r.policy.algorithm.kind.reduces_every_step and vote.samples != plan.global_batch:
+            raise RuntimeError(f"the commit vote of step {training.step + 1} counted {vote.samples} samples; the plan's "
+                               f"global batch is {plan.global_batch}")  # every member runs one plan: a bug, not a vote
+        impl.apply_update(training.step, lr_at(training.step, r.policy.cfg.optimizer, r.policy.max_steps, plan.lr_scale))
+        training.advance(plan.global_batch)
+        r.samples.trained(training.step, ids)
+        self._waited = waited
+        if impl.commit_mark is None:  # every step is a commit point
+            self.commit(plan, vote, started, len(micro))
+        # Only a reduced vote is everyone's: members switch plans together, never on a local step's flag.
+        return self.adopt_newest_plan(plan) if vote.newer_plan and vote.communicated else True
+
+    def _loss(self, batch: Any) -> tuple[torch.Tensor, dict[str, Any]]:
+        """The workload's loss of a batch and its step metrics (`split_loss`); what its code raises, or a
+        loss that is not a scalar, leaves as a `WorkloadBug` (actors/training/user_code.py)."""
+        r = self._r
+        loss_fn, step = r.workload.loss, r.training.step + 1
+        returned = user_call("loss", loss_fn, r.training.model, batch, step=step)
+        with contract("loss", loss_fn, step):
+            loss, metrics = split_loss(returned)
+            require_scalar(loss)
+        return loss, metrics
+
+    def _denominator(self, plan: Plan, dealt: int, read: int) -> float:
+        """What each sample's loss is divided by, so that the step's gradient is the mean over the samples
+        read: this member's own (the kinds whose members update their own replica), else the global
+        batch's. With `workload.on_bad_sample: skip` a member reads fewer than it was dealt, and the
+        global batch's samples read are counted over the group (one all-reduce of a number a step, only
+        then); a server kind's member, which pushes alone, counts its share as dealt, its read samples'
+        mean within it."""
+        self._skipped = 0
+        algorithm = self._r.policy.algorithm
+        if algorithm.local_mean:
+            return max(read, 1)
+        if not self._skips_bad:
+            return plan.global_batch
+        if not algorithm.kind.reduces_every_step:
+            return plan.global_batch * read / max(dealt, 1)
+        comm = self._r.group.comm
+        total = read
+        if len(plan.members) > 1 and isinstance(comm, Reducing):
+            count = torch.tensor([float(read)], device=comm.device)
+            comm.all_reduce(count, "sum").wait()
+            total = int(round(float(count[0])))
+        self._skipped = plan.global_batch - total
+        return max(total, 1)
+
+    def sync(self, plan: Plan) -> bool:
+        """A periodic round: its vote is the commit point of the local steps since the last one."""
+        r = self._r
+        started = time.perf_counter()
+        r.enter_phase("communicate")
+        draft = VoteDraft(newer_plan=r.newest_plan().version > plan.version)
+        try:
+            vote = r.policy.impl.sync(r.training.step, draft)
+            if vote is None:
+                return True  # launched; merged (and committed) after the overlap
+            r.faults.lose_vote(r.training.step)
+        except CommError as err:
+            return self.failed(plan, err)
+        self._waited = time.perf_counter() - started  # a round is all communication
+        self.commit(plan, vote, started, 0)
+        return self.adopt_newest_plan(plan) if vote.newer_plan else True
+
+    def failed(self, plan: Plan, err: CommError) -> bool:
+        r = self._r
+        r.failed_with(str(err))
+        r.policy.impl.discard(r.training.step)
+        comm = r.group.comm
+        if not comm or not comm.aborted:  # a peer may be gone without Ray knowing (a lost node)
+            try:
+                r.link.collective_failed(r.slot, plan.membership_epoch, str(err)[:300])
+            except Exception as failure:  # noqa: BLE001 - the coordinator may be restarting; its abort comes anyway
+                log.warning("could not tell the coordinator that a collective failed: %s", failure)
+        return False
+
+    def commit(self, plan: Plan, vote: StepVote, started: float, micro_steps: int) -> None:
+        """This step (or round) is the newest committed state: mark it, record it, save it if due."""
+        r = self._r
+        training, impl, algorithm = r.training, r.policy.impl, r.policy.algorithm
+        newest = r.reporter.newest()
+        prev = newest["step"] if newest else None
+        r.feed.source.committed(training.commit(impl))
+        r.trained_under(plan)
+        r.samples.committed(plan.membership_epoch)
+        record = StepRecord(
+            step=training.step, loss=float(vote.loss), plan=plan, micro_steps=micro_steps,
+            bytes_sent=r.group.bytes_sent(impl), lr=training.optimizer.param_groups[0]["lr"],
+            step_time=time.perf_counter() - started, wait_s=self._waited, samples=vote.samples, prev=prev,
+            provisional=impl.commit_mark is not None, step_metrics=r.metrics.named(vote.extras) if vote.extras else {},
+            policy_fields=impl.record_fields(), dropped=r.samples.take_dropped(), skipped=self._skipped)
+        r.reporter.record(record, algorithm, training.model, impl, lambda: (training.step, r.mark()))
+        r.reporter.maybe_checkpoint(plan, algorithm, prev, training.step, r.mark(), r.committed.state_bytes)
+        r.group.settle()  # off the next re-form's path, now that this one's first step is done
+
+    def adopt_newest_plan(self, plan: Plan) -> bool:
+        """Rare path: someone saw a newer plan; agree on the newest with one MAX all-reduce, then every
+        member switches to it at this same step (after `_flush_for_switch` where it switches policy)."""
+        r = self._r
+        comm = r.group.comm
+        if not isinstance(comm, Reducing):
+            raise RuntimeError(f"{r.slot} has no group to agree on the newest plan in")
+        version = torch.tensor([float(r.newest_plan().version)], device=comm.device)
+        try:
+            comm.all_reduce(version, "max").wait()
+        except CommError as err:
+            r.failed_with(str(err))
+            return False
+        agreed = r.plans.agreed(int(version[0]))
+        if agreed is None:
+            return False  # superseded before it arrived: the loop takes the newest
+        if not self._flush_for_switch(plan, agreed):
+            return False
+        r.adopt(agreed)
+        return True
+
+    def _flush_for_switch(self, plan: Plan, agreed: Plan) -> bool:
+        """Leaving a policy whose replicas differ at a commit point (streaming DiLoCo's fragments merge
+        at different steps) for another policy, with the same members: every fragment not synchronized
+        at this step has its round now, on this group, as at the end of a run (`sync_due` with the stop
+        at this step), so every member switches from the same, exactly averaged parameters and loses none
+        of its local steps. Every member decides alike (the plan is the agreed one, the step the commit's).
+        False where a round failed (the loop takes the newest plan; a later switch takes rank 0's state).
+        Elsewhere nothing to do: a switchable policy's replicas agree at each commit."""
+        r = self._r
+        impl, step = r.policy.impl, r.training.step
+        if impl.replicas_agree_at_commit or agreed.policy is None or agreed.members != plan.members \
+                or r.policy.config_with(agreed.policy["sync"], agreed.policy["compression"]) is None:
+            return True
+        log.info("%s synchronizes every fragment at step %d before switching to %s", r.slot, step, agreed.policy["label"])
+        while impl.sync_due(step, step):
+            started = time.perf_counter()
+            try:
+                vote = impl.sync(step, VoteDraft())
+            except CommError as err:
+                return self.failed(plan, err)
+            if vote is not None:  # at the stop a round merges at its launch
+                self._waited = time.perf_counter() - started
+                self.commit(plan, vote, started, 0)
+        return True
