@@ -3,25 +3,23 @@ training state with the data position, the newest record, the policy and the ste
 holder's state loaded, provisional local steps rewound, a member behind skipped ahead.
 
 `CommittedState` is what a membership epoch's entry (actors/training/entry.py `Member`) works on; it reaches
-the parts through the `Replica` (actors/training/replica.py), whose policy binding a switch replaces.
+the parts through the replica (actors/training/parts.py `ReplicaParts`), whose policy binding a switch replaces.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from actors.plan import Plan
+from actors.training.parts import ReplicaParts
 from actors.training.training_state import read_state
-
-if TYPE_CHECKING:
-    from actors.training.replica import Replica
 
 
 class CommittedState:
     """One replica's committed state, as the entry and the worker's calls move it."""
 
-    def __init__(self, replica: Replica) -> None:
+    def __init__(self, replica: ReplicaParts) -> None:
         self._r = replica
 
     @property

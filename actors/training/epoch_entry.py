@@ -2,29 +2,26 @@
 the new group and enters it (actors/training/entry.py: the members agree on where they stand), and tells the
 coordinator what the entry agreed.
 
-`EpochEntry` reaches the replica's parts through the `Replica` (actors/training/replica.py); a member whose
+`EpochEntry` reaches the replica's parts through the replica (actors/training/parts.py `ReplicaParts`); a member whose
 group fails to form waits for a newer plan.
 """
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING
 
 from actors.plan import Plan
 from actors.training.entry import enter, enter_switched
 from actors.training.epoch_group import largest_reduce
+from actors.training.parts import ReplicaParts
 from actors.transport import collective
 from actors.transport.comm import CommError, GroupSpec
 from algorithms.policies.base import EpochInfo
-
-if TYPE_CHECKING:
-    from actors.training.replica import Replica
 
 
 class EpochEntry:
     """How one replica enters each membership epoch."""
 
-    def __init__(self, replica: Replica) -> None:
+    def __init__(self, replica: ReplicaParts) -> None:
         self._r = replica
 
     def enter(self, plan: Plan) -> bool:

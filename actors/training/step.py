@@ -3,14 +3,14 @@ the policy's hooks, the vote, the update, and, at a commit point, the record, th
 samples applied; and the rare agreement on a newer plan that members switch to at the same step.
 
 `StepRunner` owns what one step measures (its wait, its skipped samples); it reaches the replica's parts
-through the `Replica` (actors/training/replica.py), whose policy binding a switch replaces.
+through the replica (actors/training/parts.py `ReplicaParts`), whose policy binding a switch replaces.
 """
 from __future__ import annotations
 
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -18,6 +18,7 @@ import torch
 from actors.plan import Plan
 from actors.training.batch_feed import seed_step
 from actors.training.epoch_group import Reducing
+from actors.training.parts import ReplicaParts
 from actors.training.reporter import StepRecord
 from actors.training.user_code import call as user_call
 from actors.training.user_code import contract, require_scalar
@@ -26,16 +27,13 @@ from actors.transport.comm import CommError
 from algorithms.policies.base import StepVote, VoteDraft
 from algorithms.policies.optim import lr_at
 
-if TYPE_CHECKING:
-    from actors.training.replica import Replica
-
 log = logging.getLogger(__name__)
 
 
 class StepRunner:
     """The step and the round of one replica."""
 
-    def __init__(self, replica: Replica, tick: Callable[[], None]) -> None:
+    def __init__(self, replica: ReplicaParts, tick: Callable[[], None]) -> None:
         self._r = replica
         self._tick = tick
         self._slot_index = int(replica.slot[1:])
