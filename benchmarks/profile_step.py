@@ -4,7 +4,7 @@ The job is bsp_vs_ddp.py's (digits MLP, hidden 128, per-worker batch 32, SGD wit
 buckets, one torch thread per worker, the default engine). Once it has trained a while, py-spy
 samples rank 0's process (`py-spy record -r RATE -d SECONDS -f raw --nonblocking`: it counts only
 samples where a thread is not waiting). Each sample whose stack passes through
-`Replica._train_step` goes to every phase its stack passes through (inclusive shares), so a phase
+`StepRunner.train` (actors/training/step.py) goes to every phase its stack passes through (inclusive shares), so a phase
 nested in another (the hooks' launches inside backward) counts in both.
 
     python benchmarks/profile_step.py [--seconds 10] [--rate 250] [--engine auto] [--workload digits|lm] [--raw out.txt]
@@ -31,12 +31,12 @@ PROJECT = ("actors/", "algorithms/", "core/", "orchestrator/job", "torch/")
 
 
 def _below(*names: str):
-    """A phase: the sample's stack below `_train_step` passes through one of these functions."""
+    """A phase: the sample's stack below the step (`StepRunner.train`) passes through one of these functions."""
     return lambda frames: any(f.split(" (")[0].split(".")[-1] in names for f in frames)
 
 
 def _user_code(frames: list[str]) -> bool:
-    """The workload's own code (its loss, hence the forward), called by `_train_step` itself."""
+    """The workload's own code (its loss, hence the forward), called by the step itself."""
     return bool(frames) and not any(part in frames[0] for part in PROJECT)
 
 
@@ -47,16 +47,21 @@ PHASES = [
     ("forward and loss (the workload's code)", _user_code),
     ("the optimizer step (apply_update)", _below("apply_update")),
     ("the vote's tail (VoteDraft.tail)", _below("tail")),
-    ("building the batch (_micro_batches, _collate)", _below("_micro_batches", "_collate")),
+    ("building the batch (micro_batches, _collate)", _below("micro_batches", "_collate")),
     ("begin_step", _below("begin_step")),
-    ("per-step seeding (_seed_step)", _below("_seed_step")),
-    ("commit and record (_commit)", _below("_commit")),
+    ("per-step seeding (seed_step)", _below("seed_step")),
+    ("commit and record (commit)", _below("commit")),
 ]
+
+
+def is_step(frame: str) -> bool:
+    """Whether a frame is the step's own function (`StepRunner.train` in actors/training/step.py)."""
+    return frame.split(" (")[0].split(".")[-1] == "train" and "actors/training/step.py" in frame
 
 
 def phase_shares(raw: str) -> tuple[int, int, dict[str, float]]:
     """From py-spy's raw output (`frame (file:line);... count` per line): (samples of the whole
-    process, samples inside `_train_step`, each phase's share of the latter)."""
+    process, samples inside the step, each phase's share of the latter)."""
     total = inside = 0
     counts = dict.fromkeys((label for label, _ in PHASES), 0)
     for line in raw.splitlines():
@@ -66,7 +71,7 @@ def phase_shares(raw: str) -> tuple[int, int, dict[str, float]]:
         n = int(count)
         total += n
         frames = stack.split(";")
-        at = next((i for i, f in enumerate(frames) if f.split(" (")[0].endswith("_train_step")), None)
+        at = next((i for i, f in enumerate(frames) if is_step(f)), None)
         if at is None:
             continue
         inside += n
@@ -120,9 +125,9 @@ def main() -> int:
     total, inside, shares = phase_shares(Path(out).read_text())
     expected = args.rate * args.seconds  # samples of a thread that never waits
     print(f"{steps} steps in {span:.2f} s under the profiler; samples: {total} in the process, {inside} inside "
-          f"_train_step; the training thread active {inside / expected:.0%} of the time "
+          f"the step (StepRunner.train); the training thread active {inside / expected:.0%} of the time "
           f"({1000 * inside / args.rate / max(steps, 1):.2f} ms per step)")
-    print(f"{'where (inclusive share of _train_step)':<76}{'share':>8}")
+    print(f"{'where (inclusive share of the step)':<76}{'share':>8}")
     for label, share in shares.items():
         print(f"{label:<76}{share:>8.1%}")
     print(json.dumps({"benchmark": "profile_step", "engine": args.engine, "steps": steps, "seconds": span,
