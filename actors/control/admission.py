@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from actors.control.book import ADMIT_HOLD_S, MembershipBook
+from actors.control.checkpoint_store import CheckpointStore
 from actors.control.journal import Journal
 from actors.control.members import Member
 from actors.control.tasks import Tasks
@@ -30,15 +31,16 @@ S = MemberState
 class Admission:
     """Admits ready workers into plans; restores the first joiner from a checkpoint when asked."""
 
-    def __init__(self, book: MembershipBook, journal: Journal, group: WorkerGroup, kind: Kind, min_workers: int,
-                 state: Callable[[], JobState], may_start: Callable[[], bool], history: Callable[[], Any],
-                 reshape: Callable[..., Any], start_run: Callable[[Member], None],
+    def __init__(self, book: MembershipBook, journal: Journal, checkpoints: CheckpointStore, group: WorkerGroup,
+                 kind: Kind, min_workers: int, state: Callable[[], JobState], may_start: Callable[[], bool],
+                 history: Callable[[], Any], reshape: Callable[..., Any], start_run: Callable[[Member], None],
                  fail: Callable[[str, dict], Awaitable[None]], tasks: Tasks | None = None) -> None:
-        """`state()`: the job's state; `may_start()`: no stop decided and not ended; `history()`: the
-        job's history; `reshape(members, reason, detector, decided, joiners=...)`: publish a reshape;
-        `start_run(member)`: start an admitted member's run; `fail(reason, detail)`: end the job FAILED;
-        `tasks`: where its tasks run (the coordinator's: actors/control/tasks.py)."""
-        self.book, self.journal, self.group, self.kind, self.min_workers = book, journal, group, kind, min_workers
+        """`checkpoints`: the run's (a restore reads one); `state()`: the job's state; `may_start()`: no stop
+        decided and not ended; `history()`: the job's history; `reshape(members, reason, detector, decided,
+        joiners=...)`: publish a reshape; `start_run(member)`: start an admitted member's run; `fail(reason,
+        detail)`: end the job FAILED; `tasks`: where its tasks run (the coordinator's: actors/control/tasks.py)."""
+        self.book, self.journal, self.checkpoints, self.group = book, journal, checkpoints, group
+        self.kind, self.min_workers = kind, min_workers
         self._state, self._may_start, self._history = state, may_start, history
         self._reshape, self._start_run, self._fail = reshape, start_run, fail
         self.restore: tuple[int, str] | None = None
@@ -52,8 +54,8 @@ class Admission:
     def restore_on_admit(self) -> None:
         """Every member was lost: the next admitted worker starts from the newest checkpoint, or from one
         being stored (the first, or one newer than the last stored), which the admission waits for."""
-        pending = self.journal.pending_checkpoint()
-        self.restore = self.journal.checkpoint if pending is None else (pending, "")
+        pending = self.checkpoints.pending()
+        self.restore = self.checkpoints.last if pending is None else (pending, "")
 
     async def request(self) -> None:
         """Look at admission soon, once for every worker that became ready in this turn of the loop."""
@@ -95,7 +97,7 @@ class Admission:
         restore = None
         if self.restore is not None and not live:  # every member was lost: the first joiner starts from the checkpoint
             restore, self.restore = self.restore, None
-            newest = await self.journal.newest_checkpoint()  # one stored since the decision is newer
+            newest = await self.checkpoints.newest()  # one stored since the decision is newer
             if newest is not None and (newest[0] > restore[0] or not restore[1]):
                 restore = newest
             elif not restore[1]:
@@ -119,7 +121,7 @@ class Admission:
         it and receive the state at their epoch's start); history goes on from `step`, the steps after
         it that it already holds being redone (their new records follow the lost ones)."""
         try:
-            data = await self.journal.read_checkpoint(path)
+            data = await self.checkpoints.read(path)
         except RuntimeError as err:
             raise RuntimeError(f"every member was lost and the checkpoint at step {step} is not whole: {err} "
                                f"(resume with --resume from an older one)") from None

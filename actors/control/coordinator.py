@@ -42,7 +42,7 @@ from actors.control.admission import Admission
 from actors.control.book import MembershipBook
 from actors.control.feed import Feed
 from actors.control.job_state import JobStateMachine
-from actors.control.journal import Journal, restorable_step
+from actors.control.journal import Journal
 from actors.control.keys import RendezvousKey
 from actors.control.launcher import Launcher
 from actors.control.lifecycle import Lifecycle
@@ -163,9 +163,9 @@ class Coordinator:
         trial = cfg.policy_trial if cfg.policy_trial and saved is None and not cfg.policy_trial.get("resumed") else None
         self.plans = Plans(cfg, self.book, self.publisher, self.job, self.history, self.feed, self.spares, self.group,
                            self.journal.event, self._spawn, self._persist, self.tasks, trial)
-        self.admission = Admission(self.book, self.journal, self.group, kind, w.min, lambda: self.job.state,
-                                   self.job.may_start, lambda: self.history, self.plans.reshape, self.supervisor.run,
-                                   self._fail, tasks=self.tasks)
+        self.admission = Admission(self.book, self.journal, self.journal.checkpoints, self.group, kind, w.min,
+                                   lambda: self.job.state, self.job.may_start, lambda: self.history, self.plans.reshape,
+                                   self.supervisor.run, self._fail, tasks=self.tasks)
         self.launcher = Launcher(self.book, self.spares, self.group, run.prefix, run.spec, self.journal.fired,
                                  self.journal.event, lambda: self.job.state, self.job.may_start, self.admission.request,
                                  started=max((saved or {}).get("started_workers", 0),
@@ -287,7 +287,7 @@ class Coordinator:
     async def save_checkpoint(self, step: int, blob: bytes, order: Order | None = None) -> None:
         await self.sequencer.turn(order)
         self._parent.exit_if_orphaned()
-        await self.journal.save_checkpoint(step, blob)
+        await self.journal.checkpoints.save(step, blob)
 
     async def collective_failed(self, slot: str, epoch: int, error: str, order: Order | None = None) -> None:
         await self.sequencer.turn(order)
@@ -324,7 +324,7 @@ class Coordinator:
 
     def view(self) -> JobView:
         return self.book.view(self.job.state, self.job.stop_kind, None if self.algorithm.kind.runs_server
-                              else restorable_step(self.journal.checkpoint, self.journal.pending_checkpoint()))
+                              else self.journal.checkpoints.restorable())
 
     def transition(self, to: JobState, reason: str) -> None:
         self.job.transition(to, reason)

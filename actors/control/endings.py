@@ -42,9 +42,9 @@ async def wrap_up(kind: JobState, algorithm: Any, book: MembershipBook, group: W
     if plan is not None or server is not None:
         try:
             blob, _ = await final_model(algorithm.final_model, book, group, server, journal.event, journal.metrics)
-            journal.write_model(blob)
+            journal.checkpoints.write_model(blob)
             if kind != JobState.FINISHED:  # a stopped or failed job can be continued with --resume
-                await journal.save_checkpoint(journal.step, blob, f"checkpoint at step {journal.step} on {kind.value.lower()}")
+                await journal.checkpoints.save(journal.step, blob, f"checkpoint at step {journal.step} on {kind.value.lower()}")
         except Exception as err:  # noqa: BLE001
             journal.event("info", f"could not fetch the final model: {first_line(err)}")
     return await committed_states(book, group) if kind == JobState.FAILED and plan else None

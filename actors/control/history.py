@@ -55,7 +55,7 @@ class History:
         if self.reporter.server_reports:
             if record["step"] <= self.ledger.written_step:
                 return None
-            self.ledger.written_step = record["step"]
+            self.ledger.write_up_to(record["step"])
             self._write([record])
             return record
         self._write(self.ledger.offer(record))
@@ -85,7 +85,7 @@ class History:
                 self._note(f"versions {written + 1}..{step} have no history record: the parameter server applied "
                            f"them (its snapshot at version {step} holds their result) but died before it reported "
                            f"them", {"first": written + 1, "last": step})
-            self.ledger.written_step = step
+            self.ledger.write_up_to(step)
 
     def restore(self, step: int) -> list[int]:
         """Every member was lost and fresh ones start from the checkpoint at `step`: the steps after it
@@ -102,6 +102,10 @@ class History:
         self.ledger = CommittedLedger(written_step=step)
         self.member_steps = {slot: min(s, step) for slot, s in self.member_steps.items()}
         return [step + 1, written] if written > step else []
+
+    def resume_at(self, step: int) -> None:
+        """`--resume` from a checkpoint at `step`: history goes on after it."""
+        self.ledger.write_up_to(step)
 
     def close(self) -> None:
         """The job ended with every member at one step: whatever is held is final."""

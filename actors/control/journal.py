@@ -1,29 +1,29 @@
 """The journal: everything a job run keeps in its run directory, and the progress status shows.
 
 It owns the files (`events.jsonl`, `history.jsonl` through `actors/control/history.py`, the state file
-`coordinator.json` written off the event loop, `faults_fired.json`, checkpoints, `status.json`),
-the newest events in memory, and the progress read from history: the job's step, loss, evaluation
-metrics and throughput over the last five seconds. It knows nothing of members or plans: the
-coordinator hands it records, events and the state to save.
+`coordinator.json` written off the event loop, `faults_fired.json`, `status.json`; checkpoints and the
+final model through its `CheckpointStore`, actors/control/checkpoint_store.py), the newest events in
+memory, and the progress read from history: the job's step, loss, evaluation metrics and throughput
+over the last five seconds. It knows nothing of members or plans: the coordinator hands it records,
+events and the state to save.
 """
 from __future__ import annotations
 
-import asyncio
 import collections
 import itertools
 import json
 import logging
-import threading
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, TextIO
 
+from actors.control.checkpoint_store import CheckpointStore
 from actors.control.history import History
 from actors.control.tasks import Tasks
-from actors.runs import checkpoints, runfiles
+from actors.runs import runfiles
 from actors.runs.mirror import RunMirror
-from actors.runs.storage import Storage, first_line, open_storage, run_storage
+from actors.runs.storage import Storage, run_storage
 from algorithms.rules.kinds import Reporter
 from core.listener import JobListener
 from core.schema import Event
@@ -35,24 +35,6 @@ EVENTS_KEPT = 1000
 RESHAPES_SHOWN = 20
 """The newest reshapes in status (as with departed members)."""
 THROUGHPUT_WINDOW_S = 5.0
-MODEL_UPLOAD_BASE_S = 60.0
-MODEL_UPLOAD_MIN_RATE = 10e6
-"""The final model's upload is waited for MODEL_UPLOAD_BASE_S plus its size at this many bytes a second."""
-CHECKPOINT_RETRIES_S = (1.0, 2.0, 4.0, 8.0)
-"""A checkpoint whose storing fails is tried again after each of these pauses, then given up (an event
-each time: `checkpoint_failed`); the job trains on either way."""
-
-
-def model_upload_timeout(size: int) -> float:
-    """How long the end of a run waits for the final model's upload: scaled to its size."""
-    return MODEL_UPLOAD_BASE_S + size / MODEL_UPLOAD_MIN_RATE
-
-
-def restorable_step(stored: tuple[int, str] | None, pending: int | None) -> int | None:
-    """The step a loss of every member restarts from: the newest stored checkpoint's, or that of a newer
-    one still being stored (the restore waits for its store; `Journal.newest_checkpoint`)."""
-    steps = [s for s in (stored[0] if stored else None, pending) if s is not None]
-    return max(steps) if steps else None
 
 
 class Journal:
@@ -72,25 +54,12 @@ class Journal:
         `fingerprint`: (fingerprint, description) of the workload, kept in each checkpoint's manifest.
         `tasks`: where its task that stores checkpoints runs (the coordinator's: actors/control/tasks.py)."""
         self.run_dir = run_dir
-        self._tasks = tasks or Tasks()
-        self.keep_checkpoints = keep_checkpoints
-        self.store_delay_s = store_delay_s
-        self.store_fails_until = store_fails_until
-        self.fingerprint = fingerprint
-        self._waiting: tuple[int, bytes, str, asyncio.Future] | None = None
-        """The checkpoint waiting for the one being stored (a newer one replaces it)."""
-        self._storer: asyncio.Task | None = None
-        self._storing: int | None = None
-        """The step of the checkpoint being stored now."""
-        self.checkpoint_failures = 0
-        """Tries to store a checkpoint that failed (each one an event)."""
-        self._model_upload: tuple[threading.Thread, int] | None = None
-        self.model_error = ""
-        self.checkpoint_at = 0.0
-        """When `checkpoint` was stored (time.time(); status: the last durable checkpoint's age)."""
         if storage is None:
             storage, run_key = run_storage(None, run_dir)
         self.storage, self.run_key, self.mirror = storage, run_key, mirror
+        self.checkpoints = CheckpointStore(run_dir, storage, run_key, keep_checkpoints, self.event, mirror is not None,
+                                           store_delay_s, fingerprint, store_fails_until, tasks)
+        """The run's checkpoints and its final model (actors/control/checkpoint_store.py)."""
         run_dir.mkdir(parents=True, exist_ok=True)
         self.hydrated: list[str] = mirror.hydrate() if mirror is not None and restarted else []
         """What a restart copied down from the remote copy (empty: this node's folder had it all)."""
@@ -117,8 +86,6 @@ class Journal:
         """(time, step, tokens so far) of the records of the last 5 s."""
         self._tokens = 0
         self._newest_at = 0.0
-        self.checkpoint: tuple[int, str] | None = None
-        """(step, path) of this run's newest checkpoint (what a loss of every member restarts from)."""
         self.skipped: set[tuple[int, int]] = set()
         """(step, sample id) of each bad sample a member skipped (`workload.on_bad_sample: skip`): a step
         that is redone skips its samples again, counted once."""
@@ -308,7 +275,7 @@ class Journal:
         self.step_metrics = dict(history[-1].get("step_metrics", {})) if history else {}
         return saved
 
-    # ------------------------------------------------------------------ faults and checkpoints
+    # ------------------------------------------------------------------ faults and files
     def fault_fired(self, index: int) -> None:
         self.fired_faults.add(index)
         self.write_json("faults_fired.json", self.fired())
@@ -316,108 +283,6 @@ class Journal:
     def fired(self) -> tuple[int, ...]:
         """The injected faults that fired in this run (a new worker skips them)."""
         return tuple(sorted(self.fired_faults))
-
-    async def save_checkpoint(self, step: int, blob: bytes, note: str = "") -> str | None:
-        """To the storage (an upload, for an object store), in a thread: the event loop goes on. One is
-        stored at a time and one more waits: a newer checkpoint replaces the one waiting (an event says
-        so; its caller gets None), so a slow or failing store holds at most two blobs, not a pile. A
-        failure is an event (`checkpoint_failed`) and is tried again after each of
-        `CHECKPOINT_RETRIES_S`; past them the checkpoint is given up (None), and the job trains on:
-        status shows the last durable one."""
-        loop = asyncio.get_running_loop()
-        waiting = self._waiting
-        if waiting is not None and not waiting[3].done():
-            self.event("checkpoint_failed", f"checkpoint at step {waiting[0]} was not stored: the one at step {step} "
-                                            f"replaced it while the store was busy", step=waiting[0], replaced_by=step,
-                       error="replaced while waiting", attempt=0, retry=False, bytes=len(waiting[1]))
-            waiting[3].set_result(None)
-        done: asyncio.Future = loop.create_future()
-        self._waiting = (step, blob, note, done)
-        if self._storer is None or self._storer.done():
-            self._storer = self._tasks.spawn(self._store_waiting())
-        return await done
-
-    def pending_checkpoint(self) -> int | None:
-        """The step of the newest checkpoint being stored or waiting to be (None: none is)."""
-        waiting = self._waiting[0] if self._waiting is not None and not self._waiting[3].done() else None
-        steps = [s for s in (self._storing, waiting) if s is not None]
-        return max(steps) if steps else None
-
-    async def newest_checkpoint(self) -> tuple[int, str] | None:
-        """The newest durable checkpoint once the stores under way have ended (stored or given up): a
-        checkpoint still being stored when every member was lost is the one to restore from, not the one
-        before it. (The death of every member is now known within a millisecond or two of the kill, often
-        before the store of a checkpoint taken a few steps earlier has finished.)"""
-        while self._storer is not None and not self._storer.done():
-            await asyncio.shield(self._storer)
-        return self.checkpoint
-
-    async def _store_waiting(self) -> None:
-        while self._waiting is not None:
-            step, blob, note, done = self._waiting
-            self._waiting = None
-            if done.done():
-                continue
-            self._storing = step
-            try:
-                location = await self._store_checkpoint(step, blob, note)
-            except Exception as err:  # noqa: BLE001 - the caller hears it; the next one is stored
-                if not done.done():
-                    done.set_exception(err)
-                continue
-            finally:
-                self._storing = None
-            if not done.done():
-                done.set_result(location)
-
-    async def _store_checkpoint(self, step: int, blob: bytes, note: str) -> str | None:
-        def store() -> str:
-            if self.store_delay_s:
-                time.sleep(self.store_delay_s)
-            if time.time() < self.store_fails_until:
-                raise OSError(f"injected: storing checkpoints fails for {self.store_fails_until - time.time():.1f}s "
-                              f"more (faults.checkpoint_fail_s)")
-            fingerprint, workload = self.fingerprint or (None, "")
-            return checkpoints.save((self.storage, self.run_key), step, blob, self.keep_checkpoints,
-                                    self.run_key.rsplit("/", 1)[-1], fingerprint, workload)
-        for attempt, pause in enumerate((*CHECKPOINT_RETRIES_S, None), start=1):
-            started = time.monotonic()
-            try:
-                location = await asyncio.to_thread(store)
-                break
-            except Exception as err:  # noqa: BLE001 - any failure of the store is reported and tried again
-                self.checkpoint_failures += 1
-                error = f"{type(err).__name__}: {first_line(err)}"
-                self.event("checkpoint_failed",
-                           f"checkpoint at step {step} could not be stored (try {attempt}): {error}; "
-                           + (f"trying again in {pause:g}s" if pause is not None else
-                              "given up: the job trains on, and a restart would go back to "
-                              + (f"step {self.checkpoint[0]}" if self.checkpoint else "the start")),
-                           step=step, error=error, attempt=attempt, retry=pause is not None, bytes=len(blob))
-                if pause is None:
-                    return None
-                await asyncio.sleep(pause)
-        seconds = time.monotonic() - started
-        self.event("checkpoint", note or f"checkpoint at step {step}", step=step, path=location, bytes=len(blob),
-                   seconds=round(seconds, 3), attempts=attempt)
-        if self.checkpoint is None or step >= self.checkpoint[0]:
-            self.checkpoint, self.checkpoint_at = (step, location), time.time()
-        return location
-
-    def checkpoint_status(self) -> dict:
-        """Status's `checkpoint`: the last durable one (step, time, where its data is) and the failed tries
-        to store one."""
-        out: dict = ({"step": self.checkpoint[0], "time": self.checkpoint_at, "path": str(self.checkpoint[1])}
-                     if self.checkpoint else {})
-        return dict(out, failures=self.checkpoint_failures) if out or self.checkpoint_failures else out
-
-    async def read_checkpoint(self, location: str) -> bytes:
-        """The checkpoint's bytes, once its manifest (size, sha256) checks out; raises with the problem."""
-        location = str(location)
-        storage = self.storage
-        if not storage.remote and not storage.holds(location):  # a local file elsewhere
-            storage = open_storage(str(Path(location).parent))
-        return await asyncio.to_thread(checkpoints.read_verified, storage, location)
 
     def put(self, name: str) -> None:
         """The run folder's file `name` changed: its remote copy (if any) follows."""
@@ -428,30 +293,6 @@ class Journal:
         """A run file written atomically here, and copied to the remote storage."""
         runfiles.write_json_atomic(self.run_dir / name, obj)
         self.put(name)
-
-    def write_model(self, blob: bytes) -> None:
-        """The final model: on this node's disk, and with remote storage uploaded straight to the store
-        by a thread of its own (as checkpoints are; the mirror's whole files, status.json among them,
-        do not wait behind it). `close` waits for it as long as its size needs."""
-        runfiles.write_bytes_atomic(self.run_dir / "model.pt", blob)
-        if self.mirror is None:
-            return
-        key = f"{self.run_key}/model.pt"
-
-        def upload() -> None:
-            for attempt, pause in enumerate((*CHECKPOINT_RETRIES_S[:2], None), start=1):
-                try:
-                    self.storage.write(key, blob)
-                    return
-                except Exception as err:  # noqa: BLE001 - reported, tried again
-                    log.warning("the final model could not be uploaded to %s (try %d): %s",
-                                self.storage.location(key), attempt, first_line(err))
-                    if pause is None:
-                        self.model_error = f"{type(err).__name__}: {first_line(err)}"
-                        return
-                    time.sleep(pause)
-        self._model_upload = (threading.Thread(target=upload, name="model upload", daemon=True), len(blob))
-        self._model_upload[0].start()
 
     def write_status(self, status: dict) -> None:
         self.write_json("status.json", status)
@@ -465,10 +306,6 @@ class Journal:
         if self._step_times is not None:
             self._step_times.close()
         self._saver.close()
-        if self._model_upload is not None:
-            thread, size = self._model_upload
-            thread.join(model_upload_timeout(size))
-            if thread.is_alive() or self.model_error:
-                log.warning("the final model is not in the store: %s", self.model_error or "its upload timed out")
+        self.checkpoints.close()
         if self.mirror is not None and not self.mirror.close():
             log.warning("the run's remote copy is not complete: %s", self.mirror.error or "the upload timed out")

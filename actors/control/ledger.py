@@ -103,6 +103,11 @@ class CommittedLedger:
         self.written_step = first
         return final + self._drain()
 
+    def write_up_to(self, step: int) -> None:
+        """History holds every step up to `step` on another's word (a server's records, final at once; its
+        restart from a snapshot; a resume from a checkpoint): the next record written follows it."""
+        self.written_step = step
+
     def close(self) -> list[dict]:
         """The job ended with every member at the same step: the tentative record is final."""
         held, self.tentative = self.tentative, None

@@ -101,7 +101,7 @@ class Lifecycle:
                          stragglers={slot: round(r, 3) for slot, r in self.supervisor.stragglers.current.items()},
                          server=dict(server.summary, restarts=server.restarts) if server else {},
                          topology=topology_status(getattr(self.cfg.sync, "topology", None), plan), spares=self.spares.status(),
-                         checkpoint=self.journal.checkpoint_status(), samples_skipped=len(self.journal.skipped))
+                         checkpoint=self.journal.checkpoints.status(), samples_skipped=len(self.journal.skipped))
 
     # ------------------------------------------------------------------ the main task
     async def _main(self) -> None:
@@ -129,7 +129,7 @@ class Lifecycle:
                 self.state_file.save()  # the members it re-attached (saved before as the dead incarnation left them)
             self.tasks.spawn(self.supervisor.heartbeats())
             while not self.job.state.terminal:
-                batch = await self.supervisor.next_outcomes(0.2)
+                batch = await self.supervisor.outcomes.next(0.2)
                 if batch:
                     await self.supervisor.handle(batch)
                 else:

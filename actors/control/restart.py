@@ -124,7 +124,7 @@ async def resume(path: str, first: Member, group: WorkerGroup, server: Any, hist
     """`--resume`: the checkpoint at `path` into the first member (or the parameter server, whose
     state it is for the server kinds); history and progress go on from its step."""
     try:
-        data = await journal.read_checkpoint(path)
+        data = await journal.checkpoints.read(path)
     except RuntimeError as err:
         raise RuntimeError(f"cannot resume from {path}: {err}") from None
     if server is not None:
@@ -132,5 +132,5 @@ async def resume(path: str, first: Member, group: WorkerGroup, server: Any, hist
     else:
         step = await group.load_checkpoint(first.handle, data)
     journal.set_step(step)
-    history.ledger.written_step = step
+    history.resume_at(step)
     journal.event("info", f"resumed from checkpoint at step {step} ({path})", checkpoint=str(path), step=step)

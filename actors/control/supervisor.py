@@ -4,7 +4,8 @@
 It owns the detectors and their state: each member's watch (which returns when its run ends and
 raises when its process dies), the heartbeat loop (a member that stops answering, or whose step
 never ends, is evicted), the probe after a failed collective (members that do not answer are
-evicted; if all answer, the group is re-formed), the straggler watch, and the queue of outcomes.
+evicted; if all answer, the group is re-formed) and the straggler watch; their outcomes are taken in
+batches (actors/control/outcomes.py).
 Each outcome and each stop request becomes a frozen `JobView` and an event for `decide`; the
 decision is carried out through `Actions`, the few operations the coordinator shell exposes
 (publish, reshape, transition, end, finish, stop). It never reads the shell's attributes.
@@ -18,6 +19,7 @@ from typing import Any, Protocol
 
 from actors.control.book import MembershipBook
 from actors.control.members import Member, log
+from actors.control.outcomes import Outcome, Outcomes
 from actors.control.tasks import Tasks
 from actors.control.workers import WorkerGroup
 from algorithms.rules.kinds import Kind
@@ -33,10 +35,6 @@ STRAGGLER_WARMUP_STEPS = 20
 STRAGGLER_EVERY_S = 0.5
 """The stragglers are found again at most this often (over every member: not at every report)."""
 HEARTBEAT_SLICES = 16
-QUIET_S = 0.01
-"""Outcomes that come within this of one another are handled together: one re-form for them all."""
-GATHER_MAX_S = 0.1
-"""...but the first of them waits at most this long for the others."""
 
 
 class Actions(Protocol):
@@ -76,7 +74,8 @@ class Supervisor:
         self.cfg, self.book, self.group, self.actions, self._note, self.kind = cfg, book, group, actions, note, kind
         self._step = step
         self._tasks = tasks or Tasks()
-        self.outcomes: asyncio.Queue[tuple[Member, str, dict, float]] | None = None  # made on the event loop (start)
+        self.outcomes = Outcomes(book, group)
+        """Members' ends as the detectors see them, taken in batches (actors/control/outcomes.py)."""
         self.stragglers = StragglerWatch()
         self._stragglers_at = 0.0
         self._probing = False
@@ -88,13 +87,9 @@ class Supervisor:
         first seen, how many ended)."""
         self._to_kill: list[Any] = []
         """Actors of a batch's ended members, killed once the survivors committed without them (`handle`)."""
-        self._alive: tuple[int, set[str]] = (-1, set())
-        """(epoch, the members of that epoch that reported a failed collective in it): alive when they said so."""
-        self._heard: asyncio.Event | None = None  # set at each such report (made on the event loop: start)
 
     def start(self) -> None:
-        self.outcomes = asyncio.Queue()
-        self._heard = asyncio.Event()
+        self.outcomes.start()
 
     # ------------------------------------------------------------------ detectors
     def run(self, member: Member) -> None:
@@ -108,7 +103,6 @@ class Supervisor:
         async def watched() -> None:
             kind, outcome = await self.group.watch(member.handle)
             outcome.setdefault("slot", member.slot)
-            assert self.outcomes is not None  # start() made it
             await self.outcomes.put((member, kind, outcome, time.time()))
         loop = asyncio.get_running_loop()
         member.watch_task = self._tasks.spawn(watched())
@@ -135,58 +129,7 @@ class Supervisor:
         self._tasks.spawn(self.evict(
             member, "actor death", f"worker {member.slot}'s process is exiting (its lifeline ended)", exiting=exiting))
 
-    async def next_outcomes(self, timeout: float) -> list[tuple[Member, str, dict, float]]:
-        """The next outcome (waiting at most `timeout`; [] if none), with every one that follows it
-        within QUIET_S of the one before (for at most GATHER_MAX_S): members that end together (a
-        node's workers, a rack, a storm) are handled as one batch. A second outcome of a member already
-        in the batch (a death that both its watch and a probe found) is kept but does not extend the
-        wait: only another member's end can be one more of the same storm. The wait ends early once
-        every member of the epoch is accounted for: ended in the batch, alive by its own report of a
-        failed collective in this epoch (a survivor of a death reports one), or running on this node
-        with its process not exiting, so no storm is left to gather."""
-        assert self.outcomes is not None and self._heard is not None  # start() made them
-        try:
-            batch = [await asyncio.wait_for(self.outcomes.get(), timeout)]
-        except asyncio.TimeoutError:
-            return []
-        now = time.monotonic()
-        end, quiet_until = now + GATHER_MAX_S, now + QUIET_S
-        while (now := time.monotonic()) < min(end, quiet_until) and not self._accounted(batch):
-            self._heard.clear()
-            if self.outcomes.empty():
-                getter = asyncio.ensure_future(self.outcomes.get())
-                heard = asyncio.ensure_future(self._heard.wait())
-                try:
-                    await asyncio.wait((getter, heard), timeout=min(quiet_until, end) - now,
-                                       return_when=asyncio.FIRST_COMPLETED)
-                finally:  # this call cancelled too: neither waiter outlives it
-                    heard.cancel()
-                    got = getter.done()
-                    if not got:
-                        getter.cancel()  # an item a cancelled get was woken for stays in the queue
-                if not got:
-                    continue  # a report, or the window's end: the loop's test decides
-                outcome = getter.result()
-            else:
-                outcome = self.outcomes.get_nowait()
-            if all(outcome[0] is not other[0] for other in batch):
-                quiet_until = time.monotonic() + QUIET_S
-            batch.append(outcome)
-        return batch
-
-    def _accounted(self, batch: list[tuple[Member, str, dict, float]]) -> bool:
-        """Whether every member of the epoch's plan has ended in `batch`, or said it is alive since, or
-        runs on this node with its process not exiting (the kernel flags a killed process at once, so a
-        member killed with the others would show it)."""
-        live = set(self.book.live())
-        ended = {outcome[0].slot for outcome in batch}
-        if not live & ended:
-            return False
-        epoch, alive = self._alive
-        unheard = live - ended - (alive if epoch == self.book.epoch else set())
-        return all(self.group.process_state(m.node, m.pid) == "running" for m in (self.book.members[s] for s in unheard))
-
-    async def handle(self, batch: list[tuple[Member, str, dict, float]]) -> None:
+    async def handle(self, batch: list[Outcome]) -> None:
         """Decide each outcome of a batch in turn; the survivors' re-form goes out once, after the last."""
         self._batching, self._deferred, self._abort = True, None, None
         try:
@@ -282,13 +225,8 @@ class Supervisor:
         (a killed worker's peers hear of it only as its sockets close, and Ray later still), probe that
         epoch's members and evict any that do not answer; if every one answers, the group itself is
         broken: re-form it at once as a new epoch. The report also says the member is alive
-        (next_outcomes: a death's batch waits for no survivor that did)."""
-        if epoch == self.book.epoch:
-            if self._alive[0] != epoch:
-                self._alive = (epoch, set())
-            self._alive[1].add(slot)
-            if self._heard is not None:
-                self._heard.set()
+        (`Outcomes.next`: a death's batch waits for no survivor that did)."""
+        self.outcomes.alive(slot, epoch)
         if epoch != self.book.epoch or self.actions.state not in (JobState.RUNNING, JobState.RESHAPING) or self._probing:
             return
         self._probing = True
@@ -325,7 +263,6 @@ class Supervisor:
             self.group.kill_process(member.node, member.pid)
             self.group.kill(member.handle)
         # Handled now: Ray may take many seconds to report an actor on a lost node as dead.
-        assert self.outcomes is not None  # start() made it
         await self.outcomes.put((member, "died", {"error": cause}, time.time()))
 
     # ------------------------------------------------------------------ decisions

@@ -32,27 +32,32 @@ class History:
 
 
 class Journal:
-    def __init__(self, whole: bool = True) -> None:
-        self.whole, self.step, self.events = whole, 0, []
-        self.checkpoint: tuple[int, str] | None = None
-        self.storing: asyncio.Future | None = None
-        """A store under way: it ends with the checkpoint it stored (`newest_checkpoint` waits for it)."""
+    def __init__(self) -> None:
+        self.step, self.events = 0, []
 
     def set_step(self, step: int) -> None:
         self.step = step
 
-    async def newest_checkpoint(self):
-        if self.storing is not None:
-            self.checkpoint = await self.storing
-        return self.checkpoint
+    def event(self, kind, reason, **detail):
+        self.events.append((kind, reason))
 
-    async def read_checkpoint(self, path):
+
+class Checkpoints:
+    def __init__(self, whole: bool = True) -> None:
+        self.whole = whole
+        self.last: tuple[int, str] | None = None
+        self.storing: asyncio.Future | None = None
+        """A store under way: it ends with the checkpoint it stored (`newest` waits for it)."""
+
+    async def newest(self):
+        if self.storing is not None:
+            self.last = await self.storing
+        return self.last
+
+    async def read(self, path):
         if not self.whole:
             raise RuntimeError("sha256 mismatch")
         return b"state"
-
-    def event(self, kind, reason, **detail):
-        self.events.append((kind, reason))
 
 
 class Harness:
@@ -63,12 +68,12 @@ class Harness:
             "stop": {"max_steps": 10}}).to_dict())
         self.group = FakeWorkerGroup()
         self.book = MembershipBook(cfg, "r", SYNCHRONOUS)
-        self.history, self.journal = History(), Journal(whole_checkpoint)
+        self.history, self.journal, self.checkpoints = History(), Journal(), Checkpoints(whole_checkpoint)
         self.reshapes: list[tuple] = []
         self.runs: list[str] = []
         self.failures: list[str] = []
         self.looks = 0
-        self.admission = Admission(self.book, self.journal, self.group, SYNCHRONOUS, min_workers,
+        self.admission = Admission(self.book, self.journal, self.checkpoints, self.group, SYNCHRONOUS, min_workers,
                                    lambda: JobState.RUNNING, lambda: True, lambda: self.history,
                                    self.reshape, lambda m: self.runs.append(m.slot), self.fail)
         original = self.book.ready_to_admit
@@ -178,13 +183,13 @@ def test_a_checkpoint_still_being_stored_when_every_member_was_lost_is_the_one_r
         h = Harness()
         h.start("w0")
         h.book.members["w0"].state = S.DEAD
-        h.journal.checkpoint = h.admission.restore = (4, "/runs/checkpoints/step-00000004.pt")
-        h.journal.storing = asyncio.get_running_loop().create_future()
+        h.checkpoints.last = h.admission.restore = (4, "/runs/checkpoints/step-00000004.pt")
+        h.checkpoints.storing = asyncio.get_running_loop().create_future()
         h.member("w1", S.READY, ("replace w0", "replacement", 1.0))
         admitting = asyncio.get_running_loop().create_task(h.admission.admit())
         await asyncio.sleep(0)
         assert not admitting.done() and h.history.restored == [], "waits for the store under way"
-        h.journal.storing.set_result((8, "/runs/checkpoints/step-00000008.pt"))
+        h.checkpoints.storing.set_result((8, "/runs/checkpoints/step-00000008.pt"))
         await admitting
         assert h.history.restored == [8] and h.journal.step == 8
         assert "checkpoint at step 8" in h.journal.events[0][1]
@@ -199,17 +204,17 @@ def test_a_joiner_dropped_while_its_restore_is_read_is_never_admitted_and_the_ne
         h = Harness()
         h.start("w0")
         h.book.members["w0"].state = S.DEAD
-        h.journal.checkpoint = h.admission.restore = (4, "/runs/checkpoints/step-00000004.pt")
-        h.journal.storing = asyncio.get_running_loop().create_future()
+        h.checkpoints.last = h.admission.restore = (4, "/runs/checkpoints/step-00000004.pt")
+        h.checkpoints.storing = asyncio.get_running_loop().create_future()
         for slot in ("w1", "w2"):
             h.member(slot, S.READY, ("replace w0", "replacement", 1.0))
         admitting = asyncio.get_running_loop().create_task(h.admission.admit())
         await asyncio.sleep(0)
         h.book.members["w1"].move(S.LEFT)
-        h.journal.storing.set_result((4, "/runs/checkpoints/step-00000004.pt"))
+        h.checkpoints.storing.set_result((4, "/runs/checkpoints/step-00000004.pt"))
         await admitting
         assert h.reshapes == [] and h.admission.restore == (4, "/runs/checkpoints/step-00000004.pt")
-        h.journal.storing = None
+        h.checkpoints.storing = None
         await h.admission.admit()
         assert [r[0] for r in h.reshapes] == [("w2",)] and h.book.members["w2"].holds_state
     asyncio.run(scenario())
@@ -223,8 +228,8 @@ def test_every_member_lost_while_the_first_checkpoint_is_being_stored_restores_f
         h.start("w0")
         h.book.members["w0"].state = S.DEAD
         h.admission.restore = (8, "")
-        h.journal.storing = asyncio.get_running_loop().create_future()
-        h.journal.storing.set_result(stored)
+        h.checkpoints.storing = asyncio.get_running_loop().create_future()
+        h.checkpoints.storing.set_result(stored)
         h.member("w1", S.READY, ("replace w0", "replacement", 1.0))
         await h.admission.request()
         await h.admission._task

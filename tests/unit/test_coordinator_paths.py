@@ -434,8 +434,8 @@ def test_members_that_die_together_abort_the_epoch_once_and_re_form_once(tmp_pat
     """Deaths that come within QUIET_S of each other (for at most GATHER_MAX_S) are one re-form: 10 and 100 ms
     in the product, 0.5 and 5 s here, so that three deaths 3 ms apart stay one batch however late this
     loop runs them."""
-    monkeypatch.setattr("actors.control.supervisor.QUIET_S", 0.5)
-    monkeypatch.setattr("actors.control.supervisor.GATHER_MAX_S", 5.0)
+    monkeypatch.setattr("actors.control.outcomes.QUIET_S", 0.5)
+    monkeypatch.setattr("actors.control.outcomes.GATHER_MAX_S", 5.0)
 
     async def scenario():
         group = FakeWorkerGroup()

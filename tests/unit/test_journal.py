@@ -6,7 +6,8 @@ import json
 import time
 from pathlib import Path
 
-from actors.control.journal import EVENTS_KEPT, RESHAPES_SHOWN, Journal, restorable_step
+from actors.control.checkpoint_store import restorable_step
+from actors.control.journal import EVENTS_KEPT, RESHAPES_SHOWN, Journal
 from actors.runs import runfiles
 from algorithms.rules.kinds import Reporter
 from testkit.stores import HookedStore, failing
@@ -65,12 +66,12 @@ def test_the_state_file_round_trips_with_the_events_and_the_step(tmp_path):
 def test_a_checkpoint_is_verified_before_it_is_read(tmp_path):
     async def scenario():
         journal = Journal(tmp_path, keep_checkpoints=2)
-        path = await journal.save_checkpoint(7, b"x" * 100)
-        assert journal.checkpoint == (7, str(path))
-        assert await journal.read_checkpoint(path) == b"x" * 100
+        path = await journal.checkpoints.save(7, b"x" * 100)
+        assert journal.checkpoints.last == (7, str(path))
+        assert await journal.checkpoints.read(path) == b"x" * 100
         Path(path).write_bytes(b"x" * 50)  # torn
         try:
-            await journal.read_checkpoint(path)
+            await journal.checkpoints.read(path)
         except RuntimeError as err:
             return str(err)
         raise AssertionError("a torn checkpoint was read")
@@ -109,28 +110,28 @@ def test_a_torn_last_line_does_not_swallow_the_first_record_after_a_restart(tmp_
 def test_a_checkpoint_that_fails_to_store_is_an_event_and_is_tried_again(tmp_path, monkeypatch):
     """A failed upload is not silent: each failed try is a `checkpoint_failed` event naming the step and
     the error, the store is tried again with backoff, and status shows the last durable checkpoint."""
-    from actors.control import journal as journal_module
+    from actors.control import checkpoint_store
     from actors.runs.storage import open_storage
 
-    monkeypatch.setattr(journal_module, "CHECKPOINT_RETRIES_S", (0.01, 0.01, 0.01), raising=False)
+    monkeypatch.setattr(checkpoint_store, "CHECKPOINT_RETRIES_S", (0.01, 0.01, 0.01))
 
     async def scenario():
         fails = [2]  # an S3 outage: two writes fail, then they work
         store = HookedStore(open_storage(str(tmp_path / "store")), failing(fails, "AWS Error SERVICE_UNAVAILABLE "
                                                                                   "during PutObject operation"))
         journal = Journal(tmp_path / "run", keep_checkpoints=2, storage=store, run_key="job/run")
-        location = await journal.save_checkpoint(7, b"x" * 100)
+        location = await journal.checkpoints.save(7, b"x" * 100)
         failed = [e for e in journal.events if e.kind == "checkpoint_failed"]
         assert [e.detail["attempt"] for e in failed] == [1, 2], [e.reason for e in journal.events]
         assert all(e.detail["step"] == 7 and "SERVICE_UNAVAILABLE" in e.detail["error"] for e in failed)
-        assert location is not None and await journal.read_checkpoint(location) == b"x" * 100
-        status = journal.checkpoint_status()
+        assert location is not None and await journal.checkpoints.read(location) == b"x" * 100
+        status = journal.checkpoints.status()
         assert status["step"] == 7 and status["failures"] == 2, status
         fails[0] = 100  # down for good: given up after the last retry, the job goes on
-        assert await journal.save_checkpoint(9, b"y" * 100) is None
+        assert await journal.checkpoints.save(9, b"y" * 100) is None
         given_up = [e for e in journal.events if e.kind == "checkpoint_failed"][-1]
         assert not given_up.detail["retry"] and "given up" in given_up.reason and "step 7" in given_up.reason
-        assert journal.checkpoint_status()["step"] == 7, "the last durable checkpoint is still step 7"
+        assert journal.checkpoints.status()["step"] == 7, "the last durable checkpoint is still step 7"
         journal.close()
     asyncio.run(scenario())
 
@@ -162,7 +163,7 @@ def test_the_final_model_is_uploaded_on_its_own_and_waited_for_by_its_size(tmp_p
     waits for it as long as its size needs."""
     import threading
 
-    from actors.control import journal as journal_module
+    from actors.control import checkpoint_store
     from actors.runs.mirror import RunMirror
     from actors.runs.storage import open_storage
 
@@ -172,12 +173,12 @@ def test_the_final_model_is_uploaded_on_its_own_and_waited_for_by_its_size(tmp_p
     slow = HookedStore(store, lambda key, data: key.endswith("model.pt") and gate.wait(60))
     mirror = RunMirror(slow, "job/run", tmp_path / "run")
     journal = Journal(tmp_path / "run", keep_checkpoints=1, storage=slow, run_key="job/run", mirror=mirror)
-    journal.write_model(b"m" * 1000)
+    journal.checkpoints.write_model(b"m" * 1000)
     journal.write_status({"state": "FINISHED"})
     assert mirror.flush(5), "status.json waited behind the model's upload"
     assert json.loads(store.read("job/run/status.json")) == {"state": "FINISHED"}
     waits = []
-    monkeypatch.setattr(journal_module, "model_upload_timeout", lambda size: waits.append(size) or 60.0, raising=False)
+    monkeypatch.setattr(checkpoint_store, "model_upload_timeout", lambda size: waits.append(size) or 60.0)
     threading.Timer(0.2, gate.set).start()
     journal.close()
     assert store.read("job/run/model.pt") == b"m" * 1000
@@ -196,11 +197,11 @@ def test_a_busy_store_holds_one_checkpoint_waiting_and_a_newer_one_replaces_it(t
     async def scenario():
         hung = HookedStore(open_storage(str(tmp_path / "s")), lambda key, data: gate.wait(60))
         journal = Journal(tmp_path / "run", keep_checkpoints=3, storage=hung, run_key="job/run")
-        first = asyncio.ensure_future(journal.save_checkpoint(10, b"a" * 10))
+        first = asyncio.ensure_future(journal.checkpoints.save(10, b"a" * 10))
         await asyncio.sleep(0.05)
-        second = asyncio.ensure_future(journal.save_checkpoint(20, b"b" * 10))
+        second = asyncio.ensure_future(journal.checkpoints.save(20, b"b" * 10))
         await asyncio.sleep(0.05)
-        third = asyncio.ensure_future(journal.save_checkpoint(30, b"c" * 10))
+        third = asyncio.ensure_future(journal.checkpoints.save(30, b"c" * 10))
         assert await second is None, "the waiting checkpoint is replaced by the newer one"
         replaced = [e for e in journal.events if e.kind == "checkpoint_failed"]
         assert replaced and replaced[0].detail["step"] == 20 and replaced[0].detail["replaced_by"] == 30
@@ -238,14 +239,14 @@ def test_a_checkpoint_being_stored_is_pending_and_counts_as_restorable_until_its
     for the store's own events, not for time."""
     async def scenario():
         journal = Journal(tmp_path, keep_checkpoints=2, store_delay_s=0.3)
-        assert journal.pending_checkpoint() is None and restorable_step(journal.checkpoint, None) is None
-        saving = asyncio.get_running_loop().create_task(journal.save_checkpoint(20, b"state at 20"))
+        assert journal.checkpoints.pending() is None and restorable_step(journal.checkpoints.last, None) is None
+        saving = asyncio.get_running_loop().create_task(journal.checkpoints.save(20, b"state at 20"))
         await asyncio.sleep(0)  # the store starts (in a thread): the checkpoint is pending, not stored
-        assert journal.checkpoint is None and journal.pending_checkpoint() == 20
-        assert restorable_step(journal.checkpoint, journal.pending_checkpoint()) == 20
-        newest = await journal.newest_checkpoint()  # waits for the store under way
-        assert newest is not None and newest[0] == 20 and journal.pending_checkpoint() is None
+        assert journal.checkpoints.last is None and journal.checkpoints.pending() == 20
+        assert restorable_step(journal.checkpoints.last, journal.checkpoints.pending()) == 20
+        newest = await journal.checkpoints.newest()  # waits for the store under way
+        assert newest is not None and newest[0] == 20 and journal.checkpoints.pending() is None
         await saving
-        assert restorable_step(journal.checkpoint, None) == 20
+        assert restorable_step(journal.checkpoints.last, None) == 20
         assert restorable_step((20, "p"), 40) == 40 and restorable_step((40, "p"), None) == 40
     asyncio.run(scenario())

@@ -1,5 +1,5 @@
-"""The supervisor (actors/control/supervisor.py): detectors and decisions, over a fake worker group and
-a recording stand-in for the coordinator shell's `Actions`. No Ray."""
+"""The supervisor (actors/control/supervisor.py) and the batches its outcomes are taken in (actors/control/outcomes.py):
+detectors and decisions, over a fake worker group and a recording stand-in for the coordinator shell's `Actions`. No Ray."""
 from __future__ import annotations
 
 import asyncio
@@ -104,7 +104,7 @@ def test_deaths_that_come_together_re_form_the_survivors_once():
         for slot in ("w1", "w3", "w4"):
             group.die(slot)
             await asyncio.sleep(0.002)
-        batch = await sup.next_outcomes(1.0)
+        batch = await sup.outcomes.next(1.0)
         assert len(batch) == 3, "outcomes a few ms apart are one batch"
         await sup.handle(batch)
         reshapes = [c for c in actions.calls if c[0] == "reshape"]
@@ -124,7 +124,7 @@ def test_a_later_death_that_pauses_the_job_drops_the_batchs_re_form():
             sup.watch(m)
         group.die("w1")
         group.die("w2")
-        await sup.handle(await sup.next_outcomes(1.0))
+        await sup.handle(await sup.outcomes.next(1.0))
         assert not [c for c in actions.calls if c[0] == "reshape"], "below workers.min: no plan, PAUSED"
         assert ("transition", JobState.PAUSED) in actions.calls
         assert actions.calls.count(("abort",)) == 1, "no plan carries the epoch's abort: it goes out on its own"
@@ -137,7 +137,7 @@ def test_a_member_that_does_not_answer_heartbeats_is_evicted_as_hung():
         sup.start()
         group.hang("w2")
         beats = asyncio.get_running_loop().create_task(sup.heartbeats())
-        batch = await sup.next_outcomes(3.0)
+        batch = await sup.outcomes.next(3.0)
         beats.cancel()
         assert [m.slot for m, *_ in batch] == ["w2"]
         await sup.handle(batch)
@@ -194,7 +194,7 @@ def test_a_failed_collective_with_everyone_answering_re_forms_and_a_silent_membe
         group.hang("w3")
         await sup.collective_failed("w0", book.epoch, "timeout")
         assert book.members["w3"].evicted[0] == "collective failure"
-        assert await sup.next_outcomes(0.1), "the eviction is an outcome"
+        assert await sup.outcomes.next(0.1), "the eviction is an outcome"
         await sup.collective_failed("w0", book.epoch - 1, "late")  # an older epoch's failure: nothing
         assert len([c for c in actions.calls if c[0] == "reform"]) == 1
     asyncio.run(scenario())
@@ -215,7 +215,7 @@ def test_a_member_whose_process_is_exiting_is_evicted_at_the_first_failed_collec
         group.processes[victim.pid] = "exiting"
         probing = asyncio.get_running_loop().create_task(
             sup.collective_failed("w0", book.epoch, "Connection closed by peer"))
-        batch = await sup.next_outcomes(30.0)
+        batch = await sup.outcomes.next(30.0)
         assert [m.slot for m, *_ in batch] == ["w2"], batch
         assert victim.evicted is not None and victim.evicted[0] == "actor death" and "exiting" in victim.evicted[1]
         assert group.processes_killed == [] and group.kills == 0, "exiting already: no kill before its outcome is handled"
@@ -262,8 +262,8 @@ def test_a_second_outcome_of_the_same_member_does_not_hold_the_batch_open(monkey
     quiet period after the first, not a second one after the duplicate. With QUIET_S at 2 s (GATHER_MAX_S
     10 s) and the duplicate 1.5 s in, the batch closes near 2 s; a duplicate that reopened the window would close it
     near 3.5 s. (A new member's end still extends it: test_deaths_that_come_together_re_form_the_survivors_once.)"""
-    monkeypatch.setattr("actors.control.supervisor.QUIET_S", 2.0)
-    monkeypatch.setattr("actors.control.supervisor.GATHER_MAX_S", 10.0)
+    monkeypatch.setattr("actors.control.outcomes.QUIET_S", 2.0)
+    monkeypatch.setattr("actors.control.outcomes.GATHER_MAX_S", 10.0)
 
     async def scenario():
         sup, group, book, _, _ = harness(3)
@@ -272,8 +272,8 @@ def test_a_second_outcome_of_the_same_member_does_not_hold_the_batch_open(monkey
         loop = asyncio.get_running_loop()
         started = loop.time()
         await sup.outcomes.put((member, "died", {"error": "watch"}, 0.0))
-        loop.call_later(1.5, sup.outcomes.put_nowait, (member, "died", {"error": "probe"}, 0.0))
-        batch = await sup.next_outcomes(1.0)
+        loop.call_later(1.5, sup.outcomes.queue.put_nowait, (member, "died", {"error": "probe"}, 0.0))
+        batch = await sup.outcomes.next(1.0)
         took = loop.time() - started
         assert [o[2]["error"] for o in batch] == ["watch", "probe"]
         assert took < 3.0, f"the duplicate held the batch open: {took:.2f}s"
@@ -286,8 +286,8 @@ def test_a_deaths_batch_closes_once_every_survivor_has_said_it_is_alive(monkeypa
     batch closes at once. With QUIET_S at 2 s: the survivors' reports at 0.1-0.2 s close it near 0.2 s;
     without them (or with the early close switched off) it waits the full 2 s. A member that has not
     reported keeps it open, so a second death at 0.5 s joins the first's batch."""
-    monkeypatch.setattr("actors.control.supervisor.QUIET_S", 2.0)
-    monkeypatch.setattr("actors.control.supervisor.GATHER_MAX_S", 10.0)
+    monkeypatch.setattr("actors.control.outcomes.QUIET_S", 2.0)
+    monkeypatch.setattr("actors.control.outcomes.GATHER_MAX_S", 10.0)
 
     async def closes(reporters: tuple[str, ...], dies_later: str | None = None) -> tuple[float, list[str]]:
         sup, group, book, _, _ = harness(3)
@@ -302,7 +302,7 @@ def test_a_deaths_batch_closes_once_every_survivor_has_said_it_is_alive(monkeypa
                 sup.collective_failed(s, book.epoch, "Connection closed by peer")))
         if dies_later:
             loop.call_later(0.5, group.die, dies_later)
-        batch = await sup.next_outcomes(1.0)
+        batch = await sup.outcomes.next(1.0)
         return loop.time() - started, sorted({m.slot for m, *_ in batch})
 
     took, ended = asyncio.run(closes(("w0", "w2")))
@@ -319,8 +319,8 @@ def test_a_deaths_batch_closes_at_once_when_the_other_members_processes_run_on_t
     death. Every other process running: the batch closes at once, without the survivors' reports (on
     a small machine they come no sooner than Ray's notice). One of them exiting: the batch waits for it.
     With QUIET_S at 2 s; switched off, every case waits the full 2 s."""
-    monkeypatch.setattr("actors.control.supervisor.QUIET_S", 2.0)
-    monkeypatch.setattr("actors.control.supervisor.GATHER_MAX_S", 10.0)
+    monkeypatch.setattr("actors.control.outcomes.QUIET_S", 2.0)
+    monkeypatch.setattr("actors.control.outcomes.GATHER_MAX_S", 10.0)
 
     async def closes(exiting: str | None) -> tuple[float, list[str]]:
         sup, group, book, _, _ = harness(3)
@@ -335,7 +335,7 @@ def test_a_deaths_batch_closes_at_once_when_the_other_members_processes_run_on_t
         loop = asyncio.get_running_loop()
         started = loop.time()
         group.die("w1")
-        batch = await sup.next_outcomes(1.0)
+        batch = await sup.outcomes.next(1.0)
         return loop.time() - started, sorted({m.slot for m, *_ in batch})
 
     took, ended = asyncio.run(closes(None))
@@ -360,7 +360,7 @@ def test_a_member_whose_lifeline_ends_is_evicted_before_anyone_hears_of_its_deat
         assert set(group.exit_watches) == {m.pid for m in book.members.values()}, "each member's lifeline watched"
         victim = book.members["w2"]
         group.exit_begins("w2").join()
-        batch = await sup.next_outcomes(10.0)
+        batch = await sup.outcomes.next(10.0)
         assert [m.slot for m, *_ in batch] == ["w2"], batch
         assert victim.evicted == ("actor death", "worker w2's process is exiting (its lifeline ended)")
         kill = group.kill
@@ -380,14 +380,14 @@ def test_a_member_whose_lifeline_ends_is_evicted_before_anyone_hears_of_its_deat
         assert not wanted(), "an evicted member's watcher stops"
         on_end()  # a second wake (or one for an eviction the coordinator made): nothing more
         await asyncio.sleep(0.05)
-        queued = [sup.outcomes.get_nowait()[0].slot for _ in range(sup.outcomes.qsize())]
+        queued = [sup.outcomes.queue.get_nowait()[0].slot for _ in range(sup.outcomes.queue.qsize())]
         assert set(queued) <= {"w2"}, queued  # w2's watch: the kill it was sent
         assert group.processes_killed == [], "a process seen exiting is not sent a SIGKILL"
 
         # A SIGKILL ends the threads one by one: the holder's end may come before the main thread's flag.
         other = book.members["w1"]
         group.exit_watches[other.pid][0]()
-        batch = await sup.next_outcomes(10.0)
+        batch = await sup.outcomes.next(10.0)
         assert [m.slot for m, *_ in batch] == ["w1"] and other.evicted is not None, batch
         assert group.processes_killed == [("", other.pid)], "not yet seen exiting: its SIGKILL is sent too"
     asyncio.run(scenario())
@@ -397,8 +397,8 @@ def test_a_batch_wait_cancelled_leaves_no_waiter_behind(monkeypatch):
     """The main task cancelled while a batch's window is open (its event loop closing, a test playing the
     coordinator's death): the window's two waiters, on the next outcome and on a survivor's report, end
     with it instead of waiting on the loop for ever."""
-    monkeypatch.setattr("actors.control.supervisor.QUIET_S", 30.0)
-    monkeypatch.setattr("actors.control.supervisor.GATHER_MAX_S", 30.0)
+    monkeypatch.setattr("actors.control.outcomes.QUIET_S", 30.0)
+    monkeypatch.setattr("actors.control.outcomes.GATHER_MAX_S", 30.0)
 
     def waiters() -> list[str]:
         return [t.get_coro().__qualname__ for t in asyncio.all_tasks()
@@ -408,7 +408,7 @@ def test_a_batch_wait_cancelled_leaves_no_waiter_behind(monkeypatch):
         sup, _, book, _, _ = harness(3)
         sup.start()
         await sup.outcomes.put((book.members["w1"], "died", {"error": "SIGKILL"}, 0.0))
-        batch = asyncio.ensure_future(sup.next_outcomes(1.0))
+        batch = asyncio.ensure_future(sup.outcomes.next(1.0))
         while len(waiters()) < 2:  # the first outcome taken, the window open
             await asyncio.sleep(0)
         batch.cancel()
