@@ -37,7 +37,8 @@ import torch  # noqa: E402
 from actors.plan import server_name  # noqa: E402
 from actors.server.server_actor import ParameterServerActor  # noqa: E402
 from actors.server.server_client import RayServerClient  # noqa: E402
-from algorithms.policies.server import Fence, Push, ServerCore  # noqa: E402
+from algorithms.policies.server import ServerCore  # noqa: E402
+from algorithms.policies.server_messages import Fence, Push  # noqa: E402
 from core.schema import JobConfig, parse  # noqa: E402
 from orchestrator.workloads.synthetic import mlp  # noqa: E402
 

@@ -1,8 +1,9 @@
 """The one place tests and benchmarks import their harnesses from; each lives in a module of its own:
 
-- `testkit/in_process.py`: doubles without Ray (policy oracles in milliseconds): `local_group`,
-  `local_store`, `LocalJob` (real replicas in threads), `LocalLink`, `LocalServerReports`,
-  `LoopbackComm`, `drive_step`;
+- `local_group(n)` (actors/transport/comm.py `in_process_group`): n members of one gloo group in threads
+  of this process, over a `HashStore` (no TCP store, no actors);
+- `testkit/in_process.py`: doubles without Ray (policy oracles in milliseconds): `local_store`,
+  `LocalJob` (real replicas in threads), `LocalLink`, `LocalServerReports`, `LoopbackComm`, `drive_step`;
 - `testkit/ray_peers.py`: Ray actors that stand in for parts of a job: `CommPeer` (a communicator per
   membership epoch in a long-lived process), `FakeCoordinator`, `StoreHost`;
 - `testkit/job_checks.py`: a job under test: `paced`, `wait_until`, `explain`, `wait_for_end`,
@@ -12,6 +13,7 @@
 """
 from __future__ import annotations
 
+from actors.transport.comm import in_process_group as local_group
 from testkit.in_process import (
     LocalJob,
     LocalLink,
@@ -19,7 +21,6 @@ from testkit.in_process import (
     LoopbackComm,
     LoopbackHandle,
     drive_step,
-    local_group,
     local_store,
 )
 from testkit.job_checks import PACE_S, assert_batchnorm_trained, committed_samples, explain, paced, wait_for_end, wait_until

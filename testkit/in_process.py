@@ -1,7 +1,5 @@
 """Doubles that run in this process, without Ray (policy oracles in milliseconds):
 
-- `local_group(n)` forms n members of one gloo group in threads of this process, over a `HashStore`
-  (no TCP store, no actors);
 - `LocalJob` runs real `Replica`s (the worker's step loop) in threads, with a recording `LocalLink` for
   their coordinator and plans the test publishes itself (`LocalServerReports` for an in-process server);
 - `LoopbackComm` is a world-size-1 communicator that only records calls; `drive_step` runs one step of
@@ -17,7 +15,6 @@ from typing import Any
 import torch
 
 from actors.plan import Plan, Progress, WorkerSpec
-from actors.transport.comm import in_process_group as local_group  # noqa: F401 - tests form their groups with it
 from actors.transport.comm import in_process_store as local_store
 from algorithms.policies.base import VoteDraft
 
@@ -122,7 +119,9 @@ class LocalJob:
         """`zipline`: elastic_bsp's barriers are planned as the coordinator plans them (False: the
         server's fallback, as with a coordinator that is down); `wrap_link`: what the replicas reach the
         recording link through (a test's slow or lossy one); `exit_if_stuck`: as the worker actor's."""
-        from actors.server.parameter_server import LocalServerClient, ServerHost, make_host
+        from actors.server.parameter_server import make_host
+        from actors.server.server_client import LocalServerClient
+        from actors.server.server_host import ServerHost
         from actors.training.replica import Replica
         from algorithms.policies.base import get_algorithm
         from algorithms.rules.zipline import BarrierPlanner

@@ -19,7 +19,7 @@ import torch
 
 from actors.server.server_host import ServerHost, as_tensor, global_batch
 from algorithms.policies.dispenser import DispenserCore
-from algorithms.policies.server import Fence
+from algorithms.policies.server_messages import Fence
 
 log = logging.getLogger(__name__)
 

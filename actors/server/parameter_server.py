@@ -1,19 +1,16 @@
-"""The parameter server's host for a job's policy (`make_host`), and the names of its three modules.
+"""The parameter server's host for a job's policy (`make_host`).
 
 A server policy (asp, ssp, quorum, elastic_bsp) runs a `ServerHost` (actors/server/server_host.py); the
 background kind (shadow) runs a `DispenserHost`, its lease dispenser and central copy
 (actors/server/dispenser_host.py). `ParameterServer` (actors/server/server_actor.py) is the Ray actor around either;
 a worker reaches it through a `RayServerClient`, a test through a `LocalServerClient`
-(actors/server/server_client.py). The names stay importable from here, where they were first defined.
+(actors/server/server_client.py).
 """
 from __future__ import annotations
 
 from actors.server.dispenser_host import DispenserHost
-from actors.server.server_client import LocalServerClient, RayServerClient
 from actors.server.server_host import ServerHost, ServerReports
 from algorithms.policies.base import get_algorithm
-
-__all__ = ["DispenserHost", "LocalServerClient", "RayServerClient", "ServerHost", "ServerReports", "make_host"]
 
 
 def make_host(config: dict, run_dir: str, reports: ServerReports, restarted: bool = False) -> ServerHost:

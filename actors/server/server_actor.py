@@ -23,7 +23,7 @@ if TYPE_CHECKING:  # pragma: no cover
     import numpy as np
 
     from actors.server.dispenser_host import DispenserHost
-    from algorithms.policies.server import Fence, Pull, PushResult
+    from algorithms.policies.server_messages import Fence, Pull, PushResult
     from core.schema import JobConfig
 
 MAX_RESTARTS = 5

@@ -18,7 +18,7 @@ import torch
 from actors.server.dispenser_host import as_dispenser
 from actors.server.server_host import ServerHost, as_tensor
 from algorithms.policies.dispenser import NOTICES_IN_FLIGHT
-from algorithms.policies.server import Fence, Pull, Push, PushResult
+from algorithms.policies.server_messages import Fence, Pull, Push, PushResult
 
 log = logging.getLogger(__name__)
 CALL_TIMEOUT_S = 30.0

@@ -46,7 +46,9 @@ from actors.server.server_snapshots import SnapshotWriter
 from actors.training.sources import source_for
 from actors.training.user_code import metrics_of
 from algorithms.policies.base import get_algorithm
-from algorithms.policies.server import Fence, Pull, Push, PushResult, ServerCore, ServerPolicy, Update, combine_buffers
+from algorithms.policies.server import ServerCore, ServerPolicy
+from algorithms.policies.server_messages import Fence, Pull, Push, PushResult, Update
+from algorithms.policies.server_shards import combine_buffers
 from core.factory import check_factory
 from core.schema import JobConfig, OptimizerConfig, parse
 

@@ -50,7 +50,7 @@ class Probe:
         return ray.get_runtime_context().get_node_id(), self.ip
 
     def compute(self) -> dict:
-        """Each step's seconds (and its backward pass's) on this probe: `actors.training.replica.time_steps`."""
+        """Each step's seconds (and its backward pass's) on this probe: `actors.training.workload.time_steps`."""
         import torch
 
         from actors.training.workload import time_steps

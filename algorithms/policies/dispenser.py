@@ -32,7 +32,7 @@ from collections.abc import Sequence
 
 import torch
 
-from algorithms.policies.server import Fence
+from algorithms.policies.server_messages import Fence
 from algorithms.rules.leases import LeaseService, Ticket
 
 BLOCK_REFUSALS = ("not_member", "fenced_worker", "finished")

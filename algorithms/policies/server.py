@@ -45,7 +45,7 @@ is still good work, because server kinds never redo a step.
 
 The parameters live in shards, each with its own optimizer (`ShardedParameters`,
 algorithms/policies/server_shards.py); the messages are in algorithms/policies/server_messages.py and elastic_bsp's
-barrier rounds in algorithms/policies/server_barriers.py. Their names are importable from here too.
+barrier rounds in algorithms/policies/server_barriers.py.
 """
 from __future__ import annotations
 
@@ -57,8 +57,8 @@ import torch
 
 from algorithms.policies.optim import lr_at
 from algorithms.policies.server_barriers import BarrierRound
-from algorithms.policies.server_messages import NOT_APPLIED, Fence, Pull, PullStatus, Push, PushResult, PushStatus, Update  # noqa: F401
-from algorithms.policies.server_shards import ALIGN, ShardedParameters, combine_buffers, shard_bounds  # noqa: F401
+from algorithms.policies.server_messages import NOT_APPLIED, Fence, Pull, Push, PushResult, PushStatus, Update
+from algorithms.policies.server_shards import ShardedParameters
 from algorithms.rules.leases import LeaseService, Ticket
 from core.schema import ASPConfig, ElasticBSPConfig, OptimizerConfig, QuorumConfig, SSPConfig
 

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from algorithms.policies.base import Algorithm, AlgorithmImpl, StepVote, VoteDraft, register
-from algorithms.policies.server import Fence, Pull, Push, PushResult
+from algorithms.policies.server_messages import Fence, Pull, Push, PushResult
 from algorithms.rules.kinds import SERVER
 
 log = logging.getLogger(__name__)

@@ -26,21 +26,10 @@ import torch
 
 from algorithms.policies.base import Algorithm, AlgorithmImpl, EpochInfo, VoteDraft, register
 from algorithms.policies.server_messages import Fence
-from algorithms.policies.shadow_clients import BackgroundGroup, CentralCopy, DispenserClient, GroupFactory  # noqa: F401
-from algorithms.policies.shadow_sync import (  # noqa: F401
-    BackgroundSync,
-    Lifecycle,
-    LocalCentral,
-    Method,
-    RoundHook,
-    SyncStats,
-    bmuf_update,
-    easgd_update,
-    ma_target,
-)
+from algorithms.policies.shadow_clients import BackgroundGroup, DispenserClient, GroupFactory
+from algorithms.policies.shadow_sync import BackgroundSync, Lifecycle
 from algorithms.rules.kinds import BACKGROUND
 from algorithms.rules.leases import Ticket
-from core.schema import ShadowConfig  # noqa: F401
 
 log = logging.getLogger(__name__)
 

@@ -191,7 +191,7 @@ def _policy_step(cfg: JobConfig, cand: Candidate, comm: GlooCommunicator, layout
 
 def measure_compute(cfg: JobConfig, steps: int = 12, warmup: int = 3) -> tuple[float, float]:
     """(median seconds of one step's forward, backward and update on one worker's batch, the model's
-    parameter bytes), measured in this process on its CPU (`actors.training.replica.time_steps`)."""
+    parameter bytes), measured in this process on its CPU (`actors.training.workload.time_steps`)."""
     import torch  # only `plan` and `auto` measure
 
     from actors.training.workload import time_steps

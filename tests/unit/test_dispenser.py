@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from algorithms.policies.dispenser import DispenserCore
-from algorithms.policies.server import Fence
-from algorithms.policies.shadow import easgd_update
+from algorithms.policies.server_messages import Fence
+from algorithms.policies.shadow_sync import easgd_update
 from algorithms.rules.kinds import BACKGROUND
 from algorithms.rules.membership import server_members
 

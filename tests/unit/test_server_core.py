@@ -9,7 +9,7 @@ import io
 import pytest
 import torch
 
-from algorithms.policies.server import Fence, Push
+from algorithms.policies.server_messages import Fence, Push
 from core.schema import ASPConfig, QuorumConfig, SSPConfig
 from tests.unit.test_policy_oracles import ADAMW, SGD_M
 from tests.unit.test_server_oracles import Member, Sim, make_core, simulate
@@ -251,7 +251,7 @@ def test_a_push_after_a_stop_counts_as_finished_not_stale():
 def test_the_final_models_buffers_are_the_members_float_buffers_averaged_and_the_lowest_ranks_others():
     """Two members push their BatchNorm buffers (running mean, running var, batch count) with their
     gradients; the server keeps each one's newest and combines them for the final model."""
-    from algorithms.policies.server import combine_buffers
+    from algorithms.policies.server_shards import combine_buffers
 
     sim = simulate(SGD, ASPConfig(), [1, 1], 16, steps=None)
     bn = torch.nn.BatchNorm1d(3)

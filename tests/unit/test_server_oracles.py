@@ -14,7 +14,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from algorithms.policies.server import Fence, Push, PushResult, ServerCore, shard_bounds
+from algorithms.policies.server import ServerCore
+from algorithms.policies.server_messages import Fence, Push, PushResult
+from algorithms.policies.server_shards import shard_bounds
 from core.schema import ASPConfig, OptimizerConfig, QuorumConfig, SSPConfig
 from tests.unit.test_policy_oracles import ADAMW, SEED, SGD_M, flat, max_diff, reference_bsp, set_flat, start_model
 

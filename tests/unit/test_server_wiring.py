@@ -14,7 +14,7 @@ from actors.control.history import History
 from actors.control.server_control import restart_event
 from actors.server.parameter_server import make_host
 from actors.server.server_host import ServerHost
-from algorithms.policies.server import Fence
+from algorithms.policies.server_messages import Fence
 from algorithms.rules.kinds import Reporter
 from testkit.harness import LocalJob, LocalLink, LocalServerReports
 

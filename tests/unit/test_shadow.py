@@ -9,8 +9,8 @@ import time
 import pytest
 import torch
 
-from algorithms.policies.shadow import BackgroundSync, Lifecycle, LocalCentral, ShadowConfig
-from core.schema import FieldError
+from algorithms.policies.shadow_sync import BackgroundSync, Lifecycle, LocalCentral
+from core.schema import FieldError, ShadowConfig
 from testkit.harness import local_group
 
 N = 3
