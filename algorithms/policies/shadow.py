@@ -9,7 +9,7 @@ the Protocols of algorithms/policies/shadow_clients.py. The names those two modu
 from here too.
 
 Loss weighting: members of the `background` kind train on their own mean loss (the replica loop
-does that for every kind in `base.LOCAL_MEAN`); a round is the plain mean of the replicas.
+does that for every kind whose `local_mean` is true); a round is the plain mean of the replicas.
 """
 from __future__ import annotations
 

@@ -13,14 +13,16 @@ The names (`str(kind)`, `entry.value`, ...) are what configs, logs and messages 
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 
 from core.schema import POLICIES
 
 
-class _Named(str, Enum):
-    """An enum whose members read as their value wherever they are printed or serialized."""
+class _Named(Enum):
+    """An enum whose members read as their value wherever they are printed (events, errors, logs); a member
+    equals only itself, never its name."""
 
     def __str__(self) -> str:
         return str(self.value)
@@ -102,7 +104,8 @@ class FinalModel(_Named):
 
 @dataclass(frozen=True, eq=False)
 class Kind:
-    """One kind of policy and every answer that follows from it. The five instances below are all there are."""
+    """One kind of policy and every answer that follows from it. The five instances below are all there are;
+    a kind equals only itself."""
 
     name: str
     entry: Entry
@@ -157,13 +160,9 @@ class Kind:
     def __repr__(self) -> str:
         return f"Kind({self.name!r})"
 
-    # TRANSITIONAL: a kind equals its old string name while actors/training/replica*.py and entry.py still
-    # compare names (their rewrite asks the kind instead); then these two go, and a kind equals only itself.
-    def __eq__(self, other: object) -> bool:
-        return self is other or (isinstance(other, str) and other == self.name)
-
-    def __hash__(self) -> int:
-        return hash(self.name)
+    def __reduce__(self) -> tuple[Callable[[str], Kind], tuple[str]]:
+        """Pickled by name (a Ray call, a spawned process): the other side gets its own one instance."""
+        return kind_named, (self.name,)
 
 
 SYNCHRONOUS = Kind("synchronous", Entry.REPLICATED, Reporter.RANK0, FinalModel.RANK0, "gradients", reduces_every_step=True)
@@ -175,6 +174,10 @@ BACKGROUND = Kind("background", Entry.NONE, Reporter.EACH, FinalModel.AVERAGE, "
                   runs_server=True, dispenses_leases=True, local_mean=True, background_rounds=True)
 KINDS: dict[str, Kind] = {kind.name: kind for kind in (SYNCHRONOUS, PERIODIC, SERVER, DECENTRALIZED, BACKGROUND)}
 """Every kind by its name (the policy table's `kind` column)."""
+
+
+def kind_named(name: str) -> Kind:
+    return KINDS[name]
 
 POLICY_KINDS: dict[str, Kind] = {row.name: KINDS[row.kind] for row in POLICIES}
 """Every built-in policy's kind, from the policy table (core/schema/policies.py `POLICIES`); each policy class

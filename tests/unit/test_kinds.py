@@ -3,7 +3,7 @@ its row names, that code asks a kind instead of comparing its name, and the coor
 from __future__ import annotations
 
 import ast
-import json
+import pickle
 import subprocess
 import sys
 from pathlib import Path
@@ -70,12 +70,15 @@ def test_the_entries_and_reporters_answer_by_behaviour():
     assert SERVER.server_role == "parameter server" and BACKGROUND.server_role == "lease dispenser"
 
 
-def test_a_kind_reads_and_serializes_as_its_name():
-    """Events, errors, status and the metrics' labels say the same words as before kinds were objects."""
+def test_a_kind_reads_as_its_name_and_equals_only_itself():
+    """Events, errors and the metrics' labels say the same words as before kinds were objects; a comparison
+    with a name is never true (so it cannot pass unnoticed), and a kind sent to another process is the
+    same instance there."""
     assert [str(k) for k in KINDS.values()] == list(KINDS)
     assert f"{BACKGROUND} {Entry.AVERAGE} {Reporter.RANK0} {FinalModel.SERVER}" == "background average rank0 server"
-    assert json.dumps([Entry.NONE, Reporter.EACH, FinalModel.AVERAGE]) == '["none", "each", "average"]'
     assert [k.traffic for k in KINDS.values()] == ["gradients", "rounds", "pushes", "exchanges", "background rounds"]
+    assert SERVER != "server" and Entry.NONE != "none" and Reporter.EACH != "each"  # type: ignore[comparison-overlap]
+    assert all(pickle.loads(pickle.dumps(k)) is k for k in (*KINDS.values(), *Entry, *Reporter, *FinalModel))
 
 
 def test_an_unknown_policy_is_named():
@@ -99,11 +102,6 @@ TABLE = REPO / "algorithms" / "rules" / "kinds.py"
 """The one module that defines the kinds: the only place their names are spelled."""
 NAMES = set(KINDS) | {str(v) for v in (*Entry, *Reporter, *FinalModel)}
 ASKED = {"kind", "entry", "reporter", "final_model"}
-NOT_YET_CONVERTED: tuple[str, ...] = (
-    "actors/training/replica.py", "actors/training/replica_base.py", "actors/training/replica_epochs.py",
-    "actors/training/replica_feed.py", "actors/training/replica_reports.py", "actors/training/replica_state.py",
-    "actors/training/entry.py", "actors/training/reporter.py")
-"""TRANSITIONAL, to be emptied by the replica's rewrite: files whose comparisons of names are being converted."""
 
 
 def _asked(node: ast.expr) -> bool:
@@ -138,7 +136,7 @@ def test_code_asks_a_kind_and_never_compares_its_name():
     hides a kind's behaviour from the table and breaks silently when a kind is added or renamed."""
     found = [line for top in ("core", "algorithms", "actors", "orchestrator", "testkit")
              for path in sorted((REPO / top).rglob("*.py"))
-             if path != TABLE and str(path.relative_to(REPO)) not in NOT_YET_CONVERTED
+             if path != TABLE
              for line in comparisons_of_names(path)]
     assert not found, "ask the kind (algorithms/rules/kinds.py) instead:\n" + "\n".join(found)
 
