@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from actors.control.workers import WorkerGroup
+from actors.messages import Heartbeat, ReadyAnswer, RunOutcome, WorkerStatus
 from actors.plan import Plan, Progress, WorkerSpec
 
 
@@ -62,7 +63,7 @@ class FakeWorker:
     def plan(self) -> Plan | None:
         return self.plans[-1] if self.plans else None
 
-    def end(self, kind: str, outcome: dict) -> None:
+    def end(self, kind: str, outcome: RunOutcome) -> None:
         if self.ended is None:
             self.ended = asyncio.get_running_loop().create_future()
         if not self.ended.done():
@@ -130,15 +131,15 @@ class FakeWorkerGroup(WorkerGroup):
     def die(self, slot: str, why: str = "SIGKILL") -> None:
         worker = self.current(slot)
         worker.alive = False
-        worker.end("died", {"error": f"The actor died: {why}"})
+        worker.end("died", RunOutcome(False, error=f"The actor died: {why}"))
 
     def fail(self, slot: str, error: str = "RuntimeError: boom") -> None:
-        self.current(slot).end("error", {"error": error, "traceback": "Traceback (fake)"})
+        self.current(slot).end("error", RunOutcome(False, error=error, traceback="Traceback (fake)"))
 
     def finish(self, slot: str, holds_state: bool = True) -> None:
         worker = self.current(slot)
         worker.running = False
-        worker.end("finished", {"ok": True, "holds_state": holds_state, "step": worker.step})
+        worker.end("finished", RunOutcome(True, worker.step, slot, holds_state=holds_state))
 
     def hang(self, slot: str) -> None:
         self.current(slot).hung = True
@@ -253,10 +254,10 @@ class FakeWorkerGroup(WorkerGroup):
         if not handle.alive:
             raise FakeWorkerDied(f"{handle.name} is dead")
 
-    def _placed(self, handle: FakeWorker) -> dict:
-        return {"pid": handle.pid, "node": "127.0.0.1", "node_id": "fake-node", "store_port": handle.pid}
+    def _placed(self, handle: FakeWorker) -> ReadyAnswer:
+        return ReadyAnswer(handle.slot, handle.pid, "127.0.0.1", "fake-node", handle.pid)
 
-    async def ready(self, handle: FakeWorker, fired_faults: tuple[int, ...]) -> dict:
+    async def ready(self, handle: FakeWorker, fired_faults: tuple[int, ...]) -> ReadyAnswer:
         await self._reach(handle, None)
         if self.unplaced or handle.name in self.no_room:
             handle.ready_gate = asyncio.Event()
@@ -269,19 +270,23 @@ class FakeWorkerGroup(WorkerGroup):
             raise RuntimeError(handle.fail_start)
         return self._placed(handle)
 
-    async def adopt(self, handle: FakeWorker, spec: WorkerSpec, fired_faults: tuple[int, ...], timeout: float) -> dict:
+    async def adopt(self, handle: FakeWorker, spec: WorkerSpec, fired_faults: tuple[int, ...], timeout: float) -> ReadyAnswer:
         await self._reach(handle, timeout)
         handle.spec = spec
         self._by_slot[spec.slot] = handle
         return self._placed(handle)
 
-    def _heartbeat(self, handle: FakeWorker) -> dict:
-        return {"phase": handle.phase, "phase_age_s": time.monotonic() - handle.phase_since, "step": handle.step}
+    def _heartbeat(self, handle: FakeWorker) -> Heartbeat:
+        return Heartbeat(handle.step, handle.phase, time.monotonic() - handle.phase_since)
 
-    def _status(self, handle: FakeWorker) -> dict:
-        return {"step": handle.step, "checksum": "fake", "plan": handle.plan, "holds_state": handle.holds_state}
+    def _status(self, handle: FakeWorker) -> WorkerStatus:
+        plan = handle.plan
+        rank = plan.rank_of(handle.slot) if plan else None
+        return WorkerStatus(handle.slot, handle.pid, handle.step, 0, "training" if handle.running else "ready",
+                            handle.holds_state, -1 if rank is None else rank, plan.membership_epoch if plan else 0, plan,
+                            handle.pid)
 
-    async def heartbeat(self, handle: FakeWorker, timeout: float) -> dict:
+    async def heartbeat(self, handle: FakeWorker, timeout: float) -> Heartbeat:
         await self._reach(handle, timeout, hangs=True)
         return self._heartbeat(handle)
 
@@ -301,10 +306,10 @@ class FakeWorkerGroup(WorkerGroup):
             return None, None
         return answer(), None
 
-    async def probe_heartbeat(self, handle: FakeWorker, timeout: float) -> tuple[dict | None, str | None]:
+    async def probe_heartbeat(self, handle: FakeWorker, timeout: float) -> tuple[Heartbeat | None, str | None]:
         return self._probed(handle, lambda: self._heartbeat(handle))
 
-    async def status(self, handle: FakeWorker, timeout: float = 5.0) -> dict | None:
+    async def status(self, handle: FakeWorker, timeout: float = 5.0) -> WorkerStatus | None:
         return self._probed(handle, lambda: self._status(handle))[0]
 
     async def records_after(self, handle: FakeWorker, step: int, timeout: float = 5.0) -> tuple[dict, ...] | None:
@@ -313,7 +318,7 @@ class FakeWorkerGroup(WorkerGroup):
     async def evaluate_state(self, handle: FakeWorker, blob: bytes, timeout: float = 5.0) -> dict | None:
         return self._probed(handle, lambda: {})[0]
 
-    async def watch(self, handle: FakeWorker) -> tuple[str, dict]:
+    async def watch(self, handle: FakeWorker) -> tuple[str, RunOutcome]:
         if handle.ended is None:
             handle.ended = asyncio.get_running_loop().create_future()
         # a watcher cancelled (its coordinator gone) leaves the worker's end to the next one, as a Ray call does
@@ -324,7 +329,7 @@ class FakeWorkerGroup(WorkerGroup):
             return
         self.kills += 1
         handle.alive = False
-        handle.end("died", {"error": "killed by the coordinator"})
+        handle.end("died", RunOutcome(False, error="killed by the coordinator"))
 
     def kill_process(self, node: str, pid: int) -> None:
         self.processes_killed.append((node, pid))

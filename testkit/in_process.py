@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from actors.messages import RunOutcome
 from actors.plan import Plan, Progress, WorkerSpec
 from actors.transport.comm import in_process_store as local_store
 from algorithms.policies.base import VoteDraft
@@ -143,7 +144,7 @@ class LocalJob:
         self.replicas = {s: Replica(WorkerSpec("local", "r", s, run_dir, "local", "local", self.config), link,
                                     "127.0.0.1", server=client, exit_if_stuck=exit_if_stuck) for s in slots}
         self.version = 0
-        self.outcomes: dict[str, dict] = {}
+        self.outcomes: dict[str, RunOutcome] = {}
         self._threads: dict[str, threading.Thread] = {}
 
     def publish(self, members: tuple[str, ...], epoch: int, global_batch: int, **over: Any) -> Plan:
@@ -167,7 +168,7 @@ class LocalJob:
             self._threads[slot] = thread
             thread.start()
 
-    def wait(self, timeout: float = 120.0) -> dict[str, dict]:
+    def wait(self, timeout: float = 120.0) -> dict[str, RunOutcome]:
         deadline = time.monotonic() + timeout
         for slot, thread in self._threads.items():
             thread.join(max(deadline - time.monotonic(), 0.0))
@@ -177,12 +178,12 @@ class LocalJob:
             self.server.flush()  # its history records are reported
         return dict(self.outcomes)
 
-    def run(self, members: tuple[str, ...], global_batch: int, timeout: float = 120.0, **plan: Any) -> dict[str, dict]:
+    def run(self, members: tuple[str, ...], global_batch: int, timeout: float = 120.0, **plan: Any) -> dict[str, RunOutcome]:
         """One plan for `members`, run to the end; every outcome must be ok."""
         self.publish(members, 1, global_batch, **plan)
         self.start(list(members))
         outcomes = self.wait(timeout)
-        failed = {s: o for s, o in outcomes.items() if not o["ok"]}
+        failed = {s: o for s, o in outcomes.items() if not o.ok}
         if failed:
             raise AssertionError(f"replicas failed: {failed}")
         return outcomes

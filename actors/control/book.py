@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from actors.control.members import Member
+from actors.messages import ReadyAnswer
 from actors.plan import Plan
 from algorithms.rules.kinds import Kind
 from algorithms.rules.membership import MemberView, batch_for, choose_leavers, free_slots, server_members, slot_index
@@ -223,9 +224,9 @@ class MembershipBook:
         leave = choose_leavers(views, len(live) - self.target_count, self.cfg.workers.scale_down)
         return Convergence(0, drop=tuple(drop), leave=tuple(leave))
 
-    def note_model(self, ready: dict) -> None:
+    def note_model(self, ready: ReadyAnswer) -> None:
         """What a worker's ready answer says of the model that the book's rules need."""
-        self.batch_norm = self.batch_norm or bool(ready.get("batch_norm"))
+        self.batch_norm = self.batch_norm or ready.batch_norm
 
     def ready_to_admit(self) -> list[str]:
         return sorted(self.slots_in(S.READY), key=slot_index)

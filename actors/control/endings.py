@@ -92,5 +92,5 @@ async def committed_states(book: MembershipBook, group: WorkerGroup) -> dict | N
     assert book.plan is not None  # asked during a run, under its plan
     for slot in book.plan.members:
         info = await group.status(book.members[slot].handle, timeout=3.0)
-        out[slot] = {"step": info["step"], "checksum": info["checksum"]} if info else {"error": "no answer"}
+        out[slot] = {"step": info.step, "checksum": info.checksum} if info else {"error": "no answer"}
     return out or None

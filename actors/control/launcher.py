@@ -23,6 +23,7 @@ from actors.control.members import Member, describe, log
 from actors.control.spares import SparePool
 from actors.control.tasks import Tasks
 from actors.control.workers import PlacementWatch, WorkerGroup
+from actors.messages import ReadyAnswer
 from actors.plan import WorkerSpec
 from algorithms.rules.membership import JoinerSource, joiner_source, placement_shortfall
 from algorithms.rules.supervision import JobState, MemberState, WorkloadFault, workload_bug
@@ -117,11 +118,11 @@ class Launcher:
         if self.book.members.get(member.slot) is not member or member.state != S.STARTING:
             return  # stopped or replaced meanwhile
         member.waiting_for, member.unplaced = "", False
-        member.pid, member.node, member.node_id = info["pid"], info["node"], info["node_id"]
+        member.pid, member.node, member.node_id = info.pid, info.node, info.node_id
         self.book.note_model(info)
         member.move(S.READY)
-        member.store_port = info.get("store_port", 0)
-        member.lifeline = info.get("lifeline")
+        member.store_port = info.store_port
+        member.lifeline = info.lifeline
         await self._admit()
 
     async def _start_failed(self, member: Member, err: Exception) -> None:
@@ -142,7 +143,7 @@ class Launcher:
         await self._fail(reason, {"slot": member.slot, "detector": "workload", "cause": fault.line,
                                   "traceback": fault.traceback})
 
-    async def _spare_for(self, member: Member, spec: WorkerSpec, fired: tuple[int, ...]) -> dict | None:
+    async def _spare_for(self, member: Member, spec: WorkerSpec, fired: tuple[int, ...]) -> ReadyAnswer | None:
         """A hot spare becomes `member`'s worker: a ready one, or, while spares are starting that no other
         slot waits for, the next one to be ready (`joiner_source`). Its ready info; None: start a new actor."""
         while self._still_starting(member):
@@ -182,7 +183,7 @@ class Launcher:
             self._tasks.spawn(self._watch_placement(member, handle, self._watch))
         return handle
 
-    async def _new_or_spare(self, member: Member, handle: Any, spec: WorkerSpec, fired: tuple[int, ...]) -> dict:
+    async def _new_or_spare(self, member: Member, handle: Any, spec: WorkerSpec, fired: tuple[int, ...]) -> ReadyAnswer:
         """The new actor's ready info, or that of a spare that becomes ready first (the new actor is then
         killed): a slot never waits for an actor that Ray may be unable to place while a spare sits ready."""
         fresh = asyncio.ensure_future(self.group.ready(handle, fired))

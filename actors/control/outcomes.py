@@ -15,8 +15,9 @@ import time
 from actors.control.book import MembershipBook
 from actors.control.members import Member
 from actors.control.workers import WorkerGroup
+from actors.messages import RunOutcome
 
-Outcome = tuple[Member, str, dict, float]
+Outcome = tuple[Member, str, RunOutcome, float]
 """(member, "finished" | "error" | "died", what its watch returned, when it was seen: time.time())."""
 QUIET_S = 0.01
 """Outcomes that come within this of one another are handled together: one re-form for them all."""

@@ -92,10 +92,10 @@ async def reattach(saved: dict[str, Any], book: MembershipBook, group: WorkerGro
             continue
         info = await group.status(handle) if handle is not None else None
         member = Member(slot, handle, pid=was["pid"], node=was["node"], node_id=was["node_id"], state=S(was["state"]),
-                        store_port=(info or {}).get("store_port", was.get("store_port", 0)),
+                        store_port=info.store_port if info else was.get("store_port", 0),
                         incarnation=was.get("incarnation", 0), actor_name=was.get("actor_name", ""),
                         # a joiner waiting for the state, unless it loaded one meanwhile
-                        holds_state=was.get("holds_state", True) or bool(info and info.get("holds_state")))
+                        holds_state=was.get("holds_state", True) or bool(info and info.holds_state))
         book.members[slot] = member
         if info is None:
             member.state, member.cause = S.DEAD, "gone while the coordinator was down"
@@ -103,7 +103,7 @@ async def reattach(saved: dict[str, Any], book: MembershipBook, group: WorkerGro
             lost.append(slot)
             continue
         found.append(slot)
-        newest = info["plan"]
+        newest = info.plan
         if newest is not None:
             epochs.append(newest.membership_epoch)
             book.adopt(newest)  # published just before the crash, never saved

@@ -18,6 +18,7 @@ from typing import Any
 from actors.control.members import Member, Spare, describe
 from actors.control.tasks import Tasks
 from actors.control.workers import PlacementWatch, WorkerGroup
+from actors.messages import ReadyAnswer
 from actors.plan import WorkerSpec
 
 SPARE_SETTLE_S = 10.0
@@ -134,7 +135,7 @@ class SparePool:
                 await asyncio.sleep(RETRY_AFTER_S)
                 self.fill()
             return
-        spare.pid, spare.node, spare.node_id, spare.ready_at = info["pid"], info["node"], info["node_id"], time.time()
+        spare.pid, spare.node, spare.node_id, spare.ready_at = info.pid, info.node, info.node_id, time.time()
         spare.unplaced = ""
         self.wake()
 
@@ -152,7 +153,7 @@ class SparePool:
                    asks={"CPU": placement.cpus, "GPU": placement.gpus})
         self.wake()  # a slot that waits for it starts a new worker instead (and still takes it once ready)
 
-    async def adopt(self, member: Member, spec: WorkerSpec, fired: tuple[int, ...]) -> dict | None:
+    async def adopt(self, member: Member, spec: WorkerSpec, fired: tuple[int, ...]) -> ReadyAnswer | None:
         """The oldest ready spare becomes `member`'s worker (a new spare starts behind it); its ready
         info, or None when no spare is ready or the one taken is gone (the member keeps the actor it had,
         if any)."""

@@ -13,6 +13,7 @@ decision is carried out through `Actions`, the few operations the coordinator sh
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -22,6 +23,7 @@ from actors.control.members import Member, log
 from actors.control.outcomes import Outcome, Outcomes
 from actors.control.tasks import Tasks
 from actors.control.workers import WorkerGroup
+from actors.messages import RunOutcome
 from algorithms.rules.kinds import Kind
 from algorithms.rules.stragglers import StragglerWatch
 from algorithms.rules.supervision import Decision, JobState, JobView, MemberEnded, MemberState, StopRequested, decide
@@ -102,7 +104,7 @@ class Supervisor:
         """Await the member's run; its end (or its process's death) becomes an outcome."""
         async def watched() -> None:
             kind, outcome = await self.group.watch(member.handle)
-            outcome.setdefault("slot", member.slot)
+            outcome = outcome if outcome.slot else dataclasses.replace(outcome, slot=member.slot)
             await self.outcomes.put((member, kind, outcome, time.time()))
         loop = asyncio.get_running_loop()
         member.watch_task = self._tasks.spawn(watched())
@@ -210,14 +212,14 @@ class Supervisor:
             log.debug("heartbeat of %s: %s", member.slot, err)
             return
         stuck_after = self.cfg.comm.timeout_s + 2.0
-        if info["phase"] == "waiting" and info["phase_age_s"] > stuck_after and \
+        if info.phase == "waiting" and info.phase_age_s > stuck_after and \
                 self.actions.state in (JobState.RUNNING, JobState.RESHAPING):
-            self.actions.reform(f"worker {member.slot} has waited {info['phase_age_s']:.1f}s for a plan (its group did not form)")
+            self.actions.reform(f"worker {member.slot} has waited {info.phase_age_s:.1f}s for a plan (its group did not form)")
         # A server kind's push has no collective timeout: a push unanswered this long is a hang too.
         waiting = {"compute": "computing", "communicate": "pushing"} if self.kind.pushes_each_step else {"compute": "computing"}
-        if info["phase"] in waiting and info["phase_age_s"] > w.hang_timeout_s:
-            await self.evict(member, "step progress", f"worker {member.slot}'s step {info['step']} has been "
-                                                      f"{waiting[info['phase']]} for {info['phase_age_s']:.1f}s "
+        if info.phase in waiting and info.phase_age_s > w.hang_timeout_s:
+            await self.evict(member, "step progress", f"worker {member.slot}'s step {info.step} has been "
+                                                      f"{waiting[info.phase]} for {info.phase_age_s:.1f}s "
                                                       f"(workers.hang_timeout_s = {w.hang_timeout_s:g})")
 
     async def collective_failed(self, slot: str, epoch: int, error: str) -> None:
@@ -263,18 +265,18 @@ class Supervisor:
             self.group.kill_process(member.node, member.pid)
             self.group.kill(member.handle)
         # Handled now: Ray may take many seconds to report an actor on a lost node as dead.
-        await self.outcomes.put((member, "died", {"error": cause}, time.time()))
+        await self.outcomes.put((member, "died", RunOutcome(False, error=cause), time.time()))
 
     # ------------------------------------------------------------------ decisions
-    async def on_outcome(self, member: Member, kind: str, outcome: dict, seen: float) -> None:
+    async def on_outcome(self, member: Member, kind: str, outcome: RunOutcome, seen: float) -> None:
         if self.book.members.get(member.slot) is not member:
             return  # an earlier incarnation of a slot that was started again
         what = "died" if kind == "died" else "raised an exception"
-        fault = outcome.get("data_fault") if kind == "error" else None
-        bug = outcome.get("workload_fault") if kind == "error" else None  # its error names the user's file and line
+        fault = outcome.data_fault if kind == "error" else None
+        bug = outcome.workload_fault if kind == "error" else None  # its error names the user's file and line
         detector, cause = member.evicted or (
             "actor death" if kind == "died" else "bad sample" if fault else "workload" if bug else "task error",
-            fault.line if fault else f"worker {member.slot} {what}: {outcome.get('error', '')}".strip())
+            fault.line if fault else f"worker {member.slot} {what}: {outcome.error}".strip())
         hung = member.evicted is not None and member.evicted[0] in ("heartbeat", "step progress")
         d = decide(self.actions.view(), MemberEnded(member.slot, kind, cause, detector, hung, fault, bug))
         if d.ignore:
@@ -283,7 +285,7 @@ class Supervisor:
             self.book.note_workload_fault(member.slot, bug)
         assert d.member is not None  # a member's end that is not ignored gets its new state
         member.move(d.member[1])
-        if member.state == S.FINISHED and outcome.get("holds_state") is False:
+        if member.state == S.FINISHED and outcome.holds_state is False:
             member.holds_state = False
             self._note("info", f"{member.slot} finished without a state of its own (no live member to receive one "
                                f"from): not one of the final model's replicas", slot=member.slot)
@@ -294,10 +296,10 @@ class Supervisor:
                 await self.actions.finish()
             return
         member.cause = cause
-        detail = {"slot": member.slot, "detector": detector, "cause": outcome.get("error", ""), "seen_at": seen,
+        detail = {"slot": member.slot, "detector": detector, "cause": outcome.error, "seen_at": seen,
                   "step": self._step(), "membership_epoch": self.book.epoch}
-        if outcome.get("traceback"):
-            detail["traceback"] = outcome["traceback"]
+        if outcome.traceback:
+            detail["traceback"] = outcome.traceback
         if self._batching and not (d.finish or d.end_now is not None):
             self._abort = self._abort or cause  # carried by the batch's plan, or sent once the batch is decided
             self._to_kill.append(member.handle)  # its process is gone or going: the survivors' plan first

@@ -24,6 +24,7 @@ from typing import Any
 
 from actors.control.members import describe, first_line, is_placed, job_is_dead, kill, log, log_to
 from actors.lifeline import watch as lifeline_watch
+from actors.messages import Heartbeat, ReadyAnswer, RunOutcome, WorkerStatus
 from actors.plan import Plan, WorkerSpec, holder_name
 from algorithms.rules.membership import placement_shortfall
 from core.schema import JobConfig
@@ -65,15 +66,15 @@ class WorkerGroup:
         """Start the worker's run (its end is what `watch` returns)."""
         raise NotImplementedError
 
-    async def ready(self, handle: Any, fired_faults: tuple[int, ...]) -> dict:
+    async def ready(self, handle: Any, fired_faults: tuple[int, ...]) -> ReadyAnswer:
         """Wait until a new worker has built its workload: its pid, node, node id and store port."""
         raise NotImplementedError
 
-    async def adopt(self, handle: Any, spec: WorkerSpec, fired_faults: tuple[int, ...], timeout: float) -> dict:
+    async def adopt(self, handle: Any, spec: WorkerSpec, fired_faults: tuple[int, ...], timeout: float) -> ReadyAnswer:
         """A hot spare becomes the worker `spec` describes; answers as `ready` does."""
         raise NotImplementedError
 
-    async def heartbeat(self, handle: Any, timeout: float) -> dict:
+    async def heartbeat(self, handle: Any, timeout: float) -> Heartbeat:
         """The worker's phase, how long it has been in it, and its step."""
         raise NotImplementedError
 
@@ -85,11 +86,11 @@ class WorkerGroup:
         """Load a checkpoint; answers its step."""
         raise NotImplementedError
 
-    async def probe_heartbeat(self, handle: Any, timeout: float) -> tuple[dict | None, str | None]:
+    async def probe_heartbeat(self, handle: Any, timeout: float) -> tuple[Heartbeat | None, str | None]:
         """(heartbeat, None); (None, why) when the worker is known dead; (None, None) when it did not answer."""
         raise NotImplementedError
 
-    async def status(self, handle: Any, timeout: float = 5.0) -> dict | None:
+    async def status(self, handle: Any, timeout: float = 5.0) -> WorkerStatus | None:
         """The worker's step, state checksum, plan and whether it holds a state; None if gone or silent."""
         raise NotImplementedError
 
@@ -101,7 +102,7 @@ class WorkerGroup:
         """The evaluation metrics of a state; None if the worker is gone or silent."""
         raise NotImplementedError
 
-    async def watch(self, handle: Any) -> tuple[str, dict]:
+    async def watch(self, handle: Any) -> tuple[str, RunOutcome]:
         """Waits until the worker's run ends: ("finished" | "error" | "died", its outcome)."""
         raise NotImplementedError
 
@@ -261,13 +262,13 @@ class RayWorkerGroup(WorkerGroup):
     def run(self, handle: Any) -> None:
         handle.run.remote()
 
-    async def ready(self, handle: Any, fired_faults: tuple[int, ...]) -> dict:
+    async def ready(self, handle: Any, fired_faults: tuple[int, ...]) -> ReadyAnswer:
         return await _answer(handle.ready.remote(fired_faults), None)
 
-    async def adopt(self, handle: Any, spec: WorkerSpec, fired_faults: tuple[int, ...], timeout: float) -> dict:
+    async def adopt(self, handle: Any, spec: WorkerSpec, fired_faults: tuple[int, ...], timeout: float) -> ReadyAnswer:
         return await _answer(handle.adopt.remote(spec, fired_faults), timeout)
 
-    async def heartbeat(self, handle: Any, timeout: float) -> dict:
+    async def heartbeat(self, handle: Any, timeout: float) -> Heartbeat:
         return await _answer(handle.heartbeat.remote(), timeout)
 
     async def final_state(self, handle: Any, timeout: float) -> bytes:
@@ -276,10 +277,10 @@ class RayWorkerGroup(WorkerGroup):
     async def load_checkpoint(self, handle: Any, data: bytes, timeout: float | None = None) -> int:
         return await _answer(handle.load_checkpoint.remote(data), timeout)
 
-    async def probe_heartbeat(self, handle: Any, timeout: float) -> tuple[dict | None, str | None]:
+    async def probe_heartbeat(self, handle: Any, timeout: float) -> tuple[Heartbeat | None, str | None]:
         return await probe_actor("heartbeat", lambda: handle.heartbeat.remote(), timeout)
 
-    async def status(self, handle: Any, timeout: float = 5.0) -> dict | None:
+    async def status(self, handle: Any, timeout: float = 5.0) -> WorkerStatus | None:
         return (await probe_actor("status", lambda: handle.status.remote(), timeout))[0]
 
     async def records_after(self, handle: Any, step: int, timeout: float = 5.0) -> tuple[dict, ...] | None:
@@ -288,16 +289,16 @@ class RayWorkerGroup(WorkerGroup):
     async def evaluate_state(self, handle: Any, blob: bytes, timeout: float = 5.0) -> dict | None:
         return (await probe_actor("evaluate_state", lambda: handle.evaluate_state.remote(blob), timeout))[0]
 
-    async def watch(self, handle: Any) -> tuple[str, dict]:
+    async def watch(self, handle: Any) -> tuple[str, RunOutcome]:
         from ray.exceptions import ActorDiedError, RayActorError
 
         try:
-            outcome = await handle.watch.remote()
-            return ("finished" if outcome.get("ok") else "error"), outcome
+            outcome: RunOutcome = await handle.watch.remote()
+            return ("finished" if outcome.ok else "error"), outcome
         except (ActorDiedError, RayActorError) as err:
-            return "died", {"error": describe(err)}
+            return "died", RunOutcome(False, error=describe(err))
         except Exception as err:  # noqa: BLE001
-            return "error", {"error": describe(err), "traceback": traceback.format_exc()}
+            return "error", RunOutcome(False, error=describe(err), traceback=traceback.format_exc())
 
     def kill(self, handle: Any) -> None:
         kill(handle)

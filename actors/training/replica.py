@@ -40,6 +40,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from actors.faults import WorkerFaults
+from actors.messages import Heartbeat, ReadyAnswer, RunOutcome, WorkerStatus
 from actors.plan import Plan, PlanBook, WorkerSpec
 from actors.training.batch_feed import BatchFeed
 from actors.training.committed import CommittedState
@@ -124,7 +125,7 @@ class Replica:
         self._exit_if_stuck = exit_if_stuck
         self._finished = threading.Event()
         self._left = False
-        self._outcome: dict = {}
+        self._outcome = RunOutcome(False, 0, self.slot, error="the run has not ended")
         self._steps = StepRunner(self, tick)
         self._entry = EpochEntry(self)
         self.committed = CommittedState(self)
@@ -167,11 +168,11 @@ class Replica:
         return latest
 
     # ------------------------------------------------------------------ control (any thread)
-    def ready(self, fired_faults: tuple[int, ...] = ()) -> dict:
+    def ready(self, fired_faults: tuple[int, ...] = ()) -> ReadyAnswer:
         self.faults.already_fired(fired_faults)
         model = self.training.model
-        return {"slot": self.slot, "pid": os.getpid(), "node": self.node_ip, "checksum": checksum(model.parameters()),
-                "batch_norm": any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules())}
+        return ReadyAnswer(self.slot, os.getpid(), self.node_ip, checksum=checksum(model.parameters()),
+                           batch_norm=any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules()))
 
     def set_plan(self, plan: Plan) -> None:
         self.plans.add(plan)
@@ -188,17 +189,15 @@ class Replica:
                                            f"was aborted ({reason}): an operation stuck in C++ that the abort did "
                                            f"not release"))
 
-    def heartbeat(self) -> dict:
-        """Cheap liveness and progress: what the run thread is doing and for how long."""
-        return {"step": self.training.step, "phase": self.phase, "phase_age_s": time.monotonic() - self.phase_since}
+    def heartbeat(self) -> Heartbeat:
+        return Heartbeat(self.training.step, self.phase, time.monotonic() - self.phase_since)
 
-    def status(self) -> dict:
+    def status(self) -> WorkerStatus:
         plan = self.plan
         mark, digest = self.committed.committed_view()
-        return {"slot": self.slot, "pid": os.getpid(), "step": mark, "checksum": digest, "state": self.state,
-                "holds_state": self.training.holds_state,
-                "rank": plan.rank_of(self.slot) if plan else -1, "membership_epoch": plan.membership_epoch if plan else 0,
-                "plan": self.plans.latest}
+        rank = plan.rank_of(self.slot) if plan else None
+        return WorkerStatus(self.slot, os.getpid(), mark, digest, self.state, self.training.holds_state,
+                            -1 if rank is None else rank, plan.membership_epoch if plan else 0, self.plans.latest)
 
     def load_checkpoint(self, data: bytes) -> int:
         """Resume: this member starts from a disk checkpoint; the epoch start spreads it to the rest."""
@@ -223,7 +222,7 @@ class Replica:
         """The kept history records of commit points after `step` (a restarted coordinator's catch-up)."""
         return self.reporter.after(step)
 
-    def watch(self) -> dict:
+    def watch(self) -> RunOutcome:
         """Returns when run() ends, with its outcome."""
         self._finished.wait()
         return self._outcome
@@ -247,21 +246,14 @@ class Replica:
         self.policy.impl.start_at(self.training.step)  # e.g. a periodic policy's first committed state: this step's
 
     # ------------------------------------------------------------------ the loop
-    def run(self) -> dict:
+    def run(self) -> RunOutcome:
         try:
             self._loop()
-            self._outcome = {"ok": True, "step": self.training.step, "slot": self.slot,
-                             "holds_state": self.training.holds_state}
+            self._outcome = RunOutcome(True, self.training.step, self.slot, holds_state=self.training.holds_state)
             self.state = "finished"
         except BaseException as err:  # noqa: BLE001 - every failure goes back to the coordinator
             self.state = "failed"
-            self._outcome = {"ok": False, "step": self.training.step, "slot": self.slot,
-                             "error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()}
-            if isinstance(err, BadSample):  # the data's error, not this worker's: the coordinator ends the job on it
-                self._outcome["data_fault"] = err.fault
-            if isinstance(err, WorkloadBug):  # the workload's own code: the coordinator decides whether it is a bug
-                self._outcome.update(error=err.fault.line, traceback=err.fault.traceback, workload_fault=err.fault)
-                log.error("the workload failed: %s\n%s", err.fault.line, err.fault.traceback)
+            self._outcome = failure_outcome(err, self.training.step, self.slot)
         finally:
             self.feed.close()
             self.group.withdraw()
@@ -343,6 +335,16 @@ class Replica:
             self.link.collective_failed(self.slot, self.plan.membership_epoch if self.plan else 0, error[:300])
         except Exception as failure:  # noqa: BLE001 - the coordinator may be restarting
             log.warning("could not tell the coordinator that a background round failed: %s", failure)
+
+
+def failure_outcome(err: BaseException, step: int, slot: str) -> RunOutcome:
+    """The outcome of a run that raised `err`: a bad sample is the data's error, not this worker's (the
+    coordinator ends the job on it); the workload's own code is the coordinator's to judge a bug."""
+    if isinstance(err, WorkloadBug):
+        log.error("the workload failed: %s\n%s", err.fault.line, err.fault.traceback)
+        return RunOutcome(False, step, slot, error=err.fault.line, traceback=err.fault.traceback, workload_fault=err.fault)
+    return RunOutcome(False, step, slot, error=f"{type(err).__name__}: {err}", traceback=traceback.format_exc(),
+                      data_fault=err.fault if isinstance(err, BadSample) else None)
 
 
 STEP_PHASES = ("compute", "communicate")

@@ -12,6 +12,7 @@ a worker whose raylet is gone exits at once (`ParentWatch`).
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import sys
@@ -24,6 +25,7 @@ import ray
 
 from actors import REMOTE_HOME
 from actors.lifeline import Lifeline
+from actors.messages import Heartbeat, ReadyAnswer, RunOutcome, WorkerStatus
 from actors.observe.metrics import Exporter
 from actors.plan import ParentWatch, Plan, Progress, WorkerSpec, server_name
 from actors.training.user_code import WorkloadBug
@@ -152,26 +154,30 @@ class Worker:
             raise AttributeError(f"{self.spec.slot} is a hot spare: it holds no replica until adopted")
         return self.replica
 
-    def run(self) -> dict:
+    def run(self) -> RunOutcome:
         return self._replica().run()
 
     @ray.method(concurrency_group="watch")
-    def watch(self) -> dict:
+    def watch(self) -> RunOutcome:
         return self._replica().watch()
 
     @ray.method(concurrency_group="control")
-    def ready(self, fired_faults: tuple[int, ...] = ()) -> dict:
+    def ready(self, fired_faults: tuple[int, ...] = ()) -> ReadyAnswer:
+        return self._answer(fired_faults)
+
+    def _answer(self, fired_faults: tuple[int, ...]) -> ReadyAnswer:
         if self._fault is not None:
             raise WorkloadBug(self._fault)
         node_id = ray.get_runtime_context().get_node_id()
         lifeline = self._lifeline.info() if self._lifeline is not None else None
         if self.replica is None:  # a spare
-            return {"slot": self.spec.slot, "pid": os.getpid(), "node": ray.util.get_node_ip_address(), "node_id": node_id,
-                    "store_port": self._host.port, "lifeline": lifeline}
-        return dict(self.replica.ready(fired_faults), node_id=node_id, store_port=self._host.port, lifeline=lifeline)
+            return ReadyAnswer(self.spec.slot, os.getpid(), ray.util.get_node_ip_address(), node_id, self._host.port,
+                               lifeline)
+        return dataclasses.replace(self.replica.ready(fired_faults), node_id=node_id, store_port=self._host.port,
+                                   lifeline=lifeline)
 
     @ray.method(concurrency_group="control")
-    def adopt(self, spec: WorkerSpec, fired_faults: tuple[int, ...] = ()) -> dict:
+    def adopt(self, spec: WorkerSpec, fired_faults: tuple[int, ...] = ()) -> ReadyAnswer:
         """A hot spare becomes the worker of `spec.slot` (its replica built on the workload it holds);
         its output goes to that slot's log from here on. Answers as `ready` does."""
         if self.replica is not None:
@@ -179,7 +185,7 @@ class Worker:
         _redirect_output(os.path.join(spec.run_dir, "workers", f"{spec.slot}.log"))
         workload, self._workload = self._workload, None
         self._become(spec, workload)
-        return self.ready(fired_faults)
+        return self._answer(fired_faults)
 
     @ray.method(concurrency_group="control")
     def set_plan(self, plan: Plan) -> None:
@@ -191,11 +197,11 @@ class Worker:
         self._replica().abort_epoch(membership_epoch, reason)
 
     @ray.method(concurrency_group="control")
-    def status(self) -> dict:
-        return dict(self._replica().status(), store_port=self._host.port)
+    def status(self) -> WorkerStatus:
+        return dataclasses.replace(self._replica().status(), store_port=self._host.port)
 
     @ray.method(concurrency_group="control")
-    def heartbeat(self) -> dict:
+    def heartbeat(self) -> Heartbeat:
         return self._replica().heartbeat()
 
     @ray.method(concurrency_group="control")
@@ -261,7 +267,7 @@ def prepare_spare(config: JobConfig) -> Any:
     `actors.server.server_client` and the modules it brings took 0.14-0.18 s of a join here, where Python
     caches no bytecode for the project and compiles each module from source; the first epoch's import
     of ray.util.collective took 0.13 s more."""
-    import actors.server.server_client  # noqa: F401 - `_become`'s import, paid ahead
+    import actors.server.server_client
     import actors.training.replica  # noqa: F401 - `_become`'s import, paid ahead
     from actors.training.workload import build_workload, warm_up
     from actors.transport import collective

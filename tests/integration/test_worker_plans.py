@@ -63,7 +63,7 @@ def test_joiner_run_waits_for_a_plan_that_names_it(coordinator, tmp_path):
     assert not done, f"run() returned on a plan that does not name the joiner: {ray.get(ref)}"
     ray.get(worker.set_plan.remote(plan(coordinator, 2, 2, ("w2",), stop_step=3)))
     outcome = ray.get(ref, timeout=60)
-    assert outcome["ok"] and outcome["step"] == 3, outcome
+    assert outcome.ok and outcome.step == 3, outcome
     ray.kill(worker)
 
 
@@ -84,7 +84,7 @@ def test_a_plan_missing_during_a_coordinator_restart_is_awaited_not_a_crash(coor
     ray.get(workers["w0"].set_plan.remote(newer))  # w1 is not told yet: it learns from the vote
     ray.get(workers["w1"].set_plan.remote(newer))
     outcomes = ray.get(list(refs.values()), timeout=60)
-    assert all(o["ok"] for o in outcomes) and outcomes[0]["step"] == outcomes[1]["step"], outcomes
+    assert all(o.ok for o in outcomes) and outcomes[0].step == outcomes[1].step, outcomes
     for w in workers.values():
         ray.kill(w)
 
@@ -96,6 +96,6 @@ def test_a_failure_to_build_the_group_reports_its_real_cause(coordinator, tmp_pa
     ray.get(worker.set_plan.remote(plan(coordinator, 1, 1, ("w0",), backend="nccl")))
     outcome = ray.get(worker.run.remote(), timeout=60)
     print(outcome.get("error"))
-    assert not outcome["ok"]
-    assert "KeyError" not in outcome["error"] and "NCCL needs a CUDA device" in outcome["error"], outcome["error"]
+    assert not outcome.ok
+    assert "KeyError" not in outcome.error and "NCCL needs a CUDA device" in outcome.error, outcome.error
     ray.kill(worker)

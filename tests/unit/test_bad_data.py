@@ -5,6 +5,7 @@ the request; a Hugging Face `IterableDataset` is refused; a dataset's `__getitem
 two threads unless it says it may be. Sources and rules in process, the coordinator over fake workers."""
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import numpy as np
@@ -12,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from actors.messages import RunOutcome
 from actors.training.loader import BatchLoader
 from actors.training.sources import BadSample, BlockSource, MapSource, source_for
 from algorithms.rules.membership import share_refusal
@@ -49,9 +51,9 @@ def test_a_bad_sample_ends_the_job_failed_with_its_line_no_slot_retired_replaced
         group = FakeWorkerGroup()
         coord = await started(config("bad", workers={"min": 2}), tmp_path, group)
         await group.commit(coord, 5)
-        group.current("w1").end("error", {"error": "BadSample: training sample 17 could not be read: ValueError: "
-                                                   "corrupt record 17", "traceback": "Traceback (fake)",
-                                          "data_fault": FAULT})
+        group.current("w1").end("error", RunOutcome(False, error="BadSample: training sample 17 could not be read: "
+                                                                 "ValueError: corrupt record 17",
+                                                           traceback="Traceback (fake)", data_fault=FAULT))
         assert await ended(coord) == JobState.FAILED
         assert coord.job.cause == "bad training sample 17: ValueError: corrupt record 17"
         assert group.current("w0").plan.members == ("w0", "w2") and group.current("w0").plan.stop_step == 0
@@ -80,7 +82,7 @@ class BatchNormWorkers(FakeWorkerGroup):
     """Workers whose ready answer says the model has BatchNorm layers (as `Replica.ready` does)."""
 
     def _placed(self, handle):
-        return dict(super()._placed(handle), batch_norm=True)
+        return dataclasses.replace(super()._placed(handle), batch_norm=True)
 
 
 @pytest.mark.parametrize("batch_norm", [False, True])
@@ -117,7 +119,7 @@ def test_a_replica_says_whether_its_model_has_batch_norm(tmp_path):
     for factory, expected in (("bn_mlp", True), ("mlp", False)):
         cfg = {"name": "bn", "workers": {"count": 1, "cpus": 1}, "stop": {"max_steps": 1}, "eval_every": 0,
                "workload": {"factory": f"orchestrator.workloads.digits:{factory}", "params": {"hidden": 8}}}
-        assert LocalJob(cfg, ["w0"], str(tmp_path / factory)).replicas["w0"].ready()["batch_norm"] is expected
+        assert LocalJob(cfg, ["w0"], str(tmp_path / factory)).replicas["w0"].ready().batch_norm is expected
 
 
 # ------------------------------------------------------------------ the replica's outcome and weighting
@@ -134,9 +136,9 @@ def test_a_run_that_meets_a_bad_sample_says_so_in_its_outcome(tmp_path):
     job.publish(("w0",), 1, 8)
     job.start()
     outcome = job.wait()["w0"]
-    assert not outcome["ok"]
-    assert outcome["data_fault"] == DataFault(f"sample {first[2]}", f"ValueError: corrupt record {first[2]}")
-    assert outcome["data_fault"].line == f"bad training sample {first[2]}: ValueError: corrupt record {first[2]}"
+    assert not outcome.ok
+    assert outcome.data_fault == DataFault(f"sample {first[2]}", f"ValueError: corrupt record {first[2]}")
+    assert outcome.data_fault.line == f"bad training sample {first[2]}: ValueError: corrupt record {first[2]}"
 
 
 def test_with_skip_the_steps_gradient_is_the_mean_over_the_samples_read(tmp_path):

@@ -54,6 +54,6 @@ def test_a_member_whose_step_failed_takes_the_next_plan_without_waiting_for_its_
     finally:
         busy.free.set()
     outcomes = job.wait(120)
-    assert all(o["ok"] for o in outcomes.values()), outcomes
+    assert all(o.ok for o in outcomes.values()), outcomes
     steps = [r["step"] for r in job.link.records]
     assert steps == sorted(steps), "history in order"

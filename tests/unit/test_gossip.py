@@ -243,9 +243,10 @@ def run_through_split(tmp_path, monkeypatch, fault: str, undo: bool, kind: str =
     try:
         outcomes = job.wait(60)
     except TimeoutError:
-        raise AssertionError({s: (r.training.step, r.phase, r.plan.membership_epoch, r.state, r.cause) for s, r in job.replicas.items()}) from None
-    assert all(o["ok"] for o in outcomes.values()), outcomes
-    assert {o["step"] for o in outcomes.values()} == {12}
+        raise AssertionError({s: (r.training.step, r.phase, r.plan.membership_epoch, r.state, r.cause)
+                              for s, r in job.replicas.items()}) from None
+    assert all(o.ok for o in outcomes.values()), outcomes
+    assert {o.step for o in outcomes.values()} == {12}
     return before, _replica_average(job, slots), job.link.records
 
 
@@ -287,8 +288,9 @@ def test_a_joiner_starts_from_the_newest_live_replica_and_no_sample_is_applied_t
     try:
         outcomes = job.wait(60)
     except TimeoutError:
-        raise AssertionError({s: (r.training.step, r.phase, r.plan.membership_epoch, r.state, r.cause) for s, r in job.replicas.items()}) from None
-    assert all(o["ok"] and o["step"] == steps for o in outcomes.values()), outcomes
+        raise AssertionError({s: (r.training.step, r.phase, r.plan.membership_epoch, r.state, r.cause)
+                              for s, r in job.replicas.items()}) from None
+    assert all(o.ok and o.step == steps for o in outcomes.values()), outcomes
     received = [args for name, args in job.link.calls if name == "state_received"]
     assert [a[0] for a in received] == ["w3"] and received[0][2] in ("w0", "w1", "w2") and received[0][3] >= 6, received
     w3 = [r["step"] for r in job.link.records if r["slot"] == "w3"]

@@ -31,6 +31,6 @@ def test_a_plan_that_aborts_its_epoch_fails_the_step_under_way_and_the_members_g
         assert "membership epoch aborted" in replica.cause and reason in replica.cause, \
             f"{slot}: the plan's receipt failed its epoch-1 step ({replica.cause!r})"
     outcomes = job.wait(120)
-    assert all(o["ok"] for o in outcomes.values()), outcomes
+    assert all(o.ok for o in outcomes.values()), outcomes
     steps = [r["step"] for r in job.link.records]
     assert steps == sorted(steps) and steps[-1] == stop, "history in order, up to the plan's stop"

@@ -140,7 +140,7 @@ def test_server_kind_the_server_reports_and_says_when_to_stop(tmp_path, fakes):
     outcomes = j.run(("w0", "w1"), 16)
     assert {r.get("step") for r in j.link.records} == set(range(1, 8)) and all("slot" not in r for r in j.link.records)
     assert SERVERS["job"].version == 7
-    assert sum(o["step"] for o in outcomes.values()) >= 7, "workers count their own pushes, not the job's steps"
+    assert sum(o.step for o in outcomes.values()) >= 7, "workers count their own pushes, not the job's steps"
     replica = j.replicas["w0"]
     algorithm = replica.policy.algorithm
     assert not algorithm.local_mean and algorithm.final_model is FinalModel.SERVER and replica.policy.max_steps is None

@@ -49,7 +49,7 @@ def run_switched(tmp_path, first: dict, then: dict, label: str, nodes: tuple[str
     stop = job.replicas["w0"].training.step + 6
     job.publish(SLOTS, 3, gb, policy=policy(label, then, fresh=False), nodes=nodes, stop_step=stop)
     outcomes = job.wait(120)
-    assert all(o["ok"] for o in outcomes.values()), outcomes
+    assert all(o.ok for o in outcomes.values()), outcomes
     return job, switched, stop
 
 
@@ -172,7 +172,7 @@ def test_a_switch_reached_by_an_abort_mid_round_redoes_the_provisional_local_ste
     stop = job.replicas["w0"].training.step + 4
     job.publish(SLOTS, 3, gb, policy=policy("bsp", {"policy": "bsp"}, fresh=False), stop_step=stop)
     outcomes = job.wait(120)
-    assert all(o["ok"] for o in outcomes.values()), outcomes
+    assert all(o.ok for o in outcomes.values()), outcomes
     _, _, x, _ = start()
     assert_replicas_equal(job)
     ledger = committed_samples(tmp_path, job.link.records)

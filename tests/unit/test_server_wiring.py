@@ -64,7 +64,7 @@ def test_asp_with_a_straggler_applies_every_sample_once_and_accounts_for_every_l
     assert job.server.core.leases.outstanding == 0
     versions = [int(line.split()[0]) for line in lines if not line.startswith("dropped")]
     assert sorted(set(versions)) == list(range(1, 31))
-    assert all(o["ok"] for o in job.outcomes.values())
+    assert all(o.ok for o in job.outcomes.values())
 
 
 def test_a_push_from_a_replaced_incarnation_is_fenced_and_counted(tmp_path):

@@ -60,7 +60,7 @@ def test_a_joiner_receives_a_live_members_state_and_the_others_never_wait_for_it
     assert first == step + 1, "the joiner goes on from its source's step"
     job.publish(("w0", "w1", "w2"), 3, 3 * PER_WORKER, stop_step=0)  # everyone stops at once
     outcomes = job.wait(timeout=60)
-    assert all(o["ok"] for o in outcomes.values()), outcomes
+    assert all(o.ok for o in outcomes.values()), outcomes
     stamps = sorted(r["time"] for r in job.link.records if r["slot"] == "w0")
     gaps = [b - a for a, b in zip(stamps, stamps[1:])]
     print(f"w0's steps while w2 joined: median {sorted(gaps)[len(gaps) // 2] * 1000:.1f} ms, largest {max(gaps) * 1000:.1f} ms")
@@ -83,4 +83,4 @@ def test_a_failed_background_round_is_reported_again_while_no_re_form_comes(tmp_
     assert all(c[1][1] == 1 for c in reports()), "each request names the broken epoch"
     job.publish(("w0", "w1"), 2, 2 * PER_WORKER, stop_step=0)
     outcomes = job.wait(timeout=60)
-    assert all(o["ok"] for o in outcomes.values()), outcomes
+    assert all(o.ok for o in outcomes.values()), outcomes

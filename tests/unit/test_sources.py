@@ -154,8 +154,8 @@ def test_without_skip_a_bad_sample_fails_the_step_with_its_id(tmp_path):
     job.publish(("w0",), 1, 8)
     job.start()
     outcome = job.wait()["w0"]
-    assert not outcome["ok"] and outcome["error"].startswith("BadSample: training sample ")
-    assert "could not be read: ValueError: corrupt record" in outcome["error"]
+    assert not outcome.ok and outcome.error.startswith("BadSample: training sample ")
+    assert "could not be read: ValueError: corrupt record" in outcome.error
 
 
 def test_a_joiner_and_a_resume_continue_a_stream_where_the_committed_state_left_it(tmp_path):

@@ -43,7 +43,7 @@ def test_spares_start_with_their_names_saved_first_and_a_slot_adopts_the_oldest(
         await h.ready(2)
         member = Member("w1", None)
         info = await h.pool.adopt(member, spec("w1", 7), (3,))
-        assert info["pid"] == member.handle.pid and member.actor_name == "job/r/spare1"
+        assert info is not None and info.pid == member.handle.pid and member.actor_name == "job/r/spare1"
         assert member.handle.spec.slot == "w1" and member.handle.spec.incarnation == 7, "the spare became w1"
         assert any(n.startswith("w1 is hot spare spare1") for n in h.notes)
         await h.ready(2)

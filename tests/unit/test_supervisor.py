@@ -7,6 +7,7 @@ import asyncio
 from actors.control.book import MembershipBook
 from actors.control.members import Member
 from actors.control.supervisor import STRAGGLER_WARMUP_STEPS, Supervisor
+from actors.messages import Heartbeat, RunOutcome
 from actors.plan import WorkerSpec
 from algorithms.rules.kinds import SYNCHRONOUS
 from algorithms.rules.supervision import JobState, MemberState
@@ -169,7 +170,7 @@ def test_each_member_is_sent_one_heartbeat_a_period_whatever_the_group_size(monk
 
         async def heartbeat(handle, timeout):
             beats[next(slot for slot, m in book.members.items() if m.handle is handle)] += 1
-            return {"phase": "computing", "phase_age_s": 0.0, "step": 1}
+            return Heartbeat(1, "computing", 0.0)
 
         monkeypatch.setattr(supervisor_module.asyncio, "sleep", virtual_sleep)
         monkeypatch.setattr(sup.group, "heartbeat", heartbeat)
@@ -271,11 +272,11 @@ def test_a_second_outcome_of_the_same_member_does_not_hold_the_batch_open(monkey
         member = book.members["w1"]
         loop = asyncio.get_running_loop()
         started = loop.time()
-        await sup.outcomes.put((member, "died", {"error": "watch"}, 0.0))
-        loop.call_later(1.5, sup.outcomes.queue.put_nowait, (member, "died", {"error": "probe"}, 0.0))
+        await sup.outcomes.put((member, "died", RunOutcome(False, error="watch"), 0.0))
+        loop.call_later(1.5, sup.outcomes.queue.put_nowait, (member, "died", RunOutcome(False, error="probe"), 0.0))
         batch = await sup.outcomes.next(1.0)
         took = loop.time() - started
-        assert [o[2]["error"] for o in batch] == ["watch", "probe"]
+        assert [o[2].error for o in batch] == ["watch", "probe"]
         assert took < 3.0, f"the duplicate held the batch open: {took:.2f}s"
     asyncio.run(scenario())
 
@@ -407,7 +408,7 @@ def test_a_batch_wait_cancelled_leaves_no_waiter_behind(monkeypatch):
     async def scenario():
         sup, _, book, _, _ = harness(3)
         sup.start()
-        await sup.outcomes.put((book.members["w1"], "died", {"error": "SIGKILL"}, 0.0))
+        await sup.outcomes.put((book.members["w1"], "died", RunOutcome(False, error="SIGKILL"), 0.0))
         batch = asyncio.ensure_future(sup.outcomes.next(1.0))
         while len(waiters()) < 2:  # the first outcome taken, the window open
             await asyncio.sleep(0)

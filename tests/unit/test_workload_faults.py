@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from actors.messages import RunOutcome
 from actors.plan import Progress
 from actors.training import user_code
 from actors.training.user_code import WorkloadBug
@@ -195,7 +196,7 @@ def test_a_forward_failing_in_two_members_fails_the_job_with_its_line_and_traceb
         coord = await started(config("forward-bug"), tmp_path, group)
         await group.commit(coord, 2)
         for slot in ("w0", "w1"):
-            group.current(slot).end("error", {"error": bug.line, "traceback": bug.traceback, "workload_fault": bug})
+            group.current(slot).end("error", RunOutcome(False, error=bug.line, traceback=bug.traceback, workload_fault=bug))
         await until(lambda: coord.job.stop_kind == "FAILED" or coord.job.state.terminal, "the stop")
         await group.commit(coord, 1)  # w2, the survivor, stops at the step it holds
         assert await ended(coord) == JobState.FAILED
