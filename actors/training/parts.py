@@ -13,7 +13,7 @@ from actors.plan import Plan, PlanBook, WorkerSpec
 from actors.training.batch_feed import BatchFeed
 from actors.training.epoch_group import EpochGroup
 from actors.training.policy_binding import PolicyBinding
-from actors.training.reporter import Link, Reporter
+from actors.training.reporter import Link, StepReporter
 from actors.training.samples import SampleLedger
 from actors.training.step_metrics import StepMetrics
 from actors.training.training_state import TrainingState
@@ -28,7 +28,7 @@ class ReplicaParts(Protocol):
     policy: PolicyBinding
     feed: BatchFeed
     group: EpochGroup
-    reporter: Reporter
+    reporter: StepReporter
     samples: SampleLedger
     metrics: StepMetrics
     faults: WorkerFaults

@@ -21,7 +21,7 @@ local steps that the survivors keep are counted as dropped.
 
 The replica is composed of objects that each own their state: `TrainingState` (model, optimizer, step,
 cursor, commit mark; actors/training/training_state.py), `PolicyBinding` (the policy running, replaced whole
-at a switch), `BatchFeed` (the data), `EpochGroup` (the communicator), `Reporter` (records, reports,
+at a switch), `BatchFeed` (the data), `EpochGroup` (the communicator), `StepReporter` (records, reports,
 checkpoints), `SampleLedger` (samples applied and dropped) and `StepMetrics`. The step itself is
 actors/training/step.py's `StepRunner`.
 """
@@ -47,7 +47,7 @@ from actors.training.committed import CommittedState
 from actors.training.epoch_entry import EpochEntry
 from actors.training.epoch_group import EpochGroup
 from actors.training.policy_binding import PolicyBinding
-from actors.training.reporter import Link, Reporter
+from actors.training.reporter import Link, StepReporter
 from actors.training.samples import SampleLedger
 from actors.training.sources import BadSample, source_for
 from actors.training.step import StepRunner
@@ -111,7 +111,7 @@ class Replica:
         self.faults = WorkerFaults(cfg.faults, self.slot, link.fault_fired, kill_actor)
         self.group = EpochGroup(cfg, comm_address, lambda epoch, group, reason: link.transport_fallback(
             self.slot, epoch, group, reason))
-        self.reporter = Reporter(cfg, self.slot, link, self.workload, self.faults, self.device,
+        self.reporter = StepReporter(cfg, self.slot, link, self.workload, self.faults, self.device,
                                  int(getattr(self.workload, "tokens_per_sample", None) or 0))
         # the server writes what it applies
         self.samples = SampleLedger(spec.run_dir, self.slot,

@@ -2,7 +2,7 @@
 evaluation's metrics where one is due), sent in batches at most every REPORT_EVERY_S; rank 0's epoch
 agreement; and the checkpoints rank 0 hands over at their steps.
 
-`Reporter` turns the replica's typed `StepRecord`s into the history records its reports carry, and keeps
+`StepReporter` turns the replica's typed `StepRecord`s into the history records its reports carry, and keeps
 the newest of them (a departed rank 0's unreported steps, a restarted coordinator's gap). A report lost
 on the way is logged and never stops training.
 """
@@ -55,7 +55,7 @@ class Link(Protocol):
 
 @dataclasses.dataclass(frozen=True)
 class StepRecord:
-    """One commit point as the replica saw it; `Reporter.record` makes it the history record."""
+    """One commit point as the replica saw it; `StepReporter.record` makes it the history record."""
 
     step: int
     loss: float
@@ -105,7 +105,7 @@ class TrialTurn:
         return True
 
 
-class Reporter:
+class StepReporter:
     """A member's history records, reports, evaluations and checkpoints."""
 
     def __init__(self, cfg: JobConfig, slot: str, link: Link, workload: Any, faults: WorkerFaults,
