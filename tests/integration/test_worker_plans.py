@@ -76,7 +76,7 @@ def test_a_plan_missing_during_a_coordinator_restart_is_awaited_not_a_crash(coor
     first = plan(coordinator, 1, 1, ("w0", "w1"))
     ray.get([w.set_plan.remote(first) for w in workers.values()])
     refs = {slot: w.run.remote() for slot, w in workers.items()}
-    wait_until(lambda: min(ray.get([w.heartbeat.remote() for w in workers.values()]), key=lambda b: b["step"])["step"] > 5,
+    wait_until(lambda: min(ray.get([w.heartbeat.remote() for w in workers.values()]), key=lambda b: b.step).step > 5,
                what="both workers training")
     newer = plan(coordinator, 2, 1, ("w0", "w1"), group_name=first.group_name, stop_step=0)
     ray.get(fake.add_plan.remote(newer))
@@ -95,7 +95,6 @@ def test_a_failure_to_build_the_group_reports_its_real_cause(coordinator, tmp_pa
     worker = start_workers(coordinator, tmp_path, ["w0"])["w0"]
     ray.get(worker.set_plan.remote(plan(coordinator, 1, 1, ("w0",), backend="nccl")))
     outcome = ray.get(worker.run.remote(), timeout=60)
-    print(outcome.get("error"))
     assert not outcome.ok
     assert "KeyError" not in outcome.error and "NCCL needs a CUDA device" in outcome.error, outcome.error
     ray.kill(worker)
