@@ -73,12 +73,14 @@ def through_every_membership_change(cfg: dict) -> tuple[ElasticJob, int, int]:
     return job, resume_at, (resume_at // steps_per_epoch + 1) * steps_per_epoch
 
 
-# The default tier runs Ray Data (its holder and blocks are Ray's) and the TensorDataset (the cursor every
-# map-style source shares, through Ray). The others run with --run-slow: the Hugging Face and token-shard
-# cases read through that same cursor (in process: tests/unit/test_sources.py, test_token_shards.py), and
+# The default tier runs Ray Data (its holder and blocks are Ray's; a `MapSource` like the TensorDataset, so
+# it carries the cursor every map-style source shares through Ray). The others run with --run-slow: the
+# TensorDataset, Hugging Face and token-shard cases read through that same cursor (in process:
+# tests/unit/test_sampler.py, test_sources.py, test_token_shards.py), and
 # a stream's state reaches a joiner and a resume through the same state bytes, in process in
 # tests/unit/test_sources.py::test_a_joiner_and_a_resume_continue_a_stream_where_the_committed_state_left_it.
-@pytest.mark.parametrize("source", ["tensors", pytest.param("datasets", marks=pytest.mark.slow),
+@pytest.mark.parametrize("source", [pytest.param("tensors", marks=pytest.mark.slow),
+                                    pytest.param("datasets", marks=pytest.mark.slow),
                                     pytest.param("token_shards", marks=pytest.mark.slow), "ray_data",
                                     pytest.param("stream", marks=pytest.mark.slow)])
 def test_each_sample_once_through_kill_join_scale_up_down_coordinator_restart_and_resume(run_root, tmp_path, source):

@@ -1,7 +1,9 @@
 """A Hugging Face causal LM through a real Ray job: BSP with a worker SIGKILLed at a named step (the
 mechanism is Ray's: actors, a death, the re-formed group). The job finishes, the held-out loss goes
 down, a checkpoint is written, and the final model loads with the output layer still tied to the
-embedding. The other kinds and the exactness oracles run in process (tests/unit/test_hf.py)."""
+embedding. In the slow tier: the kill and the re-form through Ray are every model's (tests/e2e/test_elastic.py),
+and a Hugging Face model's training, exactness and tied weights through a final model and a checkpoint's load
+run in process (tests/unit/test_hf.py)."""
 from __future__ import annotations
 
 import io
@@ -18,6 +20,7 @@ pytest.importorskip("transformers", reason="the hf extra (pip install -e '.[hf]'
 PARAMS = {"model_type": "gpt2", "n_layer": 2, "n_embd": 32, "n_head": 2, "seq_len": 16, "eval_count": 16}
 
 
+@pytest.mark.slow  # the default tier's tests of its mechanism: docs/testing.md, "Moved to the slow tier"
 def test_a_gpt2_trains_through_a_kill_and_keeps_its_tied_weights(run_root):
     from orchestrator.workloads.hf import causal_lm
 

@@ -313,6 +313,9 @@ def test_two_runs_of_one_config_share_the_lab_and_the_first_to_finish_leaves_it_
             lab.up(network(50), holder=os.getpid())
 
 
+# slow: the trial's mechanism is the coordinator's and the replicas', not the lab's (in process:
+# tests/unit/test_trial_wiring.py, test_trial.py, test_policy_switch.py; docs/testing.md, "Moved to the slow tier")
+@pytest.mark.slow
 def test_auto_with_a_trial_switches_policy_mid_run_and_stays_exact_and_exactly_once(tmp_path):
     """`sync.auto.trial_steps` on the lab, between two exact candidates (flat and hierarchical BSP): the
     job tries each for 8 steps, switches without a restart (the same worker processes), records each

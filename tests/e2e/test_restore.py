@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 
+import pytest
 import torch
 
 from orchestrator.config import config_from_dict
@@ -42,6 +43,7 @@ def test_every_member_killed_at_once_restarts_from_the_newest_checkpoint_and_mat
     assert diff == 0.0
 
 
+@pytest.mark.slow  # in process: tests/unit/test_admission.py, test_journal.py; all killed through Ray: the test above
 def test_every_member_killed_while_the_first_checkpoint_is_being_stored_restarts_from_it(run_root):
     """Storing a checkpoint takes 1 s here (`faults.checkpoint_store_s`, an upload to a slow store); all
     three members are killed at step 25, five steps after the first checkpoint was taken, while it is

@@ -1,9 +1,10 @@
 """Resume after a SIGKILL of the whole `run` process group: same parameters as an uninterrupted run.
 
-In the slow tier: the default suite runs the same scenario with the run kept on S3
-(tests/e2e/test_storage.py: the same `--resume` code over the storage interface, bit-identical, a torn
-checkpoint skipped), and checkpoints on a local disk are saved, verified and found by
-tests/unit/test_checkpoints.py and restored by tests/e2e/test_restore.py."""
+In the slow tier, as is its twin with the run kept on S3 (tests/e2e/test_storage.py): the default suite
+resumes from S3 with the node's folder gone (the same `--resume` code over the storage interface,
+tests/e2e/test_storage.py), restores bit-identical from the newest checkpoint after every member's SIGKILL
+(tests/e2e/test_restore.py), and saves, verifies and finds checkpoints on a local disk
+(tests/unit/test_checkpoints.py)."""
 from __future__ import annotations
 
 import io

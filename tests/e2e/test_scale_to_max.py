@@ -31,7 +31,10 @@ def joins_w2(event: dict) -> bool:
     return event["kind"] == "reshape" and event["detail"]["joiners"] == ["w2"]
 
 
-# joins within 0.5 s: a time, measured alone (beside the other test process one took 0.92 s)
+# joins within 0.5 s: a time, measured alone (beside the other test process one took 0.92 s); in the slow tier
+# (the figure is benchmarks/recovery.py --spares 1's): the default tier's tests of its mechanism are in
+# docs/testing.md, "Moved to the slow tier"
+@pytest.mark.slow
 @pytest.mark.exclusive
 def test_a_scale_to_max_takes_the_hot_spare_as_soon_as_it_is_ready(tmp_path, monkeypatch, _ray_owner):
     if ray.is_initialized():

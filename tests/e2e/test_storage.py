@@ -47,6 +47,7 @@ def cli(args: list[str], env: dict, timeout: float = 300) -> subprocess.Complete
                           capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.slow  # a CLI run with a Ray of its own, a reference job and a resumed run: docs/testing.md, "Moved to the slow tier"
 def test_a_run_killed_resumes_from_s3_bit_identical(tmp_path, run_root, s3):
     """BSP, checkpoints every 20 steps to S3; the whole `run` process group SIGKILLed at step 70 or
     later (wherever the kill lands), and its local run folder deleted: `--resume` finds the newest
@@ -198,8 +199,9 @@ def test_credentials_in_the_storage_uri_leave_no_copy_anywhere(tmp_path, run_roo
 
 
 def test_resume_after_an_older_run_that_got_further_continues_the_newer_run(tmp_path, run_root, s3, capsys):
-    """An older run reached step 60, a newer one (started fresh) step 20, both with checkpoints on S3:
-    `run --resume` continues from the newer run's step 20, not the older run's 60."""
+    """An older run reached step 60, a newer one (started fresh) step 20, both with checkpoints on S3; the
+    node's run folder is then deleted: `run --resume` finds the runs on the store alone and continues from
+    the newer run's step 20, not the older run's 60."""
     from orchestrator import cli
 
     uri = s3.format(prefix="lineage")
@@ -207,6 +209,7 @@ def test_resume_after_an_older_run_that_got_further_continues_the_newer_run(tmp_
     for steps in (60, 20):
         result = ElasticJob(config_from_dict(dict(base, stop={"max_steps": steps}))).start().wait(timeout=180)
         assert result.state == "FINISHED" and result.step == steps, result
+    shutil.rmtree(Path(result.run_dir).parent)  # the node's disk is gone: only the store has the runs
     config_path = tmp_path / "lineage.yaml"
     config_path.write_text(yaml.safe_dump(dict(base, stop={"max_steps": 30})))
     assert cli.main(["run", str(config_path), "--resume"]) == 0
