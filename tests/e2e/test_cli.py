@@ -1,4 +1,5 @@
-"""The CLI end to end: the main job, and status / stop from other processes."""
+"""The CLI end to end: user workloads from a working directory, user code's exception, a run starting its own
+Ray; in the slow tier, the main job and status / stop from other processes (docs/testing.md, "The slow tier")."""
 from __future__ import annotations
 
 import os
@@ -10,6 +11,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import pytest
 import ray
 
 from orchestrator.job import ElasticJob
@@ -32,6 +34,7 @@ def _env(tmp_path: Path) -> dict:
     return env
 
 
+@pytest.mark.slow  # the default tier's test of its mechanism: docs/testing.md, "The slow tier"
 def test_main_job_reaches_095_with_progress_and_summary(tmp_path, ray_session):
     # The README's first command, attached to this session's Ray (CI runs it as written, with a Ray of
     # its own; starting one is tested by the user-workload tests below and by the 'ray start' one)
@@ -51,6 +54,7 @@ def test_main_job_reaches_095_with_progress_and_summary(tmp_path, ray_session):
     assert reached and float(reached.group(1)) >= 0.97 and step < 600, "the job must stop at its target (0.97)"
 
 
+@pytest.mark.slow  # the default tier's test of its mechanism: docs/testing.md, "The slow tier"
 def test_status_and_stop_from_other_processes(tmp_path, run_root):
     address = ray.get_runtime_context().gcs_address
     config = tmp_path / "long.yaml"

@@ -74,6 +74,7 @@ def longest_gap_around(history: list[dict], step: int, around: int = 10) -> floa
     return float(np.max(np.diff(times)))
 
 
+@pytest.mark.slow  # the default tier's test of its mechanism: docs/testing.md, "The slow tier"
 def test_scale_up_by_api_then_down_by_cli(run_root):
     """(The longest step around each reshape is printed: a figure of benchmarks/recovery.py.)"""
     job = ElasticJob(config_from_dict(make_config("scale"))).start()

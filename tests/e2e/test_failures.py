@@ -12,6 +12,8 @@ import os
 import signal
 import time
 
+import pytest
+
 from orchestrator.config import config_from_dict
 from orchestrator.job import ElasticJob
 from testkit.harness import explain, paced, running
@@ -87,6 +89,7 @@ def test_external_sigkill_fails_the_job_at_once(run_root):
     assert_gone(pids)
 
 
+@pytest.mark.slow  # the default tier's test of its mechanism: docs/testing.md, "The slow tier"
 def test_user_exception_fails_job_with_traceback(run_root):
     job = make_job("user-exception", kills=[{"slot": "w2", "step": 12, "at": "user_exception"}])
     pids = [m.pid for m in job.status().members]

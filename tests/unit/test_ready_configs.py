@@ -13,7 +13,9 @@ from testkit.harness import LocalJob
 CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"))
 
 
-@pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
+# lm_lab is lm_bsp's GPT with `auto` (as lab_digits) and a modelled compute of 0 ms: slow tier (docs/testing.md)
+@pytest.mark.parametrize("path", [pytest.param(p, id=p.stem, marks=pytest.mark.slow if p.stem == "lm_lab" else ())
+                                  for p in CONFIGS])
 def test_ready_config_trains(path, tmp_path):
     config = load_config(path, ["workers.count=2", "workers.min=1", "stop.max_steps=20", "stop.target=null",
                                 "eval_every=0"])

@@ -229,6 +229,28 @@ def test_a_stop_target_no_evaluation_returns_fails_the_job_at_the_first_evaluati
     run(scenario())
 
 
+def test_an_evaluation_that_meets_the_stop_target_finishes_the_job_saying_so(tmp_path):
+    """The stop at a target through the real coordinator (the README's job stops at its 0.97 this way)."""
+    async def scenario():
+        group = FakeWorkerGroup()
+        cfg = config("target-met", stop={"max_steps": 1000, "target": {"metric": "accuracy", "value": 0.4}})
+        coord = await started(cfg, tmp_path, group)
+        await group.commit(coord, 2)
+        plan = coord.book.plan
+        record = {"step": 3, "time": time.time(), "loss": 0.3, "world_size": len(plan.members),
+                  "global_batch": plan.global_batch, "micro_steps": 1, "membership_epoch": plan.membership_epoch,
+                  "bytes_sent": 3000, "metrics": {"accuracy": 0.5, "eval_loss": 1.2}}
+        for slot in plan.members:
+            group.current(slot).step = 3
+        await coord.report(Progress(plan.members[0], 3, plan.membership_epoch, time.time(), (record,), 0.01, mark=3))
+        await until(lambda: coord.job.stop_kind == "FINISHED", "the stop")
+        await group.commit(coord, 1)
+        assert await ended(coord) == JobState.FINISHED
+        said = [e.reason for e in coord.journal.events]
+        assert any(r.startswith("target reached: accuracy = 0.5000 (max 0.4)") for r in said), said
+    run(scenario())
+
+
 # ------------------------------------------------------------------ the config's side
 def digits(params: dict, factory: str = "orchestrator.workloads.digits:mlp") -> dict:
     return {"name": "x", "workload": {"factory": factory, "params": params}, "stop": {"max_steps": 3}}
