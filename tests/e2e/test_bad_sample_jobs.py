@@ -2,7 +2,8 @@
 workers, `workers.min` 2, the sample read at step 5). With `on_bad_sample: fail` the CLI's job ends
 FAILED within seconds of the step before it, the sample's id and error in one line, exit code 1, no
 worker retired and no pause (before: six failures and replacements, w1 and w2 retired, then PAUSED for
-minutes). With `skip` the job FINISHES and counts the sample skipped in status and history."""
+minutes). With `skip` the job FINISHES and counts the sample skipped in status and history. Both in the slow
+tier: the default tier's tests of their mechanism are in process (tests/unit/test_bad_data.py)."""
 from __future__ import annotations
 
 import json
@@ -10,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import ray
 import yaml
 
@@ -42,6 +44,7 @@ def run_files(root: Path, name: str, file: str) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+@pytest.mark.slow  # the default tier's test of its mechanism: docs/testing.md, "The slow tier"
 def test_one_bad_sample_fails_the_job_in_one_line_within_seconds_from_the_cli(tmp_path, run_root):
     config_file = tmp_path / "bad.yaml"
     config_file.write_text(yaml.safe_dump(config("bad-fail", "fail", 10_000)))
@@ -67,6 +70,7 @@ def test_one_bad_sample_fails_the_job_in_one_line_within_seconds_from_the_cli(tm
     assert not [e for e in events if e["kind"] == "reshape"], "a replacement joined"
 
 
+@pytest.mark.slow  # the default tier's test of its mechanism: docs/testing.md, "The slow tier"
 def test_one_bad_sample_is_skipped_and_counted(run_root):
     job = ElasticJob(config_from_dict(config("bad-skip", "skip", 10))).start()
     result = job.wait(timeout=180)
