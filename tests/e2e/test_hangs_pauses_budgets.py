@@ -59,6 +59,7 @@ def test_sigstopped_worker_is_evicted_by_heartbeat_and_others_go_on(run_root):
     assert any(r["world_size"] == 2 for r in history), "the survivors trained without the hung worker"
 
 
+@pytest.mark.slow  # the default tier's test of its mechanism: docs/testing.md, "The slow tier"
 def test_step_that_never_ends_is_evicted_by_step_progress(run_root):
     """The heartbeat is set to 60 s, so only the step-progress detector (2 s) can evict (a CI run beside a CPU
     burner had a healthy worker's first heartbeat answer miss a 2-s heartbeat and evicted it instead)."""

@@ -3,6 +3,7 @@ detectors and decisions, over a fake worker group and a recording stand-in for t
 from __future__ import annotations
 
 import asyncio
+import time
 
 from actors.control.book import MembershipBook
 from actors.control.members import Member
@@ -144,6 +145,28 @@ def test_a_member_that_does_not_answer_heartbeats_is_evicted_as_hung():
         await sup.handle(batch)
         assert book.members["w2"].state == S.HUNG and not group.current("w2").alive
         assert notes[0][2]["detector"] == "heartbeat"
+    asyncio.run(scenario())
+
+
+def test_a_member_whose_step_computes_past_the_hang_timeout_is_evicted_by_step_progress():
+    """Its heartbeats are answered (the process runs) but its step never ends: only the step-progress
+    detector can see it. The others, computing a step just begun, stay."""
+    async def scenario():
+        sup, group, book, actions, notes = harness(hang_timeout_s=0.5)
+        sup.start()
+        now = time.monotonic()
+        for slot, began in (("w0", now), ("w1", now), ("w2", now - 5.0), ("w3", now)):
+            worker = group.current(slot)
+            worker.phase, worker.phase_since, worker.step = "compute", began, 15
+        beats = asyncio.get_running_loop().create_task(sup.heartbeats())
+        batch = await sup.outcomes.next(3.0)
+        beats.cancel()
+        assert [m.slot for m, *_ in batch] == ["w2"]
+        await sup.handle(batch)
+        assert book.members["w2"].state == S.HUNG and not group.current("w2").alive
+        assert notes[0][2]["detector"] == "step progress"
+        assert "w2's step 15 has been computing for" in notes[0][1], notes[0]
+        assert all(book.members[s].state == S.TRAINING for s in ("w0", "w1", "w3"))
     asyncio.run(scenario())
 
 
