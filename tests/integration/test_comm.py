@@ -131,7 +131,7 @@ def _silent_peer_mid_all_reduce(store, name: str, abort: bool, via_ray: bool = F
     return results, started, aborted_at
 
 
-@pytest.mark.parametrize("via", ["handle", "ray.util.collective"])
+@pytest.mark.parametrize("via", ["handle", pytest.param("ray.util.collective", marks=pytest.mark.slow)])
 def test_an_abort_releases_the_survivors_of_a_silent_peer(store, via):
     """The group's timeout is 60 s and the test waits 30 s: only the abort can release them, as
     `CommAborted` (how fast it does is a figure of benchmarks/recovery.py, not a bound here)."""
@@ -143,12 +143,12 @@ def test_an_abort_releases_the_survivors_of_a_silent_peer(store, via):
     assert all(r["outcome"] == "CommAborted" for r in results)
 
 
+@pytest.mark.slow  # the default tier's test of its mechanism: docs/testing.md, "The slow tier"
 @pytest.mark.parametrize("via", ["handle", pytest.param("ray.util.collective", marks=pytest.mark.slow)])
 def test_without_abort_survivors_of_a_silent_peer_wait_for_the_timeout(store, via):
-    """The control case: nothing but the timeout frees them (so the test above measures the abort).
-    In the default tier through a handle's wait; a workload's `ray.util.collective` call waits on the
-    same group's handle (its abort case above holds a 60-s group timeout, so only the abort frees it),
-    and is in the slow tier."""
+    """The control case: nothing but the timeout frees them (so the test above measures the abort). In
+    the slow tier: the abort case above holds a 60-s group timeout and waits 30 s, so only the abort
+    frees it in time; the timeouts themselves are tested in process (tests/unit/test_comm_timeouts.py)."""
     results, started, _ = _silent_peer_mid_all_reduce(store, f"silent-noabort-{via}/e1", abort=False,
                                                       via_ray=via != "handle")
     waited = [r["at"] - started for r in results]
