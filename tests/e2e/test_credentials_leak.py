@@ -7,6 +7,7 @@ store is searched once the jobs have ended. The mechanism is Ray's and the OS's 
 logs), so the jobs are real ones on the test session's Ray."""
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -73,6 +74,10 @@ def test_storage_keys_in_the_uri_are_in_no_log_file_object_or_output(tmp_path, r
     for key in objects:
         data = bucket.read(key)
         leaks += [f"bucket {key}: {k.decode()}" for k in KEYS if k in data]
+        if key.endswith("coordinator.json") and json.loads(data).get("secret"):
+            leaks.append(f"bucket {key}: the rendezvous signing key")  # it stays on the node and in Ray's KV
+    leaks += [f"{d / 'coordinator.json'}: the rendezvous signing key (the mirror uploads the state file)"
+              for d in run_dirs if json.loads((d / "coordinator.json").read_text()).get("secret")]
     for key in _internal_kv_list("", namespace=KV_NAMESPACE):
         value = _internal_kv_get(key, namespace=KV_NAMESPACE) or b""
         leaks += [f"Ray KV {key!r} after the jobs ended: {k.decode()}" for k in KEYS

@@ -155,6 +155,7 @@ def test_the_coordinators_node_removed_it_restarts_on_another_node_from_s3(tmp_p
 ACCESS_KEY, SECRET_KEY = "AKIAEXAMPLELEAKCHECK1", "s3cr3t-value-that-must-never-be-stored"
 
 
+@pytest.mark.slow  # the default tier's test of its mechanism: docs/testing.md, "The slow tier"
 def test_credentials_in_the_storage_uri_leave_no_copy_anywhere(tmp_path, run_root, s3, capfd, monkeypatch):
     """`?access_key=...&secret_key=...` in the storage URI: the run works, and neither value is found in
     any file of the run folder, any object of the bucket, Ray's KV store, or the output. Nor is the
