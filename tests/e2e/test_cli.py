@@ -101,6 +101,7 @@ def test_status_and_stop_from_other_processes(tmp_path, run_root):
             run.kill()
 
 
+@pytest.mark.slow  # the default tier's test of its mechanism: docs/testing.md, "The slow tier"
 def test_user_workload_from_working_directory(tmp_path, ray_session):
     """Attached to this session's Ray (a run that starts a Ray of its own is the test below's): the
     workers, started by that Ray elsewhere, import the workload from the run's working directory."""

@@ -73,6 +73,7 @@ def test_sigkill_inside_allreduce_fails_the_job_at_once(run_root):
     assert_gone(pids)
 
 
+@pytest.mark.slow  # the default tier's test of its mechanism: docs/testing.md, "The slow tier"
 def test_external_sigkill_fails_the_job_at_once(run_root):
     job = make_job("external-kill", steps=100_000)
     job.wait_for(step=20, timeout=120)
