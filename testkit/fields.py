@@ -29,6 +29,11 @@ class ClassFields:
     bases: tuple[str, ...]
     lines: int
     writes: set[str] = field(default_factory=set)
+    declares: set[str] = field(default_factory=set)
+    """Fields declared in the class body (a dataclass's), besides those its methods assign."""
+    writes_into: set[str] = field(default_factory=set)
+    """Fields it assigns on other objects (`member.cause = ...`): each counts as a write of that field by every
+    class that declares it, the receiver's type being unknown here."""
 
 
 def _assigned(target: ast.expr) -> list[str]:
@@ -42,15 +47,38 @@ def _assigned(target: ast.expr) -> list[str]:
     return []
 
 
-def _writes(cls: ast.ClassDef) -> set[str]:
-    found: set[str] = set()
+def _targets(cls: ast.ClassDef) -> list[ast.expr]:
+    found: list[ast.expr] = []
     for node in ast.walk(cls):
         if isinstance(node, ast.Assign):
-            for target in node.targets:
-                found.update(_assigned(target))
+            found.extend(node.targets)
         elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
-            found.update(_assigned(node.target))
+            found.append(node.target)
     return found
+
+
+def _flat(target: ast.expr) -> list[ast.expr]:
+    if isinstance(target, (ast.Tuple, ast.List)):
+        return [t for element in target.elts for t in _flat(element)]
+    return [target.value] if isinstance(target, ast.Starred) else [target]
+
+
+def _writes(cls: ast.ClassDef) -> set[str]:
+    return {name for target in _targets(cls) for name in _assigned(target)}
+
+
+def _writes_into(cls: ast.ClassDef) -> set[str]:
+    """The fields the class's methods assign on objects other than `self` (a local's, a parameter's)."""
+    out = set()
+    for target in _targets(cls):
+        for t in _flat(target):
+            if isinstance(t, ast.Attribute) and not (isinstance(t.value, ast.Name) and t.value.id in ("self", "cls")):
+                out.add(t.attr)
+    return out
+
+
+def _declares(cls: ast.ClassDef) -> set[str]:
+    return {n.target.id for n in cls.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
 
 
 def _base_name(base: ast.expr) -> str:
@@ -70,7 +98,7 @@ def classes_in(paths: list[Path]) -> dict[str, ClassFields]:
             if isinstance(node, ast.ClassDef):
                 end = node.end_lineno or node.lineno
                 found[node.name] = ClassFields(node.name, path, tuple(_base_name(b) for b in node.bases),
-                                               end - node.lineno + 1, _writes(node))
+                                               end - node.lineno + 1, _writes(node), _declares(node), _writes_into(node))
     return found
 
 
@@ -87,11 +115,18 @@ def chain(name: str, classes: dict[str, ClassFields]) -> list[str]:
 
 
 def writers(name: str, classes: dict[str, ClassFields]) -> dict[str, list[str]]:
-    """Each field the class (with its bases) has, and every class of its chain that writes it."""
+    """Each field the class (with its bases) has, and every class that writes it: those of its chain that
+    assign it on `self`, and the other classes that assign a field of that name on another object, where the
+    class declares it (a record such as a dataclass, written from outside)."""
     out: dict[str, list[str]] = {}
     for member in chain(name, classes):
         for attr in sorted(classes[member].writes):
             out.setdefault(attr, []).append(member)
+    declared = {attr for member in chain(name, classes) for attr in classes[member].declares}
+    for attr in sorted(declared):
+        outside = [other for other, c in sorted(classes.items()) if attr in c.writes_into and other != name]
+        if outside:
+            out.setdefault(attr, []).extend(outside)
     return out
 
 
@@ -101,7 +136,7 @@ def violations(classes: dict[str, ClassFields], max_lines: int) -> list[str]:
         if cls.lines > max_lines:
             found.append(f"{name} ({cls.path}) is {cls.lines} lines, over {max_lines}")
         for attr, who in writers(name, classes).items():
-            if len(who) > 1 and who[0] == name:
+            if len(who) > 1 and (who[0] == name or attr in cls.declares):
                 found.append(f"{name}.{attr} has {len(who)} writers: {', '.join(who)}")
     return found
 

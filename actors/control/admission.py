@@ -111,7 +111,7 @@ class Admission:
             ready = [s for s in ready if book.members[s].state == S.READY]
         if joiners_start_stateless(self.kind, self._history().step(live)):
             for slot in ready:  # until it loads the committed state (or commits in its epoch)
-                book.members[slot].holds_state = slot == ready[0] and restore is not None
+                book.members[slot].holds(slot == ready[0] and restore is not None)
         self._reshape(live + tuple(ready), reason, detector, decided, joiners=tuple(ready))
         for slot in ready:
             self._start_run(book.members[slot])

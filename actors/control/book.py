@@ -162,14 +162,14 @@ class MembershipBook:
                            duration_s=record["time"] - reshape["decided_at"])
             for slot in reshape["joiners"]:
                 if slot in self.members and not self.kind.background_rounds:
-                    self.members[slot].holds_state = True
+                    self.members[slot].holds(True)
             closed.append(dict(reshape, cause=reshape.pop("reason")))
         return closed
 
     def state_received(self, slot: str, epoch: int, source: str, step: int) -> bool:
         """A joiner loaded the state of `source`: noted on the epoch's open reshapes; False when none is open."""
         if slot in self.members:
-            self.members[slot].holds_state = True
+            self.members[slot].holds(True)
         pending = [r for r in self.pending if r["membership_epoch"] == epoch]
         for reshape in pending:
             reshape["state_sources"][slot] = {"source": source, "step": step}

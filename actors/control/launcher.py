@@ -93,7 +93,7 @@ class Launcher:
         if not self._still_starting(member):
             return
         self.started += 1
-        member.incarnation = self.started
+        member.numbered(self.started)
         spec = self._spec_for(member.slot, member.incarnation)
         fired = self._fired()
         # A start would take the cores of a small node from the survivors of a departure while they
@@ -117,12 +117,9 @@ class Launcher:
                 return
         if self.book.members.get(member.slot) is not member or member.state != S.STARTING:
             return  # stopped or replaced meanwhile
-        member.waiting_for, member.unplaced = "", False
-        member.pid, member.node, member.node_id = info.pid, info.node, info.node_id
+        member.placed(info)
         self.book.note_model(info)
         member.move(S.READY)
-        member.store_port = info.store_port
-        member.lifeline = info.lifeline
         await self._admit()
 
     async def _start_failed(self, member: Member, err: Exception) -> None:
@@ -155,11 +152,11 @@ class Launcher:
                 if info is not None:
                     return info
                 continue  # the spare died idle: look again
-            member.waiting_for = "waiting for a hot spare to be ready"
+            member.waits("waiting for a hot spare to be ready")
             try:
                 await self.spares.changed()
             finally:
-                member.waiting_for = ""
+                member.waits()
         return None
 
     async def _new_actor(self, member: Member, spec: WorkerSpec) -> Any:
@@ -178,7 +175,7 @@ class Launcher:
         if not self._still_starting(member):
             self.group.kill(handle)
             return None
-        member.handle = handle
+        member.runs_in(handle)
         if self._watch is not None and self.book.plan is not None:  # a joiner (the first members: `first_members`)
             self._tasks.spawn(self._watch_placement(member, handle, self._watch))
         return handle
@@ -213,12 +210,12 @@ class Launcher:
         short = await placement.shortfall(handle, waiting)
         if short is None:
             return
-        member.unplaced, member.waiting_for = True, f"cannot be placed: it {short}"
+        member.waits(f"cannot be placed: it {short}", unplaced=True)
         self._note("unplaced", f"{member.slot} cannot be placed after {placement.grace_s:g}s: it {short}; it joins once "
                                f"Ray has room or a hot spare is ready", slot=member.slot,
                    asks={"CPU": placement.cpus, "GPU": placement.gpus})
         if await placement.placed(handle, waiting):
-            member.unplaced, member.waiting_for = False, ""
+            member.waits()
 
     async def first_members(self, starting: Callable[[bool, str], None]) -> tuple[str, ...]:
         """All `count` workers ready, or at least `min` after `start_grace_s`. Below `min` after
@@ -282,14 +279,14 @@ class Launcher:
         slot = member.slot
         if self.book.count_failure(slot, cause):
             self._first_retired_by = self._first_retired_by or cause
-            member.state, member.cause = S.RETIRED, self.book.retired[slot]
+            member.ends_before_training(S.RETIRED, self.book.retired[slot])
             if phase == "start":
                 self.book.depart(member, self.group.actor_id(member.handle))
                 self.group.kill(member.handle)
             self._note("retired", f"slot {slot} {self.book.retired[slot]}", slot=slot, failures=self.book.failures[slot])
             return True
         if phase == "start":
-            member.state, member.cause = S.FAILED, cause
+            member.ends_before_training(S.FAILED, cause)
             self.book.depart(member, self.group.actor_id(member.handle))
             self.group.kill(member.handle)  # its resources and its name go: the next start of the slot needs them
             self._note("failure", cause, slot=slot, detector="start", failures=self.book.failures[slot])

@@ -10,6 +10,7 @@ from typing import Any
 
 import ray
 
+from actors.messages import ReadyAnswer
 from actors.runs.storage import first_line
 from algorithms.rules.supervision import MEMBER_TRANSITIONS, MemberState, check_transition
 
@@ -60,6 +61,49 @@ class Member:
         check_transition(MEMBER_TRANSITIONS, self.state, to, f"member {self.slot}")
         self.state = to
 
+    # The coordinator's parts change a member only through these: each field has this one writer.
+    def ends_before_training(self, state: MemberState, cause: str) -> None:
+        """A start that failed or a slot retired, or a member a restarted coordinator found gone: it never
+        trained under this incarnation, so no transition of a live member applies."""
+        self.state, self.cause = state, cause
+
+    def says(self, cause: str) -> None:
+        """Why it is hung, retired, failed or dropped (`status` shows it)."""
+        self.cause = cause
+
+    def numbered(self, incarnation: int) -> None:
+        self.incarnation = incarnation
+
+    def runs_in(self, handle: Any, actor_name: str = "") -> None:
+        """Its worker is this actor (`actor_name` where it is not the slot's own: a hot spare it adopted)."""
+        self.handle, self.actor_name = handle, actor_name
+
+    def waits(self, waiting_for: str = "", unplaced: bool = False) -> None:
+        """What its start waits for that the user may need to know ("" once it does not)."""
+        self.waiting_for, self.unplaced = waiting_for, unplaced
+
+    def placed(self, answer: ReadyAnswer) -> None:
+        """Its worker answered ready: where its process runs and serves its group store."""
+        self.pid, self.node, self.node_id = answer.pid, answer.node, answer.node_id
+        self.store_port, self.lifeline = answer.store_port, answer.lifeline
+        self.waiting_for, self.unplaced = "", False
+
+    def holds(self, state: bool) -> None:
+        """Whether it holds a committed state of its own (a joiner once it loaded one)."""
+        self.holds_state = state
+
+    def reported(self, step: int, at: float, compute_s: float) -> None:
+        self.step, self.last_report, self.compute_s = step, at, compute_s
+
+    def evict(self, detector: str, cause: str) -> None:
+        self.evicted = (detector, cause)
+
+    def watched_by(self, task: asyncio.Task) -> None:
+        self.watch_task = task
+
+    def beaten_by(self, task: asyncio.Task) -> None:
+        self.beat_task = task
+
 
 @dataclass
 class Spare:
@@ -80,6 +124,18 @@ class Spare:
     @property
     def ready(self) -> bool:
         return self.ready_at is not None
+
+    def created(self, handle: Any) -> None:
+        self.handle = handle
+
+    def placed(self, answer: ReadyAnswer) -> None:
+        """Its actor answered ready: where its process runs."""
+        self.pid, self.node, self.node_id, self.ready_at = answer.pid, answer.node, answer.node_id, time.time()
+        self.unplaced = ""
+
+    def lacks(self, short: str) -> None:
+        """The cluster lacks what it asks (`status` says so)."""
+        self.unplaced = f"cannot be placed: it {short}"
 
     def status(self) -> dict:
         return {"name": self.name.rsplit("/", 1)[-1], "state": "ready" if self.ready else "starting", "pid": self.pid,

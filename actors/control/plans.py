@@ -110,7 +110,7 @@ class Plans:
             for slot in done.drop:  # not in any plan yet: nobody waits for them
                 member = self.book.members[slot]
                 member.move(S.LEFT)
-                member.cause = f"no longer wanted before it joined: {reason}"
+                member.says(f"no longer wanted before it joined: {reason}")
                 self.book.depart(member, self.group.actor_id(member.handle))
                 self.group.kill(member.handle)
             if done.drop:

@@ -98,7 +98,7 @@ async def reattach(saved: dict[str, Any], book: MembershipBook, group: WorkerGro
                         holds_state=was.get("holds_state", True) or bool(info and info.holds_state))
         book.members[slot] = member
         if info is None:
-            member.state, member.cause = S.DEAD, "gone while the coordinator was down"
+            member.ends_before_training(S.DEAD, "gone while the coordinator was down")
             book.depart(member, group.actor_id(handle))
             lost.append(slot)
             continue

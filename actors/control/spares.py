@@ -123,7 +123,7 @@ class SparePool:
             if spare not in self.spares:  # the job ended (or the spare was dropped) meanwhile
                 self.group.kill(handle)
                 return
-            spare.handle = handle
+            spare.created(handle)
             if self._placement is not None:
                 self._tasks.spawn(self._watch_placement(spare, self._placement))
             info = await self.group.ready(handle, ())  # no timeout, as for a worker: placed when there is room
@@ -135,8 +135,7 @@ class SparePool:
                 await asyncio.sleep(RETRY_AFTER_S)
                 self.fill()
             return
-        spare.pid, spare.node, spare.node_id, spare.ready_at = info.pid, info.node, info.node_id, time.time()
-        spare.unplaced = ""
+        spare.placed(info)
         self.wake()
 
     async def _watch_placement(self, spare: Spare, placement: PlacementWatch) -> None:
@@ -146,7 +145,7 @@ class SparePool:
         if short is None:
             return
         name = spare.status()["name"]
-        spare.unplaced = f"cannot be placed: it {short}"
+        spare.lacks(short)
         self._note("unplaced", f"hot spare {name} cannot be placed after {placement.grace_s:g}s: it {short}; it starts "
                                f"once Ray has room (a local Ray is sized for workers.max + workers.spares; on a "
                                f"cluster, add nodes or lower workers.spares)", spare=spare.name,
@@ -164,12 +163,12 @@ class SparePool:
         self.spares.remove(spare)
         self.fill_when_settled()
         before = member.handle, member.actor_name  # a new actor it started meanwhile, or none
-        member.handle, member.actor_name = spare.handle, spare.name
+        member.runs_in(spare.handle, spare.name)
         try:
             info = await self.group.adopt(spare.handle, spec, fired, timeout=ADOPT_TIMEOUT_S)
         except Exception as err:  # noqa: BLE001 - the spare died idle, or the replica could not be built
             self.group.kill(spare.handle)
-            member.handle, member.actor_name = before
+            member.runs_in(*before)
             self._note("info", f"hot spare {spare.status()['name']} could not become {member.slot}: {describe(err)}; "
                                f"starting a new worker", slot=member.slot)
             return None

@@ -107,7 +107,7 @@ class Supervisor:
             outcome = outcome if outcome.slot else dataclasses.replace(outcome, slot=member.slot)
             await self.outcomes.put((member, kind, outcome, time.time()))
         loop = asyncio.get_running_loop()
-        member.watch_task = self._tasks.spawn(watched())
+        member.watched_by(self._tasks.spawn(watched()))
         # on this node, its process's lifeline: the death known as the kill lands, not once Ray hears
         self.group.watch_exit(member.node, member.pid, member.lifeline,
                               on_end=lambda: self._call_soon(loop, self._lifeline_ended, member),
@@ -170,7 +170,7 @@ class Supervisor:
         """A member's report: its step and step time, and the stragglers among the training members
         (events on each change; a member's first steps say nothing about its speed)."""
         now = time.time()
-        member.step, member.last_report, member.compute_s = mark, now, compute_s
+        member.reported(mark, now, compute_s)
         if now - self._stragglers_at < STRAGGLER_EVERY_S:
             return
         self._stragglers_at = now
@@ -198,7 +198,7 @@ class Supervisor:
                 for member in chunk:
                     if member.state == S.TRAINING and member.evicted is None and \
                             (member.beat_task is None or member.beat_task.done()):
-                        member.beat_task = self._tasks.spawn(self._beat(member))
+                        member.beaten_by(self._tasks.spawn(self._beat(member)))
 
     async def _beat(self, member: Member) -> None:
         w = self.cfg.workers
@@ -259,7 +259,7 @@ class Supervisor:
         after the survivors' plan is out."""
         if member.state != S.TRAINING or member.evicted is not None:
             return
-        member.evicted = (detector, cause)
+        member.evict(detector, cause)
         self._note("info", f"evicting: {cause}", slot=member.slot, detector=detector)
         if not exiting:
             self.group.kill_process(member.node, member.pid)
@@ -286,7 +286,7 @@ class Supervisor:
         assert d.member is not None  # a member's end that is not ignored gets its new state
         member.move(d.member[1])
         if member.state == S.FINISHED and outcome.holds_state is False:
-            member.holds_state = False
+            member.holds(False)
             self._note("info", f"{member.slot} finished without a state of its own (no live member to receive one "
                                f"from): not one of the final model's replicas", slot=member.slot)
         if member.state in (S.LEFT, S.FINISHED):
@@ -295,7 +295,7 @@ class Supervisor:
             if d.finish:
                 await self.actions.finish()
             return
-        member.cause = cause
+        member.says(cause)
         detail = {"slot": member.slot, "detector": detector, "cause": outcome.error, "seen_at": seen,
                   "step": self._step(), "membership_epoch": self.book.epoch}
         if outcome.traceback:

@@ -40,6 +40,19 @@ def test_the_listing_finds_a_field_that_a_base_and_its_subclass_both_write(tmp_p
     assert violations(classes, max_lines=3) != violations(classes, max_lines=300)
 
 
+def test_the_listing_finds_a_records_field_written_from_two_other_classes(tmp_path):
+    """A record (a dataclass that declares its fields) that several parts write from outside has as many
+    writers: the shape of the coordinator's `Member` before its fields were written only by its methods."""
+    (tmp_path / "records.py").write_text(
+        "from dataclasses import dataclass\n\n@dataclass\nclass Record:\n    cause: str = ''\n"
+        "    def says(self, cause):\n        self.cause = cause\n\n"
+        "class Launcher:\n    def failed(self, record):\n        record.cause = 'start'\n\n"
+        "class Supervisor:\n    def ended(self, record):\n        record.says('died')\n")
+    classes = classes_in([tmp_path])
+    assert writers("Record", classes) == {"cause": ["Record", "Launcher"]}
+    assert violations(classes, max_lines=300) == ["Record.cause has 2 writers: Record, Launcher"]
+
+
 def _state(policy: str = "bsp") -> tuple[TrainingState, object]:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2))
