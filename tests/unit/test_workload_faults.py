@@ -208,19 +208,24 @@ def test_a_forward_failing_in_two_members_fails_the_job_with_its_line_and_traceb
     run(scenario())
 
 
+async def evaluated_at_step_3(coord, group: FakeWorkerGroup) -> None:
+    """Every member at step 3, whose record (rank 0's report) carries an evaluation: accuracy 0.5, eval_loss 1.2."""
+    plan = coord.book.plan
+    record = {"step": 3, "time": time.time(), "loss": 0.3, "world_size": len(plan.members),
+              "global_batch": plan.global_batch, "micro_steps": 1, "membership_epoch": plan.membership_epoch,
+              "bytes_sent": 3000, "metrics": {"accuracy": 0.5, "eval_loss": 1.2}}
+    for slot in plan.members:
+        group.current(slot).step = 3
+    await coord.report(Progress(plan.members[0], 3, plan.membership_epoch, time.time(), (record,), 0.01, mark=3))
+
+
 def test_a_stop_target_no_evaluation_returns_fails_the_job_at_the_first_evaluation(tmp_path):
     async def scenario():
         group = FakeWorkerGroup()
         cfg = config("target-typo", stop={"max_steps": 1000, "target": {"metric": "acuracy", "value": 0.9}})
         coord = await started(cfg, tmp_path, group)
         await group.commit(coord, 2)
-        plan = coord.book.plan
-        record = {"step": 3, "time": time.time(), "loss": 0.3, "world_size": len(plan.members),
-                  "global_batch": plan.global_batch, "micro_steps": 1, "membership_epoch": plan.membership_epoch,
-                  "bytes_sent": 3000, "metrics": {"accuracy": 0.5, "eval_loss": 1.2}}
-        for slot in plan.members:
-            group.current(slot).step = 3
-        await coord.report(Progress(plan.members[0], 3, plan.membership_epoch, time.time(), (record,), 0.01, mark=3))
+        await evaluated_at_step_3(coord, group)
         await until(lambda: coord.job.stop_kind == "FAILED", "the stop")
         await group.commit(coord, 1)
         assert await ended(coord) == JobState.FAILED
@@ -236,13 +241,7 @@ def test_an_evaluation_that_meets_the_stop_target_finishes_the_job_saying_so(tmp
         cfg = config("target-met", stop={"max_steps": 1000, "target": {"metric": "accuracy", "value": 0.4}})
         coord = await started(cfg, tmp_path, group)
         await group.commit(coord, 2)
-        plan = coord.book.plan
-        record = {"step": 3, "time": time.time(), "loss": 0.3, "world_size": len(plan.members),
-                  "global_batch": plan.global_batch, "micro_steps": 1, "membership_epoch": plan.membership_epoch,
-                  "bytes_sent": 3000, "metrics": {"accuracy": 0.5, "eval_loss": 1.2}}
-        for slot in plan.members:
-            group.current(slot).step = 3
-        await coord.report(Progress(plan.members[0], 3, plan.membership_epoch, time.time(), (record,), 0.01, mark=3))
+        await evaluated_at_step_3(coord, group)
         await until(lambda: coord.job.stop_kind == "FINISHED", "the stop")
         await group.commit(coord, 1)
         assert await ended(coord) == JobState.FINISHED
