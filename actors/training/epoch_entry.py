@@ -39,7 +39,7 @@ class EpochEntry:
                          reduce_bytes=largest_reduce(r.training.model, len(r.metrics.names)))
         r.joining()
         previous = r.trained_plan
-        algorithm, impl = r.policy.algorithm, r.policy.impl
+        algorithm = r.policy.algorithm
         try:
             comm = r.group.form(spec, plan, algorithm.entry.forms_group, functools.partial(self._superseded, plan))
             if comm is None:
@@ -51,10 +51,9 @@ class EpochEntry:
                 source = source if switched is None else switched
             if impl.commit_mark is None:
                 r.samples.forget()  # a step that failed everywhere is redone: its samples were not applied
-            elif r.training.step > impl.commit_mark and previous is not None:
-                mark = r.mark()  # local steps kept: the departed members' shares are lost
-                cursors = [r.training.mark_cursor + k * previous.global_batch for k in range(r.training.step - mark)]
-                r.samples.drop_departed(previous, plan, mark + 1, cursors, r.feed.ids_of, plan.rank_of(r.slot) == 0)
+            elif r.training.provisional(impl) and previous is not None:  # local steps kept: the departed members' shares are lost
+                r.samples.drop_departed(previous, plan, r.mark() + 1, r.training.provisional_cursors(impl, previous.global_batch),
+                                        r.feed.ids_of, plan.rank_of(r.slot) == 0)
             if rank == 0 and algorithm.entry.agrees_on_step:  # history takes the agreed step, and any it lacks
                 r.reporter.agree(plan.membership_epoch, r.mark(), plan.history_step)
         except CommError as err:

@@ -32,10 +32,6 @@ class SampleLedger:
         self._dropped = 0
         """Samples handed to departed members since the last record and counted as dropped."""
 
-    @property
-    def records(self) -> bool:
-        return self._file is not None
-
     def trained(self, step: int, ids: np.ndarray) -> None:
         """Step `step` trained `ids`; they count as applied once it commits."""
         if self._file is not None:

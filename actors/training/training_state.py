@@ -57,6 +57,10 @@ class TrainingState:
         """Whether local steps past the newest commit point are held (a periodic policy between rounds)."""
         return impl.commit_mark is not None and self.step > impl.commit_mark
 
+    def provisional_cursors(self, impl: AlgorithmImpl, global_batch: int) -> list[int]:
+        """The data cursors of the local steps past the newest commit point (trained `global_batch` apart)."""
+        return [self.mark_cursor + k * global_batch for k in range(self.step - self.mark(impl))]
+
     def advance(self, global_batch: int) -> None:
         """A step was applied: training moves on by one global batch."""
         self.step += 1
