@@ -70,6 +70,17 @@ def _step(impl, model, rank: int, step: int, n: int = 2, micro: int = 1):
     return vote
 
 
+def _both_ranks(run, members, comms) -> tuple[list[torch.Tensor], list[bool]]:
+    """`run(rank)` for both ranks at once, then the groups closed: each member's flat parameters, and whether
+    each ran on torch's reducer."""
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(run, range(2)))
+    engines = [impl.reducer is not None for _, impl in members]
+    for c in comms:
+        c.close()
+    return [torch.cat([p.detach().reshape(-1) for p in m.parameters()]) for m, _ in members], engines
+
+
 def _train(port: int, name: str, engine: str, steps: int = 3, micro: int = 1, bucket_mb: float = 25.0):
     comms = _groups(port, name)
     members = [_member(engine, c, r, bucket_mb=bucket_mb) for r, c in enumerate(comms)]
@@ -80,12 +91,8 @@ def _train(port: int, name: str, engine: str, steps: int = 3, micro: int = 1, bu
         for step in range(steps):
             votes[rank].append(_step(impl, model, rank, step, micro=micro))
 
-    with ThreadPoolExecutor(2) as pool:
-        list(pool.map(run, range(2)))
-    engines = [impl.reducer is not None for _, impl in members]
-    for c in comms:
-        c.close()
-    return [torch.cat([p.detach().reshape(-1) for p in m.parameters()]) for m, _ in members], votes, engines
+    params, engines = _both_ranks(run, members, comms)
+    return params, votes, engines
 
 
 @pytest.mark.parametrize("bucket_mb", [25.0, 0.004])
@@ -149,12 +156,8 @@ def _train_with_a_step_metric(port: int, name: str, engine: str, steps: int = 2)
             votes[rank].append(impl.finish_step(step, draft))
             impl.apply_update(step, 0.1)
 
-    with ThreadPoolExecutor(2) as pool:
-        list(pool.map(run, range(2)))
-    engines = [impl.reducer is not None for _, impl in members]
-    for c in comms:
-        c.close()
-    return [torch.cat([p.detach().reshape(-1) for p in m.parameters()]) for m, _ in members], votes, engines
+    params, engines = _both_ranks(run, members, comms)
+    return params, votes, engines
 
 
 def test_a_step_metric_learned_at_the_first_loss_rides_the_vote_of_either_engine(store_port):

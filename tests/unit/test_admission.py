@@ -174,17 +174,23 @@ def test_after_every_member_was_lost_the_first_joiner_starts_from_the_checkpoint
     asyncio.run(scenario())
 
 
+def every_member_lost_while_storing() -> Harness:
+    """w0, the only member, dead; the newest durable checkpoint at step 4 and a newer one still being stored."""
+    h = Harness()
+    h.start("w0")
+    h.book.members["w0"].state = S.DEAD
+    h.checkpoints.last = h.admission.restore = (4, "/runs/checkpoints/step-00000004.pt")
+    h.checkpoints.storing = asyncio.get_running_loop().create_future()
+    return h
+
+
 def test_a_checkpoint_still_being_stored_when_every_member_was_lost_is_the_one_restored():
     """Every member's death is known within milliseconds of the kill (the lifeline), often before the
     store of a checkpoint taken a few steps earlier has ended: the decision saw step 4 as the newest,
     the store of step 8 ends after it. The first joiner starts from step 8, not 4 (its four steps are
     not redone). Switched off (the decision's checkpoint taken as it was), it starts from step 4."""
     async def scenario():
-        h = Harness()
-        h.start("w0")
-        h.book.members["w0"].state = S.DEAD
-        h.checkpoints.last = h.admission.restore = (4, "/runs/checkpoints/step-00000004.pt")
-        h.checkpoints.storing = asyncio.get_running_loop().create_future()
+        h = every_member_lost_while_storing()
         h.member("w1", S.READY, ("replace w0", "replacement", 1.0))
         admitting = asyncio.get_running_loop().create_task(h.admission.admit())
         await asyncio.sleep(0)
@@ -201,11 +207,7 @@ def test_a_joiner_dropped_while_its_restore_is_read_is_never_admitted_and_the_ne
     waits for the store under way, a scale down drops w1 (actors/control/plans.py `Plans.converge`). No plan names
     the dropped w1 (its move to training would fail the job), and the restore stays for the next joiner."""
     async def scenario():
-        h = Harness()
-        h.start("w0")
-        h.book.members["w0"].state = S.DEAD
-        h.checkpoints.last = h.admission.restore = (4, "/runs/checkpoints/step-00000004.pt")
-        h.checkpoints.storing = asyncio.get_running_loop().create_future()
+        h = every_member_lost_while_storing()
         for slot in ("w1", "w2"):
             h.member(slot, S.READY, ("replace w0", "replacement", 1.0))
         admitting = asyncio.get_running_loop().create_task(h.admission.admit())

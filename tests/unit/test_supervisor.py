@@ -133,14 +133,20 @@ def test_a_later_death_that_pauses_the_job_drops_the_batchs_re_form():
     asyncio.run(scenario())
 
 
+async def first_batch_of_heartbeats(sup):
+    """The first outcomes the heartbeat loop gives (within 3 s); the loop is stopped after."""
+    beats = asyncio.get_running_loop().create_task(sup.heartbeats())
+    batch = await sup.outcomes.next(3.0)
+    beats.cancel()
+    return batch
+
+
 def test_a_member_that_does_not_answer_heartbeats_is_evicted_as_hung():
     async def scenario():
         sup, group, book, actions, notes = harness()
         sup.start()
         group.hang("w2")
-        beats = asyncio.get_running_loop().create_task(sup.heartbeats())
-        batch = await sup.outcomes.next(3.0)
-        beats.cancel()
+        batch = await first_batch_of_heartbeats(sup)
         assert [m.slot for m, *_ in batch] == ["w2"]
         await sup.handle(batch)
         assert book.members["w2"].state == S.HUNG and not group.current("w2").alive
@@ -158,9 +164,7 @@ def test_a_member_whose_step_computes_past_the_hang_timeout_is_evicted_by_step_p
         for slot, began in (("w0", now), ("w1", now), ("w2", now - 5.0), ("w3", now)):
             worker = group.current(slot)
             worker.phase, worker.phase_since, worker.step = "compute", began, 15
-        beats = asyncio.get_running_loop().create_task(sup.heartbeats())
-        batch = await sup.outcomes.next(3.0)
-        beats.cancel()
+        batch = await first_batch_of_heartbeats(sup)
         assert [m.slot for m, *_ in batch] == ["w2"]
         await sup.handle(batch)
         assert book.members["w2"].state == S.HUNG and not group.current("w2").alive
