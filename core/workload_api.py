@@ -5,7 +5,8 @@ with `model` (a torch module), `train_data` (a map-style dataset with a length),
 (a scalar tensor; or the loss with step metrics, `(loss, {name: number})` or `{"loss": loss, name:
 number}`: docs/workloads.md), and optionally `eval_data`, `evaluate(model, eval_data) -> dict` and
 `tokens_per_sample` (a sequence model's tokens in one sample: progress, status and the metrics then
-show tokens per second). `Workload` is a convenient container for it; any object with those
+show tokens per second) and `loss_tokens(batch)` (padded sequences: a step's loss is then the mean over
+its loss tokens). `Workload` is a convenient container for it; any object with those
 attributes works (`WorkloadLike` says which the worker requires). Torch is named for the type checker
 only: this module loads none."""
 from __future__ import annotations
@@ -41,3 +42,7 @@ class Workload:
     eval_data: torch.utils.data.Dataset | None = None
     evaluate: Callable[[torch.nn.Module, Any], dict] | None = None
     tokens_per_sample: int | None = None
+    loss_tokens: Callable[[Any], int] | None = None
+    """For padded sequences: how many tokens of a batch take a loss. With it, a step's loss is the mean
+    over the global batch's loss tokens (each member's loss, the mean over its own, weighed by its share
+    of them), not over its samples."""

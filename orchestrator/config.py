@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import os
+import sys
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -48,6 +49,10 @@ def config_from_dict(raw: Any, overrides: Overrides = ()) -> JobConfig:
         from algorithms.policies.optim import check_optimizer  # imports torch: only for a torch.optim name
 
         check_optimizer(config.optimizer)
+    if config.training.precision == "bf16" and config.optimizer.adam_family:
+        print(f"warning: training.precision: bf16 keeps {config.optimizer.name}'s weights and state in bfloat16, whose "
+              f"8-bit mantissa loses any update under 1/256 of a weight (at lr {config.optimizer.lr:g}, most of them: "
+              f"LayerNorm gains barely move); bf16-mixed keeps float32 weights", file=sys.stderr)
     if config.storage is not None and ("://" not in config.storage or config.storage.startswith("file://")):
         local = str(Path(config.storage.removeprefix("file://")).expanduser().resolve())
         if config.run_dir is not None and str(Path(config.run_dir).expanduser().resolve()) != local:

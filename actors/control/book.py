@@ -99,7 +99,8 @@ class MembershipBook:
         together at a step: no vote is reduced over all of them)."""
         self.version += 1
         w = self.cfg.workers
-        global_batch, lr_scale = batch_for(len(members), self.cfg.workload.batch_size, w.count, w.batch_mode)
+        global_batch, lr_scale = batch_for(len(members), self.cfg.workload.batch_size, w.count, w.batch_mode,
+                                            self.cfg.optimizer.resize_rule)
         previous = self.plan
         if previous is None or previous.members != members or new_epoch or self.kind.new_epoch_each_plan:
             self.epoch += 1

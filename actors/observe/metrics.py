@@ -52,6 +52,9 @@ METRICS = {m.name: m for m in (
     Metric("samples", "counter", "Samples in committed steps (the global batch of each)"),
     Metric("tokens", "counter", "Tokens in committed steps (workloads that count them: the language models)"),
     Metric("loss", "gauge", "Training loss of the newest committed step"),
+    Metric("grad_norm", "gauge", "The gradient's norm before clipping at the newest committed step (with "
+                                 "optimizer.clip_grad_norm or fp16-mixed)"),
+    Metric("skipped_updates", "gauge", "Updates skipped because their gradient was not finite (fp16-mixed), so far"),
     Metric("eval", "gauge", "Newest evaluation metric", ("metric",)),
     Metric("step_metric", "gauge", "A step metric the workload's loss returns beside the loss, as the newest "
                                    "committed step recorded it (aggregated over the members as the loss is)", ("metric",)),
@@ -182,7 +185,7 @@ class JobMetrics:
             sums[("samples",)] = sums.get(("samples",), 0) + batch * steps
             if record.get("tokens"):
                 sums[("tokens",)] = sums.get(("tokens",), 0) + int(record["tokens"]) * steps
-        for name in ("loss", "world_size", "membership_epoch"):
+        for name in ("loss", "world_size", "membership_epoch", "grad_norm", "skipped_updates"):
             if record.get(name) is not None:
                 newest[(name,)] = record[name]
         if record.get("consensus") is not None:

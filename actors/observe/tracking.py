@@ -224,7 +224,7 @@ class TensorBoard:
                 add(tag(f"eval/{name}"), float(value), step, walltime=when)
         for name, value in (record.get("step_metrics") or {}).items():
             add(tag(f"train/{name}"), float(value), step, walltime=when)
-        for name in ("world_size", "membership_epoch"):
+        for name in ("world_size", "membership_epoch", "grad_norm", "skipped_updates"):
             if record.get(name) is not None:
                 add(tag(name), float(record[name]), step, walltime=when)
         recent = self._recent.setdefault(slot, collections.deque())

@@ -393,7 +393,8 @@ class ServerHost:
                 "samples": update.samples, "staleness": list(update.staleness), "pushes": len(update.tickets),
                 "world_size": len(core.members), "membership_epoch": core.membership_epoch,
                 "global_batch": core.global_batch, "bytes_sent": self.bytes_sent,
-                "server_incarnation": core.incarnation, **({"barrier": update.barrier} if core.elastic else {})}
+                "server_incarnation": core.incarnation, **({"barrier": update.barrier} if core.elastic else {}),
+                **({"grad_norm": update.grad_norm} if update.grad_norm is not None else {})}
 
     def _open_samples(self, name: str = "server.txt"):
         if not self.cfg.faults.record_samples:

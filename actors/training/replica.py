@@ -35,7 +35,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, cast, runtime_checkable
 
 import torch
 
@@ -58,6 +58,7 @@ from actors.training.workload import build_workload, device_for, ray_blocks
 from actors.transport.comm import BaseCommunicator
 from algorithms.policies.base import EpochInfo
 from algorithms.policies.optim import build_optimizer
+from algorithms.policies.precision import Precision, guarded
 from core.schema import JobConfig, parse
 
 log = logging.getLogger(__name__)
@@ -101,9 +102,11 @@ class Replica:
         self.workload = workload if workload is not None else build_workload(cfg)
         model: torch.nn.Module = self.workload.model.to(self.device)
         model.train()
-        self.training = TrainingState(model, build_optimizer(model.parameters(), cfg.optimizer))
+        precision = Precision(cfg.training.precision, self.device.type)
+        self.training = TrainingState(model, guarded(build_optimizer(model, cfg.optimizer), cfg.optimizer.clip_grad_norm,
+                                                     precision), precision)
         self._gradients_at: float | None = None
-        self.policy = PolicyBinding.bind(cfg, model, self.training.optimizer, self._gradients_ready)
+        self.policy = PolicyBinding.bind(cfg, model, self._optimizer(), self._gradients_ready)
         self.metrics = StepMetrics(self._resize_vote)
         self.feed = BatchFeed(source_for(self.workload.train_data, cfg.seed, cfg.workload.on_bad_sample,
                                          functools.partial(ray_blocks, spec), self.policy.algorithm.kind),
@@ -241,9 +244,14 @@ class Replica:
         log.info("%s switches policy at step %d: %s -> %s", self.slot, self.training.step, self.policy.cfg.sync.policy,
                  cfg.sync.policy)
         self.policy.impl.detach()
-        self.policy = PolicyBinding.bind(cfg, self.training.model, self.training.optimizer, self._gradients_ready,
+        self.policy = PolicyBinding.bind(cfg, self.training.model, self._optimizer(), self._gradients_ready,
                                          len(self.metrics.names))
         self.policy.impl.start_at(self.training.step)  # e.g. a periodic policy's first committed state: this step's
+
+    def _optimizer(self) -> torch.optim.Optimizer:
+        """The optimizer the policies step: the training state's guard (clipping, fp16's loss scale), which
+        has torch's optimizer surface (`param_groups`, `state`, `step`, `zero_grad`, `state_dict`)."""
+        return cast(torch.optim.Optimizer, self.training.optimizer)
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> RunOutcome:

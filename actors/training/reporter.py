@@ -74,6 +74,10 @@ class StepRecord:
     policy_fields: dict[str, Any] = dataclasses.field(default_factory=dict)
     dropped: int = 0
     skipped: int = 0
+    grad_norm: float | None = None
+    """The gradient's norm before clipping, where the update measured it (clipping, a loss scale)."""
+    skipped_updates: int = 0
+    """Updates skipped so far because their gradient was not finite (fp16-mixed)."""
     time: float = dataclasses.field(default_factory=time.time)
 
 
@@ -180,6 +184,10 @@ class StepReporter:
             record["dropped_samples"] = rec.dropped
         if rec.skipped:
             record["skipped_samples"] = rec.skipped
+        if rec.grad_norm is not None:
+            record["grad_norm"] = rec.grad_norm
+        if rec.skipped_updates:
+            record["skipped_updates"] = rec.skipped_updates
         self.kept.append(record)
         reports = self.reports(plan, algorithm)
         if reports:

@@ -28,6 +28,7 @@ from algorithms.policies.base import StepVote, VoteDraft
 from algorithms.policies.optim import lr_at
 
 log = logging.getLogger(__name__)
+HALF = (torch.float16, torch.bfloat16)
 
 
 class StepRunner:
@@ -38,6 +39,8 @@ class StepRunner:
         self._tick = tick
         self._slot_index = int(replica.slot[1:])
         self._skips_bad = replica.policy.cfg.workload.on_bad_sample == "skip"
+        self._loss_tokens: Callable[[Any], int] | None = getattr(replica.workload, "loss_tokens", None)
+        """The workload counts each batch's loss tokens (padded text): a step's loss is then their mean."""
         self._waited = 0.0
         """Seconds the newest step waited on others: for its samples, the policy's lock, its collectives."""
         self._skipped = 0
@@ -72,19 +75,19 @@ class StepRunner:
         impl.begin_step(training.step, draft)  # the background kind waits here for its lock
         waited += time.perf_counter() - began
         try:
-            denominator = self._denominator(plan, len(dealt_ids), len(ids))
+            weights = self._weights(plan, len(dealt_ids), micro)
             impl.before_forward(training.step)  # a gossip exchange launches here (and may fail)
             for i, fetched in enumerate(micro):
-                n = len(fetched.ids)
                 impl.accumulating = i < len(micro) - 1
-                weight = n / denominator  # each sample counts 1/B (shares) or 1/n_i (own mean), however split
+                weight = weights[i]  # each sample counts 1/B (shares) or 1/n_i (own mean), however split
                 loss, metrics = self._loss(fetched.batch)
-                scaled = loss * weight
+                scaled = (loss.float() if loss.dtype in HALF else loss) * weight  # a half loss, scaled in float32
                 share = scaled.detach()  # before the backward that may launch the vote
                 draft.loss = share if i == 0 else draft.loss + share
                 draft.extras = r.metrics.weighted(metrics, weight, draft.extras if i else None, r.workload.loss,
                                                   training.step + 1)
-                impl.backward(scaled)
+                multiplier = training.optimizer.loss_multiplier  # fp16's loss scale: unscaled at the update
+                impl.backward(scaled * multiplier if multiplier != 1.0 else scaled)
             impl.end_backward(training.step)
             if r.gradients_at() is None:
                 r.enter_phase("communicate")
@@ -115,35 +118,47 @@ class StepRunner:
         loss that is not a scalar, leaves as a `WorkloadBug` (actors/training/user_code.py)."""
         r = self._r
         loss_fn, step = r.workload.loss, r.training.step + 1
-        returned = user_call("loss", loss_fn, r.training.model, batch, step=step)
+        with r.training.precision.forward():  # autocast in the mixed modes
+            returned = user_call("loss", loss_fn, r.training.model, batch, step=step)
         with contract("loss", loss_fn, step):
             loss, metrics = split_loss(returned)
             require_scalar(loss)
         return loss, metrics
 
-    def _denominator(self, plan: Plan, dealt: int, read: int) -> float:
-        """What each sample's loss is divided by, so that the step's gradient is the mean over the samples
-        read: this member's own (the kinds whose members update their own replica), else the global
-        batch's. With `workload.on_bad_sample: skip` a member reads fewer than it was dealt, and the
-        global batch's samples read are counted over the group (one all-reduce of a number a step, only
-        then); a server kind's member, which pushes alone, counts its share as dealt, its read samples'
-        mean within it."""
+    def _weights(self, plan: Plan, dealt: int, micro: list[Any]) -> list[float]:
+        """What each micro-batch's loss (its mean) is multiplied by, so that the step's gradient is the
+        mean over the samples read, or, where the workload counts loss tokens (`loss_tokens`: padded
+        text), over the loss tokens read: each micro-batch weighs its samples (tokens) over the
+        denominator. That is this member's own count for the kinds whose members update their own
+        replica; the global batch's for the kinds that reduce every step, counted over the group (one
+        all-reduce of two numbers a step, only with `workload.on_bad_sample: skip` or loss tokens: else
+        it is the plan's global batch); a server kind's member, which pushes alone, weighs its share by
+        the samples dealt to it and its samples (tokens) by their mean within it."""
         self._skipped = 0
         algorithm = self._r.policy.algorithm
+        counts = [self._loss_tokens(m.batch) if self._loss_tokens else len(m.ids) for m in micro]
+        read, local = sum(len(m.ids) for m in micro), sum(counts)
+        denominator: float
         if algorithm.local_mean:
-            return max(read, 1)
-        if not self._skips_bad:
-            return plan.global_batch
-        if not algorithm.kind.reduces_every_step:
-            return plan.global_batch * read / max(dealt, 1)
+            denominator = max(local, 1)
+        elif not (self._skips_bad or self._loss_tokens):
+            denominator = plan.global_batch
+        elif not algorithm.kind.reduces_every_step:
+            denominator = plan.global_batch * local / max(dealt, 1)
+        else:
+            total_read, total = self._over_group(plan, read, local)
+            self._skipped = plan.global_batch - total_read
+            denominator = max(total, 1)
+        return [count / denominator for count in counts]
+
+    def _over_group(self, plan: Plan, read: int, counted: int) -> tuple[int, int]:
+        """(samples read, samples or tokens counted) summed over the plan's members."""
         comm = self._r.group.comm
-        total = read
-        if len(plan.members) > 1 and isinstance(comm, Reducing):
-            count = torch.tensor([float(read)], device=comm.device)
-            comm.all_reduce(count, "sum").wait()
-            total = int(round(float(count[0])))
-        self._skipped = plan.global_batch - total
-        return max(total, 1)
+        if len(plan.members) == 1 or not isinstance(comm, Reducing):
+            return read, counted
+        sums = torch.tensor([float(read), float(counted)], device=comm.device)  # exact below 2^24
+        comm.all_reduce(sums, "sum").wait()
+        return int(round(float(sums[0]))), int(round(float(sums[1])))
 
     def sync(self, plan: Plan) -> bool:
         """A periodic round: its vote is the commit point of the local steps since the last one."""
@@ -188,7 +203,9 @@ class StepRunner:
             bytes_sent=r.group.bytes_sent(impl), lr=training.optimizer.param_groups[0]["lr"],
             step_time=time.perf_counter() - started, wait_s=self._waited, samples=vote.samples, prev=prev,
             provisional=impl.commit_mark is not None, step_metrics=r.metrics.named(vote.extras) if vote.extras else {},
-            policy_fields=impl.record_fields(), dropped=r.samples.take_dropped(), skipped=self._skipped)
+            policy_fields=impl.record_fields(), dropped=r.samples.take_dropped(), skipped=self._skipped,
+            grad_norm=None if training.optimizer.grad_norm is None else float(training.optimizer.grad_norm),
+            skipped_updates=training.optimizer.skipped)
         r.reporter.record(record, algorithm, training.model, impl, lambda: (training.step, r.mark()))
         r.reporter.maybe_checkpoint(plan, algorithm, prev, training.step, r.mark(), r.committed.state_bytes)
         r.group.settle()  # off the next re-form's path, now that this one's first step is done

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from algorithms.policies.base import AlgorithmImpl
+from algorithms.policies.precision import GuardedOptimizer, Precision
 
 
 def checksum(tensors: Iterable[torch.Tensor]) -> int:
@@ -35,9 +36,11 @@ class TrainingState:
     """The model and optimizer, where training stands (`step`, `cursor`) and the newest commit point
     (`mark(impl)`, `mark_cursor`)."""
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    def __init__(self, model: torch.nn.Module, optimizer: GuardedOptimizer, precision: Precision) -> None:
         self.model = model
         self.optimizer = optimizer
+        """The configured optimizer behind the loss scale and the clipping (algorithms/policies/precision.py)."""
+        self.precision = precision
         self.param_names = [n for n, p in model.named_parameters() if p.requires_grad]
         self.step = 0
         self.cursor = 0
@@ -102,7 +105,8 @@ class TrainingState:
         if committed is not None:
             model.update({name: t.detach().clone() for name, t in zip(self.param_names, committed)})
         buf = io.BytesIO()
-        torch.save({"model": model, "optimizer": self.optimizer.state_dict(), "step": self.mark(impl),
+        torch.save({"model": model, "optimizer": self.optimizer.state_dict(), "precision": self.optimizer.precision_state(),
+                    "step": self.mark(impl),
                     "cursor": self.mark_cursor, "algorithm": impl.state_dict(),
                     "rng": {"torch": torch.get_rng_state()}, **carried}, buf)
         return buf.getvalue()
@@ -111,6 +115,7 @@ class TrainingState:
         """Take a saved committed state (`read_state`) under the policy `impl` (the one it was saved under)."""
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
+        self.optimizer.load_precision_state(state.get("precision", {}))
         impl.load_state_dict(state["algorithm"])
         self.step, self.cursor = int(state["step"]), int(state["cursor"])
         self.mark_cursor = self.cursor

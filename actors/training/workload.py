@@ -26,7 +26,10 @@ def build_workload(cfg: JobConfig) -> WorkloadLike:
     """The job's workload from its factory, after seeding: identical initial replicas everywhere
     (verified by checksum at the first plan). What the factory raises leaves as a `WorkloadBug`."""
     torch.manual_seed(cfg.seed)
-    return user_code.call("factory", check_factory(cfg.workload.factory), **cfg.workload.params)
+    workload = user_code.call("factory", check_factory(cfg.workload.factory), **cfg.workload.params)
+    if cfg.training.precision == "bf16":  # the model itself in bfloat16 (the mixed modes keep float32 weights)
+        workload.model.to(torch.bfloat16)
+    return workload
 
 
 def split_loss(returned: Any) -> tuple[Any, dict[str, Any]]:
@@ -83,7 +86,7 @@ def time_steps(cfg: JobConfig, device: torch.device, steps: int = 12, warmup: in
     with `layout` each trainable parameter's (element count, dtype name), in the model's order."""
     workload = build_workload(cfg)
     model = workload.model.to(device)
-    optimizer = build_optimizer(model.parameters(), cfg.optimizer)
+    optimizer = build_optimizer(model, cfg.optimizer)
     source = source_for(workload.train_data, cfg.seed)
     size = cfg.workload.batch_size
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -122,7 +125,7 @@ def warm_up(cfg: JobConfig, workload: Any) -> None:
     torch._dynamo: 1.4 s here; the policy's modules), and what its first step would pay on first use
     (the sampler's first permutation imports numpy.random: 10-13 ms here, on the joiner's
     first step, which the members wait for): a hot spare pays it before it is needed."""
-    build_optimizer(workload.model.parameters(), cfg.optimizer)
+    build_optimizer(workload.model, cfg.optimizer)
     get_algorithm(cfg.sync.policy)(cfg.sync, cfg.compression)
     GlobalSampler(1, cfg.seed).draw(0)
 

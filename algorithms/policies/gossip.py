@@ -66,6 +66,7 @@ import torch
 
 from algorithms.policies.base import Algorithm, AlgorithmImpl, EpochInfo, StepVote, VoteDraft, register
 from algorithms.policies.compression import Codec, get_codec
+from algorithms.policies.optim import weight_decay_of
 from algorithms.rules.kinds import DECENTRALIZED
 from algorithms.rules.topologies import Row, TopologyError, get_topology
 from core.comm_api import Communicator
@@ -318,10 +319,13 @@ class DAdamImpl(GossipImpl):
     def __init__(self, algorithm: Algorithm, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         super().__init__(algorithm, model, optimizer)
         group = optimizer.param_groups[0]
-        self.betas, self.eps, self.wd = group["betas"], group["eps"], group["weight_decay"]
+        self.betas, self.eps = group["betas"], group["eps"]
         self.k = int(self.config.k)
         self.t = 0
         dim = sum(p.numel() for p in self.params)
+        self.wd = torch.cat([torch.full((p.numel(),), decay, dtype=self.dtype) for p, decay in
+                             zip(self.params, weight_decay_of(optimizer, self.params))]) if dim else torch.zeros(0)
+        """Each element's weight decay, from its parameter's group (the no-decay groups)."""
         self.m = torch.zeros(dim, dtype=self.dtype)
         self.v = torch.zeros(dim, dtype=self.dtype)
         self.window = torch.zeros(dim, dtype=self.dtype)

@@ -12,6 +12,7 @@ on reshape, when the config asks for it).
 from __future__ import annotations
 
 import collections
+import fnmatch
 import inspect
 import math
 from collections.abc import Callable, Iterable, Sequence
@@ -19,20 +20,71 @@ from typing import Any, cast
 
 import torch
 
-from core.schema import BUILT_IN_OPTIMIZERS, ConfigError, LearningRate, Optimizer, TorchOptimizerConfig
+from core.schema import BUILT_IN_OPTIMIZERS, ConfigError, LearningRate, Optimizer, OptimizerConfig, TorchOptimizerConfig
 from core.schema.errors import nearest
 
 
-def build_optimizer(params: Iterable[torch.Tensor], cfg: Optimizer):
+def build_optimizer(model: torch.nn.Module | Iterable[torch.Tensor], cfg: Optimizer):
     """`sgd`: this module's `SGD` (torch's rule on flat buffers); `adamw`: torch's AdamW; any other name:
-    that torch.optim class with the config's arguments (checked at load: `check_optimizer`)."""
-    params = list(params)
+    that torch.optim class with the config's arguments (checked at load: `check_optimizer`). Given a
+    model, its trainable parameters in the weight-decay groups `parameter_groups` makes; given tensors
+    (a parameter server's flat shards), one group."""
+    groups: list[dict[str, Any]] = parameter_groups(model, cfg) if isinstance(model, torch.nn.Module) \
+        else [{"params": list(model)}]
     if isinstance(cfg, TorchOptimizerConfig):
-        return optimizer_class(cfg.name)(params, lr=cfg.lr, **cfg.args)
+        return optimizer_class(cfg.name)(groups, lr=cfg.lr, **cfg.args)
     if cfg.name == "sgd":
-        return SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay, nesterov=cfg.nesterov)
-    return torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
-                             foreach=False)
+        return SGD(groups, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay, nesterov=cfg.nesterov)
+    device = groups[0]["params"][0].device
+    kernel = cfg.implementation if cfg.implementation != "auto" else ("fused" if device.type == "cuda" else "loop")
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
+                             foreach=kernel == "foreach", fused=True if kernel == "fused" else None)
+
+
+NORMS = (torch.nn.LayerNorm, torch.nn.GroupNorm, torch.nn.LocalResponseNorm, torch.nn.modules.batchnorm._NormBase,
+         *((torch.nn.RMSNorm,) if hasattr(torch.nn, "RMSNorm") else ()))
+
+
+def _exempt_by_default(model: torch.nn.Module) -> set[int]:
+    """The parameters the usual transformer groups keep from weight decay: every bias and every other
+    one-dimensional parameter (gains), every parameter of a normalization layer (torch's, or any module
+    whose class name ends in `Norm`: Hugging Face's LlamaRMSNorm, T5LayerNorm), every embedding (and the
+    output layer tied to it: the same parameter), and those the model names itself in
+    `no_weight_decay()` (timm's convention: a position table held as a bare parameter)."""
+    exempt = {id(p) for p in model.parameters() if p.dim() < 2}
+    named = getattr(model, "no_weight_decay", None)
+    if callable(named):
+        exempt |= {id(p) for n, p in model.named_parameters() if n in set(named())}
+    for module in model.modules():
+        if isinstance(module, (*NORMS, torch.nn.Embedding)) or type(module).__name__.endswith("Norm"):
+            exempt |= {id(p) for p in module.parameters(recurse=False)}
+    return exempt
+
+
+def parameter_groups(model: torch.nn.Module, cfg: Optimizer) -> list[dict[str, Any]]:
+    """The model's trainable parameters (each once, in the model's order) as the optimizer's groups: one,
+    or, where `optimizer.no_decay` exempts some from a positive weight decay, the decayed ones then the
+    exempt ones with `weight_decay: 0`. `no_decay` unset exempts `_exempt_by_default`'s for the Adam
+    family (AdamW's decoupled decay is the transformer's) and none for the others (SGD's decay is an
+    L2 term on every weight, as torch's default); `[]` none; a list of `fnmatch` patterns the
+    parameters whose names match one."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    decay = cfg.weight_decay if isinstance(cfg, OptimizerConfig) else cfg.args.get("weight_decay", 0.0)
+    patterns = cfg.no_decay
+    if not decay or patterns == [] or (patterns is None and not cfg.adam_family):
+        return [{"params": [p for _, p in named]}]
+    exempt = _exempt_by_default(model) if patterns is None else \
+        {id(p) for n, p in named if any(fnmatch.fnmatchcase(n, pat) for pat in patterns)}
+    groups: list[dict[str, Any]] = [{"params": [p for _, p in named if id(p) not in exempt]},
+                                    {"params": [p for _, p in named if id(p) in exempt], "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
+
+
+def weight_decay_of(optimizer: Any, params: Sequence[torch.Tensor]) -> list[float]:
+    """Each of `params`'s weight decay in `optimizer`'s groups: what a policy that applies Adam's rule
+    itself (qadam, dadam) decays each parameter by."""
+    by_param = {id(p): float(g["weight_decay"]) for g in optimizer.param_groups for p in g["params"]}
+    return [by_param[id(p)] for p in params]
 
 
 def torch_optimizers() -> list[str]:
@@ -136,18 +188,20 @@ class SGD:
     again. Where gradients are not laid out so (the first step, separate tensors) it steps per
     tensor, as torch does. `state_dict()` has torch's format, so either optimizer loads the other's."""
 
-    def __init__(self, params: Iterable[torch.Tensor], lr: float, momentum: float = 0.0, dampening: float = 0.0,
+    def __init__(self, params: Iterable[torch.Tensor] | Iterable[dict[str, Any]], lr: float, momentum: float = 0.0, dampening: float = 0.0,
                  weight_decay: float = 0.0, nesterov: bool = False) -> None:
         if lr < 0.0 or momentum < 0.0 or weight_decay < 0.0:
             raise ValueError(f"SGD: lr, momentum and weight_decay must be >= 0 (got {lr}, {momentum}, {weight_decay})")
         if nesterov and (momentum <= 0 or dampening != 0):
             raise ValueError("SGD: Nesterov momentum requires a momentum and zero dampening")
-        params = list(params)
-        if not params:
+        given = list(params)
+        if not given:
             raise ValueError("SGD: got an empty parameter list")
+        groups = cast(list[dict[str, Any]], given) if isinstance(given[0], dict) else [{"params": given}]
         self.defaults: dict[str, Any] = {"lr": lr, "momentum": momentum, "dampening": dampening, "weight_decay": weight_decay,
                          "nesterov": nesterov, "maximize": False, "foreach": False, "differentiable": False, "fused": None}
-        self.param_groups: list[dict[str, Any]] = [{**self.defaults, "params": params}]  # as torch's optimizers
+        self.param_groups: list[dict[str, Any]] = [{**self.defaults, **g, "params": list(g["params"])}
+                                                   for g in groups]  # as torch's optimizers
         self.state: collections.defaultdict = collections.defaultdict(dict)
         self._key: list | None = None
         self._runs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, list[torch.nn.Parameter]]] = []

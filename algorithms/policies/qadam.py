@@ -25,6 +25,7 @@ import torch
 
 from algorithms.policies.allreduce import AllReduce, AllReduceImpl
 from algorithms.policies.base import Algorithm, EpochInfo, VoteDraft, register
+from algorithms.policies.optim import weight_decay_of
 from algorithms.policies.scatter_gather import ScatterGather
 from core.comm_api import Communicator
 
@@ -91,7 +92,8 @@ class QAdamImpl(AllReduceImpl):
             return super().apply_update(step, lr)
         assert self.v is not None  # set together with m
         group = self.optimizer.param_groups[0]
-        (beta1, beta2), eps, decay = group["betas"], group["eps"], group["weight_decay"]
+        (beta1, beta2), eps = group["betas"], group["eps"]
+        decays = weight_decay_of(self.optimizer, self.params)  # each parameter's group's (no-decay groups)
         self.t += 1
         if self.comm is None:  # alone: no peers to agree with, the rule on the local gradient
             self._sent = self._momentum_shares(1)
@@ -103,7 +105,7 @@ class QAdamImpl(AllReduceImpl):
                 offset = 0
                 for i in members:
                     p = self.params[i]
-                    p.mul_(1 - lr * decay)
+                    p.mul_(1 - lr * decays[i])
                     p.add_(update[offset:offset + p.numel()].view_as(p), alpha=-lr)
                     offset += p.numel()
 

@@ -341,7 +341,8 @@ class ServerCore:
         for ticket in tickets:
             self.leases.close(ticket, "applied")
         self.version += 1
-        return Update(self.version, lr, scale * sum(p["loss"] for p in pushes), samples, tuple(tickets), staleness)
+        return Update(self.version, lr, scale * sum(p["loss"] for p in pushes), samples, tuple(tickets), staleness,
+                      grad_norm=self.model.grad_norm)
 
     def end(self) -> None:
         """The job is over: pushes still staged for a clock that will never be applied are dropped, and

@@ -65,6 +65,8 @@ class Update:
     staleness: tuple[int, ...]
     barrier: int | None = None
     """elastic_bsp: the index of the barrier this update is (None: a single push applied as in ASP)."""
+    grad_norm: float | None = None
+    """The norm of the gradient it applied, before clipping (with `optimizer.clip_grad_norm`)."""
 
 
 @dataclass(frozen=True)

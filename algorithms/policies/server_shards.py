@@ -43,6 +43,10 @@ class ShardedParameters:
         self._total = torch.empty(self.numel)
         """Where an update's pushes are summed and scaled."""
         self.optimizers = [build_optimizer([shard], optimizer) for shard in self.shards]
+        self.clip = optimizer.clip_grad_norm
+        """`optimizer.clip_grad_norm`: the update's whole gradient is clipped to it, across the shards."""
+        self.grad_norm: float | None = None
+        """The newest update's gradient norm before clipping (with clipping)."""
 
     def parameters(self, out: torch.Tensor | None = None) -> torch.Tensor:
         """The flat parameter vector (a copy; into `out` when given)."""
@@ -58,6 +62,11 @@ class ShardedParameters:
             for grad in grads[1:]:
                 total += grad
             total *= scale
+        if self.clip is not None:  # the gradient this update applies, as clip_grad_norm_ clips one tensor
+            norm = float(torch.linalg.vector_norm(total))
+            self.grad_norm = norm
+            if norm + 1e-6 > self.clip:
+                total *= self.clip / (norm + 1e-6)
         for shard, opt, (a, b) in zip(self.shards, self.optimizers, self.bounds):
             shard.grad = total[a:b]
             set_lr(opt, lr)

@@ -7,6 +7,7 @@ so every rule is unit-tested in milliseconds.
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -75,14 +76,16 @@ def placement_shortfall(cpus: float, gpus: float, free: Mapping[str, float]) -> 
             + " free")
 
 
-def batch_for(world: int, per_worker: int, initial_world: int, mode: str) -> tuple[int, float]:
+def batch_for(world: int, per_worker: int, initial_world: int, mode: str, lr_rule: str = "linear") -> tuple[int, float]:
     """(global batch, LR scale) at this world size.
 
     keep_global: the global batch of the initial world; each worker's share adjusts, LR unchanged.
-    keep_worker: each worker keeps its batch; the LR scales linearly with the world size.
+    keep_worker: each worker keeps its batch; the LR follows the global batch by `lr_rule` (the
+    optimizer's `resize_rule`): `linear` in the world size (SGD's), `sqrt` (Adam's), or `none`.
     """
     if mode == "keep_worker":
-        return per_worker * world, world / initial_world
+        ratio = world / initial_world
+        return per_worker * world, {"linear": ratio, "sqrt": math.sqrt(ratio), "none": 1.0}[lr_rule]
     return per_worker * initial_world, 1.0
 
 

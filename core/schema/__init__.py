@@ -59,17 +59,19 @@ from core.schema.status import TERMINAL_STATES, Event, JobResult, JobState, JobS
 from core.schema.training import CODECS, CheckpointConfig, CompressionConfig, ServerConfig, StopConfig, TargetConfig, TrackingConfig
 from core.schema.workload import (
     BUILT_IN_OPTIMIZERS,
+    PRECISIONS,
     LearningRate,
     LoaderConfig,
     Optimizer,
     OptimizerConfig,
     TorchOptimizerConfig,
+    TrainingConfig,
     WorkersConfig,
     WorkloadConfig,
 )
 
 __all__ = [
-    "BUILT_IN_OPTIMIZERS", "LearningRate", "Optimizer", "TorchOptimizerConfig",
+    "BUILT_IN_OPTIMIZERS", "LearningRate", "Optimizer", "PRECISIONS", "TorchOptimizerConfig", "TrainingConfig",
     "ASPConfig", "AutoConfig", "BSPConfig", "BytegradConfig", "CODECS", "COMPRESSING_POLICIES", "CheckpointConfig",
     "ChocoConfig", "CommConfig", "CompressionConfig", "ConfigError", "CoordinatorFault", "DAdamConfig", "DPSGDConfig",
     "DelayedPush", "DiLoCoConfig", "ElasticBSPConfig", "Event", "FaultsConfig", "FieldError", "JitterSpec", "JobConfig",

@@ -12,7 +12,7 @@ from core.schema.network import CommConfig, NetworkConfig, RayConfig
 from core.schema.parser import SYSTEM_SET
 from core.schema.policies import COMPRESSING_POLICIES, NOT_WIRED, SERVER_POLICIES, BSPConfig, QuorumConfig, SyncConfig
 from core.schema.training import CheckpointConfig, CompressionConfig, ServerConfig, StopConfig, TrackingConfig
-from core.schema.workload import Optimizer, OptimizerConfig, TorchOptimizerConfig, WorkersConfig, WorkloadConfig
+from core.schema.workload import Optimizer, OptimizerConfig, TorchOptimizerConfig, TrainingConfig, WorkersConfig, WorkloadConfig
 
 
 @dataclass
@@ -24,6 +24,7 @@ class JobConfig:
     workers: WorkersConfig = field(default_factory=WorkersConfig)
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
     optimizer: Optimizer = field(default_factory=OptimizerConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
     sync: SyncConfig = field(default_factory=BSPConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     compression: CompressionConfig = field(default_factory=CompressionConfig)
@@ -71,6 +72,14 @@ class JobConfig:
                                                f"cut anywhere in the flat parameters, which gives one buffer's update "
                                                f"for elementwise rules only: use sgd or adamw there, or a policy that "
                                                f"updates on the workers (bsp, local_sgd, dpsgd, ...)")
+        if self.optimizer.clip_grad_norm is not None and self.sync.policy == "qadam":
+            raise FieldError("optimizer.clip_grad_norm", "qadam sends a momentum built from each member's local gradient "
+                                                         "before the update, where no clipping applies: use bsp (which "
+                                                         "clips the reduced gradient) or leave it unset")
+        if self.training.precision == "fp16-mixed" and self.sync.policy in SERVER_POLICIES:
+            raise FieldError("training.precision", f"fp16-mixed scales each member's loss and skips an update whose "
+                                                   f"gradient overflows, and {self.sync.policy!r} applies its updates on the "
+                                                   f"parameter server: use bf16-mixed (no loss scale) there")
         if self.compression.codec != "none" and self.sync.policy not in COMPRESSING_POLICIES:
             raise FieldError("compression.codec", f"policy {self.sync.policy!r} does not compress yet; "
                                                   f"{', '.join(COMPRESSING_POLICIES)} do")

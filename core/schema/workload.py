@@ -157,12 +157,41 @@ class LearningRate:
     warmup_steps: int = 0
     min_lr: float = 0.0
     """Floor of the cosine schedule."""
+    clip_grad_norm: float | None = None
+    """Clip the gradient to this L2 norm before each update (None: never): for the kinds that reduce every
+    step, the reduced gradient (the same on every member, what `torch.nn.utils.clip_grad_norm_` does over
+    the global batch); for the periodic, decentralized and background kinds each local step's gradient;
+    for the server kinds the gradient the parameter server applies."""
+    no_decay: list[str] | None = None
+    """Parameters that take no weight decay, as `fnmatch` patterns of their names (`["*.bias"]`); `[]`: every
+    parameter decays; unset: for the Adam family every bias, normalization layer and embedding is exempt
+    (the usual transformer groups), for the others none (an L2 term on every weight, torch's default).
+    Only matters with a positive weight decay."""
+    lr_scaling: Literal["auto", "linear", "sqrt", "none"] = "auto"
+    """How the learning rate follows the world size under `workers.batch_mode: keep_worker` (the global
+    batch grows and shrinks with it): `linear` (the SGD rule), `sqrt` (the Adam rule), `none`; `auto` takes
+    `sqrt` for the Adam family (adamw, Adam, NAdam, RAdam, Adamax) and `linear` for the others."""
 
     def __post_init__(self) -> None:
         if self.lr <= 0:
             raise FieldError("lr", f"must be positive, got {self.lr}")
         if self.warmup_steps < 0:
             raise FieldError("warmup_steps", f"must not be negative, got {self.warmup_steps}")
+        if self.clip_grad_norm is not None and not (0 < self.clip_grad_norm < math.inf):
+            raise FieldError("clip_grad_norm", f"must be a positive finite norm, got {self.clip_grad_norm}")
+
+    @property
+    def adam_family(self) -> bool:
+        """Whether the optimizer adapts per coordinate (Adam's second moment): its step size barely
+        follows the gradient's scale, so a larger batch takes a square-root learning-rate rule."""
+        return self.name.removeprefix("torch.optim.").lower() in ("adamw", "adam", "nadam", "radam", "adamax")
+
+    @property
+    def resize_rule(self) -> Literal["linear", "sqrt", "none"]:
+        """`lr_scaling` with `auto` resolved for this optimizer."""
+        if self.lr_scaling == "auto":
+            return "sqrt" if self.adam_family else "linear"
+        return self.lr_scaling
 
 
 @dataclass
@@ -176,6 +205,9 @@ class OptimizerConfig(LearningRate):
     nesterov: bool = False
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
+    implementation: Literal["auto", "fused", "foreach", "loop"] = "auto"
+    """`adamw`'s kernel: `fused` (one kernel for all parameters; CUDA and CPU), `foreach` (a few kernels per
+    group), `loop` (one parameter at a time); `auto`: fused on a GPU, loop on a CPU (torch's CPU default)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -203,6 +235,24 @@ class TorchOptimizerConfig(LearningRate):
         for key, value in self.args.items():
             if any(isinstance(v, float) and not math.isfinite(v) for v in (value if isinstance(value, list) else [value])):
                 raise FieldError(key, f"must be a finite number, got {value}")
+
+
+PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16")
+
+
+@dataclass
+class TrainingConfig:
+    """How each step computes."""
+
+    precision: Literal["fp32", "bf16-mixed", "fp16-mixed", "bf16"] = "fp32"
+    """`fp32`; `bf16-mixed` and `fp16-mixed`: the forward and the loss under autocast, with float32 weights,
+    gradients and optimizer state (fp16 with dynamic loss scaling: a step whose gradient overflows is
+    skipped, the same on every member); `bf16`: the model itself in bfloat16 (weights, gradients and
+    optimizer state: an Adam step smaller than bf16's resolution is lost, so a warning is printed)."""
+
+    def __post_init__(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise FieldError("precision", f"must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
 
 
 BUILT_IN_OPTIMIZERS = typing.get_args(typing.get_type_hints(OptimizerConfig)["name"])

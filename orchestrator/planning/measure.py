@@ -171,7 +171,7 @@ def _policy_step(cfg: JobConfig, cand: Candidate, comm: GlooCommunicator, layout
     params = [torch.nn.Parameter(torch.randn(max(int(n), 1)) * 0.01) for n in layout]
     for i, param in enumerate(params):
         model.register_parameter(f"p{i}", param)
-    impl = get_algorithm(job.sync.policy)(job.sync, job.compression).bind(model, build_optimizer(model.parameters(), job.optimizer))
+    impl = get_algorithm(job.sync.policy)(job.sync, job.compression).bind(model, build_optimizer(model, job.optimizer))
     slots = tuple(f"w{i}" for i in range(comm.world_size))
     nodes = tuple(str(job.network.node_of(s)) for s in slots) if job.network.lab else ()
     impl.on_membership(comm, EpochInfo(comm.rank, comm.world_size, slots, comm.world_size, 1, nodes))

@@ -2,21 +2,32 @@
 
     workload:
       factory: "orchestrator.workloads.hf:causal_lm"
-      params: {model_type: gpt2, n_layer: 2, n_embd: 128, n_head: 4, seq_len: 64}
+      params: {model_type: gpt2, n_layer: 2, n_embd: 128, n_head: 4, seq_len: 64, data_dir: /data/my-text}
 
 The model is built from a `transformers` configuration (`model_type` and its fields; random
-initialization, nothing downloaded) or loaded from a local directory (`model_dir`, files only), and
-trained with its own loss (`labels` = the inputs: the model shifts them). The text is the built-in
-byte-level one (orchestrator/workloads/lm.py: the standard library's source, vocabulary 256), or the
-user's own token ids: `data: "module:function"` names a function returning `(train, eval)`, each a
-map-style dataset (or tensor) whose items are rows of `seq_len + 1` token ids.
+initialization, nothing downloaded) or loaded from a local directory (`model_dir`, files only: a
+pretrained model to fine-tune). The text is, in this order of preference:
+- `data_dir`: a folder `python -m orchestrator prepare` wrote (token shards and a manifest naming the
+  tokenizer and its vocabulary, which sizes the model's embedding; a pretrained model must embed it);
+- `data: "module:function"`: a function returning `(train, eval)`, each a map-style dataset (or
+  tensor) whose items are rows of `seq_len + 1` token ids, or Hugging Face dicts (`input_ids`,
+  `attention_mask`, `labels` with -100 where no loss is taken: padding); `eval_count` items of eval;
+- otherwise the built-in byte-level text (orchestrator/workloads/lm.py: the standard library's source,
+  vocabulary 256).
+`vocab_size` overrides the vocabulary (a model built from its configuration).
+
+A window of `seq_len + 1` tokens feeds the model its first `seq_len` and predicts its last `seq_len`
+(the labels are shifted once, here), so a model with `seq_len` positions fits. With dict samples
+the loss is the mean over the global batch's loss tokens, exactly, for any world size and any split of
+the tokens between members (`loss_tokens`); token rows all hold `seq_len` of them, so their samples
+weigh alike. Evaluation: the mean loss over every loss token of `eval` (and its perplexity).
 
 The workers' steps are seeded per (job seed, slot, step), so a configuration's dropout draws differ
 between workers as they would under DDP; set the `*_pdrop` / `*_dropout` fields to 0 for runs that
-must equal single-process training exactly. `dtype`: float32 or bfloat16 (or float64, though
-transformers takes a causal LM's loss in float32 whatever the model's dtype). Tied weights (the
-output layer sharing the input embedding) stay tied: the model's parameters are listed once, and a
-checkpoint's state loads into a fresh model built the same way.
+must equal single-process training exactly. `dtype`: float32 or bfloat16 (or float64); for mixed
+precision keep float32 and set `training.precision: bf16-mixed`. Tied weights (the output layer
+sharing the input embedding) stay tied: the model's parameters are listed once, and a checkpoint's
+state loads into a fresh model built the same way.
 """
 from __future__ import annotations
 
@@ -24,11 +35,12 @@ import math
 from typing import Any
 
 import torch
-from torch.utils.data import TensorDataset
+import torch.nn.functional as F
+from torch.utils.data import Subset, TensorDataset
 
 from core.factory import check_factory
 from orchestrator.workloads import MapData, Workload
-from orchestrator.workloads.lm import VOCAB, eval_windows, mean_loss, text_arrays, windows
+from orchestrator.workloads.lm import VOCAB, eval_windows, text_arrays, windows
 
 try:
     import transformers
@@ -37,23 +49,85 @@ except ImportError as err:  # one line, naming the extra (check_factory reports 
                       f"pip install -e '.[hf]'") from None
 
 
+IGNORE = -100
+"""The label of a position that takes no loss (padding): Hugging Face's convention, and cross-entropy's
+`ignore_index`."""
+
+
 def _rows(batch: Any) -> torch.Tensor:
     if isinstance(batch, (tuple, list)):
         batch = batch[0] if len(batch) == 1 else torch.stack([torch.as_tensor(b) for b in batch])
     return torch.as_tensor(batch)
 
 
+def _inputs(model: torch.nn.Module, batch: Any) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """(the model's keyword inputs, the next-token targets) of a batch.
+
+    A batch of token rows (each `seq_len + 1` tokens, a window of the text) is fed its first `seq_len`
+    tokens and predicts the last `seq_len`: the labels are shifted once, here. A dict batch is Hugging
+    Face's: `input_ids` with `attention_mask` and `labels` (each optional but `input_ids`; `labels`
+    default to `input_ids` where the mask is set, and -100 where it is not), aligned with the inputs
+    as Hugging Face aligns them: position t's logits predict label t + 1."""
+    device = next(model.parameters()).device
+    if isinstance(batch, dict):
+        ids = torch.as_tensor(batch["input_ids"]).to(device=device, dtype=torch.long)
+        mask = batch.get("attention_mask")
+        mask = None if mask is None else torch.as_tensor(mask).to(device)
+        labels = batch.get("labels")
+        if labels is None:
+            labels = ids if mask is None else ids.masked_fill(mask == 0, IGNORE)
+        labels = torch.as_tensor(labels).to(device=device, dtype=torch.long)
+        inputs = {"input_ids": ids, **({"attention_mask": mask} if mask is not None else {})}
+        return inputs, labels[:, 1:]
+    rows = _rows(batch).to(device=device, dtype=torch.long)
+    return {"input_ids": rows[:, :-1]}, rows[:, 1:]
+
+
 def own_loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
-    """The model's own causal-LM loss over a batch of token rows (the mean over the predicted tokens)."""
-    rows = _rows(batch).to(device=next(model.parameters()).device, dtype=torch.long)
-    loss = model(input_ids=rows, labels=rows).loss
-    return loss.float() if loss.dtype in (torch.float16, torch.bfloat16) else loss
+    """The mean next-token cross-entropy over the batch's loss tokens (those not labelled -100), in
+    float32 whatever the model's dtype."""
+    inputs, targets = _inputs(model, batch)
+    logits = model(**inputs).logits
+    if isinstance(batch, dict):
+        logits = logits[:, :-1]  # Hugging Face's alignment: the last position predicts nothing here
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE)
+
+
+def loss_tokens(batch: Any) -> int:
+    """How many tokens of `batch` take a loss: what each of its samples weighs in the step's mean (the
+    replica weighs a member's loss by its share of the global batch's loss tokens)."""
+    if isinstance(batch, dict):
+        ids = torch.as_tensor(batch["input_ids"])
+        labels, mask = batch.get("labels"), batch.get("attention_mask")
+        if labels is None:
+            return int((torch.as_tensor(mask)[:, 1:] != 0).sum()) if mask is not None else ids[:, 1:].numel()
+        return int((torch.as_tensor(labels)[:, 1:] != IGNORE).sum())
+    rows = _rows(batch)
+    return rows[:, 1:].numel()
 
 
 def held_out_loss(model: torch.nn.Module, data: TensorDataset | MapData, batch: int = 32) -> dict:
-    rows = data.tensors[0] if isinstance(data, TensorDataset) else torch.stack([_rows(data[i]) for i in range(len(data))])
-    loss = mean_loss(model, rows, own_loss, batch)
+    """The mean next-token loss over every loss token of `data` (token rows or Hugging Face dicts), in
+    eval mode, and its perplexity."""
+    was_training = model.training
+    model.eval()
+    total, tokens = 0.0, 0
+    with torch.no_grad():
+        for start in range(0, len(data), batch):
+            chunk = _collate([data[i] for i in range(start, min(start + batch, len(data)))])
+            n = loss_tokens(chunk)
+            if n:
+                total += float(own_loss(model, chunk)) * n
+                tokens += n
+    model.train(was_training)
+    loss = total / max(tokens, 1)
     return {"eval_loss": loss, "perplexity": math.exp(min(loss, 50.0))}
+
+
+def _collate(items: list[Any]) -> Any:
+    if isinstance(items[0], dict):
+        return {key: torch.stack([torch.as_tensor(item[key]) for item in items]) for key in items[0]}
+    return torch.stack([_rows(item) for item in items])
 
 
 def build_model(model_type: str | None, model_dir: str | None, vocab_size: int, fields: dict) -> torch.nn.Module:
@@ -80,20 +154,66 @@ def _build_model(model_type: str | None, model_dir: str | None, vocab_size: int,
 
 
 def causal_lm(model_type: str | None = None, model_dir: str | None = None, seq_len: int = 64, dtype: str = "float32",
-              eval_count: int = 64, data: str | None = None, **fields: Any) -> Workload:
+              eval_count: int = 64, data: str | None = None, data_dir: str | None = None, vocab_size: int | None = None,
+              **fields: Any) -> Workload:
     """A `transformers` causal LM (`model_type` with its configuration `fields`, or `model_dir`) on the
-    built-in byte-level text or on `data` (see the module's text)."""
+    built-in byte-level text, on a folder `prepare` wrote (`data_dir`), or on `data` (see the module's text)."""
     if dtype not in ("float32", "bfloat16", "float64"):
         raise ValueError(f"workload hf: dtype must be float32, bfloat16 or float64, got {dtype!r}")
-    model = build_model(model_type, model_dir, VOCAB, fields).to(getattr(torch, dtype))
-    if data:
+    if data and data_dir:
+        raise ValueError("workload hf: give data (a function returning datasets) or data_dir (a folder prepare wrote), not both")
+    if model_dir and not (data or data_dir):
+        raise ValueError("workload hf: a pretrained model_dir trains on its own tokenizer's ids: name data_dir (a folder "
+                         "`python -m orchestrator prepare --tokenizer MODEL_DIR` wrote) or data")
+    manifest = None
+    if data_dir:
+        from orchestrator.data.manifest import read_manifest
+
+        manifest = read_manifest(data_dir)
+    vocab = vocab_size or (manifest.vocab_size if manifest is not None else None)
+    model = build_model(model_type, model_dir, vocab or VOCAB, fields)
+    _check_fits(model, vocab, seq_len)
+    model.to(getattr(torch, dtype))
+    tokens: Any = None
+    if manifest is not None:
+        from orchestrator.data.shards import TokenShards
+
+        train_data: Any = TokenShards(str(manifest.train), seq_len, manifest.dtype, vocab=manifest.vocab_size)
+        held = TokenShards(str(manifest.eval), seq_len, manifest.dtype, vocab=manifest.vocab_size) if manifest.eval else None
+        eval_data: Any = None if held is None else Subset(held, range(min(eval_count, len(held))))
+    elif data:
         train_data, eval_data = check_factory(data)()
         if isinstance(train_data, torch.Tensor):
             train_data = TensorDataset(train_data)
         if isinstance(eval_data, torch.Tensor):
             eval_data = TensorDataset(eval_data)
+        if eval_data is not None:
+            eval_data = Subset(eval_data, range(min(eval_count, len(eval_data))))
+        if isinstance(train_data[0], dict):  # padded: a step's loss is the mean over its loss tokens
+            tokens = loss_tokens
     else:
-        train, held = text_arrays()
-        train_data, eval_data = TensorDataset(windows(train, seq_len)), TensorDataset(eval_windows(held, seq_len, eval_count))
-    return Workload(model=model, train_data=train_data, eval_data=eval_data, loss=own_loss, evaluate=held_out_loss,
-                    tokens_per_sample=seq_len)
+        train, held_text = text_arrays()
+        train_data, eval_data = TensorDataset(windows(train, seq_len)), TensorDataset(eval_windows(held_text, seq_len, eval_count))
+    return Workload(model=model, train_data=train_data, eval_data=eval_data, loss=own_loss,
+                    evaluate=held_out_loss if eval_data is not None else None,
+                    tokens_per_sample=_predicted(train_data[0]), loss_tokens=tokens)
+
+
+def _predicted(sample: Any) -> int:
+    """The tokens one sample predicts (a window of n + 1 tokens predicts n; a dict sample of n input ids
+    at most n - 1): what tokens per second count."""
+    ids = sample["input_ids"] if isinstance(sample, dict) else _rows(sample)
+    return int(torch.as_tensor(ids).shape[-1]) - 1
+
+
+def _check_fits(model: torch.nn.Module, vocab: int | None, seq_len: int) -> None:
+    """A vocabulary the model's embedding cannot hold, or windows longer than its positions: one line now,
+    not an index error in every worker's first step."""
+    config = model.config
+    embedded = int(getattr(config, "vocab_size", 0) or 0)
+    if vocab is not None and embedded and vocab > embedded:
+        raise ValueError(f"workload hf: the data's vocabulary has {vocab} tokens and the model embeds {embedded}: "
+                         f"use the tokenizer the model was trained with (prepare --tokenizer MODEL_DIR)")
+    positions = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
+    if positions and seq_len > int(positions):
+        raise ValueError(f"workload hf: seq_len {seq_len} is longer than the model's {positions} positions")

@@ -178,6 +178,11 @@ class GPT(nn.Module):
                 std = 0.02 / math.sqrt(2 * cfg.n_layer) if name.endswith(("proj.weight", "out.weight")) else 0.02
                 nn.init.normal_(p, 0.0, std)
 
+    def no_weight_decay(self) -> set[str]:
+        """The position table is an embedding held as a bare parameter: no weight decay (the optimizer's
+        default groups exempt the modules they recognize as embeddings, and these names)."""
+        return {"pos"}
+
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         t = idx.shape[1]
         if t > self.cfg.seq_len:

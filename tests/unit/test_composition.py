@@ -13,6 +13,7 @@ from actors.training.batch_feed import BatchFeed
 from actors.training.sources import MapSource
 from actors.training.training_state import TrainingState, checksum, read_state
 from algorithms.policies.base import get_algorithm
+from algorithms.policies.precision import GuardedOptimizer, Precision
 from core.schema import JobConfig, parse
 from testkit.fields import classes_in, violations, writers
 
@@ -56,10 +57,10 @@ def test_the_listing_finds_a_records_field_written_from_two_other_classes(tmp_pa
 def _state(policy: str = "bsp") -> tuple[TrainingState, object]:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    optimizer = GuardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
     cfg = parse(JobConfig, {"name": "t", "workload": {"factory": "orchestrator.workloads.digits:mlp"}, "sync": {"policy": policy}})
-    impl = get_algorithm(policy)(cfg.sync, cfg.compression).bind(model, optimizer)
-    return TrainingState(model, optimizer), impl
+    impl = get_algorithm(policy)(cfg.sync, cfg.compression).bind(model, optimizer)  # type: ignore[arg-type]
+    return TrainingState(model, optimizer, Precision("fp32", "cpu")), impl
 
 
 def test_the_training_states_bytes_round_trip_into_another_replica():

@@ -96,7 +96,7 @@ def test_dpsgd_equals_n_replica_simulation_with_literal_w(tmp_path, wired, kind,
 
 
 def test_dadam_k1_equals_n_replica_simulation_with_local_adamw(tmp_path, wired):
-    adamw = {"name": "adamw", "lr": 0.01, "weight_decay": 0.01}
+    adamw = {"name": "adamw", "lr": 0.01, "weight_decay": 0.01, "no_decay": []}  # every weight decays, as the reference
     mine = run_gossip(tmp_path, {"policy": "dadam", "k": 1, "topology": {"kind": "ring"}}, adamw, 4, 64)
     diff = max(max_diff(a, b) for a, b in zip(mine, reference_gossip("ring", adamw, 4, 64)))
     print(f"dadam ring n=4: {diff:.2e}")
@@ -357,7 +357,7 @@ def reference_accum_adam(optimizer: dict, n: int, global_batch: int, k: int, ste
 
 @pytest.mark.parametrize("k", [1, 4])
 def test_dadam_is_decentralized_adam_with_accumulation_from_the_papers_equations(tmp_path, wired, k):
-    adamw = {"name": "adamw", "lr": 0.01, "weight_decay": 0.01}
+    adamw = {"name": "adamw", "lr": 0.01, "weight_decay": 0.01, "no_decay": []}  # every weight decays, as the reference
     slots = [f"w{i}" for i in range(4)]
     job = LocalJob(config({"policy": "dadam", "k": k, "topology": {"kind": "ring"}}, adamw, 12, 4), slots, str(tmp_path))
     job.run(tuple(slots), 64)

@@ -5,6 +5,7 @@ model and a checkpoint of it keep the tied weights and every state entry; withou
 factory fails at config time in one line naming the extra."""
 from __future__ import annotations
 
+import dataclasses
 import io
 import subprocess
 import sys
@@ -100,3 +101,71 @@ def test_without_transformers_the_factory_fails_at_config_time_naming_the_extra(
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     last = out.stderr.strip().splitlines()[-1]
     assert out.returncode != 0 and "pip install -e '.[hf]'" in last and "workload.factory" in last, out.stderr
+
+
+PADDED = {**GPT2, "data": "tests.workloads.padded_text:make", "eval_count": 16}
+
+
+def padded_reference(global_batch: int, lr: float, steps: int) -> list[torch.Tensor]:
+    """One process: each global batch's mean cross-entropy over its loss tokens (labels shifted once,
+    -100 ignored), written from the definition: the sum over every loss token of the batch divided by
+    their count."""
+    torch.manual_seed(SEED)
+    workload = causal_lm(**PADDED)
+    model, data = workload.model, workload.train_data
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    for step in range(steps):
+        items = [data[i] for i in global_batch_ids(step, global_batch, len(data))]
+        ids = torch.stack([item["input_ids"] for item in items])
+        mask = torch.stack([item["attention_mask"] for item in items])
+        labels = torch.stack([item["labels"] for item in items])
+        logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1]
+        targets = labels[:, 1:]
+        keep = targets != -100
+        losses = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.clamp(min=0).reshape(-1), reduction="none")
+        loss = (losses * keep.reshape(-1)).sum() / keep.sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return [p.detach() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_padded_batch_trains_on_the_mean_over_the_global_batchs_loss_tokens(tmp_path, world, monkeypatch):
+    """Members' shares hold different numbers of loss tokens (3 to 15 per row); BSP's step is the mean
+    over all of them, as one process's, for any world size."""
+    slots = [f"w{i}" for i in range(world)]
+    cfg = config({"policy": "bsp", "bucket_mb": 0.01}, PADDED, {"name": "sgd", "lr": 0.5, "momentum": 0.9}, steps=8)
+    cfg["workers"]["count"], cfg["workload"]["batch_size"] = world, 12 // world
+    job = LocalJob(cfg, slots, str(tmp_path))
+    job.run(tuple(slots), 12)
+    diff = max(float((p - q).abs().max()) for p, q in zip(job.parameters("w0"), padded_reference(12, 0.5, 8)))
+    print(f"padded GPT-2 at {world} workers vs one process's mean over loss tokens: {diff:.2e}")
+    assert diff < 1e-5
+
+
+def test_weighing_samples_instead_of_tokens_is_far_from_the_token_mean(tmp_path, monkeypatch):
+    """The oracle above can fail: with each member's loss weighed by its samples (the mechanism off), the
+    run moves away from the mean over loss tokens."""
+    import orchestrator.workloads.hf as hf
+
+    real = hf.causal_lm
+    monkeypatch.setattr(hf, "causal_lm", lambda **kw: dataclasses.replace(real(**kw), loss_tokens=None))
+    cfg = config({"policy": "bsp", "bucket_mb": 0.01}, PADDED, {"name": "sgd", "lr": 0.5, "momentum": 0.9}, steps=8)
+    cfg["workload"]["batch_size"] = 6
+    job = LocalJob(cfg, ["w0", "w1"], str(tmp_path))
+    job.run(("w0", "w1"), 12)
+    diff = max(float((p - q).abs().max()) for p, q in zip(job.parameters("w0"), padded_reference(12, 0.5, 8)))
+    assert diff > 1e-4
+
+
+def test_the_vocabulary_and_the_context_come_from_the_model_and_the_data():
+    """A vocabulary larger than bytes (a real tokenizer's) trains, and the model is fed `seq_len` tokens,
+    so a model with exactly `seq_len` positions fits (review bugs 1 and 2)."""
+    workload = causal_lm(**{**GPT2, "n_positions": 16, "vocab_size": 50257})
+    assert workload.model.config.vocab_size == 50257 and workload.tokens_per_sample == 16
+    rows = torch.randint(0, 50257, (2, 17))
+    loss = workload.loss(workload.model, (rows,))
+    assert torch.isfinite(loss)
+    with pytest.raises(ValueError, match="longer than the model's 16 positions"):
+        causal_lm(**{**GPT2, "n_positions": 16, "seq_len": 32})

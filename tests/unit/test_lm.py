@@ -74,7 +74,7 @@ def test_bsp_on_the_language_model_equals_single_process_training(tmp_path, dtyp
     sum taken in two parts (8.7e-06 here); in float64 the two agree to rounding."""
     config = {"name": "lm", "seed": SEED, "workers": {"count": 2, "cpus": 1},
               "workload": {"factory": "orchestrator.workloads.lm:gpt", "params": {**SMALL, "dtype": dtype}, "batch_size": 4},
-              "optimizer": {"name": "adamw", "lr": 3e-3, "betas": [0.9, 0.95], "weight_decay": 0.01},
+              "optimizer": {"name": "adamw", "lr": 3e-3, "betas": [0.9, 0.95], "weight_decay": 0.01, "no_decay": []},
               "sync": {"policy": "bsp", "bucket_mb": 0.01}, "stop": {"max_steps": STEPS}, "eval_every": 0}
     job = LocalJob(config, ["w0", "w1"], str(tmp_path))
     job.run(("w0", "w1"), 8)

@@ -190,7 +190,7 @@ def max_diff(a, b) -> float:
 
 
 SGD_M = {"name": "sgd", "lr": 0.1, "momentum": 0.9, "weight_decay": 0.001}
-ADAMW = {"name": "adamw", "lr": 0.01, "weight_decay": 0.01}
+ADAMW = {"name": "adamw", "lr": 0.01, "weight_decay": 0.01, "no_decay": []}  # every weight decays, as the reference
 OUTER = {"lr": 0.7, "momentum": 0.9, "nesterov": True}
 
 
@@ -204,7 +204,7 @@ def test_bsp_in_process_equals_single_process(tmp_path, n, global_batch):
 
 
 NESTEROV = {"name": "sgd", "lr": 0.05, "momentum": 0.9, "nesterov": True, "weight_decay": 0.0005}
-ADAMW_WARMUP_COSINE = {"name": "adamw", "lr": 0.01, "weight_decay": 0.01, "warmup_steps": 4, "schedule": "cosine",
+ADAMW_WARMUP_COSINE = {"name": "adamw", "lr": 0.01, "weight_decay": 0.01, "no_decay": [], "warmup_steps": 4, "schedule": "cosine",
                        "min_lr": 0.001}
 
 

@@ -11,7 +11,7 @@ from orchestrator.config import config_from_dict
 from testkit.harness import LocalJob
 from tests.unit.test_policy_oracles import SEED, global_batch_ids, max_diff, run_replicas, share, start_model
 
-ADAMW = {"name": "adamw", "lr": 0.01, "weight_decay": 0.01, "eps": 1e-3}
+ADAMW = {"name": "adamw", "lr": 0.01, "weight_decay": 0.01, "eps": 1e-3, "no_decay": []}  # every weight decays, as the reference
 """A larger eps than Adam's usual 1e-8: digits has pixels that are still zero in every batch of a short
 warm-up, so their frozen second moment is 0 and a later gradient would be divided by eps alone."""
 STEPS, N, GLOBAL_BATCH = 12, 3, 50
