@@ -21,6 +21,7 @@ re-run with the same ones keeps those shards and encodes from there; with other 
 from __future__ import annotations
 
 import bisect
+import functools
 import hashlib
 import importlib
 import json
@@ -461,7 +462,7 @@ class Preparation:
         encoder = self._tokenizer()
         for side in SIDES:
             self.writers[side] = ShardWriter(self.partial / side, encoder.dtype, self.options.shard_tokens,
-                                             self.progress.get(side), lambda side=side: self._shard_done(side))
+                                             self.progress.get(side), functools.partial(self._shard_done, side))
             (self.partial / side).mkdir(exist_ok=True)
         self._encode(encoder)
         for side, writer in self.writers.items():
