@@ -104,14 +104,16 @@ def test_an_interrupted_prepare_resumes_after_its_last_shard_and_equals_a_clean_
     assert not out.exists(), "an interrupted prepare left a half-written OUT"
     partial = tmp_path / "tokens.partial"
     (kept,) = [p for p in partial.rglob("shard-*.bin")]
+    point = json.loads((partial / "progress.json").read_text())[kept.parent.name]
+    assert point["offset"] > 0, "the first shard ends between documents: the test would not resume within one"
     before = (kept.stat().st_ino, kept.stat().st_mtime_ns)
     written: list[str] = []
     log = io.StringIO()
     again = prepare(options(corpus, out), err=log, after_shard=lambda side, name: written.append(f"{side}/{name}"))
-    assert "resuming" in log.getvalue()
     assert kept.relative_to(partial).as_posix() not in written, f"the kept shard was written again: {written}"
     assert (out / kept.relative_to(partial)).stat().st_ino == before[0]
     assert files_of(out) == files_of(tmp_path / "clean") and again.shards == clean.shards
+    assert "resuming" in log.getvalue()
     assert not partial.exists()
 
 
