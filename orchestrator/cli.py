@@ -631,6 +631,9 @@ def _add_prepare(sub) -> None:
                              ("--shard-tokens", int, "tokens a shard (default 10_000_000)"),
                              ("--eos-token", str, "--tokenizer's end-of-text token (default: its eos token)")):
         prep.add_argument(flag, type=kind, default=argparse.SUPPRESS, help=text)
+    prep.add_argument("--exclude", action="append", default=argparse.SUPPRESS, metavar="PATTERN",
+                      help="a folder's files whose path under it matches PATTERN (fnmatch: * crosses folders, e.g. "
+                           "'site-packages/*') are not documents; repeatable")
     prep.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
 
 
@@ -649,6 +652,8 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     from orchestrator.prepare import PrepareOptions, prepare
 
     given = {k: v for k, v in vars(args).items() if k in PrepareOptions.__dataclass_fields__ and k != "inputs"}
+    if "exclude" in given:
+        given["exclude"] = tuple(given["exclude"])
     manifest = prepare(PrepareOptions(inputs=tuple(args.inputs), **given))
     print(f"prepared {manifest.folder}: vocabulary {manifest.vocab_size} ({manifest.dtype}), train "
           f"{manifest.train_documents} documents {manifest.train_tokens} tokens, eval {manifest.eval_documents} "

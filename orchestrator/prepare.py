@@ -21,6 +21,7 @@ re-run with the same ones keeps those shards and encodes from there; with other 
 from __future__ import annotations
 
 import bisect
+import fnmatch
 import functools
 import hashlib
 import importlib
@@ -64,6 +65,8 @@ class PrepareOptions:
     train_bpe: int | None = None
     """The vocabulary of a byte-level BPE trained on the training side (end-of-text token included)."""
     glob: str = DEFAULT_GLOB
+    exclude: tuple[str, ...] = ()
+    """Patterns (fnmatch, `*` crossing folders) of paths under a folder that are not documents."""
     text_column: str = "text"
     split: str = "train"
     """The split of a saved DatasetDict."""
@@ -89,7 +92,7 @@ class PrepareOptions:
 
     def stamp(self) -> dict:
         """The options that change the output (part of the fingerprint)."""
-        return {"glob": self.glob, "text_column": self.text_column, "split": self.split,
+        return {"glob": self.glob, "exclude": list(self.exclude), "text_column": self.text_column, "split": self.split,
                 "eval_fraction": self.eval_fraction, "shard_tokens": self.shard_tokens, "eos_token": self.eos_token}
 
 
@@ -110,11 +113,12 @@ def _file_stamps(paths: Sequence[Path], root: Path) -> list:
 
 # ----------------------------------------------------------------------------------------------- inputs
 class TextFiles:
-    """One file, or the files under a folder that match a glob, in sorted path order; a file is a document."""
+    """One file, or the files under a folder that match a glob and no exclusion, in sorted path order; a
+    file is a document."""
 
-    def __init__(self, given: Path, pattern: str) -> None:
+    def __init__(self, given: Path, pattern: str, exclude: tuple[str, ...]) -> None:
         self.root, self.paths = (given.parent, [given]) if given.is_file() else \
-            (given, sorted(p for p in given.glob(pattern) if p.is_file()))
+            (given, sorted(p for p in given.glob(pattern) if p.is_file() and not _excluded(p.relative_to(given), exclude)))
 
     def __len__(self) -> int:
         return len(self.paths)
@@ -175,6 +179,10 @@ class SavedDataset:
 Source = TextFiles | SavedDataset
 
 
+def _excluded(relative: Path, patterns: tuple[str, ...]) -> bool:
+    return any(fnmatch.fnmatchcase(relative.as_posix(), pattern) for pattern in patterns)
+
+
 def is_saved_dataset(path: Path) -> bool:
     return path.is_dir() and any((path / name).is_file() for name in ("state.json", "dataset_dict.json"))
 
@@ -189,7 +197,7 @@ class Corpus:
             if not path.exists():
                 raise ConfigError(f"prepare: {given}: no such file or folder")
             self.sources.append(SavedDataset(path, options.text_column, options.split) if is_saved_dataset(path)
-                                else TextFiles(path, options.glob))
+                                else TextFiles(path, options.glob, options.exclude))
         self._starts = [0]
         for source in self.sources:
             self._starts.append(self._starts[-1] + len(source))

@@ -24,7 +24,7 @@ import transformers
 from orchestrator import cli
 from orchestrator.data.manifest import read_manifest, verify
 from orchestrator.data.shards import TokenShards
-from orchestrator.prepare import EOT, PrepareOptions, Progress, prepare
+from orchestrator.prepare import EOT, Corpus, PrepareOptions, Progress, prepare
 
 FRACTION = 0.3
 SHARD = 4000
@@ -182,6 +182,20 @@ def test_a_vocabulary_past_uint16_is_written_as_uint32(tmp_path):
                                tokenizer=str(tmp_path / "tokenizer.json"), eos_token="<eos>"), err=io.StringIO())
     assert (m.dtype, m.vocab_size, m.eos_id) == ("uint32", 70_002, 70_001)
     assert shard_tokens(m.train, "uint32").tolist() == [1, 69999, 65536, 70_000, 70_001]
+
+
+def test_a_folders_documents_are_the_files_its_glob_matches_less_the_excluded_in_path_order(corpus):
+    (corpus / "site-packages" / "pkg").mkdir(parents=True)
+    (corpus / "site-packages" / "pkg" / "x.py").write_text("x = 1\n")
+    (corpus / "notes.txt").write_text("not python\n")
+
+    def keys(**over) -> list[str]:
+        found = Corpus(options(corpus, corpus.parent / "out", **over))
+        return [found.key(i) for i in range(len(found))]
+
+    assert keys() == ["__init__.py", "decoder.py", "encoder.py", "scanner.py", "site-packages/pkg/x.py", "tool.py"]
+    assert keys(exclude=("site-packages/*",)) == ["__init__.py", "decoder.py", "encoder.py", "scanner.py", "tool.py"]
+    assert keys(glob="**/*.txt") == ["notes.txt"]
 
 
 def test_the_progress_line_comes_at_each_tenth_without_a_terminal():
