@@ -13,6 +13,10 @@ answers at the address within 10 s (one line, `error: no Ray at ADDRESS ...`), 2
 from the network lab grid's result rows, training nothing; `--measure` first runs the grid's cell that
 counts them on the lab. Its exit codes: 0 written (or, with `--check`, the file is what the rows give), 1 the
 file differs (`--check`), 2 bad input or no lab here.
+
+`prepare` tokenizes text into token shards with a manifest (orchestrator/prepare.py); `export` writes a run's
+final model, or one of its checkpoints, as a Hugging Face model folder (orchestrator/export.py). Both start
+nothing; their exit codes: 0 written, 2 bad input (one line).
 """
 from __future__ import annotations
 
@@ -112,6 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
                              ("--compute-ms", float, "modelled compute a step (default 15)"),
                              ("--max-steps", int, "at most this many steps a run (default 600)")):
         calibrate.add_argument(flag, type=kind, default=None, help=f"with --measure: {text}")
+    _add_prepare(sub)
+    _add_export(sub)
     for cmd in sub.choices.values():
         cmd.error = parser.error  # type: ignore[method-assign]
         cmd.add_argument("--log-level", default=None, choices=["DEBUG", "INFO", "WARNING", "ERROR"],
@@ -124,7 +130,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         logging.basicConfig(level=args.log_level or "WARNING", format="%(levelname)s %(name)s: %(message)s")
         return {"run": cmd_run, "status": cmd_status, "stop": cmd_stop, "scale": cmd_scale,
-                "lab": cmd_lab, "plan": cmd_plan, "report": cmd_report, "calibrate": cmd_calibrate}[args.command](args)
+                "lab": cmd_lab, "plan": cmd_plan, "report": cmd_report, "calibrate": cmd_calibrate,
+                "prepare": cmd_prepare, "export": cmd_export}[args.command](args)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -599,4 +606,66 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         print(f"lr {at['lr']:g}, {at['workers']} workers: BSP {s['bsp_steps']} steps to {at['target']}; "
               + ", ".join(f"{label} {f:.2f}" for label, f in s["factors"].items() if label != "bsp"))
     print(f"wrote {out}")
+    return EXIT_OK
+
+
+def _add_prepare(sub) -> None:
+    """Options left out are absent (SUPPRESS): `PrepareOptions` holds the defaults (its import needs numpy)."""
+    prep = sub.add_parser(
+        "prepare", help="tokenize text files, folders or a saved Hugging Face dataset into token shards with a manifest",
+        description="Each file or dataset row is a document; a fixed hash of its path (or row number) holds "
+                    "--eval-fraction of them out. Writes OUT/train/, OUT/eval/ (shard-00000.bin, ...), "
+                    "OUT/tokenizer/ and OUT/manifest.json, through OUT.partial/ (an interrupted run resumes there).")
+    prep.add_argument("inputs", nargs="+", metavar="INPUT",
+                      help="a text file, a folder (its files matching --glob), or a dataset saved with save_to_disk")
+    prep.add_argument("--out", required=True, metavar="DIR", help="the folder to write (it must not exist)")
+    which = prep.add_mutually_exclusive_group(required=True)
+    which.add_argument("--tokenizer", metavar="TOKDIR",
+                       help="a local tokenizer: a transformers tokenizer folder, or a tokenizers tokenizer.json")
+    which.add_argument("--train-bpe", type=int, metavar="VOCAB",
+                       help="train a byte-level BPE of VOCAB tokens (with <|endoftext|>) on the training documents")
+    for flag, kind, text in (("--glob", str, "the files of a folder that are documents (default **/*.txt)"),
+                             ("--text-column", str, "a saved dataset's text column (default text)"),
+                             ("--split", str, "a saved DatasetDict's split (default train)"),
+                             ("--eval-fraction", float, "the fraction of documents held out (default 0.05)"),
+                             ("--shard-tokens", int, "tokens a shard (default 10_000_000)"),
+                             ("--eos-token", str, "--tokenizer's end-of-text token (default: its eos token)")):
+        prep.add_argument(flag, type=kind, default=argparse.SUPPRESS, help=text)
+    prep.add_argument("--exclude", action="append", default=argparse.SUPPRESS, metavar="PATTERN",
+                      help="a folder's files whose path under it matches PATTERN (fnmatch: * crosses folders, e.g. "
+                           "'site-packages/*') are not documents; repeatable")
+    prep.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
+
+
+def _add_export(sub) -> None:
+    export = sub.add_parser("export", help="a run's final model (or a checkpoint) as a Hugging Face model folder")
+    export.add_argument("run_dir", help="the run folder (it holds config.yaml, and model.pt once the run has ended)")
+    export.add_argument("--hf", required=True, metavar="OUT", help="the folder to write (it must not exist)")
+    export.add_argument("--checkpoint", default=None, metavar="STEP|PATH",
+                        help="a committed checkpoint instead of the final model: its step, or its data file")
+    export.add_argument("--tokenizer", default=None, metavar="TOKDIR",
+                        help="the tokenizer to save beside the model (default: that of the workload's data_dir, if any)")
+    export.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
+
+
+def cmd_prepare(args: argparse.Namespace) -> int:
+    from orchestrator.prepare import PrepareOptions, prepare
+
+    given = {k: v for k, v in vars(args).items() if k in PrepareOptions.__dataclass_fields__ and k != "inputs"}
+    if "exclude" in given:
+        given["exclude"] = tuple(given["exclude"])
+    manifest = prepare(PrepareOptions(inputs=tuple(args.inputs), **given))
+    print(f"prepared {manifest.folder}: vocabulary {manifest.vocab_size} ({manifest.dtype}), train "
+          f"{manifest.train_documents} documents {manifest.train_tokens} tokens, eval {manifest.eval_documents} "
+          f"documents {manifest.eval_tokens} tokens")
+    return EXIT_OK
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from orchestrator.export import export_hf
+
+    written = export_hf(args.run_dir, args.hf, checkpoint=args.checkpoint, tokenizer=args.tokenizer,
+                        overwrite=args.overwrite)
+    print(f"exported {written.model} to {written.folder}"
+          + (f" with the tokenizer of {written.tokenizer}" if written.tokenizer else " (no tokenizer known: --tokenizer)"))
     return EXIT_OK
