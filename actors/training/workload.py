@@ -4,6 +4,7 @@ how a batch (tensors in tuples, lists or dicts) moves to it.
 """
 from __future__ import annotations
 
+import inspect
 import numbers
 import time
 from collections.abc import Callable
@@ -18,7 +19,7 @@ from algorithms.policies.base import get_algorithm
 from algorithms.policies.optim import build_optimizer
 from algorithms.rules.sampler import GlobalSampler
 from core.factory import check_factory
-from core.schema import JobConfig
+from core.schema import JobConfig, WorkloadRefused
 from core.workload_api import WorkloadLike
 
 
@@ -29,6 +30,16 @@ def build_workload(cfg: JobConfig) -> WorkloadLike:
     workload = user_code.call("factory", check_factory(cfg.workload.factory), **cfg.workload.params)
     if cfg.training.precision == "bf16":  # the model itself in bfloat16 (the mixed modes keep float32 weights)
         workload.model.to(torch.bfloat16)
+    if cfg.training.activation_checkpointing:
+        enable = getattr(workload.model, "gradient_checkpointing_enable", None)
+        if not callable(enable):
+            raise WorkloadRefused(f"training.activation_checkpointing: the workload's model ({type(workload.model).__name__}) "
+                                  f"has no gradient_checkpointing_enable(); give it one (wrap its blocks in "
+                                  f"torch.utils.checkpoint.checkpoint) or set it to false")
+        takes = inspect.signature(enable).parameters
+        # a Hugging Face model takes torch's non-reentrant checkpoint (the one its docs recommend; the
+        # reentrant one drops the gradient of a block whose inputs need none)
+        enable(**({"gradient_checkpointing_kwargs": {"use_reentrant": False}} if "gradient_checkpointing_kwargs" in takes else {}))
     return workload
 
 

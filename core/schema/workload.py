@@ -249,6 +249,10 @@ class TrainingConfig:
     gradients and optimizer state (fp16 with dynamic loss scaling: a step whose gradient overflows is
     skipped, the same on every member); `bf16`: the model itself in bfloat16 (weights, gradients and
     optimizer state: an Adam step smaller than bf16's resolution is lost, so a warning is printed)."""
+    activation_checkpointing: bool = False
+    """Recompute activations in the backward instead of keeping them from the forward (less memory, about
+    a third more compute): the model's own `gradient_checkpointing_enable()` (Hugging Face models, the
+    built-in GPT); a model without one is refused when the workers build it."""
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 from torch.utils.data import Dataset, TensorDataset
 
 from orchestrator.workloads import Workload, with_modelled_compute
@@ -170,6 +171,7 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.d_model)
         self.head = nn.Linear(cfg.d_model, cfg.vocab, bias=False)
         self.head.weight = self.tok.weight  # tied
+        self.checkpointing = False
         for name, p in self.named_parameters():
             if name.endswith("bias"):
                 nn.init.zeros_(p)
@@ -177,6 +179,11 @@ class GPT(nn.Module):
                 # GPT-2's: N(0, 0.02), the residual projections scaled down by the depth
                 std = 0.02 / math.sqrt(2 * cfg.n_layer) if name.endswith(("proj.weight", "out.weight")) else 0.02
                 nn.init.normal_(p, 0.0, std)
+
+    def gradient_checkpointing_enable(self) -> None:
+        """Recompute each block's activations in the backward instead of keeping them (`training.
+        activation_checkpointing`; the name and meaning are Hugging Face models' own)."""
+        self.checkpointing = True
 
     def no_weight_decay(self) -> set[str]:
         """The position table is an embedding held as a bare parameter: no weight decay (the optimizer's
@@ -189,7 +196,7 @@ class GPT(nn.Module):
             raise ValueError(f"workload lm: a sequence of {t} bytes is longer than the context ({self.cfg.seq_len})")
         x = self.tok(idx) + self.pos[:t]
         for block in self.blocks:
-            x = block(x)
+            x = checkpoint(block, x, use_reentrant=False) if self.checkpointing and self.training else block(x)
         return self.head(self.ln_f(x))
 
 
