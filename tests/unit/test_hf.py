@@ -9,6 +9,7 @@ import dataclasses
 import io
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -26,6 +27,7 @@ SEED, STEPS = 3, 20
 GPT2 = {"model_type": "gpt2", "n_layer": 2, "n_embd": 32, "n_head": 2, "seq_len": 16,
         "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
 FACTORY = "orchestrator.workloads.hf:causal_lm"
+REPO = Path(__file__).resolve().parents[2]
 
 
 def config(sync: dict, params: dict, optimizer: dict, steps: int = STEPS) -> dict:
@@ -169,3 +171,21 @@ def test_the_vocabulary_and_the_context_come_from_the_model_and_the_data():
     assert torch.isfinite(loss)
     with pytest.raises(ValueError, match="longer than the model's 16 positions"):
         causal_lm(**{**GPT2, "n_positions": 16, "seq_len": 32})
+
+
+def test_the_gpt2_small_config_builds_gpt2_small():
+    """configs/gpt2_small.yaml is GPT-2 small: 124,439,808 parameters with the output layer tied to the
+    token embedding (GPT-2's published count), built from the config's own fields."""
+    import transformers
+    import yaml
+
+    from orchestrator.config import load_config
+
+    path = REPO / "configs" / "gpt2_small.yaml"
+    config = load_config(path)
+    params = dict(yaml.safe_load(path.read_text())["workload"]["params"])
+    assert config.training.precision == "bf16-mixed" and config.optimizer.clip_grad_norm == 1.0
+    fields = {k: v for k, v in params.items() if k not in ("model_type", "seq_len", "data_dir", "eval_count")}
+    model = transformers.AutoModelForCausalLM.from_config(
+        transformers.AutoConfig.for_model(params["model_type"], vocab_size=50257, **fields))
+    assert sum(p.numel() for p in model.parameters()) == 124_439_808
