@@ -315,7 +315,10 @@ class ProgressPrinter:
         loss = f"{status.loss:.4f}" if status.loss is not None else "-"
         rate = f"{status.throughput:.1f}" if status.throughput else "-"
         if status.tokens_per_s and status.world_size:
-            rate += f" tokens/s {status.tokens_per_s:,.0f} ({status.tokens_per_s / status.world_size:,.0f} a worker)"
+            rate += f" tokens/s {status.tokens_per_s:,.0f} ({status.tokens_per_s / status.world_size:,.0f} a worker"
+            if status.worker_tokens_per_compute_s:  # goodput beside what a worker's compute achieves
+                rate += f"; {status.worker_tokens_per_compute_s:,.0f} on its compute"
+            rate += ")"
         metrics = " ".join(f"{k} {v:.4f}" for k, v in sorted(status.metrics.items()))
         loss += "".join(f" {k} {v:.4f}" for k, v in sorted(status.step_metrics.items()))  # the loss's own metrics
         slow = " ".join(f"{slot} {ratio:.1f}x" for slot, ratio in sorted(status.stragglers.items()))

@@ -35,6 +35,8 @@ EVENTS_KEPT = 1000
 RESHAPES_SHOWN = 20
 """The newest reshapes in status (as with departed members)."""
 THROUGHPUT_WINDOW_S = 5.0
+RATE_RECORDS = 4
+"""A rate's window holds at least this many records, however far apart (periodic rounds)."""
 
 
 class Journal:
@@ -82,9 +84,12 @@ class Journal:
         self.metrics: dict = {}
         self.step_metrics: dict = {}
         """The workload's step metrics of the newest record that has them (`step_metrics`)."""
-        self.recent: collections.deque[tuple[float, int, int]] = collections.deque()
+        self.recent: collections.deque[tuple[float, int, int, float, float]] = collections.deque()
         """(time, step, tokens so far) of the records of the last 5 s."""
         self._tokens = 0
+        self._compute_s = 0.0
+        self._worker_tokens = 0.0
+        """The compute seconds of the records that counted tokens (their step time less their waits)."""
         self._newest_at = 0.0
         self.skipped: set[tuple[int, int]] = set()
         """(step, sample id) of each bad sample a member skipped (`workload.on_bad_sample: skip`): a step
@@ -174,9 +179,15 @@ class Journal:
         if record.get("step_metrics"):
             self.step_metrics = dict(record["step_metrics"])
         self._tokens += int(record.get("tokens") or 0)
-        self.recent.append((record["time"], record["step"], self._tokens))
+        if record.get("tokens") and record.get("step_time") is not None:  # this record's compute: its step less its waits
+            self._compute_s += max(float(record["step_time"]) - float(record.get("wait_s") or 0.0), 0.0)
+            # one worker's tokens: a member's own record holds its own, rank 0's the global batch's
+            self._worker_tokens += record["tokens"] / (1 if "slot" in record else max(int(record.get("world_size") or 1), 1))
+        self.recent.append((record["time"], record["step"], self._tokens, self._compute_s, self._worker_tokens))
         self._newest_at = time.monotonic()
-        while self.recent[0][0] <= record["time"] - THROUGHPUT_WINDOW_S:  # amortised O(1) per record
+        # the window: the last 5 s, and at least RATE_RECORDS records however far apart (a periodic round
+        # of 8 s still shows a rate); amortised O(1) per record
+        while len(self.recent) > RATE_RECORDS and self.recent[0][0] <= record["time"] - THROUGHPUT_WINDOW_S:
             self.recent.popleft()
         self._tell("record", lambda listener: listener.record(record))
         return True
@@ -207,16 +218,28 @@ class Journal:
         return self._rate(1)
 
     def tokens_throughput(self) -> float | None:
-        """Tokens per second over the last 5 s, all members together (None unless the workload counts
-        tokens: `tokens_per_sample`)."""
+        """Tokens per second of wall clock (goodput) over the window, all members together (None unless
+        the workload counts tokens: `tokens_per_sample`)."""
         return self._rate(2) if self._tokens else None
 
+    def worker_tokens_per_compute_s(self) -> float | None:
+        """One worker's tokens per second of its compute (its steps less their waits on the others) over
+        the window: what a step itself achieves, beside the goodput, which counts every wait."""
+        if not self._tokens or len(self.recent) < 2 or self._stalled():
+            return None
+        spent = self.recent[-1][3] - self.recent[0][3]
+        return (self.recent[-1][4] - self.recent[0][4]) / spent if spent > 0 else None
+
+    def _stalled(self) -> bool:
+        """No record came for longer than the window, or than twice the window's gap between records: a
+        stall (the rate then reads none, not the rate from before it)."""
+        gap = (self.recent[-1][0] - self.recent[0][0]) / max(len(self.recent) - 1, 1)
+        return time.monotonic() - self._newest_at > max(THROUGHPUT_WINDOW_S, 2 * gap)
+
     def _rate(self, field: int) -> float | None:
-        if self.recent:  # the window ends now, not at the newest record: a stall empties it (on the records' clock)
-            now = self.recent[-1][0] + time.monotonic() - self._newest_at
-            while self.recent and self.recent[0][0] <= now - THROUGHPUT_WINDOW_S:
-                self.recent.popleft()
-        if len(self.recent) >= 2 and self.recent[-1][0] > self.recent[0][0]:
+        if len(self.recent) < 2 or self._stalled():
+            return None
+        if self.recent[-1][0] > self.recent[0][0]:
             return (self.recent[-1][field] - self.recent[0][field]) / (self.recent[-1][0] - self.recent[0][0])
         return None
 

@@ -92,7 +92,8 @@ class Lifecycle:
                          members=tuple(self.book.member_status(m, self.group.actor_id(m.handle))
                                        for m in self.book.members.values()),
                          loss=self.journal.loss, throughput=self.journal.throughput(),
-                         tokens_per_s=self.journal.tokens_throughput(), cause=job.cause,
+                         tokens_per_s=self.journal.tokens_throughput(),
+                         worker_tokens_per_compute_s=self.journal.worker_tokens_per_compute_s(), cause=job.cause,
                          run_dir=str(self.run.run_dir), metrics=dict(self.journal.metrics),
                          step_metrics=dict(self.journal.step_metrics),
                          reshapes=self.journal.recent_reshapes(), departed=tuple(self.book.departed),

@@ -61,8 +61,9 @@ METRICS = {m.name: m for m in (
     Metric("world_size", "gauge", "Members of the newest plan"),
     Metric("membership_epoch", "gauge", "Membership epoch of the newest plan"),
     Metric("state", "gauge", "1 for the job's current state, 0 for the others", ("state",)),
-    Metric("steps_per_second", "gauge", "Committed steps per second over the last 5 s (0 once none came in them)"),
-    Metric("tokens_per_second", "gauge", "Tokens per second over the last 5 s, all members (language models)"),
+    Metric("steps_per_second", "gauge", "Committed steps per second over the newest records (the last 5 s, at least "
+                                        "4 records; 0 in a stall)"),
+    Metric("tokens_per_second", "gauge", "Tokens per second of wall clock over the newest records, all members (language models)"),
     Metric("last_commit_timestamp_seconds", "gauge", "Unix time of the newest committed step (stalls: time() minus it)"),
     Metric("bytes", "counter", "Bytes sent by the members, by what they carried", ("kind",)),
     Metric("recovery_seconds", "histogram", "A death or eviction -> the survivors' first committed step",

@@ -79,8 +79,12 @@ class JobStatus:
     """Gossip policies: the topology's kind, the world size it is built for, and its spectral gap there
     (1 - rho^(1/period), algorithms/rules/topologies.py)."""
     tokens_per_s: float | None = None
-    """Tokens per second over the last few seconds, all members together: workloads that count tokens
-    (`tokens_per_sample`, the language models); None for the others."""
+    """Tokens per second of wall clock over the newest records (the last 5 s, at least the last 4
+    records), all members together: workloads that count tokens (`tokens_per_sample`, the language
+    models); None for the others."""
+    worker_tokens_per_compute_s: float | None = None
+    """One worker's tokens per second of its own compute (steps less their waits on the others), over the
+    same records: beside `tokens_per_s / world_size`, what waiting costs."""
     spares: tuple[dict, ...] = ()
     """Hot spares (`workers.spares`): name, state (starting or ready), pid, node and started_at (time.time())
     of each."""

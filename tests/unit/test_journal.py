@@ -250,3 +250,23 @@ def test_a_checkpoint_being_stored_is_pending_and_counts_as_restorable_until_its
         assert restorable_step(journal.checkpoints.last, None) == 20
         assert restorable_step((20, "p"), 40) == 40 and restorable_step((40, "p"), None) == 40
     asyncio.run(scenario())
+
+
+def test_rounds_further_apart_than_the_window_still_show_tokens_per_second_and_a_stall_shows_none(tmp_path, monkeypatch):
+    """DiLoCo-style rounds 8 s apart: the window holds the last few records however far apart, so the
+    goodput reads their tokens over their span (it read nothing before: one record in 5 s); one worker's
+    rate on its compute reads the step less its waits; a stall longer than twice the gap reads none."""
+    import actors.control.journal as journal_module
+
+    journal = Journal(tmp_path, keep_checkpoints=2)
+    journal.open_history(Reporter.RANK0, 0)
+    clock = [1000.0]
+    monkeypatch.setattr(journal_module.time, "monotonic", lambda: clock[0])
+    for step in range(1, 6):  # a round every 8 s, 4 workers, 4,096 tokens a round, 6 s of it computing
+        clock[0] += 8.0
+        assert journal.offer({**record(step, 1000.0 + 8 * step), "tokens": 4096, "world_size": 4,
+                              "step_time": 8.0, "wait_s": 2.0})
+    assert journal.tokens_throughput() == 4096 / 8
+    assert journal.worker_tokens_per_compute_s() == 1024 / 6
+    clock[0] += 17.0  # more than twice the gap with no record
+    assert journal.tokens_throughput() is None and journal.worker_tokens_per_compute_s() is None
