@@ -191,6 +191,13 @@ class LocalJob:
     def parameters(self, slot: str) -> list[torch.Tensor]:
         return [p.detach().clone() for p in self.replicas[slot].training.model.parameters()]
 
+    def agreed_parameters(self, slots: list[str]) -> list[torch.Tensor]:
+        """The first slot's parameters, after checking every slot's replica ends at the same state."""
+        first = self.parameters(slots[0])
+        for slot in slots[1:]:
+            assert all(torch.equal(a, b) for a, b in zip(first, self.parameters(slot))), f"{slot} differs from {slots[0]}"
+        return first
+
     def close(self, timeout: float = 30.0) -> list[str]:
         """End replicas still running (a test that failed before its stop): a plan with no members that
         aborts every epoch before it, so each member fails the step under way, finds itself outside the

@@ -23,6 +23,7 @@ from core.schema import JobConfig, parse
 from orchestrator import cli
 from orchestrator.export import export_hf
 from orchestrator.prepare import PrepareOptions, prepare
+from tests.unit.test_prepare import word_level_tokenizer
 
 GPT2 = {"model_type": "gpt2", "n_layer": 2, "n_embd": 32, "n_head": 2, "n_positions": 32, "seq_len": 16,
         "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
@@ -102,11 +103,7 @@ def test_the_tokenizer_of_the_workloads_prepared_data_goes_with_the_model(tmp_pa
     """A prepared folder (a 256-token word-level tokenizer with an end-of-text token) named by the
     workload's `data_dir`: its tokenizer is saved beside the model, and its end-of-text id becomes the
     model's, so generation stops there."""
-    tokenizers = pytest.importorskip("tokenizers")
-    words = {f"w{i}": i for i in range(254)} | {"[UNK]": 254, "<eos>": 255}
-    bare = tokenizers.Tokenizer(tokenizers.models.WordLevel(words, unk_token="[UNK]"))
-    bare.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
-    bare.save(str(tmp_path / "tokenizer.json"))
+    word_level_tokenizer(tmp_path / "tokenizer.json", 254)
     (tmp_path / "text").mkdir()
     (tmp_path / "text" / "a.txt").write_text(" ".join(f"w{i % 254}" for i in range(500)))
     data = prepare(PrepareOptions(inputs=(str(tmp_path / "text"),), out=str(tmp_path / "data"), eval_fraction=0.0,

@@ -170,12 +170,18 @@ def test_a_saved_dataset_and_the_tokenizer_of_another_prepare(corpus, tmp_path):
     assert shard_tokens(rows.train).tolist() == shard_tokens(first.train).tolist()
 
 
-def test_a_vocabulary_past_uint16_is_written_as_uint32(tmp_path):
+def word_level_tokenizer(path: Path, words: int) -> Path:
+    """A bare `tokenizer.json`: `words` words w0, w1, ... split on whitespace, then `[UNK]` and `<eos>`."""
     tokenizers = pytest.importorskip("tokenizers")
-    words = {f"w{i}": i for i in range(70_000)} | {"[UNK]": 70_000, "<eos>": 70_001}
-    bare = tokenizers.Tokenizer(tokenizers.models.WordLevel(words, unk_token="[UNK]"))
+    vocab = {f"w{i}": i for i in range(words)} | {"[UNK]": words, "<eos>": words + 1}
+    bare = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
     bare.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
-    bare.save(str(tmp_path / "tokenizer.json"))
+    bare.save(str(path))
+    return path
+
+
+def test_a_vocabulary_past_uint16_is_written_as_uint32(tmp_path):
+    word_level_tokenizer(tmp_path / "tokenizer.json", 70_000)
     (tmp_path / "text").mkdir()
     (tmp_path / "text" / "a.txt").write_text("w1 w69999 w65536 nope")
     m = prepare(PrepareOptions(inputs=(str(tmp_path / "text"),), out=str(tmp_path / "tokens"), eval_fraction=0.0,
