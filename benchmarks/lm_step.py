@@ -35,6 +35,7 @@ limit, and a side that fails or overruns is reported with its error, not waited 
 
     python benchmarks/lm_step.py [--device cpu|cuda] [--model tiny|small|gpt2-small] [--steps N] [--pairs K]
         [--precision fp32|bf16-mixed|fp16-mixed|bf16] [--batch B] [--data-dir DIR] [--budget-s S]
+        [--set KEY=VALUE ...] [--niceness ray|0]
 
 Prints a table, then one JSON line. Figures are measurements, not gates.
 """
@@ -73,7 +74,7 @@ CLIP = 1.0
 GPT2_SMALL = {"model_type": "gpt2", "n_layer": 12, "n_embd": 768, "n_head": 12, "n_positions": 1024,
               "vocab_size": 50257, "seq_len": 1024, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
 DEFAULTS = {  # per model: (per-worker batch, steps) on a CPU and on a GPU
-    "tiny": {"cpu": (8, 60), "cuda": (64, 60)},
+    "tiny": {"cpu": (8, 100), "cuda": (64, 60)},
     "small": {"cpu": (2, 16), "cuda": (32, 40)},
     "gpt2-small": {"cpu": (1, 6), "cuda": (8, 30)},
 }
@@ -209,7 +210,7 @@ def job_config(name: str, setup: dict):
         "training": {"precision": setup["precision"]},
         "sync": {"policy": "bsp", "bucket_mb": BUCKET_MB}, **({"comm": {"backend": "nccl"}} if cuda else {}),
         "stop": {"max_steps": setup["steps"]}, "eval_every": 0,
-    })
+    }, setup["overrides"])
 
 
 def run_orchestrator(name: str, setup: dict, timeout: float) -> dict:
@@ -272,6 +273,8 @@ def main() -> int:
     parser.add_argument("--budget-s", type=float, default=None,
                         help="start no pair that would end past this many seconds (default: 110 on a GPU, 240 on a CPU)")
     parser.add_argument("--side-timeout-s", type=float, default=None, help="each side's limit (default: 90 GPU, 300 CPU)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a config override for the orchestrator's job (repeatable), e.g. sync.engine=python")
     parser.add_argument("--niceness", choices=["ray", "0"], default="ray",
                         help="the plain, DDP and compute-only processes at the niceness Ray gives its workers, or at 0")
     args = parser.parse_args()
@@ -328,7 +331,8 @@ def main() -> int:
     ray.init(address="local", num_cpus=8, namespace=NAMESPACE, log_to_driver=False, logging_level=logging.ERROR)
     niceness = ray.get(ray.remote(num_cpus=0)(lambda: os.nice(0)).remote()) if args.niceness == "ray" else 0
     setup = {"device": args.device, "spec": spec, "workers": workers, "batch": args.batch or batch, "steps": steps,
-             "warmup": warmup, "precision": precision, "niceness": niceness}
+             "warmup": warmup, "precision": precision, "niceness": niceness,
+             "overrides": args.set}
     tokens_per_step = setup["batch"] * workers * seq_len
     devices = 1 if cuda else workers  # a CPU side uses `workers` cores (plain: as many threads)
 
@@ -380,7 +384,7 @@ def main() -> int:
         "torch": torch.__version__, "model": args.model, "built": built, "params": n_params, "seq_len": seq_len,
         "flops_per_token": fpt, "precision": precision, "workers": workers, "per_worker_batch": setup["batch"],
         "tokens_per_step": tokens_per_step, "steps": steps, "warmup": warmup, "pairs": len(pairs), "niceness": niceness,
-        "peak_flops": peak, "mfu_vs": versus, "peak_source": peak_source, "notes": notes,
+        "overrides": args.set, "peak_flops": peak, "mfu_vs": versus, "peak_source": peak_source, "notes": notes,
         "ratios": ratios, "sides": sides, "errors": {k: v for k, v in errors.items() if v}, "per_pair": pairs}))
     return 1 if any(sides[s]["step_s"] is None for s in SIDES) else 0
 
