@@ -30,8 +30,9 @@ goodput) and over the compute time. MFU: tokens/s x FLOPs per token (orchestrato
 over the device's dense peak (`ORCHESTRATOR_PEAK_FLOPS` overrides); a CPU has no peak, so there the
 figure is against a measured one-thread matmul rate per worker, and labelled so. Sides run in fresh
 processes (one per rank), in an order that rotates every pair; ratios are taken pair by pair and their
-medians reported; pairs stop early when the next would overrun `--budget-s`. Every side has a time
-limit, and a side that fails or overruns is reported with its error, not waited for.
+medians reported (DDP's step over compute-only's too: what synchronizing costs torch itself); pairs
+stop early when the next would overrun `--budget-s`. Every side has a time limit, and a side that fails
+or overruns is reported with its error, not waited for.
 
     python benchmarks/lm_step.py [--device cpu|cuda] [--model tiny|small|gpt2-small] [--steps N] [--pairs K]
         [--precision fp32|bf16-mixed|fp16-mixed|bf16] [--batch B] [--data-dir DIR] [--budget-s S]
@@ -356,7 +357,8 @@ def main() -> int:
             pair["compute"] = pair["plain"]
         pair["ratios"] = {"tokens_per_s_orchestrator_vs_ddp": _ratio(pair, "orchestrator", "ddp", "tokens_per_s_wall"),
                           "step_orchestrator_vs_compute_only": _ratio(pair, "orchestrator", "compute", "step_s"),
-                          "step_orchestrator_vs_plain": _ratio(pair, "orchestrator", "plain", "step_s")}
+                          "step_orchestrator_vs_plain": _ratio(pair, "orchestrator", "plain", "step_s"),
+                          "step_ddp_vs_compute_only": _ratio(pair, "ddp", "compute", "step_s")}
         pairs.append(pair)
         pair_s = time.monotonic() - began
     ray.shutdown()
