@@ -61,6 +61,7 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
+from actors.observe.peaks import peak_flops  # noqa: E402
 from algorithms.policies.precision import AUTOCAST  # noqa: E402
 from algorithms.rules.sampler import GlobalSampler, split_for_rank  # noqa: E402
 from orchestrator.workloads import flops  # noqa: E402
@@ -309,7 +310,7 @@ def main() -> int:
     del probe
     compute_dtype = AUTOCAST.get(precision) or (torch.bfloat16 if precision == "bf16" else torch.float32)
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
-    peak, peak_source = flops.peak_flops(device, compute_dtype)
+    peak, peak_source = peak_flops(device, compute_dtype)
     versus = "peak"
     if peak is None:  # what one worker's thread (or the GPU) reaches on a matmul: achievable, not a peak
         threads = torch.get_num_threads()

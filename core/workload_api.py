@@ -42,6 +42,9 @@ class Workload:
     eval_data: torch.utils.data.Dataset | None = None
     evaluate: Callable[[torch.nn.Module, Any], dict] | None = None
     tokens_per_sample: int | None = None
+    flops_per_token: float | None = None
+    """Training FLOPs per token (a transformer's 6N + 12·L·d·T: orchestrator/workloads/flops.py): with it, and
+    a device whose peak is known, history records each step's model FLOPs utilization (`mfu`)."""
     loss_tokens: Callable[[Any], int] | None = None
     """For padded sequences: how many tokens of a batch take a loss. With it, a step's loss is the mean
     over the global batch's loss tokens (each member's loss, the mean over its own, weighed by its share

@@ -318,7 +318,7 @@ class ProgressPrinter:
             rate += f" tokens/s {status.tokens_per_s:,.0f} ({status.tokens_per_s / status.world_size:,.0f} a worker"
             if status.worker_tokens_per_compute_s:  # goodput beside what a worker's compute achieves
                 rate += f"; {status.worker_tokens_per_compute_s:,.0f} on its compute"
-            rate += ")"
+            rate += ")" + (f" MFU {status.mfu:.1%}" if status.mfu is not None else "")
         metrics = " ".join(f"{k} {v:.4f}" for k, v in sorted(status.metrics.items()))
         loss += "".join(f" {k} {v:.4f}" for k, v in sorted(status.step_metrics.items()))  # the loss's own metrics
         slow = " ".join(f"{slot} {ratio:.1f}x" for slot, ratio in sorted(status.stragglers.items()))

@@ -89,6 +89,9 @@ class Journal:
         self._tokens = 0
         self._compute_s = 0.0
         self._worker_tokens = 0.0
+        self.mfu: float | None = None
+        """The newest record's model FLOPs utilization (a worker's compute: records carry it where the
+        workload counts its FLOPs and the device's peak is known)."""
         """The compute seconds of the records that counted tokens (their step time less their waits)."""
         self._newest_at = 0.0
         self.skipped: set[tuple[int, int]] = set()
@@ -178,6 +181,8 @@ class Journal:
             self.metrics = dict(record["metrics"])
         if record.get("step_metrics"):
             self.step_metrics = dict(record["step_metrics"])
+        if record.get("mfu") is not None:
+            self.mfu = float(record["mfu"])
         self._tokens += int(record.get("tokens") or 0)
         if record.get("tokens") and record.get("step_time") is not None:  # this record's compute: its step less its waits
             self._compute_s += max(float(record["step_time"]) - float(record.get("wait_s") or 0.0), 0.0)

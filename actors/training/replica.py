@@ -115,7 +115,8 @@ class Replica:
         self.group = EpochGroup(cfg, comm_address, lambda epoch, group, reason: link.transport_fallback(
             self.slot, epoch, group, reason))
         self.reporter = StepReporter(cfg, self.slot, link, self.workload, self.faults, self.device,
-                                 int(getattr(self.workload, "tokens_per_sample", None) or 0))
+                                     int(getattr(self.workload, "tokens_per_sample", None) or 0),
+                                     precision.compute_dtype(next(model.parameters()).dtype))
         # the server writes what it applies
         self.samples = SampleLedger(spec.run_dir, self.slot,
                                     cfg.faults.record_samples and not self.policy.algorithm.reporter.server_reports)

@@ -19,6 +19,7 @@ from typing import Any, Protocol
 import torch
 
 from actors.faults import WorkerFaults
+from actors.observe.peaks import peak_flops
 from actors.plan import Plan, Progress, turn_steps
 from actors.training.user_code import metrics_of
 from algorithms.policies.base import Algorithm, AlgorithmImpl
@@ -113,7 +114,7 @@ class StepReporter:
     """A member's history records, reports, evaluations and checkpoints."""
 
     def __init__(self, cfg: JobConfig, slot: str, link: Link, workload: Any, faults: WorkerFaults,
-                 device: torch.device, tokens_per_sample: int) -> None:
+                 device: torch.device, tokens_per_sample: int, compute_dtype: torch.dtype = torch.float32) -> None:
         self._cfg = cfg
         self._device = device
         self._slot = slot
@@ -121,6 +122,10 @@ class StepReporter:
         self._workload = workload
         self._faults = faults
         self._tokens_per_sample = tokens_per_sample
+        self._flops_per_token: float | None = getattr(workload, "flops_per_token", None)
+        self._peak = peak_flops(device, compute_dtype)[0] if self._flops_per_token else None
+        """The device's dense peak in the dtype the step computes in (actors/observe/peaks.py): None on a
+        CPU unless the environment gives one, and then no record says its MFU."""
         self.kept: deque[dict] = deque(maxlen=KEEP_RECORDS)
         """History records of this replica's newest commit points (every member keeps them)."""
         self._records: list[dict] = []
@@ -180,6 +185,10 @@ class StepReporter:
         record.update(rec.policy_fields)
         if self._tokens_per_sample:  # the step's tokens: the global batch's, or this member's own (per-member kinds)
             record["tokens"] = int(record.get("samples", plan.global_batch)) * self._tokens_per_sample
+            compute = rec.step_time - rec.wait_s
+            if self._peak and self._flops_per_token and compute > 0:  # one worker's tokens over its compute
+                mine = record["tokens"] / (1 if "slot" in record else len(plan.members))
+                record["mfu"] = mine * self._flops_per_token / (compute * self._peak)
         if rec.dropped:
             record["dropped_samples"] = rec.dropped
         if rec.skipped:

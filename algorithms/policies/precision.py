@@ -45,6 +45,10 @@ class Precision:
         """The dtype the model is cast to when it is built (pure `bf16`), or None (kept as the factory made it)."""
         return torch.bfloat16 if self.mode == "bf16" else None
 
+    def compute_dtype(self, parameters: torch.dtype) -> torch.dtype:
+        """The dtype the step's matrix multiplies run in: the autocast dtype, else the parameters' own."""
+        return AUTOCAST.get(self.mode, parameters)
+
     @contextlib.contextmanager
     def forward(self) -> Iterator[None]:
         """Where the forward and the loss run: autocast in the mixed modes."""

@@ -82,6 +82,9 @@ class JobStatus:
     """Tokens per second of wall clock over the newest records (the last 5 s, at least the last 4
     records), all members together: workloads that count tokens (`tokens_per_sample`, the language
     models); None for the others."""
+    mfu: float | None = None
+    """The newest committed step's model FLOPs utilization: one worker's tokens over its compute time, times
+    the workload's FLOPs per token, over the device's dense peak (known GPUs, or `ORCHESTRATOR_PEAK_FLOPS`)."""
     worker_tokens_per_compute_s: float | None = None
     """One worker's tokens per second of its own compute (steps less their waits on the others), over the
     same records: beside `tokens_per_s / world_size`, what waiting costs."""

@@ -40,6 +40,7 @@ from torch.utils.data import Subset, TensorDataset
 
 from core.factory import check_factory
 from orchestrator.workloads import MapData, Workload
+from orchestrator.workloads.flops import flops_per_token
 from orchestrator.workloads.lm import VOCAB, eval_windows, text_arrays, windows
 
 try:
@@ -196,7 +197,8 @@ def causal_lm(model_type: str | None = None, model_dir: str | None = None, seq_l
         train_data, eval_data = TensorDataset(windows(train, seq_len)), TensorDataset(eval_windows(held_text, seq_len, eval_count))
     return Workload(model=model, train_data=train_data, eval_data=eval_data, loss=own_loss,
                     evaluate=held_out_loss if eval_data is not None else None,
-                    tokens_per_sample=_predicted(train_data[0]), loss_tokens=tokens)
+                    tokens_per_sample=_predicted(train_data[0]), loss_tokens=tokens,
+                    flops_per_token=flops_per_token(model, seq_len))
 
 
 def _predicted(sample: Any) -> int:

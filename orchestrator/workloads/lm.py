@@ -38,6 +38,7 @@ from torch.utils.checkpoint import checkpoint
 from torch.utils.data import Dataset, TensorDataset
 
 from orchestrator.workloads import Workload, with_modelled_compute
+from orchestrator.workloads.flops import flops_per_token
 
 BUILD = 1
 """The text's build version: part of the cache name, bumped when the selection or split changes."""
@@ -262,7 +263,7 @@ def gpt(size: str = "tiny", d_model: int | None = None, n_layer: int | None = No
     model = GPT(cfg).to(getattr(torch, dtype))
     return Workload(model=model, train_data=train_data, eval_data=eval_data,
                     loss=next_byte_loss, evaluate=held_out_loss if eval_data is not None else None,
-                    tokens_per_sample=cfg.seq_len)
+                    tokens_per_sample=cfg.seq_len, flops_per_token=flops_per_token(model, cfg.seq_len))
 
 
 def lab_gpt(compute_ms: float = 0.0, slow: dict | None = None, jitter_sigma: float = 0.0, seed: int = 0,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from actors.observe import peaks
 from orchestrator.workloads import flops
 from orchestrator.workloads.lm import GPT, SIZES
 
@@ -47,14 +48,14 @@ def test_unknown_model_has_no_count():
 
 
 def test_peak_on_cpu_only_from_the_environment(monkeypatch):
-    monkeypatch.delenv(flops.PEAK_ENV, raising=False)
-    peak, source = flops.peak_flops(torch.device("cpu"), torch.float32)
-    assert peak is None and flops.PEAK_ENV in source
-    monkeypatch.setenv(flops.PEAK_ENV, "2.5e12")
-    assert flops.peak_flops(torch.device("cpu"), torch.float32) == (2.5e12, flops.PEAK_ENV)
-    monkeypatch.setenv(flops.PEAK_ENV, "fast")
-    with pytest.raises(ValueError, match=flops.PEAK_ENV):
-        flops.peak_flops(torch.device("cpu"), torch.float32)
+    monkeypatch.delenv(peaks.PEAK_ENV, raising=False)
+    peak, source = peaks.peak_flops(torch.device("cpu"), torch.float32)
+    assert peak is None and peaks.PEAK_ENV in source
+    monkeypatch.setenv(peaks.PEAK_ENV, "2.5e12")
+    assert peaks.peak_flops(torch.device("cpu"), torch.float32) == (2.5e12, peaks.PEAK_ENV)
+    monkeypatch.setenv(peaks.PEAK_ENV, "fast")
+    with pytest.raises(ValueError, match=peaks.PEAK_ENV):
+        peaks.peak_flops(torch.device("cpu"), torch.float32)
 
 
 @pytest.mark.parametrize(("name", "dtype", "expected"), [
@@ -67,14 +68,38 @@ def test_peak_on_cpu_only_from_the_environment(monkeypatch):
     ("NVIDIA GeForce GTX 1050", torch.bfloat16, None),
 ])
 def test_gpu_table(monkeypatch, name, dtype, expected):
-    monkeypatch.delenv(flops.PEAK_ENV, raising=False)
+    monkeypatch.delenv(peaks.PEAK_ENV, raising=False)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
-    peak, _source = flops.peak_flops(torch.device("cuda", 0), dtype)
+    peak, _source = peaks.peak_flops(torch.device("cuda", 0), dtype)
     assert peak == (None if expected is None else pytest.approx(expected))
-    monkeypatch.setenv(flops.PEAK_ENV, "1e15")  # the variable overrides the table
-    assert flops.peak_flops(torch.device("cuda", 0), dtype)[0] == 1e15
+    monkeypatch.setenv(peaks.PEAK_ENV, "1e15")  # the variable overrides the table
+    assert peaks.peak_flops(torch.device("cuda", 0), dtype)[0] == 1e15
 
 
 def test_mfu_and_measured_rate():
     assert flops.mfu(1000.0, 6e9, 1e13, 2) == pytest.approx(0.3)
     assert flops.measured_matmul_flops(torch.device("cpu"), torch.float32, size=64, seconds=0.01) > 0
+
+
+def test_each_record_says_its_mfu_where_the_device_has_a_peak(tmp_path, monkeypatch):
+    """A record's MFU: one worker's tokens (the global batch's over the members) over its compute (the step
+    less its waits), times the model's FLOPs per token, over the device's peak; none without a peak (a CPU
+    unless the environment gives one)."""
+    from testkit.harness import LocalJob
+
+    gpt = {"size": "tiny", "d_model": 32, "n_layer": 2, "n_head": 2, "seq_len": 16}
+    config = {"name": "mfu", "seed": 0, "workers": {"count": 2, "cpus": 1},
+              "workload": {"factory": "orchestrator.workloads.lm:gpt", "params": gpt, "batch_size": 4},
+              "optimizer": {"name": "adamw", "lr": 3e-3}, "sync": {"policy": "bsp"}, "stop": {"max_steps": 4}, "eval_every": 0}
+    monkeypatch.setenv(peaks.PEAK_ENV, "1e11")
+    job = LocalJob(config, ["w0", "w1"], str(tmp_path / "peak"))
+    job.run(("w0", "w1"), 8)
+    model = job.replicas["w0"].training.model
+    n = sum(p.numel() for p in model.parameters()) - model.pos.numel()
+    per_token = 6 * n + 12 * 2 * 32 * 16
+    for r in job.replicas["w0"].reporter.kept:
+        assert r["mfu"] == pytest.approx((r["tokens"] / 2) * per_token / ((r["step_time"] - r["wait_s"]) * 1e11))
+    monkeypatch.delenv(peaks.PEAK_ENV)
+    job = LocalJob(config, ["w0", "w1"], str(tmp_path / "none"))
+    job.run(("w0", "w1"), 8)
+    assert all("mfu" not in r for r in job.replicas["w0"].reporter.kept)
