@@ -28,25 +28,25 @@ def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
 def _depth_and_width(model: torch.nn.Module) -> tuple[int, int] | None:
     """(layers, width) of the built-in GPT (`cfg.n_layer`, `cfg.d_model`) or a Hugging Face model
     (`config.n_layer` or `num_hidden_layers`, `config.n_embd` or `hidden_size`); None for another model."""
-    from orchestrator.workloads.lm import GPT
-
-    if isinstance(model, GPT):
-        return model.cfg.n_layer, model.cfg.d_model
-    config = getattr(model, "config", None)
-    layers = getattr(config, "n_layer", None) or getattr(config, "num_hidden_layers", None)
-    width = getattr(config, "n_embd", None) or getattr(config, "hidden_size", None)
+    own = getattr(model, "cfg", None)  # the built-in GPT's GPTConfig
+    if own is not None and hasattr(own, "n_layer") and hasattr(own, "d_model"):
+        layers, width = own.n_layer, own.d_model
+    else:
+        config = getattr(model, "config", None)
+        layers = getattr(config, "n_layer", None) or getattr(config, "num_hidden_layers", None)
+        width = getattr(config, "n_embd", None) or getattr(config, "hidden_size", None)
     if isinstance(layers, int) and isinstance(width, int) and layers > 0 and width > 0:
         return layers, width
     return None
 
 
 def _position_tables(model: torch.nn.Module) -> list[torch.Tensor]:
-    """The learned position tables: the built-in GPT's `pos`; a Hugging Face model's embeddings other than
-    its token embedding (GPT-2's `wpe`). A rotary model has none."""
-    from orchestrator.workloads.lm import GPT
-
-    if isinstance(model, GPT):
-        return [model.pos]
+    """The learned position tables: those a model names itself (`position_tables()`: the built-in GPT's
+    `pos`); else a Hugging Face model's embeddings other than its token embedding (GPT-2's `wpe`). A rotary
+    model has none."""
+    named = getattr(model, "position_tables", None)
+    if callable(named):
+        return list(named())
     lookup = getattr(model, "get_input_embeddings", None)
     tokens = lookup() if callable(lookup) else None
     return [m.weight for m in model.modules() if isinstance(m, torch.nn.Embedding) and m is not tokens]

@@ -186,6 +186,11 @@ class GPT(nn.Module):
         activation_checkpointing`; the name and meaning are Hugging Face models' own)."""
         self.checkpointing = True
 
+    def position_tables(self) -> list[torch.Tensor]:
+        """The learned position table, looked up, not multiplied: what a count of training FLOPs leaves out
+        (orchestrator/workloads/flops.py)."""
+        return [self.pos]
+
     def no_weight_decay(self) -> set[str]:
         """The position table is an embedding held as a bare parameter: no weight decay (the optimizer's
         default groups exempt the modules they recognize as embeddings, and these names)."""

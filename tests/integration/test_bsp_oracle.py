@@ -24,7 +24,7 @@ PER_WORKER = 16
 OPTIMIZERS = {
     "sgd_momentum_wd": {"name": "sgd", "lr": 0.1, "momentum": 0.9, "weight_decay": 0.001},
     "sgd_nesterov": {"name": "sgd", "lr": 0.05, "momentum": 0.9, "nesterov": True, "weight_decay": 0.0005},
-    "adamw_warmup_cosine": {"name": "adamw", "lr": 0.01, "weight_decay": 0.01, "warmup_steps": 5,
+    "adamw_warmup_cosine": {"name": "adamw", "lr": 0.01, "weight_decay": 0.01, "no_decay": [], "warmup_steps": 5,
                             "schedule": "cosine", "min_lr": 0.001},
 }
 
