@@ -153,6 +153,12 @@ class Progress:
     """The step of its newest committed state (the last round, for periodic policies)."""
 
 
+def worker_tokens(record: dict) -> float:
+    """One worker's tokens in a history record: a member's own record (per-member kinds: it names its
+    slot) holds its own; rank 0's holds the global batch's, shared by `world_size` members."""
+    return record["tokens"] / (1 if "slot" in record else max(int(record.get("world_size") or 1), 1))
+
+
 class ParentWatch:
     """Remembers the parent (the raylet) at start; `exit_if_orphaned` leaves once it is gone."""
 

@@ -21,6 +21,7 @@ from typing import Any, TextIO
 from actors.control.checkpoint_store import CheckpointStore
 from actors.control.history import History
 from actors.control.tasks import Tasks
+from actors.plan import worker_tokens
 from actors.runs import runfiles
 from actors.runs.mirror import RunMirror
 from actors.runs.storage import Storage, run_storage
@@ -88,11 +89,12 @@ class Journal:
         """(time, step, tokens so far) of the records of the last 5 s."""
         self._tokens = 0
         self._compute_s = 0.0
+        """The compute seconds of the records that counted tokens (their step time less their waits)."""
         self._worker_tokens = 0.0
+        """One worker's tokens in those records (`worker_tokens`)."""
         self.mfu: float | None = None
         """The newest record's model FLOPs utilization (a worker's compute: records carry it where the
         workload counts its FLOPs and the device's peak is known)."""
-        """The compute seconds of the records that counted tokens (their step time less their waits)."""
         self._newest_at = 0.0
         self.skipped: set[tuple[int, int]] = set()
         """(step, sample id) of each bad sample a member skipped (`workload.on_bad_sample: skip`): a step
@@ -187,7 +189,7 @@ class Journal:
         if record.get("tokens") and record.get("step_time") is not None:  # this record's compute: its step less its waits
             self._compute_s += max(float(record["step_time"]) - float(record.get("wait_s") or 0.0), 0.0)
             # one worker's tokens: a member's own record holds its own, rank 0's the global batch's
-            self._worker_tokens += record["tokens"] / (1 if "slot" in record else max(int(record.get("world_size") or 1), 1))
+            self._worker_tokens += worker_tokens(record)
         self.recent.append((record["time"], record["step"], self._tokens, self._compute_s, self._worker_tokens))
         self._newest_at = time.monotonic()
         # the window: the last 5 s, and at least RATE_RECORDS records however far apart (a periodic round

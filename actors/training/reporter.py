@@ -20,7 +20,7 @@ import torch
 
 from actors.faults import WorkerFaults
 from actors.observe.peaks import peak_flops
-from actors.plan import Plan, Progress, turn_steps
+from actors.plan import Plan, Progress, turn_steps, worker_tokens
 from actors.training.user_code import metrics_of
 from algorithms.policies.base import Algorithm, AlgorithmImpl
 from core.schema import JobConfig
@@ -187,8 +187,7 @@ class StepReporter:
             record["tokens"] = int(record.get("samples", plan.global_batch)) * self._tokens_per_sample
             compute = rec.step_time - rec.wait_s
             if self._peak and self._flops_per_token and compute > 0:  # one worker's tokens over its compute
-                mine = record["tokens"] / (1 if "slot" in record else len(plan.members))
-                record["mfu"] = mine * self._flops_per_token / (compute * self._peak)
+                record["mfu"] = worker_tokens(record) * self._flops_per_token / (compute * self._peak)
         if rec.dropped:
             record["dropped_samples"] = rec.dropped
         if rec.skipped:

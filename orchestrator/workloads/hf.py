@@ -73,15 +73,20 @@ def _inputs(model: torch.nn.Module, batch: Any) -> tuple[dict[str, torch.Tensor]
     if isinstance(batch, dict):
         ids = torch.as_tensor(batch["input_ids"]).to(device=device, dtype=torch.long)
         mask = batch.get("attention_mask")
-        mask = None if mask is None else torch.as_tensor(mask).to(device)
-        labels = batch.get("labels")
-        if labels is None:
-            labels = ids if mask is None else ids.masked_fill(mask == 0, IGNORE)
-        labels = torch.as_tensor(labels).to(device=device, dtype=torch.long)
-        inputs = {"input_ids": ids, **({"attention_mask": mask} if mask is not None else {})}
-        return inputs, labels[:, 1:]
+        inputs = {"input_ids": ids, **({"attention_mask": torch.as_tensor(mask).to(device)} if mask is not None else {})}
+        return inputs, _labels(batch).to(device=device, dtype=torch.long)[:, 1:]
     rows = _rows(batch).to(device=device, dtype=torch.long)
     return {"input_ids": rows[:, :-1]}, rows[:, 1:]
+
+
+def _labels(batch: dict) -> torch.Tensor:
+    """A dict batch's labels, aligned with its `input_ids`: its own `labels`, else the ids with -100 where
+    the attention mask is 0 (padding), else the ids."""
+    labels = batch.get("labels")
+    if labels is not None:
+        return torch.as_tensor(labels)
+    ids, mask = torch.as_tensor(batch["input_ids"]), batch.get("attention_mask")
+    return ids if mask is None else ids.masked_fill(torch.as_tensor(mask) == 0, IGNORE)
 
 
 def own_loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
@@ -98,11 +103,7 @@ def loss_tokens(batch: Any) -> int:
     """How many tokens of `batch` take a loss: what each of its samples weighs in the step's mean (the
     replica weighs a member's loss by its share of the global batch's loss tokens)."""
     if isinstance(batch, dict):
-        ids = torch.as_tensor(batch["input_ids"])
-        labels, mask = batch.get("labels"), batch.get("attention_mask")
-        if labels is None:
-            return int((torch.as_tensor(mask)[:, 1:] != 0).sum()) if mask is not None else ids[:, 1:].numel()
-        return int((torch.as_tensor(labels)[:, 1:] != IGNORE).sum())
+        return int((_labels(batch)[:, 1:] != IGNORE).sum())
     rows = _rows(batch)
     return rows[:, 1:].numel()
 
