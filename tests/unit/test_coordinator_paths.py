@@ -69,19 +69,20 @@ def events(coord: Coordinator, kind: str = "") -> list:
     return [e for e in coord.journal.events if not kind or e.kind == kind]
 
 
-def run(scenario) -> None:
-    """The scenario on a fresh event loop, failing after 25 s; a coordinator left running (the scenario
-    failed) is released, so that its linger (which waits for a driver's release) does not hold the test."""
+def run(scenario) -> Any:
+    """The scenario on a fresh event loop, failing after 25 s, and what it returns; a coordinator left
+    running (the scenario failed) is released, so that its linger (which waits for a driver's release)
+    does not hold the test."""
     async def guarded():
         try:
-            await asyncio.wait_for(scenario, 25)
+            return await asyncio.wait_for(scenario, 25)
         finally:
             for coord in RUNNING_NOW:
                 coord.lifecycle.release()
                 if coord.lifecycle.main_task is not None and not coord.lifecycle.main_task.done():
                     coord.lifecycle.main_task.cancel()
             RUNNING_NOW.clear()
-    asyncio.run(guarded())
+    return asyncio.run(guarded())
 
 
 def test_a_job_starts_commits_and_finishes_at_max_steps(tmp_path):

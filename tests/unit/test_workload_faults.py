@@ -13,6 +13,7 @@ from __future__ import annotations
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -219,35 +220,33 @@ async def evaluated_at_step_3(coord, group: FakeWorkerGroup) -> None:
     await coord.report(Progress(plan.members[0], 3, plan.membership_epoch, time.time(), (record,), 0.01, mark=3))
 
 
-def test_a_stop_target_no_evaluation_returns_fails_the_job_at_the_first_evaluation(tmp_path):
+def ended_by_the_target(tmp_path, name: str, target: dict, kind: str) -> tuple[JobState, Any]:
+    """A job with `target` whose members commit two steps, then report an evaluation at step 3: once its
+    coordinator decides a stop of `kind`, the members commit one more step; its end and the coordinator."""
     async def scenario():
         group = FakeWorkerGroup()
-        cfg = config("target-typo", stop={"max_steps": 1000, "target": {"metric": "acuracy", "value": 0.9}})
-        coord = await started(cfg, tmp_path, group)
+        coord = await started(config(name, stop={"max_steps": 1000, "target": target}), tmp_path, group)
         await group.commit(coord, 2)
         await evaluated_at_step_3(coord, group)
-        await until(lambda: coord.job.stop_kind == "FAILED", "the stop")
+        await until(lambda: coord.job.stop_kind == kind, "the stop")
         await group.commit(coord, 1)
-        assert await ended(coord) == JobState.FAILED
-        assert coord.job.cause == ("stop.target.metric 'acuracy' is not among the metrics evaluate returned "
+        return await ended(coord), coord
+    return run(scenario())
+
+
+def test_a_stop_target_no_evaluation_returns_fails_the_job_at_the_first_evaluation(tmp_path):
+    state, coord = ended_by_the_target(tmp_path, "target-typo", {"metric": "acuracy", "value": 0.9}, "FAILED")
+    assert state == JobState.FAILED
+    assert coord.job.cause == ("stop.target.metric 'acuracy' is not among the metrics evaluate returned "
                                "(accuracy, eval_loss); did you mean 'accuracy'?")
-    run(scenario())
 
 
 def test_an_evaluation_that_meets_the_stop_target_finishes_the_job_saying_so(tmp_path):
     """The stop at a target through the real coordinator (the README's job stops at its 0.97 this way)."""
-    async def scenario():
-        group = FakeWorkerGroup()
-        cfg = config("target-met", stop={"max_steps": 1000, "target": {"metric": "accuracy", "value": 0.4}})
-        coord = await started(cfg, tmp_path, group)
-        await group.commit(coord, 2)
-        await evaluated_at_step_3(coord, group)
-        await until(lambda: coord.job.stop_kind == "FINISHED", "the stop")
-        await group.commit(coord, 1)
-        assert await ended(coord) == JobState.FINISHED
-        said = [e.reason for e in coord.journal.events]
-        assert any(r.startswith("target reached: accuracy = 0.5000 (max 0.4)") for r in said), said
-    run(scenario())
+    state, coord = ended_by_the_target(tmp_path, "target-met", {"metric": "accuracy", "value": 0.4}, "FINISHED")
+    assert state == JobState.FINISHED
+    said = [e.reason for e in coord.journal.events]
+    assert any(r.startswith("target reached: accuracy = 0.5000 (max 0.4)") for r in said), said
 
 
 # ------------------------------------------------------------------ the config's side
