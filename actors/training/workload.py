@@ -17,6 +17,7 @@ from actors.training import user_code
 from actors.training.sources import source_for
 from algorithms.policies.base import get_algorithm
 from algorithms.policies.optim import build_optimizer
+from algorithms.policies.precision import MODEL_DTYPE
 from algorithms.rules.sampler import GlobalSampler
 from core.factory import check_factory
 from core.schema import JobConfig, WorkloadRefused
@@ -28,8 +29,9 @@ def build_workload(cfg: JobConfig) -> WorkloadLike:
     (verified by checksum at the first plan). What the factory raises leaves as a `WorkloadBug`."""
     torch.manual_seed(cfg.seed)
     workload = user_code.call("factory", check_factory(cfg.workload.factory), **cfg.workload.params)
-    if cfg.training.precision == "bf16":  # the model itself in bfloat16 (the mixed modes keep float32 weights)
-        workload.model.to(torch.bfloat16)
+    cast_to = MODEL_DTYPE.get(cfg.training.precision)  # pure bf16: the model itself (the mixed modes keep float32)
+    if cast_to is not None:
+        workload.model.to(cast_to)
     if cfg.training.activation_checkpointing:
         enable = getattr(workload.model, "gradient_checkpointing_enable", None)
         if not callable(enable):

@@ -26,6 +26,8 @@ import torch
 
 AUTOCAST = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
 """The mixed modes and the dtype their forward runs in."""
+MODEL_DTYPE = {"bf16": torch.bfloat16}
+"""The modes that cast the model itself when it is built, and to what."""
 
 
 @dataclass(frozen=True)
@@ -39,11 +41,6 @@ class Precision:
     def scales_loss(self) -> bool:
         """fp16's range needs the loss scaled up before the backward (gradients would underflow)."""
         return self.mode == "fp16-mixed"
-
-    @property
-    def model_dtype(self) -> torch.dtype | None:
-        """The dtype the model is cast to when it is built (pure `bf16`), or None (kept as the factory made it)."""
-        return torch.bfloat16 if self.mode == "bf16" else None
 
     def compute_dtype(self, parameters: torch.dtype) -> torch.dtype:
         """The dtype the step's matrix multiplies run in: the autocast dtype, else the parameters' own."""
