@@ -11,7 +11,7 @@ attributes works (`WorkloadLike` says which the worker requires). Torch is named
 only: this module loads none."""
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -49,3 +49,29 @@ class Workload:
     """For padded sequences: how many tokens of a batch take a loss. With it, a step's loss is the mean
     over the global batch's loss tokens (each member's loss, the mean over its own, weighed by its share
     of them), not over its samples."""
+
+
+Sums = Mapping[str, tuple[float, float]]
+"""Each metric's total over the data it saw and the weight it is a mean over: {name: (total, weight)}."""
+
+
+@dataclass(frozen=True)
+class MeanEvaluation:
+    """An `evaluate` whose metrics are means over the evaluation data (a loss per token, an accuracy per
+    sample). `sums(model, data)` returns each metric's total and weight ({name: (total, weight)}: the
+    weight is what the mean is over, samples or tokens); `derived(means)` adds metrics computed from the
+    means (a perplexity from a loss). The members of a policy that keeps them in lockstep (bsp and the
+    other synchronous policies) evaluate shares of `eval_data` side by side, and the project sums the
+    totals and the weights over them, so the mean is the one over all of the data, whatever the shares'
+    sizes. Called as a plain `evaluate(model, data)`, it evaluates all of `data` in one process."""
+
+    sums: Callable[[Any, Any], Sums]
+    derived: Callable[[dict[str, float]], dict[str, float]] | None = None
+
+    def __call__(self, model: Any, data: Any) -> dict[str, float]:
+        return self.finish(self.sums(model, data))
+
+    def finish(self, sums: Sums) -> dict[str, float]:
+        """The metrics from their totals and weights (over one share, or summed over all of them)."""
+        means = {name: total / weight if weight else float("nan") for name, (total, weight) in sums.items()}
+        return {**means, **(self.derived(means) if self.derived is not None else {})}

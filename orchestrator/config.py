@@ -49,6 +49,10 @@ def config_from_dict(raw: Any, overrides: Overrides = ()) -> JobConfig:
         from algorithms.policies.optim import check_optimizer  # imports torch: only for a torch.optim name
 
         check_optimizer(config.optimizer)
+    if config.training.compile:
+        from actors.training.compiled import check_backend  # imports torch: only for a compiled model
+
+        check_backend(config.training.compile_backend)
     if config.training.precision == "bf16" and config.optimizer.adam_family:
         print(f"warning: training.precision: bf16 keeps {config.optimizer.name}'s weights and state in bfloat16, whose "
               f"8-bit mantissa loses any update under 1/256 of a weight (at lr {config.optimizer.lr:g}, most of them: "

@@ -8,7 +8,6 @@ on the way is logged and never stops training.
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
 import logging
 import time
@@ -21,7 +20,7 @@ import torch
 from actors.faults import WorkerFaults
 from actors.observe.peaks import peak_flops
 from actors.plan import Plan, Progress, turn_steps, worker_tokens
-from actors.training.user_code import metrics_of
+from actors.training.evaluation import Evaluation
 from algorithms.policies.base import Algorithm, AlgorithmImpl
 from core.schema import JobConfig
 
@@ -116,10 +115,8 @@ class StepReporter:
     def __init__(self, cfg: JobConfig, slot: str, link: Link, workload: Any, faults: WorkerFaults,
                  device: torch.device, tokens_per_sample: int, compute_dtype: torch.dtype = torch.float32) -> None:
         self._cfg = cfg
-        self._device = device
         self._slot = slot
         self._link = link
-        self._workload = workload
         self._faults = faults
         self._tokens_per_sample = tokens_per_sample
         self._flops_per_token: float | None = getattr(workload, "flops_per_token", None)
@@ -134,7 +131,9 @@ class StepReporter:
         ahead of its next report (`flush`): after the epoch's first commit, off the re-form's path."""
         self._last_report = 0.0
         self._turn = TrialTurn(cfg.policy_trial)
-        self._eval_model: torch.nn.Module | None = None
+        self.evaluation = Evaluation(workload, device)
+        self._evaluated: tuple[int, dict] | None = None
+        """The newest evaluation this member recorded: (its step, {"metrics": ...})."""
         self.compute_s = 0.0
         """EWMA of this member's compute time per step (forward and backward)."""
         self._step_s: list[float] = []
@@ -166,9 +165,9 @@ class StepReporter:
         return algorithm.reporter.reports_from(-1 if rank is None else rank)
 
     def record(self, rec: StepRecord, algorithm: Algorithm, model: torch.nn.Module, impl: AlgorithmImpl,
-               progress: Callable[[], tuple[int, int]]) -> None:
-        """Keep the history record of `rec`, evaluate where due, and report if it is time. `progress()`:
-        (step, mark) for the report."""
+               progress: Callable[[], tuple[int, int]], evaluated: dict | None = None) -> None:
+        """Keep the history record of `rec`, evaluate where due (`evaluated`: the members' evaluation in
+        shares, taken already), and report if it is time. `progress()`: (step, mark) for the report."""
         plan = rec.plan
         record: dict[str, Any] = {
             "step": rec.step, "time": rec.time, "loss": rec.loss, "world_size": len(plan.members),
@@ -199,9 +198,11 @@ class StepReporter:
         self.kept.append(record)
         reports = self.reports(plan, algorithm)
         if reports:
-            before = rec.prev if rec.prev is not None else rec.step - 1
-            if self._evaluates(plan, algorithm) and crossed(self._cfg.eval_every, before, rec.step):
-                record.update(self.evaluate(model, impl, rec.step))
+            if evaluated is None and self._evaluates(plan, algorithm) and self.evaluation_due(rec.prev, rec.step):
+                evaluated = self.evaluation.whole(model, impl, rec.step)
+            if evaluated:
+                record.update(evaluated)
+                self._evaluated = (rec.step, evaluated)
             self._records.append(record)
         self.flush(plan, *progress(), force=self._turn.ends(plan, rec.step, reports), wait=False)
 
@@ -210,26 +211,21 @@ class StepReporter:
         replicas' newest average (the same on every member) for the job."""
         return not algorithm.kind.background_rounds or plan.rank_of(self._slot) == 0
 
-    def evaluate(self, model: torch.nn.Module, impl: AlgorithmImpl, step: int) -> dict:
-        """The workload's metrics of the model (of the replicas' average, where the policy keeps one)."""
-        evaluate = getattr(self._workload, "evaluate", None)
-        data = getattr(self._workload, "eval_data", None)
-        if evaluate is None or data is None:
-            return {}
-        flat = impl.eval_parameters()
-        if flat is not None:  # the replicas' average, on a copy of the model
-            if self._eval_model is None:
-                self._eval_model = copy.deepcopy(model)
-            with torch.no_grad():
-                torch.nn.utils.vector_to_parameters(flat.to(self._device),
-                                                    [p for p in self._eval_model.parameters() if p.requires_grad])
-            model = self._eval_model
-        return {"metrics": metrics_of(evaluate, model, data, step)}
+    def evaluation_due(self, prev: int | None, step: int) -> bool:
+        """Whether the commit point `step` (the one before it: `prev`) crosses a multiple of `eval_every`."""
+        return self.evaluation.offered and crossed(self._cfg.eval_every, prev if prev is not None else step - 1, step)
 
     def final(self, plan: Plan | None, model: torch.nn.Module, impl: AlgorithmImpl, step: int) -> None:
         """The final model is evaluated once; the record updates status, not history."""
         if plan is not None and plan.rank_of(self._slot) == 0:
-            self._records.append({"step": step, "time": time.time(), "final": True, **self.evaluate(model, impl, step)})
+            self._records.append({"step": step, "time": time.time(), "final": True, **self._final_evaluation(model, impl, step)})
+
+    def _final_evaluation(self, model: torch.nn.Module, impl: AlgorithmImpl, step: int) -> dict:
+        """The final model's metrics: those of the evaluation at this same step, where one was just taken
+        (not where it evaluated the replicas' average, which background rounds move without a step)."""
+        if self._evaluated is not None and self._evaluated[0] == step and impl.eval_parameters() is None:
+            return self._evaluated[1]
+        return self.evaluation.whole(model, impl, step)
 
     def maybe_checkpoint(self, plan: Plan, algorithm: Algorithm, prev: int | None, step: int, mark: int,
                          state_bytes: Callable[[], bytes]) -> None:

@@ -440,7 +440,7 @@ HF_ITERABLE_REFUSED = (
     "(ray.data.from_huggingface); docs/data.md")
 
 
-def _indexable(data: Any) -> bool:
+def indexable(data: Any) -> bool:
     return (hasattr(data, "__getitem__") and hasattr(data, "__len__")
             and not isinstance(data, torch.utils.data.IterableDataset))
 
@@ -453,7 +453,7 @@ def source_for(data: Any, seed: int, on_bad_sample: str = "fail",
     skip = on_bad_sample == "skip"
     if is_hf_iterable(data):
         raise WorkloadRefused(HF_ITERABLE_REFUSED)
-    if kind.runs_server and (is_ray_dataset(data) or not _indexable(data)):
+    if kind.runs_server and (is_ray_dataset(data) or not indexable(data)):
         raise WorkloadRefused(f"train_data is a {'Ray Data Dataset' if is_ray_dataset(data) else type(data).__name__}, "
                          f"which the {kind} policies cannot deal from (their server leases sample indices): use a "
                          f"map-style dataset, or a policy that shares a cursor (bsp, local_sgd, diloco, gossip ...)")
@@ -463,7 +463,7 @@ def source_for(data: Any, seed: int, on_bad_sample: str = "fail",
         return BlockSource(ray_blocks(data), seed, skip, refresh=lambda: ray_blocks(data))
     if is_hf_dataset(data):
         return ArrowSource(data, seed, skip)
-    if _indexable(data):
+    if indexable(data):
         return MapSource(data, seed, skip)
     if hasattr(data, "__iter__"):
         if callable(getattr(data, "state_dict", None)) and callable(getattr(data, "load_state_dict", None)):

@@ -178,16 +178,21 @@ class StepRunner:
         return self.adopt_newest_plan(plan) if vote.newer_plan else True
 
     def failed(self, plan: Plan, err: CommError) -> bool:
+        self._collective_failed(plan, err)
+        self._r.policy.impl.discard(self._r.training.step)
+        return False
+
+    def _collective_failed(self, plan: Plan, err: CommError) -> None:
+        """This member's status says so, and the coordinator hears of it (unless the group was aborted,
+        which is the coordinator's own doing)."""
         r = self._r
         r.failed_with(str(err))
-        r.policy.impl.discard(r.training.step)
         comm = r.group.comm
         if not comm or not comm.aborted:  # a peer may be gone without Ray knowing (a lost node)
             try:
                 r.link.collective_failed(r.slot, plan.membership_epoch, str(err)[:300])
             except Exception as failure:  # noqa: BLE001 - the coordinator may be restarting; its abort comes anyway
                 log.warning("could not tell the coordinator that a collective failed: %s", failure)
-        return False
 
     def commit(self, plan: Plan, vote: StepVote, started: float, micro_steps: int) -> None:
         """This step (or round) is the newest committed state: mark it, record it, save it if due."""
@@ -206,9 +211,27 @@ class StepRunner:
             policy_fields=impl.record_fields(), dropped=r.samples.take_dropped(), skipped=self._skipped,
             grad_norm=None if training.optimizer.grad_norm is None else float(training.optimizer.grad_norm),
             skipped_updates=training.optimizer.skipped)
-        r.reporter.record(record, algorithm, training.model, impl, lambda: (training.step, r.mark()))
+        evaluated = self._evaluated_in_shares(plan, prev, training.step)
+        r.reporter.record(record, algorithm, training.model, impl, lambda: (training.step, r.mark()), evaluated)
         r.reporter.maybe_checkpoint(plan, algorithm, prev, training.step, r.mark(), r.committed.state_bytes)
         r.group.settle()  # off the next re-form's path, now that this one's first step is done
+
+    def _evaluated_in_shares(self, plan: Plan, prev: int | None, step: int) -> dict | None:
+        """Where the evaluation at this commit point is split (`Evaluation.splits`), every member evaluates
+        its share and all get the metrics; else None (rank 0 evaluates alone, in `record`). A failure of
+        the group here loses this evaluation only: the coordinator hears of it as of a step's, and the
+        next step re-forms the group."""
+        r = self._r
+        evaluation, comm, rank = r.reporter.evaluation, r.group.comm, plan.rank_of(r.slot)
+        if (rank is None or not isinstance(comm, Reducing) or not r.reporter.evaluation_due(prev, step)
+                or not evaluation.splits(r.policy.algorithm.kind, r.policy.impl, len(plan.members))):
+            return None
+        try:
+            return evaluation.in_shares(r.training.model, rank, len(plan.members), comm, step)
+        except CommError as err:
+            log.warning("the evaluation at step %d was lost: %s", step, str(err).splitlines()[0][:200])
+            self._collective_failed(plan, err)
+            return {}
 
     def adopt_newest_plan(self, plan: Plan) -> bool:
         """Rare path: someone saw a newer plan; agree on the newest with one MAX all-reduce, then every

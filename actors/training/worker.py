@@ -266,14 +266,14 @@ def prepare_spare(config: JobConfig) -> Any:
     ray.util.collective (the first epoch publishes its group there). An adoption that imported
     `actors.server.server_client` and the modules it brings took 0.14-0.18 s of a join here, where Python
     caches no bytecode for the project and compiles each module from source; the first epoch's import
-    of ray.util.collective took 0.13 s more."""
+    of ray.util.collective took 0.13 s more. With `training.compile`, the model's compilation too."""
     import actors.server.server_client
     import actors.training.replica  # noqa: F401 - `_become`'s import, paid ahead
-    from actors.training.workload import build_workload, warm_up
+    from actors.training.workload import build_workload, device_for, warm_up
     from actors.transport import collective
 
     workload = build_workload(config)
-    warm_up(config, workload)
+    warm_up(config, workload, device_for(config.workers.gpus))
     collective.prepare()
     return workload
 

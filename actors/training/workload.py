@@ -13,8 +13,8 @@ from typing import Any
 import torch
 
 from actors.plan import WorkerSpec
-from actors.training import user_code
-from actors.training.sources import source_for
+from actors.training import compiled, user_code
+from actors.training.sources import indexable, is_ray_dataset, source_for
 from algorithms.policies.base import get_algorithm
 from algorithms.policies.optim import build_optimizer
 from algorithms.policies.precision import MODEL_DTYPE
@@ -42,6 +42,8 @@ def build_workload(cfg: JobConfig) -> WorkloadLike:
         # a Hugging Face model takes torch's non-reentrant checkpoint (the one its docs recommend; the
         # reentrant one drops the gradient of a block whose inputs need none)
         enable(**({"gradient_checkpointing_kwargs": {"use_reentrant": False}} if "gradient_checkpointing_kwargs" in takes else {}))
+    if cfg.training.compile:
+        compiled.compile_model(workload.model, cfg.training.compile_backend)
     return workload
 
 
@@ -133,14 +135,23 @@ def layout_of(model: torch.nn.Module) -> list[tuple[int, str]]:
     return [(p.numel(), str(p.dtype).removeprefix("torch.")) for p in model.parameters() if p.requires_grad]
 
 
-def warm_up(cfg: JobConfig, workload: Any) -> None:
+def warm_up(cfg: JobConfig, workload: Any, device: torch.device) -> None:
     """What a replica's first construction would import (the optimizer's first construction imports
     torch._dynamo: 1.4 s here; the policy's modules), and what its first step would pay on first use
     (the sampler's first permutation imports numpy.random: 10-13 ms here, on the joiner's
-    first step, which the members wait for): a hot spare pays it before it is needed."""
+    first step, which the members wait for): a hot spare pays it before it is needed. With
+    `training.compile`, the model's training graph is compiled too, on `device`, with one batch of the
+    job's map-style data (a stream or a Ray Data dataset is not read ahead: its spare compiles on its
+    first step)."""
     build_optimizer(workload.model, cfg.optimizer)
     get_algorithm(cfg.sync.policy)(cfg.sync, cfg.compression)
     GlobalSampler(1, cfg.seed).draw(0)
+    if cfg.training.compile and not is_ray_dataset(workload.train_data) and indexable(workload.train_data):
+        source = source_for(workload.train_data, cfg.seed)
+        size = min(cfg.workload.micro_batch or cfg.workload.batch_size, len(workload.train_data))
+        batch = to_device(source.fetch(source.global_batch(0, size), 0).batch, device)
+        workload.model.to(device)
+        compiled.warm(workload.model, batch, workload.loss, split_loss)
 
 
 def ray_blocks(spec: WorkerSpec, dataset: Any) -> list[tuple[Any, int]]:

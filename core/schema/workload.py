@@ -253,10 +253,20 @@ class TrainingConfig:
     """Recompute activations in the backward instead of keeping them from the forward (less memory, about
     a third more compute): the model's own `gradient_checkpointing_enable()` (Hugging Face models, the
     built-in GPT); a model without one is refused when the workers build it."""
+    compile: bool = False
+    """Compile the model's forward (and, through it, its backward) with `torch.compile`, in place
+    (`nn.Module.compile`: its state and parameter names unchanged). A hot spare compiles while it waits,
+    on one batch of the job's own data whose batch dimension is marked dynamic, so that an adopted spare's
+    first step, whatever its share of the global batch, does not compile while the group waits."""
+    compile_backend: str = "inductor"
+    """`torch.compile`'s backend: `inductor` (generated kernels; needs a C++ compiler on a CPU), or
+    another that torch lists (`aot_eager`: traced, not code-generated)."""
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
             raise FieldError("precision", f"must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        if not self.compile_backend:
+            raise FieldError("compile_backend", "must name a torch.compile backend (inductor, aot_eager, ...)")
 
 
 BUILT_IN_OPTIMIZERS = typing.get_args(typing.get_type_hints(OptimizerConfig)["name"])

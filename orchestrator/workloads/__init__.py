@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
-from core.workload_api import MapData, Workload, WorkloadLike
+from core.workload_api import MapData, MeanEvaluation, Workload, WorkloadLike
 
-__all__ = ["MapData", "Workload", "WorkloadLike", "with_modelled_compute"]
+__all__ = ["MapData", "MeanEvaluation", "Workload", "WorkloadLike", "with_modelled_compute"]
 
 
 def with_modelled_compute(workload: Any, compute_ms: float = 0.0, slow: dict | None = None, jitter_sigma: float = 0.0,

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch.utils.data import Subset, TensorDataset
 
 from core.factory import check_factory
-from orchestrator.workloads import MapData, Workload
+from orchestrator.workloads import MapData, MeanEvaluation, Workload
 from orchestrator.workloads.flops import flops_per_token
 from orchestrator.workloads.lm import VOCAB, eval_windows, text_arrays, windows
 
@@ -108,9 +108,9 @@ def loss_tokens(batch: Any) -> int:
     return rows[:, 1:].numel()
 
 
-def held_out_loss(model: torch.nn.Module, data: TensorDataset | MapData, batch: int = 32) -> dict:
-    """The mean next-token loss over every loss token of `data` (token rows or Hugging Face dicts), in
-    eval mode, and its perplexity."""
+def _loss_token_sums(model: torch.nn.Module, data: TensorDataset | MapData, batch: int = 32) -> dict[str, tuple[float, float]]:
+    """The next-token loss summed over every loss token of `data` (token rows or Hugging Face dicts), in
+    eval mode, and the number of those tokens."""
     was_training = model.training
     model.eval()
     total, tokens = 0.0, 0
@@ -122,8 +122,16 @@ def held_out_loss(model: torch.nn.Module, data: TensorDataset | MapData, batch: 
                 total += float(own_loss(model, chunk)) * n
                 tokens += n
     model.train(was_training)
-    loss = total / max(tokens, 1)
-    return {"eval_loss": loss, "perplexity": math.exp(min(loss, 50.0))}
+    return {"eval_loss": (total, float(tokens))}
+
+
+def _perplexity(means: dict[str, float]) -> dict[str, float]:
+    return {"perplexity": math.exp(min(means["eval_loss"], 50.0))}
+
+
+held_out_loss = MeanEvaluation(_loss_token_sums, _perplexity)
+"""The mean next-token loss over every loss token of the held-out data, and its perplexity; split across
+the members of a synchronous policy, token-weighted (core/workload_api.py `MeanEvaluation`)."""
 
 
 def _collate(items: list[Any]) -> Any:

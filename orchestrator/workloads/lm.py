@@ -37,7 +37,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 from torch.utils.data import Dataset, TensorDataset
 
-from orchestrator.workloads import Workload, with_modelled_compute
+from orchestrator.workloads import MeanEvaluation, Workload, with_modelled_compute
 from orchestrator.workloads.flops import flops_per_token
 
 BUILD = 1
@@ -219,9 +219,10 @@ def next_byte_loss(model: nn.Module, batch) -> torch.Tensor:
 
 
 @torch.no_grad()
-def mean_loss(model: nn.Module, rows: torch.Tensor, loss: Callable[[nn.Module, Any], torch.Tensor],
-              batch: int = 32) -> float:
-    """`loss` over `rows` in eval mode, in chunks of `batch` rows, each chunk weighted by its rows."""
+def loss_sums(model: nn.Module, rows: torch.Tensor, loss: Callable[[nn.Module, Any], torch.Tensor],
+              batch: int = 32) -> tuple[float, float]:
+    """(`loss` summed over `rows`, the number of rows), in eval mode, in chunks of `batch` rows, each chunk's
+    mean weighted by its rows."""
     was_training = model.training
     model.eval()
     total = 0.0
@@ -229,12 +230,21 @@ def mean_loss(model: nn.Module, rows: torch.Tensor, loss: Callable[[nn.Module, A
         chunk = rows[i:i + batch]
         total += float(loss(model, (chunk,))) * len(chunk)
     model.train(was_training)
-    return total / max(len(rows), 1)
+    return total, float(len(rows))
 
 
-def held_out_loss(model: nn.Module, data: TensorDataset, batch: int = 32) -> dict:
-    loss = mean_loss(model, data.tensors[0], next_byte_loss, batch)
-    return {"eval_loss": loss, "perplexity": math.exp(min(loss, 50.0)), "bits_per_byte": loss / math.log(2)}
+def _held_out_sums(model: nn.Module, data: TensorDataset) -> dict[str, tuple[float, float]]:
+    return {"eval_loss": loss_sums(model, data.tensors[0], next_byte_loss)}
+
+
+def _per_byte(means: dict[str, float]) -> dict[str, float]:
+    loss = means["eval_loss"]
+    return {"perplexity": math.exp(min(loss, 50.0)), "bits_per_byte": loss / math.log(2)}
+
+
+held_out_loss = MeanEvaluation(_held_out_sums, _per_byte)
+"""The mean next-byte loss over the held-out windows (each the same length), its perplexity and bits per
+byte; split across the members of a synchronous policy (core/workload_api.py `MeanEvaluation`)."""
 
 
 def gpt(size: str = "tiny", d_model: int | None = None, n_layer: int | None = None, n_head: int | None = None,
