@@ -162,8 +162,12 @@ class FaultyComm:
         return self._in_flight(lambda: self._inner.all_to_all(output, tensor))
 
     def send(self, tensor, dst: int):
-        """A gossip exchange's send: an `allreduce` kill lands in the step's first one."""
+        """A point-to-point send: an `allreduce` kill lands in the step's first one."""
         return self._in_flight(lambda: self._inner.send(tensor, dst))
+
+    def exchange(self, sends, recvs):
+        """A gossip exchange (its sends and receives as one operation): an `allreduce` kill lands in it."""
+        return self._in_flight(lambda: self._inner.exchange(sends, recvs))
 
     def _in_flight(self, launch: Callable[[], Any]):
         kill = self._faults.due("allreduce", self._step())  # recorded first: the kill lands mid-operation

@@ -109,7 +109,7 @@ class MembershipBook:
             group_name=f"{self.cfg.name}/{self.run_id}/c{incarnation}/e{self.epoch}",
             store_host=store_host, store_port=store_port, timeout_s=self.cfg.comm.timeout_s,
             global_batch=global_batch, lr_scale=lr_scale,
-            backend="nccl" if w.gpus > 0 and self.cfg.comm.backend != "gloo" else "gloo",
+            backend=self.cfg.group_backend,
             stop_step=self.stop_step, reason=reason, history_step=history_step,
             nodes=tuple(self.node_of(slot) for slot in members), policy=self.policy)
         return self.plan

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from actors.plan import Plan
 from actors.training.parts import ReplicaParts
 from actors.training.training_state import read_state
@@ -42,16 +40,18 @@ class CommittedState:
         r = self._r
         return r.training.committed_view(r.policy.impl)
 
-    def committed_blob(self) -> torch.Tensor:
-        return torch.frombuffer(bytearray(self.state_bytes()), dtype=torch.uint8)
+    def committed_state(self) -> dict[str, Any]:
+        """The committed state as a dict whose tensors are the live ones (what a transfer sends, chunk by
+        chunk: actors/training/state_transfer.py)."""
+        return self._r.training.to_state(self._r.policy.impl, self._carried())
 
-    def load_blob(self, blob: torch.Tensor) -> None:
+    def load_received(self, state: dict[str, Any]) -> None:
         """Take a holder's newer committed state. If it is the very step (or round) this member
         attempted in the same epoch (a split vote: its result was lost here, but its share was in
         the all-reduce everyone else finished), this member's samples of it were applied."""
         r = self._r
         attempted, epoch = r.samples.take_pending(), r.trained_plan.membership_epoch if r.trained_plan else None
-        self.load_state_bytes(blob.cpu().numpy().tobytes())
+        self.load_state(state)
         record = r.reporter.newest()
         if attempted and epoch is not None and record is not None and record.get("membership_epoch") == epoch \
                 and attempted[-1][0] == r.training.step:
@@ -73,17 +73,24 @@ class CommittedState:
             r.samples.drop(len(r.feed.ids_of(plan, cursor, rank)))
         r.feed.source.committed(r.training.mark_cursor)
 
-    def state_bytes(self) -> bytes:
-        """The committed state: what a joiner receives, what a checkpoint holds, the final model."""
+    def _carried(self) -> dict[str, Any]:
+        """What the replica's other parts carry in its state: the data position, the newest record, the
+        policy, the step metrics' names."""
         r = self._r
         source = r.feed.source
-        return r.training.to_bytes(r.policy.impl, {
-            "data": {"position": source.state_dict(), "fingerprint": source.fingerprint()},
-            "record": r.reporter.newest(), "policy": r.policy.saved(), "metric_names": list(r.metrics.names)})
+        return {"data": {"position": source.state_dict(), "fingerprint": source.fingerprint()},
+                "record": r.reporter.newest(), "policy": r.policy.saved(), "metric_names": list(r.metrics.names)}
+
+    def state_bytes(self) -> bytes:
+        """The committed state: what a checkpoint holds, the final model."""
+        return self._r.training.to_bytes(self._r.policy.impl, self._carried())
 
     def load_state_bytes(self, data: bytes) -> None:
+        self.load_state(read_state(data))
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        """Take a committed state (`read_state` of its bytes, or a transfer's)."""
         r = self._r
-        state = read_state(data)
         source = r.feed.source
         if "data" in state and state["data"]["fingerprint"] != source.fingerprint():
             raise ValueError(f"the state's data ({state['data']['fingerprint']}) is not this job's "

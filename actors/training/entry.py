@@ -26,6 +26,7 @@ from typing import Any, Protocol
 
 import torch
 
+from actors.training.state_transfer import broadcast_state
 from algorithms.rules.kinds import Entry
 
 
@@ -42,8 +43,8 @@ class Member(Protocol):
     def plan(self) -> Any: ...
 
     def committed_view(self) -> tuple[int, int]: ...
-    def committed_blob(self) -> torch.Tensor: ...
-    def load_blob(self, blob: torch.Tensor) -> None: ...
+    def committed_state(self) -> dict[str, Any]: ...
+    def load_received(self, state: dict[str, Any]) -> None: ...
     def rewind(self) -> None: ...
     def skip_to(self, step: int) -> None: ...
 
@@ -85,18 +86,13 @@ def enter_switched(member: Member, comm: Any) -> int | None:
 
 
 def _broadcast_state(member: Member, comm: Any, src: int, keep: bool = False) -> int | None:
-    """The committed state of `src`, to every member (a collective); loaded unless `keep`."""
-    size = torch.zeros(1, dtype=torch.int64, device=comm.device)
-    blob = member.committed_blob().to(comm.device) if comm.rank == src else None
-    if blob is not None:
-        size[0] = blob.numel()
-    comm.broadcast(size, src).wait()
-    if blob is None:
-        blob = torch.empty(int(size[0]), dtype=torch.uint8, device=comm.device)
-    comm.broadcast(blob, src).wait()
-    if keep or comm.rank == src:
+    """The committed state of `src`, to every member (a collective, in chunks of bounded size:
+    actors/training/state_transfer.py); loaded unless `keep`."""
+    state = member.committed_state() if comm.rank == src else None
+    received = broadcast_state(comm, src, state, keep=keep)
+    if received is None:
         return None
-    member.load_blob(blob)
+    member.load_received(received)
     return src
 
 

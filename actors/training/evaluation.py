@@ -26,8 +26,8 @@ class Evaluation:
     """A member's evaluations of its model (the replicas' average, where the policy keeps one)."""
 
     def __init__(self, workload: Any, device: torch.device) -> None:
-        self._evaluate = getattr(workload, "evaluate", None)
-        self._data = getattr(workload, "eval_data", None)
+        self._evaluate: Any = getattr(workload, "evaluate", None)
+        self._data: Any = getattr(workload, "eval_data", None)
         self._device = device
         self._eval_model: torch.nn.Module | None = None
         """A copy of the model that holds the replicas' average (the policies that keep one)."""

@@ -97,18 +97,22 @@ class TrainingState:
         params = impl.committed_parameters()
         return self.mark(impl), checksum(params if params is not None else self.model.parameters())
 
-    def to_bytes(self, impl: AlgorithmImpl, carried: dict[str, Any]) -> bytes:
+    def to_state(self, impl: AlgorithmImpl, carried: dict[str, Any]) -> dict[str, Any]:
         """The committed state, with what the replica's other parts carry in it (`carried`: the data
-        position, the newest record, the policy, the step metrics' names)."""
+        position, the newest record, the policy, the step metrics' names). Its tensors are the live
+        model's and optimizer's own (not copies), except a periodic policy's committed parameters."""
         model = self.model.state_dict()
         committed = impl.committed_parameters()
         if committed is not None:
             model.update({name: t.detach().clone() for name, t in zip(self.param_names, committed)})
+        return {"model": model, "optimizer": self.optimizer.state_dict(), "precision": self.optimizer.precision_state(),
+                "step": self.mark(impl), "cursor": self.mark_cursor, "algorithm": impl.state_dict(),
+                "rng": {"torch": torch.get_rng_state()}, **carried}
+
+    def to_bytes(self, impl: AlgorithmImpl, carried: dict[str, Any]) -> bytes:
+        """The committed state (`to_state`) as bytes: what a checkpoint holds, the final model."""
         buf = io.BytesIO()
-        torch.save({"model": model, "optimizer": self.optimizer.state_dict(), "precision": self.optimizer.precision_state(),
-                    "step": self.mark(impl),
-                    "cursor": self.mark_cursor, "algorithm": impl.state_dict(),
-                    "rng": {"torch": torch.get_rng_state()}, **carried}, buf)
+        torch.save(self.to_state(impl, carried), buf)
         return buf.getvalue()
 
     def restore(self, state: dict[str, Any], impl: AlgorithmImpl) -> None:

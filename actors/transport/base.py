@@ -222,6 +222,9 @@ class BaseCommunicator:
     def recv(self, tensor: torch.Tensor, src: int) -> WorkHandle:
         raise NotImplementedError(f"{type(self).__name__} has no recv")
 
+    def exchange(self, sends: Sequence[tuple[torch.Tensor, int]], recvs: Sequence[tuple[torch.Tensor, int]]) -> WorkHandle:
+        raise NotImplementedError(f"{type(self).__name__} has no exchange")
+
     def close(self) -> None:
         raise NotImplementedError(f"{type(self).__name__} has no close")
 
@@ -247,6 +250,10 @@ class TorchBackendCommunicator(BaseCommunicator):
 
     def _submit_p2p(self, launch: Callable[[], Any], keep: Sequence[torch.Tensor]) -> WorkHandle:
         return self._submit(launch, keep)
+
+    def _submit_exchange(self, launch: Callable[[], list[Any]], keep: Sequence[torch.Tensor]) -> WorkHandle:
+        """One handle for the point-to-point works `launch` issues (each backend's own: NCCL groups them)."""
+        raise NotImplementedError
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> WorkHandle:
         handle = self._timed(self._submit(lambda: self._pg.allreduce([tensor], _opts(op)), (tensor,)), "all_reduce")
@@ -281,6 +288,18 @@ class TorchBackendCommunicator(BaseCommunicator):
 
     def recv(self, tensor: torch.Tensor, src: int) -> WorkHandle:
         return self._timed(self._submit_p2p(lambda: self._pg.recv([tensor], src, 0), (tensor,)), "recv", src)
+
+    def exchange(self, sends: Sequence[tuple[torch.Tensor, int]], recvs: Sequence[tuple[torch.Tensor, int]]) -> WorkHandle:
+        def launch() -> list[Any]:
+            return ([self._pg.send([tensor], dst, 0) for tensor, dst in sends]
+                    + [self._pg.recv([tensor], src, 0) for tensor, src in recvs])
+        keep = tuple(tensor for tensor, _ in (*sends, *recvs))
+        handle = self._submit_exchange(launch, keep)
+        peers = {peer for _, peer in (*sends, *recvs)}
+        if peers and self.link_latency_s:  # the lab: done once its slowest link has delivered
+            handle.latency_s = max(self.op_latency("send", peer) for peer in peers)
+        self.bytes_sent += sum(tensor.numel() * tensor.element_size() for tensor, _ in sends)
+        return handle
 
 
 def _opts(op: str) -> dist.AllreduceOptions:

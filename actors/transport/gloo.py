@@ -220,6 +220,12 @@ class GlooCommunicator(TorchBackendCommunicator):
         self._check()
         return WorkHandle(_WaitedWork(launch()), self, keep)
 
+    def _submit_exchange(self, launch: Callable[[], list[Any]], keep: Sequence[torch.Tensor]) -> WorkHandle:
+        """Gloo buffers its sends, so the exchange's sends and receives are issued one by one; one handle
+        completes once every one of them has (`_AllWorks`)."""
+        self._check()
+        return WorkHandle(_AllWorks([_WaitedWork(work) for work in launch()]), self, keep)
+
     def barrier(self) -> WorkHandle:
         self._check()
         return self._timed(WorkHandle(self._pg.barrier(), self, ()), "barrier")
@@ -368,6 +374,37 @@ class SharedMemoryProcessGroup(dist.ProcessGroup):
 
     def getBackendName(self) -> str:
         return "gloo (shared memory)"
+
+
+class _AllWorks:
+    """Several works as one: complete when every one is; `wait` raises the first one's error."""
+
+    def __init__(self, works: list[Any]) -> None:
+        self._works = works
+        self._future: torch.futures.Future[None] = torch.futures.Future()
+        self._left = len(works)
+        self._lock = threading.Lock()
+        if not works:
+            self._future.set_result(None)
+        for work in works:
+            work.get_future().add_done_callback(self._one_done)
+
+    def _one_done(self, _future: Any) -> None:
+        with self._lock:
+            self._left -= 1
+            last = self._left == 0
+        if last:
+            self._future.set_result(None)
+
+    def get_future(self) -> torch.futures.Future[None]:
+        return self._future
+
+    def is_completed(self) -> bool:
+        return self._future.done()
+
+    def wait(self) -> None:
+        for work in self._works:
+            work.wait()
 
 
 class _WaitedWork:

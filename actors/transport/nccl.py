@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -26,13 +27,33 @@ NCCL_WATCHDOG_MARGIN_S = 30.0
 this module aborts first (and keeps the process); the watchdog is only the backstop."""
 
 
-def _nccl_environment(timeout_s: float) -> None:
+def _nccl_environment(timeout_s: float, node_ip: str) -> None:
     """What torch's NCCL backend reads at a group's construction, set where the user did not:
     on an error or a timeout, abort the communicator and keep the process (the default tears the
     process down, which would turn a peer's death into this worker's); a non-blocking communicator's
-    initialization gives up after the group's timeout."""
+    initialization gives up after the group's timeout; NCCL's bootstrap and socket transport use the
+    interface that owns the node's address (`NCCL_SOCKET_IFNAME`), the one the job reaches this node
+    by: left to choose, NCCL may take another interface of a host with several, which a peer cannot
+    reach (the group's formation then hangs until its timeout)."""
     os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
     os.environ.setdefault("TORCH_NCCL_NONBLOCKING_TIMEOUT", str(int(max(1.0, timeout_s))))
+    if "NCCL_SOCKET_IFNAME" not in os.environ:
+        interface = interface_of(node_ip)
+        if interface is not None:
+            os.environ["NCCL_SOCKET_IFNAME"] = f"={interface}"  # exactly this one, not every name it prefixes
+
+
+def interface_of(address: str, interfaces: dict[str, list[str]] | None = None) -> str | None:
+    """The network interface that holds `address` (`interfaces`: each interface's addresses; this
+    host's by default), or None where none does (a loopback address is left to NCCL)."""
+    if interfaces is None:
+        import psutil
+
+        interfaces = {name: [a.address.split("%")[0] for a in addrs if a.family in (socket.AF_INET, socket.AF_INET6)]
+                      for name, addrs in psutil.net_if_addrs().items()}
+    if address.startswith("127.") or address == "::1":
+        return None
+    return next((name for name, addrs in interfaces.items() if address in addrs), None)
 
 
 class NcclCommunicator(TorchBackendCommunicator):  # pragma: no cover - needs a GPU (tests/gpu)
@@ -66,7 +87,7 @@ class NcclCommunicator(TorchBackendCommunicator):  # pragma: no cover - needs a 
                             f"(torch.cuda.is_available() = {torch.cuda.is_available()}, "
                             f"torch.distributed.is_nccl_available() = {dist.is_nccl_available()}); "
                             f"use comm.backend: gloo")
-        _nccl_environment(spec.timeout_s)
+        _nccl_environment(spec.timeout_s, spec.node_ip)
         self.device = torch.device("cuda", torch.cuda.current_device())
         self._prefix = group_store(spec, store)
         opts = dist.ProcessGroupNCCL.Options()
@@ -100,6 +121,20 @@ class NcclCommunicator(TorchBackendCommunicator):  # pragma: no cover - needs a 
         handle = WorkHandle(cuda_work, self, keep)
         self._poller.watch(cuda_work)
         return handle
+
+    def _submit_exchange(self, launch: Callable[[], list[Any]], keep: Sequence[torch.Tensor]) -> WorkHandle:
+        """The exchange's sends and receives as one NCCL group (ncclGroupStart/End, as torch's
+        `batch_isend_irecv` issues them): issued one by one on the communicator's one stream, a rank's
+        send waits for its peer's receive, which waits behind that peer's own send, and a ring of them
+        deadlocks. The group's one work stands for all of them."""
+        def grouped() -> Any:
+            self._pg._start_coalescing(self.device)
+            try:
+                launch()
+            finally:
+                work = self._pg._end_coalescing(self.device)
+            return work
+        return self._submit(grouped, keep)
 
     def barrier(self) -> WorkHandle:
         """An all-reduce of one element (torch's NCCL barrier blocks the host)."""

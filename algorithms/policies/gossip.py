@@ -181,8 +181,9 @@ class GossipImpl(AlgorithmImpl):
         row = self.topology.peers(rank, world, step)
         received = {peer: torch.empty_like(message) for peer, _ in row if peer != rank}
         self.launched = (self.epoch.membership_epoch, step)
-        handles = [self.comm.send(message, dst) for dst in self.topology.sends_to(rank, world, step)]
-        handles += [self.comm.recv(buf, src) for src, buf in received.items()]
+        # one operation (on NCCL one group of point-to-point calls: sent one by one, a ring deadlocks)
+        handles = [self.comm.exchange([(message, dst) for dst in self.topology.sends_to(rank, world, step)],
+                                      [(buf, src) for src, buf in received.items()])]
         if self.trace is not None:
             self.trace.append(("launch", step))
         return _Exchange(step, row, mine, received, handles)

@@ -107,14 +107,10 @@ class HierarchicalAllReduce:
         for r in range(k - 1):  # reduce-scatter: after it, leader `me` holds the sum of chunk (me + 1) % k
             out, into = chunk((me - r) % k), chunk((me - r - 1) % k)
             recv = scratch[:into.numel()]
-            handles = [self.comm.send(out, after), self.comm.recv(recv, before)]
-            for handle in handles:
-                handle.wait()
+            self.comm.exchange([(out, after)], [(recv, before)]).wait()
             self.bytes_sent += out.numel() * out.element_size()
             into.add_(recv)
         for r in range(k - 1):  # all-gather the summed chunks
             out, into = chunk((me + 1 - r) % k), chunk((me - r) % k)
-            handles = [self.comm.send(out, after), self.comm.recv(into, before)]
-            for handle in handles:
-                handle.wait()
+            self.comm.exchange([(out, after)], [(into, before)]).wait()
             self.bytes_sent += out.numel() * out.element_size()

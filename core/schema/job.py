@@ -100,6 +100,10 @@ class JobConfig:
                                              f"two NCCL ranks); set comm.backend: gloo to share GPUs, or whole gpus")
         if self.comm.backend == "nccl" and gpus <= 0:
             raise FieldError("comm.backend", "nccl needs workers.gpus >= 1")
+        if getattr(self.sync, "hierarchical", False) and self.group_backend == "nccl":
+            raise FieldError("sync.hierarchical", "runs on gloo: NCCL's own rings and trees already follow the "
+                                                  "nodes' topology (NVLink within a node); leave it false, or set "
+                                                  "comm.backend: gloo")
         for option, variable in self.storage_options.items():
             if not isinstance(variable, str) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", variable):
                 raise FieldError(f"storage_options.{option}", f"names the environment variable that holds the "
@@ -151,6 +155,11 @@ class JobConfig:
                                         f"whose traffic is their group's (all but {', '.join(sorted(SERVER_POLICIES))})")
         if self.workers.gpus > 0 or self.comm.backend == "nccl":
             raise FieldError("network", "the lab shapes TCP on loopback: it runs gloo workers on CPU")
+
+    @property
+    def group_backend(self) -> str:
+        """The collective backend of the workers' groups: NCCL for GPU workers unless `comm.backend: gloo`."""
+        return "nccl" if self.workers.gpus > 0 and self.comm.backend != "gloo" else "gloo"
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

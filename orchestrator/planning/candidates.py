@@ -25,12 +25,13 @@ class Candidate:
 def candidates(cfg: JobConfig, nodes: int | None = None) -> list[Candidate]:
     """The policies this job could run with: each row of the policy table's `weighed` configurations
     that applies to it (the Adam-based ones with an AdamW optimizer, their SGD counterparts otherwise;
-    hierarchical ones where the ranks span more than one node), in the table's order. The server kinds
+    hierarchical ones where the ranks span more than one node on gloo), in the table's order. The server kinds
     weigh none: their pushes and pulls travel on Ray's own transport, which the lab does not shape, so
     the model would compare them on other terms. `nodes`: the nodes the ranks were measured on (a probe
     of the user's cluster), else the lab's."""
     nodes = cfg.network.nodes if nodes is None else nodes
-    applies = {"always": True, "multi_node": nodes > 1, "adamw": cfg.optimizer.name == "adamw",
+    # hierarchical variants where the ranks span nodes, over gloo only (refused on NCCL: core/schema/job.py)
+    applies = {"always": True, "multi_node": nodes > 1 and cfg.group_backend == "gloo", "adamw": cfg.optimizer.name == "adamw",
                "sgd": cfg.optimizer.name != "adamw"}
     bucket = getattr(cfg.sync, "bucket_mb", 25.0) * 2 ** 20  # the job's own bucket size where it sets one
     return [Candidate(w.label, {"policy": row.name, **copy.deepcopy(w.knobs)},

@@ -22,11 +22,11 @@ class FakeMember:
     def committed_view(self):
         return self.mark, self.digest
 
-    def committed_blob(self) -> torch.Tensor:
-        return torch.tensor([self.digest % 256], dtype=torch.uint8)
+    def committed_state(self) -> dict:
+        return {"digest": torch.tensor([self.digest])}
 
-    def load_blob(self, blob: torch.Tensor) -> None:
-        self.loaded.append(int(blob[0]))
+    def load_received(self, state: dict) -> None:
+        self.loaded.append(int(state["digest"][0]))
 
     def rewind(self) -> None:
         self.rewound = True

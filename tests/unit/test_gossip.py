@@ -178,8 +178,9 @@ def test_consensus_every_must_not_be_negative():
 
 # ------------------------------------------------------------------ split exchanges
 class _FailingRecv:
-    """A member's communicator whose receive from rank `src` at step `step` of epoch 1 lands (so the
-    sender's exchange completes) and then reports a failure: one end fails, the other succeeds."""
+    """A member's communicator whose exchange that receives from rank `src` at step `step` of epoch 1
+    lands (so the sender's exchange completes) and then reports a failure: one end fails, the other
+    succeeds."""
 
     def __init__(self, inner, replica, src: int, step: int) -> None:
         self._inner, self._replica, self._src, self._step = inner, replica, src, step
@@ -187,9 +188,11 @@ class _FailingRecv:
     def __getattr__(self, name):
         return getattr(self._inner, name)
 
-    def recv(self, tensor, src: int):
-        handle = self._inner.recv(tensor, src)
-        if src != self._src or self._replica.training.step != self._step or self._replica.plan.membership_epoch != 1:
+    def exchange(self, sends, recvs):
+        handle = self._inner.exchange(sends, recvs)
+        src = self._src
+        if (all(peer != src for _, peer in recvs) or self._replica.training.step != self._step
+                or self._replica.plan.membership_epoch != 1):
             return handle
         slot = self._replica.slot
 

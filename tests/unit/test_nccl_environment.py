@@ -1,0 +1,33 @@
+"""The environment an NCCL group is formed in (actors/transport/nccl.py `_nccl_environment`): NCCL's sockets on
+the interface that owns the node's address, unless the user named one; a loopback address left to NCCL. Pure:
+no GPU is needed to decide it."""
+from __future__ import annotations
+
+import os
+
+from actors.transport.nccl import _nccl_environment, interface_of
+
+HOST = {"lo": ["127.0.0.1", "::1"], "eth0": ["10.0.0.5", "fe80::1"], "ib0": ["192.168.7.5"], "docker0": ["172.17.0.1"]}
+
+
+def test_the_interface_that_owns_the_nodes_address_is_named():
+    assert interface_of("10.0.0.5", HOST) == "eth0"
+    assert interface_of("192.168.7.5", HOST) == "ib0"
+    assert interface_of("fe80::1", HOST) == "eth0"
+    assert interface_of("10.9.9.9", HOST) is None  # nobody's: NCCL chooses
+    assert interface_of("127.0.0.1", HOST) is None  # one node on loopback: NCCL's own choice works
+
+
+def test_the_users_setting_stands_and_otherwise_this_hosts_interface_is_set_exactly(monkeypatch):
+    for name, value in (("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2"), ("TORCH_NCCL_NONBLOCKING_TIMEOUT", "10")):
+        monkeypatch.setenv(name, value)  # restored after the test, as everything set here
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "ib")
+    _nccl_environment(10.0, "10.0.0.5")
+    assert os.environ["NCCL_SOCKET_IFNAME"] == "ib"
+    monkeypatch.delenv("NCCL_SOCKET_IFNAME")
+    monkeypatch.setattr("actors.transport.nccl.interface_of", lambda address: {"10.0.0.5": "eth0"}.get(address))
+    _nccl_environment(10.0, "10.0.0.5")
+    assert os.environ["NCCL_SOCKET_IFNAME"] == "=eth0"  # exactly eth0, not every interface whose name it prefixes
+    monkeypatch.delenv("NCCL_SOCKET_IFNAME")
+    _nccl_environment(10.0, "127.0.0.1")
+    assert "NCCL_SOCKET_IFNAME" not in os.environ
