@@ -14,7 +14,7 @@ the receiver loads only a complete state.
 from __future__ import annotations
 
 import io
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -30,35 +30,38 @@ def split_tensors(state: Any) -> tuple[Any, list[torch.Tensor]]:
     such as a state dict's `_metadata`, lists and tuples kept), and the tensors in that order."""
     tensors: list[torch.Tensor] = []
 
-    def walk(value: Any) -> Any:
-        if isinstance(value, torch.Tensor):
-            tensors.append(value.detach())
-            return {_SLOT: len(tensors) - 1}
-        if isinstance(value, dict):
-            out = _like(value)
-            for key, item in value.items():
-                out[key] = walk(item)
-            return out
-        if isinstance(value, (list, tuple)):
-            return type(value)(walk(item) for item in value)
-        return value
-    return walk(state), tensors
+    def slot(value: Any) -> Any:
+        if not isinstance(value, torch.Tensor):
+            return _INSIDE
+        tensors.append(value.detach())
+        return {_SLOT: len(tensors) - 1}
+    return _rebuilt(state, slot), tensors
 
 
 def join_tensors(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
     """The state `split_tensors` split: each slot replaced by its tensor."""
-    def walk(value: Any) -> Any:
-        if isinstance(value, dict):
-            if set(value) == {_SLOT}:
-                return tensors[value[_SLOT]]
-            out = _like(value)
-            for key, item in value.items():
-                out[key] = walk(item)
-            return out
-        if isinstance(value, (list, tuple)):
-            return type(value)(walk(item) for item in value)
-        return value
-    return walk(skeleton)
+    return _rebuilt(skeleton, lambda value: tensors[value[_SLOT]] if isinstance(value, dict) and set(value) == {_SLOT}
+                    else _INSIDE)
+
+
+_INSIDE = object()
+"""What a `_rebuilt` replacement returns for a value it leaves to the walk (a container's items are walked)."""
+
+
+def _rebuilt(value: Any, replace: Callable[[Any], Any]) -> Any:
+    """`value` rebuilt with `replace(v)` in place of each value for which it returns other than `_INSIDE`, the
+    items of dicts (of their own type, with their attributes), lists and tuples walked."""
+    replaced = replace(value)
+    if replaced is not _INSIDE:
+        return replaced
+    if isinstance(value, dict):
+        out = _like(value)
+        for key, item in value.items():
+            out[key] = _rebuilt(item, replace)
+        return out
+    if isinstance(value, (list, tuple)):
+        return type(value)(_rebuilt(item, replace) for item in value)
+    return value
 
 
 def _like(mapping: dict) -> dict:

@@ -376,12 +376,24 @@ class SharedMemoryProcessGroup(dist.ProcessGroup):
         return "gloo (shared memory)"
 
 
-class _AllWorks:
+class _FutureWork:
+    """A work whose completion is a future of its own (gloo's point-to-point works have none)."""
+
+    _future: torch.futures.Future[None]
+
+    def get_future(self) -> torch.futures.Future[None]:
+        return self._future
+
+    def is_completed(self) -> bool:
+        return self._future.done()
+
+
+class _AllWorks(_FutureWork):
     """Several works as one: complete when every one is; `wait` raises the first one's error."""
 
     def __init__(self, works: list[Any]) -> None:
         self._works = works
-        self._future: torch.futures.Future[None] = torch.futures.Future()
+        self._future = torch.futures.Future()
         self._left = len(works)
         self._lock = threading.Lock()
         if not works:
@@ -396,18 +408,12 @@ class _AllWorks:
         if last:
             self._future.set_result(None)
 
-    def get_future(self) -> torch.futures.Future[None]:
-        return self._future
-
-    def is_completed(self) -> bool:
-        return self._future.done()
-
     def wait(self) -> None:
         for work in self._works:
             work.wait()
 
 
-class _WaitedWork:
+class _WaitedWork(_FutureWork):
     """Gloo's send and recv works have no future (`Work::getFuture not implemented`) and are complete
     only once waited on: a daemon thread waits (within the group's own timeout) and completes one,
     keeping the outcome for `Handle.wait`."""
@@ -415,7 +421,7 @@ class _WaitedWork:
     def __init__(self, work: dist.Work) -> None:
         self._work = work
         self._error: Exception | None = None
-        self._future: torch.futures.Future[None] = torch.futures.Future()
+        self._future = torch.futures.Future()
         threading.Thread(target=self._run, name="gloo p2p", daemon=True).start()
 
     def _run(self) -> None:
@@ -424,12 +430,6 @@ class _WaitedWork:
         except Exception as err:  # noqa: BLE001 - re-raised by wait(), where Handle turns it into CommError
             self._error = err
         self._future.set_result(None)
-
-    def get_future(self) -> torch.futures.Future[None]:
-        return self._future
-
-    def is_completed(self) -> bool:
-        return self._future.done()
 
     def wait(self) -> None:
         if self._error is not None:
