@@ -119,8 +119,8 @@ class BaseCommunicator:
 
     def op_latency(self, op: str, peer: int | None = None) -> float:
         """The modelled latency of one operation: `latency_s`, plus, in the lab, its sequential message
-        rounds times the slowest link among the members (a ring all-reduce 2(n-1), an all-gather or a
-        broadcast n-1, an all-to-all 1; each round waits for its slowest hop), or the link to `peer`."""
+        rounds times the slowest link among the members (a ring all-reduce 2(n-1), an all-gather, a
+        broadcast or a reduce-scatter n-1, an all-to-all 1; each round waits for its slowest hop), or the link to `peer`."""
         matrix = self.link_latency_s
         if not matrix:
             return self.latency_s
@@ -128,7 +128,7 @@ class BaseCommunicator:
             return self.latency_s + matrix[self.rank][peer]
         n = self.world_size
         rounds = {"all_reduce": 2 * (n - 1), "all_gather": n - 1, "broadcast": n - 1, "all_to_all": 1,
-                  "barrier": 2 * (n - 1)}[op]
+                  "barrier": 2 * (n - 1), "reduce_scatter": n - 1}[op]
         return self.latency_s + rounds * max(max(row) for row in matrix)
 
     def _timed(self, handle: WorkHandle, op: str, peer: int | None = None) -> WorkHandle:
@@ -216,6 +216,9 @@ class BaseCommunicator:
     def all_to_all(self, output: torch.Tensor, tensor: torch.Tensor) -> WorkHandle:
         raise NotImplementedError(f"{type(self).__name__} has no all_to_all")
 
+    def reduce_scatter(self, output: torch.Tensor, inputs: Sequence[torch.Tensor], op: str = "sum") -> WorkHandle:
+        raise NotImplementedError(f"{type(self).__name__} has no reduce_scatter")
+
     def send(self, tensor: torch.Tensor, dst: int) -> WorkHandle:
         raise NotImplementedError(f"{type(self).__name__} has no send")
 
@@ -241,14 +244,14 @@ class NoGroup(BaseCommunicator):
 class TorchBackendCommunicator(BaseCommunicator):
     """The operations gloo and NCCL run alike: torch's c10d backend API on the group's `_pg`, with the
     bytes each sends counted the same way. How a launched work becomes a `Handle` is the backend's
-    (`_submit`, and `_submit_p2p` for send and recv)."""
+    (`_submit`, and `_submit_futureless` for send, recv and reduce-scatter)."""
 
     _pg: Any
 
     def _submit(self, launch: Callable[[], Any], keep: Sequence[torch.Tensor]) -> WorkHandle:
         raise NotImplementedError
 
-    def _submit_p2p(self, launch: Callable[[], Any], keep: Sequence[torch.Tensor]) -> WorkHandle:
+    def _submit_futureless(self, launch: Callable[[], Any], keep: Sequence[torch.Tensor]) -> WorkHandle:
         return self._submit(launch, keep)
 
     def _submit_exchange(self, launch: Callable[[], list[Any]], keep: Sequence[torch.Tensor]) -> WorkHandle:
@@ -281,13 +284,23 @@ class TorchBackendCommunicator(BaseCommunicator):
         self.bytes_sent += tensor.numel() * tensor.element_size() * (self.world_size - 1) // max(self.world_size, 1)
         return handle
 
+    def reduce_scatter(self, output: torch.Tensor, inputs: Sequence[torch.Tensor], op: str = "sum") -> WorkHandle:
+        """`output` of rank r: the reduction over the ranks of their `inputs[r]` (one input per rank, each
+        the shape of `output`)."""
+        opts = dist.ReduceScatterOptions()
+        opts.reduceOp = _OPS[op]  # type: ignore[assignment]  # as in `_opts`
+        handle = self._timed(self._submit_futureless(lambda: self._pg.reduce_scatter([output], [list(inputs)], opts),
+                                                     (output, *inputs)), "reduce_scatter")
+        self.bytes_sent += output.numel() * output.element_size() * (self.world_size - 1)
+        return handle
+
     def send(self, tensor: torch.Tensor, dst: int) -> WorkHandle:
-        handle = self._timed(self._submit_p2p(lambda: self._pg.send([tensor], dst, 0), (tensor,)), "send", dst)
+        handle = self._timed(self._submit_futureless(lambda: self._pg.send([tensor], dst, 0), (tensor,)), "send", dst)
         self.bytes_sent += tensor.numel() * tensor.element_size()
         return handle
 
     def recv(self, tensor: torch.Tensor, src: int) -> WorkHandle:
-        return self._timed(self._submit_p2p(lambda: self._pg.recv([tensor], src, 0), (tensor,)), "recv", src)
+        return self._timed(self._submit_futureless(lambda: self._pg.recv([tensor], src, 0), (tensor,)), "recv", src)
 
     def exchange(self, sends: Sequence[tuple[torch.Tensor, int]], recvs: Sequence[tuple[torch.Tensor, int]]) -> WorkHandle:
         def launch() -> list[Any]:

@@ -121,6 +121,24 @@ def _as_torch(tensor: Any) -> torch.Tensor:
     raise TypeError(f"the {BACKEND} backend takes torch tensors and numpy arrays, not {type(tensor).__name__}")
 
 
+class _Staged:
+    """The tensors an operation of `comm` runs on for the user's tensors or arrays: the user's own, except on
+    a group whose device is a GPU (NCCL, which takes device tensors only), where a CPU tensor or a NumPy
+    array is copied to the device first and the result copied back (`back`). A value of another type is
+    refused with a TypeError before anything is launched, so the group is not failed by it."""
+
+    def __init__(self, comm: BaseCommunicator, tensors: Any) -> None:
+        device = getattr(comm, "device", None)
+        self.users = [_as_torch(t) for t in tensors]
+        self.on_device = [t.to(device) if device is not None and device.type == "cuda" and t.device != device else t
+                          for t in self.users]
+
+    def back(self) -> None:
+        for mine, ran in zip(self.users, self.on_device):
+            if ran is not mine:
+                mine.copy_(ran)
+
+
 _OPS = {"SUM": "sum", "MAX": "max", "MIN": "min"}
 
 
@@ -166,47 +184,53 @@ def _backend_class():
             pass  # the worker owns the communicator and closes it when its epoch ends
 
         def allreduce(self, tensors, allreduce_options=None) -> None:
-            op = _op(allreduce_options)
-            for handle in [self.communicator.all_reduce(_as_torch(t), op) for t in tensors]:
+            op, staged = _op(allreduce_options), _Staged(self.communicator, tensors)
+            for handle in [self.communicator.all_reduce(t, op) for t in staged.on_device]:
                 handle.wait()
+            staged.back()
 
         def barrier(self, barrier_options=None) -> None:
             self.communicator.barrier().wait()
 
         def reduce(self, tensors, reduce_options=None) -> None:
             """The reduction lands in the root's tensor; the others' tensors are left as they were."""
-            root = getattr(reduce_options, "root_rank", 0)
-            for t in tensors:
-                t = _as_torch(t)
+            root, op, staged = getattr(reduce_options, "root_rank", 0), _op(reduce_options), _Staged(self.communicator, tensors)
+            for t in staged.on_device:
                 buf = t if self.rank == root else t.clone()
-                self.communicator.all_reduce(buf, _op(reduce_options)).wait()
+                self.communicator.all_reduce(buf, op).wait()
+            staged.back()
 
         def broadcast(self, tensors, broadcast_options=None) -> None:
-            root = getattr(broadcast_options, "root_rank", 0)
-            for handle in [self.communicator.broadcast(_as_torch(t), root) for t in tensors]:
+            root, staged = getattr(broadcast_options, "root_rank", 0), _Staged(self.communicator, tensors)
+            for handle in [self.communicator.broadcast(t, root) for t in staged.on_device]:
                 handle.wait()
+            staged.back()
 
         def allgather(self, tensor_lists, tensors, allgather_options=None) -> None:
             for outputs, t in zip(tensor_lists, tensors):
-                self.communicator.all_gather([_as_torch(o) for o in outputs], _as_torch(t)).wait()
+                outs, ins = _Staged(self.communicator, outputs), _Staged(self.communicator, [t])
+                self.communicator.all_gather(outs.on_device, ins.on_device[0]).wait()
+                outs.back()
 
         def reducescatter(self, tensors, tensor_lists, reducescatter_options=None) -> None:
-            """Each rank's output is the reduction of every rank's chunk for it (an all-reduce of the
-            concatenated chunks: no less exact, and every backend has it)."""
+            """Each rank's output is the reduction of every rank's chunk for it: a reduce-scatter (each rank
+            sends the others' chunks, (n-1)/n of its input, where an all-reduce sends twice that)."""
             op = _op(reducescatter_options)
             for out, chunks in zip(tensors, tensor_lists):
-                flat = torch.cat([_as_torch(c).reshape(-1) for c in chunks])
-                self.communicator.all_reduce(flat, op).wait()
-                size = _as_torch(out).numel()
-                _as_torch(out).copy_(flat[self.rank * size:(self.rank + 1) * size].view_as(_as_torch(out)))
+                outs, ins = _Staged(self.communicator, [out]), _Staged(self.communicator, chunks)
+                self.communicator.reduce_scatter(outs.on_device[0], ins.on_device, op).wait()
+                outs.back()
 
         def send(self, tensors, send_options) -> None:
-            for t in tensors:
-                self.communicator.send(_as_torch(t), send_options.dst_rank).wait()
+            staged = _Staged(self.communicator, tensors)
+            for t in staged.on_device:
+                self.communicator.send(t, send_options.dst_rank).wait()
 
         def recv(self, tensors, recv_options) -> None:
-            for t in tensors:
-                self.communicator.recv(_as_torch(t), recv_options.src_rank).wait()
+            staged = _Staged(self.communicator, tensors)
+            for t in staged.on_device:
+                self.communicator.recv(t, recv_options.src_rank).wait()
+            staged.back()
 
     _CLASS = EpochGroup
     return _CLASS

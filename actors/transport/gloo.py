@@ -215,8 +215,8 @@ class GlooCommunicator(TorchBackendCommunicator):
         self._check()
         return WorkHandle(launch(), self, keep)
 
-    def _submit_p2p(self, launch: Callable[[], Any], keep: Sequence[torch.Tensor]) -> WorkHandle:
-        """Gloo's send and recv works have no future: a thread waits for each (`_WaitedWork`)."""
+    def _submit_futureless(self, launch: Callable[[], Any], keep: Sequence[torch.Tensor]) -> WorkHandle:
+        """Gloo's send, recv and reduce-scatter works have no future: a thread waits for each (`_WaitedWork`)."""
         self._check()
         return WorkHandle(_WaitedWork(launch()), self, keep)
 

@@ -202,9 +202,11 @@ def test_nccl_group_whose_peer_never_arrives_times_out():
 
 
 @needs_nccl
-def test_ray_util_collective_allreduce_on_an_nccl_epoch_group(ray_session):
-    """A workload's `ray.util.collective.allreduce` of a CUDA tensor on its epoch's NCCL group (world
-    size 1 on one GPU), inside a real actor as a workload runs."""
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_ray_util_collective_allreduce_on_an_nccl_epoch_group(ray_session, device):
+    """A workload's `ray.util.collective.allreduce` of a CUDA tensor, or of a CPU tensor (copied to the GPU
+    and back: NCCL takes device tensors only), on its epoch's NCCL group (world size 1 on one GPU), inside
+    a real actor as a workload runs."""
     import ray
 
     from testkit.harness import CommPeer, StoreHost
@@ -213,9 +215,9 @@ def test_ray_util_collective_allreduce_on_an_nccl_epoch_group(ray_session):
     host, port, _ = ray.get(store.address.remote())
     peer = CommPeer.options(num_gpus=1).remote()
     ray.get(peer.form.remote(GroupSpec(host, port, "raycol-nccl/e1", 0, 1, 10.0, "nccl", host)), timeout=60)
-    ray.get(peer.start_all_reduce.remote(1 << 20, via_ray=True, device="cuda"))
+    ray.get(peer.start_all_reduce.remote(1 << 20, via_ray=True, device=device))
     result = ray.get(peer.wait_pending.remote(), timeout=60)
-    print(f"ray.util.collective on NCCL: {result}")
+    print(f"ray.util.collective on NCCL, a {device} tensor: {result}")
     assert result["outcome"] == "ok" and result["value"] == 1.0
     ray.kill(peer)
     ray.kill(store)
