@@ -32,6 +32,21 @@ def coordinator_resources(config: JobConfig) -> dict[str, float]:
     return {str(k): float(v) for k, v in config.ray.coordinator_resources.items()} or {"node:__internal_head__": 0.001}
 
 
+NCCL_PREFIXES = ("NCCL_", "TORCH_NCCL_")
+"""The environment variables NCCL and torch's NCCL backend read: a driver's own settings reach its job's workers."""
+
+
+def nccl_environment(config: JobConfig, environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The driver's NCCL settings (`NCCL_*`, `TORCH_NCCL_*` in `environ`, this process's by default) for a job
+    whose groups are NCCL's, else none. The coordinator is started with them in its runtime environment,
+    which the workers it creates inherit (and merge with their own: actors/control/workers.py); a node's own
+    environment still applies under them."""
+    if config.group_backend != "nccl":
+        return {}
+    environ = dict(os.environ) if environ is None else environ
+    return {name: value for name, value in environ.items() if name.startswith(NCCL_PREFIXES)}
+
+
 def launch_coordinator(config: JobConfig, run_id: str, run_dir: str, resume_from: str | None, owner: str | None,
                        started_at: float) -> ActorHandle:
     """The job's coordinator, created detached under the job's name (Ray restarts it up to MAX_RESTARTS
@@ -40,9 +55,10 @@ def launch_coordinator(config: JobConfig, run_id: str, run_dir: str, resume_from
 
     hand_over_credentials(config, run_id)
 
+    nccl = nccl_environment(config)
     handle = CoordinatorActor.options(
         name=config.name, namespace=NAMESPACE, lifetime="detached", resources=coordinator_resources(config),
-        max_restarts=MAX_RESTARTS,
+        max_restarts=MAX_RESTARTS, **({"runtime_env": {"env_vars": nccl}} if nccl else {}),
     ).remote(config.to_dict(), run_id, run_dir, 0, (os.getcwd(),), resume_from, owner, started_at)
     if not isinstance(handle, ActorHandle):  # Ray's stubs type remote() as "a handle or the class"
         raise TypeError(f"creating the coordinator returned {type(handle).__name__}, not an actor handle")

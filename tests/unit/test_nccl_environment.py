@@ -1,6 +1,7 @@
-"""The environment an NCCL group is formed in (actors/transport/nccl.py `_nccl_environment`): NCCL's sockets on
-the interface that owns the node's address, unless the user named one; a loopback address left to NCCL. Pure:
-no GPU is needed to decide it."""
+"""The environment an NCCL group is formed in: NCCL's sockets on the interface that owns the node's address,
+unless the user named one, a loopback address left to NCCL (actors/transport/nccl.py `_nccl_environment`); the
+driver's own `NCCL_*` and `TORCH_NCCL_*` settings passed to an NCCL job's coordinator, whose workers inherit
+them (orchestrator/coordinator_handle.py `nccl_environment`). Pure: no GPU is needed to decide either."""
 from __future__ import annotations
 
 import os
@@ -31,3 +32,17 @@ def test_the_users_setting_stands_and_otherwise_this_hosts_interface_is_set_exac
     monkeypatch.delenv("NCCL_SOCKET_IFNAME")
     _nccl_environment(10.0, "127.0.0.1")
     assert "NCCL_SOCKET_IFNAME" not in os.environ
+
+
+def test_the_drivers_nccl_settings_go_to_an_nccl_jobs_coordinator_and_workers_and_nothing_else():
+    from orchestrator.config import config_from_dict
+    from orchestrator.coordinator_handle import nccl_environment
+
+    base = {"name": "env", "workload": {"factory": "orchestrator.workloads.digits:mlp"}, "stop": {"max_steps": 1}}
+    environ = {"NCCL_IB_HCA": "mlx5", "TORCH_NCCL_BLOCKING_WAIT": "0", "NCCL_DEBUG": "WARN", "HOME": "/root",
+               "AWS_SECRET_ACCESS_KEY": "never", "MY_NCCL_NOTE": "x"}
+    on_gpus = config_from_dict({**base, "workers": {"count": 2, "gpus": 1}})
+    assert nccl_environment(on_gpus, environ) == {"NCCL_IB_HCA": "mlx5", "TORCH_NCCL_BLOCKING_WAIT": "0", "NCCL_DEBUG": "WARN"}
+    assert nccl_environment(config_from_dict(base), environ) == {}  # gloo: nothing to pass
+    over_gloo = config_from_dict({**base, "workers": {"count": 2, "gpus": 1}, "comm": {"backend": "gloo"}})
+    assert nccl_environment(over_gloo, environ) == {}
