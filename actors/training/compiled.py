@@ -49,17 +49,21 @@ _COMPILED: dict[str, Callable[..., Any]] = {}
 spare's warm-up compiles the graph its replica then calls)."""
 
 
+def dynamic_batch(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor`, its first (batch) dimension marked dynamic for Dynamo where it has one of two or more."""
+    import torch._dynamo
+
+    if tensor.dim() and tensor.shape[0] > 1:
+        torch._dynamo.mark_dynamic(tensor, 0)
+    return tensor
+
+
 def warm(model: torch.nn.Module, batch: Any, loss: Callable[[torch.nn.Module, Any], Any],
          split: Callable[[Any], tuple[torch.Tensor, dict]]) -> None:
-    """Compile `model`'s training graph ahead, on `batch` (its tensors' first dimension marked dynamic):
+    """Compile `model`'s training graph ahead, on `batch` (its tensors passed through `dynamic_batch`):
     one forward and backward, after which the model is as before: its parameters are untouched (no
     optimizer step), its gradients and buffers (a batch norm's running statistics) restored, and the
     random generators' states too."""
-    import torch._dynamo
-
-    for tensor in _tensors(batch):
-        if tensor.dim() and tensor.shape[0] > 1:
-            torch._dynamo.mark_dynamic(tensor, 0)
     buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
     grads = {p: p.grad for p in model.parameters()}
     cpu_rng = torch.get_rng_state()
@@ -79,12 +83,3 @@ def warm(model: torch.nn.Module, batch: Any, loss: Callable[[torch.nn.Module, An
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)
 
-
-def _tensors(batch: Any) -> list[torch.Tensor]:
-    if isinstance(batch, torch.Tensor):
-        return [batch]
-    if isinstance(batch, (tuple, list)):
-        return [t for b in batch for t in _tensors(b)]
-    if isinstance(batch, dict):
-        return [t for b in batch.values() for t in _tensors(b)]
-    return []

@@ -223,7 +223,7 @@ class StepRunner:
         next step re-forms the group."""
         r = self._r
         evaluation, comm, rank = r.reporter.evaluation, r.group.comm, plan.rank_of(r.slot)
-        if (rank is None or not isinstance(comm, Reducing) or not r.reporter.evaluation_due(prev, step)
+        if (not r.reporter.evaluation_due(prev, step) or rank is None or not isinstance(comm, Reducing)
                 or not evaluation.splits(r.policy.algorithm.kind, r.policy.impl, len(plan.members))):
             return None
         try:

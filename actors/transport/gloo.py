@@ -414,7 +414,7 @@ class _AllWorks(_FutureWork):
 
 
 class _WaitedWork(_FutureWork):
-    """Gloo's send and recv works have no future (`Work::getFuture not implemented`) and are complete
+    """Gloo's send, recv and reduce-scatter works have no future (`Work::getFuture not implemented`) and are complete
     only once waited on: a daemon thread waits (within the group's own timeout) and completes one,
     keeping the outcome for `Handle.wait`."""
 
