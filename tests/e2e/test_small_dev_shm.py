@@ -29,7 +29,7 @@ def test_a_4_worker_job_on_a_64_mib_dev_shm_finishes_on_gloo_and_says_why(tmp_pa
     env = child_env(REPO, ORCHESTRATOR_RUN_ROOT=str(tmp_path / "runs"))
     env.pop("RAY_ADDRESS", None)  # a local Ray of its own, inside the namespace
     job = [sys.executable, "-m", "orchestrator", "run", "configs/digits_bsp.yaml", "--set", "name=small-dev-shm",
-           "--set", "workers.count=4", "--set", "workload.params.hidden=2600", "--set", "sync.bucket_mb=25",
+           "--set", "workers.count=4", "--set", "workers.min=4", "--set", "workload.params.hidden=2600", "--set", "sync.bucket_mb=25",
            "--set", "stop.max_steps=20", "--set", "stop.target=null", "--set", "eval_every=0"]
     proc = subprocess.run(["unshare", "-m", "sh", "-c", 'mount -t tmpfs -o size=64m tmpfs /dev/shm && exec "$@"',
                            "small-dev-shm", *job], cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
