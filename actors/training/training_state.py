@@ -8,7 +8,6 @@ needs it is passed the policy's implementation, which the replica's `PolicyBindi
 """
 from __future__ import annotations
 
-import hashlib
 import io
 from collections.abc import Iterable
 from typing import Any
@@ -19,12 +18,53 @@ from algorithms.policies.base import AlgorithmImpl
 from algorithms.policies.precision import GuardedOptimizer, Precision
 
 
+DIGEST_CHUNK_WORDS = 1 << 20
+"""The digest reads a tensor's bytes as 32-bit words, 2**20 (4 MiB) at a time."""
+
+_POSITION = 0x9E3779B97F4A7C15 - (1 << 64)  # odd: word i's weight is i * _POSITION | 1 (as int64)
+_CHUNK = 0x5851F42D4C957F2D  # odd: chunk k's multiplier is (2k + 1) * _CHUNK (mod 2**63)
+_weights: dict[torch.device, torch.Tensor] = {}
+
+
+def _chunk_weights(device: torch.device) -> torch.Tensor:
+    """One odd int64 weight per word of a chunk, made once per device (8 MiB)."""
+    if device not in _weights:
+        _weights[device] = torch.arange(DIGEST_CHUNK_WORDS, device=device, dtype=torch.int64).mul_(_POSITION) \
+            .bitwise_or_(1)
+    return _weights[device]
+
+
+def _words(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes as int32 words (the last one padded with zero bytes)."""
+    raw = t.detach().reshape(-1).contiguous().view(torch.uint8)
+    if raw.numel() % 4:
+        raw = torch.cat([raw, raw.new_zeros(4 - raw.numel() % 4)])
+    try:
+        return raw.view(torch.int32)
+    except RuntimeError:  # a view at a storage offset that is not a multiple of 4 bytes
+        return raw.clone().view(torch.int32)
+
+
 def checksum(tensors: Iterable[torch.Tensor]) -> int:
-    """A digest of the tensors' bytes (any dtype: bf16 has no numpy type, so bytes are viewed raw)."""
-    digest = hashlib.blake2b(digest_size=8)
+    """A 64-bit digest of the tensors' bytes in order (any dtype: bytes are viewed raw), computed where
+    the tensors are: on a GPU, one 8-byte value reaches the host, not the model.
+
+    Words are summed in int64 (wrapping) with odd weights, by position in a 4 MiB chunk and by chunk:
+    the digest is sum_k m_k sum_i w_i x_ki with w_i, m_k odd, so changing any one word changes it
+    (its difference times an odd number is never 0 mod 2**64), as does moving a word to another
+    position. It checks that members hold the same state; it is not a cryptographic hash."""
+    total: torch.Tensor | None = None
+    chunk = 0
     for t in tensors:
-        digest.update(t.detach().reshape(-1).contiguous().view(torch.uint8).cpu().numpy().tobytes())
-    return int.from_bytes(digest.digest(), "little", signed=True)
+        words = _words(t)
+        weights = _chunk_weights(words.device)
+        for start in range(0, words.numel(), DIGEST_CHUNK_WORDS):
+            part = words[start:start + DIGEST_CHUNK_WORDS]
+            scale = (2 * chunk + 1) * _CHUNK % (1 << 63)
+            term = part.to(torch.int64).mul_(weights[:part.numel()]).sum().mul_(scale)
+            total = term if total is None else total.add_(term)
+            chunk += 1
+    return 0 if total is None else int(total)
 
 
 def read_state(data: bytes) -> dict[str, Any]:

@@ -270,3 +270,19 @@ def test_the_loader_on_a_gpu_copies_on_its_own_stream_and_trains_what_the_step_w
     print(f"loader on CUDA: {loader.taken} batches taken ahead, {loader.missed} built on the step; max diff {diff:.2e}")
     assert stream is not None and runs["off"][2] is None and loader.taken >= 30
     assert diff <= 1e-6
+
+
+def test_the_state_digest_on_a_gpu_is_the_cpu_digest_and_reads_back_8_bytes():
+    """The epoch entry's digest is computed on the device (actors/training/training_state.py): the same
+    value as for the host copy, with no copy of the tensors to the host (only the int64 result)."""
+    from actors.training.training_state import checksum
+
+    g = torch.Generator().manual_seed(0)
+    host = [torch.randn(3_000_001, generator=g), torch.randn(17, generator=g).to(torch.bfloat16)]
+    device = [t.cuda() for t in host]
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        on_device = checksum(device)
+    assert on_device == checksum(host)
+    copies = [e for e in prof.events() if "Memcpy DtoH" in e.name]
+    assert copies and all(e.name for e in copies) and len(copies) == 1, [e.name for e in copies]
