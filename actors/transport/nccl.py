@@ -30,12 +30,20 @@ this module aborts first (and keeps the process); the watchdog is only the backs
 def _nccl_environment(timeout_s: float, node_ip: str) -> None:
     """What torch's NCCL backend reads at a group's construction, set where the user did not:
     on an error or a timeout, abort the communicator and keep the process (the default tears the
-    process down, which would turn a peer's death into this worker's); a non-blocking communicator's
+    process down, which would turn a peer's death into this worker's), never a host-blocking wait (a
+    user's `TORCH_NCCL_BLOCKING_WAIT` is turned off, with a warning); a non-blocking communicator's
     initialization gives up after the group's timeout; NCCL's bootstrap and socket transport use the
     interface that owns the node's address (`NCCL_SOCKET_IFNAME`), the one the job reaches this node
     by: left to choose, NCCL may take another interface of a host with several, which a peer cannot
     reach (the group's formation then hangs until its timeout)."""
     os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+    if os.environ.get("TORCH_NCCL_BLOCKING_WAIT", "0") not in ("0", ""):
+        # `work.wait()` would block the host until the operation finishes, inside the backward hooks
+        # that launch it: the overlap of communication with backward is lost, and an abort cannot
+        # release the launching thread. This module's poller gives the timeout and the abort instead.
+        log.warning("TORCH_NCCL_BLOCKING_WAIT=%s ignored: NCCL groups wait on CUDA events, with "
+                    "comm.timeout_s and an abort of their own", os.environ["TORCH_NCCL_BLOCKING_WAIT"])
+        os.environ["TORCH_NCCL_BLOCKING_WAIT"] = "0"
     os.environ.setdefault("TORCH_NCCL_NONBLOCKING_TIMEOUT", str(int(max(1.0, timeout_s))))
     if "NCCL_SOCKET_IFNAME" not in os.environ:
         interface = interface_of(node_ip)
@@ -54,6 +62,58 @@ def interface_of(address: str, interfaces: dict[str, list[str]] | None = None) -
     if address.startswith("127.") or address == "::1":
         return None
     return next((name for name, addrs in interfaces.items() if address in addrs), None)
+
+
+def nccl_fault(pg: Any) -> str | None:
+    """The error NCCL's own machinery recorded on `pg` (a communicator its watchdog aborted, a peer's
+    remote error), in words; None while it has none or where this torch cannot tell (`get_error` is
+    newer than some builds). An operation whose event fired on such a communicator read a partial sum."""
+    get_error = getattr(pg, "get_error", None)
+    if get_error is None:
+        return None
+    try:
+        error = get_error()
+    except Exception as err:  # noqa: BLE001 - asking a torn-down communicator
+        return f"{type(err).__name__}: {err}"
+    name = getattr(error, "name", str(error))
+    return None if name.endswith("SUCCESS") else f"NCCL reported {name}"
+
+
+class DeviceDeadline:
+    """An operation's deadline counted from when it can start on the device, not from its launch on
+    the host, which runs ahead of the GPU by whatever compute is queued (a long backward): `started`
+    says whether the stream it was launched behind has reached it (a CUDA event's `query`)."""
+
+    def __init__(self, started: Callable[[], bool], timeout_s: float) -> None:
+        self._started, self.timeout_s = started, timeout_s
+        self.started_at: float | None = None
+
+    def overdue(self, now: float) -> bool:
+        if self.started_at is None:
+            if not self._started():
+                return False
+            self.started_at = now
+        return now > self.started_at + self.timeout_s
+
+
+_side_streams: dict[int, Any] = {}
+_side_lock = threading.Lock()
+
+
+def _side_stream(device: torch.device) -> Any:
+    """This process's one side stream per device for completion events (a stream per epoch would draw
+    a new one from torch's pool of 32 at every reshape and come to alias the loader's copy stream)."""
+    with _side_lock:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if index not in _side_streams:
+            _side_streams[index] = torch.cuda.Stream(device=device)
+        return _side_streams[index]
+
+
+_release_lock = threading.Lock()
+_releasing: list[threading.Thread] = []
+"""The previous group's release, running: a group's close waits for it first, so quick successive
+reshapes hold at most one released group's buffers besides the live one's."""
 
 
 class NcclCommunicator(TorchBackendCommunicator):  # pragma: no cover - needs a GPU (tests/gpu)
@@ -101,13 +161,15 @@ class NcclCommunicator(TorchBackendCommunicator):  # pragma: no cover - needs a 
             self._pg.eager_connect_single_device(self.device)  # the communicator forms now, not at the first step
         except Exception as err:  # noqa: BLE001 - a DistBackendError, a store timeout, a forged value
             raise formation_error(spec, err, "NCCL group did not form") from None
-        self._stream = torch.cuda.Stream(device=self.device)
+        self._stream = _side_stream(self.device)
         self._poller = _EventPoller(self)
 
     def _submit(self, launch: Callable[[], Any], keep: Sequence[torch.Tensor]) -> WorkHandle:
         with self._launch_lock:
             if self.aborted or self._pg is None:
                 raise CommAborted(f"group {self.name}: membership epoch aborted ({self.abort_reason})")
+            started = torch.cuda.Event()
+            started.record(torch.cuda.current_stream(self.device))  # NCCL's stream starts no earlier
             try:
                 work = launch()
             except Exception as err:  # noqa: BLE001 - an NCCL error (or a bad argument)
@@ -117,7 +179,7 @@ class NcclCommunicator(TorchBackendCommunicator):  # pragma: no cover - needs a 
             with torch.cuda.stream(self._stream):
                 work.wait()  # the side stream waits for NCCL's; the host does not
                 done.record(self._stream)
-        cuda_work = _CudaWork(done, self, work)
+        cuda_work = _CudaWork(done, self, work, DeviceDeadline(started.query, self.timeout_s))
         handle = WorkHandle(cuda_work, self, keep)
         self._poller.watch(cuda_work)
         return handle
@@ -162,8 +224,18 @@ class NcclCommunicator(TorchBackendCommunicator):  # pragma: no cover - needs a 
                 self.abort(f"NCCL operation did not finish within {self.timeout_s:.1f}s")
                 raise self.failure()
             time.sleep(0.0002)
-        if self.aborted or self.failed:
+        if self.check_fault() is not None or self.aborted or self.failed:
             raise self.failure()
+
+    def check_fault(self) -> str | None:
+        """NCCL's own error on this group (what finished read a partial sum), if any, in words; the
+        group is failed with it: the step fails and the membership re-forms, as for an error of this
+        module's own."""
+        fault = nccl_fault(self._pg) if self._pg is not None else None
+        if fault is not None and not self.failed:
+            self.error = CommError(f"group {self.name}: {fault}")
+            self.mark_failed()
+        return fault
 
     def abort(self, reason: str = "aborted by coordinator") -> None:
         """Fail every wait at once and abort the NCCL communicator (its kernels, and the peers' waiting
@@ -182,36 +254,48 @@ class NcclCommunicator(TorchBackendCommunicator):  # pragma: no cover - needs a 
                 self._launch_lock.release()
 
     def close(self) -> None:
-        """Release the communicator in the background: shut down when healthy (once its stream is
-        done), abort when failed. Its buffers stay recorded on NCCL's stream until then."""
+        """Release the communicator in the background: shut down when healthy (once its operations are
+        done: an event recorded now on the side stream they completed on), abort when failed. Its
+        buffers stay recorded on NCCL's stream until then. A previous group's release still running is
+        waited for first (at most `comm.timeout_s`): reshapes in quick succession hold at most one
+        released group's buffers besides the live one's."""
         self._poller.stop()
         with self._launch_lock:
             pg, self._pg = self._pg, None
         self._torch_pg = None
         if pg is None:
             return
-        stream, failed = self._stream, self.failed
+        failed = self.failed
+        drained = torch.cuda.Event()
+        drained.record(self._stream)
+        with _release_lock:
+            previous = list(_releasing)
+        for thread in previous:
+            thread.join(self.timeout_s)
 
         def release() -> None:
             try:
                 if failed:
                     pg.abort()
                 else:
-                    stream.synchronize()
+                    drained.synchronize()
                     getattr(pg, "shutdown", pg.abort)()
             except Exception as err:  # noqa: BLE001
                 log.warning("releasing NCCL group %s: %s", self.name, err)
 
-        threading.Thread(target=release, name=f"close {self.name}", daemon=True).start()
+        thread = threading.Thread(target=release, name=f"close {self.name}", daemon=True)
+        with _release_lock:
+            _releasing[:] = [t for t in _releasing if t.is_alive()] + [thread]
+        thread.start()
 
 
 class _CudaWork:  # pragma: no cover - needs a GPU
     """Adapts a CUDA event (recorded after a torch NCCL work) to the part of c10d.Work that Handle
     uses; `_EventPoller` completes it."""
 
-    def __init__(self, event: torch.cuda.Event, comm: NcclCommunicator, work: dist.Work) -> None:
-        self.event, self.comm, self.work = event, comm, work
-        self.deadline = time.monotonic() + comm.timeout_s
+    def __init__(self, event: torch.cuda.Event, comm: NcclCommunicator, work: dist.Work,
+                 deadline: DeviceDeadline) -> None:
+        self.event, self.comm, self.work, self.deadline = event, comm, work, deadline
         self._future: torch.futures.Future[None] = torch.futures.Future()
 
     def get_future(self) -> torch.futures.Future[None]:
@@ -223,6 +307,9 @@ class _CudaWork:  # pragma: no cover - needs a GPU
     def wait(self) -> None:
         if not self.event.query():
             raise CommError(f"group {self.comm.name}: NCCL operation did not complete (aborted)")
+        fault = self.comm.check_fault()
+        if fault is not None:
+            raise RuntimeError(fault)  # the handle's wait makes it this group's CommError
         try:
             self.work.wait()  # the caller's stream waits for NCCL's (done already: no host wait)
         except Exception as err:  # noqa: BLE001
@@ -231,7 +318,8 @@ class _CudaWork:  # pragma: no cover - needs a GPU
 
 class _EventPoller:  # pragma: no cover - needs a GPU
     """One thread per communicator: completes each operation's work when its event fires, or when the
-    epoch is aborted, or at its deadline (then it aborts the communicator: a timeout)."""
+    epoch is aborted, or at its deadline, `comm.timeout_s` after the device reached it (then it
+    aborts the communicator: a timeout)."""
 
     def __init__(self, comm: NcclCommunicator) -> None:
         self._comm = comm
@@ -259,8 +347,8 @@ class _EventPoller:  # pragma: no cover - needs a GPU
                     return
                 works = list(self._works)
             now = time.monotonic()
-            finished = [w for w in works if self._comm.aborted or w.event.query() or now > w.deadline]
-            if any(now > w.deadline and not w.event.query() for w in finished) and not self._comm.aborted:
+            finished = [w for w in works if self._comm.aborted or w.event.query() or w.deadline.overdue(now)]
+            if any(w.deadline.overdue(now) and not w.event.query() for w in finished) and not self._comm.aborted:
                 self._comm.timed_out = True
                 self._comm.abort(f"NCCL operation did not finish within {self._comm.timeout_s:.1f}s")
             with self._cv:

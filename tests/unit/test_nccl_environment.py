@@ -46,3 +46,17 @@ def test_the_drivers_nccl_settings_go_to_an_nccl_jobs_coordinator_and_workers_an
     assert nccl_environment(config_from_dict(base), environ) == {}  # gloo: nothing to pass
     over_gloo = config_from_dict({**base, "workers": {"count": 2, "gpus": 1}, "comm": {"backend": "gloo"}})
     assert nccl_environment(over_gloo, environ) == {}
+
+
+def test_a_users_blocking_wait_is_turned_off_with_a_warning_and_zero_stands(monkeypatch, caplog):
+    """`TORCH_NCCL_BLOCKING_WAIT=1` would make the launch's `work.wait()` block the host inside the
+    backward hooks (no overlap, and no abort can release the launching thread)."""
+    monkeypatch.setenv("TORCH_NCCL_BLOCKING_WAIT", "1")
+    with caplog.at_level("WARNING", logger="actors.transport.nccl"):
+        _nccl_environment(10.0, "127.0.0.1")
+    assert os.environ["TORCH_NCCL_BLOCKING_WAIT"] == "0"
+    assert "TORCH_NCCL_BLOCKING_WAIT=1 ignored" in caplog.text
+    caplog.clear()
+    monkeypatch.setenv("TORCH_NCCL_BLOCKING_WAIT", "0")
+    _nccl_environment(10.0, "127.0.0.1")
+    assert os.environ["TORCH_NCCL_BLOCKING_WAIT"] == "0" and not caplog.text
