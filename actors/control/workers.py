@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from actors.control.members import describe, first_line, is_placed, job_is_dead, kill, log, log_to
+from actors.control.placement import NodePacker, ray_place_of, ray_rooms
 from actors.lifeline import watch as lifeline_watch
 from actors.messages import Heartbeat, ReadyAnswer, RunOutcome, WorkerStatus
 from actors.plan import Plan, WorkerSpec, holder_name
@@ -227,6 +228,10 @@ class RayWorkerGroup(WorkerGroup):
         self.cfg = cfg
         self.node_ip = ray.util.get_node_ip_address()
         self.reconstructed = ray.get_runtime_context().was_current_actor_reconstructed
+        w = cfg.workers
+        self.packer = (NodePacker({"CPU": w.cpus, "GPU": w.gpus}, ray_rooms, ray_place_of)
+                       if w.placement == "pack" else None)
+        """Where each new worker goes under `workers.placement: pack` (actors/control/placement.py)."""
 
     def setup(self, run_dir: Path, log_level: str) -> None:
         log_to(run_dir / "coordinator.log", log_level)
@@ -240,10 +245,18 @@ class RayWorkerGroup(WorkerGroup):
         env = worker_process_env(self.cfg)
         if env:  # a child's own env_vars replace its parent's unless merged: keep the coordinator's
             env = {**(ray.get_runtime_context().runtime_env or {}).get("env_vars", {}), **env}
-        return WorkerActor.options(name=name, namespace=self.cfg.ray.namespace, lifetime="detached",
-                                   num_cpus=w.cpus, num_gpus=w.gpus, max_restarts=0,
-                                   scheduling_strategy="SPREAD" if w.placement == "spread" else "DEFAULT",
-                                   **({"runtime_env": {"env_vars": env}} if env else {})).remote(spec)
+
+        def create(node: str | None) -> Any:
+            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+            strategy: Any = ("SPREAD" if w.placement == "spread" else
+                             NodeAffinitySchedulingStrategy(node, soft=True, _spill_on_unavailable=True)
+                             if node is not None else "DEFAULT")
+            return WorkerActor.options(name=name, namespace=self.cfg.ray.namespace, lifetime="detached",
+                                       num_cpus=w.cpus, num_gpus=w.gpus, max_restarts=0, scheduling_strategy=strategy,
+                                       **({"runtime_env": {"env_vars": env}} if env else {})).remote(spec)
+
+        return create(None) if self.packer is None else self.packer.place(create, self.actor_id)
 
     def lookup(self, name: str) -> Any:
         import ray
