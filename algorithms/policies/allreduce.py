@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 import torch
 
-from algorithms.policies.base import Algorithm, AlgorithmImpl, EpochInfo, StepVote, VoteDraft, register
+from algorithms.policies.base import Algorithm, AlgorithmImpl, EpochInfo, StepVote, VoteDraft, register, to_device
 from algorithms.policies.compression import Codec, get_codec
 from algorithms.policies.hierarchical import HierarchicalAllReduce
 from algorithms.policies.optim import contiguous_runs, flat_view
@@ -331,9 +331,10 @@ class AllReduceImpl(AlgorithmImpl):
                 tail = self._tail_np
                 tail[0], tail[1], tail[2] = float(draft.loss), draft.samples, 1.0 if draft.newer_plan else 0.0
                 tail[3:] = [float(e) for e in draft.extras]
-            else:  # on the GPU: the loss and the metrics stay there; the two counts are copied up (staged, no device wait)
+            else:  # on the GPU: the loss and the metrics stay there; the two counts go up from pinned memory (no device wait)
                 self._tail[:1].copy_(torch.as_tensor(draft.loss).reshape(1))
-                self._tail[1:3].copy_(torch.tensor([draft.samples, 1.0 if draft.newer_plan else 0.0], dtype=self._tail.dtype))
+                self._tail[1:3].copy_(to_device(torch.tensor([draft.samples, 1.0 if draft.newer_plan else 0.0],
+                                                             dtype=self._tail.dtype), self._tail.device))
                 if draft.extras:
                     self._tail[3:].copy_(torch.stack([torch.as_tensor(e, dtype=self._tail.dtype, device=self._tail.device)
                                                       .reshape(()) for e in draft.extras]))

@@ -62,6 +62,14 @@ from core.comm_api import Communicator
 _REGISTRY: dict[str, type[Algorithm]] = {}
 
 
+def to_device(host: torch.Tensor, device: Any) -> torch.Tensor:
+    """A small host tensor on `device`: to a GPU from pinned memory, without blocking (from pageable
+    memory the copy makes the host wait for the GPU's queued work); as it is elsewhere."""
+    if device is None or torch.device(device).type != "cuda":
+        return host if device is None else host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 @dataclass
 class VoteDraft:
     """This member's side of a vote, filled in while the step (or round) runs."""
@@ -78,9 +86,10 @@ class VoteDraft:
     numbers above (the impl's `vote_extras` says how many)."""
 
     def tail(self, dtype: torch.dtype = torch.float64, device: Any = None) -> torch.Tensor:
-        """(loss, samples, newer plan, *extras) as one tensor, built on `device` without reading the loss."""
-        tail = torch.zeros(3 + len(self.extras), dtype=dtype, device=device)
-        tail[1], tail[2] = float(self.samples), 1.0 if self.newer_plan else 0.0
+        """(loss, samples, newer plan, *extras) as one tensor, built on `device` without reading the loss,
+        and on a GPU without the host waiting for it (the counts go up from pinned memory)."""
+        counts = [0.0, float(self.samples), 1.0 if self.newer_plan else 0.0] + [0.0] * len(self.extras)
+        tail = to_device(torch.tensor(counts, dtype=dtype), device)
         for i, value in enumerate((self.loss, *self.extras)):
             tail[0 if i == 0 else 2 + i] = value.detach().reshape(()) if isinstance(value, torch.Tensor) else value
         return tail

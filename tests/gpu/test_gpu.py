@@ -286,3 +286,19 @@ def test_the_state_digest_on_a_gpu_is_the_cpu_digest_and_reads_back_8_bytes():
     assert on_device == checksum(host)
     copies = [e for e in prof.events() if "Memcpy DtoH" in e.name]
     assert len(copies) == 1, [e.name for e in copies]
+
+
+def test_the_votes_counts_reach_the_gpu_from_pinned_memory():
+    """The vote's tail on a GPU (algorithms/policies/base.py `VoteDraft.tail`): its two counts are copied
+    up from pinned memory without blocking, never from pageable memory (which makes the host wait for
+    the GPU's queued work: a host sync every step)."""
+    from algorithms.policies.base import VoteDraft
+
+    loss = torch.tensor(2.5, device="cuda")
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        tail = VoteDraft(loss=loss, samples=32, newer_plan=True).tail(torch.float32, loss.device)
+        torch.cuda.synchronize()
+    assert tail.tolist() == [2.5, 32.0, 1.0]
+    copies = [e.name for e in prof.events() if "Memcpy HtoD" in e.name]
+    assert copies and all("Pinned" in name for name in copies), copies
