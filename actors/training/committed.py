@@ -7,9 +7,13 @@ the parts through the replica (actors/training/parts.py `ReplicaParts`), whose p
 """
 from __future__ import annotations
 
+import io
 from typing import Any
 
+import torch
+
 from actors.plan import Plan
+from actors.training.checkpoint_writer import Checkpoint, host_copy
 from actors.training.parts import ReplicaParts
 from actors.training.training_state import read_state
 
@@ -84,6 +88,21 @@ class CommittedState:
     def state_bytes(self) -> bytes:
         """The committed state: what a checkpoint holds, the final model."""
         return self._r.training.to_bytes(self._r.policy.impl, self._carried())
+
+    def checkpoint(self, background: bool) -> Checkpoint:
+        """A checkpoint of the committed state as it is now: serialized when it is written (`background`:
+        from a host copy taken now, which training may go on past)."""
+        if not background:
+            return Checkpoint(self.state_bytes, background=False)
+        state, copied = host_copy(self.committed_state())
+
+        def serialize() -> bytes:
+            if copied is not None:
+                copied.synchronize()  # the GPU's copies into pinned memory are done
+            buf = io.BytesIO()
+            torch.save(state, buf)
+            return buf.getvalue()
+        return Checkpoint(serialize, background=True)
 
     def load_state_bytes(self, data: bytes) -> None:
         self.load_state(read_state(data))

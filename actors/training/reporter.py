@@ -20,6 +20,7 @@ import torch
 from actors.faults import WorkerFaults
 from actors.observe.peaks import peak_flops
 from actors.plan import Plan, Progress, turn_steps, worker_tokens
+from actors.training.checkpoint_writer import Checkpoint, CheckpointWriter
 from actors.training.evaluation import Evaluation
 from algorithms.policies.base import Algorithm, AlgorithmImpl
 from core.schema import JobConfig
@@ -132,6 +133,10 @@ class StepReporter:
         self._last_report = 0.0
         self._turn = TrialTurn(cfg.policy_trial)
         self.evaluation = Evaluation(workload, device)
+        self.checkpoints = CheckpointWriter(link.save_checkpoint)
+        background = cfg.checkpoint.background
+        self._background = device.type == "cuda" if background is None else background
+        """Rank 0's checkpoints are serialized in a thread from a host copy (actors/training/checkpoint_writer.py)."""
         self._evaluated: tuple[int, dict] | None = None
         """The newest evaluation this member recorded: (its step, {"metrics": ...})."""
         self.compute_s = 0.0
@@ -228,21 +233,23 @@ class StepReporter:
         return self.evaluation.whole(model, impl, step)
 
     def maybe_checkpoint(self, plan: Plan, algorithm: Algorithm, prev: int | None, step: int, mark: int,
-                         state_bytes: Callable[[], bytes]) -> None:
-        """Rank 0 hands the committed state to the coordinator at each `checkpoint.every_steps`."""
+                         checkpoint: Callable[[bool], Checkpoint]) -> None:
+        """Rank 0 hands the committed state to the coordinator at each `checkpoint.every_steps`
+        (`checkpoint(background)`: the state at this step, copied to the host where it is written in the background)."""
         every = self._cfg.checkpoint.every_steps
         if algorithm.final_model.from_server or not crossed(every, prev, step):  # the server's state is checkpointed
             return
         self._faults.maybe_fire("checkpoint", step)
         if plan.rank_of(self._slot) == 0:
             self.flush(plan, step, mark, force=True)  # history up to this step precedes the checkpoint
-            self._link.save_checkpoint(step, state_bytes())
+            self.checkpoints.submit(step, checkpoint(self._background))
 
     def await_checkpoints(self) -> None:
         """A run ends once the checkpoints it sent are stored: the coordinator stores them off its event
         loop while it goes on, and one sent at the last step (an upload, to an object store) was cut
         off when the job ended and its coordinator exited (CI, S3: step 120's data without its manifest)."""
         try:
+            self.checkpoints.wait()
             self._link.checkpoints_stored(CHECKPOINT_STORED_S)
         except Exception as err:  # noqa: BLE001 - the coordinator is gone or slow: the run ends regardless
             log.warning("the checkpoint sent last may not be stored: %s", str(err).splitlines()[0][:200])

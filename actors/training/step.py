@@ -213,7 +213,7 @@ class StepRunner:
             skipped_updates=training.optimizer.skipped)
         evaluated = self._evaluated_in_shares(plan, prev, training.step)
         r.reporter.record(record, algorithm, training.model, impl, lambda: (training.step, r.mark()), evaluated)
-        r.reporter.maybe_checkpoint(plan, algorithm, prev, training.step, r.mark(), r.committed.state_bytes)
+        r.reporter.maybe_checkpoint(plan, algorithm, prev, training.step, r.mark(), r.committed.checkpoint)
         r.group.settle()  # off the next re-form's path, now that this one's first step is done
 
     def _evaluated_in_shares(self, plan: Plan, prev: int | None, step: int) -> dict | None:

@@ -17,7 +17,6 @@ import torch
 from algorithms.policies.base import AlgorithmImpl
 from algorithms.policies.precision import GuardedOptimizer, Precision
 
-
 DIGEST_CHUNK_WORDS = 1 << 20
 """The digest reads a tensor's bytes as 32-bit words, 2**20 (4 MiB) at a time."""
 

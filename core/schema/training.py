@@ -56,6 +56,10 @@ class CheckpointConfig:
     """Write a checkpoint every this many committed steps (none when unset)."""
     keep: int = 3
     """How many checkpoints to keep."""
+    background: bool | None = None
+    """Rank 0 copies the state to the host at the checkpoint's step and serializes it in a thread while
+    training goes on (actors/training/checkpoint_writer.py). Unset: for a model on a GPU; `true` on the
+    CPU too (a second copy of the state while it is written); `false`: on the step loop."""
 
     def __post_init__(self) -> None:
         if self.every_steps is not None and self.every_steps < 1:
