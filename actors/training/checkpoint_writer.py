@@ -32,7 +32,8 @@ class Checkpoint:
 def host_copy(state: Any) -> tuple[Any, torch.cuda.Event | None]:
     """`state` with every tensor copied to host memory (containers rebuilt, other values kept), and the
     event after which a GPU's copies are complete (None where none was on a GPU). A GPU's tensors go
-    into pinned buffers, copied on the side stream after the current stream's work (the host does not wait)."""
+    into pinned buffers, copied on the side stream after the current stream's work, and the current
+    stream's later work waits for the copies (the host waits for neither)."""
     side: torch.cuda.Stream | None = None
 
     def copy(value: Any) -> Any:
@@ -60,6 +61,9 @@ def host_copy(state: Any) -> tuple[Any, torch.cuda.Event | None]:
         return copied, None
     done = torch.cuda.Event()
     done.record(side)
+    # the step's later work (the optimizer writing the parameters) is ordered after the copies, on the
+    # GPU: the host goes on at once
+    torch.cuda.current_stream(side.device).wait_event(done)
     return copied, done
 
 

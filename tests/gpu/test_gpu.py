@@ -302,3 +302,18 @@ def test_the_votes_counts_reach_the_gpu_from_pinned_memory():
     assert tail.tolist() == [2.5, 32.0, 1.0]
     copies = [e.name for e in prof.events() if "Memcpy HtoD" in e.name]
     assert copies and all("Pinned" in name for name in copies), copies
+
+
+def test_a_checkpoints_host_copy_of_gpu_state_is_pinned_and_taken_without_a_host_wait():
+    """actors/training/checkpoint_writer.py `host_copy`: a GPU's tensors go into pinned host buffers on
+    a side stream after the current stream's work, and the current stream's next write waits for them:
+    the values are the ones at the copy, though the live tensor is changed right after."""
+    from actors.training.checkpoint_writer import host_copy
+
+    live = torch.arange(1 << 20, dtype=torch.float32, device="cuda")
+    expected = live.cpu()
+    copied, done = host_copy({"model": {"w": live}, "step": 3})
+    live.add_(1.0)  # on the current stream, which waits for the copy first
+    assert done is not None
+    done.synchronize()
+    assert copied["model"]["w"].is_pinned() and torch.equal(copied["model"]["w"], expected)
