@@ -139,10 +139,17 @@ def warm_up(cfg: JobConfig, workload: Any, device: torch.device) -> None:
     """What a replica's first construction would import (the optimizer's first construction imports
     torch._dynamo: 1.4 s here; the policy's modules), and what its first step would pay on first use
     (the sampler's first permutation imports numpy.random: 10-13 ms here, on the joiner's
-    first step, which the members wait for): a hot spare pays it before it is needed. With
+    first step, which the members wait for): a hot spare pays it before it is needed. On a GPU, the
+    spare's CUDA context, its model on the device (the optimizer is then built over the device's
+    parameters, as the replica's is) and cuBLAS's set-up too. With
     `training.compile`, the model's training graph is compiled too, on `device`, with one batch of the
     job's map-style data (a stream or a Ray Data dataset is not read ahead: its spare compiles on its
     first step)."""
+    if device.type == "cuda":  # a spare on a GPU: its CUDA context, the model on the device, cuBLAS set up
+        workload.model.to(device)
+        torch.cuda.current_blas_handle()
+        torch.ones(8, 8, device=device).matmul(torch.ones(8, 8, device=device))
+        torch.cuda.synchronize(device)
     build_optimizer(workload.model, cfg.optimizer)
     get_algorithm(cfg.sync.policy)(cfg.sync, cfg.compression)
     GlobalSampler(1, cfg.seed).draw(0)

@@ -317,3 +317,15 @@ def test_a_checkpoints_host_copy_of_gpu_state_is_pinned_and_taken_without_a_host
     assert done is not None
     done.synchronize()
     assert copied["model"]["w"].is_pinned() and torch.equal(copied["model"]["w"], expected)
+
+
+def test_a_hot_spare_on_a_gpu_holds_the_model_there_before_its_adoption():
+    """actors/training/worker.py `prepare_spare`: a spare's CUDA context, its model on the device and
+    cuBLAS's set-up are paid before it is adopted (its replica's `model.to(device)` then moves nothing)."""
+    from actors.training.worker import prepare_spare
+    from core.schema import JobConfig, parse
+
+    cfg = parse(JobConfig, config(1, 1, "nccl"))
+    workload = prepare_spare(cfg)
+    assert all(p.is_cuda for p in workload.model.parameters())
+    assert torch.cuda.is_initialized()
