@@ -39,6 +39,8 @@ class Plan:
     backend: str = "gloo"
     lr_scale: float = 1.0
     """Multiplies the learning rate (linear scaling in `keep_worker` batch mode)."""
+    formation_timeout_s: float | None = None
+    """`comm.formation_timeout_s`: how long the epoch's group may take to form (None: `timeout_s`)."""
     stop_step: int | None = None
     """Members stop once this committed step is reached (target metric, time limit, stop)."""
     history_step: int = 0

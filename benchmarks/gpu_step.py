@@ -4,8 +4,9 @@ Both sides train the same synthetic MLP (orchestrator/workloads/synthetic.py) wi
 GPU, copying each batch from host memory, one after the other in this process. The orchestrator
 side is the worker's real step loop (actors/training/replica.py) at world size 1 over NCCL (or gloo with
 `--backend gloo`): buckets, hooks, the commit vote and the history records included. Timed per
-step after a warm-up: the plain loop with a CUDA synchronize at each end of the window, the
-orchestrator from its history records (each written once the step committed). The default model
+step after a warm-up: the plain loop from a CUDA event recorded at the end of each step (no host
+synchronization in its loop: the events are read after the last step), the orchestrator from its
+history records (each written once the step committed). The default model
 makes a plain step take well over 50 ms on an H100 in fp32.
 
     python benchmarks/gpu_step.py [--width 4096] [--depth 8] [--batch 8192] [--steps 60] [--backend nccl]
@@ -50,16 +51,18 @@ def plain(params: dict, batch: int, steps: int, lr: float) -> list[float]:
     model = workload.model.cuda()
     opt = torch.optim.SGD(model.parameters(), lr=lr, foreach=False)
     x_all, y_all = workload.train_data.tensors
-    times = []
+    ends = []
     for step in range(steps):
         index = torch.randint(0, len(x_all), (batch,), generator=torch.Generator().manual_seed(step))
         x, y = x_all[index].cuda(non_blocking=True), y_all[index].cuda(non_blocking=True)
         opt.zero_grad(set_to_none=True)
         workload.loss(model, (x, y)).backward()
         opt.step()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter())
-    return [b - a for a, b in zip(times[WARMUP:], times[WARMUP + 1:])]
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()  # no host sync in the loop: each step's end is an event, read after the last step
+        ends.append(end)
+    torch.cuda.synchronize()
+    return [a.elapsed_time(b) / 1000.0 for a, b in zip(ends[WARMUP:], ends[WARMUP + 1:])]
 
 
 def orchestrator(params: dict, batch: int, steps: int, lr: float, backend: str, engine: str = "auto") -> list[float]:

@@ -51,6 +51,13 @@ class GroupSpec:
     reduce_bytes: int = 0
     """The largest tensor its members all-reduce, where the caller knows it (0: not known): a group on one
     node reserves shared memory for tensors of that size (actors/transport/shm.py); larger ones go through gloo."""
+    formation_timeout_s: float | None = None
+    """How long the group may take to form (the store's rendezvous, the connections, NCCL's communicator);
+    None: `timeout_s`, which then bounds each operation only."""
+
+    @property
+    def forming_s(self) -> float:
+        return self.timeout_s if self.formation_timeout_s is None else self.formation_timeout_s
 
 
 class Handle(Protocol):

@@ -108,6 +108,7 @@ class MembershipBook:
             version=self.version, membership_epoch=self.epoch, members=members,
             group_name=f"{self.cfg.name}/{self.run_id}/c{incarnation}/e{self.epoch}",
             store_host=store_host, store_port=store_port, timeout_s=self.cfg.comm.timeout_s,
+            formation_timeout_s=self.cfg.comm.formation_timeout_s,
             global_batch=global_batch, lr_scale=lr_scale,
             backend=self.cfg.group_backend,
             stop_step=self.stop_step, reason=reason, history_step=history_step,

@@ -36,7 +36,8 @@ class EpochEntry:
             raise RuntimeError(f"{r.slot} is not a member of plan {plan.version}")
         spec = GroupSpec(plan.store_host, plan.store_port, plan.group_name, rank, len(plan.members), plan.timeout_s,
                          plan.backend, r.group.comm_address, secret=r.spec.secret,
-                         reduce_bytes=largest_reduce(r.training.model, len(r.metrics.names)))
+                         reduce_bytes=largest_reduce(r.training.model, len(r.metrics.names)),
+                         formation_timeout_s=plan.formation_timeout_s)
         r.joining()
         previous = r.trained_plan
         algorithm = r.policy.algorithm

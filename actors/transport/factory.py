@@ -22,7 +22,7 @@ def in_process_group(n: int, name: str = "local", timeout_s: float = 10.0) -> li
 def make_communicator(spec: GroupSpec) -> GlooCommunicator | NcclCommunicator:
     """Form the group of one membership epoch (blocks until every member arrives or timeout)."""
     try:
-        store = client_store(spec.store_host, spec.store_port, spec.timeout_s)
+        store = client_store(spec.store_host, spec.store_port, spec.forming_s)
     except Exception as err:  # noqa: BLE001
         raise CommError(f"store {spec.store_host}:{spec.store_port} unreachable: {str(err).splitlines()[0][:200]}") from None
     if spec.backend == "nccl":

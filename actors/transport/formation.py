@@ -79,7 +79,7 @@ def form_in_thread(spec: GroupSpec, build: Callable[[], G], stop: Callable[[], b
     """`build()` a group in a helper thread; None if `stop()` turns true meanwhile.
 
     Group construction blocks in C++ until every member arrives (NCCL's init has no timeout of its
-    own): after `spec.timeout_s` (plus a margin for gloo's own) the attempt is abandoned with
+    own): after `spec.forming_s` (plus a margin for gloo's own) the attempt is abandoned with
     CommTimeout. Any error while forming comes back here with its own text; a group that forms after
     it was abandoned is closed."""
     result: dict[str, Any] = {}  # the group or the error, and whether the caller gave up
@@ -96,14 +96,14 @@ def form_in_thread(spec: GroupSpec, build: Callable[[], G], stop: Callable[[], b
                 result["comm"].close()
 
     spawn(run)
-    deadline = time.monotonic() + spec.timeout_s + 5.0
+    deadline = time.monotonic() + spec.forming_s + 5.0
     while not done.wait(0.02):
         if stop() or time.monotonic() > deadline:
             result["abandoned"] = True
             if done.is_set() and "comm" in result:
                 result["comm"].close()
             if time.monotonic() > deadline:
-                raise CommTimeout(f"group {spec.name}: did not form within {spec.timeout_s + 5.0:.0f}s")
+                raise CommTimeout(f"group {spec.name}: did not form within {spec.forming_s + 5.0:.0f}s")
             return None
     if "error" in result:
         raise result["error"]

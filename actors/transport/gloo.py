@@ -59,7 +59,7 @@ class GlooCommunicator(TorchBackendCommunicator):
         (actors/transport/shm.py); a subgroup forms without it."""
         super().__init__(spec)
         opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # torch's stub lists only Options
-        opts._timeout = datetime.timedelta(seconds=spec.timeout_s)
+        opts._timeout = datetime.timedelta(seconds=spec.forming_s)  # its connections' set-up; operations: below
         device, self._listen = device_and_address(spec.node_ip)
         opts._devices = [device]
         prefix = group_store(spec, store)
@@ -88,6 +88,8 @@ class GlooCommunicator(TorchBackendCommunicator):
             mine = f"{self._listen[0]} {self._listen[1]}" if self._listen else ""
             prefix.set(f"gloo-listen/{spec.rank}", f"{mine} {offer.encode()}" if offer is not None else mine)
             self._pg = dist.ProcessGroupGloo(prefix, spec.rank, spec.world_size, opts)
+            if spec.forming_s != spec.timeout_s:  # formed: gloo's own deadline for each operation
+                self._pg.set_timeout(datetime.timedelta(seconds=spec.timeout_s))
             offers: list[Offer | None] = [offer] * spec.world_size
             others = [r for r in range(spec.world_size) if r != spec.rank]
             for r, value in zip(others, prefix.multi_get([f"gloo-listen/{r}" for r in others]) if others else []):

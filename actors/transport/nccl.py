@@ -147,7 +147,7 @@ class NcclCommunicator(TorchBackendCommunicator):  # pragma: no cover - needs a 
                             f"(torch.cuda.is_available() = {torch.cuda.is_available()}, "
                             f"torch.distributed.is_nccl_available() = {dist.is_nccl_available()}); "
                             f"use comm.backend: gloo")
-        _nccl_environment(spec.timeout_s, spec.node_ip)
+        _nccl_environment(spec.forming_s, spec.node_ip)
         self.device = torch.device("cuda", torch.cuda.current_device())
         self._prefix = group_store(spec, store)
         opts = dist.ProcessGroupNCCL.Options()

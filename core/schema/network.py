@@ -101,9 +101,14 @@ class NetworkConfig:
 @dataclass
 class CommConfig:
     timeout_s: float = 10.0
-    """One timeout for every collective, the store and group construction, in [0.1, 86400] s: below
+    """One timeout for every collective, the store and group construction (unless
+    `formation_timeout_s` is set), in [0.1, 86400] s: below
     0.1 s a healthy all-reduce or store round trip on a loaded node misses it; above a day a wait is a
     hang, and gloo's and the store's `timedelta`s overflow (1e300 failed every worker's start)."""
+    formation_timeout_s: float | None = None
+    """How long a membership epoch's group may take to form (the store's rendezvous, the connections,
+    NCCL's communicator: seconds at 64 ranks on a cold start), in [0.1, 86400] s; unset: `timeout_s`.
+    `timeout_s` then bounds each operation, and can stay tight."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     sign_rendezvous: bool = True
     """Each job's rendezvous values are signed with a secret only its actors hold, and a value without
@@ -112,6 +117,8 @@ class CommConfig:
 
     def __post_init__(self) -> None:
         within(self, "timeout_s", 0.1, DAY_S, unit=" s")
+        if self.formation_timeout_s is not None:
+            within(self, "formation_timeout_s", 0.1, DAY_S, unit=" s")
 
 
 @dataclass

@@ -4,9 +4,10 @@ These check it against its definition, written here independently in Python inte
 
     digest = sum over chunks k of m_k * sum over words i of w_i * x_ki   (mod 2**64, as int64)
 
-with x the tensors' bytes as little-endian int32 words, 2**20 words a chunk (a tensor starts a new
-chunk), w_i = i * P | 1 and m_k = (2k + 1) * M mod 2**63 (P, M odd constants); and that it tells
-states apart the way the epoch entry needs: any one byte changed, two tensors swapped, a word moved."""
+with x the tensors' bytes as little-endian int32 words, 2**16 words a chunk (a tensor starts a new
+chunk), w_i = i * P | 1 and m_k = (2k + 1) * M (P, M odd constants); that it does not depend on how
+many chunks one pass takes (the CPU's few, a GPU's many); and that it tells states apart the way the
+epoch entry needs: any one byte changed, two tensors swapped, a word moved."""
 from __future__ import annotations
 
 import struct
@@ -30,7 +31,7 @@ def reference(tensors: list[torch.Tensor]) -> int:
         words = struct.unpack(f"<{len(raw) // 4}i", raw)
         for start in range(0, len(words), chunk):
             inner = sum(x * ((i * P % MOD) | 1) for i, x in enumerate(words[start:start + chunk]))
-            total += ((2 * k + 1) * M % (1 << 63)) * inner
+            total += (2 * k + 1) * M * inner
             k += 1
     total %= MOD
     return total - MOD if total >= 1 << 63 else total  # as a signed int64
@@ -56,8 +57,16 @@ def test_the_digest_is_its_definition_over_several_chunks_and_dtypes(small_chunk
 
 
 def test_the_digest_is_its_definition_at_the_real_chunk_size():
-    t = torch.randn(DIGEST_CHUNK_WORDS + 5)  # one full chunk and a short one
+    t = torch.randn(2 * DIGEST_CHUNK_WORDS + 5)  # two full chunks and a short one
     assert checksum([t]) == reference([t])
+
+
+def test_the_digest_does_not_depend_on_how_many_chunks_a_pass_takes(small_chunks, monkeypatch):
+    ts = tensors() + [torch.randn(1000)]  # 63 chunks of 16 words and a short one
+    expected = reference(ts)
+    for slab in (1, 2, 7, 1000):
+        monkeypatch.setitem(training_state.DIGEST_SLAB_CHUNKS, "cpu", slab)
+        assert checksum(ts) == expected, slab
 
 
 def test_changing_any_one_byte_changes_the_digest(small_chunks):
