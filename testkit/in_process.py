@@ -141,8 +141,12 @@ class LocalJob:
             self.server = reports.host = make_host(self.config, run_dir, reports)
         client = LocalServerClient(self.server) if self.server else None
         link = self.link if wrap_link is None else wrap_link(self.link)
+        gpus = self.config["workers"].get("gpus", 0)
+        whole = gpus >= 1 and torch.cuda.is_available()  # each replica on a GPU of its own, where there are several
         self.replicas = {s: Replica(WorkerSpec("local", "r", s, run_dir, "local", "local", self.config), link,
-                                    "127.0.0.1", server=client, exit_if_stuck=exit_if_stuck) for s in slots}
+                                    "127.0.0.1", server=client, exit_if_stuck=exit_if_stuck,
+                                    device_index=i % torch.cuda.device_count() if whole else 0)
+                         for i, s in enumerate(slots)}
         self.version = 0
         self.outcomes: dict[str, RunOutcome] = {}
         self._threads: dict[str, threading.Thread] = {}

@@ -144,5 +144,13 @@ def largest_reduce(model: torch.nn.Module, metrics: int = 0) -> int:
 def form_group(spec: GroupSpec, superseded: Callable[[], bool]) -> BaseCommunicator | None:
     """Form one membership epoch's group in a helper thread (`form_in_thread`); None if it is
     `superseded()` meanwhile: a member that waited for a superseded epoch goes straight to the next
-    one. After `spec.timeout_s` (plus a margin) the attempt fails with CommTimeout."""
-    return form_in_thread(spec, lambda: make_communicator(spec), superseded)
+    one. After `spec.forming_s` (plus a margin) the attempt fails with CommTimeout. The helper thread
+    forms on the caller's GPU (a thread's current CUDA device is its own: replicas in threads of one
+    process each hold their own GPU)."""
+    device = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+
+    def build() -> BaseCommunicator:
+        if device is not None:
+            torch.cuda.set_device(device)
+        return make_communicator(spec)
+    return form_in_thread(spec, build, superseded)

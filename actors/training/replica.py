@@ -85,8 +85,10 @@ class Replica:
 
     def __init__(self, spec: WorkerSpec, link: Link, node_ip: str, tick: Callable[[], None] = lambda: None,
                  kill_actor: Callable[[], None] = lambda: None, server: Any = None, workload: Any = None,
-                 exit_if_stuck: Callable[[str], None] | None = None) -> None:
+                 exit_if_stuck: Callable[[str], None] | None = None, device_index: int = 0) -> None:
         """`tick` runs while the replica waits (the orphan check); `kill_actor` for `how: actor_kill` faults;
+        `device_index`: its GPU where it asked for one (0 in a worker, where Ray shows it only its own;
+        replicas in threads of one process each take one);
         `server`: the parameter server's client (algorithms/policies/server_policies.py), for server kinds;
         `workload`: one `build_workload` made earlier (a hot spare's), else it is built here;
         `exit_if_stuck`: ends this process when a step outlives its group's abort (`watch_release`), from the
@@ -98,7 +100,7 @@ class Replica:
             comm_address = cfg.network.address(cfg.network.node_of(spec.slot))
             os.environ["ORCHESTRATOR_LAB_SOURCE"] = comm_address  # the preloaded shim binds its connections there
         torch.set_num_threads(max(1, int(cfg.workers.cpus)))
-        self.device = device_for(cfg.workers.gpus)
+        self.device = device_for(cfg.workers.gpus, device_index)
         self.workload = workload if workload is not None else build_workload(cfg)
         model: torch.nn.Module = self.workload.model.to(self.device)
         model.train()
@@ -257,6 +259,8 @@ class Replica:
     # ------------------------------------------------------------------ the loop
     def run(self) -> RunOutcome:
         try:
+            if self.device.type == "cuda":  # this thread's current device (its streams, its group's)
+                torch.cuda.set_device(self.device)
             self._loop()
             self._outcome = RunOutcome(True, self.training.step, self.slot, holds_state=self.training.holds_state)
             self.state = "finished"

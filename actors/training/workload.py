@@ -168,12 +168,13 @@ def ray_blocks(spec: WorkerSpec, dataset: Any) -> list[tuple[Any, int]]:
     return block_reader(spec.job, spec.run_id, spec.namespace)(dataset)
 
 
-def device_for(gpus: float) -> torch.device:
+def device_for(gpus: float, index: int = 0) -> torch.device:
     """The worker's device: its GPU when it asked for one (Ray makes the assigned GPU the only
-    visible one, so it is cuda:0), else the CPU."""
+    visible one, so it is cuda:0; replicas in threads of one process are given their own `index`),
+    else the CPU."""
     if gpus > 0 and torch.cuda.is_available():
-        torch.cuda.set_device(0)
-        return torch.device("cuda", 0)
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
     return torch.device("cpu")
 
 

@@ -226,7 +226,10 @@ def test_ray_util_collective_allreduce_on_an_nccl_epoch_group(ray_session, devic
 @pytest.mark.gpu2
 @needs_two
 def test_bsp_over_nccl_with_two_gpus(tmp_path):
+    """The two ranks run as threads of this process, each on its own GPU (testkit/in_process.py gives
+    each replica a device; its thread and its group's formation thread use it)."""
     job = run_local(tmp_path, 2, 1, "nccl")
+    assert {next(job.replicas[s].training.model.parameters()).device.index for s in ("w0", "w1")} == {0, 1}
     diff = max(float((p.cpu() - q).abs().max()) for p, q in zip(job.parameters("w0"), cpu_reference(32)))
     assert diff < 1e-5
 
