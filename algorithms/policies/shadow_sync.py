@@ -203,9 +203,10 @@ class BackgroundSync:
             self._state = Lifecycle.STARTED
             self._comm = comm
             self._stop = threading.Event()
-            self.thread = threading.Thread(target=self._run, args=(self._generation, comm, self._stop, max_rounds),
-                                           name=f"{self.name} g{self._generation}", daemon=True)
-        self.thread.start()
+            thread = threading.Thread(target=self._run, args=(self._generation, comm, self._stop, max_rounds),
+                                      name=f"{self.name} g{self._generation}", daemon=True)
+            thread.start()  # started before it is published: an epoch's end that joins it never finds it unstarted
+            self.thread = thread
 
     def request_stop(self) -> None:
         """Ask the thread to end after the round in progress (returns at once)."""
