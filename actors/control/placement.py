@@ -157,7 +157,5 @@ def ray_place_of(actor_id: str) -> ActorPlace:
     from ray._private.state import state
 
     info = state.actor_table(actor_id) or {}
-    node = (info.get("Address") or {}).get("NodeID") or None
-    if info.get("State") == "DEAD":
-        return ActorPlace(node if info.get("Pid") else None, dead=True)
-    return ActorPlace(node if info.get("Pid") else None)
+    node = (info.get("Address") or {}).get("NodeID") if info.get("Pid") else None  # a process: placed there
+    return ActorPlace(node or None, dead=info.get("State") == "DEAD")

@@ -19,6 +19,9 @@ from typing import Any
 
 import torch
 
+from actors.streams import process_stream
+from actors.training.state_transfer import map_state_tensors
+
 
 @dataclasses.dataclass(frozen=True)
 class Checkpoint:
@@ -30,33 +33,27 @@ class Checkpoint:
 
 
 def host_copy(state: Any) -> tuple[Any, torch.cuda.Event | None]:
-    """`state` with every tensor copied to host memory (containers rebuilt, other values kept), and the
-    event after which a GPU's copies are complete (None where none was on a GPU). A GPU's tensors go
-    into pinned buffers, copied on the side stream after the current stream's work, and the current
-    stream's later work waits for the copies (the host waits for neither)."""
+    """`state` with every tensor copied to host memory (rebuilt as `map_state_tensors` rebuilds it: a state
+    dict keeps its type and `_metadata`), and the event after which a GPU's copies are complete (None where
+    none was on a GPU). A GPU's tensors go into pinned buffers, copied on the side stream after the current
+    stream's work, and the current stream's later work waits for the copies (the host waits for neither)."""
     side: torch.cuda.Stream | None = None
 
-    def copy(value: Any) -> Any:
+    def copy(value: torch.Tensor) -> torch.Tensor:
         nonlocal side
-        if isinstance(value, torch.Tensor):
-            value = value.detach()
-            if not value.is_cuda:
-                return value.clone()
-            if side is None:
-                side = _side_stream(value.device)
-                side.wait_stream(torch.cuda.current_stream(value.device))
-            host = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
-            with torch.cuda.stream(side):
-                host.copy_(value, non_blocking=True)
-                value.record_stream(side)  # the caching allocator keeps it until the copy is done
-            return host
-        if isinstance(value, dict):
-            return {k: copy(v) for k, v in value.items()}
-        if isinstance(value, (list, tuple)):
-            return type(value)(copy(v) for v in value)
-        return value
+        value = value.detach()
+        if not value.is_cuda:
+            return value.clone()
+        if side is None:
+            side = process_stream("checkpoint copies", value.device)
+            side.wait_stream(torch.cuda.current_stream(value.device))
+        host = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
+        with torch.cuda.stream(side):
+            host.copy_(value, non_blocking=True)
+            value.record_stream(side)  # the caching allocator keeps it until the copy is done
+        return host
 
-    copied = copy(state)
+    copied = map_state_tensors(state, copy)
     if side is None:
         return copied, None
     done = torch.cuda.Event()
@@ -65,17 +62,6 @@ def host_copy(state: Any) -> tuple[Any, torch.cuda.Event | None]:
     # GPU: the host goes on at once
     torch.cuda.current_stream(side.device).wait_event(done)
     return copied, done
-
-
-_streams: dict[int, torch.cuda.Stream] = {}
-
-
-def _side_stream(device: torch.device) -> torch.cuda.Stream:  # pragma: no cover - needs a GPU
-    """This process's one stream per device for checkpoint copies."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _streams:
-        _streams[index] = torch.cuda.Stream(device=device)
-    return _streams[index]
 
 
 class CheckpointWriter:

@@ -25,17 +25,21 @@ CHUNK_BYTES = 256 * 2 ** 20
 _SLOT = "__tensor__"
 
 
+def map_state_tensors(state: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    """`state` rebuilt with `fn(t)` in place of each tensor t (dicts, their subclasses and attributes such as
+    a state dict's `_metadata`, lists and tuples kept; other values as they are)."""
+    return _rebuilt(state, lambda value: fn(value) if isinstance(value, torch.Tensor) else _INSIDE)
+
+
 def split_tensors(state: Any) -> tuple[Any, list[torch.Tensor]]:
-    """`state` with every tensor replaced by a slot naming its index (dicts, their subclasses and attributes
-    such as a state dict's `_metadata`, lists and tuples kept), and the tensors in that order."""
+    """`state` with every tensor replaced by a slot naming its index (as `map_state_tensors` rebuilds it),
+    and the tensors in that order."""
     tensors: list[torch.Tensor] = []
 
-    def slot(value: Any) -> Any:
-        if not isinstance(value, torch.Tensor):
-            return _INSIDE
+    def slot(value: torch.Tensor) -> dict:
         tensors.append(value.detach())
         return {_SLOT: len(tensors) - 1}
-    return _rebuilt(state, slot), tensors
+    return map_state_tensors(state, slot), tensors
 
 
 def join_tensors(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
@@ -73,7 +77,7 @@ def _like(mapping: dict) -> dict:
     return out
 
 
-def _flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
+def flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
     """A tensor's bytes, as a flat uint8 view (a copy only where the tensor is not contiguous)."""
     return tensor.reshape(-1).contiguous().view(torch.uint8)
 
@@ -124,7 +128,7 @@ def broadcast_state(comm: Any, src: int, state: dict | None, keep: bool, chunk_b
         tensors = [torch.empty(shape, dtype=getattr(torch, dtype)) for shape, dtype in metas]
     sizes = [int(torch.Size(shape).numel()) * getattr(torch, dtype).itemsize for shape, dtype in metas]
     chunk = torch.empty(min(chunk_bytes, max(sum(sizes), 1)), dtype=torch.uint8, device=device)
-    flat = [_flat_bytes(t) for t in tensors] if comm.rank == src or receiving else []
+    flat = [flat_bytes(t) for t in tensors] if comm.rank == src or receiving else []
     for length, pieces in _spans(sizes, chunk.numel()):
         if comm.rank == src:
             for index, at, into, n in pieces:

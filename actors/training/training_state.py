@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from actors.training.state_transfer import flat_bytes
 from algorithms.policies.base import AlgorithmImpl
 from algorithms.policies.precision import GuardedOptimizer, Precision
 
@@ -44,7 +45,7 @@ def _int64(value: int) -> int:
 
 def _words(t: torch.Tensor) -> torch.Tensor:
     """The tensor's bytes as int32 words (the last one padded with zero bytes)."""
-    raw = t.detach().reshape(-1).contiguous().view(torch.uint8)
+    raw = flat_bytes(t.detach())
     if raw.numel() % 4:
         raw = torch.cat([raw, raw.new_zeros(4 - raw.numel() % 4)])
     try:

@@ -157,7 +157,6 @@ def warm_up(cfg: JobConfig, workload: Any, device: torch.device) -> None:
         source = source_for(workload.train_data, cfg.seed)
         size = min(cfg.workload.micro_batch or cfg.workload.batch_size, len(workload.train_data))
         batch = map_tensors(to_device(source.fetch(source.global_batch(0, size), 0).batch, device), compiled.dynamic_batch)
-        workload.model.to(device)
         compiled.warm(workload.model, batch, workload.loss, split_loss)
 
 

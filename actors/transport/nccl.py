@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from actors.streams import process_stream
 from actors.transport.base import TorchBackendCommunicator, WorkHandle, backend_error
 from actors.transport.formation import formation_error, group_of_one
 from actors.transport.signed_store import group_store
@@ -96,20 +97,6 @@ class DeviceDeadline:
         return now > self.started_at + self.timeout_s
 
 
-_side_streams: dict[int, Any] = {}
-_side_lock = threading.Lock()
-
-
-def _side_stream(device: torch.device) -> Any:
-    """This process's one side stream per device for completion events (a stream per epoch would draw
-    a new one from torch's pool of 32 at every reshape and come to alias the loader's copy stream)."""
-    with _side_lock:
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        if index not in _side_streams:
-            _side_streams[index] = torch.cuda.Stream(device=device)
-        return _side_streams[index]
-
-
 _release_lock = threading.Lock()
 _releasing: list[threading.Thread] = []
 """The previous group's release, running: a group's close waits for it first, so quick successive
@@ -161,7 +148,7 @@ class NcclCommunicator(TorchBackendCommunicator):  # pragma: no cover - needs a 
             self._pg.eager_connect_single_device(self.device)  # the communicator forms now, not at the first step
         except Exception as err:  # noqa: BLE001 - a DistBackendError, a store timeout, a forged value
             raise formation_error(spec, err, "NCCL group did not form") from None
-        self._stream = _side_stream(self.device)
+        self._stream = process_stream("nccl completions", self.device)  # one per process, not per epoch
         self._poller = _EventPoller(self)
 
     def _submit(self, launch: Callable[[], Any], keep: Sequence[torch.Tensor]) -> WorkHandle:

@@ -118,9 +118,12 @@ def test_one_write_at_a_time_and_its_error_reaches_the_next_checkpoint():
 
 
 def test_the_host_copy_is_a_copy_with_the_states_structure():
-    live = {"model": {"w": torch.ones(3)}, "step": 5, "rng": [torch.zeros(2)], "name": "x"}
+    model = torch.nn.Linear(2, 1).state_dict()  # an OrderedDict with `_metadata`, as a synchronous checkpoint saves it
+    live = {"model": model, "step": 5, "rng": [torch.zeros(2)], "name": "x"}
     copied, done = host_copy(live)
     assert done is None  # nothing was on a GPU
-    live["model"]["w"].add_(1)
-    assert torch.equal(copied["model"]["w"], torch.ones(3)) and copied["step"] == 5 and copied["name"] == "x"
+    before = model["weight"].clone()
+    model["weight"].add_(1)
+    assert torch.equal(copied["model"]["weight"], before) and copied["step"] == 5 and copied["name"] == "x"
     assert isinstance(copied["rng"], list) and torch.equal(copied["rng"][0], torch.zeros(2))
+    assert type(copied["model"]) is type(model) and copied["model"]._metadata == model._metadata
