@@ -31,8 +31,8 @@ async def wrap_up(kind: JobState, algorithm: Any, book: MembershipBook, group: W
     states when the job FAILED. `algorithm`: the policy's traits (its kind and final model)."""
     plan, members = book.plan, book.members
     if server is not None:  # its newest reports may still be on their way
-        if algorithm.kind.dispenses_leases:
-            server.close("the job ended")  # the dispenser requeues what is still held (counted)
+        # closed first: a dispenser requeues what is still held (counted), and a snapshot being stored lands
+        await server.close_at_end("the job ended")
         for record in await server.records_after(history.written_step):
             accept(record)
         await server.refresh_summary()

@@ -22,6 +22,8 @@ from core.schema import ElasticBSPConfig, JobConfig
 
 log = logging.getLogger(__name__)
 CALL_TIMEOUT_S = 60.0
+SNAPSHOT_WAIT_S = 60.0
+"""The longest a server's `close` waits for the snapshot it is storing."""
 
 
 @dataclass
@@ -69,7 +71,17 @@ class ServerControl:
 
     def close(self, reason: str) -> None:
         """Every pull answers `finished` from now on: the members stop."""
-        self.handle.close.remote(reason)
+        self.handle.close.remote(reason, SNAPSHOT_WAIT_S)
+
+    async def close_at_end(self, reason: str) -> None:
+        """The job ended: the server closes and, before it is torn down, stores the snapshot it was storing
+        (its `close` waits for that, `SNAPSHOT_WAIT_S` at most): a snapshot handed to its writer is not lost to the
+        teardown. A server that does not answer in time is logged; the end goes on."""
+        try:
+            await asyncio.wait_for(asyncio.wrap_future(self.handle.close.remote(reason, SNAPSHOT_WAIT_S).future()),
+                                   SNAPSHOT_WAIT_S + CALL_TIMEOUT_S)
+        except Exception as err:  # noqa: BLE001 - the job ends all the same; its final model comes from model_state
+            log.warning("the parameter server did not close cleanly: %s", first_line(err))
 
     async def load_checkpoint(self, blob: bytes) -> int:
         """`--resume`: the new server takes the checkpoint's state; the version it resumes from."""

@@ -92,8 +92,8 @@ class ParameterServer:
              buffers: np.ndarray | None = None) -> PushResult:
         return self.host.push(fence, lease_ids, pulled_version, grad, loss, buffers)
 
-    def close(self, reason: str) -> None:
-        self.host.close(reason)
+    def close(self, reason: str, wait_s: float) -> None:
+        self.host.close(reason, wait_s)
 
     def summary(self) -> dict:
         return self.host.summary()

@@ -61,7 +61,7 @@ FREE_REFS = 3
 """`sys.getrefcount` of a pooled array that nobody else holds: the pool's list, the loop's name, the call."""
 SNAPSHOTS_KEPT = 2
 SNAPSHOT_WAIT_S = 60.0
-"""The longest `close` waits for the snapshot being stored."""
+"""The longest an injected death waits for the snapshot being stored."""
 
 
 class ServerReports(Protocol):
@@ -148,15 +148,15 @@ class ServerHost:
         with self.lock:
             return self.core.set_schedule(index, iterations)
 
-    def close(self, reason: str) -> None:
-        """The job stops: every pull answers `finished` from now on. Waits (`SNAPSHOT_WAIT_S` at most)
-        for the snapshot being stored."""
+    def close(self, reason: str, wait_s: float) -> None:
+        """The job stops: every pull answers `finished` from now on. Waits (`wait_s` at most) for the
+        snapshot being stored."""
         with self.lock:
             self.closed = reason
             self._end()
             self.ready.notify_all()
-        if not self.wait_snapshots(SNAPSHOT_WAIT_S):
-            log.warning("closed while a snapshot was still being stored (waited %.0fs)", SNAPSHOT_WAIT_S)
+        if not self.wait_snapshots(wait_s):
+            log.warning("closed while a snapshot was still being stored (waited %.0fs)", wait_s)
 
     def wait_snapshots(self, timeout: float) -> bool:
         """True once no snapshot waits or is being stored; False after `timeout`."""

@@ -263,7 +263,7 @@ def test_a_push_that_crosses_a_snapshot_returns_while_the_snapshot_uploads(tmp_p
         assert results[0].status == "applied" and results[0].version == 1, results
     finally:
         release.set()
-    host.close("stopped")
+    host.close("stopped", 30.0)
     ref = checkpoints.newest_valid(host.snapshots, pattern="checkpoints/step-*.json")
     assert ref is not None and ref.step == 1, "close did not wait for the snapshot"
     assert host.summary()["snapshot_failures"] == 0
@@ -286,7 +286,7 @@ def test_a_failed_snapshot_is_counted_and_the_next_one_is_the_retry(tmp_path, mo
         pull, flat = host.pull(fence, 1.0)
         assert host.push(fence, pull.ticket.lease_ids, pull.version, np.zeros_like(flat), 0.5).status == "applied"
         host.wait_snapshots(10)
-    host.close("stopped")
+    host.close("stopped", 30.0)
     from actors.runs import checkpoints
 
     assert checkpoints.newest_valid(host.snapshots, pattern="checkpoints/step-*.json").step == 2

@@ -28,7 +28,7 @@ def test_each_member_reports_its_steps_rank0_evaluates_the_average_and_the_lease
     impl = job.replicas["w0"].policy.impl
     assert rounds[-1] >= 1 and impl.sync.average is not None, "no background round completed in 40 steps"
     assert impl.eval_parameters() is impl.sync.average, "the evaluation looks at the newest round's average"
-    job.server.close("the test ended")
+    job.server.close("the test ended", 30.0)
     leases = job.server.summary()["leases"]
     assert leases["applied"] == sum(r["samples"] for r in job.link.records) == 3 * steps * PER_WORKER
     assert leases["applied"] + leases["requeued"] + leases["lost"] == leases["leased"] and leases["outstanding"] == 0
