@@ -173,6 +173,12 @@ class BaseCommunicator:
         group has none (no group: the server kinds)."""
         return None
 
+    def ranked_group(self) -> dist.ProcessGroup | None:
+        """This group as a torch `ProcessGroup` of its own rank and size, for torch code that runs its
+        collectives itself (FSDP, actors/training/sharding.py); None where the backend has none. Lent: an
+        abort shuts it down as it does the reducer's group."""
+        return None
+
     def subgroup(self, ranks: Sequence[int], tag: str) -> Communicator | None:
         """A group of this group's `ranks` (ranked in that order) for collectives among them alone, or
         None where the backend forms none (callers fall back to point-to-point messages)."""

@@ -1,5 +1,6 @@
 """Forming and releasing groups: a formation in a helper thread that an abort abandons, the error a
-failed formation raises, torch's group-of-one view for its reducer, and the background release."""
+failed formation raises, torch's views of a group (the reducer's group of one, FSDP's ranked group), and
+the background release."""
 from __future__ import annotations
 
 import _thread
@@ -10,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import GroupName
 
 from actors.transport.base import Work
 from core.comm_api import CommError, CommTimeout, ForgedRendezvous, GroupSpec
@@ -31,9 +33,18 @@ def group_of_one(store: dist.Store, device: str, kind: dist.ProcessGroup.Backend
                  backend: Backend) -> dist.ProcessGroup:
     """A torch ProcessGroup that calls itself rank 0 of 1 over `backend` (the whole group's), for
     torch's reducer: it divides by its group's size, and the gradients arrive already weighted."""
-    group = dist.ProcessGroup(store, 0, 1)
+    return torch_group(store, device, kind, backend, 0, 1)
+
+
+def torch_group(store: dist.Store, device: str, kind: dist.ProcessGroup.BackendType, backend: Backend,
+                rank: int, size: int, name: str | None = None) -> dist.ProcessGroup:
+    """A torch ProcessGroup of rank `rank` of `size` over `backend`, named `name` where given (torch
+    resolves a group by its name: a name is unique among the groups of one process)."""
+    group = dist.ProcessGroup(store, rank, size)
     group._register_backend(torch.device(device), kind, backend)
     group._set_default_backend(kind)
+    if name is not None:
+        group._set_group_name(GroupName(name))
     return group
 
 

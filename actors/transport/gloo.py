@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import _create_work_from_future  # type: ignore[attr-defined]  # not in torch's stub
 
 from actors.transport.base import TorchBackendCommunicator, WorkHandle
-from actors.transport.formation import form_in_thread, formation_error, group_of_one, release, spawn
+from actors.transport.formation import form_in_thread, formation_error, group_of_one, release, spawn, torch_group
 from actors.transport.shm import REDUCE_OPS, Offer, SharedMemoryGroup, Unusable, obstacle, slot_bytes
 from actors.transport.shm import available as shm_available
 from actors.transport.shm import sweep as shm_sweep
@@ -68,6 +68,8 @@ class GlooCommunicator(TorchBackendCommunicator):
         self._children: list[GlooCommunicator] = []
         """Subgroups formed from this group (`subgroup`): aborted and released with it."""
         self._torch_pg: dist.ProcessGroup | None = None
+        self._ranked_pg: dist.ProcessGroup | None = None
+        """`ranked_group()`'s, once lent."""
         self._peers: set[tuple[str, int]] = set()
         """The peers' gloo listening addresses (a pair is a connection to one of them, or from one)."""
         self._shm: SharedMemoryGroup | None = None
@@ -138,7 +140,7 @@ class GlooCommunicator(TorchBackendCommunicator):
         if self._shm is not None:
             self._shm.wake()
         with self._lock:
-            if self._pg is None or self._torch_pg is None:
+            if self._pg is None or not self._lent:
                 return
             if self._listen is None:
                 log.warning("group %s: its gloo listening address is unknown: an operation stuck in C++ waits "
@@ -154,7 +156,7 @@ class GlooCommunicator(TorchBackendCommunicator):
         spawn(self._settle)
 
     def _settle(self) -> None:
-        if self._listen is not None and self._torch_pg is not None:
+        if self._listen is not None and self._lent:
             try:
                 found = pairs(self._listen, self._peers)
                 with self._lock:  # an abort or a close meanwhile found (or needs) none of them
@@ -243,6 +245,20 @@ class GlooCommunicator(TorchBackendCommunicator):
                               group_of_one(self._prefix, "cpu", dist.ProcessGroup.BackendType.GLOO, self._pg))
         return self._torch_pg
 
+    def ranked_group(self) -> dist.ProcessGroup | None:
+        """A torch ProcessGroup of this member's rank and the group's size over its gloo backend (gloo's
+        own collectives: never shared memory), named after the group and the rank (unique in a process
+        even where several members of one group run in its threads)."""
+        if self._ranked_pg is None and self._pg is not None:
+            self._ranked_pg = torch_group(self._prefix, "cpu", dist.ProcessGroup.BackendType.GLOO, self._pg,
+                                          self.rank, self.world_size, f"{self.name}@{self.rank}")
+        return self._ranked_pg
+
+    @property
+    def _lent(self) -> bool:
+        """Whether torch holds this group's backend (its reducer or FSDP): an operation may then block in C++."""
+        return self._torch_pg is not None or self._ranked_pg is not None
+
     @property
     def shared_memory(self) -> bool:
         """Whether its all-reduces go through shared memory (every member on this node)."""
@@ -317,14 +333,14 @@ class GlooCommunicator(TorchBackendCommunicator):
             shm.close()
         for child in children:
             child.close()
-        lent, self._torch_pg = self._torch_pg, None
+        lent, ranked, self._torch_pg, self._ranked_pg = self._torch_pg, self._ranked_pg, None, None
         with self._lock:
             works = [h._work for h in self._pending]
             self._pending.clear()
         if pg is not None:
             deadline = time.monotonic() + self.timeout_s + 5.0
-            hold = lent is not None and self.failed
-            spawn(release, (pg, lent), works, deadline, hold)
+            hold = (lent is not None or ranked is not None) and self.failed
+            spawn(release, (pg, lent, ranked), works, deadline, hold)
 
 
 class SharedMemoryHandle:

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from actors.streams import process_stream
 from actors.transport.base import TorchBackendCommunicator, WorkHandle, backend_error
-from actors.transport.formation import formation_error, group_of_one
+from actors.transport.formation import formation_error, group_of_one, torch_group
 from actors.transport.signed_store import group_store
 from core.comm_api import CommAborted, CommError, GroupSpec
 
@@ -142,6 +142,7 @@ class NcclCommunicator(TorchBackendCommunicator):  # pragma: no cover - needs a 
         opts.config.blocking = 0
         self._launch_lock = threading.Lock()
         self._torch_pg: dist.ProcessGroup | None = None
+        self._ranked_pg: dist.ProcessGroup | None = None
         try:
             self._pg = dist.ProcessGroupNCCL(self._prefix, spec.rank, spec.world_size, opts)
             self._pg._set_sequence_number_for_group()
@@ -196,6 +197,14 @@ class NcclCommunicator(TorchBackendCommunicator):  # pragma: no cover - needs a 
             self._torch_pg = group_of_one(self._prefix, "cuda", dist.ProcessGroup.BackendType.NCCL, self._pg)
         return self._torch_pg
 
+    def ranked_group(self) -> dist.ProcessGroup | None:
+        """A torch ProcessGroup of this member's rank and the group's size over this NCCL backend (FSDP's:
+        its collectives run on NCCL's own streams, under the communicator's watchdog)."""
+        if self._ranked_pg is None and self._pg is not None:
+            self._ranked_pg = torch_group(self._prefix, "cuda", dist.ProcessGroup.BackendType.NCCL, self._pg,
+                                          self.rank, self.world_size, f"{self.name}@{self.rank}")
+        return self._ranked_pg
+
     def synchronize(self, timeout: float | None = None) -> None:
         """Wait, on the host, for everything queued on torch's current stream so far (the reducer's
         buckets included), polling the abort flag and the timeout; on the timeout the communicator is
@@ -249,7 +258,7 @@ class NcclCommunicator(TorchBackendCommunicator):  # pragma: no cover - needs a 
         self._poller.stop()
         with self._launch_lock:
             pg, self._pg = self._pg, None
-        self._torch_pg = None
+        self._torch_pg = self._ranked_pg = None
         if pg is None:
             return
         failed = self.failed

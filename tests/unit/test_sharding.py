@@ -1,0 +1,142 @@
+"""Sharded replica groups (actors/training/sharding.py): torch's FSDP inside each replica group over the
+project's own gloo groups, the shards summed across groups. Four members in threads of this process
+(each with its own torch world), on a small GPT, against one process training the same global batches
+with AdamW: the reference is the plain model and optimizer, nothing of the sharding's."""
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from actors.training.sharding import ShardedGroup, tensor_bytes
+from actors.transport import torch_world
+from actors.transport.factory import in_process_group
+from algorithms.rules.sharding import LayoutError, ShardLayout
+from orchestrator.workloads.lm import GPT, GPTConfig
+
+WORLD, STEPS, ROWS, SEQ = 4, 20, 2, 16
+CONFIG = GPTConfig(d_model=32, n_layer=2, n_head=2, seq_len=SEQ, vocab=64)
+
+
+def test_the_layout_cuts_consecutive_ranks_into_groups_and_pairs_each_shard_across_them():
+    layout = ShardLayout(6, 3)
+    assert layout.groups == 2
+    assert [layout.group_ranks(r) for r in (0, 4)] == [(0, 1, 2), (3, 4, 5)]
+    assert [layout.peer_ranks(r) for r in (0, 4, 5)] == [(0, 3), (1, 4), (2, 5)]
+    assert ShardLayout(4, 1).peer_ranks(2) == (0, 1, 2, 3) and ShardLayout(4, 4).peer_ranks(2) == (2,)
+    with pytest.raises(LayoutError, match="multiple of sharding.group_size"):
+        ShardLayout(3, 2)
+
+
+def batches(steps: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(0, CONFIG.vocab, (WORLD * ROWS, SEQ + 1), generator=g) for _ in range(steps)]
+
+
+def loss_of(model: torch.nn.Module, rows: torch.Tensor) -> torch.Tensor:
+    logits = model(rows[:, :-1])
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), rows[:, 1:].reshape(-1))
+
+
+def adamw(params) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1)
+
+
+def sgd(params) -> torch.optim.Optimizer:
+    """Not scale-invariant, as Adam nearly is: a gradient divided twice shows."""
+    return torch.optim.SGD(params, lr=0.5, momentum=0.9)
+
+
+def reference(initial: dict, data: list[torch.Tensor], dtype: torch.dtype, optimizer=adamw) -> dict[str, torch.Tensor]:
+    """One process: the model on each whole global batch."""
+    model = GPT(CONFIG).to(dtype)
+    model.load_state_dict(initial)
+    opt = optimizer(model.parameters())
+    for rows in data:
+        opt.zero_grad()
+        loss_of(model, rows).backward()
+        opt.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def sharded(group_size: int, initial: dict, data: list[torch.Tensor], dtype: torch.dtype,
+            across: bool = True, divide: bool = False, optimizer=adamw) -> list[dict]:
+    """Four members, `group_size` to a replica; each trains its share of every global batch (its loss
+    weighted by its share, as the project's members do). `across`/`divide`: the mechanisms, switchable."""
+    torch_world.per_thread()
+    comms = in_process_group(WORLD, name=f"sharding-{group_size}-{dtype}-{across}-{divide}-{optimizer.__name__}",
+                             timeout_s=60)
+
+    def member(rank: int) -> dict:
+        comm = comms[rank]
+        group = ShardedGroup(comm, ShardLayout(WORLD, group_size), rank)
+        try:
+            model = GPT(CONFIG).to(dtype)
+            model.load_state_dict(initial)
+            group.shard(model)
+            if divide:  # FSDP's default: the group's sum divided by its size
+                for module in model.modules():
+                    if hasattr(module, "set_gradient_divide_factor"):
+                        module.set_gradient_divide_factor(float(group_size))
+            opt = optimizer(model.parameters())
+            tails = []
+            for rows in data:
+                opt.zero_grad()
+                mine = rows[rank * ROWS:(rank + 1) * ROWS]
+                (loss_of(model, mine) * (ROWS / len(rows))).backward()
+                tail = torch.tensor([0.0, float(ROWS), 0.0], dtype=torch.float64)
+                if across:
+                    tails.append(group.reduce_across(model, tail))
+                opt.step()
+            state = group.full_state(model)
+            return {"state": {k: v.detach().clone() for k, v in state.items()}, "tails": tails,
+                    "bytes": tensor_bytes(model, opt)}
+        finally:
+            group.close()
+
+    try:
+        with ThreadPoolExecutor(WORLD) as pool, torch.autograd.set_multithreading_enabled(False):
+            return list(pool.map(member, range(WORLD)))
+    finally:
+        for comm in comms:
+            comm.close()
+
+
+def largest_difference(state: dict, ref: dict) -> float:
+    return max(float((state[k].to(torch.float64) - ref[k].to(torch.float64)).abs().max()) for k in ref)
+
+
+@pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-5), (torch.float64, 1e-12)])
+@pytest.mark.parametrize("group_size", [1, 2, 4])
+def test_bsp_over_sharded_groups_equals_one_process_on_the_same_global_batches(group_size, dtype, tolerance):
+    torch.manual_seed(0)
+    initial = GPT(CONFIG).to(dtype).state_dict()
+    data = batches(STEPS)
+    ref = reference(initial, data, dtype)
+    members = sharded(group_size, initial, data, dtype)
+    for rank, member in enumerate(members):
+        assert largest_difference(member["state"], ref) <= tolerance, (rank, largest_difference(member["state"], ref))
+        assert all(int(t[1]) == WORLD * ROWS for t in member["tails"]), "the vote's tail sums every member's samples"
+    full = sum(p.numel() * p.element_size() for p in GPT(CONFIG).to(dtype).parameters())
+    held = members[0]["bytes"]
+    # each member holds 1/k of the parameters (FSDP pads each to a multiple of k rows: a few bytes over)
+    assert held.parameters <= full / group_size * 1.05 + 1024, (held, full)
+    assert held.optimizer <= 2 * full / group_size * 1.05 + 2048, (held, full)
+
+
+@pytest.mark.parametrize("switched_off", ["across", "divide"])
+def test_each_part_of_the_reduction_is_needed(switched_off):
+    """The test above fails with either part off: no sum across groups (each group trains on its own
+    half), or FSDP's division by the group's size (the gradients already weighted). With SGD: Adam
+    nearly undoes a gradient's scale."""
+    torch.manual_seed(0)
+    dtype = torch.float64
+    initial = GPT(CONFIG).to(dtype).state_dict()
+    data = batches(4)
+    ref = reference(initial, data, dtype, sgd)
+    assert largest_difference(sharded(2, initial, data, dtype, optimizer=sgd)[0]["state"], ref) <= 1e-12
+    members = sharded(2, initial, data, dtype, across=switched_off != "across", divide=switched_off == "divide",
+                      optimizer=sgd)
+    assert largest_difference(members[0]["state"], ref) > 1e-4
