@@ -14,14 +14,23 @@ and its reduce-scatter inside the group, then one all-reduce of 1/k of the gradi
 and the vote's tail summed over the whole epoch's group.
 
 What the replica needs of it besides the step: `full_state()` (each parameter gathered whole: the final
-model, a checkpoint, an evaluation) and `tensor_bytes()` (what one member holds).
+model, an evaluation), `save`/`load` (a sharded checkpoint: torch.distributed.checkpoint, one file per shard
+and its metadata, loadable at another group size and world size) and `tensor_bytes()` (what one member holds).
+
+A group survives the death of one member without storage through `ShardMirror`: each member keeps, in
+host memory, a copy of the shard of the member before it in its group (its parameters and optimizer
+state), kept current by receiving that member's reduced gradient shard every step and applying the same
+update to the copy. The cost: one gradient shard sent and received a step inside the group, and one more
+shard's parameters, gradients and optimizer state held.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
@@ -83,7 +92,7 @@ class ShardedGroup:
         ranked = inside.ranked_group()
         if ranked is None:
             raise RuntimeError(f"sharding: the {type(inside).__name__} group offers torch no process group")
-        self.inside, self.peers = inside, peers
+        self.inside, self.peers, self._ranked = inside, peers, ranked
         device = getattr(inside, "device", torch.device("cpu")).type
         self._world = torch_world.lend(ranked, "nccl" if device == "cuda" else "gloo")
         self.mesh = DeviceMesh.from_group(ranked, device)
@@ -126,6 +135,88 @@ class ShardedGroup:
             state[name] = value.full_tensor() if isinstance(value, DTensor) else value
         return state
 
+    def save(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: str) -> None:
+        """The replica's shards (parameters and optimizer state) written under `path` as a checkpoint of
+        torch.distributed.checkpoint, by the members of the first replica group (each writes its shard; the
+        first writes the metadata); every other group holds the same shards and writes nothing. Every
+        member calls it (it returns at once outside the first group)."""
+        if self.layout.group_of(self.rank) != 0:
+            return
+        model_state, optimizer_state = get_state_dict(model, optimizer)
+        dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=path, process_group=self._ranked)
+
+    def load(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: str) -> None:
+        """Take the state `save` wrote, written at any group size and world size: each member reads the
+        parts of the checkpoint's shards that make up its own (every member calls it; each group reads
+        over its own group)."""
+        model_state, optimizer_state = get_state_dict(model, optimizer)
+        state = {"model": model_state, "optimizer": optimizer_state}
+        dcp.load(state, checkpoint_id=path, process_group=self._ranked)
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
     def close(self) -> None:
         """torch forgets the group (before the epoch's group is released)."""
         self._world.give_back()
+
+
+def shard_shape(shape: Sequence[int], shard: int, shards: int) -> tuple[int, ...]:
+    """The shape of shard `shard` of `shards` of a parameter of `shape`, as FSDP2 cuts it: dim 0 in chunks
+    of ceil(rows / shards) (the last ones shorter, or empty)."""
+    if not shape:
+        return ()
+    rows = shape[0]
+    chunk = -(-rows // shards)
+    start, end = min(shard * chunk, rows), min((shard + 1) * chunk, rows)
+    return (end - start, *shape[1:])
+
+
+class ShardMirror:
+    """A copy of the shard held by the member before this one in its replica group (shard i - 1, the first
+    member mirroring the last): its parameters, in plain tensors, and an optimizer of the model's kind and
+    settings over them. Made by every member of the group at the same point, from the shards they hold
+    then; kept current by `step`, after the step's gradients are final and before the optimizer steps."""
+
+    def __init__(self, group: ShardedGroup, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.group = group
+        k = group.layout.group_size
+        shard = group.layout.shard_of(group.rank)
+        self.source, self._next = (shard - 1) % k, (shard + 1) % k
+        params = list(model.parameters())
+        shapes = [shard_shape(p.shape, self.source, k) for p in params]
+        self.params = [torch.nn.Parameter(torch.empty(s, dtype=p.dtype, device=local(p).device)) for s, p in zip(shapes, params)]
+        for mine in self.params:
+            mine.grad = torch.zeros_like(mine)
+        self._grads = [mine.grad for mine in self.params]
+        index = {id(p): i for i, p in enumerate(params)}
+        groups = [{**{k_: v for k_, v in g.items() if k_ != "params"}, "params": [self.params[index[id(p)]] for p in g["params"]]}
+                  for g in optimizer.param_groups]
+        self.optimizer = type(optimizer)(groups)
+        self._ring([local(p).detach() for p in params], [mine.data for mine in self.params])
+
+    def _ring(self, sends: list[torch.Tensor], into: list[torch.Tensor]) -> None:
+        """Send `sends` (flat, one message) to the next member of the group and receive the previous one's into `into`."""
+        if self.group.layout.group_size == 1:
+            for out, value in zip(into, sends):
+                out.copy_(value)
+            return
+        flat_out = torch.cat([t.reshape(-1) for t in sends])
+        flat_in = torch.empty(sum(t.numel() for t in into), dtype=flat_out.dtype, device=flat_out.device)
+        self.group.inside.exchange([(flat_out, self._next)], [(flat_in, self.source)]).wait()
+        offset = 0
+        for out in into:
+            out.copy_(flat_in[offset:offset + out.numel()].view_as(out))
+            offset += out.numel()
+
+    def step(self, model: torch.nn.Module) -> None:
+        """This step's reduced gradient shards go to the next member; the previous member's come in, and
+        the copy takes the same update its owner's optimizer is about to make."""
+        self._ring([local(p.grad) for p in model.parameters()], self._grads)
+        self.optimizer.step()
+
+    def state(self) -> tuple[list[torch.Tensor], list[dict]]:
+        """The mirrored shard: its parameters, and the optimizer's state for each (in parameter order)."""
+        return [p.detach() for p in self.params], [self.optimizer.state.get(p, {}) for p in self.params]
+
+    def tensor_bytes(self) -> int:
+        """What the copy costs in memory: parameters, the received gradients and the optimizer's state."""
+        return tensor_bytes(torch.nn.ParameterList(self.params), self.optimizer).total

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from actors.training.sharding import ShardedGroup, tensor_bytes
+from actors.training.sharding import ShardedGroup, ShardMirror, local, tensor_bytes
 from actors.transport import torch_world
 from actors.transport.factory import in_process_group
 from algorithms.rules.sharding import LayoutError, ShardLayout
@@ -30,9 +30,9 @@ def test_the_layout_cuts_consecutive_ranks_into_groups_and_pairs_each_shard_acro
         ShardLayout(3, 2)
 
 
-def batches(steps: int) -> list[torch.Tensor]:
+def batches(steps: int, rows: int = WORLD * ROWS) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(7)
-    return [torch.randint(0, CONFIG.vocab, (WORLD * ROWS, SEQ + 1), generator=g) for _ in range(steps)]
+    return [torch.randint(0, CONFIG.vocab, (rows, SEQ + 1), generator=g) for _ in range(steps)]
 
 
 def loss_of(model: torch.nn.Module, rows: torch.Tensor) -> torch.Tensor:
@@ -62,9 +62,10 @@ def reference(initial: dict, data: list[torch.Tensor], dtype: torch.dtype, optim
 
 
 def sharded(group_size: int, initial: dict, data: list[torch.Tensor], dtype: torch.dtype,
-            across: bool = True, divide: bool = False, optimizer=adamw) -> list[dict]:
+            across: bool = True, divide: bool = False, optimizer=adamw, mirror: str = "") -> list[dict]:
     """Four members, `group_size` to a replica; each trains its share of every global batch (its loss
-    weighted by its share, as the project's members do). `across`/`divide`: the mechanisms, switchable."""
+    weighted by its share, as the project's members do). `across`/`divide`: the mechanisms, switchable;
+    `mirror`: "on" keeps a `ShardMirror`, "frozen" makes one and never steps it."""
     torch_world.per_thread()
     comms = in_process_group(WORLD, name=f"sharding-{group_size}-{dtype}-{across}-{divide}-{optimizer.__name__}",
                              timeout_s=60)
@@ -81,6 +82,7 @@ def sharded(group_size: int, initial: dict, data: list[torch.Tensor], dtype: tor
                     if hasattr(module, "set_gradient_divide_factor"):
                         module.set_gradient_divide_factor(float(group_size))
             opt = optimizer(model.parameters())
+            copy = ShardMirror(group, model, opt) if mirror else None
             tails = []
             for rows in data:
                 opt.zero_grad()
@@ -89,10 +91,16 @@ def sharded(group_size: int, initial: dict, data: list[torch.Tensor], dtype: tor
                 tail = torch.tensor([0.0, float(ROWS), 0.0], dtype=torch.float64)
                 if across:
                     tails.append(group.reduce_across(model, tail))
+                if copy is not None and mirror == "on":
+                    copy.step(model)
                 opt.step()
             state = group.full_state(model)
+            shards = [local(p).detach().clone() for p in model.parameters()]
+            moments = [{k: local(v).clone() for k, v in opt.state[p].items()} for p in model.parameters()]
             return {"state": {k: v.detach().clone() for k, v in state.items()}, "tails": tails,
-                    "bytes": tensor_bytes(model, opt)}
+                    "bytes": tensor_bytes(model, opt), "shards": shards, "moments": moments,
+                    "mirror": copy.state() if copy is not None else None,
+                    "mirror_bytes": copy.tensor_bytes() if copy is not None else 0}
         finally:
             group.close()
 
@@ -140,3 +148,78 @@ def test_each_part_of_the_reduction_is_needed(switched_off):
     members = sharded(2, initial, data, dtype, across=switched_off != "across", divide=switched_off == "divide",
                       optimizer=sgd)
     assert largest_difference(members[0]["state"], ref) > 1e-4
+
+
+@pytest.mark.parametrize("group_size", [2, 4])
+def test_each_member_mirrors_the_previous_members_shard_bit_for_bit(group_size):
+    """Every member's copy of the shard before its own in the group (kept by applying that member's
+    reduced gradient shard each step) equals that member's parameters and AdamW moments exactly, and costs
+    about one more shard; the copy that is never stepped does not."""
+    torch.manual_seed(0)
+    dtype = torch.float32
+    initial = GPT(CONFIG).to(dtype).state_dict()
+    data = batches(10)
+    members = sharded(group_size, initial, data, dtype, mirror="on")
+    for rank, member in enumerate(members):
+        first = rank - rank % group_size
+        source = members[first + (rank - first - 1) % group_size]
+        params, moments = member["mirror"]
+        assert all(torch.equal(a, b) for a, b in zip(params, source["shards"])), rank
+        assert all(set(m) == set(s) and all(torch.equal(m[k].reshape(-1), s[k].reshape(-1)) for k in m)
+                   for m, s in zip(moments, source["moments"])), rank
+        assert member["mirror_bytes"] <= member["bytes"].total * 1.05 + 4096, (member["mirror_bytes"], member["bytes"])
+    frozen = sharded(group_size, initial, data, dtype, mirror="frozen")
+    assert not all(torch.equal(a, b) for a, b in zip(frozen[1]["mirror"][0], frozen[0]["shards"]))
+
+
+def test_a_sharded_checkpoint_resumes_at_another_group_size_and_world_size(tmp_path):
+    """Written at 4 workers in groups of 2 after 5 steps; resumed at 3 workers in groups of 1 (and at 4 in
+    one group of 4), the next 5 steps equal 10 steps straight through; a resume that loads nothing does not."""
+    torch.manual_seed(0)
+    dtype = torch.float64
+    initial = GPT(CONFIG).to(dtype).state_dict()
+    data = batches(10, rows=12)
+    path = str(tmp_path / "step-5")
+    straight = reference(initial, data, dtype)
+    written = resumed(4, 2, initial, data[:5], dtype, save=path)
+    assert largest_difference(written, reference(initial, data[:5], dtype)) <= 1e-12
+    assert sorted(p.name for p in tmp_path.joinpath("step-5").iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    for world, k in ((3, 1), (4, 4)):
+        assert largest_difference(resumed(world, k, initial, data[5:], dtype, load=path), straight) <= 1e-12, (world, k)
+    assert largest_difference(resumed(3, 1, initial, data[5:], dtype), straight) > 1e-4
+
+
+def resumed(world: int, group_size: int, initial: dict, data: list[torch.Tensor], dtype: torch.dtype,
+            load: str | None = None, save: str | None = None) -> dict:
+    """`world` members in groups of `group_size`, each on its equal share of every global batch, from
+    `initial` or the checkpoint `load`; `save`: written at the end. Returns rank 0's whole state."""
+    torch_world.per_thread()
+    comms = in_process_group(world, name=f"dcp-{world}-{group_size}-{load}-{save}", timeout_s=60)
+
+    def member(rank: int) -> dict:
+        group = ShardedGroup(comms[rank], ShardLayout(world, group_size), rank)
+        try:
+            model = GPT(CONFIG).to(dtype)
+            model.load_state_dict(initial)
+            group.shard(model)
+            opt = adamw(model.parameters())
+            if load:
+                group.load(model, opt, load)
+            for rows in data:
+                opt.zero_grad()
+                share = len(rows) // world
+                (loss_of(model, rows[rank * share:(rank + 1) * share]) * (share / len(rows))).backward()
+                group.reduce_across(model)
+                opt.step()
+            if save:
+                group.save(model, opt, save)
+            return {k: v.detach().clone() for k, v in group.full_state(model).items()}
+        finally:
+            group.close()
+
+    try:
+        with ThreadPoolExecutor(world) as pool, torch.autograd.set_multithreading_enabled(False):
+            return list(pool.map(member, range(world)))[0]
+    finally:
+        for comm in comms:
+            comm.close()
