@@ -150,9 +150,8 @@ class ShardedGroup:
         parts of the checkpoint's shards that make up its own (every member calls it; each group reads
         over its own group)."""
         model_state, optimizer_state = get_state_dict(model, optimizer)
-        state = {"model": model_state, "optimizer": optimizer_state}
-        dcp.load(state, checkpoint_id=path, process_group=self._ranked)
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        dcp.load({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=path, process_group=self._ranked)
+        set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)  # loaded in place
 
     def close(self) -> None:
         """torch forgets the group (before the epoch's group is released)."""
@@ -184,13 +183,13 @@ class ShardMirror:
         params = list(model.parameters())
         shapes = [shard_shape(p.shape, self.source, k) for p in params]
         self.params = [torch.nn.Parameter(torch.empty(s, dtype=p.dtype, device=local(p).device)) for s, p in zip(shapes, params)]
-        for mine in self.params:
-            mine.grad = torch.zeros_like(mine)
-        self._grads = [mine.grad for mine in self.params]
+        self._grads = [torch.zeros_like(mine) for mine in self.params]
+        for mine, grad in zip(self.params, self._grads):
+            mine.grad = grad
         index = {id(p): i for i, p in enumerate(params)}
         groups = [{**{k_: v for k_, v in g.items() if k_ != "params"}, "params": [self.params[index[id(p)]] for p in g["params"]]}
                   for g in optimizer.param_groups]
-        self.optimizer = type(optimizer)(groups)
+        self.optimizer = type(optimizer)(groups)  # type: ignore[call-arg]  # the groups carry every setting
         self._ring([local(p).detach() for p in params], [mine.data for mine in self.params])
 
     def _ring(self, sends: list[torch.Tensor], into: list[torch.Tensor]) -> None:
@@ -210,7 +209,10 @@ class ShardMirror:
     def step(self, model: torch.nn.Module) -> None:
         """This step's reduced gradient shards go to the next member; the previous member's come in, and
         the copy takes the same update its owner's optimizer is about to make."""
-        self._ring([local(p.grad) for p in model.parameters()], self._grads)
+        grads = [p.grad for p in model.parameters()]
+        if any(g is None for g in grads):
+            raise RuntimeError("sharding: a parameter has no gradient this step; its mirror cannot follow it")
+        self._ring([local(g) for g in grads if g is not None], self._grads)
         self.optimizer.step()
 
     def state(self) -> tuple[list[torch.Tensor], list[dict]]:
