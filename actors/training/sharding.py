@@ -22,10 +22,16 @@ host memory, a copy of the shard of the member before it in its group (its param
 state), kept current by receiving that member's reduced gradient shard every step and applying the same
 update to the copy. The cost: one gradient shard sent and received a step inside the group, and one more
 shard's parameters, gradients and optimizer state held.
+
+A new membership epoch re-cuts the replica from what the members hold (`reshard`): each member's new shard
+is assembled from the rows of the old shards that cover it, taken from itself or sent by a member that
+holds them (its own shard, a peer's in another group, or a mirror of a departed member's), one message
+per pair of members and no whole-state buffer anywhere; `adopt` then builds the model over the new group
+from those shards alone (never materializing the whole model) with the optimizer's state restored.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -35,8 +41,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
+from actors.training.state_transfer import flat_bytes
 from actors.transport import torch_world
-from algorithms.rules.sharding import ShardLayout
+from algorithms.rules.sharding import RowMove, ShardLayout, reshard_moves, row_range
 from core.comm_api import Communicator
 
 
@@ -222,3 +229,124 @@ class ShardMirror:
     def tensor_bytes(self) -> int:
         """What the copy costs in memory: parameters, the received gradients and the optimizer's state."""
         return tensor_bytes(torch.nn.ParameterList(self.params), self.optimizer).total
+
+
+@dataclass
+class HeldShard:
+    """An old shard a member holds: the local tensors of every parameter (in the model's order) and the
+    optimizer's state for each (tensors: a moment per row, or a 0-d count)."""
+
+    index: int
+    params: list[torch.Tensor]
+    states: list[dict[str, torch.Tensor]]
+
+
+def held_shards(group: ShardedGroup, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                mirror: ShardMirror | None = None) -> list[HeldShard]:
+    """What this member holds of its replica: its own shard and, with a mirror, its neighbour's."""
+    params = list(model.parameters())
+    held = [HeldShard(group.layout.shard_of(group.rank), [local(p).detach() for p in params],
+                      [{k: local(v) for k, v in optimizer.state.get(p, {}).items()} for p in params])]
+    if mirror is not None:
+        copies, states = mirror.state()
+        held.append(HeldShard(mirror.source, copies, [dict(st) for st in states]))
+    return held
+
+
+def reshard(comm: Communicator, old_group_size: int, new: ShardLayout, holders: Sequence[Sequence[int]],
+            held: Sequence[HeldShard], shapes: Sequence[torch.Size], dtypes: Sequence[torch.dtype],
+            kinds: Sequence[str], counts: Sequence[str] = ("step",)) -> tuple[list[torch.Tensor], list[dict[str, torch.Tensor]]]:
+    """This member's shard under `new` (the new epoch's layout, `comm` its group): for every parameter
+    (whole shape `shapes[i]`, dtype `dtypes[i]`) its rows, the optimizer's `kinds` for those rows (state
+    tensors with a row per parameter row and the parameter's dtype: AdamW's exp_avg and exp_avg_sq) and its
+    0-d `counts` (AdamW's step: float64 here, `adopt` casts them). `holders[j]`: the ranks holding old shard
+    j; `held`: what this member holds. Every member of the new epoch calls it at the same point."""
+    rank = comm.rank
+    mine = {h.index: h for h in held}
+    moves = [(i, m) for i, shape in enumerate(shapes) for m in reshard_moves(shape[0], old_group_size, new, holders)]
+    shard = new.shard_of(rank)
+    spans = [row_range(shape[0], shard, new.group_size) for shape in shapes]
+    params = [torch.empty((hi - lo, *shape[1:]), dtype=dtype) for (lo, hi), shape, dtype in zip(spans, shapes, dtypes)]
+    states: list[dict[str, torch.Tensor]] = [{k: torch.zeros_like(p) for k in kinds} for p in params]
+    scalars: list[dict[str, torch.Tensor]] = [{} for _ in params]
+
+    def pieces(i: int, move: RowMove) -> list[torch.Tensor]:
+        """The tensors `move` carries, from the holder's old shard: the counts, then the rows of the
+        parameter and of each kind."""
+        old = mine[move.old_shard]
+        first = row_range(shapes[i][0], move.old_shard, old_group_size)[0]
+        lo, hi = move.rows[0] - first, move.rows[1] - first
+        state = old.states[i]
+        zero_d = [state[c].to(torch.float64).reshape(()) if c in state else torch.zeros((), dtype=torch.float64) for c in counts]
+        return [*zero_d, old.params[i][lo:hi], *(state[k][lo:hi] if k in state else torch.zeros_like(old.params[i][lo:hi])
+                                                 for k in kinds)]
+
+    def templates(i: int, move: RowMove) -> list[torch.Tensor]:
+        """What `pieces` sends for `move`, as empty tensors of its shapes and dtypes (the receiver's side)."""
+        n = move.rows[1] - move.rows[0]
+        return [torch.empty((), dtype=torch.float64) for _ in counts] + [params[i][:n]] + [states[i][k][:n] for k in kinds]
+
+    def place(i: int, move: RowMove, values: list[torch.Tensor]) -> None:
+        lo, hi = move.rows[0] - spans[i][0], move.rows[1] - spans[i][0]
+        scalars[i].update({c: v.clone() for c, v in zip(counts, values)})
+        rows = values[len(counts):]
+        params[i][lo:hi].copy_(rows[0])
+        for k, value in zip(kinds, rows[1:]):
+            states[i][k][lo:hi].copy_(value)
+
+    outgoing: dict[int, list[torch.Tensor]] = {}
+    incoming: dict[int, list[tuple[int, RowMove]]] = {}
+    for i, move in moves:
+        if move.source == rank and move.target == rank:
+            place(i, move, pieces(i, move))
+        elif move.source == rank:
+            outgoing.setdefault(move.target, []).extend(flat_bytes(t) for t in pieces(i, move))
+        elif move.target == rank:
+            incoming.setdefault(move.source, []).append((i, move))
+    buffers = {src: torch.empty(sum(t.numel() * t.element_size() for i, m in received for t in templates(i, m)),
+                                dtype=torch.uint8) for src, received in incoming.items()}
+    if outgoing or buffers:  # one message per pair of members, all at once (no ring of sends can deadlock)
+        comm.exchange([(torch.cat(parts), dst) for dst, parts in outgoing.items()],
+                      [(buf, src) for src, buf in buffers.items()]).wait()
+    for src, received in incoming.items():
+        offset, data = 0, buffers[src]
+        for i, move in received:
+            values = []
+            for template in templates(i, move):
+                size = template.numel() * template.element_size()
+                values.append(data[offset:offset + size].view(template.dtype).view(template.shape))
+                offset += size
+            place(i, move, values)
+    return params, [{**scalars[i], **states[i]} for i in range(len(params))]
+
+
+def adopt(group: ShardedGroup, build: Callable[[], torch.nn.Module], params: Sequence[torch.Tensor],
+          states: Sequence[dict[str, torch.Tensor]], make_optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer],
+          buffers: dict[str, torch.Tensor] | None = None) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """The model and optimizer over `group` from this member's shards alone: the model built on the meta
+    device (no whole parameter is ever allocated), sharded, given memory for its shards and filled with
+    `params`; the optimizer made by `make_optimizer` and given `states`; `buffers` (unsharded) copied in."""
+    with torch.device("meta"):
+        model = build()
+    group.shard(model)
+    model.to_empty(device=getattr(group.inside, "device", torch.device("cpu")))
+    mine = list(model.parameters())
+    with torch.no_grad():
+        for p, value in zip(mine, params):
+            local(p).copy_(value)
+        for name, value in (buffers or {}).items():
+            model.get_buffer(name).copy_(value)
+    optimizer = make_optimizer(mine)
+    for p, state in zip(mine, states):
+        if state:
+            assert isinstance(p, DTensor)  # every parameter is a shard after `shard`
+            optimizer.state[p] = {k: v.to(_count_dtype()) if v.dim() == 0 else
+                                  DTensor.from_local(v.to(p.to_local().device), p.device_mesh, p.placements, run_check=False,
+                                                     shape=p.shape, stride=p.stride())
+                                  for k, v in state.items()}
+    return model, optimizer
+
+
+def _count_dtype() -> torch.dtype:
+    """The dtype torch's optimizers keep a 0-d count in (their step: float64 under a float64 default dtype)."""
+    return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32

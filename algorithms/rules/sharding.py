@@ -8,6 +8,7 @@ its *peers*: they keep their shards equal (the policy's cross-group reduction ru
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 
@@ -47,3 +48,44 @@ class ShardLayout:
     def peer_ranks(self, rank: int) -> tuple[int, ...]:
         """The ranks holding `rank`'s shard, one in each group, in group order."""
         return tuple(range(self.shard_of(rank), self.world_size, self.group_size))
+
+
+def row_range(rows: int, shard: int, shards: int) -> tuple[int, int]:
+    """The rows [start, end) of dim 0 that shard `shard` of `shards` holds, as FSDP2 cuts a parameter:
+    chunks of ceil(rows / shards), the last ones shorter or empty."""
+    chunk = -(-rows // shards)
+    return min(shard * chunk, rows), min((shard + 1) * chunk, rows)
+
+
+@dataclass(frozen=True)
+class RowMove:
+    """Rows of one parameter (and of the optimizer's state for it) that go from the member holding an old
+    shard to the member whose new shard takes them; `source == target` is a copy in place."""
+
+    source: int
+    """The new epoch's rank that holds old shard `old_shard` (its own, or a mirror of a departed member's)."""
+    target: int
+    old_shard: int
+    rows: tuple[int, int]
+
+
+def reshard_moves(rows: int, old: int, new: ShardLayout, holders: Sequence[Sequence[int]]) -> list[RowMove]:
+    """How a parameter of `rows` rows, cut `old` ways, is cut `new.group_size` ways among the new epoch's
+    members (`new`: its layout), where `holders[j]` are the new epoch's ranks that hold old shard j (every
+    member of a group with the old layout holds its own; a mirror holds its neighbour's). Each new rank
+    takes its shard's rows from itself where it holds the old shard they are in, else from the
+    lowest-ranked holder."""
+    if len(holders) != old:
+        raise ValueError(f"holders: {len(holders)} old shards listed, {old} expected")
+    lost = [j for j, held in enumerate(holders) if not held]
+    if lost:
+        raise LayoutError(f"old shards {lost} are held by no member: the state is gone from memory")
+    moves = []
+    for target in range(new.world_size):
+        start, end = row_range(rows, new.shard_of(target), new.group_size)
+        for j, held in enumerate(holders):
+            lo, hi = row_range(rows, j, old)
+            lo, hi = max(lo, start), min(hi, end)
+            if lo < hi:
+                moves.append(RowMove(target if target in held else min(held), target, j, (lo, hi)))
+    return moves

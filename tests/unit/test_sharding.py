@@ -10,10 +10,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from actors.training.sharding import ShardedGroup, ShardMirror, local, tensor_bytes
+from actors.training.sharding import HeldShard, ShardedGroup, ShardMirror, adopt, held_shards, local, reshard, tensor_bytes
 from actors.transport import torch_world
 from actors.transport.factory import in_process_group
-from algorithms.rules.sharding import LayoutError, ShardLayout
+from algorithms.rules.sharding import LayoutError, ShardLayout, reshard_moves, row_range
 from orchestrator.workloads.lm import GPT, GPTConfig
 
 WORLD, STEPS, ROWS, SEQ = 4, 20, 2, 16
@@ -28,6 +28,23 @@ def test_the_layout_cuts_consecutive_ranks_into_groups_and_pairs_each_shard_acro
     assert ShardLayout(4, 1).peer_ranks(2) == (0, 1, 2, 3) and ShardLayout(4, 4).peer_ranks(2) == (2,)
     with pytest.raises(LayoutError, match="multiple of sharding.group_size"):
         ShardLayout(3, 2)
+
+
+def test_a_recut_takes_every_row_once_from_a_holder_preferring_itself():
+    """10 rows cut 4 ways (3, 3, 3, 1) re-cut 3 ways (4, 4, 2); old shard 2 is held only by rank 2 (a
+    mirror), old shard 0 by ranks 0 and 1."""
+    assert [row_range(10, j, 4) for j in range(4)] == [(0, 3), (3, 6), (6, 9), (9, 10)]
+    assert [row_range(2, j, 4) for j in range(4)] == [(0, 1), (1, 2), (2, 2), (2, 2)]
+    moves = reshard_moves(10, 4, ShardLayout(3, 3), [[0, 1], [1], [2], [2, 0]])
+    assert [(m.source, m.target, m.old_shard, m.rows) for m in moves] == [
+        (0, 0, 0, (0, 3)), (1, 0, 1, (3, 4)),
+        (1, 1, 1, (4, 6)), (2, 1, 2, (6, 8)),
+        (2, 2, 2, (8, 9)), (2, 2, 3, (9, 10))]
+    for target in range(3):
+        covered = sorted(m.rows for m in moves if m.target == target)
+        assert covered[0][0] == row_range(10, target, 3)[0] and covered[-1][1] == row_range(10, target, 3)[1]
+    with pytest.raises(LayoutError, match=r"old shards \[1\] are held by no member"):
+        reshard_moves(10, 2, ShardLayout(2, 2), [[0], []])
 
 
 def batches(steps: int, rows: int = WORLD * ROWS) -> list[torch.Tensor]:
@@ -223,3 +240,100 @@ def resumed(world: int, group_size: int, initial: dict, data: list[torch.Tensor]
     finally:
         for comm in comms:
             comm.close()
+
+
+KINDS = ("exp_avg", "exp_avg_sq")
+
+
+def train_shares(model, opt, group, rank: int, world: int, data: list[torch.Tensor], mirror=None) -> None:
+    for rows in data:
+        opt.zero_grad()
+        share = len(rows) // world
+        (loss_of(model, rows[rank * share:(rank + 1) * share]) * (share / len(rows))).backward()
+        group.reduce_across(model)
+        if mirror is not None:
+            mirror.step(model)
+        opt.step()
+
+
+def run_members(world: int, name: str, member) -> list:
+    torch_world.per_thread()
+    comms = in_process_group(world, name=name, timeout_s=60)
+    try:
+        with ThreadPoolExecutor(world) as pool, torch.autograd.set_multithreading_enabled(False):
+            return list(pool.map(lambda rank: member(rank, comms[rank]), range(world)))
+    finally:
+        for comm in comms:
+            comm.close()
+
+
+def before_the_death(group_size: int, initial: dict, data: list[torch.Tensor], dtype: torch.dtype, mirrors: bool,
+                     name: str) -> list[list[HeldShard]]:
+    """Four members train `data` in groups of `group_size` (with mirrors or not); what each then holds."""
+    def member(rank, comm):
+        group = ShardedGroup(comm, ShardLayout(WORLD, group_size), rank)
+        try:
+            model = GPT(CONFIG).to(dtype)
+            model.load_state_dict(initial)
+            group.shard(model)
+            opt = adamw(model.parameters())
+            mirror = ShardMirror(group, model, opt) if mirrors else None
+            train_shares(model, opt, group, rank, WORLD, data, mirror)
+            return [HeldShard(h.index, [p.clone() for p in h.params], [{k: v.clone() for k, v in st.items()} for st in h.states])
+                    for h in held_shards(group, model, opt, mirror)]
+        finally:
+            group.close()
+    return run_members(WORLD, name, member)
+
+
+def after_the_death(holdings: list[list[HeldShard]], old_group_size: int, new_group_size: int, dtype: torch.dtype,
+                    data: list[torch.Tensor], name: str) -> dict:
+    """The new epoch's members (`holdings[r]`: what new rank r holds; [] for a joiner) re-cut the replica
+    from memory into groups of `new_group_size`, rebuild model and optimizer from their shards alone and
+    train `data`; rank 0's whole state."""
+    world = len(holdings)
+    holders = [[r for r, held in enumerate(holdings) if any(h.index == j for h in held)] for j in range(old_group_size)]
+    shapes = [p.shape for p in GPT(CONFIG).parameters()]
+
+    def member(rank, comm):
+        layout = ShardLayout(world, new_group_size)
+        params, states = reshard(comm, old_group_size, layout, holders, holdings[rank], shapes, [dtype] * len(shapes), KINDS)
+        group = ShardedGroup(comm, layout, rank)
+        try:
+            model, opt = adopt(group, lambda: GPT(CONFIG).to(dtype), params, states, adamw)
+            train_shares(model, opt, group, rank, world, data)
+            return {k: v.detach().clone() for k, v in group.full_state(model).items()}
+        finally:
+            group.close()
+    return run_members(world, name, member)[0]
+
+
+def test_one_group_of_four_loses_a_member_and_goes_on_from_its_members_memory():
+    """Member 2 of one group of four dies after 3 steps; the three survivors re-cut the replica three ways
+    from what they hold (the lost shard from member 3's mirror of it), build model and optimizer from their
+    shards alone, and the next 3 steps equal 6 straight through; without the mirrors the shard is gone."""
+    torch.manual_seed(0)
+    dtype = torch.float64
+    initial = GPT(CONFIG).to(dtype).state_dict()
+    data = batches(6, rows=12)
+    held = before_the_death(4, initial, data[:3], dtype, mirrors=True, name="death-mirrored")
+    survivors = [held[0], held[1], held[3]]
+    assert {h.index for h in held[3]} == {3, 2}, "member 3 mirrors member 2's shard"
+    after = after_the_death(survivors, 4, 3, dtype, data[3:], "after-mirrored")
+    assert largest_difference(after, reference(initial, data, dtype)) <= 1e-12
+    unmirrored = before_the_death(4, initial, data[:3], dtype, mirrors=False, name="death-unmirrored")
+    with pytest.raises(LayoutError, match=r"old shards \[2\] are held by no member"):
+        after_the_death([unmirrored[0], unmirrored[1], unmirrored[3]], 4, 3, dtype, data[3:], "after-unmirrored")
+
+
+def test_a_replacement_takes_its_shard_from_the_live_group():
+    """Two groups of two; member 1 dies and a new member takes its place: it receives shard 1 from member 3
+    (the other group's holder of it), builds its model from that shard alone, and the next 3 steps equal 6
+    straight through."""
+    torch.manual_seed(0)
+    dtype = torch.float64
+    initial = GPT(CONFIG).to(dtype).state_dict()
+    data = batches(6, rows=12)
+    held = before_the_death(2, initial, data[:3], dtype, mirrors=False, name="replace")
+    after = after_the_death([held[0], [], held[2], held[3]], 2, 2, dtype, data[3:], "replaced")
+    assert largest_difference(after, reference(initial, data, dtype)) <= 1e-12
