@@ -8,7 +8,9 @@ whole model and optimizer.
     python benchmarks/sharded_memory.py [--sizes tiny,small] [--group-sizes 1,2,4] [--steps 3] [--rows 2] [--no-mirror]
 
 With `--mirror` (the default) each group size above 1 runs a second time with a `ShardMirror` on every member (a copy
-of the previous member's shard kept current: its bytes are in the total, and its exchange in the step time).
+of the previous member's shard kept current: its bytes are in the total, and its exchange in the step time). In the
+run with one group of 4 and mirrors, member 2 then dies: the three survivors form a new group, re-cut the replica
+three ways from what they hold (the lost shard from its mirror) and take a step; the times of each phase are printed.
 
 Prints one line per (size, group size) and a JSON line. The goal (issue 73): a worker's tensor bytes at group
 size k at most 1/k of group size 1's, plus 5%."""
@@ -35,7 +37,7 @@ MIB = 2 ** 20
 def member(rank: int, port: int, size: str, group_size: int, mirror: bool, steps: int, rows: int, out) -> None:
     import torch.nn.functional as F
 
-    from actors.training.sharding import ShardedGroup, ShardMirror, tensor_bytes
+    from actors.training.sharding import ShardedGroup, ShardMirror, adopt, held_shards, reshard, tensor_bytes
     from actors.transport.comm import make_communicator
     from algorithms.rules.sharding import ShardLayout
     from core.comm_api import GroupSpec
@@ -43,7 +45,7 @@ def member(rank: int, port: int, size: str, group_size: int, mirror: bool, steps
 
     torch.set_num_threads(1)
     config = SIZES[size]
-    comm = make_communicator(GroupSpec("127.0.0.1", port, f"sharded-{size}-{group_size}-{mirror}", rank, WORLD, 600.0))
+    comm = make_communicator(GroupSpec("127.0.0.1", port, f"sharded-{size}-{group_size}-{mirror}", rank, WORLD, 120.0))
     group = ShardedGroup(comm, ShardLayout(WORLD, group_size), rank)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     torch.manual_seed(0)
@@ -67,10 +69,41 @@ def member(rank: int, port: int, size: str, group_size: int, mirror: bool, steps
     held = tensor_bytes(model, opt)
     mirrored = copy.tensor_bytes() if copy is not None else 0
     grown = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024 / MIB
-    out.put({"rank": rank, "parameters": held.parameters, "gradients": held.gradients, "optimizer": held.optimizer,
-             "mirror": mirrored, "total": held.total + mirrored, "peak_rss_growth_mib": round(grown, 1),
-             "step_s": round(statistics.median(times), 3),
-             "full_parameters": sum(p.numel() * p.element_size() for p in GPT(config).parameters())})
+    row = {"rank": rank, "parameters": held.parameters, "gradients": held.gradients, "optimizer": held.optimizer,
+           "mirror": mirrored, "total": held.total + mirrored, "peak_rss_growth_mib": round(grown, 1),
+           "step_s": round(statistics.median(times), 3),
+           "full_parameters": sum(p.numel() * p.element_size() for p in GPT(config).parameters())}
+    if copy is not None and group_size == WORLD:  # one group: member 2 dies; the others go on from their memory
+        held_now = held_shards(group, model, opt, copy)
+        group.close()
+        comm.close()
+        if rank != 2:
+            began = time.perf_counter()
+            survivors = [r for r in range(WORLD) if r != 2]
+            new_rank = survivors.index(rank)
+            after = make_communicator(GroupSpec("127.0.0.1", port, f"sharded-{size}-after", new_rank, WORLD - 1, 120.0))
+            formed = time.perf_counter()
+            holders = [[survivors.index(r) for r in survivors if j in (r, (r - 1) % WORLD)] for j in range(WORLD)]
+            shapes = [p.shape for p in model.parameters()]
+            params, states = reshard(after, WORLD, ShardLayout(WORLD - 1, WORLD - 1), holders, held_now, shapes,
+                                     [p.dtype for p in model.parameters()], ("exp_avg", "exp_avg_sq"))
+            del model, opt, copy, held_now
+            new_group = ShardedGroup(after, ShardLayout(WORLD - 1, WORLD - 1), new_rank)
+            model, opt = adopt(new_group, lambda: GPT(config), params, states, lambda ps: torch.optim.AdamW(ps, lr=1e-3))
+            recut = time.perf_counter()
+            data = torch.randint(0, config.vocab, (rows, config.seq_len + 1), generator=gen)
+            logits = model(data[:, :-1])
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), data[:, 1:].reshape(-1)) / (WORLD - 1)
+            loss.backward()
+            new_group.reduce_across(model)
+            opt.step()
+            row["recovery"] = {"form_s": round(formed - began, 3), "recut_s": round(recut - formed, 3),
+                               "first_step_s": round(time.perf_counter() - recut, 3)}
+            new_group.close()
+            after.close()
+        out.put(row)
+        return
+    out.put(row)
     group.close()
     comm.close()
 
@@ -127,6 +160,12 @@ def main() -> None:
                   + (f" = {ratio:.3f} of k=1{goal}" if ratio else "")
                   + f"; peak RSS growth {max(r['peak_rss_growth_mib'] for r in rows):.0f} MiB; "
                   f"median step {statistics.median(r['step_s'] for r in rows):.3f} s", flush=True)
+            recovered = [r["recovery"] for r in rows if "recovery" in r]
+            if recovered:
+                print(f"{size:5s} {label:8s}: member 2 dies; the 3 survivors re-form in "
+                      f"{max(r['form_s'] for r in recovered):.3f} s, re-cut the replica from memory in "
+                      f"{max(r['recut_s'] for r in recovered):.3f} s, first step "
+                      f"{max(r['first_step_s'] for r in recovered):.3f} s (the slowest survivor's)", flush=True)
     print(json.dumps(result))
 
 

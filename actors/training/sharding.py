@@ -314,7 +314,10 @@ def reshard(comm: Communicator, old_group_size: int, new: ShardLayout, holders: 
             values = []
             for template in templates(i, move):
                 size = template.numel() * template.element_size()
-                values.append(data[offset:offset + size].view(template.dtype).view(template.shape))
+                raw = data[offset:offset + size]
+                if offset % template.element_size():  # a view needs its dtype's alignment: after 4-byte rows, an 8-byte count
+                    raw = raw.clone()
+                values.append(raw.view(template.dtype).view(template.shape))
                 offset += size
             place(i, move, values)
     return params, [{**scalars[i], **states[i]} for i in range(len(params))]

@@ -308,19 +308,22 @@ def after_the_death(holdings: list[list[HeldShard]], old_group_size: int, new_gr
     return run_members(world, name, member)[0]
 
 
-def test_one_group_of_four_loses_a_member_and_goes_on_from_its_members_memory():
+@pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-5), (torch.float64, 1e-12)])
+def test_one_group_of_four_loses_a_member_and_goes_on_from_its_members_memory(dtype, tolerance):
     """Member 2 of one group of four dies after 3 steps; the three survivors re-cut the replica three ways
     from what they hold (the lost shard from member 3's mirror of it), build model and optimizer from their
-    shards alone, and the next 3 steps equal 6 straight through; without the mirrors the shard is gone."""
+    shards alone, and the next 3 steps equal 6 straight through; without the mirrors the shard is gone.
+    (float32: the messages mix 4-byte rows and 8-byte counts.)"""
     torch.manual_seed(0)
-    dtype = torch.float64
     initial = GPT(CONFIG).to(dtype).state_dict()
     data = batches(6, rows=12)
-    held = before_the_death(4, initial, data[:3], dtype, mirrors=True, name="death-mirrored")
+    held = before_the_death(4, initial, data[:3], dtype, mirrors=True, name=f"death-mirrored-{dtype}")
     survivors = [held[0], held[1], held[3]]
     assert {h.index for h in held[3]} == {3, 2}, "member 3 mirrors member 2's shard"
-    after = after_the_death(survivors, 4, 3, dtype, data[3:], "after-mirrored")
-    assert largest_difference(after, reference(initial, data, dtype)) <= 1e-12
+    after = after_the_death(survivors, 4, 3, dtype, data[3:], f"after-mirrored-{dtype}")
+    assert largest_difference(after, reference(initial, data, dtype)) <= tolerance
+    if dtype == torch.float32:
+        return
     unmirrored = before_the_death(4, initial, data[:3], dtype, mirrors=False, name="death-unmirrored")
     with pytest.raises(LayoutError, match=r"old shards \[2\] are held by no member"):
         after_the_death([unmirrored[0], unmirrored[1], unmirrored[3]], 4, 3, dtype, data[3:], "after-unmirrored")
