@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import io
 import json
-import multiprocessing as mp
 import resource
 import sys
 import time
@@ -25,6 +24,7 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+from testkit.processes import run_group_processes  # noqa: E402
 
 MIB = 2 ** 20
 TENSOR_MIB = 64
@@ -72,19 +72,7 @@ def member(rank: int, port: int, mode: str, state_mib: int, chunk_mib: int, out)
 
 
 def run(mode: str, state_mib: int, chunk_mib: int) -> dict:
-    from actors.transport.store import serve_store
-
-    store, port, sock = serve_store("127.0.0.1", 600.0)
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=member, args=(r, port, mode, state_mib, chunk_mib, out)) for r in range(3)]
-    for p in procs:
-        p.start()
-    rows = sorted((out.get(timeout=900) for _ in procs), key=lambda row: row["rank"])
-    for p in procs:
-        p.join(60)
-    sock.close()
-    del store
+    rows = run_group_processes(member, 3, (mode, state_mib, chunk_mib), timeout_s=900)
     roles = {0: "source", 1: "keeper", 2: "receiver"}
     return {roles[row["rank"]]: row for row in rows}
 

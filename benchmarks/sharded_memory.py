@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import resource
 import statistics
 import sys
@@ -29,6 +28,7 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+from testkit.processes import run_group_processes  # noqa: E402
 
 WORLD = 4
 MIB = 2 ** 20
@@ -109,20 +109,7 @@ def member(rank: int, port: int, size: str, group_size: int, mirror: bool, steps
 
 
 def run(size: str, group_size: int, mirror: bool, steps: int, rows: int) -> list[dict]:
-    from actors.transport.store import serve_store
-
-    store, port, sock = serve_store("127.0.0.1", 600.0)
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=member, args=(r, port, size, group_size, mirror, steps, rows, out)) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    got = sorted((out.get(timeout=1800) for _ in procs), key=lambda row: row["rank"])
-    for p in procs:
-        p.join(60)
-    sock.close()
-    del store
-    return got
+    return run_group_processes(member, WORLD, (size, group_size, mirror, steps, rows))
 
 
 def main() -> None:

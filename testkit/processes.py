@@ -131,3 +131,26 @@ def running(pid: int) -> bool:
         return False
 
 
+
+
+def run_group_processes(member: Callable[..., None], world: int, args: tuple, timeout_s: float = 1800.0) -> list[dict]:
+    """`world` spawned processes, `member(rank, port, *args, out)` each, that form gloo groups over one
+    TCPStore served here (bound to the loopback address) and each put one dict with its "rank" on `out`;
+    the dicts in rank order (a benchmark's members: benchmarks/join_memory.py, sharded_memory.py)."""
+    import multiprocessing as mp
+
+    from actors.transport.store import serve_store
+
+    store, port, sock = serve_store("127.0.0.1", 600.0)
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=member, args=(rank, port, *args, out)) for rank in range(world)]
+    for p in procs:
+        p.start()
+    try:
+        return sorted((out.get(timeout=timeout_s) for _ in procs), key=lambda row: row["rank"])
+    finally:
+        for p in procs:
+            p.join(60)
+        sock.close()
+        del store
