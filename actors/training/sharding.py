@@ -43,7 +43,17 @@ from torch.distributed.tensor import DTensor
 
 from actors.training.state_transfer import flat_bytes
 from actors.transport import torch_world
-from algorithms.rules.sharding import RowMove, ShardLayout, reshard_moves, row_range
+from algorithms.rules.sharding import (
+    HeldView,
+    LayoutError,
+    Recut,
+    RowMove,
+    ShardLayout,
+    group_size_for,
+    plan_recut,
+    reshard_moves,
+    row_range,
+)
 from core.comm_api import Communicator
 
 
@@ -176,15 +186,49 @@ def shard_shape(shape: Sequence[int], shard: int, shards: int) -> tuple[int, ...
     return (end - start, *shape[1:])
 
 
+def pack(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
+    """The tensors' bytes, one after the other, in one flat uint8 tensor (one message)."""
+    parts = [flat_bytes(t) for t in tensors]
+    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
+
+
+def unpack(data: torch.Tensor, templates: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """`pack`'s message read back as tensors of the templates' shapes and dtypes (views where aligned)."""
+    values, offset = [], 0
+    for template in templates:
+        size = template.numel() * template.element_size()
+        raw = data[offset:offset + size]
+        if offset % template.element_size():  # a view needs its dtype's alignment: after 4-byte rows, an 8-byte count
+            raw = raw.clone()
+        values.append(raw.view(template.dtype).view(template.shape))
+        offset += size
+    return values
+
+
+def message_bytes(templates: Iterable[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in templates)
+
+
+KINDS = ("exp_avg", "exp_avg_sq")
+"""AdamW's state with a row per parameter row (SGD's would be momentum_buffer)."""
+COUNTS = ("step",)
+"""AdamW's 0-d state."""
+
+
 class ShardMirror:
     """A copy of the shard held by the member before this one in its replica group (shard i - 1, the first
     member mirroring the last): its parameters, in plain tensors, and an optimizer of the model's kind and
     settings over them. Made by every member of the group at the same point, from the shards they hold
     then; kept current by `step`, after the step's gradients are final and before the optimizer steps."""
 
-    def __init__(self, group: ShardedGroup, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    def __init__(self, group: ShardedGroup, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 kinds: Sequence[str] = KINDS, counts: Sequence[str] = COUNTS) -> None:
+        """`kinds`/`counts`: the optimizer's state per parameter row and its 0-d state, which the copy takes
+        from its owner as it is now (none yet before the first step)."""
         self.group = group
         k = group.layout.group_size
+        if k == 1:
+            raise ValueError("sharding: a replica group of one has no neighbour to mirror")
         shard = group.layout.shard_of(group.rank)
         self.source, self._next = (shard - 1) % k, (shard + 1) % k
         params = list(model.parameters())
@@ -197,21 +241,30 @@ class ShardMirror:
         groups = [{**{k_: v for k_, v in g.items() if k_ != "params"}, "params": [self.params[index[id(p)]] for p in g["params"]]}
                   for g in optimizer.param_groups]
         self.optimizer = type(optimizer)(groups)  # type: ignore[call-arg]  # the groups carry every setting
-        self._ring([local(p).detach() for p in params], [mine.data for mine in self.params])
+        stepped = any(optimizer.state.get(p) for p in params)
+        sends = [local(p).detach() for p in params]
+        into = [mine.data for mine in self.params]
+        if stepped:  # the owner's moments and count come along: the copy's next update is the owner's
+            sends += [local(optimizer.state[p][c]).reshape(1).to(torch.float64) for p in params for c in counts]
+            sends += [local(optimizer.state[p][kind]) for p in params for kind in kinds]
+            into += [torch.empty(1, dtype=torch.float64) for _ in params for _ in counts]
+            into += [torch.empty_like(mine) for mine in self.params for _ in kinds]
+        self._ring(sends, into)
+        if stepped:
+            n = len(params)
+            received = into[n:]
+            steps, moments = received[:n * len(counts)], received[n * len(counts):]
+            for i, mine in enumerate(self.params):
+                state = {c: steps[i * len(counts) + j].reshape(()).to(_count_dtype()) for j, c in enumerate(counts)}
+                state.update({kind: moments[i * len(kinds) + j] for j, kind in enumerate(kinds)})
+                self.optimizer.state[mine] = state
 
     def _ring(self, sends: list[torch.Tensor], into: list[torch.Tensor]) -> None:
-        """Send `sends` (flat, one message) to the next member of the group and receive the previous one's into `into`."""
-        if self.group.layout.group_size == 1:
-            for out, value in zip(into, sends):
-                out.copy_(value)
-            return
-        flat_out = torch.cat([t.reshape(-1) for t in sends])
-        flat_in = torch.empty(sum(t.numel() for t in into), dtype=flat_out.dtype, device=flat_out.device)
-        self.group.inside.exchange([(flat_out, self._next)], [(flat_in, self.source)]).wait()
-        offset = 0
-        for out in into:
-            out.copy_(flat_in[offset:offset + out.numel()].view_as(out))
-            offset += out.numel()
+        """Send `sends` (one message) to the next member of the group and receive the previous one's into `into`."""
+        incoming = torch.empty(message_bytes(into), dtype=torch.uint8)
+        self.group.inside.exchange([(pack(sends), self._next)], [(incoming, self.source)]).wait()
+        for out, value in zip(into, unpack(incoming, into)):
+            out.copy_(value)
 
     def step(self, model: torch.nn.Module) -> None:
         """This step's reduced gradient shards go to the next member; the previous member's come in, and
@@ -253,9 +306,19 @@ def held_shards(group: ShardedGroup, model: torch.nn.Module, optimizer: torch.op
     return held
 
 
+def agree_on_recut(comm: Communicator, mine: HeldView) -> tuple[Recut | None, list[HeldView]]:
+    """Every member of a new epoch tells the others what it holds (one all-gather of a few integers) and
+    all decide alike where they stand (`plan_recut`); also returns every member's view, in rank order."""
+    values = torch.tensor(mine.encode(), dtype=torch.int64)
+    outputs = [torch.empty_like(values) for _ in range(comm.world_size)]
+    comm.all_gather(outputs, values).wait()
+    views = [HeldView.decode(out.tolist()) for out in outputs]
+    return plan_recut(views), views
+
+
 def reshard(comm: Communicator, old_group_size: int, new: ShardLayout, holders: Sequence[Sequence[int]],
             held: Sequence[HeldShard], shapes: Sequence[torch.Size], dtypes: Sequence[torch.dtype],
-            kinds: Sequence[str], counts: Sequence[str] = ("step",)) -> tuple[list[torch.Tensor], list[dict[str, torch.Tensor]]]:
+            kinds: Sequence[str] = KINDS, counts: Sequence[str] = COUNTS) -> tuple[list[torch.Tensor], list[dict[str, torch.Tensor]]]:
     """This member's shard under `new` (the new epoch's layout, `comm` its group): for every parameter
     (whole shape `shapes[i]`, dtype `dtypes[i]`) its rows, the optimizer's `kinds` for those rows (state
     tensors with a row per parameter row and the parameter's dtype: AdamW's exp_avg and exp_avg_sq) and its
@@ -300,26 +363,20 @@ def reshard(comm: Communicator, old_group_size: int, new: ShardLayout, holders: 
         if move.source == rank and move.target == rank:
             place(i, move, pieces(i, move))
         elif move.source == rank:
-            outgoing.setdefault(move.target, []).extend(flat_bytes(t) for t in pieces(i, move))
+            outgoing.setdefault(move.target, []).extend(pieces(i, move))
         elif move.target == rank:
             incoming.setdefault(move.source, []).append((i, move))
-    buffers = {src: torch.empty(sum(t.numel() * t.element_size() for i, m in received for t in templates(i, m)),
-                                dtype=torch.uint8) for src, received in incoming.items()}
+    buffers = {src: torch.empty(message_bytes(t for i, m in received for t in templates(i, m)), dtype=torch.uint8)
+               for src, received in incoming.items()}
     if outgoing or buffers:  # one message per pair of members, all at once (no ring of sends can deadlock)
-        comm.exchange([(torch.cat(parts), dst) for dst, parts in outgoing.items()],
+        comm.exchange([(pack(parts), dst) for dst, parts in outgoing.items()],
                       [(buf, src) for src, buf in buffers.items()]).wait()
     for src, received in incoming.items():
-        offset, data = 0, buffers[src]
+        values = unpack(buffers[src], [t for i, m in received for t in templates(i, m)])
         for i, move in received:
-            values = []
-            for template in templates(i, move):
-                size = template.numel() * template.element_size()
-                raw = data[offset:offset + size]
-                if offset % template.element_size():  # a view needs its dtype's alignment: after 4-byte rows, an 8-byte count
-                    raw = raw.clone()
-                values.append(raw.view(template.dtype).view(template.shape))
-                offset += size
-            place(i, move, values)
+            width = len(templates(i, move))
+            place(i, move, values[:width])
+            values = values[width:]
     return params, [{**scalars[i], **states[i]} for i in range(len(params))]
 
 
@@ -353,3 +410,65 @@ def adopt(group: ShardedGroup, build: Callable[[], torch.nn.Module], params: Seq
 def _count_dtype() -> torch.dtype:
     """The dtype torch's optimizers keep a 0-d count in (their step: float64 under a float64 default dtype)."""
     return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+
+
+@dataclass
+class ShardedState:
+    """One member's part of the replica in a membership epoch: its group, the model and optimizer over it
+    (shards), its mirror of a neighbour's shard, and the step of the state it holds."""
+
+    group: ShardedGroup
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    mirror: ShardMirror | None
+    mark: int
+
+    def held(self) -> list[HeldShard]:
+        return held_shards(self.group, self.model, self.optimizer, self.mirror)
+
+    def view(self) -> HeldView:
+        return HeldView(self.mark, self.group.layout.group_size, tuple(h.index for h in self.held()))
+
+
+def whole(model: torch.nn.Module, mark: int = 0) -> tuple[HeldView, list[HeldShard]]:
+    """What a member holds when it holds the whole replica (a fresh model, or one loaded from a checkpoint
+    at step `mark`, before any epoch cut it): the one shard of a group of one, with no optimizer state."""
+    params = [p.detach() for p in model.parameters()]
+    return HeldView(mark, 1, (0,)), [HeldShard(0, params, [{} for _ in params])]
+
+
+NOTHING = HeldView(-1, 0, ())
+"""What a joiner holds."""
+
+
+def enter_epoch(comm: Communicator, group_size: int, view: HeldView, held: Sequence[HeldShard],
+                build: Callable[[], torch.nn.Module],
+                make_optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer], mirror: bool = True,
+                kinds: Sequence[str] = KINDS, counts: Sequence[str] = COUNTS) -> ShardedState:
+    """A member's entry into a membership epoch (`comm`: its group, every member calls it at once): the
+    members agree on the newest state they hold whole, the replica is re-cut into groups of
+    `group_size_for(world, group_size)` from their memory, and model and optimizer are built over the new
+    group from this member's new shard alone; with `mirror`, each member then mirrors its neighbour's.
+    `view`/`held`: what it holds (`ShardedState.view()`/`held()`, `whole(model)` before any epoch, `NOTHING`
+    for a joiner). Raises LayoutError where no state is held whole any more (the newest checkpoint's turn)."""
+    recut, views = agree_on_recut(comm, view)
+    if recut is None:
+        raise LayoutError(f"no committed state is held whole by the members of this epoch (they hold: "
+                          f"{', '.join(f'step {v.mark} shards {list(v.shards)} of {v.group_size}' for v in views)})")
+    layout = ShardLayout(comm.world_size, group_size_for(comm.world_size, group_size))
+    shapes = [p.shape for p in _meta(build).parameters()]
+    dtypes = [p.dtype for p in _meta(build).parameters()]
+    mine = [] if comm.rank in recut.replaced else list(held)
+    params, states = reshard(comm, recut.old_group_size, layout, recut.holders, mine, shapes, dtypes, kinds, counts)
+    if all(float(state[c]) == 0 for state in states for c in counts if c in state):
+        states = [{} for _ in params]  # an optimizer that never stepped (a fresh model): it starts fresh
+    group = ShardedGroup(comm, layout, comm.rank)
+    model, optimizer = adopt(group, build, params, states, make_optimizer)
+    copy = ShardMirror(group, model, optimizer, kinds, counts) if mirror and layout.group_size > 1 else None
+    return ShardedState(group, model, optimizer, copy, recut.mark)
+
+
+def _meta(build: Callable[[], torch.nn.Module]) -> torch.nn.Module:
+    """The model as `build` makes it, on the meta device (its shapes and dtypes, no memory)."""
+    with torch.device("meta"):
+        return build()

@@ -30,6 +30,8 @@ class LentWorld:
     def __init__(self, group: dist.ProcessGroup, backend: str) -> None:
         self.group = group
         world = c10d._world
+        if isinstance(world, _ThreadWorlds):  # this thread's own: a give-back from another thread finds it
+            world = world._get()
         world.pg_map[group] = (backend, None)  # type: ignore[assignment]  # no store: torch forms no group from it
         world.pg_names[group] = group.group_name
         world.pg_group_ranks[group] = {r: r for r in range(group.size())}

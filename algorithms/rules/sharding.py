@@ -89,3 +89,68 @@ def reshard_moves(rows: int, old: int, new: ShardLayout, holders: Sequence[Seque
             if lo < hi:
                 moves.append(RowMove(target if target in held else min(held), target, j, (lo, hi)))
     return moves
+
+
+@dataclass(frozen=True)
+class HeldView:
+    """What one member of a new membership epoch holds of the replica, as it tells the others on entry."""
+
+    mark: int
+    """The step of its committed state (-1: it holds none, a joiner)."""
+    group_size: int
+    """How many ways that state was cut (0: none)."""
+    shards: tuple[int, ...]
+    """The shards of it this member holds: its own, then a mirror's."""
+
+    WIDTH = 4
+    """Its encoding's length: (mark, group size, up to two shards, -1 where there is none)."""
+
+    def encode(self) -> list[int]:
+        if len(self.shards) > self.WIDTH - 2:
+            raise ValueError(f"a member holds at most {self.WIDTH - 2} shards (got {self.shards})")
+        return [self.mark, self.group_size, *self.shards, *[-1] * (self.WIDTH - 2 - len(self.shards))]
+
+    @classmethod
+    def decode(cls, values: Sequence[int]) -> HeldView:
+        mark, size, *shards = (int(v) for v in values)
+        return cls(mark, size, tuple(s for s in shards if s >= 0))
+
+
+@dataclass(frozen=True)
+class Recut:
+    """Where a new epoch's members stand: the committed state at `mark`, cut `old_group_size` ways, whose
+    shard j the ranks `holders[j]` hold; `replaced`: the ranks whose own state is not that one (a joiner,
+    a member behind, or one ahead of the newest state the members hold whole) and is dropped."""
+
+    mark: int
+    old_group_size: int
+    holders: tuple[tuple[int, ...], ...]
+    replaced: tuple[int, ...]
+
+
+def plan_recut(views: Sequence[HeldView]) -> Recut | None:
+    """The newest committed state whose every shard some member of the new epoch holds at that step
+    (members may stand one step apart: a vote can finish on some and fail on others), or None where no
+    state is held whole any more (two adjacent members of one group lost together: the job goes back to
+    its newest checkpoint)."""
+    for mark in sorted({v.mark for v in views if v.mark >= 0}, reverse=True):
+        at = [(rank, v) for rank, v in enumerate(views) if v.mark == mark]
+        sizes = {v.group_size for _, v in at}
+        if len(sizes) != 1:
+            raise ValueError(f"the members at step {mark} hold it cut {sorted(sizes)} ways: one layout per step")
+        k = sizes.pop()
+        holders = tuple(tuple(rank for rank, v in at if j in v.shards) for j in range(k))
+        if all(holders):
+            return Recut(mark, k, holders, tuple(rank for rank, v in enumerate(views) if v.mark != mark))
+    return None
+
+
+def group_size_for(world_size: int, group_size: int) -> int:
+    """The replica groups' size in an epoch of `world_size` members, for a job that asks for `group_size`:
+    the smallest divisor of the world that is at least `group_size` (the whole world when none is smaller).
+    A member then never holds more than 1/`group_size` of the replica, and every member takes part: four
+    members in groups of two that lose one go on as one group of three, and back to two groups of two when
+    a fourth joins."""
+    if world_size < 1 or group_size < 1:
+        raise LayoutError(f"a world of {world_size} in groups of {group_size}: both must be at least 1")
+    return next(k for k in range(min(group_size, world_size), world_size + 1) if world_size % k == 0)

@@ -10,10 +10,24 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from actors.training.sharding import HeldShard, ShardedGroup, ShardMirror, adopt, held_shards, local, reshard, tensor_bytes
+from actors.training.sharding import (
+    NOTHING,
+    HeldShard,
+    ShardedGroup,
+    ShardedState,
+    ShardMirror,
+    adopt,
+    agree_on_recut,
+    enter_epoch,
+    held_shards,
+    local,
+    reshard,
+    tensor_bytes,
+    whole,
+)
 from actors.transport import torch_world
 from actors.transport.factory import in_process_group
-from algorithms.rules.sharding import LayoutError, ShardLayout, reshard_moves, row_range
+from algorithms.rules.sharding import HeldView, LayoutError, ShardLayout, plan_recut, reshard_moves, row_range
 from orchestrator.workloads.lm import GPT, GPTConfig
 
 WORLD, STEPS, ROWS, SEQ = 4, 20, 2, 16
@@ -45,6 +59,20 @@ def test_a_recut_takes_every_row_once_from_a_holder_preferring_itself():
         assert covered[0][0] == row_range(10, target, 3)[0] and covered[-1][1] == row_range(10, target, 3)[1]
     with pytest.raises(LayoutError, match=r"old shards \[1\] are held by no member"):
         reshard_moves(10, 2, ShardLayout(2, 2), [[0], []])
+
+
+def test_the_members_stand_at_the_newest_state_some_member_holds_whole():
+    """Members one step apart (a vote that finished on some): the newest step wins where its shards are all
+    held, else the one before; none held whole is None (the newest checkpoint's turn)."""
+    v = HeldView
+    assert HeldView.decode(v(7, 4, (2, 1)).encode()) == v(7, 4, (2, 1)) and v(-1, 0, ()).encode() == [-1, 0, -1, -1]
+    recut = plan_recut([v(8, 2, (0,)), v(8, 2, (1, 0)), v(7, 2, (0, 1)), v(-1, 0, ())])
+    assert recut is not None and (recut.mark, recut.old_group_size, recut.holders, recut.replaced) == (8, 2, ((0, 1), (1,)), (2, 3))
+    recut = plan_recut([v(8, 2, (0,)), v(7, 2, (1, 0)), v(7, 2, (0, 1))])
+    assert recut is not None and (recut.mark, recut.holders, recut.replaced) == (7, ((1, 2), (1, 2)), (0,))
+    assert plan_recut([v(5, 4, (0, 3)), v(5, 4, (1, 0)), v(5, 4, (3,))]) is None
+    with pytest.raises(ValueError, match="one layout per step"):
+        plan_recut([v(5, 4, (0,)), v(5, 2, (1,))])
 
 
 def batches(steps: int, rows: int = WORLD * ROWS) -> list[torch.Tensor]:
@@ -287,17 +315,22 @@ def before_the_death(group_size: int, initial: dict, data: list[torch.Tensor], d
 
 
 def after_the_death(holdings: list[list[HeldShard]], old_group_size: int, new_group_size: int, dtype: torch.dtype,
-                    data: list[torch.Tensor], name: str) -> dict:
-    """The new epoch's members (`holdings[r]`: what new rank r holds; [] for a joiner) re-cut the replica
-    from memory into groups of `new_group_size`, rebuild model and optimizer from their shards alone and
-    train `data`; rank 0's whole state."""
+                    data: list[torch.Tensor], name: str, mark: int = 3) -> dict:
+    """The new epoch's members (`holdings[r]`: what new rank r holds at step `mark`; [] for a joiner)
+    agree where they stand, re-cut the replica from memory into groups of `new_group_size`, rebuild model
+    and optimizer from their shards alone and train `data`; rank 0's whole state."""
     world = len(holdings)
-    holders = [[r for r, held in enumerate(holdings) if any(h.index == j for h in held)] for j in range(old_group_size)]
     shapes = [p.shape for p in GPT(CONFIG).parameters()]
 
     def member(rank, comm):
         layout = ShardLayout(world, new_group_size)
-        params, states = reshard(comm, old_group_size, layout, holders, holdings[rank], shapes, [dtype] * len(shapes), KINDS)
+        held = holdings[rank]
+        mine = HeldView(mark, old_group_size, tuple(h.index for h in held)) if held else HeldView(-1, 0, ())
+        recut, _ = agree_on_recut(comm, mine)
+        if recut is None:
+            raise LayoutError("no committed state is held whole")
+        assert recut.mark == mark and recut.replaced == tuple(r for r, h in enumerate(holdings) if not h)
+        params, states = reshard(comm, recut.old_group_size, layout, recut.holders, held, shapes, [dtype] * len(shapes), KINDS)
         group = ShardedGroup(comm, layout, rank)
         try:
             model, opt = adopt(group, lambda: GPT(CONFIG).to(dtype), params, states, adamw)
@@ -325,7 +358,7 @@ def test_one_group_of_four_loses_a_member_and_goes_on_from_its_members_memory(dt
     if dtype == torch.float32:
         return
     unmirrored = before_the_death(4, initial, data[:3], dtype, mirrors=False, name="death-unmirrored")
-    with pytest.raises(LayoutError, match=r"old shards \[2\] are held by no member"):
+    with pytest.raises(LayoutError, match="no committed state is held whole"):
         after_the_death([unmirrored[0], unmirrored[1], unmirrored[3]], 4, 3, dtype, data[3:], "after-unmirrored")
 
 
@@ -340,3 +373,47 @@ def test_a_replacement_takes_its_shard_from_the_live_group():
     held = before_the_death(2, initial, data[:3], dtype, mirrors=False, name="replace")
     after = after_the_death([held[0], [], held[2], held[3]], 2, 2, dtype, data[3:], "replaced")
     assert largest_difference(after, reference(initial, data, dtype)) <= 1e-12
+
+
+def test_the_replica_lives_through_deaths_and_joins_from_its_members_memory_alone():
+    """Four members in groups of two, with mirrors. Member b dies: the three others go on as one group of
+    three. Then member c dies: the two left go on as a group of two, the shard it held taken from the mirror
+    made in the group of three (its AdamW moments with it). Then two members join: two groups of two again.
+    Every epoch enters from the members' memory alone (no file is written or read), and the 12 steps equal
+    one process's 12 on the same global batches."""
+    torch.manual_seed(0)
+    dtype = torch.float64
+    initial = GPT(CONFIG).to(dtype).state_dict()
+    data = batches(12, rows=12)
+
+    def build() -> torch.nn.Module:
+        return GPT(CONFIG).to(dtype)
+
+    states: dict[str, ShardedState | None] = {}
+    epochs = [("abcd", data[0:3]), ("acd", data[3:6]), ("ad", data[6:9]), ("aedf", data[9:12])]
+    for number, (members, steps) in enumerate(epochs):
+        def member(rank, comm, members=members, steps=steps, number=number):
+            name = members[rank]
+            previous = states.get(name)
+            if number == 0:
+                model = build()
+                model.load_state_dict(initial)
+                view, held = whole(model)
+            elif previous is None:
+                view, held = NOTHING, []
+            else:
+                view, held = previous.view(), previous.held()
+            state = enter_epoch(comm, 2, view, held, build, adamw)
+            train_shares(state.model, state.optimizer, state.group, rank, len(members), steps, state.mirror)
+            state.mark += len(steps)
+            result = {k: v.detach().clone() for k, v in state.group.full_state(state.model).items()}
+            state.group.close()
+            return name, state, result
+
+        results = run_members(len(members), f"elastic-{number}", member)
+        states = {name: state for name, state, _ in results}
+        assert [s.group.layout.group_size for s in states.values()] == [{4: 2, 3: 3, 2: 2}[len(members)]] * len(members)
+        if number == 1:  # in the group of three (a, c, d): d mirrors c's shard 1, a mirrors d's shard 2
+            assert [{h.index for h in states[m].held()} for m in "acd"] == [{0, 2}, {1, 0}, {2, 1}]
+    final = results[0][2]
+    assert largest_difference(final, reference(initial, data, dtype)) <= 1e-12
