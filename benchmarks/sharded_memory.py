@@ -89,7 +89,7 @@ def member(rank: int, port: int, size: str, group_size: int, mirror: bool, steps
                                      [p.dtype for p in model.parameters()], ("exp_avg", "exp_avg_sq"))
             del model, opt, copy, held_now
             new_group = ShardedGroup(after, ShardLayout(WORLD - 1, WORLD - 1), new_rank)
-            model, opt = adopt(new_group, lambda: GPT(config), params, states, lambda ps: torch.optim.AdamW(ps, lr=1e-3))
+            model, opt = adopt(new_group, lambda: GPT(config), params, states, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3))
             recut = time.perf_counter()
             data = torch.randint(0, config.vocab, (rows, config.seq_len + 1), generator=gen)
             logits = model(data[:, :-1])

@@ -381,11 +381,12 @@ def reshard(comm: Communicator, old_group_size: int, new: ShardLayout, holders: 
 
 
 def adopt(group: ShardedGroup, build: Callable[[], torch.nn.Module], params: Sequence[torch.Tensor],
-          states: Sequence[dict[str, torch.Tensor]], make_optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer],
+          states: Sequence[dict[str, torch.Tensor]], make_optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer],
           buffers: dict[str, torch.Tensor] | None = None) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     """The model and optimizer over `group` from this member's shards alone: the model built on the meta
     device (no whole parameter is ever allocated), sharded, given memory for its shards and filled with
-    `params`; the optimizer made by `make_optimizer` and given `states`; `buffers` (unsharded) copied in."""
+    `params`; the optimizer made by `make_optimizer` (of the sharded model: its parameter groups as the
+    model's names and modules say) and given `states`; `buffers` (unsharded) copied in."""
     with torch.device("meta"):
         model = build()
     group.shard(model)
@@ -396,7 +397,7 @@ def adopt(group: ShardedGroup, build: Callable[[], torch.nn.Module], params: Seq
             local(p).copy_(value)
         for name, value in (buffers or {}).items():
             model.get_buffer(name).copy_(value)
-    optimizer = make_optimizer(mine)
+    optimizer = make_optimizer(model)
     for p, state in zip(mine, states):
         if state:
             assert isinstance(p, DTensor)  # every parameter is a shard after `shard`
@@ -443,7 +444,7 @@ NOTHING = HeldView(-1, 0, ())
 
 def enter_epoch(comm: Communicator, group_size: int, view: HeldView, held: Sequence[HeldShard],
                 build: Callable[[], torch.nn.Module],
-                make_optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer], mirror: bool = True,
+                make_optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer], mirror: bool = True,
                 kinds: Sequence[str] = KINDS, counts: Sequence[str] = COUNTS) -> ShardedState:
     """A member's entry into a membership epoch (`comm`: its group, every member calls it at once): the
     members agree on the newest state they hold whole, the replica is re-cut into groups of

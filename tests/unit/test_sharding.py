@@ -27,7 +27,9 @@ from actors.training.sharding import (
 )
 from actors.transport import torch_world
 from actors.transport.factory import in_process_group
+from algorithms.policies.optim import build_optimizer
 from algorithms.rules.sharding import HeldView, LayoutError, ShardLayout, plan_recut, reshard_moves, row_range
+from core.schema import OptimizerConfig, parse
 from orchestrator.workloads.lm import GPT, GPTConfig
 
 WORLD, STEPS, ROWS, SEQ = 4, 20, 2, 16
@@ -94,11 +96,13 @@ def sgd(params) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=0.5, momentum=0.9)
 
 
-def reference(initial: dict, data: list[torch.Tensor], dtype: torch.dtype, optimizer=adamw) -> dict[str, torch.Tensor]:
-    """One process: the model on each whole global batch."""
+def reference(initial: dict, data: list[torch.Tensor], dtype: torch.dtype, optimizer=adamw,
+              of_model=None) -> dict[str, torch.Tensor]:
+    """One process: the model on each whole global batch (`optimizer` of its parameters, or `of_model` of
+    the model)."""
     model = GPT(CONFIG).to(dtype)
     model.load_state_dict(initial)
-    opt = optimizer(model.parameters())
+    opt = of_model(model) if of_model is not None else optimizer(model.parameters())
     for rows in data:
         opt.zero_grad()
         loss_of(model, rows).backward()
@@ -333,7 +337,7 @@ def after_the_death(holdings: list[list[HeldShard]], old_group_size: int, new_gr
         params, states = reshard(comm, recut.old_group_size, layout, recut.holders, held, shapes, [dtype] * len(shapes), KINDS)
         group = ShardedGroup(comm, layout, rank)
         try:
-            model, opt = adopt(group, lambda: GPT(CONFIG).to(dtype), params, states, adamw)
+            model, opt = adopt(group, lambda: GPT(CONFIG).to(dtype), params, states, lambda m: adamw(m.parameters()))
             train_shares(model, opt, group, rank, world, data)
             return {k: v.detach().clone() for k, v in group.full_state(model).items()}
         finally:
@@ -375,12 +379,14 @@ def test_a_replacement_takes_its_shard_from_the_live_group():
     assert largest_difference(after, reference(initial, data, dtype)) <= 1e-12
 
 
-def test_the_replica_lives_through_deaths_and_joins_from_its_members_memory_alone():
+@pytest.mark.parametrize("groups", ["one", "weight decay groups"])
+def test_the_replica_lives_through_deaths_and_joins_from_its_members_memory_alone(groups):
     """Four members in groups of two, with mirrors. Member b dies: the three others go on as one group of
     three. Then member c dies: the two left go on as a group of two, the shard it held taken from the mirror
     made in the group of three (its AdamW moments with it). Then two members join: two groups of two again.
     Every epoch enters from the members' memory alone (no file is written or read), and the 12 steps equal
-    one process's 12 on the same global batches."""
+    one process's 12 on the same global batches. With the project's own optimizer factory too (AdamW's
+    no-decay groups by the model's names and modules, found on the sharded model as on the whole one)."""
     torch.manual_seed(0)
     dtype = torch.float64
     initial = GPT(CONFIG).to(dtype).state_dict()
@@ -388,6 +394,11 @@ def test_the_replica_lives_through_deaths_and_joins_from_its_members_memory_alon
 
     def build() -> torch.nn.Module:
         return GPT(CONFIG).to(dtype)
+
+    def make_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
+        if groups == "one":
+            return adamw(model.parameters())
+        return build_optimizer(model, parse(OptimizerConfig, {"name": "adamw", "lr": 1e-3, "weight_decay": 0.1}))
 
     states: dict[str, ShardedState | None] = {}
     epochs = [("abcd", data[0:3]), ("acd", data[3:6]), ("ad", data[6:9]), ("aedf", data[9:12])]
@@ -403,7 +414,7 @@ def test_the_replica_lives_through_deaths_and_joins_from_its_members_memory_alon
                 view, held = NOTHING, []
             else:
                 view, held = previous.view(), previous.held()
-            state = enter_epoch(comm, 2, view, held, build, adamw)
+            state = enter_epoch(comm, 2, view, held, build, make_optimizer)
             train_shares(state.model, state.optimizer, state.group, rank, len(members), steps, state.mirror)
             state.mark += len(steps)
             result = {k: v.detach().clone() for k, v in state.group.full_state(state.model).items()}
@@ -416,4 +427,4 @@ def test_the_replica_lives_through_deaths_and_joins_from_its_members_memory_alon
         if number == 1:  # in the group of three (a, c, d): d mirrors c's shard 1, a mirrors d's shard 2
             assert [{h.index for h in states[m].held()} for m in "acd"] == [{0, 2}, {1, 0}, {2, 1}]
     final = results[0][2]
-    assert largest_difference(final, reference(initial, data, dtype)) <= 1e-12
+    assert largest_difference(final, reference(initial, data, dtype, of_model=make_optimizer)) <= 1e-12
