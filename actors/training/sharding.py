@@ -31,15 +31,19 @@ from those shards alone (never materializing the whole model) with the optimizer
 """
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_map
 
 from actors.training.state_transfer import flat_bytes
 from actors.transport import torch_world
@@ -110,6 +114,8 @@ class ShardedGroup:
         if ranked is None:
             raise RuntimeError(f"sharding: the {type(inside).__name__} group offers torch no process group")
         self.inside, self.peers, self._ranked = inside, peers, ranked
+        self._writer: dist.ProcessGroup | None = None
+        """The first replica group's group for checkpoints written in the background (`save`)."""
         device = getattr(inside, "device", torch.device("cpu")).type
         self._world = torch_world.lend(ranked, "nccl" if device == "cuda" else "gloo")
         self.mesh = DeviceMesh.from_group(ranked, device)
@@ -152,15 +158,45 @@ class ShardedGroup:
             state[name] = value.full_tensor() if isinstance(value, DTensor) else value
         return state
 
-    def save(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: str) -> None:
+    def save(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: str,
+             background: bool = False) -> Future[None] | None:
         """The replica's shards (parameters and optimizer state) written under `path` as a checkpoint of
         torch.distributed.checkpoint, by the members of the first replica group (each writes its shard; the
         first writes the metadata); every other group holds the same shards and writes nothing. Every
-        member calls it (it returns at once outside the first group)."""
+        member calls it (it returns at once outside the first group).
+
+        `background`: the shards are copied now (training may go on past them) and written by a thread,
+        over a group of the first replica group's own (formed at the first such save): the future is done
+        once written. Otherwise written before it returns."""
         if self.layout.group_of(self.rank) != 0:
-            return
+            return None
         model_state, optimizer_state = get_state_dict(model, optimizer)
-        dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=path, process_group=self._ranked)
+        state = {"model": model_state, "optimizer": optimizer_state}
+        if not background:
+            dcp.save(state, checkpoint_id=path, process_group=self._ranked)
+            return None
+        if self._writer is None:
+            writer = self.comm.subgroup(self.layout.group_ranks(self.rank), "replica-0-checkpoints")
+            ranked = writer.ranked_group() if writer is not None else None
+            if ranked is None:
+                raise RuntimeError(f"sharding: the {type(self.comm).__name__} group forms no group for checkpoints")
+            self._writer = ranked
+        snapshot = tree_map(lambda v: v.detach().clone() if isinstance(v, torch.Tensor) else v, state)
+        done: Future[None] = Future()
+        group = self._writer
+
+        def write() -> None:
+            world = torch_world.borrow(group, "nccl" if self.mesh.device_type == "cuda" else "gloo")
+            try:
+                dcp.save(snapshot, checkpoint_id=path, process_group=group)
+                done.set_result(None)
+            except BaseException as err:  # noqa: BLE001 - the caller's future raises it
+                done.set_exception(err)
+            finally:
+                world.give_back()
+
+        threading.Thread(target=write, name=f"sharded checkpoint {path}", daemon=True).start()
+        return done
 
     def load(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: str) -> None:
         """Take the state `save` wrote, written at any group size and world size: each member reads the

@@ -7,7 +7,9 @@ next one (actors/transport/gloo.py, nccl.py), and torch's default group is made 
 epoch's sharding group is *lent*: `lend(group)` registers the group's ranked `ProcessGroup` in torch's
 bookkeeping as the default group, with global ranks equal to its own ranks, and `LentWorld.give_back()`
 removes it before the group is released. One group is lent at a time in a process (the sharding group of
-a replica); lending another first gives the previous one back.
+a replica); lending another first gives the previous one back. `borrow(group)` makes another group known for a
+helper thread's collectives (a checkpoint written in the background has a group of its own: collectives of two
+threads on one group could be issued in different orders on different members).
 
 Replicas that run in threads of one process (the in-process tests) each need their own world:
 `per_thread()` makes torch's bookkeeping thread-local, as torch's own multi-threaded test groups do. The
@@ -27,7 +29,8 @@ _lock = threading.Lock()
 class LentWorld:
     """One group lent as torch's default group, until `give_back()`."""
 
-    def __init__(self, group: dist.ProcessGroup, backend: str) -> None:
+    def __init__(self, group: dist.ProcessGroup, backend: str, default: bool = True) -> None:
+        """`default`: the group becomes the default group (else torch only knows it by name and ranks)."""
         self.group = group
         world = c10d._world
         if isinstance(world, _ThreadWorlds):  # this thread's own: a give-back from another thread finds it
@@ -36,7 +39,8 @@ class LentWorld:
         world.pg_names[group] = group.group_name
         world.pg_group_ranks[group] = {r: r for r in range(group.size())}
         world.pg_backend_config[group] = f"{'cuda' if backend == 'nccl' else 'cpu'}:{backend}"
-        world.default_pg = group
+        if default:
+            world.default_pg = group
         c10d._register_process_group(group.group_name, group)
         self._world = world
         self.lent = True
@@ -70,6 +74,14 @@ def lend(group: dist.ProcessGroup, backend: str) -> LentWorld:
         lent = LentWorld(group, backend)
     _current.world = lent
     return lent
+
+
+def borrow(group: dist.ProcessGroup, backend: str) -> LentWorld:
+    """`group` known to torch for a helper thread's collectives over it (a checkpoint's writer): registered,
+    and, where each thread has its own world (`per_thread`), this thread's default group too (a process's
+    default group stays the one `lend` lent). Given back with `give_back()`."""
+    with _lock:
+        return LentWorld(group, backend, default=isinstance(c10d._world, _ThreadWorlds))
 
 
 class _ThreadWorlds:

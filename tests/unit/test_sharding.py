@@ -428,3 +428,36 @@ def test_the_replica_lives_through_deaths_and_joins_from_its_members_memory_alon
             assert [{h.index for h in states[m].held()} for m in "acd"] == [{0, 2}, {1, 0}, {2, 1}]
     final = results[0][2]
     assert largest_difference(final, reference(initial, data, dtype, of_model=make_optimizer)) <= 1e-12
+
+
+def test_a_checkpoint_written_in_the_background_holds_the_step_it_was_taken_at(tmp_path):
+    """Four members in groups of two take a checkpoint after 3 steps and train 3 more while the first
+    group writes it from a thread (over a group of its own); the checkpoint, loaded at 2 workers in groups
+    of one, holds step 3's state exactly, and the training went on as it would have without it."""
+    torch.manual_seed(0)
+    dtype = torch.float64
+    initial = GPT(CONFIG).to(dtype).state_dict()
+    data = batches(6, rows=12)
+    path = str(tmp_path / "step-3")
+
+    def member(rank, comm):
+        group = ShardedGroup(comm, ShardLayout(WORLD, 2), rank)
+        try:
+            model = GPT(CONFIG).to(dtype)
+            model.load_state_dict(initial)
+            group.shard(model)
+            opt = adamw(model.parameters())
+            train_shares(model, opt, group, rank, WORLD, data[:3])
+            at3 = {k: v.detach().clone() for k, v in group.full_state(model).items()}
+            written = group.save(model, opt, path, background=True)
+            assert (written is None) == (rank >= 2), "the first group writes, the second does not"
+            train_shares(model, opt, group, rank, WORLD, data[3:])
+            if written is not None:
+                written.result(timeout=120)
+            return at3, {k: v.detach().clone() for k, v in group.full_state(model).items()}
+        finally:
+            group.close()
+
+    at3, at6 = run_members(WORLD, "background-checkpoint", member)[0]
+    assert largest_difference(at6, reference(initial, data, dtype)) <= 1e-12
+    assert largest_difference(resumed(2, 1, initial, [], dtype, load=path), at3) == 0.0
