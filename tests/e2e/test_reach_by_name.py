@@ -32,10 +32,12 @@ def test_a_local_run_is_reached_by_name_from_another_shell_and_after_it_ended(tm
     output = tmp_path / "run.log"
     # slowed (a straggler) so that it trains on while the other shell looks; it ends only by `stop`. Its
     # workers' heartbeats get a minute: beside the suite's other process, a joiner's start has starved both
-    # workers (Ray runs them at a lower priority) past the default 10 s, and hangs are not this test's matter
+    # workers (Ray runs them at a lower priority) past the default 10 s, and hangs are not this test's matter.
+    # Likewise the joiner gets a minute before it is said unplaced: on a loaded CI machine its process took
+    # over 10 s to start while its CPU was already reserved, and `scale` reported "0 CPUs free"
     run = start_run(["configs/digits_bsp.yaml", "--set", f"name={NAME}", "--set", "workers.count=2",
                      "--set", "workers.max=3", "--set", "stop.max_steps=1000000", "--set", "stop.target=null",
-                     "--set", "workers.heartbeat_s=60",
+                     "--set", "workers.heartbeat_s=60", "--set", "workers.pause_after_s=60",
                      "--set", "faults.stragglers=[{slot: w0, delay_s: 0.02}]"], REPO, env, output)
     try:
         wait_until(lambda: "[running] step" in output.read_text() or run.poll() is not None, timeout=180,

@@ -283,6 +283,12 @@ def test_elastic_bsp_through_a_kill_a_rejoin_and_a_straggler_applies_every_sampl
     assert rejoined and server["schedules"]["zipline"] >= 1, server
 
 
+ALL_FOUR = {"count": 4, "min": 4, "cpus": 0.5}
+"""The workers of a job whose premise is that all four train when the coordinator dies: it begins once all
+four are ready (with the default minimum, a loaded machine began one with 1 of 4, the other three still
+starting; the restarted coordinator started those again, and they were not back before the end)."""
+
+
 def sigkill_the_coordinator_midway(job: ElasticJob, steps: int, at: int):
     """SIGKILL the coordinator once history reaches version `at`; the job must still finish at
     `steps`, with the same worker processes and history 1..steps without a gap. (before, after)."""
@@ -306,7 +312,7 @@ def test_elastic_bsp_keeps_its_barriers_while_the_coordinator_is_down(run_root):
     steps = 150
     stragglers = [{"slot": f"w{i}", "delay_s": 0.03} for i in range(3)] + [{"slot": "w3", "delay_s": 0.09}]
     job = ElasticJob(config_from_dict(make_config("ps-ebsp-coordinator-kill", {"policy": "elastic_bsp", "r": 4}, steps,
-                                                  faults={"stragglers": stragglers}))).start()
+                                                  faults={"stragglers": stragglers}, workers=ALL_FOUR))).start()
     before, after = sigkill_the_coordinator_midway(job, steps, 20)
     schedules = after.server["schedules"]
     print(f"coordinator SIGKILLed at version {before.step} of {steps}: barriers {after.server['barriers']}, schedules {schedules}")
@@ -320,7 +326,7 @@ def test_coordinator_sigkill_reattaches_to_the_server_and_workers(run_root):
     steps = 120
     stragglers = [{"slot": f"w{i}", "delay_s": 0.04} for i in range(4)]
     job = ElasticJob(config_from_dict(make_config("ps-coordinator-kill", {"policy": "ssp", "s": 2}, steps,
-                                                  faults={"stragglers": stragglers}))).start()
+                                                  faults={"stragglers": stragglers}, workers=ALL_FOUR))).start()
     before, after = sigkill_the_coordinator_midway(job, steps, 25)
     assert after.server["pid"] == before.server["pid"], "the server was restarted"
     print(f"coordinator SIGKILLed at version {before.step}: the server (pid {before.server['pid']}) and workers kept "
