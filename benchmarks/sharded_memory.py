@@ -37,9 +37,9 @@ MIB = 2 ** 20
 def member(rank: int, port: int, size: str, group_size: int, mirror: bool, steps: int, rows: int, out) -> None:
     import torch.nn.functional as F
 
-    from actors.training.sharding import ShardedGroup, ShardMirror, adopt, held_shards, reshard, tensor_bytes
+    from actors.training.sharding import ShardedGroup, ShardMirror, enter_epoch, held_shards, tensor_bytes
     from actors.transport.comm import make_communicator
-    from algorithms.rules.sharding import ShardLayout
+    from algorithms.rules.sharding import HeldView, ShardLayout
     from core.comm_api import GroupSpec
     from orchestrator.workloads.lm import GPT, SIZES
 
@@ -83,13 +83,10 @@ def member(rank: int, port: int, size: str, group_size: int, mirror: bool, steps
             new_rank = survivors.index(rank)
             after = make_communicator(GroupSpec("127.0.0.1", port, f"sharded-{size}-after", new_rank, WORLD - 1, 120.0))
             formed = time.perf_counter()
-            holders = [[survivors.index(r) for r in survivors if j in (r, (r - 1) % WORLD)] for j in range(WORLD)]
-            shapes = [p.shape for p in model.parameters()]
-            params, states = reshard(after, WORLD, ShardLayout(WORLD - 1, WORLD - 1), holders, held_now, shapes,
-                                     [p.dtype for p in model.parameters()], ("exp_avg", "exp_avg_sq"))
-            del model, opt, copy, held_now
-            new_group = ShardedGroup(after, ShardLayout(WORLD - 1, WORLD - 1), new_rank)
-            model, opt = adopt(new_group, lambda: GPT(config), params, states, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3))
+            view = HeldView(steps, group_size, tuple(h.index for h in held_now))  # its own shard and its mirror's
+            state = enter_epoch(after, WORLD, view, held_now, lambda: GPT(config),
+                                lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3), mirror=False)
+            model, opt, new_group = state.model, state.optimizer, state.group
             recut = time.perf_counter()
             data = torch.randint(0, config.vocab, (rows, config.seq_len + 1), generator=gen)
             logits = model(data[:, :-1])

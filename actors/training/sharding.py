@@ -117,7 +117,9 @@ class ShardedGroup:
         self._writer: dist.ProcessGroup | None = None
         """The first replica group's group for checkpoints written in the background (`save`)."""
         device = getattr(inside, "device", torch.device("cpu")).type
-        self._world = torch_world.lend(ranked, "nccl" if device == "cuda" else "gloo")
+        self._backend = "nccl" if device == "cuda" else "gloo"
+        """torch's name for the backend of this group's process groups (for its bookkeeping)."""
+        self._world = torch_world.lend(ranked, self._backend)
         self.mesh = DeviceMesh.from_group(ranked, device)
 
     def shard(self, model: torch.nn.Module) -> torch.nn.Module:
@@ -186,7 +188,7 @@ class ShardedGroup:
         group = self._writer
 
         def write() -> None:
-            world = torch_world.borrow(group, "nccl" if self.mesh.device_type == "cuda" else "gloo")
+            world = torch_world.borrow(group, self._backend)
             try:
                 dcp.save(snapshot, checkpoint_id=path, process_group=group)
                 done.set_result(None)
@@ -212,13 +214,10 @@ class ShardedGroup:
 
 
 def shard_shape(shape: Sequence[int], shard: int, shards: int) -> tuple[int, ...]:
-    """The shape of shard `shard` of `shards` of a parameter of `shape`, as FSDP2 cuts it: dim 0 in chunks
-    of ceil(rows / shards) (the last ones shorter, or empty)."""
+    """The shape of shard `shard` of `shards` of a parameter of `shape`, as FSDP2 cuts it (`row_range`)."""
     if not shape:
         return ()
-    rows = shape[0]
-    chunk = -(-rows // shards)
-    start, end = min(shard * chunk, rows), min((shard + 1) * chunk, rows)
+    start, end = row_range(shape[0], shard, shards)
     return (end - start, *shape[1:])
 
 
@@ -394,25 +393,24 @@ def reshard(comm: Communicator, old_group_size: int, new: ShardLayout, holders: 
             states[i][k][lo:hi].copy_(value)
 
     outgoing: dict[int, list[torch.Tensor]] = {}
-    incoming: dict[int, list[tuple[int, RowMove]]] = {}
+    incoming: dict[int, list[tuple[int, RowMove, list[torch.Tensor]]]] = {}
     for i, move in moves:
         if move.source == rank and move.target == rank:
             place(i, move, pieces(i, move))
         elif move.source == rank:
             outgoing.setdefault(move.target, []).extend(pieces(i, move))
         elif move.target == rank:
-            incoming.setdefault(move.source, []).append((i, move))
-    buffers = {src: torch.empty(message_bytes(t for i, m in received for t in templates(i, m)), dtype=torch.uint8)
-               for src, received in incoming.items()}
+            incoming.setdefault(move.source, []).append((i, move, templates(i, move)))
+    expected = {src: [t for _, _, shapes_of in received for t in shapes_of] for src, received in incoming.items()}
+    buffers = {src: torch.empty(message_bytes(shapes_of), dtype=torch.uint8) for src, shapes_of in expected.items()}
     if outgoing or buffers:  # one message per pair of members, all at once (no ring of sends can deadlock)
         comm.exchange([(pack(parts), dst) for dst, parts in outgoing.items()],
                       [(buf, src) for src, buf in buffers.items()]).wait()
     for src, received in incoming.items():
-        values = unpack(buffers[src], [t for i, m in received for t in templates(i, m)])
-        for i, move in received:
-            width = len(templates(i, move))
-            place(i, move, values[:width])
-            values = values[width:]
+        values = unpack(buffers[src], expected[src])
+        for i, move, shapes_of in received:
+            place(i, move, values[:len(shapes_of)])
+            values = values[len(shapes_of):]
     return params, [{**scalars[i], **states[i]} for i in range(len(params))]
 
 
@@ -493,8 +491,9 @@ def enter_epoch(comm: Communicator, group_size: int, view: HeldView, held: Seque
         raise LayoutError(f"no committed state is held whole by the members of this epoch (they hold: "
                           f"{', '.join(f'step {v.mark} shards {list(v.shards)} of {v.group_size}' for v in views)})")
     layout = ShardLayout(comm.world_size, group_size_for(comm.world_size, group_size))
-    shapes = [p.shape for p in _meta(build).parameters()]
-    dtypes = [p.dtype for p in _meta(build).parameters()]
+    with torch.device("meta"):  # the shapes and dtypes, no memory
+        parameters = list(build().parameters())
+    shapes, dtypes = [p.shape for p in parameters], [p.dtype for p in parameters]
     mine = [] if comm.rank in recut.replaced else list(held)
     params, states = reshard(comm, recut.old_group_size, layout, recut.holders, mine, shapes, dtypes, kinds, counts)
     if all(float(state[c]) == 0 for state in states for c in counts if c in state):
@@ -503,9 +502,3 @@ def enter_epoch(comm: Communicator, group_size: int, view: HeldView, held: Seque
     model, optimizer = adopt(group, build, params, states, make_optimizer)
     copy = ShardMirror(group, model, optimizer, kinds, counts) if mirror and layout.group_size > 1 else None
     return ShardedState(group, model, optimizer, copy, recut.mark)
-
-
-def _meta(build: Callable[[], torch.nn.Module]) -> torch.nn.Module:
-    """The model as `build` makes it, on the meta device (its shapes and dtypes, no memory)."""
-    with torch.device("meta"):
-        return build()

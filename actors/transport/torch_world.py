@@ -27,7 +27,8 @@ _lock = threading.Lock()
 
 
 class LentWorld:
-    """One group lent as torch's default group, until `give_back()`."""
+    """One group known to torch (by name and ranks, and as its default group where `default`), until
+    `give_back()`."""
 
     def __init__(self, group: dist.ProcessGroup, backend: str, default: bool = True) -> None:
         """`default`: the group becomes the default group (else torch only knows it by name and ranks)."""

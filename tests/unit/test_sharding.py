@@ -115,12 +115,7 @@ def sharded(group_size: int, initial: dict, data: list[torch.Tensor], dtype: tor
     """Four members, `group_size` to a replica; each trains its share of every global batch (its loss
     weighted by its share, as the project's members do). `across`/`divide`: the mechanisms, switchable;
     `mirror`: "on" keeps a `ShardMirror`, "frozen" makes one and never steps it."""
-    torch_world.per_thread()
-    comms = in_process_group(WORLD, name=f"sharding-{group_size}-{dtype}-{across}-{divide}-{optimizer.__name__}",
-                             timeout_s=60)
-
-    def member(rank: int) -> dict:
-        comm = comms[rank]
+    def member(rank: int, comm) -> dict:
         group = ShardedGroup(comm, ShardLayout(WORLD, group_size), rank)
         try:
             model = GPT(CONFIG).to(dtype)
@@ -153,12 +148,7 @@ def sharded(group_size: int, initial: dict, data: list[torch.Tensor], dtype: tor
         finally:
             group.close()
 
-    try:
-        with ThreadPoolExecutor(WORLD) as pool, torch.autograd.set_multithreading_enabled(False):
-            return list(pool.map(member, range(WORLD)))
-    finally:
-        for comm in comms:
-            comm.close()
+    return run_members(WORLD, f"sharding-{group_size}-{dtype}-{across}-{divide}-{optimizer.__name__}", member)
 
 
 def largest_difference(state: dict, ref: dict) -> float:
@@ -242,11 +232,8 @@ def resumed(world: int, group_size: int, initial: dict, data: list[torch.Tensor]
             load: str | None = None, save: str | None = None) -> dict:
     """`world` members in groups of `group_size`, each on its equal share of every global batch, from
     `initial` or the checkpoint `load`; `save`: written at the end. Returns rank 0's whole state."""
-    torch_world.per_thread()
-    comms = in_process_group(world, name=f"dcp-{world}-{group_size}-{load}-{save}", timeout_s=60)
-
-    def member(rank: int) -> dict:
-        group = ShardedGroup(comms[rank], ShardLayout(world, group_size), rank)
+    def member(rank: int, comm) -> dict:
+        group = ShardedGroup(comm, ShardLayout(world, group_size), rank)
         try:
             model = GPT(CONFIG).to(dtype)
             model.load_state_dict(initial)
@@ -266,12 +253,7 @@ def resumed(world: int, group_size: int, initial: dict, data: list[torch.Tensor]
         finally:
             group.close()
 
-    try:
-        with ThreadPoolExecutor(world) as pool, torch.autograd.set_multithreading_enabled(False):
-            return list(pool.map(member, range(world)))[0]
-    finally:
-        for comm in comms:
-            comm.close()
+    return run_members(world, f"dcp-{world}-{group_size}-{load}-{save}", member)[0]
 
 
 KINDS = ("exp_avg", "exp_avg_sq")
@@ -289,6 +271,8 @@ def train_shares(model, opt, group, rank: int, world: int, data: list[torch.Tens
 
 
 def run_members(world: int, name: str, member) -> list:
+    """`member(rank, comm)` for each rank of a `world`-member gloo group named `name`, in threads of this
+    process, each with its own torch world; the results in rank order."""
     torch_world.per_thread()
     comms = in_process_group(world, name=name, timeout_s=60)
     try:
