@@ -174,10 +174,13 @@ class LocalJob:
 
     def wait(self, timeout: float = 120.0) -> dict[str, RunOutcome]:
         deadline = time.monotonic() + timeout
-        for slot, thread in self._threads.items():
+        joined: set[str] = set()
+        while len(joined) < len(self._threads):  # a replica may be started while the others run (a joiner)
+            slot, thread = next((s, t) for s, t in list(self._threads.items()) if s not in joined)
             thread.join(max(deadline - time.monotonic(), 0.0))
             if thread.is_alive():
                 raise TimeoutError(f"replica {slot} still running after {timeout:g}s")
+            joined.add(slot)
         if self.server is not None:
             self.server.flush()  # its history records are reported
         return dict(self.outcomes)

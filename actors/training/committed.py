@@ -15,6 +15,7 @@ import torch
 from actors.plan import Plan
 from actors.training.checkpoint_writer import Checkpoint, host_copy
 from actors.training.parts import ReplicaParts
+from actors.training.state_transfer import broadcast_state
 from actors.training.training_state import read_state
 
 
@@ -85,9 +86,10 @@ class CommittedState:
         return {"data": {"position": source.state_dict(), "fingerprint": source.fingerprint()},
                 "record": r.reporter.newest(), "policy": r.policy.saved(), "metric_names": list(r.metrics.names)}
 
-    def state_bytes(self) -> bytes:
-        """The committed state: what a checkpoint holds, the final model."""
-        return self._r.training.to_bytes(self._r.policy.impl, self._carried())
+    def state_bytes(self, whole: tuple[dict[str, Any], dict[str, Any]] | None = None) -> bytes:
+        """The committed state: what a checkpoint holds, the final model (`whole`: its model's and optimizer's
+        state gathered from a replica group)."""
+        return self._r.training.to_bytes(self._r.policy.impl, self._carried(), whole)
 
     def checkpoint(self, background: bool) -> Checkpoint:
         """A checkpoint of the committed state as it is now: serialized when it is written (`background`:
@@ -110,17 +112,53 @@ class CommittedState:
     def load_state(self, state: dict[str, Any]) -> None:
         """Take a committed state (`read_state` of its bytes, or a transfer's)."""
         r = self._r
-        source = r.feed.source
+        self._check_data(state)
+        if r.policy.trial_candidate(state.get("policy")):
+            r.switch_policy(state["policy"]["sync"], state["policy"]["compression"])  # the policy it was saved under
+        r.training.restore(state, r.policy.impl)
+        self._load_carried(state)
+
+    def _check_data(self, state: dict[str, Any]) -> None:
+        source = self._r.feed.source
         if "data" in state and state["data"]["fingerprint"] != source.fingerprint():
             raise ValueError(f"the state's data ({state['data']['fingerprint']}) is not this job's "
                              f"({source.fingerprint()}): the training data changed since it was saved, so its "
                              f"data position would name other samples")
-        if r.policy.trial_candidate(state.get("policy")):
-            r.switch_policy(state["policy"]["sync"], state["policy"]["compression"])  # the policy it was saved under
-        r.training.restore(state, r.policy.impl)
+
+    def _load_carried(self, state: dict[str, Any]) -> None:
+        """What the replica's other parts carry in a state (`_carried`), taken."""
+        r = self._r
         if "data" in state:
-            source.load_state_dict(state["data"]["position"])
+            r.feed.source.load_state_dict(state["data"]["position"])
         r.samples.forget()
         r.reporter.keep(state.get("record"))
         if "metric_names" in state:  # the next on_membership sizes the vote for them
             r.metrics.load(tuple(state["metric_names"]))
+
+    def enter_shards(self, comm: Any) -> int | None:
+        """Entry `sharded`: the replica re-cut into this epoch's groups from the members' memory
+        (actors/training/sharded_replica.py), this member then training its new shard; a member that stands
+        at another step than the state they agreed on (a joiner, one whose step's vote was lost here but
+        not everywhere) takes the position of the lowest-ranked member at that step. Returns that member's
+        rank where this member took its position."""
+        r = self._r
+        shards = r.shards
+        assert shards is not None  # the sharded policy runs only with replica groups
+        state = shards.enter(comm, r.training.model, r.training.optimizer, r.training.step)
+        r.train_shards(state.model, state.optimizer)
+        mine = torch.tensor([r.training.step], dtype=torch.int64)
+        steps = [torch.zeros_like(mine) for _ in range(comm.world_size)]
+        comm.all_gather(steps, mine).wait()
+        at = [int(s) for s in steps]
+        if all(s == state.mark for s in at):
+            return None
+        src = min(rank for rank, s in enumerate(at) if s == state.mark)
+        behind = at[comm.rank] != state.mark
+        position = self._r.training.position(r.policy.impl, self._carried()) if comm.rank == src else None
+        received = broadcast_state(comm, src, position, keep=not behind)
+        if received is None:
+            return None
+        self._check_data(received)
+        r.training.restore_position(received, r.policy.impl)
+        self._load_carried(received)
+        return src

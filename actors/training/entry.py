@@ -15,6 +15,9 @@ Which mode a policy uses follows from its kind (algorithms/policies/base.py):
 - `average` (decentralized): no live replica is overwritten; the members undo the terms of split
   exchanges (algorithms/policies/gossip.py), a member that never held state loads the lowest-ranked holder
   of the newest step's, and those behind skip ahead to the newest step.
+- `sharded` (replica groups): the members agree on the newest state held whole among their shards and
+  their copies of their neighbours', and the replica is re-cut into the new epoch's groups from their
+  memory (actors/training/sharded_replica.py); those at another step take the position of one at that state.
 - `none` (background): nothing to reconcile.
 - `server`: the state lives on the parameter server; nothing to reconcile among the members.
 
@@ -47,6 +50,7 @@ class Member(Protocol):
     def load_received(self, state: dict[str, Any]) -> None: ...
     def rewind(self) -> None: ...
     def skip_to(self, step: int) -> None: ...
+    def enter_shards(self, comm: Any) -> int | None: ...
 
 
 def enter(mode: Entry, member: Member, comm: Any) -> int | None:
@@ -119,5 +123,9 @@ def enter_average(member: Member, comm: Any) -> int | None:
     return loaded
 
 
-ENTRIES = {Entry.REPLICATED: enter_replicated, Entry.AVERAGE: enter_average}
+def enter_sharded(member: Member, comm: Any) -> int | None:
+    return member.enter_shards(comm)
+
+
+ENTRIES = {Entry.REPLICATED: enter_replicated, Entry.AVERAGE: enter_average, Entry.SHARDED: enter_sharded}
 """The entries that reconcile the members (the others have nothing to reconcile)."""

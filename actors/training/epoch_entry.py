@@ -28,6 +28,8 @@ class EpochEntry:
         """Leave the old group, switch policy where the plan says, form the new group and enter it; False
         where it failed to form or a newer membership superseded it (the loop waits for a newer plan)."""
         r = self._r
+        if r.shards is not None:
+            r.shards.leave()  # torch forgets the old group before it is released
         r.group.leave(r.policy.impl, f"membership epoch {plan.membership_epoch} begins")
         if plan.policy is not None:  # the coordinator switched the policy (the online trial of `sync.auto`)
             r.switch_policy(plan.policy["sync"], plan.policy["compression"])

@@ -12,6 +12,7 @@ from collections.abc import Callable
 import torch
 
 from algorithms.policies.base import Algorithm, AlgorithmImpl, get_algorithm
+from algorithms.policies.sharded import ShardedAllReduce
 from core.schema import JobConfig, parse
 
 
@@ -27,7 +28,8 @@ class PolicyBinding:
              on_gradients_ready: Callable[[], None], vote_extras: int = 0) -> PolicyBinding:
         """`cfg`'s policy on `model` and `optimizer`; `on_gradients_ready` as `AlgorithmImpl` says, and
         `vote_extras` step metrics in each vote."""
-        algorithm = get_algorithm(cfg.sync.policy)(cfg.sync, cfg.compression)
+        kind = ShardedAllReduce if cfg.sharding.group_size > 1 else get_algorithm(cfg.sync.policy)  # bsp only (checked)
+        algorithm = kind(cfg.sync, cfg.compression)
         impl = algorithm.bind(model, optimizer)
         impl.on_gradients_ready = on_gradients_ready
         impl.vote_extras = vote_extras

@@ -49,16 +49,18 @@ from actors.training.epoch_group import EpochGroup
 from actors.training.policy_binding import PolicyBinding
 from actors.training.reporter import Link, StepReporter
 from actors.training.samples import SampleLedger
+from actors.training.sharded_replica import ReplicaShards
 from actors.training.sources import BadSample, source_for
 from actors.training.step import StepRunner
 from actors.training.step_metrics import StepMetrics
 from actors.training.training_state import TrainingState, checksum, read_state
 from actors.training.user_code import WorkloadBug, metrics_of
 from actors.training.workload import build_workload, device_for, ray_blocks
-from actors.transport.comm import BaseCommunicator
+from actors.transport.comm import BaseCommunicator, CommError
 from algorithms.policies.base import EpochInfo
 from algorithms.policies.optim import build_optimizer
 from algorithms.policies.precision import Precision, guarded
+from algorithms.policies.sharded import Sharded
 from core.schema import JobConfig, parse
 
 log = logging.getLogger(__name__)
@@ -107,8 +109,11 @@ class Replica:
         precision = Precision(cfg.training.precision, self.device.type)
         self.training = TrainingState(model, guarded(build_optimizer(model, cfg.optimizer), cfg.optimizer.clip_grad_norm,
                                                      precision), precision)
+        self.shards = ReplicaShards(cfg.sharding.group_size, cfg.sharding.mirror, model,
+                                    lambda m: build_optimizer(m, cfg.optimizer)) if cfg.sharding.group_size > 1 else None
+        """Its shards of the replica, with replica groups (`sharding.group_size` > 1); None: it holds it whole."""
         self._gradients_at: float | None = None
-        self.policy = PolicyBinding.bind(cfg, model, self._optimizer(), self._gradients_ready)
+        self.policy = self._bind(cfg)
         self.metrics = StepMetrics(self._resize_vote)
         self.feed = BatchFeed(source_for(self.workload.train_data, cfg.seed, cfg.workload.on_bad_sample,
                                          functools.partial(ray_blocks, spec), self.policy.algorithm.kind),
@@ -211,8 +216,14 @@ class Replica:
         return self.training.step
 
     def final_state(self) -> bytes:
-        """The committed training state (model, optimizer, step, data position, ...), as a checkpoint holds it."""
-        return self.committed.state_bytes()
+        """The committed training state (model, optimizer, step, data position, ...), as a checkpoint holds it
+        (with replica groups: as rank 0 gathered it at the end of the run)."""
+        if self.shards is None:
+            return self.committed.state_bytes()
+        if self.shards.whole is None:
+            raise RuntimeError(f"{self.slot} holds no whole replica: with replica groups, rank 0 of the last plan "
+                               f"gathers it at the end of the run")
+        return self.committed.state_bytes(self.shards.whole)
 
     def evaluate_state(self, blob: bytes) -> dict:
         """The workload's metrics of a model state (the average of the replicas), on a copy of the model."""
@@ -247,9 +258,23 @@ class Replica:
         log.info("%s switches policy at step %d: %s -> %s", self.slot, self.training.step, self.policy.cfg.sync.policy,
                  cfg.sync.policy)
         self.policy.impl.detach()
-        self.policy = PolicyBinding.bind(cfg, self.training.model, self._optimizer(), self._gradients_ready,
-                                         len(self.metrics.names))
+        self.policy = self._bind(cfg, len(self.metrics.names))
         self.policy.impl.start_at(self.training.step)  # e.g. a periodic policy's first committed state: this step's
+
+    def train_shards(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """A replica group's entry re-cut the replica: train this member's new shard (`model`, `optimizer`
+        over the new group) from here, under the same policy bound to it."""
+        cfg = self.policy.cfg
+        self.training.adopt(model, guarded(optimizer, cfg.optimizer.clip_grad_norm, self.training.precision))
+        self.policy.impl.detach()
+        self.policy = self._bind(cfg, len(self.metrics.names))
+
+    def _bind(self, cfg: JobConfig, vote_extras: int = 0) -> PolicyBinding:
+        """`cfg`'s policy bound to the model and optimizer trained now (and to its shards, with replica groups)."""
+        binding = PolicyBinding.bind(cfg, self.training.model, self._optimizer(), self._gradients_ready, vote_extras)
+        if isinstance(binding.impl, Sharded) and self.shards is not None:
+            binding.impl.attach(self.shards)
+        return binding
 
     def _optimizer(self) -> torch.optim.Optimizer:
         """The optimizer the policies step: the training state's guard (clipping, fp16's loss scale), which
@@ -269,6 +294,8 @@ class Replica:
             self._outcome = failure_outcome(err, self.training.step, self.slot)
         finally:
             self.feed.close()
+            if self.shards is not None:
+                self.shards.leave()  # torch forgets the group before it is released
             self.group.withdraw()
             self.policy.impl.close(finished=self.state == "finished" and not self._left)
             self.flush(force=True)
@@ -299,8 +326,9 @@ class Replica:
             if self.policy.impl.sync_due(self.training.step, stop_at):
                 ok = self._steps.sync(plan)
             elif (stop_at is not None and self.training.step >= stop_at) or self.policy.impl.stop_requested():
-                self.reporter.final(self.plan, self.training.model, self.policy.impl, self.training.step)
-                return
+                if self._finish(plan):
+                    return
+                ok = False
             else:
                 ok = self._steps.train(plan)
             if ok:
@@ -315,6 +343,22 @@ class Replica:
                 # sends the coordinator any it lacks).
                 self.flush(force=True, wait=False)
             self.plan = self.plans.newer_than(plan.version)
+
+    def _finish(self, plan: Plan) -> bool:
+        """The end of the run: the final record (rank 0 evaluates the final model). With replica groups the
+        first group's members first gather the replica whole (rank 0 keeps it: the final model) and evaluate
+        it together (the sharded model's forward is theirs to run together). False where that group failed
+        (the loop waits for the next plan, and ends under it)."""
+        evaluated = None
+        if self.shards is not None and self.shards.in_first_group():
+            try:
+                self.shards.finish(keep=plan.rank_of(self.slot) == 0)
+                evaluated = self.reporter.evaluation.whole(self.training.model, self.policy.impl, self.training.step)
+            except CommError as err:
+                self.failed_with(str(err))
+                return False
+        self.reporter.final(self.plan, self.training.model, self.policy.impl, self.training.step, evaluated)
+        return True
 
     def joining(self) -> None:
         self.state = "joining"

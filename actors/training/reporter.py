@@ -220,10 +220,13 @@ class StepReporter:
         """Whether the commit point `step` (the one before it: `prev`) crosses a multiple of `eval_every`."""
         return self.evaluation.offered and crossed(self._cfg.eval_every, prev if prev is not None else step - 1, step)
 
-    def final(self, plan: Plan | None, model: torch.nn.Module, impl: AlgorithmImpl, step: int) -> None:
-        """The final model is evaluated once; the record updates status, not history."""
+    def final(self, plan: Plan | None, model: torch.nn.Module, impl: AlgorithmImpl, step: int,
+              evaluated: dict | None = None) -> None:
+        """The final model is evaluated once (`evaluated`: already, by the members that hold it together);
+        the record updates status, not history."""
         if plan is not None and plan.rank_of(self._slot) == 0:
-            self._records.append({"step": step, "time": time.time(), "final": True, **self._final_evaluation(model, impl, step)})
+            metrics = self._final_evaluation(model, impl, step) if evaluated is None else evaluated
+            self._records.append({"step": step, "time": time.time(), "final": True, **metrics})
 
     def _final_evaluation(self, model: torch.nn.Module, impl: AlgorithmImpl, step: int) -> dict:
         """The final model's metrics: those of the evaluation at this same step, where one was just taken

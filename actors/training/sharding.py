@@ -43,6 +43,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache
 from torch.utils._pytree import tree_map
 
 from actors.training.state_transfer import flat_bytes
@@ -120,7 +121,10 @@ class ShardedGroup:
         self._backend = "nccl" if device == "cuda" else "gloo"
         """torch's name for the backend of this group's process groups (for its bookkeeping)."""
         self._world = torch_world.lend(ranked, self._backend)
-        self.mesh = DeviceMesh.from_group(ranked, device)
+        # named after its group: torch's DTensor caches its plans by mesh, and meshes compare equal by their
+        # ranks, device and names, so an unnamed mesh of a later epoch's group of the same ranks would run
+        # the cached plan of an earlier epoch's (over that epoch's released group)
+        self.mesh = DeviceMesh.from_group(ranked, device, mesh_dim_names=(inside.name,))
 
     def shard(self, model: torch.nn.Module) -> torch.nn.Module:
         """`model` sharded in place over this group (its parameters become shards): build the optimizer
@@ -159,6 +163,13 @@ class ShardedGroup:
         for name, value in model.state_dict().items():
             state[name] = value.full_tensor() if isinstance(value, DTensor) else value
         return state
+
+    def gathered(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+        """(the model's state, the optimizer's `state_dict`) whole, as an unsharded model's and optimizer's
+        are: every parameter and every moment gathered over the group, in one order on every member (each
+        member of the group calls it). Costs a whole replica's state in memory while it is held."""
+        return self.full_state(model), tree_map(lambda v: v.full_tensor() if isinstance(v, DTensor) else v,
+                                                optimizer.state_dict())
 
     def save(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: str,
              background: bool = False) -> Future[None] | None:
@@ -209,8 +220,10 @@ class ShardedGroup:
         set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)  # loaded in place
 
     def close(self) -> None:
-        """torch forgets the group (before the epoch's group is released)."""
+        """torch forgets the group (before the epoch's group is released), and DTensor's redistribution plans
+        made over its mesh (which hold it)."""
         self._world.give_back()
+        clear_redistribute_planner_cache()
 
 
 def shard_shape(shape: Sequence[int], shard: int, shards: int) -> tuple[int, ...]:
@@ -303,11 +316,24 @@ class ShardMirror:
 
     def step(self, model: torch.nn.Module) -> None:
         """This step's reduced gradient shards go to the next member; the previous member's come in, and
-        the copy takes the same update its owner's optimizer is about to make."""
+        the copy takes the same update its owner's optimizer is about to make (`receive`, then `update`)."""
+        self.receive(model)
+        self.update()
+
+    def receive(self, model: torch.nn.Module) -> None:
+        """This step's reduced gradient shards go to the next member and the previous member's come in (the
+        step's one collective of the mirror: where it fails, the step fails and the copy stays as it was)."""
         grads = [p.grad for p in model.parameters()]
         if any(g is None for g in grads):
             raise RuntimeError("sharding: a parameter has no gradient this step; its mirror cannot follow it")
         self._ring([local(g) for g in grads if g is not None], self._grads)
+
+    def update(self, lr: float | None = None) -> None:
+        """The copy takes the update its owner makes with the gradients `receive` brought (at `lr`, the
+        step's learning rate, where the owner's is set per step)."""
+        if lr is not None:
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
         self.optimizer.step()
 
     def state(self) -> tuple[list[torch.Tensor], list[dict]]:
@@ -330,9 +356,11 @@ class HeldShard:
 
 
 def held_shards(group: ShardedGroup, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                mirror: ShardMirror | None = None) -> list[HeldShard]:
-    """What this member holds of its replica: its own shard and, with a mirror, its neighbour's."""
-    params = list(model.parameters())
+                mirror: ShardMirror | None = None, params: Sequence[torch.Tensor] | None = None) -> list[HeldShard]:
+    """What this member holds of its replica: its own shard and, with a mirror, its neighbour's. `params`: the
+    sharded parameters, where `model.parameters()` may not give them (a forward that failed part-way leaves
+    FSDP's whole parameters on the modules)."""
+    params = list(model.parameters()) if params is None else list(params)
     held = [HeldShard(group.layout.shard_of(group.rank), [local(p).detach() for p in params],
                       [{k: local(v) for k, v in optimizer.state.get(p, {}).items()} for p in params])]
     if mirror is not None:
@@ -457,19 +485,24 @@ class ShardedState:
     optimizer: torch.optim.Optimizer
     mirror: ShardMirror | None
     mark: int
+    params: list[torch.Tensor]
+    """The sharded parameters, as `adopt` made them (what the optimizer's state is keyed by)."""
 
     def held(self) -> list[HeldShard]:
-        return held_shards(self.group, self.model, self.optimizer, self.mirror)
+        return held_shards(self.group, self.model, self.optimizer, self.mirror, self.params)
 
     def view(self) -> HeldView:
         return HeldView(self.mark, self.group.layout.group_size, tuple(h.index for h in self.held()))
 
 
-def whole(model: torch.nn.Module, mark: int = 0) -> tuple[HeldView, list[HeldShard]]:
+def whole(model: torch.nn.Module, mark: int = 0,
+          optimizer: torch.optim.Optimizer | None = None) -> tuple[HeldView, list[HeldShard]]:
     """What a member holds when it holds the whole replica (a fresh model, or one loaded from a checkpoint
-    at step `mark`, before any epoch cut it): the one shard of a group of one, with no optimizer state."""
-    params = [p.detach() for p in model.parameters()]
-    return HeldView(mark, 1, (0,)), [HeldShard(0, params, [{} for _ in params])]
+    at step `mark`, before any epoch cut it): the one shard of a group of one, with `optimizer`'s state
+    (none without one)."""
+    params = list(model.parameters())
+    states = [{} if optimizer is None else dict(optimizer.state.get(p, {})) for p in params]
+    return HeldView(mark, 1, (0,)), [HeldShard(0, [p.detach() for p in params], states)]
 
 
 NOTHING = HeldView(-1, 0, ())
@@ -479,13 +512,14 @@ NOTHING = HeldView(-1, 0, ())
 def enter_epoch(comm: Communicator, group_size: int, view: HeldView, held: Sequence[HeldShard],
                 build: Callable[[], torch.nn.Module],
                 make_optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer], mirror: bool = True,
-                kinds: Sequence[str] = KINDS, counts: Sequence[str] = COUNTS) -> ShardedState:
+                kinds: Sequence[str] = KINDS, counts: Sequence[str] = COUNTS,
+                buffers: dict[str, torch.Tensor] | None = None) -> ShardedState:
     """A member's entry into a membership epoch (`comm`: its group, every member calls it at once): the
     members agree on the newest state they hold whole, the replica is re-cut into groups of
     `group_size_for(world, group_size)` from their memory, and model and optimizer are built over the new
     group from this member's new shard alone; with `mirror`, each member then mirrors its neighbour's.
     `view`/`held`: what it holds (`ShardedState.view()`/`held()`, `whole(model)` before any epoch, `NOTHING`
-    for a joiner). Raises LayoutError where no state is held whole any more (the newest checkpoint's turn)."""
+    for a joiner); `buffers`: the model's buffers (not sharded, not trained: a mask, positions), copied in. Raises LayoutError where no state is held whole any more (the newest checkpoint's turn)."""
     recut, views = agree_on_recut(comm, view)
     if recut is None:
         raise LayoutError(f"no committed state is held whole by the members of this epoch (they hold: "
@@ -499,6 +533,10 @@ def enter_epoch(comm: Communicator, group_size: int, view: HeldView, held: Seque
     if all(float(state[c]) == 0 for state in states for c in counts if c in state):
         states = [{} for _ in params]  # an optimizer that never stepped (a fresh model): it starts fresh
     group = ShardedGroup(comm, layout, comm.rank)
-    model, optimizer = adopt(group, build, params, states, make_optimizer)
-    copy = ShardMirror(group, model, optimizer, kinds, counts) if mirror and layout.group_size > 1 else None
-    return ShardedState(group, model, optimizer, copy, recut.mark)
+    try:
+        model, optimizer = adopt(group, build, params, states, make_optimizer, buffers)
+        copy = ShardMirror(group, model, optimizer, kinds, counts) if mirror and layout.group_size > 1 else None
+    except BaseException:
+        group.close()  # torch forgets the group it was lent (the group itself failed, or is about to be left)
+        raise
+    return ShardedState(group, model, optimizer, copy, recut.mark, list(model.parameters()))

@@ -80,7 +80,13 @@ class StepRunner:
             for i, fetched in enumerate(micro):
                 impl.accumulating = i < len(micro) - 1
                 weight = weights[i]  # each sample counts 1/B (shares) or 1/n_i (own mean), however split
-                loss, metrics = self._loss(fetched.batch)
+                try:
+                    loss, metrics = self._loss(fetched.batch)
+                except Exception as err:
+                    failure = impl.comm_error(err)  # the policy's communication in the forward (FSDP's gathers)
+                    if failure is None:
+                        raise
+                    raise failure from None
                 scaled = (loss.float() if loss.dtype in HALF else loss) * weight  # a half loss, scaled in float32
                 share = scaled.detach()  # before the backward that may launch the vote
                 draft.loss = share if i == 0 else draft.loss + share
@@ -223,6 +229,15 @@ class StepRunner:
         next step re-forms the group."""
         r = self._r
         evaluation, comm, rank = r.reporter.evaluation, r.group.comm, plan.rank_of(r.slot)
+        if r.shards is not None:  # the sharded model's forward is its group's to run together: the first group's
+            if not r.reporter.evaluation_due(prev, step) or not r.shards.in_first_group():
+                return None
+            try:
+                return evaluation.whole(r.training.model, r.policy.impl, step)
+            except CommError as err:
+                log.warning("the evaluation at step %d was lost: %s", step, str(err).splitlines()[0][:200])
+                self._collective_failed(plan, err)
+                return {}
         if (not r.reporter.evaluation_due(prev, step) or rank is None or not isinstance(comm, Reducing)
                 or not evaluation.splits(r.policy.algorithm.kind, r.policy.impl, len(plan.members))):
             return None

@@ -153,26 +153,43 @@ class TrainingState:
         return skipped
 
     def committed_view(self, impl: AlgorithmImpl) -> tuple[int, int]:
-        """(step, checksum) of the newest committed state."""
+        """(step, checksum) of the newest committed state (of this member's shards, where it holds shards)."""
         params = impl.committed_parameters()
-        return self.mark(impl), checksum(params if params is not None else self.model.parameters())
+        return self.mark(impl), checksum(_local(p) for p in (params if params is not None else self.model.parameters()))
 
-    def to_state(self, impl: AlgorithmImpl, carried: dict[str, Any]) -> dict[str, Any]:
-        """The committed state, with what the replica's other parts carry in it (`carried`: the data
-        position, the newest record, the policy, the step metrics' names). Its tensors are the live
-        model's and optimizer's own (not copies), except a periodic policy's committed parameters."""
-        model = self.model.state_dict()
-        committed = impl.committed_parameters()
-        if committed is not None:
-            model.update({name: t.detach().clone() for name, t in zip(self.param_names, committed)})
-        return {"model": model, "optimizer": self.optimizer.state_dict(), "precision": self.optimizer.precision_state(),
-                "step": self.mark(impl), "cursor": self.mark_cursor, "algorithm": impl.state_dict(),
+    def adopt(self, model: torch.nn.Module, optimizer: GuardedOptimizer) -> None:
+        """Train `model` with `optimizer` from now on, at the step where it stands (a replica group's entry
+        re-cuts the replica into a new model and optimizer over the new group)."""
+        self.model, self.optimizer = model, optimizer
+        self.holds_state = True
+
+    def position(self, impl: AlgorithmImpl, carried: dict[str, Any]) -> dict[str, Any]:
+        """Where the committed state stands, without its model and optimizer: its step and data cursor, the
+        policy's state, the random generator's, and what the replica's other parts carry (`carried`: the
+        data position, the newest record, the policy, the step metrics' names)."""
+        return {"step": self.mark(impl), "cursor": self.mark_cursor, "algorithm": impl.state_dict(),
                 "rng": {"torch": torch.get_rng_state()}, **carried}
 
-    def to_bytes(self, impl: AlgorithmImpl, carried: dict[str, Any]) -> bytes:
+    def to_state(self, impl: AlgorithmImpl, carried: dict[str, Any],
+                 whole: tuple[dict[str, Any], dict[str, Any]] | None = None) -> dict[str, Any]:
+        """The committed state (`position`, with the model's and the optimizer's). Its tensors are the live
+        model's and optimizer's own (not copies), except a periodic policy's committed parameters;
+        `whole`: (the model's state, the optimizer's) gathered whole from a replica group, instead."""
+        if whole is not None:
+            model, optimizer = whole
+        else:
+            model, optimizer = self.model.state_dict(), self.optimizer.state_dict()
+            committed = impl.committed_parameters()
+            if committed is not None:
+                model.update({name: t.detach().clone() for name, t in zip(self.param_names, committed)})
+        return {"model": model, "optimizer": optimizer, "precision": self.optimizer.precision_state(),
+                **self.position(impl, carried)}
+
+    def to_bytes(self, impl: AlgorithmImpl, carried: dict[str, Any],
+                 whole: tuple[dict[str, Any], dict[str, Any]] | None = None) -> bytes:
         """The committed state (`to_state`) as bytes: what a checkpoint holds, the final model."""
         buf = io.BytesIO()
-        torch.save(self.to_state(impl, carried), buf)
+        torch.save(self.to_state(impl, carried, whole), buf)
         return buf.getvalue()
 
     def restore(self, state: dict[str, Any], impl: AlgorithmImpl) -> None:
@@ -180,9 +197,19 @@ class TrainingState:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.optimizer.load_precision_state(state.get("precision", {}))
+        self.restore_position(state, impl)
+
+    def restore_position(self, state: dict[str, Any], impl: AlgorithmImpl) -> None:
+        """Stand where a committed state stands (`position`: its step, cursor, policy state and generator)."""
         impl.load_state_dict(state["algorithm"])
         self.step, self.cursor = int(state["step"]), int(state["cursor"])
         self.mark_cursor = self.cursor
         self.holds_state = True
         if "rng" in state:
             torch.set_rng_state(state["rng"]["torch"])
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This member's part of a tensor that may be a shard (a DTensor of FSDP's)."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if callable(to_local) else tensor

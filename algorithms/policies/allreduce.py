@@ -351,7 +351,7 @@ class AllReduceImpl(AlgorithmImpl):
         except RuntimeError as err:
             # The epoch was aborted (its pairs shut down), a peer is gone, or the group timed out: the
             # reducer's wait on a bucket raised gloo's error through backward.
-            if self.comm.failed or _from_gloo(err):
+            if self.comm.failed or from_backend(err):
                 self._drop_reducer()  # its state is mid-step: never reused
                 raise self.comm.failed_in_backend(err) from None
             raise
@@ -509,7 +509,7 @@ class AllReduceImpl(AlgorithmImpl):
             compressed.discard()
 
 
-def _from_gloo(err: RuntimeError) -> bool:
+def from_backend(err: RuntimeError) -> bool:
     """Whether a RuntimeError out of backward is the backend's (a bucket's all-reduce failed: gloo's
     or NCCL's), not the model's."""
     text = str(err)

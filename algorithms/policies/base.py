@@ -57,7 +57,7 @@ import numpy as np
 import torch
 
 from algorithms.rules.kinds import Kind, KindTraits
-from core.comm_api import Communicator
+from core.comm_api import CommError, Communicator
 
 _REGISTRY: dict[str, type[Algorithm]] = {}
 
@@ -233,6 +233,11 @@ class AlgorithmImpl:
 
     def end_backward(self, step: int) -> None:
         pass
+
+    def comm_error(self, err: BaseException) -> CommError | None:
+        """`err`, raised by the forward, as the group's CommError where the policy's own communication
+        raised it (FSDP gathers the parameters in the forward), else None (the forward's own error)."""
+        return None
 
     def finish_step(self, step: int, draft: VoteDraft) -> StepVote:
         return StepVote.local(draft)

@@ -44,16 +44,19 @@ class Entry(_Named):
     """The members pull from the parameter server: nothing to reconcile among them."""
     NONE = "none"
     """Nothing to reconcile (the background kind's rounds run in their own group)."""
+    SHARDED = "sharded"
+    """Replica groups (`sharding.group_size` > 1): the members agree on the newest state held whole among
+    their shards and copies, and the replica is re-cut into the new epoch's groups from their memory."""
 
     @property
     def forms_group(self) -> bool:
         """Whether the members form a collective group for the epoch (else a group-less epoch)."""
-        return self in (Entry.REPLICATED, Entry.AVERAGE)
+        return self in (Entry.REPLICATED, Entry.AVERAGE, Entry.SHARDED)
 
     @property
     def agrees_on_step(self) -> bool:
         """Whether the members agree on the newest committed step at entry, which rank 0 tells history."""
-        return self is Entry.REPLICATED
+        return self in (Entry.REPLICATED, Entry.SHARDED)
 
 
 class Reporter(_Named):

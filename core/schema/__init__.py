@@ -56,7 +56,16 @@ from core.schema.policies import (
     Weighed,
 )
 from core.schema.status import TERMINAL_STATES, Event, JobResult, JobState, JobStatus, MemberStatus
-from core.schema.training import CODECS, CheckpointConfig, CompressionConfig, ServerConfig, StopConfig, TargetConfig, TrackingConfig
+from core.schema.training import (
+    CODECS,
+    CheckpointConfig,
+    CompressionConfig,
+    ServerConfig,
+    ShardingConfig,
+    StopConfig,
+    TargetConfig,
+    TrackingConfig,
+)
 from core.schema.workload import (
     BUILT_IN_OPTIMIZERS,
     PRECISIONS,
@@ -78,7 +87,7 @@ __all__ = [
     "JobResult", "JobState", "JobStatus", "KillFault", "LinkConfig", "LoaderConfig", "LocalSGDConfig", "MemberStatus", "NameTaken",
     "NOT_WIRED", "NetworkConfig", "OptimizerConfig", "OrchestratorError", "POLICIES", "POLICY_TABLE", "PairLink",
     "PolicyRow", "Weighed", "QAdamConfig", "QuorumConfig", "RayConfig", "SERVER_POLICIES", "SSPConfig", "STATIC_TOPOLOGIES",
-    "SYNC_POLICIES", "ScaleFault", "ServerConfig", "ShadowConfig", "StopConfig", "StragglerFault",
+    "SYNC_POLICIES", "ScaleFault", "ServerConfig", "ShadowConfig", "ShardingConfig", "StopConfig", "StragglerFault",
     "StreamingDiLoCoConfig", "SyncConfig", "TERMINAL_STATES", "TOPOLOGY_KINDS", "TargetConfig", "TopologyConfig",
     "TrackingConfig", "TrialConfig", "WorkersConfig", "WorkloadConfig", "WorkloadRefused", "nearest", "parse", "system_keys",
     "user_keys",

@@ -11,7 +11,7 @@ from core.schema.faults import FaultsConfig
 from core.schema.network import CommConfig, NetworkConfig, RayConfig
 from core.schema.parser import SYSTEM_SET
 from core.schema.policies import COMPRESSING_POLICIES, NOT_WIRED, SERVER_POLICIES, BSPConfig, QuorumConfig, SyncConfig
-from core.schema.training import CheckpointConfig, CompressionConfig, ServerConfig, StopConfig, TrackingConfig
+from core.schema.training import CheckpointConfig, CompressionConfig, ServerConfig, ShardingConfig, StopConfig, TrackingConfig
 from core.schema.workload import Optimizer, OptimizerConfig, TorchOptimizerConfig, TrainingConfig, WorkersConfig, WorkloadConfig
 
 
@@ -29,6 +29,7 @@ class JobConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
     compression: CompressionConfig = field(default_factory=CompressionConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    sharding: ShardingConfig = field(default_factory=ShardingConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     stop: StopConfig = field(default_factory=lambda: StopConfig(max_steps=100))
     faults: FaultsConfig = field(default_factory=FaultsConfig)
@@ -114,6 +115,7 @@ class JobConfig:
             raise FieldError("eval_every", f"must not be negative, got {self.eval_every}")
         within(self, "progress_every_s", 0.0, DAY_S, unit=" s")
         self._check_server_policy()
+        self._check_sharding()
         if self.network.lab:
             self._check_network()
         slots = self.workers.max or self.workers.count
@@ -134,6 +136,30 @@ class JobConfig:
         if self.faults.server and self.sync.policy not in SERVER_POLICIES:
             raise FieldError("faults.server", f"policy {self.sync.policy!r} runs no parameter server "
                                               f"({', '.join(sorted(SERVER_POLICIES))} do)")
+
+    def _check_sharding(self) -> None:
+        """Replica groups of more than one member run what has been built and tested for them; the rest is
+        refused here, in one line, rather than failing on the workers."""
+        if self.sharding.group_size == 1:
+            return
+        refused = {
+            "sync.policy": (self.sync.policy != "bsp", f"{self.sync.policy!r} does not run over replica groups yet; bsp does"),
+            "compression.codec": (self.compression.codec != "none", "sharded gradients travel uncompressed (set none)"),
+            "optimizer.name": (not isinstance(self.optimizer, OptimizerConfig) or self.optimizer.name != "adamw",
+                               "replica groups re-cut AdamW's state (set adamw)"),
+            "optimizer.clip_grad_norm": (self.optimizer.clip_grad_norm is not None,
+                                         "clipping a sharded gradient needs its norm over the shards: not built yet"),
+            "training.precision": (self.training.precision != "fp32", "replica groups train in fp32 only (yet)"),
+            "training.compile": (self.training.compile, "replica groups do not compile the model (yet)"),
+            "training.activation_checkpointing": (self.training.activation_checkpointing,
+                                                  "replica groups do not recompute activations (yet)"),
+            "workers.gpus": (self.workers.gpus > 0, "replica groups run on CPU workers only (yet)"),
+            "checkpoint.every_steps": (self.checkpoint.every_steps is not None,
+                                       "periodic checkpoints of replica groups are not written yet (the final model is)"),
+        }
+        for name, (wrong, why) in refused.items():
+            if wrong:
+                raise FieldError(name, f"with sharding.group_size {self.sharding.group_size}: {why}")
 
     def _check_server_policy(self) -> None:
         if isinstance(self.sync, QuorumConfig):

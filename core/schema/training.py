@@ -69,6 +69,26 @@ class CheckpointConfig:
 
 
 @dataclass
+class ShardingConfig:
+    """Replica groups: the members form groups of `group_size`, and inside a group the model, its
+    gradients and the optimizer's state are cut `group_size` ways (torch's FSDP); across groups the
+    policy keeps the shards equal (actors/training/sharding.py)."""
+
+    group_size: int = 1
+    """Members per replica group; 1: every member holds the whole replica. An epoch whose world it does not
+    divide uses the smallest divisor of the world above it (4 members in groups of 2 that lose one go on as
+    one group of 3)."""
+    mirror: bool = True
+    """Each member also keeps a copy of its neighbour's shard in host memory, kept current every step
+    (one more gradient shard sent a step), so that a group survives the death of one member without
+    storage."""
+
+    def __post_init__(self) -> None:
+        if self.group_size < 1:
+            raise FieldError("group_size", f"must be at least 1, got {self.group_size}")
+
+
+@dataclass
 class TrackingConfig:
     metrics: bool = True
     """Export the job's metrics through Ray's metrics agent (`ray.util.metrics`: Prometheus, Ray's dashboard)."""
