@@ -91,6 +91,17 @@ class CommittedState:
         state gathered from a replica group)."""
         return self._r.training.to_bytes(self._r.policy.impl, self._carried(), whole)
 
+    def final_bytes(self) -> bytes:
+        """The committed state at the end of the run (`state_bytes`; with replica groups, the replica rank 0
+        gathered whole at the end)."""
+        shards = self._r.shards
+        if shards is None:
+            return self.state_bytes()
+        if shards.whole is None:
+            raise RuntimeError(f"{self._r.slot} holds no whole replica: with replica groups, rank 0 of the last plan "
+                               f"gathers it at the end of the run")
+        return self.state_bytes(shards.whole)
+
     def checkpoint(self, background: bool) -> Checkpoint:
         """A checkpoint of the committed state as it is now: serialized when it is written (`background`:
         from a host copy taken now, which training may go on past)."""

@@ -56,7 +56,7 @@ from actors.training.step_metrics import StepMetrics
 from actors.training.training_state import TrainingState, checksum, read_state
 from actors.training.user_code import WorkloadBug, metrics_of
 from actors.training.workload import build_workload, device_for, ray_blocks
-from actors.transport.comm import BaseCommunicator, CommError
+from actors.transport.comm import BaseCommunicator
 from algorithms.policies.base import EpochInfo
 from algorithms.policies.optim import build_optimizer
 from algorithms.policies.precision import Precision, guarded
@@ -218,12 +218,7 @@ class Replica:
     def final_state(self) -> bytes:
         """The committed training state (model, optimizer, step, data position, ...), as a checkpoint holds it
         (with replica groups: as rank 0 gathered it at the end of the run)."""
-        if self.shards is None:
-            return self.committed.state_bytes()
-        if self.shards.whole is None:
-            raise RuntimeError(f"{self.slot} holds no whole replica: with replica groups, rank 0 of the last plan "
-                               f"gathers it at the end of the run")
-        return self.committed.state_bytes(self.shards.whole)
+        return self.committed.final_bytes()
 
     def evaluate_state(self, blob: bytes) -> dict:
         """The workload's metrics of a model state (the average of the replicas), on a copy of the model."""
@@ -326,7 +321,7 @@ class Replica:
             if self.policy.impl.sync_due(self.training.step, stop_at):
                 ok = self._steps.sync(plan)
             elif (stop_at is not None and self.training.step >= stop_at) or self.policy.impl.stop_requested():
-                if self._finish(plan):
+                if self._steps.finish(plan):
                     return
                 ok = False
             else:
@@ -343,22 +338,6 @@ class Replica:
                 # sends the coordinator any it lacks).
                 self.flush(force=True, wait=False)
             self.plan = self.plans.newer_than(plan.version)
-
-    def _finish(self, plan: Plan) -> bool:
-        """The end of the run: the final record (rank 0 evaluates the final model). With replica groups the
-        first group's members first gather the replica whole (rank 0 keeps it: the final model) and evaluate
-        it together (the sharded model's forward is theirs to run together). False where that group failed
-        (the loop waits for the next plan, and ends under it)."""
-        evaluated = None
-        if self.shards is not None and self.shards.in_first_group():
-            try:
-                self.shards.finish(keep=plan.rank_of(self.slot) == 0)
-                evaluated = self.reporter.evaluation.whole(self.training.model, self.policy.impl, self.training.step)
-            except CommError as err:
-                self.failed_with(str(err))
-                return False
-        self.reporter.final(self.plan, self.training.model, self.policy.impl, self.training.step, evaluated)
-        return True
 
     def joining(self) -> None:
         self.state = "joining"

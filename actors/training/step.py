@@ -222,6 +222,23 @@ class StepRunner:
         r.reporter.maybe_checkpoint(plan, algorithm, prev, training.step, r.mark(), r.committed.checkpoint)
         r.group.settle()  # off the next re-form's path, now that this one's first step is done
 
+    def finish(self, plan: Plan) -> bool:
+        """The end of the run: the final record (rank 0 evaluates the final model). With replica groups the
+        first group's members first gather the replica whole (rank 0 keeps it: the final model) and evaluate
+        it together (the sharded model's forward is theirs to run together). False where that group failed
+        (the loop waits for the next plan, and ends under it)."""
+        r = self._r
+        evaluated = None
+        if r.shards is not None and r.shards.in_first_group():
+            try:
+                r.shards.finish(keep=plan.rank_of(r.slot) == 0)
+                evaluated = r.reporter.evaluation.whole(r.training.model, r.policy.impl, r.training.step)
+            except CommError as err:
+                r.failed_with(str(err))
+                return False
+        r.reporter.final(r.plan, r.training.model, r.policy.impl, r.training.step, evaluated)
+        return True
+
     def _evaluated_in_shares(self, plan: Plan, prev: int | None, step: int) -> dict | None:
         """Where the evaluation at this commit point is split (`Evaluation.splits`), every member evaluates
         its share and all get the metrics; else None (rank 0 evaluates alone, in `record`). A failure of
