@@ -85,6 +85,8 @@ class Journal:
         self.metrics: dict = {}
         self.step_metrics: dict = {}
         """The workload's step metrics of the newest record that has them (`step_metrics`)."""
+        self.tensor_bytes: dict = {}
+        """What one worker holds of the training state, with replica groups (the newest record that says it)."""
         self.recent: collections.deque[tuple[float, int, int, float, float]] = collections.deque()
         """(time, step, tokens so far) of the records of the last 5 s."""
         self._tokens = 0
@@ -183,6 +185,8 @@ class Journal:
             self.metrics = dict(record["metrics"])
         if record.get("step_metrics"):
             self.step_metrics = dict(record["step_metrics"])
+        if record.get("tensor_bytes"):
+            self.tensor_bytes = dict(record["tensor_bytes"])
         if record.get("mfu") is not None:
             self.mfu = float(record["mfu"])
         self._tokens += int(record.get("tokens") or 0)
@@ -303,6 +307,7 @@ class Journal:
         history = runfiles.read_jsonl(self.run_dir / "history.jsonl")
         self._step = history[-1]["step"] if history else 0
         self.step_metrics = dict(history[-1].get("step_metrics", {})) if history else {}
+        self.tensor_bytes = next((dict(r["tensor_bytes"]) for r in reversed(history) if r.get("tensor_bytes")), {})
         return saved
 
     # ------------------------------------------------------------------ faults and files

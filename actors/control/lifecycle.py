@@ -96,7 +96,7 @@ class Lifecycle:
                          worker_tokens_per_compute_s=self.journal.worker_tokens_per_compute_s(), mfu=self.journal.mfu,
                          cause=job.cause,
                          run_dir=str(self.run.run_dir), metrics=dict(self.journal.metrics),
-                         step_metrics=dict(self.journal.step_metrics),
+                         step_metrics=dict(self.journal.step_metrics), tensor_bytes=dict(self.journal.tensor_bytes),
                          reshapes=self.journal.recent_reshapes(), departed=tuple(self.book.departed),
                          incarnation=self.run.incarnation, coordinator_pid=os.getpid(),
                          started_at=job.started_at, ended_at=job.ended_at,

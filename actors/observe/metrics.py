@@ -58,6 +58,9 @@ METRICS = {m.name: m for m in (
     Metric("eval", "gauge", "Newest evaluation metric", ("metric",)),
     Metric("step_metric", "gauge", "A step metric the workload's loss returns beside the loss, as the newest "
                                    "committed step recorded it (aggregated over the members as the loss is)", ("metric",)),
+    Metric("worker_tensor_bytes", "gauge", "With replica groups: what one worker (rank 0) holds of the training state at "
+                                           "the membership epoch's start, in bytes, by part (parameters, gradients, "
+                                           "optimizer, mirror: its copy of its neighbour's shard; total)", ("part",)),
     Metric("world_size", "gauge", "Members of the newest plan"),
     Metric("membership_epoch", "gauge", "Membership epoch of the newest plan"),
     Metric("state", "gauge", "1 for the job's current state, 0 for the others", ("state",)),
@@ -196,6 +199,8 @@ class JobMetrics:
                 newest[("eval", ("metric", str(metric)))] = value
         for metric, value in (record.get("step_metrics") or {}).items():
             newest[("step_metric", ("metric", str(metric)))] = value
+        for part, value in (record.get("tensor_bytes") or {}).items():
+            newest[("worker_tensor_bytes", ("part", str(part)))] = value
         if record.get("time") is not None and record["time"] > self._last_commit:
             self._last_commit = newest[("last_commit_timestamp_seconds",)] = float(record["time"])
         self._sent(who, record)

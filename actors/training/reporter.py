@@ -79,6 +79,8 @@ class StepRecord:
     """The gradient's norm before clipping, where the update measured it (clipping, a loss scale)."""
     skipped_updates: int = 0
     """Updates skipped so far because their gradient was not finite (fp16-mixed)."""
+    tensor_bytes: dict[str, int] | None = None
+    """With replica groups, at an epoch's first commit: what this member holds of the training state (bytes)."""
     time: float = dataclasses.field(default_factory=time.time)
 
 
@@ -200,6 +202,8 @@ class StepReporter:
             record["grad_norm"] = rec.grad_norm
         if rec.skipped_updates:
             record["skipped_updates"] = rec.skipped_updates
+        if rec.tensor_bytes:
+            record["tensor_bytes"] = dict(rec.tensor_bytes)
         self.kept.append(record)
         reports = self.reports(plan, algorithm)
         if reports:

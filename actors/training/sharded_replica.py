@@ -92,15 +92,15 @@ class ReplicaShards:
         gathered = state.group.gathered(state.model, state.optimizer)
         self.whole = gathered if keep else None
 
-    def tensor_bytes(self) -> TensorBytes:
-        """What this member holds of the training state: its shard's parameters, gradients and optimizer
-        state (its copy of its neighbour's: `mirror_bytes`)."""
+    def held_bytes(self) -> dict[str, int]:
+        """What this member holds of the training state, in bytes: its shard's `parameters`, `gradients` and
+        `optimizer` state, its copy of its neighbour's shard (`mirror`: parameters, gradient and optimizer
+        state) and their `total`."""
         state = self._current()
-        return tensor_bytes(state.model, state.optimizer)
-
-    def mirror_bytes(self) -> int:
-        state = self._current()
-        return 0 if state.mirror is None else state.mirror.tensor_bytes()
+        held: TensorBytes = tensor_bytes(state.model, state.optimizer)
+        mirror = 0 if state.mirror is None else state.mirror.tensor_bytes()
+        return {"parameters": held.parameters, "gradients": held.gradients, "optimizer": held.optimizer,
+                "mirror": mirror, "total": held.total + mirror}
 
     def _current(self) -> ShardedState:
         if self.state is None:

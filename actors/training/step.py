@@ -216,7 +216,9 @@ class StepRunner:
             provisional=impl.commit_mark is not None, step_metrics=r.metrics.named(vote.extras) if vote.extras else {},
             policy_fields=impl.record_fields(), dropped=r.samples.take_dropped(), skipped=self._skipped,
             grad_norm=None if training.optimizer.grad_norm is None else float(training.optimizer.grad_norm),
-            skipped_updates=training.optimizer.skipped)
+            skipped_updates=training.optimizer.skipped,
+            tensor_bytes=r.shards.held_bytes() if r.shards is not None and (
+                newest is None or newest.get("membership_epoch") != plan.membership_epoch) else None)
         evaluated = self._evaluated_in_shares(plan, prev, training.step)
         r.reporter.record(record, algorithm, training.model, impl, lambda: (training.step, r.mark()), evaluated)
         r.reporter.maybe_checkpoint(plan, algorithm, prev, training.step, r.mark(), r.committed.checkpoint)

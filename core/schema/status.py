@@ -97,6 +97,10 @@ class JobStatus:
     `failures`, the tries to store one that failed (each a `checkpoint_failed` event); empty before any."""
     samples_skipped: int = 0
     """Bad training samples skipped so far (`workload.on_bad_sample: skip`; each a `samples_skipped` event)."""
+    tensor_bytes: dict = field(default_factory=dict)
+    """With replica groups (`sharding.group_size` > 1): what rank 0 holds of the training state at the current
+    membership epoch's start, in bytes: its shard's `parameters`, `gradients` and `optimizer` state, its copy of
+    its neighbour's shard (`mirror`) and their `total`; empty without replica groups."""
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

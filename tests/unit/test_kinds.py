@@ -63,8 +63,8 @@ def test_each_kind_answers_as_the_policies_page_says(kind):
 
 
 def test_the_entries_and_reporters_answer_by_behaviour():
-    assert [e for e in Entry if e.forms_group] == [Entry.REPLICATED, Entry.AVERAGE]
-    assert [e for e in Entry if e.agrees_on_step] == [Entry.REPLICATED]
+    assert [e for e in Entry if e.forms_group] == [Entry.REPLICATED, Entry.AVERAGE, Entry.SHARDED]
+    assert [e for e in Entry if e.agrees_on_step] == [Entry.REPLICATED, Entry.SHARDED]
     assert [(r.reports_from(0), r.reports_from(1)) for r in Reporter] == [(True, False), (True, True), (False, False)]
     assert [f for f in FinalModel if f.averages_replicas] == [FinalModel.AVERAGE]
     assert SERVER.server_role == "parameter server" and BACKGROUND.server_role == "lease dispenser"
