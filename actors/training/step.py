@@ -234,12 +234,27 @@ class StepRunner:
         if r.shards is not None and r.shards.in_first_group():
             try:
                 r.shards.finish(keep=plan.rank_of(r.slot) == 0)
-                evaluated = r.reporter.evaluation.whole(r.training.model, r.policy.impl, r.training.step)
+                evaluated = self._evaluate_together(r.training.step)
             except CommError as err:
                 r.failed_with(str(err))
                 return False
         r.reporter.final(r.plan, r.training.model, r.policy.impl, r.training.step, evaluated)
         return True
+
+    def _evaluate_together(self, step: int) -> dict:
+        """The workload's evaluation of the sharded model, which the members of its group run together (its
+        forward gathers the parameters over the group): where the group fails under the workload's code,
+        a CommError, as for a step (not the workload's bug)."""
+        r = self._r
+        try:
+            return r.reporter.evaluation.whole(r.training.model, r.policy.impl, step)
+        except CommError:
+            raise
+        except Exception as err:
+            failure = r.policy.impl.comm_error(err)
+            if failure is None:
+                raise
+            raise failure from None
 
     def _evaluated_in_shares(self, plan: Plan, prev: int | None, step: int) -> dict | None:
         """Where the evaluation at this commit point is split (`Evaluation.splits`), every member evaluates
@@ -252,7 +267,7 @@ class StepRunner:
             if not r.reporter.evaluation_due(prev, step) or not r.shards.in_first_group():
                 return None
             try:
-                return evaluation.whole(r.training.model, r.policy.impl, step)
+                return self._evaluate_together(step)
             except CommError as err:
                 log.warning("the evaluation at step %d was lost: %s", step, str(err).splitlines()[0][:200])
                 self._collective_failed(plan, err)
