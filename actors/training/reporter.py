@@ -243,13 +243,17 @@ class StepReporter:
                          checkpoint: Callable[[bool], Checkpoint]) -> None:
         """Rank 0 hands the committed state to the coordinator at each `checkpoint.every_steps`
         (`checkpoint(background)`: the state at this step, copied to the host where it is written in the background)."""
-        every = self._cfg.checkpoint.every_steps
-        if algorithm.final_model.from_server or not crossed(every, prev, step):  # the server's state is checkpointed
+        if not self.checkpoint_due(algorithm, prev, step):
             return
         self._faults.maybe_fire("checkpoint", step)
         if plan.rank_of(self._slot) == 0:
             self.flush(plan, step, mark, force=True)  # history up to this step precedes the checkpoint
             self.checkpoints.submit(step, checkpoint(self._background))
+
+    def checkpoint_due(self, algorithm: Algorithm, prev: int | None, step: int) -> bool:
+        """Whether the commit point `step` (the one before it: `prev`) crosses a multiple of
+        `checkpoint.every_steps` (never for the kinds whose server checkpoints the state)."""
+        return not algorithm.final_model.from_server and crossed(self._cfg.checkpoint.every_steps, prev, step)
 
     def await_checkpoints(self) -> None:
         """A run ends once the checkpoints it sent are stored: the coordinator stores them off its event

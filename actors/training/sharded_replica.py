@@ -88,9 +88,14 @@ class ReplicaShards:
     def finish(self, keep: bool) -> None:
         """The end of the run, for the members of the first group: the replica gathered whole, kept where
         `keep` (rank 0, which hands the final model to the coordinator)."""
-        state = self._current()
-        gathered = state.group.gathered(state.model, state.optimizer)
+        gathered = self.gather()
         self.whole = gathered if keep else None
+
+    def gather(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """(model state, optimizer state) of the replica whole, as an unsharded model's and optimizer's: every
+        member of the first group calls it at once."""
+        state = self._current()
+        return state.group.gathered(state.model, state.optimizer)
 
     def held_bytes(self) -> dict[str, int]:
         """What this member holds of the training state, in bytes: its shard's `parameters`, `gradients` and

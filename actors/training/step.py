@@ -17,6 +17,7 @@ import torch
 
 from actors.plan import Plan
 from actors.training.batch_feed import seed_step
+from actors.training.checkpoint_writer import Checkpoint
 from actors.training.epoch_group import Reducing
 from actors.training.parts import ReplicaParts
 from actors.training.reporter import StepRecord
@@ -221,7 +222,11 @@ class StepRunner:
                 newest is None or newest.get("membership_epoch") != plan.membership_epoch) else None)
         evaluated = self._evaluated_in_shares(plan, prev, training.step)
         r.reporter.record(record, algorithm, training.model, impl, lambda: (training.step, r.mark()), evaluated)
-        r.reporter.maybe_checkpoint(plan, algorithm, prev, training.step, r.mark(), r.committed.checkpoint)
+        checkpoint: Callable[[bool], Checkpoint] | None = r.committed.checkpoint
+        if r.shards is not None and r.reporter.checkpoint_due(algorithm, prev, training.step):
+            checkpoint = self._gathered_checkpoint(plan)
+        if checkpoint is not None:
+            r.reporter.maybe_checkpoint(plan, algorithm, prev, training.step, r.mark(), checkpoint)
         r.group.settle()  # off the next re-form's path, now that this one's first step is done
 
     def finish(self, plan: Plan) -> bool:
@@ -240,6 +245,24 @@ class StepRunner:
                 return False
         r.reporter.final(r.plan, r.training.model, r.policy.impl, r.training.step, evaluated)
         return True
+
+    def _gathered_checkpoint(self, plan: Plan) -> Callable[[bool], Checkpoint] | None:
+        """With replica groups, at a checkpoint's step: the first group's members gather the replica whole
+        (its model and AdamW state, as an unsharded run's), which rank 0 serializes on the step loop and
+        hands to the coordinator as any checkpoint (the other members hand nothing). None where the group
+        failed in the gather: this checkpoint is lost (the next step re-forms the group)."""
+        r = self._r
+        assert r.shards is not None  # asked with replica groups only
+        if not r.shards.in_first_group():
+            return r.committed.checkpoint  # never called: rank 0 is in the first group
+        try:
+            whole = r.shards.gather()
+        except CommError as err:
+            log.warning("the checkpoint at step %d was lost: %s", r.training.step, str(err).splitlines()[0][:200])
+            self._collective_failed(plan, err)
+            return None
+        state = r.committed.state_bytes
+        return lambda background: Checkpoint(lambda: state(whole), background=False)
 
     def _evaluate_together(self, step: int) -> dict:
         """The workload's evaluation of the sharded model, which the members of its group run together (its

@@ -154,8 +154,6 @@ class JobConfig:
             "training.activation_checkpointing": (self.training.activation_checkpointing,
                                                   "replica groups do not recompute activations (yet)"),
             "workers.gpus": (self.workers.gpus > 0, "replica groups run on CPU workers only (yet)"),
-            "checkpoint.every_steps": (self.checkpoint.every_steps is not None,
-                                       "periodic checkpoints of replica groups are not written yet (the final model is)"),
         }
         for name, (wrong, why) in refused.items():
             if wrong:

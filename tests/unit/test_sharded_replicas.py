@@ -119,7 +119,7 @@ def test_one_group_of_four_survives_a_departure_only_from_the_copies(tmp_path, m
     ("optimizer", {"name": "sgd", "lr": 0.1}),
     ("optimizer", {**ADAMW, "clip_grad_norm": 1.0}),
     ("training", {"precision": "bf16-mixed"}),
-    ("checkpoint", {"every_steps": 10}),
+    ("training", {"compile": True}),
 ])
 def test_what_replica_groups_do_not_run_yet_is_refused_in_one_line(section, value):
     from core.schema import ConfigError, JobConfig, parse
@@ -129,3 +129,44 @@ def test_what_replica_groups_do_not_run_yet_is_refused_in_one_line(section, valu
         parse(JobConfig, cfg)
     message = str(caught.value)
     assert message.startswith(section) and "sharding.group_size 2" in message and "\n" not in message, message
+
+
+class KeepingLink:
+    """The recording link, keeping each checkpoint's bytes (`LocalLink` keeps only its step)."""
+
+    def __init__(self, link) -> None:
+        self._link = link
+        self.checkpoints: dict[int, bytes] = {}
+
+    def save_checkpoint(self, step: int, blob: bytes) -> None:
+        self.checkpoints[step] = blob
+        self._link.save_checkpoint(step, blob)
+
+    def __getattr__(self, name: str):
+        return getattr(self._link, name)
+
+
+@pytest.mark.parametrize("slots, group_size", [(("w0", "w1", "w2"), 1), (SLOTS, 4)])
+def test_a_checkpoint_of_groups_of_two_resumes_at_another_world_and_group_size_equal_to_going_on(
+        tmp_path, slots, group_size):
+    """Written at step 8 by 4 workers in groups of 2 (the first group gathers the replica whole: its model and
+    AdamW's state, as an unsharded run writes them), resumed by `slots` in groups of `group_size`: the run to
+    step 12 equals one process straight through."""
+    kept: list[KeepingLink] = []
+    cfg = {**config({"policy": "bsp"}, ADAMW, STEPS, 4), "sharding": {"group_size": 2},
+           "checkpoint": {"every_steps": 4}}
+    job = LocalJob(cfg, list(SLOTS), str(tmp_path / "first"), wrap_link=lambda link: kept.append(KeepingLink(link)) or kept[0])
+    job.run(SLOTS, BATCH)
+    assert sorted(kept[0].checkpoints) == [4, 8, 12]
+    resumed_cfg = {**config({"policy": "bsp"}, ADAMW, STEPS, len(slots)), "sharding": {"group_size": group_size}}
+    resumed = LocalJob(resumed_cfg, list(slots), str(tmp_path / "resumed"))
+    assert resumed.replicas["w0"].load_checkpoint(kept[0].checkpoints[8]) == 8
+    resumed.run(slots, BATCH)
+    if group_size == 1:
+        model = resumed.agreed_parameters(list(slots))
+    else:
+        model = final_model(resumed)
+    diff = max_diff(model, reference_bsp(ADAMW, BATCH, STEPS))
+    print(f"resumed at step 8 by {len(slots)} in groups of {group_size}: {diff:.2e} from one process")
+    assert diff <= 1e-5
+    assert [r["step"] for r in resumed.link.records] == list(range(9, STEPS + 1))
