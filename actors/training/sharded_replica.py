@@ -25,6 +25,18 @@ from actors.training.sharding import ShardedState, TensorBytes, enter_epoch, ten
 from core.comm_api import Communicator
 
 
+def meta_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """`model`'s structure on the meta device (no memory for its tensors), tied parameters still tied: each
+    parameter and buffer is made once on the meta device and the copy takes it wherever the model has it
+    (`Module.to("meta")` would convert a tied parameter once per module that holds it, untying it)."""
+    memo: dict[int, Any] = {}
+    for p in model.parameters():
+        memo[id(p)] = torch.nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+    for b in model.buffers():
+        memo[id(b)] = torch.empty_like(b, device="meta")
+    return copy.deepcopy(model, memo)
+
+
 class ReplicaShards:
     """One member's shards of the replica, re-cut at every membership epoch; their only writer."""
 
@@ -37,7 +49,7 @@ class ReplicaShards:
                              "keep across re-cuts yet; use sharding.group_size: 1")
         self._group_size, self._mirror = group_size, mirror
         self._make_optimizer = make_optimizer
-        self._template = copy.deepcopy(model).to("meta")
+        self._template = meta_copy(model)
         self._buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
         self.state: ShardedState | None = None
         """What this member holds in the current (or the last) membership epoch."""

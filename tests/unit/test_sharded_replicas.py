@@ -8,6 +8,8 @@ they hold. BSP's global batch does not change with the membership, so every run 
 reference, whatever the groups and whoever leaves or joins."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -170,3 +172,17 @@ def test_a_checkpoint_of_groups_of_two_resumes_at_another_world_and_group_size_e
     print(f"resumed at step 8 by {len(slots)} in groups of {group_size}: {diff:.2e} from one process")
     assert diff <= 1e-5
     assert [r["step"] for r in resumed.link.records] == list(range(9, STEPS + 1))
+
+
+def test_the_structure_each_epoch_builds_its_shards_on_keeps_tied_parameters_tied():
+    """The built-in GPT ties its head to its embedding: the structure kept to build each epoch's sharded model
+    must hold one parameter for both, as the model does (else the shards' parameters do not line up)."""
+    from actors.training.sharded_replica import meta_copy
+    from orchestrator.workloads.lm import gpt
+
+    model = gpt(size="tiny").model
+    copied = meta_copy(model)
+    assert [n for n, _ in copied.named_parameters()] == [n for n, _ in model.named_parameters()]
+    assert all(p.is_meta for p in copied.parameters()) and not any(p.is_meta for p in model.parameters())
+    untied = copy.deepcopy(model).to("meta")
+    assert len(list(untied.parameters())) == len(list(model.parameters())) + 1, "the mechanism's reason is gone"
