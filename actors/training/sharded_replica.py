@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import importlib
 from collections.abc import Callable
 from typing import Any
 
@@ -47,7 +48,7 @@ class ReplicaShards:
         if any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules()):
             raise ValueError("sharding: the model has BatchNorm, whose running statistics replica groups do not "
                              "keep across re-cuts yet; use sharding.group_size: 1")
-        import torch._dynamo  # noqa: F401 - FSDP's first `fully_shard` imports it (0.5-0.8 s): here, not on a joiner's entry
+        importlib.import_module("torch._dynamo")  # FSDP's first `fully_shard` imports it (0.5-0.8 s): here, not on a joiner's entry
         self._group_size, self._mirror = group_size, mirror
         self._make_optimizer = make_optimizer
         self._template = meta_copy(model)
