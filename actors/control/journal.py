@@ -40,6 +40,11 @@ RATE_RECORDS = 4
 """A rate's window holds at least this many records, however far apart (periodic rounds)."""
 
 
+NEWEST_OF = ("step_metrics", "tensor_bytes")
+"""Fields of a record that status shows as the newest record that has them says them: the workload's step
+metrics, and what one worker holds of the training state with replica groups."""
+
+
 class Journal:
     """One run directory: events, history, the state file, checkpoints, and the progress they show."""
 
@@ -83,10 +88,8 @@ class Journal:
         self._live: Callable[[], Iterable[str]] = lambda: ()
         self.loss: float | None = None
         self.metrics: dict = {}
-        self.step_metrics: dict = {}
-        """The workload's step metrics of the newest record that has them (`step_metrics`)."""
-        self.tensor_bytes: dict = {}
-        """What one worker holds of the training state, with replica groups (the newest record that says it)."""
+        self.newest_of: dict[str, dict] = {}
+        """`NEWEST_OF`'s fields, as the newest record that has each says them."""
         self.recent: collections.deque[tuple[float, int, int, float, float]] = collections.deque()
         """(time, step, tokens so far) of the records of the last 5 s."""
         self._tokens = 0
@@ -183,10 +186,9 @@ class Journal:
             self.loss = record["loss"]
         if record.get("metrics"):
             self.metrics = dict(record["metrics"])
-        if record.get("step_metrics"):
-            self.step_metrics = dict(record["step_metrics"])
-        if record.get("tensor_bytes"):
-            self.tensor_bytes = dict(record["tensor_bytes"])
+        for key in NEWEST_OF:
+            if record.get(key):
+                self.newest_of[key] = dict(record[key])
         if record.get("mfu") is not None:
             self.mfu = float(record["mfu"])
         self._tokens += int(record.get("tokens") or 0)
@@ -306,8 +308,7 @@ class Journal:
         self.loss, self.metrics = saved["loss"], saved["metrics"]
         history = runfiles.read_jsonl(self.run_dir / "history.jsonl")
         self._step = history[-1]["step"] if history else 0
-        self.step_metrics = dict(history[-1].get("step_metrics", {})) if history else {}
-        self.tensor_bytes = next((dict(r["tensor_bytes"]) for r in reversed(history) if r.get("tensor_bytes")), {})
+        self.newest_of = {key: next((dict(r[key]) for r in reversed(history) if r.get(key)), {}) for key in NEWEST_OF}
         return saved
 
     # ------------------------------------------------------------------ faults and files

@@ -36,6 +36,7 @@ import threading
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -126,7 +127,7 @@ class ShardedGroup:
         # named after its group: torch's DTensor caches its plans by mesh, and meshes compare equal by their
         # ranks, device and names, so an unnamed mesh of a later epoch's group of the same ranks would run
         # the cached plan of an earlier epoch's (over that epoch's released group)
-        self.mesh = DeviceMesh.from_group(ranked, device, mesh_dim_names=(inside.name,))
+        self.mesh = DeviceMesh.from_group(ranked, device, mesh_dim_names=(ranked.group_name,))
 
     def shard(self, model: torch.nn.Module) -> torch.nn.Module:
         """`model` sharded in place over this group (its parameters become shards): build the optimizer
@@ -490,7 +491,7 @@ def adopt(group: ShardedGroup, build: Callable[[], torch.nn.Module], params: Seq
             model.get_buffer(name).copy_(value)
     optimizer = make_optimizer(model)
     if type(optimizer) in (torch.optim.Adam, torch.optim.AdamW):  # their step on the shards' local tensors
-        optimizer.step = functools.partial(step_on_shards, optimizer)  # type: ignore[method-assign]
+        optimizer.step = functools.partial(step_on_shards, cast(torch.optim.Adam, optimizer))  # type: ignore[method-assign, assignment]
     for p, state in zip(mine, states):
         if state:
             assert isinstance(p, DTensor)  # every parameter is a shard after `shard`
@@ -550,7 +551,8 @@ def enter_epoch(comm: Communicator, group_size: int, view: HeldView, held: Seque
     `group_size_for(world, group_size)` from their memory, and model and optimizer are built over the new
     group from this member's new shard alone; with `mirror`, each member then mirrors its neighbour's.
     `view`/`held`: what it holds (`ShardedState.view()`/`held()`, `whole(model)` before any epoch, `NOTHING`
-    for a joiner); `buffers`: the model's buffers (not sharded, not trained: a mask, positions), copied in. Raises LayoutError where no state is held whole any more (the newest checkpoint's turn)."""
+    for a joiner); `buffers`: the model's buffers (not sharded, not trained: a mask, positions), copied in.
+    Raises LayoutError where no state is held whole any more (the newest checkpoint's turn)."""
     recut, views = agree_on_recut(comm, view)
     if recut is None:
         raise LayoutError(f"no committed state is held whole by the members of this epoch (they hold: "

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from actors.plan import Plan
+from actors.training import first_group
 from actors.training.batch_feed import seed_step
 from actors.training.checkpoint_writer import Checkpoint
 from actors.training.epoch_group import Reducing
@@ -224,60 +225,26 @@ class StepRunner:
         r.reporter.record(record, algorithm, training.model, impl, lambda: (training.step, r.mark()), evaluated)
         checkpoint: Callable[[bool], Checkpoint] | None = r.committed.checkpoint
         if r.shards is not None and r.reporter.checkpoint_due(algorithm, prev, training.step):
-            checkpoint = self._gathered_checkpoint(plan)
+            checkpoint = first_group.lost_to(lambda: first_group.checkpoint(r), f"the checkpoint at step {training.step}",
+                                             lambda err: self._collective_failed(plan, err), None)
         if checkpoint is not None:
             r.reporter.maybe_checkpoint(plan, algorithm, prev, training.step, r.mark(), checkpoint)
         r.group.settle()  # off the next re-form's path, now that this one's first step is done
 
     def finish(self, plan: Plan) -> bool:
-        """The end of the run: the final record (rank 0 evaluates the final model). With replica groups the
-        first group's members first gather the replica whole (rank 0 keeps it: the final model) and evaluate
-        it together (the sharded model's forward is theirs to run together). False where that group failed
+        """The end of the run: the final record (rank 0 evaluates the final model; with replica groups the
+        first group gathers the replica and evaluates it together first). False where that group failed
         (the loop waits for the next plan, and ends under it)."""
         r = self._r
         evaluated = None
-        if r.shards is not None and r.shards.in_first_group():
+        if r.shards is not None:
             try:
-                r.shards.finish(keep=plan.rank_of(r.slot) == 0)
-                evaluated = self._evaluate_together(r.training.step)
+                evaluated = first_group.finish(r, plan)
             except CommError as err:
                 r.failed_with(str(err))
                 return False
         r.reporter.final(r.plan, r.training.model, r.policy.impl, r.training.step, evaluated)
         return True
-
-    def _gathered_checkpoint(self, plan: Plan) -> Callable[[bool], Checkpoint] | None:
-        """With replica groups, at a checkpoint's step: the first group's members gather the replica whole
-        (its model and AdamW state, as an unsharded run's), which rank 0 serializes on the step loop and
-        hands to the coordinator as any checkpoint (the other members hand nothing). None where the group
-        failed in the gather: this checkpoint is lost (the next step re-forms the group)."""
-        r = self._r
-        assert r.shards is not None  # asked with replica groups only
-        if not r.shards.in_first_group():
-            return r.committed.checkpoint  # never called: rank 0 is in the first group
-        try:
-            whole = r.shards.gather()
-        except CommError as err:
-            log.warning("the checkpoint at step %d was lost: %s", r.training.step, str(err).splitlines()[0][:200])
-            self._collective_failed(plan, err)
-            return None
-        state = r.committed.state_bytes
-        return lambda background: Checkpoint(lambda: state(whole), background=False)
-
-    def _evaluate_together(self, step: int) -> dict:
-        """The workload's evaluation of the sharded model, which the members of its group run together (its
-        forward gathers the parameters over the group): where the group fails under the workload's code,
-        a CommError, as for a step (not the workload's bug)."""
-        r = self._r
-        try:
-            return r.reporter.evaluation.whole(r.training.model, r.policy.impl, step)
-        except CommError:
-            raise
-        except Exception as err:
-            failure = r.policy.impl.comm_error(err)
-            if failure is None:
-                raise
-            raise failure from None
 
     def _evaluated_in_shares(self, plan: Plan, prev: int | None, step: int) -> dict | None:
         """Where the evaluation at this commit point is split (`Evaluation.splits`), every member evaluates
@@ -287,14 +254,11 @@ class StepRunner:
         r = self._r
         evaluation, comm, rank = r.reporter.evaluation, r.group.comm, plan.rank_of(r.slot)
         if r.shards is not None:  # the sharded model's forward is its group's to run together: the first group's
-            if not r.reporter.evaluation_due(prev, step) or not r.shards.in_first_group():
+            if not r.reporter.evaluation_due(prev, step):
                 return None
-            try:
-                return self._evaluate_together(step)
-            except CommError as err:
-                log.warning("the evaluation at step %d was lost: %s", step, str(err).splitlines()[0][:200])
-                self._collective_failed(plan, err)
-                return {}
+            lost: dict | None = {}  # not None: rank 0 would then evaluate alone, which it cannot
+            return first_group.lost_to(lambda: first_group.evaluate(r, step), f"the evaluation at step {step}",
+                                       lambda err: self._collective_failed(plan, err), lost)
         if (not r.reporter.evaluation_due(prev, step) or rank is None or not isinstance(comm, Reducing)
                 or not evaluation.splits(r.policy.algorithm.kind, r.policy.impl, len(plan.members))):
             return None
