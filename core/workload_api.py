@@ -49,6 +49,10 @@ class Workload:
     """For padded sequences: how many tokens of a batch take a loss. With it, a step's loss is the mean
     over the global batch's loss tokens (each member's loss, the mean over its own, weighed by its share
     of them), not over its samples."""
+    collate_fn: Callable[[list[Any]], Any] | None = None
+    """A member's share of a step's samples (a list, in order) to the batch `loss` takes, in place of torch's
+    `default_collate`: padding ragged rows, encoding strings. Then the samples' layouts are not checked
+    against each other, and a Ray Data share reaches it as one dict per row (string columns as stored)."""
 
 
 Sums = Mapping[str, tuple[float, float]]

@@ -76,7 +76,9 @@ def _build_source(config: dict) -> None:
 
     torch.set_num_threads(1)
     cfg = parse(JobConfig, config)
-    _SOURCE = source_for(build_workload(cfg).train_data, cfg.seed, cfg.workload.on_bad_sample)
+    workload = build_workload(cfg)
+    _SOURCE = source_for(workload.train_data, cfg.seed, cfg.workload.on_bad_sample,
+                         collate=getattr(workload, "collate_fn", None))
 
 
 def _fetch(ids: np.ndarray, cursor: int) -> Any:

@@ -116,7 +116,8 @@ class Replica:
         self.policy = self._bind(cfg)
         self.metrics = StepMetrics(self._resize_vote)
         self.feed = BatchFeed(source_for(self.workload.train_data, cfg.seed, cfg.workload.on_bad_sample,
-                                         functools.partial(ray_blocks, spec), self.policy.algorithm.kind),
+                                         functools.partial(ray_blocks, spec), self.policy.algorithm.kind,
+                                         getattr(self.workload, "collate_fn", None)),
                               cfg, self.slot, self.device, spec.config)
         self.faults = WorkerFaults(cfg.faults, self.slot, link.fault_fired, kill_actor)
         self.group = EpochGroup(cfg, comm_address, lambda epoch, group, reason: link.transport_fallback(

@@ -26,6 +26,12 @@ the job on in one line (`workload.on_bad_sample: fail`, the default) instead of 
 `skip` trains the rest of the share and reports each skipped id. A Ray Data column that cannot become
 a tensor is a `BadSample` naming its block's rows; a block that cannot be fetched is not (Ray's error).
 
+A workload's `collate_fn` (core/workload_api.py `Workload`), where it gives one, makes each share's batch from
+its samples in order, in place of torch's `default_collate`: then no layout check applies (ragged rows and
+strings are its to pad or encode), a `TensorDataset` is read sample by sample, a Hugging Face dataset row by
+row, and a Ray Data share reaches it as one dict per row, string columns included. What it raises is the
+workload's bug (actors/training/user_code.py).
+
 A map-style dataset's `__getitem__` is never entered by two threads at once (the step and the loader's
 threads share one source) unless the dataset declares `thread_safe = True`.
 """
@@ -43,12 +49,22 @@ from typing import Any
 import numpy as np
 import torch
 
+from actors.training import user_code
 from algorithms.rules.kinds import SYNCHRONOUS, Kind
 from algorithms.rules.sampler import GlobalSampler
 from algorithms.rules.supervision import DataFault
 from core.schema import WorkloadRefused
 
 log = logging.getLogger(__name__)
+Collate = Callable[[list[Any]], Any]
+"""A workload's `collate_fn`: a share's samples, in order, to its batch."""
+
+
+def collated(collate: Collate | None, samples: list[Any]) -> Any:
+    """The batch of `samples`: the workload's `collate_fn`, or torch's `default_collate` without one."""
+    if collate is None:
+        return torch.utils.data.default_collate(samples)
+    return user_code.call("collate_fn", collate, samples)
 
 
 class BadSample(Exception):
@@ -136,12 +152,15 @@ def mismatch(sample_id: int, sample: Any, common: Hashable, others: int) -> BadS
 class MapSource:
     kind = "map-style"
 
-    def __init__(self, data: Any, seed: int, skip_bad: bool = False, thread_safe: bool | None = None) -> None:
-        """`thread_safe`: whether `data[i]` may run in several threads at once (None: as `data` declares)."""
-        self.data, self.skip_bad = data, skip_bad
+    def __init__(self, data: Any, seed: int, skip_bad: bool = False, thread_safe: bool | None = None,
+                 collate: Collate | None = None) -> None:
+        """`thread_safe`: whether `data[i]` may run in several threads at once (None: as `data` declares);
+        `collate`: the workload's `collate_fn` (None: `default_collate`)."""
+        self.data, self.skip_bad, self._collate = data, skip_bad, collate
         self.sampler = self._sampler(seed)
         self.n = self.sampler.n
-        self._tensors = data.tensors if isinstance(data, torch.utils.data.TensorDataset) else None
+        tensors = isinstance(data, torch.utils.data.TensorDataset) and collate is None
+        self._tensors = data.tensors if tensors else None
         safe = declares_thread_safe(data) if thread_safe is None else thread_safe
         self._reading: contextlib.AbstractContextManager = contextlib.nullcontext() if safe else threading.Lock()
         """Held around every read of `data`: the step and the loader's threads never enter it together."""
@@ -175,7 +194,7 @@ class MapSource:
                 continue
             samples.append(sample)
             kept.append(i)
-        odd, common = odd_ones_out(samples)
+        odd, common = odd_ones_out(samples) if self._collate is None else ([], None)
         for k in odd:
             why = self._bad(mismatch(kept[k], samples[k], common, len(samples) - len(odd)), skipped, kept[k])
             first_bad = first_bad or why
@@ -184,8 +203,7 @@ class MapSource:
         if not samples:
             raise BadSample(f"sample {skipped[0]}", f"{first_bad}; every sample of its micro-batch ({len(ids)}) was "
                                                     f"bad: nothing to train (workload.on_bad_sample: skip)")
-        return Fetched(torch.utils.data.default_collate(samples), np.asarray(kept, dtype=np.int64) if skipped else ids,
-                       skipped)
+        return Fetched(collated(self._collate, samples), np.asarray(kept, dtype=np.int64) if skipped else ids, skipped)
 
     def _bad(self, bad: BadSample, skipped: list[int], i: int, err: BaseException | None = None) -> str:
         """`fail`: raise `bad`; `skip`: note sample `i` skipped. Returns why it was bad."""
@@ -214,13 +232,15 @@ class ArrowSource(MapSource):
 
     kind = "datasets"
 
-    def __init__(self, data: Any, seed: int, skip_bad: bool = False) -> None:
+    def __init__(self, data: Any, seed: int, skip_bad: bool = False, collate: Collate | None = None) -> None:
         safe = declares_thread_safe(data)  # before `with_format`, which makes a new object
-        if getattr(data, "format", {}).get("type") is None:
+        if getattr(data, "format", {}).get("type") is None and collate is None:  # a collate_fn takes the rows as stored
             data = data.with_format("torch")
-        super().__init__(data, seed, skip_bad, safe)
+        super().__init__(data, seed, skip_bad, safe, collate)
 
     def fetch(self, ids: np.ndarray, cursor: int) -> Fetched:
+        if self._collate is not None:
+            return self._one_by_one(ids)  # its rows, one dict each, to the workload's collate_fn
         try:
             with self._reading:
                 batch = self.data[ids.tolist()]  # a dict of columns, rows in `ids` order
@@ -252,12 +272,12 @@ class BlockSource(MapSource):
     CACHED_BLOCKS = 4
 
     def __init__(self, blocks: list[tuple[Any, int]], seed: int, skip_bad: bool = False,
-                 refresh: Callable[[], list[tuple[Any, int]]] | None = None) -> None:
+                 refresh: Callable[[], list[tuple[Any, int]]] | None = None, collate: Collate | None = None) -> None:
         self.refs = [ref for ref, _ in blocks]
         self._refresh = refresh
         """Asks the run's holder for its blocks again (after the holder was restarted and made new ones)."""
         self.order = BlockOrder([rows for _, rows in blocks], seed)
-        super().__init__(None, seed, skip_bad)
+        super().__init__(None, seed, skip_bad, collate=collate)
         self._cache: collections.OrderedDict[int, dict[str, np.ndarray]] = collections.OrderedDict()
         self._lock = threading.Lock()
 
@@ -310,6 +330,9 @@ class BlockSource(MapSource):
         for b in dict.fromkeys(blocks.tolist()):  # in the share's order: each block once
             rows = ids[blocks == b] - self.order.starts[b]
             parts[b] = {k: v[rows] for k, v in self._block(b).items()}
+        if self._collate is not None:  # one dict a row, in the share's order, any column's values as stored
+            rows_of = [dict(zip(part, values)) for part in parts.values() for values in zip(*part.values())]
+            return Fetched(collated(self._collate, rows_of), ids)
         return Fetched(self._columns(parts), ids)
 
     def _columns(self, parts: dict[int, dict[str, np.ndarray]]) -> dict[str, torch.Tensor]:
@@ -343,8 +366,8 @@ class StreamSource:
 
     kind = "stream"
 
-    def __init__(self, stream: Any) -> None:
-        self.stream = stream
+    def __init__(self, stream: Any, collate: Collate | None = None) -> None:
+        self.stream, self._collate = stream, collate
         self.n = int(len(stream)) if hasattr(stream, "__len__") else None
         self._lock = threading.Lock()
         self._iter: Any = None
@@ -386,10 +409,10 @@ class StreamSource:
             items = [self._next() for _ in range(len(ids))]
         own = [s.get("id") for s in items] if all(isinstance(s, dict) for s in items) else []
         recorded = np.asarray(own, dtype=np.int64) if own and all(isinstance(i, int) for i in own) else ids
-        odd, common = odd_ones_out(items)
+        odd, common = odd_ones_out(items) if self._collate is None else ([], None)
         if odd:
             raise mismatch(int(recorded[odd[0]]), items[odd[0]], common, len(items) - len(odd))
-        return Fetched(torch.utils.data.default_collate(items), recorded)
+        return Fetched(collated(self._collate, items), recorded)
 
     def committed(self, cursor: int) -> None:
         with self._lock:
@@ -446,10 +469,12 @@ def indexable(data: Any) -> bool:
 
 
 def source_for(data: Any, seed: int, on_bad_sample: str = "fail",
-               ray_blocks: Callable[[Any], list[tuple[Any, int]]] | None = None, kind: Kind = SYNCHRONOUS) -> Any:
+               ray_blocks: Callable[[Any], list[tuple[Any, int]]] | None = None, kind: Kind = SYNCHRONOUS,
+               collate: Collate | None = None) -> Any:
     """The source for a workload's `train_data`; WorkloadRefused (one line) for data it cannot resume.
     `kind`: the policy's kind; those whose samples a server deals (it runs a server) take only
-    data they can index (a Ray Data or a stream source has no such order)."""
+    data they can index (a Ray Data or a stream source has no such order); `collate`: the workload's
+    `collate_fn` (None: torch's `default_collate`)."""
     skip = on_bad_sample == "skip"
     if is_hf_iterable(data):
         raise WorkloadRefused(HF_ITERABLE_REFUSED)
@@ -460,17 +485,17 @@ def source_for(data: Any, seed: int, on_bad_sample: str = "fail",
     if is_ray_dataset(data):
         if ray_blocks is None:
             raise WorkloadRefused("train_data is a Ray Data Dataset, which needs Ray (the worker's holder actor)")
-        return BlockSource(ray_blocks(data), seed, skip, refresh=lambda: ray_blocks(data))
+        return BlockSource(ray_blocks(data), seed, skip, refresh=lambda: ray_blocks(data), collate=collate)
     if is_hf_dataset(data):
-        return ArrowSource(data, seed, skip)
+        return ArrowSource(data, seed, skip, collate)
     if indexable(data):
-        return MapSource(data, seed, skip)
+        return MapSource(data, seed, skip, collate=collate)
     if hasattr(data, "__iter__"):
         if callable(getattr(data, "state_dict", None)) and callable(getattr(data, "load_state_dict", None)):
             if skip:
                 raise WorkloadRefused("workload.on_bad_sample: skip is for map-style data; a stream's samples are "
                                  "read in order (skip bad items inside the stream)")
-            return StreamSource(data)
+            return StreamSource(data, collate)
         raise WorkloadRefused(f"train_data is an iterable ({type(data).__name__}) without state_dict()/load_state_dict(): "
                          f"it cannot be positioned after a failure, so samples would be lost or repeated; make it "
                          f"map-style or give it those two methods (docs/data.md)")

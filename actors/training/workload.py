@@ -102,7 +102,7 @@ def time_steps(cfg: JobConfig, device: torch.device, steps: int = 12, warmup: in
     workload = build_workload(cfg)
     model = workload.model.to(device)
     optimizer = build_optimizer(model, cfg.optimizer)
-    source = source_for(workload.train_data, cfg.seed)
+    source = source_for(workload.train_data, cfg.seed, collate=getattr(workload, "collate_fn", None))
     size = cfg.workload.batch_size
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     times, backward = [], []
@@ -154,7 +154,7 @@ def warm_up(cfg: JobConfig, workload: Any, device: torch.device) -> None:
     get_algorithm(cfg.sync.policy)(cfg.sync, cfg.compression)
     GlobalSampler(1, cfg.seed).draw(0)
     if cfg.training.compile and not is_ray_dataset(workload.train_data) and indexable(workload.train_data):
-        source = source_for(workload.train_data, cfg.seed)
+        source = source_for(workload.train_data, cfg.seed, collate=getattr(workload, "collate_fn", None))
         size = min(cfg.workload.micro_batch or cfg.workload.batch_size, len(workload.train_data))
         batch = map_tensors(to_device(source.fetch(source.global_batch(0, size), 0).batch, device), compiled.dynamic_batch)
         compiled.warm(workload.model, batch, workload.loss, split_loss)
