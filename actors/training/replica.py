@@ -35,7 +35,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from typing import Any, Protocol, cast, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, cast, runtime_checkable
 
 import torch
 
@@ -49,7 +49,6 @@ from actors.training.epoch_group import EpochGroup
 from actors.training.policy_binding import PolicyBinding
 from actors.training.reporter import Link, StepReporter
 from actors.training.samples import SampleLedger
-from actors.training.sharded_replica import ReplicaShards
 from actors.training.sources import BadSample, source_for
 from actors.training.step import StepRunner
 from actors.training.step_metrics import StepMetrics
@@ -62,6 +61,9 @@ from algorithms.policies.optim import build_optimizer
 from algorithms.policies.precision import Precision, guarded
 from algorithms.policies.sharded import Sharded
 from core.schema import JobConfig, parse
+
+if TYPE_CHECKING:
+    from actors.training.sharded_replica import ReplicaShards
 
 log = logging.getLogger(__name__)
 
@@ -109,8 +111,7 @@ class Replica:
         precision = Precision(cfg.training.precision, self.device.type)
         self.training = TrainingState(model, guarded(build_optimizer(model, cfg.optimizer), cfg.optimizer.clip_grad_norm,
                                                      precision), precision)
-        self.shards = ReplicaShards(cfg.sharding.group_size, cfg.sharding.mirror, model,
-                                    lambda m: build_optimizer(m, cfg.optimizer)) if cfg.sharding.group_size > 1 else None
+        self.shards = replica_shards(cfg, model)
         """Its shards of the replica, with replica groups (`sharding.group_size` > 1); None: it holds it whole."""
         self._gradients_at: float | None = None
         self.policy = self._bind(cfg)
@@ -372,6 +373,16 @@ class Replica:
             self.link.collective_failed(self.slot, self.plan.membership_epoch if self.plan else 0, error[:300])
         except Exception as failure:  # noqa: BLE001 - the coordinator may be restarting
             log.warning("could not tell the coordinator that a background round failed: %s", failure)
+
+
+def replica_shards(cfg: JobConfig, model: torch.nn.Module) -> ReplicaShards | None:
+    """A member's shards of the replica with replica groups (`sharding.group_size` > 1), else None. FSDP and
+    torch.distributed.checkpoint are imported only then (seconds of a worker's start otherwise)."""
+    if cfg.sharding.group_size == 1:
+        return None
+    from actors.training.sharded_replica import ReplicaShards
+
+    return ReplicaShards(cfg.sharding.group_size, cfg.sharding.mirror, model, lambda m: build_optimizer(m, cfg.optimizer))
 
 
 def failure_outcome(err: BaseException, step: int, slot: str) -> RunOutcome:
