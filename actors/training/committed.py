@@ -165,7 +165,7 @@ class CommittedState:
             return None
         src = min(rank for rank, s in enumerate(at) if s == state.mark)
         behind = at[comm.rank] != state.mark
-        position = self._r.training.position(r.policy.impl, self._carried()) if comm.rank == src else None
+        position = r.training.position(r.policy.impl, self._carried()) if comm.rank == src else None
         received = broadcast_state(comm, src, position, keep=not behind)
         if received is None:
             return None

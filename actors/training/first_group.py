@@ -27,13 +27,8 @@ def evaluate(r: ReplicaParts, step: int) -> dict | None:
         return None
     try:
         return r.reporter.evaluation.whole(r.training.model, r.policy.impl, step)
-    except CommError:
-        raise
-    except Exception as err:
-        failure = r.policy.impl.comm_error(err)
-        if failure is None:
-            raise
-        raise failure from None
+    except Exception as err:  # noqa: BLE001 - raised again, by reraise
+        r.policy.impl.reraise(err)
 
 
 def checkpoint(r: ReplicaParts) -> Callable[[bool], Checkpoint]:

@@ -15,7 +15,6 @@ members of the first group gather the replica whole (`finish`), which rank 0 kee
 from __future__ import annotations
 
 import copy
-import dataclasses
 import importlib
 from collections.abc import Callable
 from typing import Any
@@ -66,10 +65,10 @@ class ReplicaShards:
         members hold. `model`/`optimizer`/`step`: what this member trains now (before the first epoch: the
         whole model, and the optimizer whose state a loaded checkpoint gave it)."""
         first = self.state is None
-        if self.state is None:
+        if self.state is None:  # (not `first`: the type checker narrows on this test)
             view, held = whole(model, step, optimizer)
         else:
-            view, held = dataclasses.replace(self.state.view(), mark=step), self.state.held()
+            view, held = self.state.view(step), self.state.held()
         self.state = enter_epoch(comm, self._group_size, view, held, self._build, self._make_optimizer, self._mirror,
                                  buffers=self._buffers)
         if first:

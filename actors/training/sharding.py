@@ -523,8 +523,10 @@ class ShardedState:
     def held(self) -> list[HeldShard]:
         return held_shards(self.group, self.model, self.optimizer, self.mirror, self.params)
 
-    def view(self) -> HeldView:
-        return HeldView(self.mark, self.group.layout.group_size, tuple(h.index for h in self.held()))
+    def view(self, mark: int) -> HeldView:
+        """What it holds, told at the next entry: its shards, of the committed state at step `mark` (the step
+        it stands at then: `self.mark` is the step it entered at)."""
+        return HeldView(mark, self.group.layout.group_size, tuple(h.index for h in self.held()))
 
 
 def whole(model: torch.nn.Module, mark: int = 0,
@@ -550,7 +552,7 @@ def enter_epoch(comm: Communicator, group_size: int, view: HeldView, held: Seque
     members agree on the newest state they hold whole, the replica is re-cut into groups of
     `group_size_for(world, group_size)` from their memory, and model and optimizer are built over the new
     group from this member's new shard alone; with `mirror`, each member then mirrors its neighbour's.
-    `view`/`held`: what it holds (`ShardedState.view()`/`held()`, `whole(model)` before any epoch, `NOTHING`
+    `view`/`held`: what it holds (`ShardedState.view(mark)`/`held()`, `whole(model)` before any epoch, `NOTHING`
     for a joiner); `buffers`: the model's buffers (not sharded, not trained: a mask, positions), copied in.
     Raises LayoutError where no state is held whole any more (the newest checkpoint's turn)."""
     recut, views = agree_on_recut(comm, view)

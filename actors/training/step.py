@@ -84,11 +84,8 @@ class StepRunner:
                 weight = weights[i]  # each sample counts 1/B (shares) or 1/n_i (own mean), however split
                 try:
                     loss, metrics = self._loss(fetched.batch)
-                except Exception as err:
-                    failure = impl.comm_error(err)  # the policy's communication in the forward (FSDP's gathers)
-                    if failure is None:
-                        raise
-                    raise failure from None
+                except Exception as err:  # noqa: BLE001 - raised again, by reraise
+                    impl.reraise(err)  # the policy's communication in the forward (FSDP's gathers) is the group's
                 scaled = (loss.float() if loss.dtype in HALF else loss) * weight  # a half loss, scaled in float32
                 share = scaled.detach()  # before the backward that may launch the vote
                 draft.loss = share if i == 0 else draft.loss + share

@@ -51,7 +51,7 @@ from __future__ import annotations
 from abc import ABC
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NoReturn
 
 import numpy as np
 import torch
@@ -238,6 +238,14 @@ class AlgorithmImpl:
         """`err`, raised by the forward, as the group's CommError where the policy's own communication
         raised it (FSDP gathers the parameters in the forward), else None (the forward's own error)."""
         return None
+
+    def reraise(self, err: BaseException) -> NoReturn:
+        """Raise `err` again (it was caught around the model's forward, backward or evaluation): as the
+        group's CommError where the policy's own communication raised it (`comm_error`), else as it is."""
+        failure = None if isinstance(err, CommError) else self.comm_error(err)
+        if failure is None:
+            raise err
+        raise failure from None
 
     def finish_step(self, step: int, draft: VoteDraft) -> StepVote:
         return StepVote.local(draft)

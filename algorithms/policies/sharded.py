@@ -70,10 +70,7 @@ class ShardedAllReduceImpl(AlgorithmImpl):
         try:
             loss.backward()
         except RuntimeError as err:
-            failure = self.comm_error(err)
-            if failure is None:
-                raise
-            raise failure from None
+            self.reraise(err)
 
     def finish_step(self, step: int, draft: VoteDraft) -> StepVote:
         return StepVote.reduced(self._attached().reduce(self.model, draft.tail(torch.float64)))

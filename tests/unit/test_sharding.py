@@ -397,7 +397,7 @@ def test_the_replica_lives_through_deaths_and_joins_from_its_members_memory_alon
             elif previous is None:
                 view, held = NOTHING, []
             else:
-                view, held = previous.view(), previous.held()
+                view, held = previous.view(previous.mark), previous.held()
             state = enter_epoch(comm, 2, view, held, build, make_optimizer)
             train_shares(state.model, state.optimizer, state.group, rank, len(members), steps, state.mirror)
             state.mark += len(steps)
